@@ -1,0 +1,232 @@
+"""The wire codec: messages as a msgpack header plus one raw frame per tensor.
+
+Everything pipeq sends between processes goes through :func:`encode` and comes back through
+:func:`decode`. Nothing is ever pickled. A message is a list of frames::
+
+    frame 0   msgpack array [version, kind, step, microbatch, tensors, extra]
+                 tensors = [[dtype_code, [d0, d1, ...], nbytes], ...]   one entry per tensor
+                 extra   = dict of small plain values (str keys) or nil
+    frame 1.. the raw bytes of tensor 0, tensor 1, ... (C-contiguous, native little-endian)
+
+Sending is zero-copy: a frame is a view over the tensor's own memory (the transport passes it to
+ZeroMQ with ``copy=False``). Receiving is zero-copy too: a tensor is rebuilt over the received
+frame's buffer. Every field is validated before any tensor is built; a bad message raises a
+subclass of :class:`CodecError` that says what was wrong.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import torch
+
+from .errors import CodecError
+
+FORMAT_VERSION = 1
+
+#: Limits that a well-formed message never reaches; anything beyond them is refused.
+MAX_HEADER_BYTES = 1 << 20
+MAX_TENSORS = 256
+MAX_NDIM = 16
+MAX_TENSOR_BYTES = 1 << 40
+
+
+class VersionError(CodecError):
+    """The message was written by another wire-format version."""
+
+
+class HeaderError(CodecError):
+    """The header is not a well-formed msgpack header of this format."""
+
+
+class DtypeError(CodecError):
+    """A tensor's dtype code is not one pipeq knows."""
+
+
+class ShapeError(CodecError):
+    """A tensor's shape is negative, too deep or absurdly large."""
+
+
+class FrameCountError(CodecError):
+    """The number of frames does not match the header (or is over the limit)."""
+
+
+class FrameLengthError(CodecError):
+    """A frame's length does not equal shape x itemsize."""
+
+
+class Kind(enum.IntEnum):
+    """What a message is. Data kinds travel between stages, the others on the control channel."""
+
+    # data plane
+    ACTIVATION = 1  # stage k -> k+1 (forward channel)
+    GRADIENT = 2  # stage k+1 -> k (backward channel)
+    # runner -> worker
+    PEERS = 10
+    STEP = 11
+    PREDICT = 12
+    GET_STATE = 13
+    SET_STATE = 14
+    STOP = 15
+    # worker -> runner
+    READY = 20
+    LOSS = 21
+    OUTPUT = 22
+    STATE = 23
+    ACK = 24
+    ERROR = 25
+    HEARTBEAT = 26
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+
+# dtype <-> wire code. Codes are part of the format: never renumber, only append.
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_CODE_OF = {dt: code for code, dt in enumerate(_DTYPES)}
+_ITEMSIZE = tuple(torch.empty((), dtype=dt).element_size() for dt in _DTYPES)
+
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
+    raise ImportError("pipeq's wire format is little-endian; this host is big-endian")
+
+
+@dataclass
+class Message:
+    """A decoded message. ``tensors`` are views over the received frames (no copy)."""
+
+    kind: Kind
+    step: int
+    microbatch: int
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def tensor_frame(t: torch.Tensor) -> Any:
+    """A buffer over ``t``'s memory (no copy when ``t`` is a contiguous CPU tensor)."""
+    if t.layout is not torch.strided:
+        raise CodecError(f"only dense tensors can be sent, got layout {t.layout}")
+    if t.device.type != "cpu":
+        raise CodecError(f"tensor on {t.device} must be moved to the CPU before encoding")
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg().contiguous()
+    # uint8 view works for every dtype (bool, bfloat16 included) and numpy exports the buffer.
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def encode(
+    kind: Kind,
+    step: int = 0,
+    microbatch: int = 0,
+    tensors: Sequence[torch.Tensor] = (),
+    extra: dict[str, Any] | None = None,
+) -> list[Any]:
+    """Encode one message into frames: ``[header, tensor buffers...]``."""
+    if len(tensors) > MAX_TENSORS:
+        raise CodecError(f"a message carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
+    metas = []
+    frames: list[Any] = [b""]
+    for t in tensors:
+        code = _CODE_OF.get(t.dtype)
+        if code is None:
+            raise DtypeError(f"dtype {t.dtype} cannot be sent; supported: {list(_CODE_OF)}")
+        buf = tensor_frame(t)
+        metas.append((code, tuple(t.shape), buf.nbytes))
+        frames.append(buf)
+    frames[0] = msgpack.packb((FORMAT_VERSION, int(kind), step, microbatch, metas, extra))
+    return frames
+
+
+def _buffer(frame: Any) -> memoryview:
+    mv = frame if isinstance(frame, memoryview) else memoryview(frame)
+    if mv.ndim != 1 or mv.itemsize != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _check_int(name: str, value: Any) -> int:
+    if type(value) is not int:
+        raise HeaderError(f"header field {name!r} must be an integer, got {type(value).__name__}")
+    return value
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Validate and decode frames into a :class:`Message`; raises a :class:`CodecError` subclass."""
+    if not frames:
+        raise FrameCountError("empty message: no header frame")
+    head = _buffer(frames[0])
+    if len(head) > MAX_HEADER_BYTES:
+        raise HeaderError(f"header of {len(head)} bytes is over the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        header = msgpack.unpackb(head, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise HeaderError(f"header is not valid msgpack: {exc}") from None
+    if type(header) is not list or len(header) != 6:
+        raise HeaderError("header must be a 6-element msgpack array")
+    version, kind, step, microbatch, metas, extra = header
+    if version != FORMAT_VERSION:
+        raise VersionError(f"wire format version {version!r}, this pipeq speaks {FORMAT_VERSION}")
+    if _check_int("kind", kind) not in _KINDS:
+        raise HeaderError(f"unknown message kind {kind}")
+    _check_int("step", step)
+    _check_int("microbatch", microbatch)
+    if extra is None:
+        extra = {}
+    elif type(extra) is not dict:
+        raise HeaderError("header field 'extra' must be a map or nil")
+    if type(metas) is not list:
+        raise HeaderError("header field 'tensors' must be an array")
+    if len(metas) > MAX_TENSORS:
+        raise FrameCountError(f"{len(metas)} tensors is over the limit of {MAX_TENSORS}")
+    if len(frames) != len(metas) + 1:
+        raise FrameCountError(
+            f"header announces {len(metas)} tensor frame(s) but {len(frames) - 1} arrived"
+        )
+    tensors = []
+    for i, meta in enumerate(metas):
+        if type(meta) is not list or len(meta) != 3:
+            raise HeaderError(f"tensor {i}: entry must be [dtype, shape, nbytes]")
+        code, shape, nbytes = meta
+        if type(code) is not int or not 0 <= code < len(_DTYPES):
+            raise DtypeError(f"tensor {i}: unknown dtype code {code!r}")
+        if type(shape) is not list or len(shape) > MAX_NDIM:
+            raise ShapeError(f"tensor {i}: shape must be a list of at most {MAX_NDIM} dims")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise ShapeError(f"tensor {i}: bad dimension {d!r} in shape {shape}")
+        expected = math.prod(shape) * _ITEMSIZE[code]
+        if expected > MAX_TENSOR_BYTES:
+            raise ShapeError(f"tensor {i}: shape {shape} is absurdly large ({expected} bytes)")
+        buf = _buffer(frames[i + 1])
+        if nbytes != expected or len(buf) != expected:
+            raise FrameLengthError(
+                f"tensor {i}: shape {shape} x {_ITEMSIZE[code]} bytes = {expected} bytes, "
+                f"header says {nbytes!r}, frame has {len(buf)}"
+            )
+        dtype = _DTYPES[code]
+        if expected == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            if buf.readonly:  # bytes from a file or a test; ZeroMQ frames are writable
+                buf = memoryview(bytearray(buf))
+            t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+        tensors.append(t)
+    return Message(Kind(kind), step, microbatch, tensors, extra)

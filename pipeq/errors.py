@@ -1,0 +1,27 @@
+"""The exceptions pipeq raises to its users."""
+
+from __future__ import annotations
+
+
+class PipelineError(RuntimeError):
+    """A stage failed, died or could not be reached.
+
+    ``stage`` is the index of the stage at fault (None when the failure is not one stage's),
+    ``remote_traceback`` the stage's own traceback text when it raised.
+    """
+
+    def __init__(self, message: str, stage: int | None = None, remote_traceback: str | None = None):
+        self.stage = stage
+        self.remote_traceback = remote_traceback
+        text = message if stage is None else f"stage {stage}: {message}"
+        if remote_traceback:
+            text += "\n\n--- traceback in stage {} ---\n{}".format(stage, remote_traceback.rstrip())
+        super().__init__(text)
+
+
+class ScheduleError(ValueError):
+    """A schedule is inconsistent or would deadlock with the given stage and microbatch counts."""
+
+
+class CodecError(ValueError):
+    """A message on the wire is malformed; see the subclasses in :mod:`pipeq.codec`."""

@@ -1,0 +1,254 @@
+"""``pipeq.PipelineRunner``: the embedding API.
+
+    runner = pipeq.PipelineRunner(stages, loss_fn=nn.CrossEntropyLoss(),
+                                  optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                  schedule="1f1b", microbatches=8)
+    with runner:                          # starts one process per stage; exit stops them all
+        loss = runner.step(x, target)     # one optimizer step on the whole batch -> mean loss
+        out = runner.predict(x)           # forward only -> CPU tensor
+        state = runner.state_dict()       # keys as in nn.Sequential(*stages).state_dict()
+
+The runner checks its arguments and the schedule (a dry run with the real stage and microbatch
+counts) before anything starts, splits each batch into microbatches, and hands the work to a
+backend: :class:`~pipeq.driver.ProcessBackend` (``mode="process"``, the default) or
+:class:`~pipeq.simulated.SimulatedBackend` (``mode="simulated"``, every stage in this process).
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from . import schedules
+from .errors import PipelineError
+from .stage import loss_weight_mode
+
+MODES = ("process", "simulated")
+TRANSPORTS = ("ipc", "tcp")
+
+
+def split_sizes(batch: int, microbatches: int) -> list[int]:
+    """Sizes of ``min(microbatches, batch)`` near-equal microbatches (larger ones first)."""
+    m = min(microbatches, batch)
+    base, rem = divmod(batch, m)
+    return [base + 1] * rem + [base] * (m - rem)
+
+
+class PipelineRunner:
+    """Train ``stages`` (one ``nn.Module`` per pipeline stage) with a pipeline schedule.
+
+    Args:
+        stages: the model, split into stages; stage k's output is stage k+1's input (a tensor
+            or a tuple of tensors). In process mode they must be picklable.
+        loss_fn: ``loss_fn(output, target)`` on the last stage; reduction 'mean' or 'sum'.
+        optimizer: called with one stage's parameters, e.g. ``partial(torch.optim.SGD, lr=0.1)``.
+        schedule: ``"1f1b"`` or ``"fill-drain"`` (alias ``"gpipe"``).
+        microbatches: microbatches per step (a smaller batch uses one sample per microbatch).
+        mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
+        devices: one device string per stage; default ``cuda:k`` round-robin when CUDA is
+            available, else ``cpu`` with each stage pinned to its share of the CPU cores.
+        threads_per_stage: torch threads per stage process (default: cores / stages, at least 1).
+        transport: ``"ipc"`` (Unix sockets, one host) or ``"tcp"``.
+        host: the address stages bind to with ``transport="tcp"``.
+        heartbeat_interval, heartbeat_timeout: seconds; a stage silent for longer is failed.
+        start_timeout: seconds to wait for every stage to start.
+        spin: seconds a waiting stage busy-polls before it blocks (lower latency, more CPU).
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        optimizer: Callable[..., torch.optim.Optimizer],
+        schedule: str = "1f1b",
+        microbatches: int = 8,
+        *,
+        mode: str = "process",
+        devices: Sequence[str] | None = None,
+        threads_per_stage: int | None = None,
+        transport: str = "ipc",
+        host: str = "127.0.0.1",
+        queue_capacity: int | None = None,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 15.0,
+        start_timeout: float = 120.0,
+        spin: float = 0.0,
+    ) -> None:
+        if isinstance(stages, nn.Module) or not isinstance(stages, (list, tuple)) or not stages:
+            raise ValueError("stages must be a non-empty list of nn.Module, one per pipeline stage")
+        for k, s in enumerate(stages):
+            if not isinstance(s, nn.Module):
+                raise ValueError(f"stage {k} is a {type(s).__name__}, not an nn.Module")
+        if not callable(loss_fn):
+            raise ValueError("loss_fn must be callable as loss_fn(output, target)")
+        loss_weight_mode(loss_fn)
+        if not callable(optimizer):
+            raise ValueError(
+                "optimizer must be a factory called with one stage's parameters, e.g. "
+                "functools.partial(torch.optim.SGD, lr=0.1)"
+            )
+        schedules.get_schedule(schedule)
+        if type(microbatches) is not int or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if devices is not None and len(devices) != len(stages):
+            raise ValueError(f"devices names {len(devices)} device(s) for {len(stages)} stages")
+        if threads_per_stage is not None and (type(threads_per_stage) is not int or threads_per_stage < 1):
+            raise ValueError(f"threads_per_stage must be a positive integer, got {threads_per_stage!r}")
+        if heartbeat_timeout <= heartbeat_interval:
+            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
+        # Refuse a schedule that cannot run before any process starts.
+        schedules.build(schedule, len(stages), microbatches)
+
+        self.n_stages = len(stages)
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.mode = mode
+        self._stage_shapes = [
+            {name: tuple(t.shape) for name, t in s.state_dict().items()} for s in stages
+        ]
+        if mode == "process":
+            self._check_picklable(stages, loss_fn, optimizer)
+            from .driver import ProcessBackend
+
+            self._backend: Any = ProcessBackend(
+                stages, loss_fn, optimizer, schedule,
+                devices=devices, threads_per_stage=threads_per_stage, transport=transport,
+                host=host, queue_capacity=queue_capacity or max(64, 4 * microbatches),
+                heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
+                start_timeout=start_timeout, spin_s=spin,
+            )
+        else:
+            from .simulated import SimulatedBackend
+
+            self._backend = SimulatedBackend(
+                stages, loss_fn, optimizer, schedule, devices[0] if devices else "cpu"
+            )
+        self._step = 0
+        self._running = False
+
+    @staticmethod
+    def _check_picklable(stages: Sequence[nn.Module], loss_fn: Any, optimizer: Any) -> None:
+        items = [(f"stage {k} ({type(s).__name__})", s) for k, s in enumerate(stages)]
+        items += [("loss_fn", loss_fn), ("optimizer", optimizer)]
+        for what, obj in items:
+            try:
+                pickle.dumps(obj)
+            except Exception as exc:
+                raise ValueError(
+                    f"{what} cannot be pickled to start its stage process ({exc}); define classes "
+                    "and functions at module level (no lambdas or local classes), or use "
+                    "mode='simulated'"
+                ) from exc
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "PipelineRunner":
+        if not self._running:
+            self._backend.start()
+            self._running = True
+        return self
+
+    def close(self) -> None:
+        if self._running:
+            self._running = False
+            self._backend.close()
+
+    def __enter__(self) -> "PipelineRunner":
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the exception in flight with a shutdown error
+            try:
+                self.close()
+            except PipelineError:
+                pass
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_running", False):
+                self.close()
+        except Exception:
+            pass
+
+    def _require_running(self) -> None:
+        if not self._running:
+            raise PipelineError("the pipeline is not running; use 'with runner:' or runner.start()")
+
+    # -- training and inference --------------------------------------------------------------
+    @staticmethod
+    def _batch(name: str, t: Any) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() == 0 or t.shape[0] == 0:
+            raise ValueError(f"{name} must have a non-empty batch dimension, got shape {tuple(t.shape)}")
+        return t.detach().cpu()
+
+    def step(self, x: torch.Tensor, target: torch.Tensor) -> float:
+        """One optimizer step on the whole batch ``(x, target)``; returns the mean loss."""
+        self._require_running()
+        x = self._batch("x", x)
+        target = self._batch("target", target)
+        if x.shape[0] != target.shape[0]:
+            raise ValueError(
+                f"x has {x.shape[0]} samples (shape {tuple(x.shape)}) but target has "
+                f"{target.shape[0]} (shape {tuple(target.shape)})"
+            )
+        sizes = split_sizes(x.shape[0], self.microbatches)
+        self._step += 1
+        return self._backend.step(self._step, sizes, x, target)
+
+    def predict(self, x: torch.Tensor) -> Any:
+        """Forward only (eval mode, no grad), microbatched; returns the output on the CPU."""
+        self._require_running()
+        x = self._batch("x", x)
+        sizes = split_sizes(x.shape[0], self.microbatches)
+        self._step += 1
+        outs = self._backend.predict(self._step, sizes, x)
+        cat = tuple(torch.cat([o[i] for o in outs]) for i in range(len(outs[0])))
+        return cat[0] if len(cat) == 1 else cat
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
+        """The model's state, keyed as ``nn.Sequential(*stages).state_dict()`` would be."""
+        self._require_running()
+        out: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        for k, (names, tensors) in enumerate(self._backend.get_state()):
+            for name, t in zip(names, tensors):
+                out[f"{k}.{name}"] = t
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load a state saved by :meth:`state_dict` (or from ``nn.Sequential(*stages)``)."""
+        self._require_running()
+        per_stage: list[tuple[list[str], list[torch.Tensor]]] = []
+        expected = {f"{k}.{n}" for k, shapes in enumerate(self._stage_shapes) for n in shapes}
+        unexpected = sorted(set(state) - expected)
+        missing = sorted(expected - set(state))
+        if unexpected or missing:
+            raise ValueError(
+                f"state_dict does not fit these {self.n_stages} stages: missing keys {missing}, "
+                f"unexpected keys {unexpected}"
+            )
+        for k, shapes in enumerate(self._stage_shapes):
+            names, tensors = [], []
+            for name, shape in shapes.items():
+                t = state[f"{k}.{name}"]
+                if not isinstance(t, torch.Tensor):
+                    raise ValueError(f"state_dict['{k}.{name}'] is a {type(t).__name__}, not a tensor")
+                if tuple(t.shape) != shape:
+                    raise ValueError(
+                        f"state_dict['{k}.{name}'] has shape {tuple(t.shape)}, stage {k} expects {shape}"
+                    )
+                names.append(name)
+                tensors.append(t.detach().cpu())
+            per_stage.append((names, tensors))
+        self._backend.set_state(per_stage)

@@ -1,0 +1,293 @@
+"""Schedules as data: per-stage lists of actions, validated and dry-run before any process starts.
+
+A schedule is a pure function ``(n_stages, n_microbatches) -> list of per-stage action lists`` that
+names the *compute* actions of one training step: ``F j`` (forward of microbatch j), ``B j``
+(backward of microbatch j) and ``STEP`` (optimizer step). :func:`lower` derives the communication
+from them (an ``F`` on stage k > 0 first receives its activation from k-1, an ``F`` on stage k < N-1
+then sends it to k+1; ``B`` likewise on the backward channel), and :func:`dry_run` executes the
+lowered lists symbolically, refusing any schedule that would deadlock. Nothing here does I/O.
+
+Fill-drain (GPipe), 4 stages x 4 microbatches, unit-time forward and backward::
+
+    stage 0 | F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3 ST
+    stage 1 | .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3 ST
+    stage 2 | .  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 ST
+    stage 3 | .  .  .  F0 F1 F2 F3 B0 B1 B2 B3 ST
+
+1F1B (PipeDream-Flush): stage k warms up with min(m, N-k) forwards, then alternates B and F::
+
+    stage 0 | F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3 ST
+    stage 1 | .  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 ST
+    stage 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 ST
+    stage 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 ST
+
+(``pipeq.schedules.format_table(name, N, m)`` prints these from the dry run.)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import ScheduleError
+
+
+class Op(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    STEP = "STEP"
+    RECV_ACT = "recvF"  # activation from stage k-1
+    SEND_ACT = "sendF"  # activation to stage k+1
+    RECV_GRAD = "recvB"  # gradient from stage k+1
+    SEND_GRAD = "sendB"  # gradient to stage k-1
+
+
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.STEP)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    op: Op
+    microbatch: int = -1
+
+    def __str__(self) -> str:
+        return self.op.value if self.microbatch < 0 else f"{self.op.value}{self.microbatch}"
+
+
+def F(j: int) -> Action:
+    return Action(Op.FORWARD, j)
+
+
+def B(j: int) -> Action:
+    return Action(Op.BACKWARD, j)
+
+
+STEP = Action(Op.STEP)
+
+Schedule = list[list[Action]]
+ScheduleFn = Callable[[int, int], Schedule]
+
+
+def _check_counts(n_stages: int, n_microbatches: int) -> None:
+    if type(n_stages) is not int or n_stages < 1:
+        raise ScheduleError(f"need at least one stage, got n_stages={n_stages!r}")
+    if type(n_microbatches) is not int or n_microbatches < 1:
+        raise ScheduleError(f"need at least one microbatch, got n_microbatches={n_microbatches!r}")
+
+
+def fill_drain(n_stages: int, n_microbatches: int) -> Schedule:
+    """GPipe: every forward, then every backward, then the optimizer step."""
+    _check_counts(n_stages, n_microbatches)
+    m = n_microbatches
+    return [[F(j) for j in range(m)] + [B(j) for j in range(m)] + [STEP] for _ in range(n_stages)]
+
+
+def one_f_one_b(n_stages: int, n_microbatches: int) -> Schedule:
+    """PipeDream-Flush: min(m, N-k) warm-up forwards on stage k, then one backward, one forward."""
+    _check_counts(n_stages, n_microbatches)
+    m = n_microbatches
+    out = []
+    for k in range(n_stages):
+        warm = min(m, n_stages - k)
+        acts = [F(j) for j in range(warm)]
+        for i in range(m - warm):
+            acts += [B(i), F(warm + i)]
+        acts += [B(j) for j in range(m - warm, m)]
+        acts.append(STEP)
+        out.append(acts)
+    return out
+
+
+def forward_only(n_stages: int, n_microbatches: int) -> Schedule:
+    """Inference (``predict``): forwards only, no backward, no step."""
+    _check_counts(n_stages, n_microbatches)
+    return [[F(j) for j in range(n_microbatches)] for _ in range(n_stages)]
+
+
+SCHEDULES: dict[str, ScheduleFn] = {
+    "fill-drain": fill_drain,
+    "gpipe": fill_drain,
+    "1f1b": one_f_one_b,
+}
+
+
+def get_schedule(name: str) -> ScheduleFn:
+    try:
+        return SCHEDULES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown schedule {name!r}; choose one of {', '.join(sorted(SCHEDULES))}"
+        ) from None
+
+
+def lower(schedule: Schedule) -> Schedule:
+    """Insert the receives and sends that the compute actions imply."""
+    n = len(schedule)
+    out = []
+    for k, acts in enumerate(schedule):
+        low: list[Action] = []
+        for a in acts:
+            if a.op is Op.FORWARD:
+                if k > 0:
+                    low.append(Action(Op.RECV_ACT, a.microbatch))
+                low.append(a)
+                if k < n - 1:
+                    low.append(Action(Op.SEND_ACT, a.microbatch))
+            elif a.op is Op.BACKWARD:
+                if k < n - 1:
+                    low.append(Action(Op.RECV_GRAD, a.microbatch))
+                low.append(a)
+                if k > 0:
+                    low.append(Action(Op.SEND_GRAD, a.microbatch))
+            else:
+                low.append(a)
+        out.append(low)
+    return out
+
+
+def check_consistency(schedule: Schedule, n_stages: int, n_microbatches: int, training: bool) -> None:
+    """Every stage runs each microbatch's forward once, its backward once after it, then one STEP."""
+    if len(schedule) != n_stages:
+        raise ScheduleError(f"schedule has {len(schedule)} stage lists for {n_stages} stages")
+    m = n_microbatches
+    for k, acts in enumerate(schedule):
+        seen_f: set[int] = set()
+        seen_b: set[int] = set()
+        steps = 0
+        for pos, a in enumerate(acts):
+            where = f"stage {k}, action {pos} ({a})"
+            if a.op not in COMPUTE_OPS:
+                raise ScheduleError(f"{where}: schedules list compute actions only (F, B, STEP)")
+            if a.op is Op.STEP:
+                steps += 1
+                if pos != len(acts) - 1:
+                    raise ScheduleError(f"{where}: STEP must be the stage's last action")
+                continue
+            j = a.microbatch
+            if not 0 <= j < m:
+                raise ScheduleError(f"{where}: microbatch {j} is out of range 0..{m - 1}")
+            if a.op is Op.FORWARD:
+                if j in seen_f:
+                    raise ScheduleError(f"{where}: forward of microbatch {j} appears twice")
+                seen_f.add(j)
+            else:
+                if j not in seen_f:
+                    raise ScheduleError(f"{where}: backward of microbatch {j} before its forward")
+                if j in seen_b:
+                    raise ScheduleError(f"{where}: backward of microbatch {j} appears twice")
+                seen_b.add(j)
+        if len(seen_f) != m:
+            missing = sorted(set(range(m)) - seen_f)
+            raise ScheduleError(f"stage {k}: no forward for microbatch(es) {missing}")
+        if training:
+            if len(seen_b) != m:
+                missing = sorted(set(range(m)) - seen_b)
+                raise ScheduleError(f"stage {k}: no backward for microbatch(es) {missing}")
+            if steps != 1:
+                raise ScheduleError(f"stage {k}: a training step needs exactly one STEP, found {steps}")
+        elif seen_b or steps:
+            raise ScheduleError(f"stage {k}: a forward-only schedule has no backward or STEP")
+
+
+def _channel(k: int, a: Action) -> tuple[int, int, str, int]:
+    """(source stage, destination stage, kind, microbatch) of the message a comm action moves."""
+    if a.op is Op.SEND_ACT:
+        return (k, k + 1, "act", a.microbatch)
+    if a.op is Op.RECV_ACT:
+        return (k - 1, k, "act", a.microbatch)
+    if a.op is Op.SEND_GRAD:
+        return (k, k - 1, "grad", a.microbatch)
+    return (k + 1, k, "grad", a.microbatch)
+
+
+def dry_run(
+    lowered: Schedule, *, cost: dict[Op, int] | None = None, capacity: int | None = None
+) -> list[list[tuple[int, Action]]]:
+    """Execute lowered action lists symbolically; return each stage's (start time, action) list.
+
+    Compute actions take ``cost[op]`` time units (forward 1, backward 1, step 1 by default);
+    communication is instantaneous, but a message sent at time t can be received from t on. A
+    send blocks while its receiver already holds ``capacity`` unconsumed messages from that
+    sender (None: unbounded). Raises :class:`ScheduleError` naming every blocked stage if no
+    stage can move.
+    """
+    cost = {Op.FORWARD: 1, Op.BACKWARD: 1, Op.STEP: 1, **(cost or {})}
+    n = len(lowered)
+    pc = [0] * n
+    clock = [0] * n  # time at which stage k is free
+    sent: dict[tuple[int, int, str, int], int] = {}  # message -> time it is available
+    pending: dict[tuple[int, int], int] = {}  # (src, dst) -> unconsumed messages
+    timeline: list[list[tuple[int, Action]]] = [[] for _ in range(n)]
+    while True:
+        progressed = False
+        for k in range(n):
+            while pc[k] < len(lowered[k]):
+                a = lowered[k][pc[k]]
+                if a.op in COMPUTE_OPS:
+                    timeline[k].append((clock[k], a))
+                    clock[k] += cost[a.op]
+                elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                    ch = _channel(k, a)
+                    if not 0 <= ch[1] < n:
+                        raise ScheduleError(f"stage {k}: {a} sends to stage {ch[1]}, which does not exist")
+                    if capacity is not None and pending.get(ch[:2], 0) >= capacity:
+                        break
+                    if ch in sent:
+                        raise ScheduleError(f"stage {k}: {a} sends the same message twice")
+                    sent[ch] = clock[k]
+                    pending[ch[:2]] = pending.get(ch[:2], 0) + 1
+                else:
+                    ch = _channel(k, a)
+                    if ch not in sent:
+                        break
+                    clock[k] = max(clock[k], sent.pop(ch))
+                    pending[ch[:2]] -= 1
+                pc[k] += 1
+                progressed = True
+        if all(pc[k] == len(lowered[k]) for k in range(n)):
+            if sent:
+                extra = ", ".join(f"{kind} {j} from stage {s} to {d}" for s, d, kind, j in sent)
+                raise ScheduleError(f"messages sent but never received: {extra}")
+            return timeline
+        if not progressed:
+            blocked = []
+            for k in range(n):
+                if pc[k] < len(lowered[k]):
+                    a = lowered[k][pc[k]]
+                    s, d, kind, j = _channel(k, a)
+                    if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                        blocked.append(f"stage {k} waits for the {kind} of microbatch {j} from stage {s}")
+                    else:
+                        blocked.append(f"stage {k} cannot send the {kind} of microbatch {j} to stage {d} (queue full)")
+            raise ScheduleError("schedule deadlocks: " + "; ".join(blocked))
+
+
+def build(
+    name: str, n_stages: int, n_microbatches: int, *, training: bool = True
+) -> Schedule:
+    """The validated, lowered action lists of one step of schedule ``name`` (dry-run included)."""
+    fn = get_schedule(name) if training else forward_only
+    sched = fn(n_stages, n_microbatches)
+    check_consistency(sched, n_stages, n_microbatches, training)
+    lowered = lower(sched)
+    dry_run(lowered)
+    return lowered
+
+
+def format_table(name: str, n_stages: int, n_microbatches: int, *, backward_cost: int = 1) -> str:
+    """The stage x time table of a schedule's dry run (one column per time unit)."""
+    lowered = build(name, n_stages, n_microbatches)
+    timeline = dry_run(lowered, cost={Op.BACKWARD: backward_cost})
+    end = max(t + (backward_cost if a.op is Op.BACKWARD else 1) for row in timeline for t, a in row)
+    width = max(3, len(str(n_microbatches - 1)) + 2)
+    lines = [f"{name}: {n_stages} stages x {n_microbatches} microbatches"]
+    for k, row in enumerate(timeline):
+        cells = ["."] * end
+        for t, a in row:
+            span = backward_cost if a.op is Op.BACKWARD else 1
+            label = "ST" if a.op is Op.STEP else str(a)
+            for u in range(t, t + span):
+                cells[u] = label
+        lines.append(f"stage {k} | " + " ".join(c.ljust(width - 1) for c in cells).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""Simulated mode: every stage in this process, the same schedules and actions as process mode.
+
+The engine keeps one :func:`~pipeq.interpreter.execute` generator per stage and advances them in
+turn: a stage runs until it needs a message that has not been sent yet, then the next stage runs.
+Messages are cloned tensors in a dictionary, so nothing is shared between stages that process
+mode would not share either. Use it to debug a model or a schedule, for research and for fast
+tests; process mode gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import schedules
+from .errors import PipelineError
+from .interpreter import OUTPUT, execute
+from .schedules import Op
+from .stage import StageExecutor, Tensors
+
+
+class SimulatedBackend:
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        loss_fn: Callable,
+        optimizer: Callable[..., Any],
+        schedule: str,
+        device: str = "cpu",
+    ) -> None:
+        self.schedule = schedule
+        n = len(stages)
+        dev = torch.device(device)
+        self.executors = [
+            StageExecutor(k, n, copy.deepcopy(s), optimizer, loss_fn if k == n - 1 else None, dev)
+            for k, s in enumerate(stages)
+        ]
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _run(
+        self, step: int, sizes: list[int], x: torch.Tensor, target: torch.Tensor | None, training: bool
+    ) -> list[Tensors]:
+        n = len(self.executors)
+        lowered = schedules.build(self.schedule, n, len(sizes), training=training)
+        gens = []
+        for k, ex in enumerate(self.executors):
+            self._guard(k, ex.begin, step, sizes, training, x if k == 0 else None,
+                        target if k == n - 1 else None)
+            gens.append(execute(ex, lowered[k]))
+        mailbox: dict[tuple[int, str, int], Tensors] = {}  # (destination, kind, microbatch)
+        outputs: dict[int, Tensors] = {}
+        pending: list[Any] = [None] * n  # request a stage is blocked on
+        values: list[Any] = [None] * n
+        done = [False] * n
+        while not all(done):
+            progressed = False
+            for k in range(n):
+                while not done[k]:
+                    req = pending[k]
+                    if req is not None:  # blocked on a receive: is the message there yet?
+                        key = (k, "act" if req[0] is Op.RECV_ACT else "grad", req[1])
+                        if key not in mailbox:
+                            break
+                        values[k] = mailbox.pop(key)
+                        pending[k] = None
+                    try:
+                        req = self._guard(k, gens[k].send, values[k])
+                    except StopIteration:
+                        done[k] = True
+                        progressed = True
+                        break
+                    progressed = True
+                    values[k] = None
+                    op = req[0]
+                    if op is Op.RECV_ACT or op is Op.RECV_GRAD:
+                        pending[k] = req
+                    elif op is Op.SEND_ACT:
+                        mailbox[(k + 1, "act", req[1])] = tuple(t.clone() for t in req[2])
+                    elif op is Op.SEND_GRAD:
+                        mailbox[(k - 1, "grad", req[1])] = tuple(t.clone() for t in req[2])
+                    elif op == OUTPUT:
+                        outputs[req[1]] = req[2]
+            if not progressed:  # cannot happen for a validated schedule
+                raise PipelineError(f"simulated pipeline stalled on {pending}")
+        return [outputs[j] for j in sorted(outputs)]
+
+    def _guard(self, k: int, fn: Callable, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            raise PipelineError(f"{type(exc).__name__}: {exc}", k, traceback.format_exc()) from exc
+
+    def step(self, step: int, sizes: list[int], x: torch.Tensor, target: torch.Tensor) -> float:
+        self._run(step, sizes, x, target, training=True)
+        return self.executors[-1].mean_loss()
+
+    def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
+        return self._run(step, sizes, x, None, training=False)
+
+    def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
+        out = []
+        for ex in self.executors:
+            names, tensors = ex.state_tensors()
+            out.append((names, [t.clone() for t in tensors]))  # process mode returns copies too
+        return out
+
+    def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
+        for ex, (names, tensors) in zip(self.executors, per_stage):
+            ex.load_state(names, tensors)

@@ -1,0 +1,214 @@
+"""One stage's compute: forward, backward, gradient accumulation and the optimizer step.
+
+A :class:`StageExecutor` knows nothing of sockets or processes. The worker event loop (process mode)
+and the simulated engine (one process) both drive it with the same actions, so both give the same
+numbers. Boundaries detach: stage k+1 receives stage k's output as fresh leaves that require grad,
+and sends their gradients back.
+
+Gradient accumulation makes one step equal to one full-batch step: the loss of microbatch j is
+scaled by n_j / n (its share of the batch's samples) for a mean-reduced loss, by 1 for a
+sum-reduced one, so microbatches of unequal size are weighted correctly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def as_tuple(value: Any) -> Tensors:
+    return value if isinstance(value, tuple) else tuple(value) if isinstance(value, list) else (value,)
+
+
+def describe(tensors: Sequence[torch.Tensor]) -> str:
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors)
+
+
+def loss_weight_mode(loss_fn: Callable) -> str:
+    """'mean' or 'sum': how microbatch losses combine into the batch loss."""
+    reduction = getattr(loss_fn, "reduction", "mean")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"loss_fn has reduction={reduction!r}; pipeq needs a scalar loss: use 'mean' or 'sum'"
+        )
+    return reduction
+
+
+class StageExecutor:
+    """Runs stage ``index`` of ``n_stages``: the module, its optimizer and (last stage) the loss."""
+
+    def __init__(
+        self,
+        index: int,
+        n_stages: int,
+        module: nn.Module,
+        optimizer_factory: Callable[..., torch.optim.Optimizer],
+        loss_fn: Callable | None,
+        device: torch.device,
+    ) -> None:
+        self.index = index
+        self.n_stages = n_stages
+        self.is_first = index == 0
+        self.is_last = index == n_stages - 1
+        self.device = device
+        self.module = module.to(device)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = optimizer_factory(params) if params else None
+        self.loss_fn = loss_fn
+        self.reduction = loss_weight_mode(loss_fn) if self.is_last and loss_fn is not None else "mean"
+        self._cuda = device.type == "cuda"
+        # per step
+        self.step_index = 0
+        self.training = True
+        self.weights: list[float] = []
+        self.inputs: list[torch.Tensor] = []  # stage 0: microbatches of x
+        self.targets: list[torch.Tensor] = []  # last stage: microbatches of the target
+        self.stash: dict[int, tuple[Tensors, Any]] = {}  # microbatch -> (input leaves, outputs/loss)
+        self.loss_sum: torch.Tensor | None = None
+
+    # -- step boundaries -------------------------------------------------------------------
+    def begin(
+        self,
+        step: int,
+        sizes: Sequence[int],
+        training: bool,
+        x: torch.Tensor | None = None,
+        target: torch.Tensor | None = None,
+    ) -> None:
+        self.step_index = step
+        self.training = training
+        total = sum(sizes)
+        if self.reduction == "sum":
+            self.weights = [1.0] * len(sizes)
+        else:
+            self.weights = [n / total for n in sizes]
+        if x is not None:
+            self.inputs = list(x.to(self.device, non_blocking=True).split(list(sizes)))
+        if target is not None:
+            self.targets = list(target.to(self.device, non_blocking=True).split(list(sizes)))
+        self.stash.clear()
+        self.loss_sum = None
+        self.module.train(training)
+        if training and self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def mean_loss(self) -> float:
+        return float(self.loss_sum) if self.loss_sum is not None else float("nan")
+
+    # -- compute -----------------------------------------------------------------------------
+    def forward(self, j: int, received: Tensors | None) -> Tensors | None:
+        """Forward of microbatch ``j``; returns the tensors to send on (None on the last stage)."""
+        if self.is_first:
+            args: Tensors = (self.inputs[j],)
+            leaves: Tensors = ()
+        else:
+            assert received is not None
+            args = tuple(t.to(self.device, non_blocking=True) for t in received)
+            if self.training:
+                args = tuple(
+                    t.requires_grad_() if t.is_floating_point() or t.is_complex() else t for t in args
+                )
+            leaves = args
+        try:
+            if self.training:
+                out = self.module(*args)
+            else:
+                with torch.no_grad():
+                    out = self.module(*args)
+        except Exception as exc:
+            raise RuntimeError(
+                f"stage {self.index}: forward of microbatch {j} (step {self.step_index}) failed "
+                f"on input of shape {describe(args)}: {exc}"
+            ) from exc
+        outs = as_tuple(out)
+        for t in outs:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"stage {self.index} returned a {type(t).__name__}; a stage must return a "
+                    "tensor or a tuple of tensors"
+                )
+        if self.is_last:
+            if not self.training:
+                return outs
+            target = self.targets[j]
+            try:
+                loss = self.loss_fn(out, target)  # type: ignore[misc]
+            except Exception as exc:
+                raise RuntimeError(
+                    f"stage {self.index}: loss_fn failed on output {describe(outs)} and target "
+                    f"{describe((target,))} (microbatch {j}, step {self.step_index}): {exc}"
+                ) from exc
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(
+                    f"stage {self.index}: loss_fn must return a scalar tensor, got "
+                    f"{describe((loss,)) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+                )
+            scaled = loss.reshape(()) * self.weights[j]
+            d = scaled.detach()
+            self.loss_sum = d if self.loss_sum is None else self.loss_sum + d
+            self.stash[j] = (leaves, scaled)
+            return None
+        if self.training:
+            self.stash[j] = (leaves, outs)
+        return tuple(t.detach() for t in outs)
+
+    def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
+        """Backward of microbatch ``j``; returns the input gradients to send back (None on stage 0)."""
+        leaves, outs = self.stash.pop(j)
+        if self.is_last:
+            outs.backward()
+        else:
+            assert grads is not None
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            if len(grads) != sum(1 for o in outs if o.is_floating_point() or o.is_complex()):
+                raise ValueError(
+                    f"stage {self.index}: got {len(grads)} gradient(s) for outputs "
+                    f"{describe(outs)} of microbatch {j}"
+                )
+            for o, g in pairs:
+                if o.shape != g.shape:
+                    raise ValueError(
+                        f"stage {self.index}: gradient of shape {tuple(g.shape)} for output of "
+                        f"shape {tuple(o.shape)} (microbatch {j})"
+                    )
+            if pairs:
+                torch.autograd.backward(
+                    [o for o, _ in pairs], [g.to(self.device, non_blocking=True) for _, g in pairs]
+                )
+        if self.is_first:
+            return None
+        return tuple(
+            (t.grad if t.grad is not None else torch.zeros_like(t)).detach()
+            for t in leaves
+            if t.requires_grad
+        )
+
+    def optimizer_step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    # -- transfer to the CPU ---------------------------------------------------------------
+    def to_host(self, tensors: Tensors) -> Tensors:
+        """CPU copies for sending (the same tensors when already on the CPU)."""
+        if not self._cuda:
+            return tensors
+        host = []
+        for t in tensors:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # pinned: async D2H copy
+            buf.copy_(t, non_blocking=True)
+            host.append(buf)
+        torch.cuda.current_stream(self.device).synchronize()
+        return tuple(host)
+
+    # -- state -----------------------------------------------------------------------------
+    def state_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+        sd = self.module.state_dict()
+        names = list(sd)
+        return names, [sd[n].detach().to("cpu") for n in names]
+
+    def load_state(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+        self.module.load_state_dict(dict(zip(names, tensors)), strict=True)

@@ -1,0 +1,219 @@
+"""The stage worker: one process per stage, pinned to its device, running an event loop.
+
+The loop waits for a command on the control channel and carries it out:
+
+    PEERS      connect the forward/backward channels to the neighbours' addresses
+    STEP       run the schedule's actions for one training step (x rides along to stage 0,
+               the target to the last stage); the last stage replies LOSS
+    PREDICT    run forward-only actions; the last stage replies OUTPUT per microbatch
+    GET_STATE  reply STATE (the stage module's state_dict tensors)
+    SET_STATE  load them, reply ACK
+    STOP       leave the loop
+
+Any exception is reported to the runner as ERROR (message and traceback) before the process
+exits. The event loop is the only code in a worker that touches the transport.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import schedules
+from .codec import Kind, Message
+from .interpreter import OUTPUT, execute
+from .schedules import Op
+from .stage import StageExecutor
+from .transport import Heartbeat, StageTransport, Stopped
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a stage process needs to know to start (plain data, set by the runner)."""
+
+    stage: int
+    n_stages: int
+    schedule: str
+    control_addr: str
+    transport: str = "ipc"
+    where: str = ""  # ipc directory, or the tcp host/address to bind
+    device: str = "cpu"
+    cores: list[int] = field(default_factory=list)
+    threads: int = 1
+    queue_capacity: int = 64
+    heartbeat_interval: float = 1.0
+    spin_s: float = 0.0
+    die_with_parent: bool = True
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the process that started us exits (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not glibc/Linux: the heartbeat thread's parent watch still applies
+        pass
+
+
+def _set_name(name: str) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME: shows in ps -o comm, top
+    except OSError:
+        pass
+
+
+def pin(cfg: WorkerConfig) -> torch.device:
+    """Pin this process to its device: its CPU cores and thread count, or its CUDA device."""
+    if cfg.cores and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, cfg.cores)
+        except OSError:
+            pass
+    torch.set_num_threads(max(1, cfg.threads))
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set (e.g. torch used before we got here)
+        pass
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+class EventLoop:
+    def __init__(self, cfg: WorkerConfig, transport: StageTransport, executor: StageExecutor) -> None:
+        self.cfg = cfg
+        self.t = transport
+        self.ex = executor
+        self._actions: dict[tuple[int, bool], list[schedules.Action]] = {}
+
+    def actions(self, m: int, training: bool) -> list[schedules.Action]:
+        key = (m, training)
+        acts = self._actions.get(key)
+        if acts is None:
+            acts = schedules.build(self.cfg.schedule, self.cfg.n_stages, m, training=training)[self.cfg.stage]
+            self._actions[key] = acts
+        return acts
+
+    def serve(self) -> None:
+        t = self.t
+        while True:
+            msg = t.next_control(1000)
+            if msg is None:
+                continue
+            kind = msg.kind
+            if kind is Kind.STEP or kind is Kind.PREDICT:
+                self.run_step(msg, training=kind is Kind.STEP)
+            elif kind is Kind.GET_STATE:
+                names, tensors = self.ex.state_tensors()
+                t.send_control(Kind.STATE, msg.step, tensors=tensors, extra={"names": names})
+            elif kind is Kind.SET_STATE:
+                self.ex.load_state(msg.extra["names"], msg.tensors)
+                t.send_control(Kind.ACK, msg.step)
+            elif kind is Kind.PEERS:
+                t.connect(msg.extra.get("next_forward"), msg.extra.get("prev_backward"))
+            elif kind is Kind.STOP:
+                return
+            else:
+                raise RuntimeError(f"stage {self.cfg.stage}: unexpected command {kind.name}")
+
+    def run_step(self, msg: Message, training: bool) -> None:
+        ex = self.ex
+        t = self.t
+        step = msg.step
+        sizes = msg.extra.get("sizes")
+        if type(sizes) is not list or not sizes or any(type(n) is not int or n < 1 for n in sizes):
+            raise ValueError(f"stage {self.cfg.stage}: bad microbatch sizes {sizes!r} in command")
+        tensors = msg.tensors
+        x = tensors[0] if ex.is_first else None
+        target = tensors[-1] if (ex.is_last and training) else None
+        ex.begin(step, sizes, training, x, target)
+        gen = execute(ex, self.actions(len(sizes), training))
+        fq, bq = t.forward_queue, t.backward_queue
+        value: Any = None
+        try:
+            while True:
+                req = gen.send(value)
+                op = req[0]
+                value = None
+                if op is Op.RECV_ACT:
+                    value = t.wait_data(fq, step, req[1]).tensors
+                elif op is Op.RECV_GRAD:
+                    value = t.wait_data(bq, step, req[1]).tensors
+                elif op is Op.SEND_ACT:
+                    t.send_activation(step, req[1], req[2])
+                elif op is Op.SEND_GRAD:
+                    t.send_gradient(step, req[1], req[2])
+                elif op == OUTPUT:
+                    t.send_control(Kind.OUTPUT, step, req[1], req[2])
+        except StopIteration:
+            pass
+        if ex.is_last and training:
+            t.send_control(Kind.LOSS, step, extra={"loss": ex.mean_loss()})
+
+
+def worker_entry(cfg: WorkerConfig, payload: bytes) -> None:
+    """Process entry point: ``payload`` is the pickled (module, loss_fn, optimizer factory) that
+    the runner handed to this process at start (never anything received over a socket)."""
+    module, loss_fn, optimizer_factory = pickle.loads(payload)
+    worker_main(cfg, module, loss_fn, optimizer_factory)
+
+
+def worker_main(
+    cfg: WorkerConfig,
+    module: nn.Module,
+    loss_fn: Callable | None,
+    optimizer_factory: Callable[..., Any],
+) -> None:
+    """Entry point of a stage process (started by the runner)."""
+    if cfg.die_with_parent:
+        _die_with_parent()
+    _set_name(f"pipeq-stage{cfg.stage}")
+    transport = StageTransport(
+        cfg.stage,
+        cfg.control_addr,
+        transport=cfg.transport,
+        where=cfg.where,
+        queue_capacity=cfg.queue_capacity,
+        spin_s=cfg.spin_s,
+    )
+    heartbeat = None
+    clean = False
+    try:
+        device = pin(cfg)
+        executor = StageExecutor(cfg.stage, cfg.n_stages, module, optimizer_factory, loss_fn, device)
+        heartbeat = Heartbeat(
+            transport.ctx, cfg.control_addr, cfg.stage, cfg.heartbeat_interval, lambda: os._exit(3)
+        )
+        transport.send_control(
+            Kind.READY,
+            extra={**transport.addresses, "pid": os.getpid(), "device": str(device),
+                   "threads": torch.get_num_threads()},
+        )
+        EventLoop(cfg, transport, executor).serve()
+        clean = True
+    except Stopped:
+        clean = True
+    except BaseException as exc:  # report everything, KeyboardInterrupt included
+        try:
+            transport.send_control(
+                Kind.ERROR,
+                extra={"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()},
+            )
+        except Exception:
+            pass
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        transport.close(linger_ms=2000 if clean else 1000)
+    if not clean:
+        os._exit(1)
