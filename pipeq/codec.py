@@ -179,11 +179,13 @@ def decode(frames: Sequence[Any]) -> Message:
         header = msgpack.unpackb(head, raw=False, use_list=True, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise HeaderError(f"header is not valid msgpack: {exc}") from None
-    if type(header) is not list or len(header) != 6:
+    if type(header) is not list or not header:
+        raise HeaderError("header must be a msgpack array")
+    if header[0] != FORMAT_VERSION:  # checked first: another version may have another layout
+        raise VersionError(f"wire format version {header[0]!r}, this pipeq speaks {FORMAT_VERSION}")
+    if len(header) != 6:
         raise HeaderError("header must be a 6-element msgpack array")
     version, kind, step, microbatch, metas, extra = header
-    if version != FORMAT_VERSION:
-        raise VersionError(f"wire format version {version!r}, this pipeq speaks {FORMAT_VERSION}")
     if _check_int("kind", kind) not in _KINDS:
         raise HeaderError(f"unknown message kind {kind}")
     _check_int("step", step)
@@ -212,9 +214,10 @@ def decode(frames: Sequence[Any]) -> Message:
         for d in shape:
             if type(d) is not int or d < 0:
                 raise ShapeError(f"tensor {i}: bad dimension {d!r} in shape {shape}")
+        # zero dims count as 1 here, so an empty tensor cannot smuggle in overflowing strides
+        if math.prod(max(d, 1) for d in shape) * _ITEMSIZE[code] > MAX_TENSOR_BYTES:
+            raise ShapeError(f"tensor {i}: shape {shape} is absurdly large")
         expected = math.prod(shape) * _ITEMSIZE[code]
-        if expected > MAX_TENSOR_BYTES:
-            raise ShapeError(f"tensor {i}: shape {shape} is absurdly large ({expected} bytes)")
         buf = _buffer(frames[i + 1])
         if nbytes != expected or len(buf) != expected:
             raise FrameLengthError(

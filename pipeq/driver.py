@@ -76,7 +76,7 @@ class ProcessBackend:
         heartbeat_timeout: float,
         start_timeout: float,
         spin_s: float,
-        start_method: str = "forkserver",
+        start_method: str = "spawn",
     ) -> None:
         self.start_method = start_method
         self.stages = list(stages)
@@ -114,7 +114,8 @@ class ProcessBackend:
         self.server = ControlServer(self.transport, where)
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
-            # The fork server imports torch and pipeq once; each stage is then a cheap fork of it.
+            # The fork server imports torch and pipeq once; each stage is then a cheap fork of it
+            # (stages start in ~50 ms instead of ~2 s; the fork server outlives the runner).
             ctx.set_forkserver_preload(["pipeq._preload"])
         plan = plan_devices(self.n, self.devices)
         main_thread = threading.current_thread() is threading.main_thread()
@@ -134,6 +135,7 @@ class ProcessBackend:
                 spin_s=self.spin_s,
                 # PDEATHSIG fires when the *thread* that started us exits: only safe from main.
                 die_with_parent=main_thread,
+                driver_pid=os.getpid(),
             )
             # Plain pickle bytes: each worker gets a private copy (multiprocessing's own pickler
             # would move the tensors to shared memory, and workers would train the caller's modules).

@@ -121,7 +121,7 @@ class StageExecutor:
                     out = self.module(*args)
         except Exception as exc:
             raise RuntimeError(
-                f"stage {self.index}: forward of microbatch {j} (step {self.step_index}) failed "
+                f"forward of microbatch {j} (step {self.step_index}) failed "
                 f"on input of shape {describe(args)}: {exc}"
             ) from exc
         outs = as_tuple(out)
@@ -139,7 +139,7 @@ class StageExecutor:
                 loss = self.loss_fn(out, target)  # type: ignore[misc]
             except Exception as exc:
                 raise RuntimeError(
-                    f"stage {self.index}: loss_fn failed on output {describe(outs)} and target "
+                    f"loss_fn failed on output {describe(outs)} and target "
                     f"{describe((target,))} (microbatch {j}, step {self.step_index}): {exc}"
                 ) from exc
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

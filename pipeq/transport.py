@@ -289,23 +289,54 @@ class ControlServer:
 class Heartbeat:
     """A daemon thread that tells the runner, every ``interval`` seconds, that this stage lives.
 
-    It has its own socket (ZeroMQ sockets are not thread-safe) and also watches the parent
-    process: if the runner is gone, ``on_orphan`` is called (the worker exits).
+    It has its own socket (ZeroMQ sockets are not thread-safe) and also watches the driver
+    process (``driver_pid``, through a pidfd where Linux has one): if the driver is gone,
+    ``on_orphan`` is called (the worker exits), whoever the worker's parent is.
     """
 
     def __init__(
-        self, ctx: zmq.Context, control_addr: str, stage: int, interval: float, on_orphan: Callable[[], None]
+        self,
+        ctx: zmq.Context,
+        control_addr: str,
+        stage: int,
+        interval: float,
+        driver_pid: int,
+        on_orphan: Callable[[], None],
     ) -> None:
         import threading
 
         self._stop = threading.Event()
         self._args = (ctx, control_addr, stage, interval, on_orphan)
+        self._driver_pid = driver_pid
         self._thread = threading.Thread(target=self._run, name=f"pipeq-heartbeat-{stage}", daemon=True)
-        self._parent = os.getppid()
         self._thread.start()
+
+    def _driver_gone(self, pidfd: int | None, timeout: float) -> bool:
+        """Wait up to ``timeout`` s; True if the driver process has exited."""
+        if pidfd is not None:
+            import select
+
+            p = select.poll()
+            p.register(pidfd, select.POLLIN)
+            return bool(p.poll(timeout * 1000))
+        self._stop.wait(timeout)
+        try:
+            os.kill(self._driver_pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
 
     def _run(self) -> None:
         ctx, addr, stage, interval, on_orphan = self._args
+        try:
+            pidfd: int | None = os.pidfd_open(self._driver_pid)  # type: ignore[attr-defined]
+        except ProcessLookupError:
+            on_orphan()
+            return
+        except (AttributeError, OSError):
+            pidfd = None
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, b"h%d" % stage)
         sock.setsockopt(zmq.LINGER, 0)
@@ -313,8 +344,8 @@ class Heartbeat:
         sock.connect(addr)
         try:
             beat = 0
-            while not self._stop.wait(interval):
-                if os.getppid() != self._parent:
+            while not self._stop.is_set():
+                if self._driver_gone(pidfd, interval):
                     on_orphan()
                     return
                 beat += 1
@@ -324,6 +355,8 @@ class Heartbeat:
                     pass
         finally:
             sock.close(linger=0)
+            if pidfd is not None:
+                os.close(pidfd)
 
     def stop(self) -> None:
         self._stop.set()

@@ -52,6 +52,7 @@ class WorkerConfig:
     heartbeat_interval: float = 1.0
     spin_s: float = 0.0
     die_with_parent: bool = True
+    driver_pid: int = 0
 
 
 def _die_with_parent() -> None:
@@ -192,7 +193,8 @@ def worker_main(
         device = pin(cfg)
         executor = StageExecutor(cfg.stage, cfg.n_stages, module, optimizer_factory, loss_fn, device)
         heartbeat = Heartbeat(
-            transport.ctx, cfg.control_addr, cfg.stage, cfg.heartbeat_interval, lambda: os._exit(3)
+            transport.ctx, cfg.control_addr, cfg.stage, cfg.heartbeat_interval,
+            cfg.driver_pid or os.getppid(), lambda: os._exit(3)
         )
         transport.send_control(
             Kind.READY,

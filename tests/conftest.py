@@ -1,0 +1,68 @@
+"""Shared test helpers: small models, a single-process reference, and a guard against stray workers."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+
+def _descendants(root: int) -> list[tuple[int, str, str]]:
+    """(pid, comm, cmdline) of every live descendant of ``root`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    info: dict[int, tuple[str, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] == "Z":  # a zombie is already dead
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        info[int(entry)] = (comm, cmd)
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append((c, *info[c]))
+            todo.append(c)
+    return out
+
+
+def _is_mp_helper(cmd: str) -> bool:
+    # multiprocessing's own long-lived helpers (shared by every runner of this process)
+    return "forkserver" in cmd or "resource_tracker" in cmd
+
+
+def stray_workers() -> list[tuple[int, str, str]]:
+    """Descendants of the test process that are not multiprocessing's fork server or tracker."""
+    return [p for p in _descendants(os.getpid()) if not _is_mp_helper(p[2])]
+
+
+def wait_no_strays(timeout: float = 5.0) -> list[tuple[int, str, str]]:
+    end = time.monotonic() + timeout
+    while True:
+        strays = stray_workers()
+        if not strays or time.monotonic() > end:
+            return strays
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def no_stray_workers():
+    """Every test must leave no worker process behind (checked after it, with 5 s of grace)."""
+    yield
+    strays = wait_no_strays(5.0)
+    for pid, _, _ in strays:  # do not let one test's leak fail the next ones too
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    assert not strays, f"processes left behind: {strays}"

@@ -1,0 +1,99 @@
+"""Module-level (hence picklable) test models and a single-process training reference."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import torch
+from torch import nn
+
+
+def mlp_stages(widths=(8, 16, 16, 3), seed: int = 0) -> list[nn.Module]:
+    """Linear(+ReLU) stages: widths[k] -> widths[k+1]; no ReLU after the last."""
+    torch.manual_seed(seed)
+    stages: list[nn.Module] = []
+    for k in range(len(widths) - 1):
+        lin = nn.Linear(widths[k], widths[k + 1])
+        stages.append(nn.Sequential(lin, nn.ReLU()) if k < len(widths) - 2 else lin)
+    return stages
+
+
+class Chain(nn.Sequential):
+    """nn.Sequential with pipeq's boundary rule: a tuple output becomes the next stage's *args."""
+
+    def forward(self, x):
+        for m in self:
+            x = m(*x) if isinstance(x, tuple) else m(x)
+        return x
+
+
+def reference_train(stages, loss_fn, make_opt, batches):
+    """Plain single-process training of the chained stages on full batches."""
+    model = Chain(*copy.deepcopy(stages))
+    opt = make_opt(model.parameters())
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+class Raises(nn.Module):
+    def __init__(self, width: int, after_calls: int = 0):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.after_calls = after_calls
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > self.after_calls:
+            raise ValueError("boom from the stage")
+        return self.lin(x)
+
+
+class Exits(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        os._exit(7)
+
+
+class Sleeps(nn.Module):
+    """Sleeps forever in forward: a stage that hangs."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        time.sleep(3600)
+        return self.lin(x)
+
+
+class TwoOut(nn.Module):
+    """Returns a tuple: (hidden activation, an integer tensor that rides along)."""
+
+    def __init__(self, a: int, b: int):
+        super().__init__()
+        self.lin = nn.Linear(a, b)
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        return h, (x[:, 0] > 0).long()
+
+
+class TwoIn(nn.Module):
+    def __init__(self, b: int, c: int):
+        super().__init__()
+        self.lin = nn.Linear(b, c)
+
+    def forward(self, h, flag):
+        return self.lin(h) + flag.unsqueeze(1).float()

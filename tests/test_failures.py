@@ -1,0 +1,139 @@
+"""Failures reach the caller as PipelineError naming the stage, quickly, and leave nothing behind."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+from conftest import stray_workers, wait_no_strays
+from models import Exits, Raises, Sleeps, mlp_stages
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+pytestmark = pytest.mark.timeout(60)
+
+
+def three_stages(middle: nn.Module) -> list[nn.Module]:
+    return [nn.Linear(8, 8), middle, nn.Linear(8, 3)]
+
+
+def xy(batch: int = 16):
+    return torch.randn(batch, 8), torch.randint(0, 3, (batch,))
+
+
+def expect_failure(runner: pipeq.PipelineRunner, call, stage: int, match: str, within: float = 10.0):
+    started = []
+    ipc_dir = []
+    with pytest.raises(pipeq.PipelineError, match=match) as info:
+        with runner:
+            started.append(time.monotonic())  # time the failure, not the process start-up
+            ipc_dir.append(runner._backend.ipc_dir)
+            call(runner)
+    elapsed = time.monotonic() - started[0]
+    assert info.value.stage == stage
+    assert elapsed < within, f"failure took {elapsed:.1f} s to surface"
+    assert not wait_no_strays(5.0), "worker processes outlived the failure"
+    assert ipc_dir[0] and not os.path.exists(ipc_dir[0]), "ipc socket files were left behind"
+    with pytest.raises(pipeq.PipelineError):
+        runner.step(*xy())  # a failed runner refuses further work
+    return info.value
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "fill-drain"])
+def test_stage_that_raises(schedule):
+    runner = pipeq.PipelineRunner(three_stages(Raises(8)), nn.CrossEntropyLoss(), SGD, schedule=schedule)
+    err = expect_failure(runner, lambda r: r.step(*xy()), stage=1, match="boom from the stage")
+    assert "Traceback" in err.remote_traceback and "models.py" in err.remote_traceback
+
+
+def test_stage_that_raises_on_a_later_step():
+    runner = pipeq.PipelineRunner(three_stages(Raises(8, after_calls=20)), nn.CrossEntropyLoss(), SGD,
+                                  microbatches=4)
+    def work(r):
+        for _ in range(10):
+            r.step(*xy())
+    expect_failure(runner, work, stage=1, match="boom")
+
+
+def test_stage_that_calls_os_exit():
+    runner = pipeq.PipelineRunner(three_stages(Exits(8)), nn.CrossEntropyLoss(), SGD)
+    expect_failure(runner, lambda r: r.step(*xy()), stage=1, match="exited with code 7")
+
+
+def test_stage_killed_by_sigkill():
+    runner = pipeq.PipelineRunner(three_stages(Sleeps(8)), nn.CrossEntropyLoss(), SGD)
+
+    def work(r):
+        victim = r._backend.worker_info[1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        r.step(*xy())
+
+    expect_failure(runner, work, stage=1, match="killed by SIGKILL")
+
+
+def test_wrong_input_shape_names_stage_and_shape():
+    runner = pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), SGD, microbatches=4)
+    err = expect_failure(runner, lambda r: r.step(torch.randn(16, 5), torch.randint(0, 3, (16,))),
+                         stage=0, match=r"stage 0: .*forward of microbatch 0.*\(4, 5\)")
+    assert "mat1 and mat2" in str(err)
+
+
+def test_wrong_target_shape_names_last_stage():
+    runner = pipeq.PipelineRunner(mlp_stages(), nn.MSELoss(), SGD, microbatches=2)
+    expect_failure(runner, lambda r: r.step(torch.randn(8, 8), torch.randn(8, 7)),
+                   stage=2, match=r"loss_fn failed on output \(4, 3\).*target \(4, 7\)")
+
+
+def test_hung_stage_is_reported_by_heartbeat_loss():
+    # a stage whose process is stopped (SIGSTOP) sends no heartbeats: named within the timeout
+    runner = pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), SGD,
+                                  heartbeat_interval=0.2, heartbeat_timeout=1.5)
+
+    def work(r):
+        os.kill(r._backend.worker_info[2]["pid"], signal.SIGSTOP)
+        r.step(*xy())
+
+    expect_failure(runner, work, stage=2, match="no heartbeat")
+
+
+def test_driver_death_takes_workers_with_it():
+    # a driver process that dies by SIGKILL must not leave its workers running
+    import subprocess, sys, textwrap
+    code = textwrap.dedent("""
+        import functools, os, sys, time, torch
+        from torch import nn
+        import pipeq
+        if __name__ == "__main__":
+            r = pipeq.PipelineRunner([nn.Linear(4, 4), nn.Linear(4, 2)], nn.CrossEntropyLoss(),
+                                     functools.partial(torch.optim.SGD, lr=0.1))
+            r.start()
+            print(" ".join(str(i["pid"]) for i in r._backend.worker_info), flush=True)
+            time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        proc.kill()
+        proc.wait(10)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "workers outlived their driver"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,170 @@
+"""PipelineRunner equals plain single-process training, in process and simulated mode."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+from models import TwoIn, TwoOut, mlp_stages, reference_train
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+pytestmark = pytest.mark.timeout(120)
+
+
+def batches(n_steps: int, batch: int, seed: int = 1, d_in: int = 8, classes: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(batch, d_in, generator=g), torch.randint(0, classes, (batch,), generator=g))
+        for _ in range(n_steps)
+    ]
+
+
+def run(stages, data, *, schedule, microbatches, mode, loss_fn=None, opt=SGD, **kw):
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    runner = pipeq.PipelineRunner(
+        stages, loss_fn=loss_fn, optimizer=opt, schedule=schedule, microbatches=microbatches,
+        mode=mode, **kw,
+    )
+    with runner:
+        losses = [runner.step(x, y) for x, y in data]
+        state = runner.state_dict()
+        out = runner.predict(data[0][0])
+    return losses, state, out
+
+
+def assert_matches_reference(stages, data, losses, state, loss_fn=None, opt=SGD, tol=1e-5):
+    model, ref_losses = reference_train(stages, loss_fn or nn.CrossEntropyLoss(), opt, data)
+    assert losses == pytest.approx(ref_losses, abs=tol)
+    ref_state = model.state_dict()
+    assert list(state) == list(ref_state)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(state[name], ref, atol=tol, rtol=0, msg=name)
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["fill-drain", "1f1b"])
+def test_process_mode_equals_single_process_training(schedule):
+    stages = mlp_stages()
+    data = batches(4, 48)
+    losses, state, out = run(stages, data, schedule=schedule, microbatches=4, mode="process")
+    model = assert_matches_reference(stages, data, losses, state)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(data[0][0]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("schedule", ["fill-drain", "1f1b"])
+@pytest.mark.parametrize(
+    "n_stages,batch,microbatches",
+    [
+        (3, 50, 8),  # uneven: sizes 7,7,6,6,6,6,6,6
+        (4, 24, 2),  # fewer microbatches than stages
+        (3, 16, 1),  # a single microbatch
+        (2, 5, 8),  # batch smaller than the microbatch count: one sample each
+        (1, 20, 4),  # a single stage
+    ],
+)
+def test_simulated_mode_equals_single_process_training(schedule, n_stages, batch, microbatches):
+    widths = (8,) + (12,) * (n_stages - 1) + (3,)
+    stages = mlp_stages(widths)
+    data = batches(3, batch)
+    losses, state, _ = run(stages, data, schedule=schedule, microbatches=microbatches, mode="simulated")
+    assert_matches_reference(stages, data, losses, state)
+
+
+def test_process_mode_uneven_microbatches_and_few_microbatches():
+    stages = mlp_stages((8, 12, 12, 3))
+    data = batches(3, 50)  # 8 microbatches of 7 or 6 samples
+    losses, state, _ = run(stages, data, schedule="1f1b", microbatches=8, mode="process")
+    assert_matches_reference(stages, data, losses, state)
+    losses, state, _ = run(stages, data, schedule="fill-drain", microbatches=2, mode="process")
+    assert_matches_reference(stages, data, losses, state)
+
+
+def test_simulated_equals_process_mode():
+    stages = mlp_stages((8, 16, 16, 16, 3))
+    data = batches(3, 40)
+    a = run(stages, data, schedule="1f1b", microbatches=5, mode="process")
+    b = run(stages, data, schedule="1f1b", microbatches=5, mode="simulated")
+    assert a[0] == pytest.approx(b[0], abs=1e-6)
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], atol=1e-6, rtol=0)
+    torch.testing.assert_close(a[2], b[2], atol=1e-6, rtol=0)
+
+
+def test_sum_reduced_loss_and_adam():
+    stages = mlp_stages()
+    data = batches(3, 30)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    adam = functools.partial(torch.optim.Adam, lr=0.01)
+    losses, state, _ = run(
+        stages, data, schedule="1f1b", microbatches=4, mode="simulated", loss_fn=loss_fn, opt=adam
+    )
+    assert_matches_reference(stages, data, losses, state, loss_fn=loss_fn, opt=adam, tol=1e-4)
+
+
+def test_tuple_activations_cross_stage_boundaries():
+    torch.manual_seed(3)
+    stages = [TwoOut(8, 16), TwoIn(16, 3)]
+    data = batches(3, 24)
+    for mode in ("simulated", "process"):
+        losses, state, _ = run(stages, data, schedule="1f1b", microbatches=3, mode=mode)
+        assert_matches_reference(stages, data, losses, state)
+
+
+def test_state_dict_round_trip_and_caller_modules_untouched():
+    stages = mlp_stages()
+    before = {k: v.clone() for k, v in nn.Sequential(*stages).state_dict().items()}
+    data = batches(2, 32)
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=4)
+    with runner:
+        runner.step(*data[0])
+        trained = runner.state_dict()
+        runner.load_state_dict(before)
+        torch.testing.assert_close(runner.state_dict(), before)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                runner.predict(data[1][0]), nn.Sequential(*stages)(data[1][0]), atol=1e-6, rtol=0
+            )
+        with pytest.raises(ValueError, match="missing keys"):
+            runner.load_state_dict({k: v for k, v in trained.items() if k != "1.0.bias"})
+        bad = dict(trained)
+        bad["2.weight"] = torch.zeros(5, 5)
+        with pytest.raises(ValueError, match=r"2\.weight.*shape"):
+            runner.load_state_dict(bad)
+    # the workers trained private copies: the caller's modules are unchanged
+    for k, v in nn.Sequential(*stages).state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_tcp_transport():
+    stages = mlp_stages()
+    data = batches(2, 32)
+    losses, state, _ = run(stages, data, schedule="1f1b", microbatches=4, mode="process", transport="tcp")
+    assert_matches_reference(stages, data, losses, state)
+
+
+def test_bad_arguments_are_refused_before_anything_starts():
+    stages = mlp_stages()
+    loss = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'.*1f1b"):
+        pipeq.PipelineRunner(stages, loss, SGD, schedule="zigzag")
+    with pytest.raises(ValueError, match="microbatches"):
+        pipeq.PipelineRunner(stages, loss, SGD, microbatches=0)
+    with pytest.raises(ValueError, match="stage 1 is a str"):
+        pipeq.PipelineRunner([stages[0], "nope"], loss, SGD)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(reduction="none"), SGD)
+    with pytest.raises(ValueError, match="optimizer cannot be pickled"):
+        pipeq.PipelineRunner(stages, loss, lambda params: torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(ValueError, match="mode"):
+        pipeq.PipelineRunner(stages, loss, SGD, mode="threads")
+    runner = pipeq.PipelineRunner(stages, loss, SGD, mode="simulated")
+    with pytest.raises(pipeq.PipelineError, match="not running"):
+        runner.step(torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
+    with runner:
+        with pytest.raises(ValueError, match=r"x has 4 samples.*target has 3"):
+            runner.step(torch.zeros(4, 8), torch.zeros(3, dtype=torch.long))
