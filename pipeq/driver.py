@@ -147,7 +147,9 @@ class ProcessBackend:
             p.start()
             self.procs.append(p)
         self.last_beat = [float("inf")] * self.n  # heartbeats are watched once a stage is READY
-        ready = self._collect(Kind.READY, range(self.n), timeout=self.start_timeout, what="start")
+        replies = self._collect(Kind.READY, dict.fromkeys(range(self.n), 1),
+                                timeout=self.start_timeout, what="start")
+        ready = {k: msgs[0] for k, msgs in replies.items()}
         for k in range(self.n):
             extra: dict[str, Any] = {}
             if k + 1 < self.n:
@@ -190,7 +192,8 @@ class ProcessBackend:
                 p.kill()
                 p.join(5.0)
         for p in self.procs:
-            p.close() if p.exitcode is not None else None
+            if p.exitcode is not None:
+                p.close()
         self.procs = []
         if self.server is not None:
             self.server.close()
@@ -238,17 +241,14 @@ class ProcessBackend:
             raise PipelineError("the pipeline is not running; use 'with runner:' or runner.start()")
 
     def _collect(
-        self, kind: Kind, stages: Sequence[int] | range, *, timeout: float | None = None,
-        what: str = "reply", count: int = 1,
-    ) -> dict[int, Message]:
-        """Wait for ``count`` messages of ``kind`` from each of ``stages``, watching all workers."""
+        self, kind: Kind, counts: dict[int, int], *, timeout: float | None = None, what: str = "reply"
+    ) -> dict[int, list[Message]]:
+        """Wait for ``counts[k]`` messages of ``kind`` from each stage k, watching every worker."""
         assert self.server is not None
-        want = set(stages)
-        got: dict[int, Message] = {}
-        seen: dict[int, int] = {}
-        multi: dict[int, list[Message]] = {}
+        got: dict[int, list[Message]] = {k: [] for k in counts}
+        missing = {k for k, c in counts.items() if c > 0}
         deadline = None if timeout is None else time.monotonic() + timeout
-        while want:
+        while missing:
             try:
                 r = self.server.recv(_POLL_MS)
             except CodecError as exc:
@@ -257,20 +257,15 @@ class ProcessBackend:
             if r is not None:
                 role, stage = self._stage_of(r[0])
                 msg = r[1]
-                if role == "h" or msg.kind is Kind.HEARTBEAT:
-                    self.last_beat[stage] = now
+                self.last_beat[stage] = now
+                if role == "h":
+                    pass
                 elif msg.kind is Kind.ERROR:
                     raise self._fail(self._error_of(r))
-                elif msg.kind is kind and stage in want:
-                    self.last_beat[stage] = now
-                    if count == 1:
-                        got[stage] = msg
-                        want.discard(stage)
-                    else:
-                        multi.setdefault(stage, []).append(msg)
-                        seen[stage] = seen.get(stage, 0) + 1
-                        if seen[stage] == count:
-                            want.discard(stage)
+                elif msg.kind is kind and stage in missing:
+                    got[stage].append(msg)
+                    if len(got[stage]) == counts[stage]:
+                        missing.discard(stage)
                 else:
                     raise self._fail(PipelineError(
                         f"protocol error: got {msg.kind.name} while waiting for {kind.name}", stage))
@@ -279,9 +274,7 @@ class ProcessBackend:
             if deadline is not None and now > deadline:
                 raise self._fail(PipelineError(
                     f"timed out after {timeout} s waiting for {kind.name} ({what}) from stage(s) "
-                    f"{sorted(want)}"))
-        if count != 1:
-            return {k: v for k, v in multi.items()}  # type: ignore[misc]
+                    f"{sorted(missing)}"))
         return got
 
     # -- commands --------------------------------------------------------------------------
@@ -297,7 +290,7 @@ class ProcessBackend:
             if k == last:
                 tensors.append(target)
             self.server.send(k, Kind.STEP, step, 0, tensors, extra)
-        reply = self._collect(Kind.LOSS, [last], what=f"step {step}")[last]
+        reply = self._collect(Kind.LOSS, {last: 1}, what=f"step {step}")[last][0]
         return float(reply.extra["loss"])
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
@@ -306,8 +299,7 @@ class ProcessBackend:
         last = self.n - 1
         for k in range(self.n):
             self.server.send(k, Kind.PREDICT, step, 0, [x] if k == 0 else [], {"sizes": sizes})
-        msgs: list[Message] = self._collect(  # type: ignore[assignment]
-            Kind.OUTPUT, [last], what=f"predict {step}", count=len(sizes))[last]
+        msgs = self._collect(Kind.OUTPUT, {last: len(sizes)}, what=f"predict {step}")[last]
         msgs.sort(key=lambda m: m.microbatch)
         return [tuple(m.tensors) for m in msgs]
 
@@ -316,12 +308,12 @@ class ProcessBackend:
         assert self.server is not None
         for k in range(self.n):
             self.server.send(k, Kind.GET_STATE)
-        got = self._collect(Kind.STATE, range(self.n), what="state_dict")
-        return [(list(got[k].extra["names"]), got[k].tensors) for k in range(self.n)]
+        got = self._collect(Kind.STATE, dict.fromkeys(range(self.n), 1), what="state_dict")
+        return [(list(got[k][0].extra["names"]), got[k][0].tensors) for k in range(self.n)]
 
     def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
         self._check_usable()
         assert self.server is not None
         for k, (names, tensors) in enumerate(per_stage):
             self.server.send(k, Kind.SET_STATE, tensors=tensors, extra={"names": names})
-        self._collect(Kind.ACK, range(self.n), what="load_state_dict")
+        self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), what="load_state_dict")

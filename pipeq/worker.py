@@ -178,6 +178,8 @@ def worker_main(
     """Entry point of a stage process (started by the runner)."""
     if cfg.die_with_parent:
         _die_with_parent()
+    # Ctrl-C reaches the whole process group: the driver decides how its stages stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_name(f"pipeq-stage{cfg.stage}")
     transport = StageTransport(
         cfg.stage,
