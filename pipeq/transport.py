@@ -308,17 +308,19 @@ class Heartbeat:
         self._stop = threading.Event()
         self._args = (ctx, control_addr, stage, interval, on_orphan)
         self._driver_pid = driver_pid
+        self._wake_r, self._wake_w = os.pipe()  # stop() writes here to end a wait at once
         self._thread = threading.Thread(target=self._run, name=f"pipeq-heartbeat-{stage}", daemon=True)
         self._thread.start()
 
     def _driver_gone(self, pidfd: int | None, timeout: float) -> bool:
-        """Wait up to ``timeout`` s; True if the driver process has exited."""
+        """Wait up to ``timeout`` s (or until :meth:`stop`); True if the driver has exited."""
         if pidfd is not None:
             import select
 
             p = select.poll()
             p.register(pidfd, select.POLLIN)
-            return bool(p.poll(timeout * 1000))
+            p.register(self._wake_r, select.POLLIN)
+            return any(fd == pidfd for fd, _ in p.poll(timeout * 1000))
         self._stop.wait(timeout)
         try:
             os.kill(self._driver_pid, 0)
@@ -360,4 +362,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)

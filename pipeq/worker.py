@@ -20,6 +20,7 @@ import ctypes
 import os
 import pickle
 import signal
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -167,6 +168,10 @@ def worker_entry(cfg: WorkerConfig, payload: bytes) -> None:
     the runner handed to this process at start (never anything received over a socket)."""
     module, loss_fn, optimizer_factory = pickle.loads(payload)
     worker_main(cfg, module, loss_fn, optimizer_factory)
+    # Skip the interpreter's teardown (a second or more with torch loaded): sockets are closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def worker_main(
@@ -181,6 +186,8 @@ def worker_main(
     # Ctrl-C reaches the whole process group: the driver decides how its stages stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_name(f"pipeq-stage{cfg.stage}")
+    # Pin first: threads started later (ZeroMQ's I/O thread, torch's pool) inherit the affinity.
+    device = pin(cfg)
     transport = StageTransport(
         cfg.stage,
         cfg.control_addr,
@@ -192,7 +199,6 @@ def worker_main(
     heartbeat = None
     clean = False
     try:
-        device = pin(cfg)
         executor = StageExecutor(cfg.stage, cfg.n_stages, module, optimizer_factory, loss_fn, device)
         heartbeat = Heartbeat(
             transport.ctx, cfg.control_addr, cfg.stage, cfg.heartbeat_interval,
