@@ -428,11 +428,12 @@ def transport_plan(quick: bool, repeats: int) -> list[tuple[int, int, int]]:
 
 
 def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: list) -> dict:
-    """rank 1 receives (binds PULL + ack PUSH), rank 0 sends and times. pipeq's codec + _tune."""
+    """rank 1 receives (binds PULL + ack PUSH), rank 0 sends and times. pipeq's codec + tune_socket."""
     import zmq
 
     from pipeq import codec, transport
 
+    transport.tune_process_allocator()  # as every pipeq stage process does at start
     _pin(rank)
     _threads(1)
     ctx = zmq.Context(io_threads=1)
@@ -443,7 +444,7 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
             socks += [pull, ack]
             eps = []
             for s, name in ((pull, "data"), (ack, "ack")):
-                transport._tune(s)
+                transport.tune_socket(s)
                 s.setsockopt(zmq.RCVTIMEO, 120_000)
                 s.setsockopt(zmq.SNDTIMEO, 120_000)
                 s.bind(f"ipc://{os.path.join(ipc_dir, name)}" if proto == "ipc" else "tcp://127.0.0.1:0")
@@ -462,7 +463,7 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
         push, ackin = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
         socks += [push, ackin]
         for s in (push, ackin):
-            transport._tune(s)
+            transport.tune_socket(s)
             s.setsockopt(zmq.RCVTIMEO, 120_000)
             s.setsockopt(zmq.SNDTIMEO, 120_000)
         push.connect(ep_data)
@@ -805,7 +806,7 @@ def section_transport(a: argparse.Namespace) -> None:
     print("\n=== [3] Transport: one-way float32 tensor stream between two processes (GB/s = 1e9 B/s, "
           f"median of {repeats} rounds after 1 warm-up round) ===")
     print("    pipeq wire: codec.encode -> PUSH send_multipart(copy=False) -> PULL recv_multipart(copy=False) -> "
-          "codec.decode, sockets tuned by pipeq.transport._tune")
+          "codec.decode, sockets tuned by pipeq.transport.tune_socket")
     print(f"    gloo blk: blocking dist.send / dist.recv into a reused buffer; gloo w{GLOO_WINDOW}: isend/irecv with up to "
           f"{GLOO_WINDOW} in flight (rotating reused buffers)")
     print("    memcpy: dst.copy_(src) into a reused tensor, 1 thread, one process")

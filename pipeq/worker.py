@@ -33,7 +33,7 @@ from .codec import Kind, Message
 from .interpreter import OUTPUT, execute
 from .schedules import Op
 from .stage import StageExecutor
-from .transport import Heartbeat, StageTransport, Stopped
+from .transport import Heartbeat, StageTransport, Stopped, tune_process_allocator
 
 
 @dataclass
@@ -186,6 +186,7 @@ def worker_main(
     # Ctrl-C reaches the whole process group: the driver decides how its stages stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_name(f"pipeq-stage{cfg.stage}")
+    tune_process_allocator()
     # Pin first: threads started later (ZeroMQ's I/O thread, torch's pool) inherit the affinity.
     device = pin(cfg)
     transport = StageTransport(
