@@ -112,6 +112,7 @@ class PipelineRunner:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         # Refuse a schedule that cannot run before any process starts.
         schedules.build(schedule, len(stages), microbatches)
+        self._checked_counts = {microbatches}
 
         self.n_stages = len(stages)
         self.schedule = schedule
@@ -198,6 +199,13 @@ class PipelineRunner:
             raise ValueError(f"{name} must have a non-empty batch dimension, got shape {tuple(t.shape)}")
         return t.detach().cpu()
 
+    def _sizes(self, batch: int) -> list[int]:
+        sizes = split_sizes(batch, self.microbatches)
+        if len(sizes) not in self._checked_counts:  # a small batch: dry-run that count too
+            schedules.build(self.schedule, self.n_stages, len(sizes))
+            self._checked_counts.add(len(sizes))
+        return sizes
+
     def step(self, x: torch.Tensor, target: torch.Tensor) -> float:
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss."""
         self._require_running()
@@ -208,7 +216,7 @@ class PipelineRunner:
                 f"x has {x.shape[0]} samples (shape {tuple(x.shape)}) but target has "
                 f"{target.shape[0]} (shape {tuple(target.shape)})"
             )
-        sizes = split_sizes(x.shape[0], self.microbatches)
+        sizes = self._sizes(x.shape[0])
         self._step += 1
         return self._backend.step(self._step, sizes, x, target)
 
@@ -216,7 +224,7 @@ class PipelineRunner:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU."""
         self._require_running()
         x = self._batch("x", x)
-        sizes = split_sizes(x.shape[0], self.microbatches)
+        sizes = self._sizes(x.shape[0])
         self._step += 1
         outs = self._backend.predict(self._step, sizes, x)
         cat = tuple(torch.cat([o[i] for o in outs]) for i in range(len(outs[0])))

@@ -253,6 +253,7 @@ class StageTransport:
                     msg = queue.pop(step, mb)
                     if msg is not None:
                         return msg
+                os.sched_yield()  # let ZeroMQ's I/O thread (and other stages) have the core
         while True:
             if not self.pump(_SLICE_MS) and watchdog is not None:
                 watchdog()
