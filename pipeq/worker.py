@@ -208,7 +208,8 @@ def worker_main(
         transport.send_control(
             Kind.READY,
             extra={**transport.addresses, "pid": os.getpid(), "device": str(device),
-                   "threads": torch.get_num_threads()},
+                   "threads": torch.get_num_threads(),
+                   "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []},
         )
         EventLoop(cfg, transport, executor).serve()
         clean = True

@@ -97,3 +97,12 @@ class TwoIn(nn.Module):
 
     def forward(self, h, flag):
         return self.lin(h) + flag.unsqueeze(1).float()
+
+
+class FailingStepSGD(torch.optim.SGD):
+    """SGD whose step fails on the stage that owns a (5, 8) weight (stage 0 in the tests)."""
+
+    def step(self, closure=None):
+        if any(p.shape == (5, 8) for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("optimizer step failed on purpose")
+        return super().step(closure)

@@ -13,7 +13,7 @@ from torch import nn
 
 import pipeq
 from conftest import stray_workers, wait_no_strays
-from models import Exits, Raises, Sleeps, mlp_stages
+from models import Exits, FailingStepSGD, Raises, Sleeps, mlp_stages
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 pytestmark = pytest.mark.timeout(60)
@@ -137,3 +137,27 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+def test_error_after_the_loss_is_not_lost():
+    # stage 0 fails in its optimizer step, after the last stage has already reported the loss:
+    # the error must still reach the caller (from the next call or from leaving the block)
+    stages = [nn.Linear(8, 5), nn.Linear(5, 3)]
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), functools.partial(FailingStepSGD, lr=0.1))
+    with pytest.raises(pipeq.PipelineError, match="optimizer step failed on purpose") as info:
+        with runner:
+            runner.step(*xy())
+    assert info.value.stage == 0
+    assert not wait_no_strays(5.0)
+
+
+def test_workers_are_pinned_to_their_own_cores():
+    runner = pipeq.PipelineRunner([nn.Linear(8, 8), nn.Linear(8, 3)], nn.CrossEntropyLoss(), SGD)
+    with runner:
+        info = runner._backend.worker_info
+    ncores = len(os.sched_getaffinity(0))
+    per = max(1, ncores // 2)
+    assert [i["threads"] for i in info] == [per, per]
+    assert all(len(i["cores"]) == per for i in info)
+    if ncores >= 2:
+        assert not set(info[0]["cores"]) & set(info[1]["cores"]), "stages share a core"
