@@ -128,7 +128,7 @@ class StageExecutor:
         for t in outs:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(
-                    f"stage {self.index} returned a {type(t).__name__}; a stage must return a "
+                    f"the stage returned a {type(t).__name__}; a stage must return a "
                     "tensor or a tuple of tensors"
                 )
         if self.is_last:
@@ -144,7 +144,7 @@ class StageExecutor:
                 ) from exc
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(
-                    f"stage {self.index}: loss_fn must return a scalar tensor, got "
+                    f"loss_fn must return a scalar tensor, got "
                     f"{describe((loss,)) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
                 )
             scaled = loss.reshape(()) * self.weights[j]
@@ -163,16 +163,18 @@ class StageExecutor:
             outs.backward()
         else:
             assert grads is not None
-            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-            if len(grads) != sum(1 for o in outs if o.is_floating_point() or o.is_complex()):
+            # the next stage sent one gradient per floating-point output, in order
+            diff_outs = [o for o in outs if o.is_floating_point() or o.is_complex()]
+            if len(grads) != len(diff_outs):
                 raise ValueError(
-                    f"stage {self.index}: got {len(grads)} gradient(s) for outputs "
+                    f"got {len(grads)} gradient(s) for outputs "
                     f"{describe(outs)} of microbatch {j}"
                 )
+            pairs = [(o, g) for o, g in zip(diff_outs, grads) if o.requires_grad]
             for o, g in pairs:
                 if o.shape != g.shape:
                     raise ValueError(
-                        f"stage {self.index}: gradient of shape {tuple(g.shape)} for output of "
+                        f"gradient of shape {tuple(g.shape)} for output of "
                         f"shape {tuple(o.shape)} (microbatch {j})"
                     )
             if pairs:

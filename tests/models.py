@@ -81,21 +81,25 @@ class Sleeps(nn.Module):
 class TwoOut(nn.Module):
     """Returns a tuple: (hidden activation, an integer tensor that rides along)."""
 
-    def __init__(self, a: int, b: int):
+    def __init__(self, a: int, b: int, flag_first: bool = False):
         super().__init__()
         self.lin = nn.Linear(a, b)
+        self.flag_first = flag_first
 
     def forward(self, x):
         h = torch.relu(self.lin(x))
-        return h, (x[:, 0] > 0).long()
+        flag = (x[:, 0] > 0).long()
+        return (flag, h) if self.flag_first else (h, flag)
 
 
 class TwoIn(nn.Module):
-    def __init__(self, b: int, c: int):
+    def __init__(self, b: int, c: int, flag_first: bool = False):
         super().__init__()
         self.lin = nn.Linear(b, c)
+        self.flag_first = flag_first
 
-    def forward(self, h, flag):
+    def forward(self, a, b):
+        flag, h = (a, b) if self.flag_first else (b, a)
         return self.lin(h) + flag.unsqueeze(1).float()
 
 

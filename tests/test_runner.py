@@ -106,9 +106,11 @@ def test_sum_reduced_loss_and_adam():
     assert_matches_reference(stages, data, losses, state, loss_fn=loss_fn, opt=adam, tol=1e-4)
 
 
-def test_tuple_activations_cross_stage_boundaries():
+@pytest.mark.parametrize("flag_first", [False, True])
+def test_tuple_activations_cross_stage_boundaries(flag_first):
+    # a float activation and an integer tensor riding along, in either order
     torch.manual_seed(3)
-    stages = [TwoOut(8, 16), TwoIn(16, 3)]
+    stages = [TwoOut(8, 16, flag_first), TwoIn(16, 3, flag_first)]
     data = batches(3, 24)
     for mode in ("simulated", "process"):
         losses, state, _ = run(stages, data, schedule="1f1b", microbatches=3, mode=mode)
