@@ -226,6 +226,6 @@ def worker_main(
     finally:
         if heartbeat is not None:
             heartbeat.stop()
-        transport.close(linger_ms=2000 if clean else 1000)
+        transport.close(linger_ms=500 if clean else 200)
     if not clean:
         os._exit(1)
