@@ -72,7 +72,8 @@ class Kind(enum.IntEnum):
     PREDICT = 12
     GET_STATE = 13
     SET_STATE = 14
-    STOP = 15
+    STOP = 15  # finish queued work, reply ACK, wait for EXIT
+    EXIT = 16
     # worker -> runner
     READY = 20
     LOSS = 21

@@ -77,8 +77,10 @@ class ProcessBackend:
         start_timeout: float,
         spin_s: float,
         start_method: str = "spawn",
+        stop_timeout: float = 60.0,
     ) -> None:
         self.start_method = start_method
+        self.stop_timeout = stop_timeout
         self.stages = list(stages)
         self.n = len(self.stages)
         self.loss_fn = loss_fn
@@ -160,25 +162,25 @@ class ProcessBackend:
         self.worker_info = [ready[k].extra for k in range(self.n)]
 
     def close(self) -> None:
-        """Stop every worker (STOP, then SIGTERM, then SIGKILL) and remove the ipc files."""
-        if self.server is not None and self.failure is None:
-            for k, p in enumerate(self.procs):
-                if p.exitcode is None:
-                    try:
-                        self.server.send(k, Kind.STOP)
-                    except Exception:
-                        pass
-            deadline = time.monotonic() + 10.0
-            late_error: PipelineError | None = None
-            while any(p.exitcode is None for p in self.procs) and time.monotonic() < deadline:
-                got = self.server.recv(50)
-                if got is not None and got[1].kind is Kind.ERROR and late_error is None:
-                    late_error = self._error_of(got)
+        """Stop every worker and remove the ipc files.
+
+        Two phases: STOP lets each stage finish what it was sent and answer ACK (so an error in
+        the last step still reaches the caller, and no message is in flight any more); EXIT
+        then ends the processes. Stragglers get SIGTERM, then SIGKILL.
+        """
+        if self.server is None or self.failure is not None:
             self._teardown()
-            if late_error is not None:
-                raise late_error
-        else:
-            self._teardown()
+            return
+        alive = [k for k, p in enumerate(self.procs) if p.exitcode is None]
+        for k in alive:
+            self.server.send(k, Kind.STOP)
+        self._collect(Kind.ACK, dict.fromkeys(alive, 1), timeout=self.stop_timeout, what="stop")
+        for k in alive:
+            self.server.send(k, Kind.EXIT)
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._teardown()
 
     def _teardown(self) -> None:
         for p in self.procs:

@@ -43,7 +43,7 @@ class ProtocolError(RuntimeError):
 
 
 class Stopped(Exception):
-    """The runner asked this stage to stop while it was waiting."""
+    """The runner told this stage to exit while it was waiting for data."""
 
 
 class KeyedQueue:
@@ -232,15 +232,15 @@ class StageTransport:
             self._drain(sock)
         return bool(events)
 
-    def _check_stop(self) -> None:
+    def _check_exit(self) -> None:
         for msg in self.control_queue:
-            if msg.kind is Kind.STOP:
+            if msg.kind is Kind.EXIT:
                 raise Stopped()
 
     def wait_data(
         self, queue: KeyedQueue, step: int, mb: int, watchdog: Callable[[], None] | None = None
     ) -> Message:
-        """Block until message ``(step, mb)`` is in ``queue``; a STOP from the runner interrupts."""
+        """Block until message ``(step, mb)`` is in ``queue``; an EXIT from the runner interrupts."""
         msg = queue.pop(step, mb)
         if msg is not None:
             return msg
@@ -260,7 +260,7 @@ class StageTransport:
             msg = queue.pop(step, mb)
             if msg is not None:
                 return msg
-            self._check_stop()
+            self._check_exit()
 
     def next_control(self, timeout_ms: int) -> Message | None:
         """The next control message, waiting up to ``timeout_ms``; None on time-out."""

@@ -8,7 +8,8 @@ The loop waits for a command on the control channel and carries it out:
     PREDICT    run forward-only actions; the last stage replies OUTPUT per microbatch
     GET_STATE  reply STATE (the stage module's state_dict tensors)
     SET_STATE  load them, reply ACK
-    STOP       leave the loop
+    STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
+    EXIT       leave the loop
 
 Any exception is reported to the runner as ERROR (message and traceback) before the process
 exits. The event loop is the only code in a worker that touches the transport.
@@ -124,6 +125,8 @@ class EventLoop:
             elif kind is Kind.PEERS:
                 t.connect(msg.extra.get("next_forward"), msg.extra.get("prev_backward"))
             elif kind is Kind.STOP:
+                t.send_control(Kind.ACK, msg.step)
+            elif kind is Kind.EXIT:
                 return
             else:
                 raise RuntimeError(f"stage {self.cfg.stage}: unexpected command {kind.name}")
@@ -226,6 +229,6 @@ def worker_main(
     finally:
         if heartbeat is not None:
             heartbeat.stop()
-        transport.close(linger_ms=500 if clean else 200)
+        transport.close(linger_ms=200)
     if not clean:
         os._exit(1)
