@@ -56,6 +56,8 @@ class PipelineRunner:
         host: the address stages bind to with ``transport="tcp"``.
         heartbeat_interval, heartbeat_timeout: seconds; a stage silent for longer is failed.
         start_timeout: seconds to wait for every stage to start.
+        stop_timeout: seconds ``close()`` lets the stages finish what they were sent before they
+            are terminated (a failure is raised then).
         spin: seconds a waiting stage busy-polls before it blocks (lower latency, more CPU).
         start_method: ``"spawn"`` (default: a fresh interpreter per stage, ~2 s to start) or
             ``"forkserver"`` (stages fork from a server that has torch imported: ~50 ms; the
@@ -81,6 +83,7 @@ class PipelineRunner:
         start_timeout: float = 120.0,
         spin: float = 0.0,
         start_method: str = "spawn",
+        stop_timeout: float = 60.0,
     ) -> None:
         if isinstance(stages, nn.Module) or not isinstance(stages, (list, tuple)) or not stages:
             raise ValueError("stages must be a non-empty list of nn.Module, one per pipeline stage")
@@ -131,6 +134,7 @@ class PipelineRunner:
                 host=host, queue_capacity=queue_capacity or max(64, 4 * microbatches),
                 heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
                 start_timeout=start_timeout, spin_s=spin, start_method=start_method,
+                stop_timeout=stop_timeout,
             )
         else:
             from .simulated import SimulatedBackend
