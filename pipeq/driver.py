@@ -26,6 +26,7 @@ from torch import nn
 
 from .codec import Kind, Message
 from .errors import CodecError, PipelineError
+from .schedules import ScheduleFn
 from .stage import Tensors
 from .transport import ControlServer, make_ipc_dir, remove_ipc_dir
 from .worker import WorkerConfig, worker_entry
@@ -65,7 +66,7 @@ class ProcessBackend:
         stages: Sequence[nn.Module],
         loss_fn: Callable,
         optimizer: Callable[..., Any],
-        schedule: str,
+        schedule: "str | ScheduleFn",
         *,
         devices: Sequence[str] | None,
         threads_per_stage: int | None,

@@ -46,7 +46,10 @@ class PipelineRunner:
             or a tuple of tensors). In process mode they must be picklable.
         loss_fn: ``loss_fn(output, target)`` on the last stage; reduction 'mean' or 'sum'.
         optimizer: called with one stage's parameters, e.g. ``partial(torch.optim.SGD, lr=0.1)``.
-        schedule: ``"1f1b"`` or ``"fill-drain"`` (alias ``"gpipe"``).
+        schedule: ``"1f1b"`` or ``"fill-drain"`` (alias ``"gpipe"``), or your own schedule
+            function ``(n_stages, n_microbatches) -> per-stage lists of F(j), B(j), STEP``
+            (module level, so that stage processes can import it); it is validated and
+            dry-run for deadlock here, before anything starts.
         microbatches: microbatches per step (a smaller batch uses one sample per microbatch).
         mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
         devices: one device string per stage; default ``cuda:k`` round-robin when CUDA is
@@ -69,7 +72,7 @@ class PipelineRunner:
         stages: Sequence[nn.Module],
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
         optimizer: Callable[..., torch.optim.Optimizer],
-        schedule: str = "1f1b",
+        schedule: str | schedules.ScheduleFn = "1f1b",
         microbatches: int = 8,
         *,
         mode: str = "process",
@@ -125,7 +128,7 @@ class PipelineRunner:
             {name: tuple(t.shape) for name, t in s.state_dict().items()} for s in stages
         ]
         if mode == "process":
-            self._check_picklable(stages, loss_fn, optimizer)
+            self._check_picklable(stages, loss_fn, optimizer, schedule)
             from .driver import ProcessBackend
 
             self._backend: Any = ProcessBackend(
@@ -146,9 +149,9 @@ class PipelineRunner:
         self._running = False
 
     @staticmethod
-    def _check_picklable(stages: Sequence[nn.Module], loss_fn: Any, optimizer: Any) -> None:
+    def _check_picklable(stages: Sequence[nn.Module], loss_fn: Any, optimizer: Any, schedule: Any) -> None:
         items = [(f"stage {k} ({type(s).__name__})", s) for k, s in enumerate(stages)]
-        items += [("loss_fn", loss_fn), ("optimizer", optimizer)]
+        items += [("loss_fn", loss_fn), ("optimizer", optimizer), ("schedule", schedule)]
         for what, obj in items:
             try:
                 pickle.dumps(obj)

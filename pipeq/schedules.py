@@ -112,13 +112,21 @@ SCHEDULES: dict[str, ScheduleFn] = {
 }
 
 
-def get_schedule(name: str) -> ScheduleFn:
+def get_schedule(name: str | ScheduleFn) -> ScheduleFn:
+    """The schedule function registered as ``name``, or ``name`` itself if it is a function."""
+    if callable(name):
+        return name
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):
         raise ValueError(
-            f"unknown schedule {name!r}; choose one of {', '.join(sorted(SCHEDULES))}"
+            f"unknown schedule {name!r}; choose one of {', '.join(sorted(SCHEDULES))}, or pass "
+            "a function (n_stages, n_microbatches) -> per-stage action lists"
         ) from None
+
+
+def schedule_name(schedule: str | ScheduleFn) -> str:
+    return schedule if isinstance(schedule, str) else getattr(schedule, "__name__", repr(schedule))
 
 
 def lower(schedule: Schedule) -> Schedule:
@@ -264,24 +272,35 @@ def dry_run(
 
 
 def build(
-    name: str, n_stages: int, n_microbatches: int, *, training: bool = True
+    schedule: str | ScheduleFn, n_stages: int, n_microbatches: int, *, training: bool = True
 ) -> Schedule:
-    """The validated, lowered action lists of one step of schedule ``name`` (dry-run included)."""
-    fn = get_schedule(name) if training else forward_only
+    """The validated, lowered action lists of one step (dry run included).
+
+    ``schedule`` is a registered name or a schedule function; a function's output is checked
+    like any other (consistency, then a deadlock-free dry run) and refused with a
+    :class:`ScheduleError` naming the stage and action at fault.
+    """
+    fn = get_schedule(schedule) if training else forward_only
     sched = fn(n_stages, n_microbatches)
+    if not isinstance(sched, list) or not all(
+        isinstance(acts, list) and all(isinstance(a, Action) for a in acts) for acts in sched
+    ):
+        raise ScheduleError(
+            f"schedule {schedule_name(schedule)!r} must return one list of Action per stage"
+        )
     check_consistency(sched, n_stages, n_microbatches, training)
     lowered = lower(sched)
     dry_run(lowered)
     return lowered
 
 
-def format_table(name: str, n_stages: int, n_microbatches: int, *, backward_cost: int = 1) -> str:
+def format_table(name: str | ScheduleFn, n_stages: int, n_microbatches: int, *, backward_cost: int = 1) -> str:
     """The stage x time table of a schedule's dry run (one column per time unit)."""
     lowered = build(name, n_stages, n_microbatches)
     timeline = dry_run(lowered, cost={Op.BACKWARD: backward_cost})
     end = max(t + (backward_cost if a.op is Op.BACKWARD else 1) for row in timeline for t, a in row)
     width = max(3, len(str(n_microbatches - 1)) + 2)
-    lines = [f"{name}: {n_stages} stages x {n_microbatches} microbatches"]
+    lines = [f"{schedule_name(name)}: {n_stages} stages x {n_microbatches} microbatches"]
     for k, row in enumerate(timeline):
         cells = ["."] * end
         for t, a in row:

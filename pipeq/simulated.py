@@ -19,7 +19,7 @@ from torch import nn
 from . import schedules
 from .errors import PipelineError
 from .interpreter import OUTPUT, execute
-from .schedules import Op
+from .schedules import Op, ScheduleFn
 from .stage import StageExecutor, Tensors
 
 
@@ -29,7 +29,7 @@ class SimulatedBackend:
         stages: Sequence[nn.Module],
         loss_fn: Callable,
         optimizer: Callable[..., Any],
-        schedule: str,
+        schedule: "str | ScheduleFn",
         device: str = "cpu",
     ) -> None:
         self.schedule = schedule

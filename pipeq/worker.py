@@ -43,7 +43,7 @@ class WorkerConfig:
 
     stage: int
     n_stages: int
-    schedule: str
+    schedule: str | Callable[[int, int], list]  # a registered name or a schedule function
     control_addr: str
     transport: str = "ipc"
     where: str = ""  # ipc directory, or the tcp host/address to bind

@@ -110,3 +110,23 @@ class FailingStepSGD(torch.optim.SGD):
         if any(p.shape == (5, 8) for g in self.param_groups for p in g["params"]):
             raise RuntimeError("optimizer step failed on purpose")
         return super().step(closure)
+
+
+def reverse_drain(n_stages, n_microbatches):
+    """A user schedule: every forward, then the backwards in reverse order, then the step."""
+    from pipeq.schedules import B, F, STEP
+
+    m = n_microbatches
+    return [[F(j) for j in range(m)] + [B(j) for j in reversed(range(m))] + [STEP]
+            for _ in range(n_stages)]
+
+
+def eager_backward(n_stages, n_microbatches):
+    """A broken user schedule: stage 0 waits for gradient 0 before sending activation 1,
+    while the last stage runs both forwards before its first backward."""
+    from pipeq.schedules import B, F, STEP
+
+    m = n_microbatches
+    first = [F(0), B(0)] + [a for j in range(1, m) for a in (F(j), B(j))] + [STEP]
+    rest = [F(j) for j in range(m)] + [B(j) for j in range(m)] + [STEP]
+    return [first] + [list(rest) for _ in range(n_stages - 1)]

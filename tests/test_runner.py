@@ -170,3 +170,23 @@ def test_bad_arguments_are_refused_before_anything_starts():
     with runner:
         with pytest.raises(ValueError, match=r"x has 4 samples.*target has 3"):
             runner.step(torch.zeros(4, 8), torch.zeros(3, dtype=torch.long))
+
+
+def test_user_schedule_function_runs_in_both_modes():
+    from models import reverse_drain
+
+    stages = mlp_stages()
+    data = batches(3, 40)
+    for mode in ("simulated", "process"):
+        losses, state, _ = run(stages, data, schedule=reverse_drain, microbatches=4, mode=mode)
+        assert_matches_reference(stages, data, losses, state)
+
+
+def test_deadlocking_user_schedule_is_refused_before_anything_starts():
+    from models import eager_backward
+
+    with pytest.raises(pipeq.ScheduleError, match=r"deadlocks: stage 0 waits for the grad of microbatch 0"):
+        pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), SGD, schedule=eager_backward,
+                             microbatches=2)
+    assert pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), SGD, schedule=eager_backward,
+                                microbatches=1) is not None  # one microbatch: nothing to deadlock on
