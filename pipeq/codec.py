@@ -31,7 +31,7 @@ FORMAT_VERSION = 1
 
 #: Limits that a well-formed message never reaches; anything beyond them is refused.
 MAX_HEADER_BYTES = 1 << 20
-MAX_TENSORS = 256
+MAX_TENSORS = 1 << 16  # a stage's whole state_dict travels in one message
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 40
 

@@ -24,14 +24,18 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from . import codec
 from .codec import Kind, Message
 from .errors import CodecError, PipelineError
 from .schedules import ScheduleFn
 from .stage import Tensors
-from .transport import ControlServer, make_ipc_dir, remove_ipc_dir
+from .transport import ControlServer, PeerUnreachable, make_ipc_dir, remove_ipc_dir
 from .worker import WorkerConfig, worker_entry
 
 _POLL_MS = 100
+# Replies a worker sends to a command; one of these that no one waits for any more (the caller was
+# interrupted, e.g. by Ctrl-C) is stale and dropped.
+_REPLIES = frozenset({Kind.LOSS, Kind.OUTPUT, Kind.STATE, Kind.ACK})
 
 
 def plan_devices(n_stages: int, devices: Sequence[str] | None) -> list[tuple[str, list[int], int]]:
@@ -102,6 +106,7 @@ class ProcessBackend:
         self.last_beat: list[float] = []
         self.failure: PipelineError | None = None
         self._last_health = 0.0
+        self._control_id = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -122,6 +127,8 @@ class ProcessBackend:
             ctx.set_forkserver_preload(["pipeq._preload"])
         plan = plan_devices(self.n, self.devices)
         main_thread = threading.current_thread() is threading.main_thread()
+        # stage seeds come from the caller's RNG: torch.manual_seed before the runner repeats a run
+        base_seed = int(torch.randint(0, 2**62, ()).item())
         for k, (dev, cores, threads) in enumerate(plan):
             cfg = WorkerConfig(
                 stage=k,
@@ -139,6 +146,7 @@ class ProcessBackend:
                 # PDEATHSIG fires when the *thread* that started us exits: only safe from main.
                 die_with_parent=main_thread,
                 driver_pid=os.getpid(),
+                seed=base_seed + k,
             )
             # Plain pickle bytes: each worker gets a private copy (multiprocessing's own pickler
             # would move the tensors to shared memory, and workers would train the caller's modules).
@@ -159,7 +167,7 @@ class ProcessBackend:
                 extra["next_forward"] = ready[k + 1].extra["forward"]
             if k > 0:
                 extra["prev_backward"] = ready[k - 1].extra["backward"]
-            self.server.send(k, Kind.PEERS, extra=extra)
+            self.server.send(k, codec.encode(Kind.PEERS, extra=extra))
         self.worker_info = [ready[k].extra for k in range(self.n)]
 
     def close(self) -> None:
@@ -172,12 +180,11 @@ class ProcessBackend:
         if self.server is None or self.failure is not None:
             self._teardown()
             return
-        alive = [k for k, p in enumerate(self.procs) if p.exitcode is None]
-        for k in alive:
-            self.server.send(k, Kind.STOP)
-        self._collect(Kind.ACK, dict.fromkeys(alive, 1), timeout=self.stop_timeout, what="stop")
-        for k in alive:
-            self.server.send(k, Kind.EXIT)
+        req = self._next_control_id()
+        self._send_all([(k, codec.encode(Kind.STOP, req)) for k in range(self.n)])
+        self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), step=req,
+                      timeout=self.stop_timeout, what="stop")
+        self._send_all([(k, codec.encode(Kind.EXIT, req)) for k in range(self.n)])
         deadline = time.monotonic() + 5.0
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -205,11 +212,15 @@ class ProcessBackend:
         self.ipc_dir = None
 
     # -- failure handling ------------------------------------------------------------------
-    def _stage_of(self, ident: bytes) -> tuple[str, int]:
-        return chr(ident[0]), int(ident[1:])
+    def _stage_of(self, ident: bytes) -> tuple[str, int] | None:
+        """('s' or 'h', stage) for one of our workers' identities, None for anything else."""
+        role, num = ident[:1], ident[1:]
+        if role not in (b"s", b"h") or not num.isdigit() or int(num) >= self.n:
+            return None
+        return role.decode(), int(num)
 
     def _error_of(self, got: tuple[bytes, Message]) -> PipelineError:
-        _, stage = self._stage_of(got[0])
+        _, stage = self._stage_of(got[0])  # type: ignore[misc]
         extra = got[1].extra
         return PipelineError(str(extra.get("message", "failed")), stage, extra.get("traceback"))
 
@@ -244,13 +255,19 @@ class ProcessBackend:
             raise PipelineError("the pipeline is not running; use 'with runner:' or runner.start()")
 
     def _collect(
-        self, kind: Kind, counts: dict[int, int], *, timeout: float | None = None, what: str = "reply"
+        self, kind: Kind, counts: dict[int, int], *, step: int = 0, timeout: float | None = None,
+        what: str = "reply",
     ) -> dict[int, list[Message]]:
-        """Wait for ``counts[k]`` messages of ``kind`` from each stage k, watching every worker."""
+        """Wait for ``counts[k]`` replies ``(kind, step)`` from each stage k, watching every worker.
+
+        Only time spent waiting here counts against the heartbeat timeout: a caller that paused
+        between two calls does not make its stages look dead.
+        """
         assert self.server is not None
+        start = self._begin_wait()
         got: dict[int, list[Message]] = {k: [] for k in counts}
         missing = {k for k, c in counts.items() if c > 0}
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else start + timeout
         while missing:
             try:
                 r = self.server.recv(_POLL_MS)
@@ -258,20 +275,22 @@ class ProcessBackend:
                 raise self._fail(PipelineError(f"malformed message on the control channel: {exc}"))
             now = time.monotonic()
             if r is not None:
-                role, stage = self._stage_of(r[0])
+                who = self._stage_of(r[0])
                 msg = r[1]
-                self.last_beat[stage] = now
-                if role == "h":
-                    pass
-                elif msg.kind is Kind.ERROR:
-                    raise self._fail(self._error_of(r))
-                elif msg.kind is kind and stage in missing:
-                    got[stage].append(msg)
-                    if len(got[stage]) == counts[stage]:
-                        missing.discard(stage)
-                else:
-                    raise self._fail(PipelineError(
-                        f"protocol error: got {msg.kind.name} while waiting for {kind.name}", stage))
+                if who is not None:  # anything else is not one of our workers: ignore it
+                    role, stage = who
+                    self.last_beat[stage] = now
+                    if role == "h":
+                        pass
+                    elif msg.kind is Kind.ERROR:
+                        raise self._fail(self._error_of(r))
+                    elif msg.kind is kind and msg.step == step and stage in missing:
+                        got[stage].append(msg)
+                        if len(got[stage]) == counts[stage]:
+                            missing.discard(stage)
+                    elif msg.kind not in _REPLIES:
+                        raise self._fail(PipelineError(
+                            f"protocol error: got {msg.kind.name} while waiting for {kind.name}", stage))
             if r is None or now - self._last_health > _POLL_MS / 1000:
                 self._check_health()
             if deadline is not None and now > deadline:
@@ -280,43 +299,83 @@ class ProcessBackend:
                     f"{sorted(missing)}"))
         return got
 
-    # -- commands --------------------------------------------------------------------------
-    def step(self, step: int, sizes: list[int], x: torch.Tensor, target: torch.Tensor) -> float:
-        self._check_usable()
+    def _begin_wait(self) -> float:
+        """Heartbeats are judged from now on: silence while nobody waited is not a failure."""
+        now = time.monotonic()
+        self.last_beat = [max(b, now) for b in self.last_beat]
+        self._last_health = now
+        return now
+
+    def _drain_pending(self) -> None:
+        """Handle what arrived while no call was waiting (an ERROR above all), without blocking."""
         assert self.server is not None
+        while True:
+            try:
+                r = self.server.recv(0)
+            except CodecError as exc:
+                raise self._fail(PipelineError(f"malformed message on the control channel: {exc}"))
+            if r is None:
+                return
+            who = self._stage_of(r[0])
+            if who is not None and who[0] == "s" and r[1].kind is Kind.ERROR:
+                raise self._fail(self._error_of(r))
+
+    def _send_all(self, messages: list[tuple[int, list[Any]]]) -> None:
+        """Send encoded messages to their stages, after checking that every stage is alive.
+
+        Messages are encoded by the caller before this is called, so a message that cannot be
+        encoded is refused before any stage has been told anything (no half-sent command).
+        """
+        assert self.server is not None
+        self._drain_pending()
+        self._begin_wait()
+        self._check_health()
+        for k, frames in messages:
+            try:
+                self.server.send(k, frames)
+            except PeerUnreachable:
+                self._check_health()  # names the stage and its own error if it died
+                raise self._fail(PipelineError("its control socket is gone", k))
+
+    def _next_control_id(self) -> int:
+        self._control_id -= 1  # control requests count down, steps count up: never equal
+        return self._control_id
+
+    # -- commands --------------------------------------------------------------------------
+    def step(
+        self, step: int, sizes: list[int], weights: list[float], x: torch.Tensor, target: torch.Tensor
+    ) -> float:
+        self._check_usable()
         last = self.n - 1
-        extra = {"sizes": sizes}
+        extra = {"sizes": sizes, "weights": weights}
+        msgs = []
         for k in range(self.n):
-            tensors: list[torch.Tensor] = []
-            if k == 0:
-                tensors.append(x)
-            if k == last:
-                tensors.append(target)
-            self.server.send(k, Kind.STEP, step, 0, tensors, extra)
-        reply = self._collect(Kind.LOSS, {last: 1}, what=f"step {step}")[last][0]
+            tensors = ([x] if k == 0 else []) + ([target] if k == last else [])
+            msgs.append((k, codec.encode(Kind.STEP, step, 0, tensors, extra)))
+        self._send_all(msgs)
+        reply = self._collect(Kind.LOSS, {last: 1}, step=step, what=f"step {step}")[last][0]
         return float(reply.extra["loss"])
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
         self._check_usable()
-        assert self.server is not None
         last = self.n - 1
-        for k in range(self.n):
-            self.server.send(k, Kind.PREDICT, step, 0, [x] if k == 0 else [], {"sizes": sizes})
-        msgs = self._collect(Kind.OUTPUT, {last: len(sizes)}, what=f"predict {step}")[last]
+        extra = {"sizes": sizes}
+        self._send_all([(k, codec.encode(Kind.PREDICT, step, 0, [x] if k == 0 else [], extra))
+                        for k in range(self.n)])
+        msgs = self._collect(Kind.OUTPUT, {last: len(sizes)}, step=step, what=f"predict {step}")[last]
         msgs.sort(key=lambda m: m.microbatch)
         return [tuple(m.tensors) for m in msgs]
 
     def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
         self._check_usable()
-        assert self.server is not None
-        for k in range(self.n):
-            self.server.send(k, Kind.GET_STATE)
-        got = self._collect(Kind.STATE, dict.fromkeys(range(self.n), 1), what="state_dict")
+        req = self._next_control_id()
+        self._send_all([(k, codec.encode(Kind.GET_STATE, req)) for k in range(self.n)])
+        got = self._collect(Kind.STATE, dict.fromkeys(range(self.n), 1), step=req, what="state_dict")
         return [(list(got[k][0].extra["names"]), got[k][0].tensors) for k in range(self.n)]
 
     def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
         self._check_usable()
-        assert self.server is not None
-        for k, (names, tensors) in enumerate(per_stage):
-            self.server.send(k, Kind.SET_STATE, tensors=tensors, extra={"names": names})
-        self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), what="load_state_dict")
+        req = self._next_control_id()
+        self._send_all([(k, codec.encode(Kind.SET_STATE, req, 0, tensors, {"names": names}))
+                        for k, (names, tensors) in enumerate(per_stage)])
+        self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), step=req, what="load_state_dict")

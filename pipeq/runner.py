@@ -25,7 +25,7 @@ from torch import nn
 
 from . import schedules
 from .errors import PipelineError
-from .stage import loss_weight_mode
+from .stage import loss_weight_mode, microbatch_weights
 
 MODES = ("process", "simulated")
 TRANSPORTS = ("ipc", "tcp")
@@ -114,6 +114,22 @@ class PipelineRunner:
             raise ValueError(f"threads_per_stage must be a positive integer, got {threads_per_stage!r}")
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+        if queue_capacity is not None and (type(queue_capacity) is not int or queue_capacity < microbatches):
+            raise ValueError(
+                f"queue_capacity={queue_capacity!r} is too small: a stage may hold every "
+                f"microbatch of a step, so it must be an integer >= microbatches ({microbatches})"
+            )
+        if devices is not None:
+            for k, d in enumerate(devices):
+                try:
+                    dev = torch.device(d)
+                except (RuntimeError, TypeError) as exc:
+                    raise ValueError(f"devices[{k}] = {d!r} is not a device: {exc}") from None
+                if dev.type == "cuda" and not torch.cuda.is_available():
+                    raise ValueError(f"devices[{k}] = {d!r}, but CUDA is not available here")
+                if dev.type not in ("cpu", "cuda"):
+                    raise ValueError(f"devices[{k}] = {d!r}: pipeq runs stages on 'cpu' or 'cuda'")
+        self._check_untied(stages)
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         # Refuse a schedule that cannot run before any process starts.
@@ -121,6 +137,7 @@ class PipelineRunner:
         self._checked_counts = {microbatches}
 
         self.n_stages = len(stages)
+        self._loss_fn = loss_fn
         self.schedule = schedule
         self.microbatches = microbatches
         self.mode = mode
@@ -147,6 +164,21 @@ class PipelineRunner:
             )
         self._step = 0
         self._running = False
+        self._used = False
+
+    @staticmethod
+    def _check_untied(stages: Sequence[nn.Module]) -> None:
+        """Each stage process owns its tensors: a parameter shared by two stages would untie."""
+        owner: dict[int, tuple[int, str]] = {}
+        for k, s in enumerate(stages):
+            for name, t in list(s.named_parameters()) + list(s.named_buffers()):
+                first = owner.setdefault(id(t), (k, name))
+                if first[0] != k:
+                    raise ValueError(
+                        f"stage {k}'s {name!r} is the same tensor as stage {first[0]}'s "
+                        f"{first[1]!r}; tensors shared between stages (tied weights) would be "
+                        "trained apart, one copy per stage process: keep them in one stage"
+                    )
 
     @staticmethod
     def _check_picklable(stages: Sequence[nn.Module], loss_fn: Any, optimizer: Any, schedule: Any) -> None:
@@ -164,9 +196,17 @@ class PipelineRunner:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "PipelineRunner":
-        if not self._running:
-            self._backend.start()
-            self._running = True
+        if self._running:
+            return self
+        if self._used:
+            raise PipelineError(
+                "this runner has already run and been closed; a restart would begin again from "
+                "the stages' initial weights. Create a new runner (and load_state_dict the "
+                "state_dict you kept) instead"
+            )
+        self._used = True
+        self._backend.start()
+        self._running = True
         return self
 
     def close(self) -> None:
@@ -224,8 +264,9 @@ class PipelineRunner:
                 f"{target.shape[0]} (shape {tuple(target.shape)})"
             )
         sizes = self._sizes(x.shape[0])
+        weights = microbatch_weights(self._loss_fn, target, sizes)
         self._step += 1
-        return self._backend.step(self._step, sizes, x, target)
+        return self._backend.step(self._step, sizes, weights, x, target)
 
     def predict(self, x: torch.Tensor) -> Any:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU."""

@@ -47,14 +47,15 @@ class SimulatedBackend:
         pass
 
     def _run(
-        self, step: int, sizes: list[int], x: torch.Tensor, target: torch.Tensor | None, training: bool
+        self, step: int, sizes: list[int], x: torch.Tensor, target: torch.Tensor | None, training: bool,
+        weights: list[float] | None = None,
     ) -> list[Tensors]:
         n = len(self.executors)
         lowered = schedules.build(self.schedule, n, len(sizes), training=training)
         gens = []
         for k, ex in enumerate(self.executors):
             self._guard(k, ex.begin, step, sizes, training, x if k == 0 else None,
-                        target if k == n - 1 else None)
+                        target if k == n - 1 else None, weights)
             gens.append(execute(ex, lowered[k]))
         mailbox: dict[tuple[int, str, int], Tensors] = {}  # (destination, kind, microbatch)
         outputs: dict[int, Tensors] = {}
@@ -101,8 +102,10 @@ class SimulatedBackend:
         except Exception as exc:
             raise PipelineError(f"{type(exc).__name__}: {exc}", k, traceback.format_exc()) from exc
 
-    def step(self, step: int, sizes: list[int], x: torch.Tensor, target: torch.Tensor) -> float:
-        self._run(step, sizes, x, target, training=True)
+    def step(
+        self, step: int, sizes: list[int], weights: list[float], x: torch.Tensor, target: torch.Tensor
+    ) -> float:
+        self._run(step, sizes, x, target, training=True, weights=weights)
         return self.executors[-1].mean_loss()
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:

@@ -38,6 +38,35 @@ def loss_weight_mode(loss_fn: Callable) -> str:
     return reduction
 
 
+def microbatch_weights(loss_fn: Callable, target: torch.Tensor, sizes: Sequence[int]) -> list[float]:
+    """What each microbatch's loss is multiplied by so that their sum is the full-batch loss.
+
+    A mean-reduced loss divides by its own denominator: the number of samples for most losses,
+    but for class-index targets of CrossEntropyLoss / NLLLoss the number of targets that are not
+    ``ignore_index``, each counted with its class weight. Each microbatch gets its share of the
+    batch's denominator (a microbatch with none gets 0). A sum-reduced loss needs weight 1.
+    """
+    if loss_weight_mode(loss_fn) == "sum":
+        return [1.0] * len(sizes)
+    dens: list[float]
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and not (
+        target.is_floating_point() or target.is_complex()
+    ):
+        dens = []
+        for chunk in target.split(list(sizes)):
+            valid = chunk[chunk != loss_fn.ignore_index]
+            if loss_fn.weight is not None:
+                dens.append(float(loss_fn.weight.detach().cpu()[valid].sum()))
+            else:
+                dens.append(float(valid.numel()))
+    else:
+        dens = [float(n) for n in sizes]
+    total = sum(dens)
+    if total == 0:  # nothing to learn from (every target ignored): the loss is NaN, as in one process
+        return [1.0 / len(sizes)] * len(sizes)
+    return [d / total for d in dens]
+
+
 class StageExecutor:
     """Runs stage ``index`` of ``n_stages``: the module, its optimizer and (last stage) the loss."""
 
@@ -59,8 +88,10 @@ class StageExecutor:
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = optimizer_factory(params) if params else None
         self.loss_fn = loss_fn
-        self.reduction = loss_weight_mode(loss_fn) if self.is_last and loss_fn is not None else "mean"
         self._cuda = device.type == "cuda"
+        # train() would switch on submodules the user put in eval mode (frozen BatchNorm...):
+        # training restores the modes the module came with instead.
+        self._train_modes = [(m, m.training) for m in self.module.modules()]
         # per step
         self.step_index = 0
         self.training = True
@@ -78,21 +109,28 @@ class StageExecutor:
         training: bool,
         x: torch.Tensor | None = None,
         target: torch.Tensor | None = None,
+        weights: Sequence[float] | None = None,
     ) -> None:
+        """Start a step: ``weights`` scale the microbatch losses (see :func:`microbatch_weights`)."""
         self.step_index = step
         self.training = training
-        total = sum(sizes)
-        if self.reduction == "sum":
-            self.weights = [1.0] * len(sizes)
-        else:
-            self.weights = [n / total for n in sizes]
+        if weights is None:
+            total = sum(sizes)
+            weights = [n / total for n in sizes]
+        elif len(weights) != len(sizes):
+            raise ValueError(f"{len(weights)} loss weights for {len(sizes)} microbatches")
+        self.weights = list(weights)
         if x is not None:
             self.inputs = list(x.to(self.device, non_blocking=True).split(list(sizes)))
         if target is not None:
             self.targets = list(target.to(self.device, non_blocking=True).split(list(sizes)))
         self.stash.clear()
         self.loss_sum = None
-        self.module.train(training)
+        if training:
+            for m, mode in self._train_modes:
+                m.training = mode
+        else:
+            self.module.eval()
         if training and self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -109,10 +147,14 @@ class StageExecutor:
             assert received is not None
             args = tuple(t.to(self.device, non_blocking=True) for t in received)
             if self.training:
-                args = tuple(
+                leaves = tuple(
                     t.requires_grad_() if t.is_floating_point() or t.is_complex() else t for t in args
                 )
-            leaves = args
+                # The module gets a non-leaf copy: an in-place first op (ReLU(inplace=True)) is
+                # then fine, as it is in one process; the gradient collects on the leaf.
+                args = tuple(t.clone() if t.requires_grad else t for t in leaves)
+            else:
+                leaves = args
         try:
             if self.training:
                 out = self.module(*args)
@@ -147,7 +189,11 @@ class StageExecutor:
                     f"loss_fn must return a scalar tensor, got "
                     f"{describe((loss,)) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
                 )
-            scaled = loss.reshape(()) * self.weights[j]
+            w = self.weights[j]
+            if w == 0.0:  # nothing counts in this microbatch (all targets ignored): no gradient
+                self.stash[j] = (leaves, None)
+                return None
+            scaled = loss.reshape(()) * w
             d = scaled.detach()
             self.loss_sum = d if self.loss_sum is None else self.loss_sum + d
             self.stash[j] = (leaves, scaled)
@@ -160,7 +206,8 @@ class StageExecutor:
         """Backward of microbatch ``j``; returns the input gradients to send back (None on stage 0)."""
         leaves, outs = self.stash.pop(j)
         if self.is_last:
-            outs.backward()
+            if outs is not None:
+                outs.backward()
         else:
             assert grads is not None
             # the next stage sent one gradient per floating-point output, in order

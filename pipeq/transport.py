@@ -42,6 +42,14 @@ class ProtocolError(RuntimeError):
     """A peer sent something the schedule does not allow (duplicate, overflow, wrong kind)."""
 
 
+class PeerUnreachable(RuntimeError):
+    """The runner could not hand a message to a stage (its control socket is gone)."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__(f"stage {stage} is not connected to the control channel")
+        self.stage = stage
+
+
 class Stopped(Exception):
     """The runner told this stage to exit while it was waiting for data."""
 
@@ -285,17 +293,14 @@ class ControlServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.address = _bind(self.sock, transport, where, "control")
 
-    def send(
-        self,
-        stage: int,
-        kind: Kind,
-        step: int = 0,
-        mb: int = 0,
-        tensors: Sequence[torch.Tensor] = (),
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        frames = codec.encode(kind, step, mb, tensors, extra)
-        self.sock.send_multipart([b"s%d" % stage, *frames], copy=False)
+    def send(self, stage: int, frames: list[Any]) -> None:
+        """Send already-encoded frames (see :func:`codec.encode`) to ``stage``."""
+        try:
+            self.sock.send_multipart([b"s%d" % stage, *frames], copy=False)
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the stage's socket is gone
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise PeerUnreachable(stage) from None
+            raise
 
     def recv(self, timeout_ms: int) -> tuple[bytes, Message] | None:
         """``(peer identity, message)`` or None after ``timeout_ms``."""

@@ -55,6 +55,7 @@ class WorkerConfig:
     spin_s: float = 0.0
     die_with_parent: bool = True
     driver_pid: int = 0
+    seed: int = 0
 
 
 def _die_with_parent() -> None:
@@ -74,8 +75,8 @@ def _set_name(name: str) -> None:
         pass
 
 
-def pin(cfg: WorkerConfig) -> torch.device:
-    """Pin this process to its device: its CPU cores and thread count, or its CUDA device."""
+def pin_cpu(cfg: WorkerConfig) -> None:
+    """Pin this process to its share of the CPU cores and set its torch thread count."""
     if cfg.cores and hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, cfg.cores)
@@ -86,8 +87,14 @@ def pin(cfg: WorkerConfig) -> torch.device:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set (e.g. torch used before we got here)
         pass
+
+
+def select_device(cfg: WorkerConfig) -> torch.device:
+    """This stage's device; a CUDA device becomes the process's current one."""
     device = torch.device(cfg.device)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     return device
 
@@ -138,10 +145,14 @@ class EventLoop:
         sizes = msg.extra.get("sizes")
         if type(sizes) is not list or not sizes or any(type(n) is not int or n < 1 for n in sizes):
             raise ValueError(f"stage {self.cfg.stage}: bad microbatch sizes {sizes!r} in command")
+        weights = msg.extra.get("weights")
+        if weights is not None and (type(weights) is not list or len(weights) != len(sizes)
+                                    or any(type(w) is not float for w in weights)):
+            raise ValueError(f"stage {self.cfg.stage}: bad loss weights {weights!r} in command")
         tensors = msg.tensors
         x = tensors[0] if ex.is_first else None
         target = tensors[-1] if (ex.is_last and training) else None
-        ex.begin(step, sizes, training, x, target)
+        ex.begin(step, sizes, training, x, target, weights)
         gen = execute(ex, self.actions(len(sizes), training))
         fq, bq = t.forward_queue, t.backward_queue
         value: Any = None
@@ -167,23 +178,12 @@ class EventLoop:
 
 
 def worker_entry(cfg: WorkerConfig, payload: bytes) -> None:
-    """Process entry point: ``payload`` is the pickled (module, loss_fn, optimizer factory) that
-    the runner handed to this process at start (never anything received over a socket)."""
-    module, loss_fn, optimizer_factory = pickle.loads(payload)
-    worker_main(cfg, module, loss_fn, optimizer_factory)
-    # Skip the interpreter's teardown (a second or more with torch loaded): sockets are closed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    """Entry point of a stage process (started by the runner).
 
-
-def worker_main(
-    cfg: WorkerConfig,
-    module: nn.Module,
-    loss_fn: Callable | None,
-    optimizer_factory: Callable[..., Any],
-) -> None:
-    """Entry point of a stage process (started by the runner)."""
+    ``payload`` is the pickled (module, loss_fn, optimizer factory) that the runner handed to
+    this process at start (never anything received over a socket). It is unpickled only once the
+    control channel is up, so that a failure to rebuild the stage is reported with its reason.
+    """
     if cfg.die_with_parent:
         _die_with_parent()
     # Ctrl-C reaches the whole process group: the driver decides how its stages stop.
@@ -191,7 +191,7 @@ def worker_main(
     _set_name(f"pipeq-stage{cfg.stage}")
     tune_process_allocator()
     # Pin first: threads started later (ZeroMQ's I/O thread, torch's pool) inherit the affinity.
-    device = pin(cfg)
+    pin_cpu(cfg)
     transport = StageTransport(
         cfg.stage,
         cfg.control_addr,
@@ -203,6 +203,9 @@ def worker_main(
     heartbeat = None
     clean = False
     try:
+        device = select_device(cfg)
+        torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
+        module, loss_fn, optimizer_factory = pickle.loads(payload)
         executor = StageExecutor(cfg.stage, cfg.n_stages, module, optimizer_factory, loss_fn, device)
         heartbeat = Heartbeat(
             transport.ctx, cfg.control_addr, cfg.stage, cfg.heartbeat_interval,
@@ -230,5 +233,7 @@ def worker_main(
         if heartbeat is not None:
             heartbeat.stop()
         transport.close(linger_ms=200)
-    if not clean:
-        os._exit(1)
+    # Skip the interpreter's teardown (a second or more with torch loaded): sockets are closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if clean else 1)

@@ -42,8 +42,13 @@ def _is_mp_helper(cmd: str) -> bool:
 
 
 def stray_workers() -> list[tuple[int, str, str]]:
-    """Descendants of the test process that are not multiprocessing's fork server or tracker."""
-    return [p for p in _descendants(os.getpid()) if not _is_mp_helper(p[2])]
+    """Descendants of the test process other than multiprocessing's fork server and tracker.
+
+    Stage processes forked from the fork server share its command line, so they are recognised
+    by the name every stage gives itself (``pipeq-stage<k>``).
+    """
+    return [p for p in _descendants(os.getpid())
+            if p[1].startswith("pipeq-stage") or not _is_mp_helper(p[2])]
 
 
 def wait_no_strays(timeout: float = 5.0) -> list[tuple[int, str, str]]:
