@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from . import schedules
 from .codec import Kind, Message

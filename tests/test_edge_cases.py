@@ -3,7 +3,6 @@ ignored targets, RNG streams, tied weights, eval-mode submodules, large state, f
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import signal
@@ -18,20 +17,13 @@ import pipeq
 from pipeq import codec
 from pipeq.codec import Kind
 
+from models import FailingStepSGD, reference_train
+
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 FAST = dict(start_method="forkserver")
 
 
 # -- module-level helpers (pickled into the stage processes) --------------------------------------
-class FailingStepSGD(torch.optim.SGD):
-    """Fails in step() on the stage that owns a (5, 8) weight (stage 0 below)."""
-
-    def step(self, closure=None):
-        if any(p.shape == (5, 8) for g in self.param_groups for p in g["params"]):
-            raise RuntimeError("optimizer step failed on purpose")
-        return super().step(closure)
-
-
 class RandProbe(nn.Module):
     """Stage 0 emits torch.rand; stage 1 subtracts its own torch.rand: zero iff same RNG stream."""
 
@@ -61,20 +53,6 @@ class ChildUnpicklable(nn.Linear):
 def xy(batch=16, d=8, classes=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, d, generator=g), torch.randint(0, classes, (batch,), generator=g)
-
-
-def reference(stages, loss_fn, data, opt=SGD):
-    """Single-process training of the chained stages (shared modules stay shared)."""
-    model = nn.Sequential(*copy.deepcopy(list(stages)))
-    o = opt(model.parameters())
-    losses = []
-    for x, y in data:
-        o.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        o.step()
-        losses.append(loss.item())
-    return model, losses
 
 
 # -- 1. heartbeat bookkeeping: idle time between calls is taken for a hung stage ------------------
@@ -185,7 +163,7 @@ def test_stage_starting_with_inplace_relu_trains_like_single_process():
     torch.manual_seed(0)
     stages = [nn.Linear(8, 8), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 3))]
     data = [xy(seed=1)]
-    _, ref_losses = reference(stages, nn.CrossEntropyLoss(), data)  # fine in one process
+    _, ref_losses = reference_train(stages, nn.CrossEntropyLoss(), SGD, data)  # fine in one process
     runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=2,
                                   mode="simulated")
     with runner:
@@ -206,7 +184,7 @@ def test_mean_loss_with_ignore_index_or_class_weights_equals_full_batch(loss_fn)
     y[:3] = -100 if loss_fn.weight is None else y[:3]  # padding in the first microbatch
     if loss_fn.weight is not None:
         y[:4] = 1  # first microbatch all heavy class
-    model, ref_losses = reference(stages, loss_fn, [(x, y)])
+    model, ref_losses = reference_train(stages, loss_fn, SGD, [(x, y)])
     runner = pipeq.PipelineRunner(stages, loss_fn, SGD, microbatches=2, mode="simulated")
     with runner:
         loss = runner.step(x, y)
@@ -233,7 +211,7 @@ def test_module_shared_between_stages_is_refused_or_kept_tied():
     shared = nn.Linear(8, 8)
     stages = [shared, nn.Sequential(nn.Tanh(), shared, nn.Linear(8, 3))]
     data = [xy(seed=3), xy(seed=4)]
-    _, ref_losses = reference(stages, nn.CrossEntropyLoss(), data)
+    _, ref_losses = reference_train(stages, nn.CrossEntropyLoss(), SGD, data)
     try:
         runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=2,
                                       mode="simulated")
@@ -292,7 +270,7 @@ def test_submodules_in_eval_mode_stay_in_eval_mode_during_training():
     head = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     head[1].eval()  # fine-tuning with frozen BatchNorm statistics
     stages = [head, nn.Linear(8, 3)]
-    model, ref_losses = reference(stages, nn.CrossEntropyLoss(), [xy(seed=5)])
+    model, ref_losses = reference_train(stages, nn.CrossEntropyLoss(), SGD, [xy(seed=5)])
     runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=2,
                                   mode="simulated")
     with runner:

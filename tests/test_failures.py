@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipeq
-from conftest import stray_workers, wait_no_strays
+from conftest import wait_no_strays
 from models import Exits, FailingStepSGD, Raises, Sleeps, mlp_stages
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
