@@ -180,15 +180,17 @@ class ProcessBackend:
         if self.server is None or self.failure is not None:
             self._teardown()
             return
-        req = self._next_control_id()
-        self._send_all([(k, codec.encode(Kind.STOP, req)) for k in range(self.n)])
-        self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), step=req,
-                      timeout=self.stop_timeout, what="stop")
-        self._send_all([(k, codec.encode(Kind.EXIT, req)) for k in range(self.n)])
-        deadline = time.monotonic() + 5.0
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        self._teardown()
+        try:
+            req = self._next_control_id()
+            self._send_all([(k, codec.encode(Kind.STOP, req)) for k in range(self.n)])
+            self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), step=req,
+                          timeout=self.stop_timeout, what="stop")
+            self._send_all([(k, codec.encode(Kind.EXIT, req)) for k in range(self.n)])
+            deadline = time.monotonic() + 5.0
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:  # whatever happened (Ctrl-C included), no process or ipc file outlives close()
+            self._teardown()
 
     def _teardown(self) -> None:
         for p in self.procs:
