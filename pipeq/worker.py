@@ -33,7 +33,7 @@ from .codec import Kind, Message
 from .interpreter import OUTPUT, execute
 from .schedules import Op
 from .stage import StageExecutor
-from .transport import Heartbeat, StageTransport, Stopped, tune_process_allocator
+from .transport import Heartbeat, StageTransport, Stopped, remove_ipc_dir, tune_process_allocator
 
 
 @dataclass
@@ -72,6 +72,22 @@ def _set_name(name: str) -> None:
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME: shows in ps -o comm, top
     except OSError:
         pass
+
+
+def _can_watch(pid: int) -> bool:
+    """Whether this kernel gives pidfds, with which the heartbeat thread sees the driver exit."""
+    try:
+        os.close(os.pidfd_open(pid or os.getppid()))  # type: ignore[attr-defined]
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def _orphaned(cfg: WorkerConfig) -> None:
+    """The driver is gone (killed, most likely): clean up what it cannot any more, and exit."""
+    if cfg.transport == "ipc":
+        remove_ipc_dir(cfg.where)
+    os._exit(3)
 
 
 def pin_cpu(cfg: WorkerConfig) -> None:
@@ -183,7 +199,8 @@ def worker_entry(cfg: WorkerConfig, payload: bytes) -> None:
     this process at start (never anything received over a socket). It is unpickled only once the
     control channel is up, so that a failure to rebuild the stage is reported with its reason.
     """
-    if cfg.die_with_parent:
+    if cfg.die_with_parent and not _can_watch(cfg.driver_pid):
+        # No pidfd to watch the driver with: let the kernel kill us with it (no clean-up then).
         _die_with_parent()
     # Ctrl-C reaches the whole process group: the driver decides how its stages stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -202,14 +219,15 @@ def worker_entry(cfg: WorkerConfig, payload: bytes) -> None:
     heartbeat = None
     clean = False
     try:
+        # From here on the driver is watched: if it dies, this stage cleans up and exits.
+        heartbeat = Heartbeat(
+            transport.ctx, cfg.control_addr, cfg.stage, cfg.heartbeat_interval,
+            cfg.driver_pid or os.getppid(), lambda: _orphaned(cfg)
+        )
         device = select_device(cfg)
         torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
         module, loss_fn, optimizer_factory = pickle.loads(payload)
         executor = StageExecutor(cfg.stage, cfg.n_stages, module, optimizer_factory, loss_fn, device)
-        heartbeat = Heartbeat(
-            transport.ctx, cfg.control_addr, cfg.stage, cfg.heartbeat_interval,
-            cfg.driver_pid or os.getppid(), lambda: os._exit(3)
-        )
         transport.send_control(
             Kind.READY,
             extra={**transport.addresses, "pid": os.getpid(), "device": str(device),

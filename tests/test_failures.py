@@ -113,12 +113,13 @@ def test_driver_death_takes_workers_with_it():
             r = pipeq.PipelineRunner([nn.Linear(4, 4), nn.Linear(4, 2)], nn.CrossEntropyLoss(),
                                      functools.partial(torch.optim.SGD, lr=0.1))
             r.start()
-            print(" ".join(str(i["pid"]) for i in r._backend.worker_info), flush=True)
+            print(r._backend.ipc_dir, " ".join(str(i["pid"]) for i in r._backend.worker_info), flush=True)
             time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(p) for p in proc.stdout.readline().split()]
+        ipc_dir, *pids = proc.stdout.readline().split()
+        pids = [int(p) for p in pids]
         assert len(pids) == 2
         proc.kill()
         proc.wait(10)
@@ -126,6 +127,7 @@ def test_driver_death_takes_workers_with_it():
         while time.monotonic() < end and any(_alive(p) for p in pids):
             time.sleep(0.1)
         assert not any(_alive(p) for p in pids), "workers outlived their driver"
+        assert not os.path.exists(ipc_dir), "the orphaned workers left their ipc files behind"
     finally:
         proc.kill()
         proc.wait()
