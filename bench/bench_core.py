@@ -340,7 +340,7 @@ def child_stage_only(rank: int, world: int, barrier: Any, spec: tuple, batch: in
 
 
 def child_pipeq(rank: int, world: int, spec: tuple, schedules: list[str], batch: int, mbs: int,
-                warmup: int, steps: int, transport: str, spin: float, start_method: str | None) -> dict:
+                warmup: int, steps: int, transport: str, spin: float | None, start_method: str | None) -> dict:
     _threads(1)
     import inspect
 
@@ -354,13 +354,15 @@ def child_pipeq(rank: int, world: int, spec: tuple, schedules: list[str], batch:
         used = start_method or params["start_method"].default
     else:
         used = "forkserver (fixed)"
+    if spin is not None:
+        kw["spin"] = spin
     x, y = make_data(spec, batch)
     out = {}
     for name in schedules:
         t0 = time.perf_counter()
         runner = PipelineRunner(make_stages(spec), nn.MSELoss(), partial(torch.optim.SGD, lr=LR),
                                 schedule=name, microbatches=mbs, threads_per_stage=1,
-                                transport=transport, spin=spin, **kw)
+                                transport=transport, **kw)
         times, losses = [], []
         with runner:
             start_s = time.perf_counter() - t0
@@ -879,7 +881,8 @@ def main() -> int:
     p.add_argument("--start-method", choices=["spawn", "forkserver"], default=None,
                    help="PipelineRunner(start_method=...) if the library has it (default: the library's default; "
                         "--quick: forkserver)")
-    p.add_argument("--spin", type=float, default=0.0, help="PipelineRunner(spin=...) seconds (default 0)")
+    p.add_argument("--spin", type=float, default=None,
+                   help="PipelineRunner(spin=...) seconds (default: the library's default)")
     a = p.parse_args()
     if a.repeats is not None and a.repeats < 1:
         p.error("--repeats must be >= 1")
