@@ -473,21 +473,31 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
         out = {}
         for size, n, rounds in plan:
             t = torch.ones(size // 4)
-            rates = []
-            for r in range(rounds + 1):
-                t0 = time.perf_counter()
+
+            def send_round() -> None:
                 for i in range(n):
                     push.send_multipart(codec.encode(codec.Kind.ACTIVATION, 0, i, [t]), copy=False)
                 ackin.recv()
-                dt = time.perf_counter() - t0
-                if r:
-                    rates.append(size * n / dt / 1e9)
-            out[size] = rates
+
+            out[size] = _stream_rates(size, n, rounds, send_round)
         return out
     finally:
         for s in socks:
             s.close(linger=0)
         ctx.term()
+
+
+def _stream_rates(size: int, n: int, rounds: int, send_round: Callable[[], None]) -> list[float]:
+    """GB/s of each of ``rounds`` timed rounds of ``n`` messages (after one warm-up round);
+    ``send_round`` sends them and waits for the receiver's ack."""
+    rates = []
+    for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        send_round()
+        dt = time.perf_counter() - t0
+        if r:
+            rates.append(size * n / dt / 1e9)
+    return rates
 
 
 def _windowed(n: int, window: int, post: Callable[[int], Any]) -> None:
@@ -524,19 +534,16 @@ def child_gloo(rank: int, world: int, port: int, plan: list, window: int) -> dic
                     dist.send(ack, dst=0)
                 continue
             t = torch.ones(size // 4)
-            rates = []
-            for r in range(rounds + 1):
-                t0 = time.perf_counter()
+
+            def send_round() -> None:
                 if window:
                     _windowed(n, window, lambda i: dist.isend(t, dst=1))
                 else:
                     for _ in range(n):
                         dist.send(t, dst=1)
                 dist.recv(ack, src=1)
-                dt = time.perf_counter() - t0
-                if r:
-                    rates.append(size * n / dt / 1e9)
-            out[size] = rates
+
+            out[size] = _stream_rates(size, n, rounds, send_round)
         return out
     finally:
         dist.destroy_process_group()
