@@ -35,7 +35,7 @@ from .codec import Kind, Message
 #: so that flow control is the schedule's business and never a silent drop.
 _HWM = 10_000
 _KERNEL_BUF = 4 << 20
-_SLICE_MS = 200  # how often a blocked wait looks at its watchdog
+_SLICE_MS = 200  # how often a blocked wait looks for an EXIT from the runner
 
 
 class ProtocolError(RuntimeError):
@@ -182,26 +182,18 @@ class StageTransport:
             self.bwd_out.connect(prev_backward)
 
     # -- sending -------------------------------------------------------------------------------
-    def _send(self, sock: zmq.Socket, frames: list[Any], watchdog: Callable[[], None] | None) -> None:
-        try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # peer's high-water mark reached: wait, but keep watching
-            while not sock.poll(_SLICE_MS, zmq.POLLOUT):
-                if watchdog is not None:
-                    watchdog()
-            sock.send_multipart(frames, copy=False)
+    def _send(self, sock: zmq.Socket, frames: list[Any]) -> None:
+        # Blocks only past the high-water mark, which the bounded queues keep far away; a stage
+        # stuck here because its peer died is ended by the runner, which watches every process.
+        sock.send_multipart(frames, copy=False)
 
-    def send_activation(
-        self, step: int, mb: int, tensors: Sequence[torch.Tensor], watchdog: Callable[[], None] | None = None
-    ) -> None:
+    def send_activation(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         assert self.fwd_out is not None, "stage has no next stage"
-        self._send(self.fwd_out, codec.encode(Kind.ACTIVATION, step, mb, tensors), watchdog)
+        self._send(self.fwd_out, codec.encode(Kind.ACTIVATION, step, mb, tensors))
 
-    def send_gradient(
-        self, step: int, mb: int, tensors: Sequence[torch.Tensor], watchdog: Callable[[], None] | None = None
-    ) -> None:
+    def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         assert self.bwd_out is not None, "stage has no previous stage"
-        self._send(self.bwd_out, codec.encode(Kind.GRADIENT, step, mb, tensors), watchdog)
+        self._send(self.bwd_out, codec.encode(Kind.GRADIENT, step, mb, tensors))
 
     def send_control(
         self,
@@ -211,7 +203,7 @@ class StageTransport:
         tensors: Sequence[torch.Tensor] = (),
         extra: dict[str, Any] | None = None,
     ) -> None:
-        self._send(self.ctrl, codec.encode(kind, step, mb, tensors, extra), None)
+        self._send(self.ctrl, codec.encode(kind, step, mb, tensors, extra))
 
     # -- receiving -----------------------------------------------------------------------------
     def _drain(self, sock: zmq.Socket) -> None:
@@ -245,9 +237,7 @@ class StageTransport:
             if msg.kind is Kind.EXIT:
                 raise Stopped()
 
-    def wait_data(
-        self, queue: KeyedQueue, step: int, mb: int, watchdog: Callable[[], None] | None = None
-    ) -> Message:
+    def wait_data(self, queue: KeyedQueue, step: int, mb: int) -> Message:
         """Block until message ``(step, mb)`` is in ``queue``; an EXIT from the runner interrupts."""
         msg = queue.pop(step, mb)
         if msg is not None:
@@ -263,8 +253,7 @@ class StageTransport:
                         return msg
                 os.sched_yield()  # let ZeroMQ's I/O thread (and other stages) have the core
         while True:
-            if not self.pump(_SLICE_MS) and watchdog is not None:
-                watchdog()
+            self.pump(_SLICE_MS)
             msg = queue.pop(step, mb)
             if msg is not None:
                 return msg
