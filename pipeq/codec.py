@@ -74,6 +74,8 @@ class Kind(enum.IntEnum):
     SET_STATE = 14
     STOP = 15  # finish queued work, reply ACK, wait for EXIT
     EXIT = 16
+    GET_SNAPSHOT = 17  # reply SNAPSHOT: parameters, optimizer and scheduler state, RNG
+    RESTORE = 18  # load a snapshot, reply ACK
     # worker -> runner
     READY = 20
     LOSS = 21
@@ -82,6 +84,7 @@ class Kind(enum.IntEnum):
     ACK = 24
     ERROR = 25
     HEARTBEAT = 26
+    SNAPSHOT = 27
 
 
 _KINDS = frozenset(int(k) for k in Kind)
@@ -234,3 +237,47 @@ def decode(frames: Sequence[Any]) -> Message:
             t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
         tensors.append(t)
     return Message(Kind(kind), step, microbatch, tensors, extra)
+
+
+_TENSOR_REF = "__tensor__"
+
+
+def pack_tree(obj: Any, tensors: list[torch.Tensor], where: str = "value") -> Any:
+    """``obj`` (nested dicts/lists of plain values and tensors) as msgpack-able data.
+
+    Each tensor is appended to ``tensors`` (to travel as its own frame) and replaced by
+    ``{"__tensor__": index}``; :func:`unpack_tree` puts it back. ``where`` names the value in
+    errors (e.g. "stage 2's lr scheduler state").
+    """
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach().cpu().contiguous())
+        return {_TENSOR_REF: len(tensors) - 1}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [pack_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str) or k == _TENSOR_REF:
+                raise ValueError(f"{where} has a key {k!r}: only string keys can be sent")
+            out[k] = pack_tree(v, tensors, f"{where}[{k!r}]")
+        return out
+    raise ValueError(
+        f"{where} holds a {type(obj).__name__}, which pipeq cannot send (plain numbers, strings, "
+        "lists, dicts and tensors only)"
+    )
+
+
+def unpack_tree(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """The inverse of :func:`pack_tree` (tensor indices are checked)."""
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _TENSOR_REF in obj:
+            i = obj[_TENSOR_REF]
+            if type(i) is not int or not 0 <= i < len(tensors):
+                raise HeaderError(f"tensor reference {i!r} outside the message's {len(tensors)} tensors")
+            return tensors[i]
+        return {k: unpack_tree(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unpack_tree(v, tensors) for v in obj]
+    return obj

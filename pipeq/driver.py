@@ -15,40 +15,53 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import threading
 import time
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import nn
 
 from . import codec
 from .codec import Kind, Message
 from .errors import CodecError, PipelineError
 from .schedules import ScheduleFn
 from .stage import Tensors
+from . import rendezvous as rdzv
+from .rendezvous import Rendezvous
 from .transport import ControlServer, PeerUnreachable, make_ipc_dir, remove_ipc_dir
-from .worker import WorkerConfig, worker_entry
+from .worker import StageBuilder, WorkerConfig, worker_entry
 
 _POLL_MS = 100
 # Replies a worker sends to a command; one of these that no one waits for any more (the caller was
 # interrupted, e.g. by Ctrl-C) is stale and dropped.
-_REPLIES = frozenset({Kind.LOSS, Kind.OUTPUT, Kind.STATE, Kind.ACK})
+_REPLIES = frozenset({Kind.LOSS, Kind.OUTPUT, Kind.STATE, Kind.SNAPSHOT, Kind.ACK})
 
 
-def plan_devices(n_stages: int, devices: Sequence[str] | None) -> list[tuple[str, list[int], int]]:
-    """(device, cpu cores, threads) per stage: CUDA round-robin when present, else a CPU share."""
-    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(ncpu))
-    per = max(1, ncpu // n_stages)
+def plan_devices(
+    n_stages: int, devices: Sequence[str] | None, rendezvous: Rendezvous | None = None
+) -> list[tuple[str, list[int], int]]:
+    """(device, cpu cores, threads) per local stage: CUDA round-robin when present, else a CPU share.
+
+    Under torchrun/srun several pipeq nodes may share a host: LOCAL_RANK / LOCAL_WORLD_SIZE then
+    give this node its GPU (cuda:LOCAL_RANK) or its slice of the host's cores.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    local_rank = rendezvous.local_rank if rendezvous is not None else None
+    local_size = rendezvous.local_world_size if rendezvous is not None else None
+    if local_rank is not None and local_size and local_size > 1 and len(cores) >= local_size:
+        share = len(cores) // local_size
+        cores = cores[local_rank * share:(local_rank + 1) * share]
+    per = max(1, len(cores) // n_stages)
     plan = []
     for k in range(n_stages):
         if devices is not None:
             dev = devices[k]
         elif torch.cuda.is_available():
-            dev = f"cuda:{k % torch.cuda.device_count()}"
+            if local_rank is not None:
+                dev = f"cuda:{local_rank % torch.cuda.device_count()}"
+            else:
+                dev = f"cuda:{k % torch.cuda.device_count()}"
         else:
             dev = "cpu"
         start = (k * per) % len(cores)
@@ -64,12 +77,44 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def exit_reason(code: int) -> str:
+    return f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+
+
+def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> mp.process.BaseProcess:
+    p = ctx.Process(target=worker_entry, args=(cfg, payload), name=f"pipeq-stage{cfg.stage}", daemon=True)
+    p.start()
+    return p
+
+
+def stop_processes(procs: Sequence[mp.process.BaseProcess], grace: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds: nothing outlives this call."""
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(5.0)
+    for p in procs:
+        if p.exitcode is not None:
+            p.close()
+
+
 class ProcessBackend:
+    """Runs the stages as processes: all on this host, or (``rendezvous``) spread over nodes.
+
+    ``payloads[k]`` is what stage k is built from: pickled (module, loss, optimizer factory,
+    scheduler factory) bytes, or a :class:`~pipeq.worker.StageBuilder` (required for stages on
+    other nodes, which are started by their node's agent and never receive pickles).
+    """
+
     def __init__(
         self,
-        stages: Sequence[nn.Module],
-        loss_fn: Callable,
-        optimizer: Callable[..., Any],
+        payloads: Sequence["bytes | StageBuilder"],
         schedule: "str | ScheduleFn",
         *,
         devices: Sequence[str] | None,
@@ -83,30 +128,38 @@ class ProcessBackend:
         spin_s: float,
         start_method: str = "spawn",
         stop_timeout: float = 60.0,
+        rendezvous: Rendezvous | None = None,
+        placement: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.start_method = start_method
         self.stop_timeout = stop_timeout
-        self.stages = list(stages)
-        self.n = len(self.stages)
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
+        self.payloads = list(payloads)
+        self.n = len(self.payloads)
         self.schedule = schedule
         self.devices = devices
         self.threads_per_stage = threads_per_stage
-        self.transport = transport
-        self.host = host
+        self.transport = "tcp" if rendezvous is not None else transport
+        self.host = rendezvous.bind if rendezvous is not None else host
         self.queue_capacity = queue_capacity
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.start_timeout = start_timeout
         self.spin_s = spin_s
-        self.procs: list[mp.process.BaseProcess] = []
+        self.rendezvous = rendezvous
+        if rendezvous is not None:
+            self.placement = rdzv.placement(self.n, rendezvous.nnodes, placement)
+        else:
+            self.placement = [list(range(self.n))]
+        self.local = self.placement[0]
+        self.store: Any = None
+        self.procs: dict[int, mp.process.BaseProcess] = {}
         self.server: ControlServer | None = None
         self.ipc_dir: str | None = None
         self.last_beat: list[float] = []
         self.failure: PipelineError | None = None
         self._last_health = 0.0
         self._control_id = 0
+        self.worker_info: list[dict[str, Any]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -117,19 +170,26 @@ class ProcessBackend:
             raise
 
     def _start(self) -> None:
+        rz = self.rendezvous
+        if rz is not None:
+            self.store = rz.store(self.start_timeout)
         self.ipc_dir = make_ipc_dir()
         where = self.ipc_dir if self.transport == "ipc" else self.host
         self.server = ControlServer(self.transport, where)
+        if rz is not None:  # tell the other nodes where to find us and what each of them runs
+            self.store.set("placement", rdzv.encode_json(self.placement))
+            self.store.set("control", rdzv.encode_json(self.server.address))
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             # The fork server imports torch and pipeq once; each stage is then a cheap fork of it
             # (stages start in ~50 ms instead of ~2 s; the fork server outlives the runner).
             ctx.set_forkserver_preload(["pipeq._preload"])
-        plan = plan_devices(self.n, self.devices)
+        devices = [self.devices[k] for k in self.local] if self.devices is not None else None
+        plan = plan_devices(len(self.local), devices, rz)
         main_thread = threading.current_thread() is threading.main_thread()
         # stage seeds come from the caller's RNG: torch.manual_seed before the runner repeats a run
         base_seed = int(torch.randint(0, 2**62, ()).item())
-        for k, (dev, cores, threads) in enumerate(plan):
+        for k, (dev, cores, threads) in zip(self.local, plan):
             cfg = WorkerConfig(
                 stage=k,
                 n_stages=self.n,
@@ -146,17 +206,11 @@ class ProcessBackend:
                 # PDEATHSIG fires when the *thread* that started us exits: only safe from main.
                 die_with_parent=main_thread,
                 driver_pid=os.getpid(),
-                seed=base_seed + k,
+                seed=(self.payloads[k].seed_for(k) if isinstance(self.payloads[k], StageBuilder)
+                      else base_seed + k),
+                store=rz.store_address() if rz is not None else None,
             )
-            # Plain pickle bytes: each worker gets a private copy (multiprocessing's own pickler
-            # would move the tensors to shared memory, and workers would train the caller's modules).
-            payload = pickle.dumps((self.stages[k], self.loss_fn if k == self.n - 1 else None, self.optimizer))
-            p = ctx.Process(
-                target=worker_entry, args=(cfg, payload),
-                name=f"pipeq-stage{k}", daemon=True,
-            )
-            p.start()
-            self.procs.append(p)
+            self.procs[k] = start_worker(ctx, cfg, self.payloads[k])
         self.last_beat = [float("inf")] * self.n  # heartbeats are watched once a stage is READY
         replies = self._collect(Kind.READY, dict.fromkeys(range(self.n), 1),
                                 timeout=self.start_timeout, what="start")
@@ -187,43 +241,47 @@ class ProcessBackend:
                           timeout=self.stop_timeout, what="stop")
             self._send_all([(k, codec.encode(Kind.EXIT, req)) for k in range(self.n)])
             deadline = time.monotonic() + 5.0
-            for p in self.procs:
+            for p in self.procs.values():
                 p.join(max(0.0, deadline - time.monotonic()))
         finally:  # whatever happened (Ctrl-C included), no process or ipc file outlives close()
             self._teardown()
 
     def _teardown(self) -> None:
-        for p in self.procs:
-            if p.exitcode is None:
-                p.terminate()
-        deadline = time.monotonic() + 3.0
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.exitcode is None:
-                p.kill()
-                p.join(5.0)
-        for p in self.procs:
-            if p.exitcode is not None:
-                p.close()
-        self.procs = []
+        if self.server is not None and self.rendezvous is not None:
+            # Remote stages and agents: tell them to go (their agents also see us vanish).
+            abort = codec.encode(Kind.EXIT, 0, 0, (), {"abort": self.failure is not None})
+            for ident in [b"s%d" % k for k in range(self.n) if k not in self.procs] + [
+                b"a%d" % r for r in range(1, len(self.placement))
+            ]:
+                self.server.send_to(ident, abort)
+        stop_processes(list(self.procs.values()))
+        self.procs = {}
         if self.server is not None:
-            self.server.close()
+            self.server.close(linger_ms=500 if self.rendezvous is not None else 0)
             self.server = None
         remove_ipc_dir(self.ipc_dir)
         self.ipc_dir = None
 
     # -- failure handling ------------------------------------------------------------------
     def _stage_of(self, ident: bytes) -> tuple[str, int] | None:
-        """('s' or 'h', stage) for one of our workers' identities, None for anything else."""
+        """('s' or 'h', stage) for our workers, ('a', node) for our agents, None for anything else."""
         role, num = ident[:1], ident[1:]
-        if role not in (b"s", b"h") or not num.isdigit() or int(num) >= self.n:
+        if not num.isdigit():
             return None
-        return role.decode(), int(num)
+        if role in (b"s", b"h") and int(num) < self.n:
+            return role.decode(), int(num)
+        if role == b"a" and 0 < int(num) < len(self.placement):
+            return "a", int(num)
+        return None
 
     def _error_of(self, got: tuple[bytes, Message]) -> PipelineError:
-        _, stage = self._stage_of(got[0])  # type: ignore[misc]
+        role, num = self._stage_of(got[0])  # type: ignore[misc]
         extra = got[1].extra
+        stage = num
+        if role == "a":  # an agent reports one of its stages (or itself)
+            stage = extra.get("stage") if type(extra.get("stage")) is int else None
+            where = f" on node {num} ({self.rendezvous.nnodes if self.rendezvous else 1} nodes)"
+            return PipelineError(str(extra.get("message", "failed")) + where, stage, extra.get("traceback"))
         return PipelineError(str(extra.get("message", "failed")), stage, extra.get("traceback"))
 
     def _fail(self, err: PipelineError) -> PipelineError:
@@ -234,7 +292,7 @@ class ProcessBackend:
     def _check_health(self) -> None:
         now = time.monotonic()
         self._last_health = now
-        for k, p in enumerate(self.procs):
+        for k, p in self.procs.items():
             code = p.exitcode
             if code is not None:
                 # An ERROR may still be in flight from a stage that raised and exited: prefer it.
@@ -243,8 +301,8 @@ class ProcessBackend:
                     got = self.server.recv(50)
                     if got is not None and got[1].kind is Kind.ERROR:
                         raise self._fail(self._error_of(got))
-                how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-                raise self._fail(PipelineError(f"stage process (pid {p.pid}) {how}", k))
+                raise self._fail(PipelineError(f"stage process (pid {p.pid}) {exit_reason(code)}", k))
+        for k in range(self.n):
             if now - self.last_beat[k] > self.heartbeat_timeout:
                 raise self._fail(PipelineError(
                     f"no heartbeat for {now - self.last_beat[k]:.1f} s (heartbeat_timeout="
@@ -281,8 +339,9 @@ class ProcessBackend:
                 msg = r[1]
                 if who is not None:  # anything else is not one of our workers: ignore it
                     role, stage = who
-                    self.last_beat[stage] = now
-                    if role == "h":
+                    if role != "a":
+                        self.last_beat[stage] = now
+                    if role == "h" or role == "a" and msg.kind is not Kind.ERROR:
                         pass
                     elif msg.kind is Kind.ERROR:
                         raise self._fail(self._error_of(r))
@@ -298,8 +357,29 @@ class ProcessBackend:
             if deadline is not None and now > deadline:
                 raise self._fail(PipelineError(
                     f"timed out after {timeout} s waiting for {kind.name} ({what}) from stage(s) "
-                    f"{sorted(missing)}"))
+                    f"{sorted(missing)}" + self._start_hint(missing, what)))
         return got
+
+    def _start_hint(self, missing: set[int], what: str) -> str:
+        """Multi-host start-up: which missing stages reached the rendezvous, and where they run."""
+        if what != "start" or self.store is None or self.rendezvous is None:
+            return ""
+        hints = []
+        for k in sorted(missing):
+            node = next(r for r, stages in enumerate(self.placement) if k in stages)
+            try:
+                seen = self.store.check([f"stage/{k}"])
+            except Exception:
+                seen = False
+            if seen:
+                hints.append(f"stage {k} (node {node}) registered at the rendezvous but never reached "
+                             f"the control channel at {self.server.address if self.server else '?'}: "
+                             f"is that port reachable from node {node}?")
+            else:
+                hints.append(f"stage {k} (node {node}) never registered at the rendezvous "
+                             f"{self.rendezvous.master_addr}:{self.rendezvous.master_port}: is node "
+                             f"{node} started (pipeq launch ... --node-rank {node})?")
+        return "; " + "; ".join(hints)
 
     def _begin_wait(self) -> float:
         """Heartbeats are judged from now on: silence while nobody waited is not a failure."""
@@ -319,7 +399,7 @@ class ProcessBackend:
             if r is None:
                 return
             who = self._stage_of(r[0])
-            if who is not None and who[0] == "s" and r[1].kind is Kind.ERROR:
+            if who is not None and who[0] in ("s", "a") and r[1].kind is Kind.ERROR:
                 raise self._fail(self._error_of(r))
 
     def _send_all(self, messages: list[tuple[int, list[Any]]]) -> None:
@@ -381,3 +461,32 @@ class ProcessBackend:
         self._send_all([(k, codec.encode(Kind.SET_STATE, req, 0, tensors, {"names": names}))
                         for k, (names, tensors) in enumerate(per_stage)])
         self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), step=req, what="load_state_dict")
+
+    def get_snapshots(self) -> list[dict[str, Any]]:
+        """Every stage's packed snapshot (see :meth:`StageExecutor.snapshot`) and its tensors."""
+        self._check_usable()
+        req = self._next_control_id()
+        self._send_all([(k, codec.encode(Kind.GET_SNAPSHOT, req)) for k in range(self.n)])
+        got = self._collect(Kind.SNAPSHOT, dict.fromkeys(range(self.n), 1), step=req, what="save")
+        out = []
+        for k in range(self.n):
+            msg = got[k][0]
+            try:
+                out.append(codec.unpack_tree(msg.extra["snapshot"], msg.tensors))
+            except (CodecError, KeyError) as exc:
+                raise self._fail(PipelineError(f"malformed snapshot: {exc}", k))
+        return out
+
+    def restore(self, snapshots: list[dict[str, Any]]) -> None:
+        self._check_usable()
+        req = self._next_control_id()
+        msgs = []
+        for k, snap in enumerate(snapshots):
+            tensors: list[torch.Tensor] = []
+            tree = codec.pack_tree(snap, tensors, f"stage {k}'s snapshot")
+            msgs.append((k, codec.encode(Kind.RESTORE, req, 0, tensors, {"snapshot": tree})))
+        self._send_all(msgs)
+        self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), step=req, what="load")
+
+    def layouts(self) -> list[dict[str, Any]]:
+        return [info["layout"] for info in self.worker_info]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import pickle
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -26,6 +26,10 @@ from torch import nn
 from . import schedules
 from .errors import PipelineError
 from .stage import loss_weight_mode, microbatch_weights
+from .worker import StageBuilder
+
+if TYPE_CHECKING:
+    from .rendezvous import Rendezvous
 
 MODES = ("process", "simulated")
 TRANSPORTS = ("ipc", "tcp")
@@ -71,12 +75,13 @@ class PipelineRunner:
 
     def __init__(
         self,
-        stages: Sequence[nn.Module],
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-        optimizer: Callable[..., torch.optim.Optimizer],
+        stages: "Sequence[nn.Module] | StageBuilder",
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
+        optimizer: Callable[..., torch.optim.Optimizer] | None,
         schedule: str | schedules.ScheduleFn = "1f1b",
         microbatches: int = 8,
         *,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         mode: str = "process",
         devices: Sequence[str] | None = None,
         threads_per_stage: int | None = None,
@@ -89,7 +94,29 @@ class PipelineRunner:
         spin: float = 0.01,
         start_method: str = "spawn",
         stop_timeout: float = 60.0,
+        rendezvous: "Rendezvous | None" = None,
+        placement: Sequence[Sequence[int]] | None = None,
     ) -> None:
+        builder: StageBuilder | None = None
+        if isinstance(stages, StageBuilder):  # a job's recipe (pipeq launch, multi-host)
+            builder = stages
+            if loss_fn is not None or optimizer is not None or lr_scheduler is not None:
+                raise ValueError("with a stage recipe, the loss, optimizer and scheduler come from it: "
+                                 "pass loss_fn=None, optimizer=None")
+            n = builder.count_stages()  # type: ignore[attr-defined]
+            loss_fn = builder.loss_fn()  # type: ignore[attr-defined]
+            optimizer = builder.optimizer_factory()  # type: ignore[attr-defined]
+            lr_scheduler = builder.scheduler_factory()  # type: ignore[attr-defined]
+            if mode == "simulated":  # build them here, as the stage processes would
+                stages = [builder.build(k, n)[0] for k in range(n)]
+                builder = None
+            else:
+                stages = [nn.Module()] * n  # placeholders: the stage processes build the real ones
+        elif rendezvous is not None:
+            raise ValueError(
+                "a multi-host run builds each stage on its own host from importable names: pass "
+                "a job recipe (pipeq.job.Recipe, or use pipeq launch) instead of modules"
+            )
         if isinstance(stages, nn.Module) or not isinstance(stages, (list, tuple)) or not stages:
             raise ValueError("stages must be a non-empty list of nn.Module, one per pipeline stage")
         for k, s in enumerate(stages):
@@ -97,6 +124,11 @@ class PipelineRunner:
                 raise ValueError(f"stage {k} is a {type(s).__name__}, not an nn.Module")
         if not callable(loss_fn):
             raise ValueError("loss_fn must be callable as loss_fn(output, target)")
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise ValueError(
+                "lr_scheduler must be a factory called with one stage's optimizer, e.g. "
+                "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)"
+            )
         loss_weight_mode(loss_fn)
         if not callable(optimizer):
             raise ValueError(
@@ -131,7 +163,8 @@ class PipelineRunner:
                     raise ValueError(f"devices[{k}] = {d!r}, but CUDA is not available here")
                 if dev.type not in ("cpu", "cuda"):
                     raise ValueError(f"devices[{k}] = {d!r}: pipeq runs stages on 'cpu' or 'cuda'")
-        self._check_untied(stages)
+        if builder is None:
+            self._check_untied(stages)
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         # Refuse a schedule that cannot run before any process starts.
@@ -143,26 +176,38 @@ class PipelineRunner:
         self.schedule = schedule
         self.microbatches = microbatches
         self.mode = mode
-        self._stage_shapes = [
-            {name: tuple(t.shape) for name, t in s.state_dict().items()} for s in stages
-        ]
+        self._stage_shapes: list[dict[str, tuple[int, ...]]] | None = None
+        if builder is None:
+            self._stage_shapes = [
+                {name: tuple(t.shape) for name, t in s.state_dict().items()} for s in stages
+            ]
         if mode == "process":
-            self._check_picklable(stages, loss_fn, optimizer, schedule)
             from .driver import ProcessBackend
 
+            if builder is None:
+                self._check_picklable(stages, loss_fn, optimizer, schedule, lr_scheduler)
+                n = len(stages)
+                payloads: list[Any] = [
+                    pickle.dumps((s, loss_fn if k == n - 1 else None, optimizer, lr_scheduler))
+                    for k, s in enumerate(stages)
+                ]
+            else:
+                self._check_picklable([], None, None, schedule, None)
+                payloads = [builder] * len(stages)
             self._backend: Any = ProcessBackend(
-                stages, loss_fn, optimizer, schedule,
+                payloads, schedule,
                 devices=devices, threads_per_stage=threads_per_stage, transport=transport,
                 host=host, queue_capacity=queue_capacity or max(64, 4 * microbatches),
                 heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
                 start_timeout=start_timeout, spin_s=spin, start_method=start_method,
-                stop_timeout=stop_timeout,
+                stop_timeout=stop_timeout, rendezvous=rendezvous, placement=placement,
             )
         else:
             from .simulated import SimulatedBackend
 
             self._backend = SimulatedBackend(
-                stages, loss_fn, optimizer, schedule, devices[0] if devices else "cpu"
+                stages, loss_fn, optimizer, schedule, devices[0] if devices else "cpu",
+                lr_scheduler=lr_scheduler,
             )
         self._step = 0
         self._running = False
@@ -183,9 +228,12 @@ class PipelineRunner:
                     )
 
     @staticmethod
-    def _check_picklable(stages: Sequence[nn.Module], loss_fn: Any, optimizer: Any, schedule: Any) -> None:
+    def _check_picklable(
+        stages: Sequence[nn.Module], loss_fn: Any, optimizer: Any, schedule: Any, lr_scheduler: Any
+    ) -> None:
         items = [(f"stage {k} ({type(s).__name__})", s) for k, s in enumerate(stages)]
-        items += [("loss_fn", loss_fn), ("optimizer", optimizer), ("schedule", schedule)]
+        items += [("loss_fn", loss_fn), ("optimizer", optimizer), ("schedule", schedule),
+                  ("lr_scheduler", lr_scheduler)]
         for what, obj in items:
             try:
                 pickle.dumps(obj)
@@ -293,6 +341,9 @@ class PipelineRunner:
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a state saved by :meth:`state_dict` (or from ``nn.Sequential(*stages)``)."""
         self._require_running()
+        if self._stage_shapes is None:  # stages built in their own processes: ask them
+            self._stage_shapes = [{n: tuple(t.shape) for n, t in zip(names, tensors)}
+                                  for names, tensors in self._backend.get_state()]
         per_stage: list[tuple[list[str], list[torch.Tensor]]] = []
         expected = {f"{k}.{n}" for k, shapes in enumerate(self._stage_shapes) for n in shapes}
         unexpected = sorted(set(state) - expected)
@@ -316,3 +367,29 @@ class PipelineRunner:
                 tensors.append(t.detach().cpu())
             per_stage.append((names, tensors))
         self._backend.set_state(per_stage)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save(self, directory: str, meta: Mapping[str, Any] | None = None) -> None:
+        """Write a checkpoint to ``directory``: every stage's parameters, buffers, optimizer and
+        lr-scheduler state and RNG, under the flat model's global names (see
+        :mod:`pipeq.checkpoint`), each file written then renamed, the manifest last.
+        ``meta`` (plain JSON data) is stored in the manifest."""
+        from . import checkpoint
+
+        self._require_running()
+        checkpoint.save(directory, self._backend.get_snapshots(), dict(meta or {}))
+
+    def load(self, directory: str) -> dict[str, Any]:
+        """Load a checkpoint written by :meth:`save`, also one saved with another number of
+        stages (the same layers split differently); returns its ``meta``."""
+        from . import checkpoint
+
+        self._require_running()
+        ckpt = checkpoint.load(directory)
+        layouts = [
+            checkpoint.StageLayout(model_names=lay["model"], param_names=lay["params"],
+                                   layers=lay["layers"], sequential=lay["sequential"])
+            for lay in self._backend.layouts()
+        ]
+        self._backend.restore(checkpoint.split(ckpt, layouts))
+        return dict(ckpt.meta)

@@ -31,12 +31,14 @@ class SimulatedBackend:
         optimizer: Callable[..., Any],
         schedule: "str | ScheduleFn",
         device: str = "cpu",
+        lr_scheduler: Callable[..., Any] | None = None,
     ) -> None:
         self.schedule = schedule
         n = len(stages)
         dev = torch.device(device)
         self.executors = [
-            StageExecutor(k, n, copy.deepcopy(s), optimizer, loss_fn if k == n - 1 else None, dev)
+            StageExecutor(k, n, copy.deepcopy(s), optimizer, loss_fn if k == n - 1 else None, dev,
+                          lr_scheduler=lr_scheduler)
             for k, s in enumerate(stages)
         ]
 
@@ -121,3 +123,13 @@ class SimulatedBackend:
     def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
         for ex, (names, tensors) in zip(self.executors, per_stage):
             ex.load_state(names, tensors)
+
+    def get_snapshots(self) -> list[dict[str, Any]]:
+        return [ex.snapshot() for ex in self.executors]
+
+    def restore(self, snapshots: list[dict[str, Any]]) -> None:
+        for k, (ex, snap) in enumerate(zip(self.executors, snapshots)):
+            self._guard(k, ex.restore, snap)
+
+    def layouts(self) -> list[dict[str, Any]]:
+        return [ex.layout() for ex in self.executors]

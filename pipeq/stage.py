@@ -78,6 +78,7 @@ class StageExecutor:
         optimizer_factory: Callable[..., torch.optim.Optimizer],
         loss_fn: Callable | None,
         device: torch.device,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         self.index = index
         self.n_stages = n_stages
@@ -87,6 +88,10 @@ class StageExecutor:
         self.module = module.to(device)
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = optimizer_factory(params) if params else None
+        # stepped once per training step, right after the optimizer (every stage alike)
+        self.scheduler = (
+            lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer is not None else None
+        )
         self.loss_fn = loss_fn
         self._cuda = device.type == "cuda"
         # train() would switch on submodules the user put in eval mode (frozen BatchNorm...):
@@ -239,6 +244,8 @@ class StageExecutor:
     def optimizer_step(self) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
 
     # -- transfer to the CPU ---------------------------------------------------------------
     def to_host(self, tensors: Tensors) -> Tensors:
@@ -261,3 +268,42 @@ class StageExecutor:
 
     def load_state(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
         self.module.load_state_dict(dict(zip(names, tensors)), strict=True)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint needs to know of this stage to hand it its part (local names)."""
+        sequential = isinstance(self.module, nn.Sequential)
+        return {
+            "model": list(self.module.state_dict()),
+            "params": [n for n, p in self.module.named_parameters() if p.requires_grad],
+            "layers": len(self.module) if sequential else 1,
+            "sequential": sequential,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """Parameters and buffers, optimizer and scheduler state and the RNG, as CPU copies."""
+        from .checkpoint import optimizer_snapshot
+
+        lay = self.layout()
+        names, tensors = self.state_tensors()
+        return {
+            "model": {n: t.clone() for n, t in zip(names, tensors)},
+            "optim": optimizer_snapshot(self.module, self.optimizer) if self.optimizer is not None else {},
+            "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": torch.get_rng_state(),
+            "layers": lay["layers"],
+            "sequential": lay["sequential"],
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Load a :meth:`snapshot` (possibly re-split from another stage count)."""
+        from .checkpoint import load_optimizer_snapshot
+
+        self.module.load_state_dict(snap["model"], strict=True)
+        # the scheduler first: the optimizer's saved hyperparameters (the scheduled lr) win
+        if self.scheduler is not None and snap.get("sched") is not None:
+            self.scheduler.load_state_dict(snap["sched"])
+        if self.optimizer is not None and snap.get("optim"):
+            load_optimizer_snapshot(self.module, self.optimizer, snap["optim"], self.device)
+        if snap.get("rng") is not None:
+            torch.set_rng_state(snap["rng"])

@@ -291,6 +291,14 @@ class ControlServer:
                 raise PeerUnreachable(stage) from None
             raise
 
+    def send_to(self, identity: bytes, frames: list[Any]) -> bool:
+        """Best effort: False if no peer of that identity is connected (used on teardown)."""
+        try:
+            self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
     def recv(self, timeout_ms: int) -> tuple[bytes, Message] | None:
         """``(peer identity, message)`` or None after ``timeout_ms``."""
         if not self.sock.poll(timeout_ms):
@@ -298,8 +306,8 @@ class ControlServer:
         frames = self.sock.recv_multipart(copy=False)
         return frames[0].bytes, codec.decode(frames[1:])
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        self.sock.close(linger=linger_ms)
         self.ctx.term()
 
 

@@ -8,6 +8,8 @@ The loop waits for a command on the control channel and carries it out:
     PREDICT    run forward-only actions; the last stage replies OUTPUT per microbatch
     GET_STATE  reply STATE (the stage module's state_dict tensors)
     SET_STATE  load them, reply ACK
+    GET_SNAPSHOT  reply SNAPSHOT (parameters, optimizer and scheduler state, RNG: checkpoints)
+    RESTORE    load a snapshot, reply ACK
     STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
     EXIT       leave the loop
 
@@ -29,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from . import schedules
-from .codec import Kind, Message
+from .codec import Kind, Message, pack_tree, unpack_tree
 from .interpreter import OUTPUT, execute
 from .schedules import Op
 from .stage import StageExecutor
@@ -55,6 +57,21 @@ class WorkerConfig:
     die_with_parent: bool = True
     driver_pid: int = 0
     seed: int = 0
+    # multi-host: the rendezvous store (host, port, key prefix) where this stage publishes its
+    # endpoints; None on one host
+    store: tuple[str, int, str] | None = None
+
+
+class StageBuilder:
+    """What a stage process builds its stage from, instead of pickled modules (see pipeq.job)."""
+
+    def build(self, stage: int, n_stages: int) -> tuple[Any, Any, Any, Any]:
+        """(module, loss_fn or None unless last stage, optimizer factory, lr scheduler factory)."""
+        raise NotImplementedError
+
+    def seed_for(self, stage: int) -> int:
+        """The seed of stage ``stage``'s torch RNG (dropout...), the same on every host."""
+        return stage
 
 
 def _die_with_parent() -> None:
@@ -144,6 +161,13 @@ class EventLoop:
             elif kind is Kind.SET_STATE:
                 self.ex.load_state(msg.extra["names"], msg.tensors)
                 t.send_control(Kind.ACK, msg.step)
+            elif kind is Kind.GET_SNAPSHOT:
+                tensors: list[torch.Tensor] = []
+                tree = pack_tree(self.ex.snapshot(), tensors, f"stage {self.cfg.stage}'s snapshot")
+                t.send_control(Kind.SNAPSHOT, msg.step, tensors=tensors, extra={"snapshot": tree})
+            elif kind is Kind.RESTORE:
+                self.ex.restore(unpack_tree(msg.extra["snapshot"], msg.tensors))
+                t.send_control(Kind.ACK, msg.step)
             elif kind is Kind.PEERS:
                 t.connect(msg.extra.get("next_forward"), msg.extra.get("prev_backward"))
             elif kind is Kind.STOP:
@@ -192,12 +216,35 @@ class EventLoop:
             t.send_control(Kind.LOSS, step, extra={"loss": ex.mean_loss()})
 
 
-def worker_entry(cfg: WorkerConfig, payload: bytes) -> None:
-    """Entry point of a stage process (started by the runner).
+def _build(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> tuple[Any, Any, Any, Any]:
+    if isinstance(payload, bytes):
+        return pickle.loads(payload)
+    return payload.build(cfg.stage, cfg.n_stages)
 
-    ``payload`` is the pickled (module, loss_fn, optimizer factory) that the runner handed to
-    this process at start (never anything received over a socket). It is unpickled only once the
-    control channel is up, so that a failure to rebuild the stage is reported with its reason.
+
+def _publish(cfg: WorkerConfig, info: dict[str, Any]) -> None:
+    """Multi-host: publish this stage's endpoints in the rendezvous store (JSON, no pickles)."""
+    if cfg.store is None:
+        return
+    import datetime
+    import json
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    host, port, prefix = cfg.store
+    store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60),
+                     wait_for_workers=False)
+    PrefixStore(prefix, store).set(f"stage/{cfg.stage}", json.dumps(info))
+
+
+def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
+    """Entry point of a stage process (started by the runner, or by a node agent).
+
+    ``payload`` is either the pickled (module, loss_fn, optimizer factory, lr scheduler factory)
+    that the runner handed to this process at start, or a :class:`StageBuilder` that builds them
+    here from importable names (multi-host: nothing but plain data crosses hosts). Never anything
+    received over a socket. It is built only once the control channel is up, so that a failure
+    to build the stage is reported with its reason.
     """
     if cfg.die_with_parent and not _can_watch(cfg.driver_pid):
         # No pidfd to watch the driver with: let the kernel kill us with it (no clean-up then).
@@ -226,14 +273,14 @@ def worker_entry(cfg: WorkerConfig, payload: bytes) -> None:
         )
         device = select_device(cfg)
         torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
-        module, loss_fn, optimizer_factory = pickle.loads(payload)
-        executor = StageExecutor(cfg.stage, cfg.n_stages, module, optimizer_factory, loss_fn, device)
-        transport.send_control(
-            Kind.READY,
-            extra={**transport.addresses, "pid": os.getpid(), "device": str(device),
-                   "threads": torch.get_num_threads(),
-                   "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []},
-        )
+        module, loss_fn, optimizer_factory, scheduler_factory = _build(cfg, payload)
+        executor = StageExecutor(cfg.stage, cfg.n_stages, module, optimizer_factory, loss_fn, device,
+                                 lr_scheduler=scheduler_factory)
+        info = {**transport.addresses, "pid": os.getpid(), "device": str(device),
+                "threads": torch.get_num_threads(), "host": os.uname().nodename,
+                "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
+        _publish(cfg, info)
+        transport.send_control(Kind.READY, extra={**info, "layout": executor.layout()})
         EventLoop(cfg, transport, executor).serve()
         clean = True
     except Stopped:

@@ -1,0 +1,60 @@
+"""The digits job of ``examples/digits.toml``: importable stages, data and evaluation set.
+
+    pipeq launch examples/digits.toml                  # 3 stages, one host
+    pipeq launch examples/digits.toml --steps 200 --checkpoint-every 50 --out runs/digits
+
+A job file names these functions as ``examples.digits_job:NAME``; every stage process imports
+this module and builds its own stage (the same weights on every host: the launcher seeds it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+
+def layers() -> list[nn.Module]:
+    """The flat model: checkpoints name parameters by these layers' indices (0.weight, 2.bias...)."""
+    return [nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)]
+
+
+def stages() -> list[nn.Module]:
+    """Three stages."""
+    l = layers()
+    return [nn.Sequential(*l[0:2]), nn.Sequential(*l[2:4]), nn.Sequential(*l[4:])]
+
+
+def two_stages() -> list[nn.Module]:
+    """The same layers as two stages (a 3-stage checkpoint loads into this split)."""
+    l = layers()
+    return [nn.Sequential(*l[0:3]), nn.Sequential(*l[3:])]
+
+
+@functools.lru_cache(maxsize=1)
+def _digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sklearn's bundled 8x8 digits (offline): standardized 80/20 train/test split."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    y = torch.tensor(data.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    n_test = len(x) // 5
+    mean, std = x[n_test:].mean(0), x[n_test:].std(0).clamp_min(1.0)  # constant pixels: no blow-up
+    x = (x - mean) / std
+    return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
+
+
+def train_batches(epoch: int, batch: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of shuffled batches; the shuffle depends on the epoch only (resumable)."""
+    x, y, _, _ = _digits()
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1000 + epoch))
+    return [(x[i], y[i]) for i in perm.split(batch)]
+
+
+def heldout() -> tuple[torch.Tensor, torch.Tensor]:
+    _, _, x, y = _digits()
+    return x, y

@@ -1,0 +1,7 @@
+"""``python -m pipeq ...``: the pipeq command (also how torchrun starts it: ``-m pipeq launch``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,203 @@
+"""Multi-host rendezvous: who is node 0, where the store is, which stages run where.
+
+pipeq reuses torch.distributed's rendezvous store (the ``TCPStore`` torchrun uses) instead of
+inventing one. Node 0 runs the driver (the control plane) and hosts the store, unless torchrun's
+agent already hosts it; the driver publishes its control address and the stage placement there.
+Every other node runs an agent (:mod:`pipeq.agent`) that reads them and starts its stages; each
+stage publishes its own endpoints. Activations then flow directly between neighbour stages.
+
+Settings follow torchrun's conventions, flags first, then the environment::
+
+    --nnodes      WORLD_SIZE   SLURM_NTASKS       how many pipeq nodes (agents) there are
+    --node-rank   RANK         SLURM_PROCID       this node's rank (0 runs the driver)
+    --master-addr MASTER_ADDR                     where the store is (node 0)
+    --master-port MASTER_PORT                     its port
+                  LOCAL_RANK, LOCAL_WORLD_SIZE    ranks sharing this host split its CPU cores/GPUs
+
+Under torchrun every worker process is one pipeq node, so ``torchrun --nproc-per-node 2 -m
+pipeq launch job.toml`` gives two nodes on one host.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import ipaddress
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+DEFAULT_PORT = 29500
+
+
+@dataclass
+class Rendezvous:
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    bind: str  # the address this node's processes bind to and tell their peers
+    run_id: str = "pipeq"
+    agent_store: bool = False  # torchrun's elastic agent hosts the store: connect as a client
+    local_rank: int | None = None
+    local_world_size: int | None = None
+
+    @property
+    def prefix(self) -> str:
+        return f"pipeq/{self.run_id}/"
+
+    def store(self, timeout: float):  # -> torch.distributed.Store
+        """The rendezvous store: hosted here on node 0 (unless torchrun's agent hosts it)."""
+        from torch.distributed import PrefixStore, TCPStore
+
+        host = self.node_rank == 0 and not self.agent_store
+        try:
+            base = TCPStore(self.master_addr, self.master_port, is_master=host,
+                            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        except Exception as exc:  # RuntimeError / DistNetworkError, with a long C++ message
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            what = "host" if host else "reach"
+            raise RuntimeError(
+                f"node {self.node_rank}: cannot {what} the rendezvous store at "
+                f"{self.master_addr}:{self.master_port} ({first}); check --master-addr/--master-port "
+                "and that node 0 is started" + (" (is the port already in use?)" if host else "")
+            ) from None
+        return PrefixStore(self.prefix, base)
+
+    def store_address(self) -> tuple[str, int, str]:
+        return (self.master_addr, self.master_port, self.prefix)
+
+
+def _env_int(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)  # type: ignore[arg-type]
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def from_settings(
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    bind: str | None = None,
+    run_id: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Rendezvous | None:
+    """The rendezvous from flags, then torchrun's / SLURM's variables; None for one host."""
+    env = os.environ if env is None else env
+    nnodes = nnodes if nnodes is not None else _env_int(env, "WORLD_SIZE", "SLURM_NTASKS")
+    if nnodes is None or nnodes == 1 and node_rank in (None, 0) and master_addr is None:
+        if bind is not None:
+            raise ValueError("--bind only applies to multi-host runs (--nnodes > 1)")
+        return None
+    if nnodes < 1:
+        raise ValueError(f"nnodes must be at least 1, got {nnodes}")
+    node_rank = node_rank if node_rank is not None else _env_int(env, "RANK", "SLURM_PROCID")
+    if node_rank is None:
+        raise ValueError(
+            f"a {nnodes}-node run needs this node's rank: pass --node-rank (or set RANK / SLURM_PROCID)"
+        )
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node rank {node_rank} is outside 0..{nnodes - 1} (nnodes={nnodes})")
+    master_addr = master_addr or env.get("MASTER_ADDR")
+    if not master_addr:
+        raise ValueError(
+            "a multi-host run needs node 0's address: pass --master-addr (or set MASTER_ADDR)"
+        )
+    if master_port is None:
+        master_port = _env_int(env, "MASTER_PORT") or DEFAULT_PORT
+    if not 0 < master_port < 65536:
+        raise ValueError(f"master port {master_port} is not a TCP port")
+    run_id = run_id or env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "pipeq"
+    return Rendezvous(
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        bind=resolve_bind(bind, master_addr, master_port),
+        run_id=run_id,
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        local_rank=_env_int(env, "LOCAL_RANK"),
+        local_world_size=_env_int(env, "LOCAL_WORLD_SIZE"),
+    )
+
+
+def _interface_address(name: str) -> str | None:
+    """IPv4 address of network interface ``name`` (Linux SIOCGIFADDR), None if no such interface."""
+    if name not in {n for _, n in socket.if_nameindex()}:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            raise ValueError(f"network interface {name!r} has no IPv4 address") from None
+    return socket.inet_ntoa(res[20:24])
+
+
+def resolve_bind(bind: str | None, master_addr: str, master_port: int) -> str:
+    """The address to bind to: ``bind`` as an IP, an interface name or a host name; by default
+    the local address this host uses to reach the master (so peers can reach it back)."""
+    if bind:
+        try:
+            return str(ipaddress.ip_address(bind))
+        except ValueError:
+            pass
+        addr = _interface_address(bind)
+        if addr is not None:
+            return addr
+        try:
+            return socket.gethostbyname(bind)
+        except OSError:
+            raise ValueError(f"--bind {bind!r} is neither an address, an interface nor a host name") from None
+    try:
+        target = socket.gethostbyname(master_addr)
+    except OSError:
+        raise ValueError(f"master address {master_addr!r} does not resolve") from None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((target, master_port))  # UDP: no packet is sent, the route is looked up
+        except OSError as exc:
+            raise ValueError(f"no route to the master address {master_addr} ({exc})") from None
+        return s.getsockname()[0]
+
+
+def placement(n_stages: int, nnodes: int, nodes: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """Which stages run on which node: ``nodes`` as given (checked), else contiguous and even."""
+    if nodes is None:
+        if nnodes > n_stages:
+            raise ValueError(
+                f"{nnodes} nodes for {n_stages} stages: some nodes would run nothing; use at most "
+                f"{n_stages} nodes or give a placement"
+            )
+        return [list(range(r * n_stages // nnodes, (r + 1) * n_stages // nnodes)) for r in range(nnodes)]
+    plan = [list(node) for node in nodes]
+    if len(plan) != nnodes:
+        raise ValueError(f"the placement lists {len(plan)} node(s) but the run has {nnodes}")
+    flat = sorted(k for node in plan for k in node)
+    if flat != list(range(n_stages)):
+        raise ValueError(
+            f"the placement {plan} must name every stage 0..{n_stages - 1} exactly once"
+        )
+    for r, node in enumerate(plan):
+        if not node:
+            raise ValueError(f"the placement gives node {r} no stage")
+    return plan
+
+
+def encode_json(value: object) -> bytes:
+    return json.dumps(value).encode()
+
+
+def decode_json(raw: bytes, what: str) -> object:
+    try:
+        return json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError(f"the rendezvous store holds a malformed {what}: {raw[:80]!r}") from None

@@ -1,0 +1,106 @@
+"""``pipeq launch``: a job file trains, writes what it claims, checkpoints and resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from launch_util import ROOT, assert_same_state, digits_model, metrics, model_state, run_launch
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> str:
+    """40 steps in one go, checkpointing every 20 (the reference of the resume test)."""
+    out = str(tmp_path_factory.mktemp("full"))
+    r = run_launch("--steps", "40", "--checkpoint-every", "20", "--eval-every", "20", "--out", out)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_launch_trains_and_writes_state_and_metrics(uninterrupted: str) -> None:
+    out = uninterrupted
+    lines = metrics(out)
+    assert [ln["step"] for ln in lines] == list(range(1, 41))
+    assert all(ln["loss"] > 0 and ln["samples_per_s"] > 0 for ln in lines)
+    first = sum(ln["loss"] for ln in lines[:5]) / 5
+    last = sum(ln["loss"] for ln in lines[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    evaluated = [ln for ln in lines if "eval_accuracy" in ln]
+    assert [ln["step"] for ln in evaluated] == [20, 40]
+    # model.pt is the flat model's state_dict, and it scores what the metrics say it scores
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from examples.digits_job import heldout
+
+    x, y = heldout()
+    model = digits_model(model_state(out))
+    acc = float((model(x).argmax(1) == y).float().mean())
+    assert acc == pytest.approx(lines[-1]["eval_accuracy"], abs=1e-6)
+    assert acc > 0.85
+    for d in ("final", "checkpoints/step-00000020", "checkpoints/step-00000040"):
+        with open(os.path.join(out, d, "manifest.json")) as f:
+            manifest = json.load(f)
+        assert manifest["n_stages"] == 3 and manifest["meta"]["step"] == int(d[-2:]) if "step" in d else True
+
+
+def test_resume_continues_to_the_same_parameters(uninterrupted: str, tmp_path) -> None:
+    out = str(tmp_path / "run")
+    first = run_launch("--steps", "20", "--checkpoint-every", "20", "--out", out)
+    assert first.returncode == 0, first.stderr
+    resumed = run_launch("--steps", "40", "--checkpoint-every", "20", "--out", out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr and "step 20" in resumed.stderr
+    # the same parameters as 40 steps in one go: weights, momentum, lr schedule and data order
+    assert_same_state(model_state(out), model_state(uninterrupted))
+    assert [ln["step"] for ln in metrics(out)] == list(range(1, 41))
+
+
+def test_resume_without_checkpoint_starts_fresh(tmp_path) -> None:
+    out = str(tmp_path / "run")
+    r = run_launch("--steps", "3", "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "no complete checkpoint" in r.stderr
+    assert len(metrics(out)) == 3
+
+
+def test_failing_stage_exits_nonzero_with_its_traceback(tmp_path) -> None:
+    job = tmp_path / "bad.toml"
+    job.write_text(
+        open(os.path.join(ROOT, "examples", "digits.toml")).read()
+        .replace('stages = "examples.digits_job:stages"', 'stages = "tests_bad_job:stages"')
+    )
+    (tmp_path / "tests_bad_job.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Boom(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.l = nn.Linear(128, 10)\n"
+        "    def forward(self, x):\n        raise RuntimeError('boom in the last stage')\n"
+        "def stages():\n"
+        "    return [nn.Sequential(nn.Linear(64, 128), nn.ReLU()), nn.Sequential(nn.Linear(128, 128)), Boom()]\n"
+    )
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pipeq", "launch", str(job), "--quiet", "--steps", "3",
+                        "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1
+    assert "stage 2 failed" in r.stderr
+    assert "boom in the last stage" in r.stderr and "Traceback" in r.stderr
+
+
+def test_bad_job_file_is_refused_with_the_key(tmp_path) -> None:
+    job = tmp_path / "typo.toml"
+    job.write_text(open(os.path.join(ROOT, "examples", "digits.toml")).read() + "\nmicrobatchs = 4\n")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pipeq", "launch", str(job)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "unknown key(s) ['microbatchs']" in r.stderr
