@@ -1,0 +1,237 @@
+"""The launch recipes in ``workers/``: each one trains the digits job on two pipeq nodes over
+loopback to exactly the parameters of a single-host run.
+
+The recipes are started from a scratch directory (not the repository root), so each one's own
+``cd`` is exercised too. SLURM is faked: ``srun`` and ``scontrol`` stand-ins on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from launch_util import ROOT, assert_same_state, free_port, model_state, run_launch
+
+WORKERS = os.path.join(ROOT, "workers")
+LOCAL = os.path.join(WORKERS, "local.sh")
+TORCHRUN = os.path.join(WORKERS, "torchrun.sh")
+SLURM = os.path.join(WORKERS, "slurm.sbatch")
+SCRIPTS = [LOCAL, TORCHRUN, SLURM]
+
+STEPS = "6"
+ARGS = ["--threads-per-stage", "1", "--steps", STEPS, "--quiet"]  # deterministic, short
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The single-host run every recipe must reproduce."""
+    out = str(tmp_path_factory.mktemp("reference"))
+    r = run_launch("--steps", STEPS, "--out", out)  # run_launch adds --quiet --threads-per-stage 1
+    assert r.returncode == 0, r.stderr
+    return model_state(out)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    # the caller's own multi-host settings must not leak into the recipes
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "NNODES", "NPROC_PER_NODE", "NODE_RANK", "JOB", "BIND", "WORKDIR",
+              "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    for k in [k for k in env if k.startswith(("SLURM_", "SRUN_"))]:
+        env.pop(k)
+    env["PYTHON"] = sys.executable
+    env.update(extra)
+    return env
+
+
+def _start(cmd: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen:
+    # own session: on a timeout the whole tree (torchrun's workers, fake srun's tasks) is ended
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """(returncode, stdout, stderr) of each process; all are ended (their groups) on a timeout."""
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    p.wait(timeout=5)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        for p in procs:
+            p.communicate()
+        raise
+    return results
+
+
+def _report(results: list[tuple[int, str, str]]) -> str:
+    return "\n".join(f"--- process {i}: exit {rc}\n{out}\n{err}" for i, (rc, out, err) in enumerate(results))
+
+
+@pytest.mark.timeout(180)
+def test_local_sh_two_nodes_match_single_host(reference, tmp_path) -> None:
+    out = str(tmp_path / "out")
+    port = str(free_port())
+    env = _env(MASTER_PORT=port)
+    cwd = str(tmp_path)  # the script cds to the repository root itself
+    node1 = _start([LOCAL, "1", "127.0.0.1", *ARGS, "--out", out], env, cwd)
+    node0 = _start([LOCAL, "0", "127.0.0.1", *ARGS, "--out", out], env, cwd)
+    results = _finish([node0, node1], timeout=150)
+    assert [rc for rc, _, _ in results] == [0, 0], _report(results)
+    assert "trained 6 steps (3 stages, 2 nodes" in results[0][1], _report(results)
+    assert "node 1: started stage(s) [1, 2]" in results[1][2], _report(results)
+    assert_same_state(model_state(out), reference, atol=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_sh_two_processes_on_loopback_match_single_host(reference, tmp_path) -> None:
+    out = str(tmp_path / "out")
+    env = _env(NNODES="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    p = _start([TORCHRUN, "0", "127.0.0.1", *ARGS, "--out", out], env, str(tmp_path))
+    results = _finish([p], timeout=150)
+    assert results[0][0] == 0, _report(results)
+    assert "trained 6 steps (3 stages, 2 nodes" in results[0][1], _report(results)
+    assert_same_state(model_state(out), reference, atol=1e-6)
+
+
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# fake scontrol: `scontrol show hostnames NODELIST` -> one host, 127.0.0.1
+set -euo pipefail
+[[ "$1 $2" == "show hostnames" && -n "$3" ]] || { echo "fake scontrol: unexpected: $*" >&2; exit 1; }
+echo "$3" >> "$FAKE_SLURM_LOG.scontrol"
+echo 127.0.0.1
+"""
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# fake srun: start $SLURM_NTASKS copies of the command with SLURM_PROCID=i, wait for all of them
+set -uo pipefail
+while [[ $# -gt 0 && $1 == -* ]]; do shift; done   # srun's own options
+echo "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT $*" >> "$FAKE_SLURM_LOG.srun"
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+    SLURM_PROCID=$i SLURM_LOCALID=0 SLURM_NODEID=$i "$@" &
+    pids+=("$!")
+done
+rc=0
+for pid in "${pids[@]}"; do
+    wait "$pid" || rc=$?
+done
+exit "$rc"
+"""
+
+
+def _fake_slurm(tmp_path) -> tuple[str, str]:
+    """A bin directory with fake scontrol/srun, and the log prefix they write to."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(0o755)
+    return str(bin_dir), str(tmp_path / "fake-slurm")
+
+
+@pytest.mark.timeout(180)
+def test_slurm_sbatch_under_fake_srun_matches_single_host(reference, tmp_path) -> None:
+    bin_dir, log = _fake_slurm(tmp_path)
+    out = str(tmp_path / "out")
+    port = str(free_port())
+    env = _env(
+        PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        FAKE_SLURM_LOG=log,
+        SLURM_JOB_NODELIST="node[01-02]",
+        SLURM_NTASKS="2",
+        SLURM_JOB_ID="4242",
+        SLURM_SUBMIT_DIR=ROOT,  # sbatch runs a copy of the script: it must cd to the submit dir
+        MASTER_PORT=port,
+    )
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    p = _start(["bash", SLURM, *ARGS, "--out", out], env, str(scratch))
+    results = _finish([p], timeout=150)
+    assert results[0][0] == 0, _report(results)
+    with open(log + ".scontrol") as f:
+        assert f.read().split() == ["node[01-02]"]
+    with open(log + ".srun") as f:
+        srun_line = f.read().strip()
+    assert srun_line.startswith(f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} {sys.executable} -m pipeq launch "
+                                "examples/digits.toml --threads-per-stage 1"), srun_line
+    assert "trained 6 steps (3 stages, 2 nodes" in results[0][1], _report(results)
+    assert_same_state(model_state(out), reference, atol=1e-6)
+
+
+@pytest.mark.timeout(30)
+def test_slurm_sbatch_default_port_and_bind(tmp_path) -> None:
+    """Without MASTER_PORT the port comes from the job id; BIND becomes --bind (no training:
+    the fake srun's "tasks" only print what they were given)."""
+    bin_dir, log = _fake_slurm(tmp_path)
+    env = _env(PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), FAKE_SLURM_LOG=log,
+               SLURM_JOB_NODELIST="node01", SLURM_NTASKS="1", SLURM_JOB_ID="123457",
+               SLURM_SUBMIT_DIR=ROOT, BIND="eth0", PYTHON="echo")
+    r = subprocess.run(["bash", SLURM, "--steps", "3"], env=env, cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["-m", "pipeq", "launch", "examples/digits.toml", "--bind", "eth0",
+                                "--steps", "3"]
+    with open(log + ".srun") as f:
+        assert f.read().startswith(f"MASTER_ADDR=127.0.0.1 MASTER_PORT={20000 + 123457 % 40000} ")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "cmd, env, message",
+    [
+        ([LOCAL], {}, "missing NODE_RANK"),
+        ([LOCAL, "0"], {}, "missing MASTER_ADDR"),
+        ([LOCAL, "hostA", "0"], {}, "NODE_RANK must be a number"),
+        ([LOCAL, "0", "127.0.0.1"], {"JOB": "no/such/job.toml"}, "job file 'no/such/job.toml' not found"),
+        ([TORCHRUN], {}, "missing NODE_RANK"),
+        ([TORCHRUN, "1"], {}, "missing MASTER_ADDR"),
+        (["bash", SLURM], {}, "submit this script with sbatch"),
+    ],
+    ids=["local-no-rank", "local-no-addr", "local-swapped", "local-no-job", "torchrun-no-rank",
+         "torchrun-no-addr", "slurm-outside-allocation"],
+)
+def test_missing_argument_exits_nonzero_with_usage(cmd, env, message, tmp_path) -> None:
+    r = subprocess.run(cmd, env=_env(PYTHON="false", **env), cwd=str(tmp_path), capture_output=True,
+                       text=True, timeout=20)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert message in r.stderr and "usage:" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_script_is_executable_bash_and_parses(script) -> None:
+    assert os.stat(script).st_mode & stat.S_IXUSR, f"{script} is not executable"
+    with open(script) as f:
+        text = f.read()
+    assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
+    r = subprocess.run(["bash", "-n", script], capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_scripts_are_shellcheck_clean() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed")
+    r = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", *SCRIPTS, ],
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# workers/local.sh -- one node of a multi-host `pipeq launch` run, with pipeq's own flags.
+#
+# Usage: workers/local.sh NODE_RANK MASTER_ADDR [extra `pipeq launch` args...]
+#
+# Start it once on every host, with that host's NODE_RANK, the same MASTER_ADDR (node 0's
+# address: node 0 runs the driver and hosts the rendezvous store there) and the same extra
+# arguments. Order does not matter. Only node 0 writes outputs (--out, relative to node 0's
+# repository root). A 2-node run of examples/digits.toml (3 stages: node 0 runs stage 0,
+# node 1 runs stages 1 and 2) on host A (node 0) and host B (node 1):
+#
+#   host A$ workers/local.sh 0 hostA --steps 200 --out runs/digits
+#   host B$ workers/local.sh 1 hostA --steps 200 --out runs/digits
+#
+# which run, from the repository root:
+#
+#   host A$ python -m pipeq launch examples/digits.toml --nnodes 2 --node-rank 0 \
+#               --master-addr hostA --master-port 29500 --steps 200 --out runs/digits
+#   host B$ python -m pipeq launch examples/digits.toml --nnodes 2 --node-rank 1 \
+#               --master-addr hostA --master-port 29500 --steps 200 --out runs/digits
+#
+# Environment (all optional):
+#   NNODES=2                  number of pipeq nodes (at most the job's number of stages)
+#   MASTER_PORT=29500         TCP port of the rendezvous store on node 0 (open it in firewalls)
+#   JOB=examples/digits.toml  the job file, relative to WORKDIR
+#   BIND=ADDR_OR_IFACE        passed as --bind: what this node's stages listen on and announce
+#                             (default: the local address that routes to MASTER_ADDR)
+#   PYTHON=python             the interpreter that has pipeq installed
+#   WORKDIR=<repo root>       where to run (the job's importable names resolve from there)
+set -euo pipefail
+
+prog=${0##*/}
+
+usage() {
+    cat >&2 <<USAGE
+usage: $prog NODE_RANK MASTER_ADDR [extra pipeq launch args...]
+  host A (node 0): $prog 0 hostA --steps 200
+  host B (node 1): $prog 1 hostA --steps 200
+  env: NNODES (2), MASTER_PORT (29500), JOB (examples/digits.toml), BIND, PYTHON (python),
+       WORKDIR (the repository root); see the header of $0
+USAGE
+}
+
+die() {
+    echo "$prog: $*" >&2
+    usage
+    exit 2
+}
+
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    usage
+    exit 0
+fi
+[[ $# -ge 1 ]] || die "missing NODE_RANK (0 on the host that runs the driver)"
+[[ $# -ge 2 ]] || die "missing MASTER_ADDR (the address of node 0's host)"
+NODE_RANK=$1
+MASTER_ADDR=$2
+shift 2
+[[ $NODE_RANK =~ ^[0-9]+$ ]] || die "NODE_RANK must be a number, got '$NODE_RANK'"
+[[ -n $MASTER_ADDR ]] || die "MASTER_ADDR is empty"
+
+NNODES=${NNODES:-2}
+MASTER_PORT=${MASTER_PORT:-29500}
+JOB=${JOB:-examples/digits.toml}
+PYTHON=${PYTHON:-python}
+
+cd "${WORKDIR:-$(dirname "${BASH_SOURCE[0]}")/..}"
+[[ -f $JOB ]] || die "job file '$JOB' not found in $PWD"
+
+bind=()
+if [[ -n ${BIND:-} ]]; then
+    bind=(--bind "$BIND")
+fi
+
+cmd=("$PYTHON" -m pipeq launch "$JOB" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" ${bind[@]+"${bind[@]}"} "$@")
+echo "$prog: node $NODE_RANK of $NNODES in $PWD:$(printf ' %q' "${cmd[@]}")" >&2
+exec "${cmd[@]}"

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# workers/torchrun.sh -- one host of a multi-host `pipeq launch` run under torchrun
+# (python -m torch.distributed.run).
+#
+# Usage: workers/torchrun.sh NODE_RANK MASTER_ADDR [extra `pipeq launch` args...]
+#
+# torchrun starts NPROC_PER_NODE worker processes on this host; every worker is one pipeq node
+# (pipeq reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK from torchrun's
+# environment, so no pipeq multi-host flags are passed). Worker rank 0 runs the driver and
+# writes the outputs; torchrun's agent on host A hosts the rendezvous store. In all there are
+# NNODES x NPROC_PER_NODE pipeq nodes: at most the job's number of stages.
+#
+# Two hosts, one pipeq node each: host A (node 0) and host B (node 1), in either order:
+#
+#   host A$ workers/torchrun.sh 0 hostA --steps 200 --out runs/digits
+#   host B$ workers/torchrun.sh 1 hostA --steps 200 --out runs/digits
+#
+# which run, from the repository root:
+#
+#   host A$ python -m torch.distributed.run --nnodes 2 --node-rank 0 --nproc-per-node 1 \
+#               --master-addr hostA --master-port 29500 \
+#               -m pipeq launch examples/digits.toml --steps 200 --out runs/digits
+#   host B$ python -m torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 1 \
+#               --master-addr hostA --master-port 29500 \
+#               -m pipeq launch examples/digits.toml --steps 200 --out runs/digits
+#
+# Two pipeq nodes on one host (two processes over loopback, splitting its CPU cores):
+#
+#   NNODES=1 NPROC_PER_NODE=2 workers/torchrun.sh 0 127.0.0.1 --steps 200
+#
+# Environment (all optional):
+#   NNODES=2                  number of hosts (torchrun --nnodes)
+#   NPROC_PER_NODE=1          pipeq nodes (worker processes) per host
+#   MASTER_PORT=29500         TCP port of the rendezvous store on host A
+#   JOB=examples/digits.toml  the job file, relative to WORKDIR
+#   BIND=ADDR_OR_IFACE        passed as pipeq's --bind (default: the address routing to MASTER_ADDR)
+#   PYTHON=python             the interpreter that has torch and pipeq installed
+#   WORKDIR=<repo root>       where to run (the job's importable names resolve from there)
+set -euo pipefail
+
+prog=${0##*/}
+
+usage() {
+    cat >&2 <<USAGE
+usage: $prog NODE_RANK MASTER_ADDR [extra pipeq launch args...]
+  host A: $prog 0 hostA --steps 200
+  host B: $prog 1 hostA --steps 200
+  one host, 2 processes: NNODES=1 NPROC_PER_NODE=2 $prog 0 127.0.0.1
+  env: NNODES (2), NPROC_PER_NODE (1), MASTER_PORT (29500), JOB (examples/digits.toml), BIND,
+       PYTHON (python), WORKDIR (the repository root); see the header of $0
+USAGE
+}
+
+die() {
+    echo "$prog: $*" >&2
+    usage
+    exit 2
+}
+
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    usage
+    exit 0
+fi
+[[ $# -ge 1 ]] || die "missing NODE_RANK (this host's rank: 0 on the host that runs the driver)"
+[[ $# -ge 2 ]] || die "missing MASTER_ADDR (the address of host 0)"
+NODE_RANK=$1
+MASTER_ADDR=$2
+shift 2
+[[ $NODE_RANK =~ ^[0-9]+$ ]] || die "NODE_RANK must be a number, got '$NODE_RANK'"
+[[ -n $MASTER_ADDR ]] || die "MASTER_ADDR is empty"
+
+NNODES=${NNODES:-2}
+NPROC_PER_NODE=${NPROC_PER_NODE:-1}
+MASTER_PORT=${MASTER_PORT:-29500}
+JOB=${JOB:-examples/digits.toml}
+PYTHON=${PYTHON:-python}
+
+cd "${WORKDIR:-$(dirname "${BASH_SOURCE[0]}")/..}"
+[[ -f $JOB ]] || die "job file '$JOB' not found in $PWD"
+
+bind=()
+if [[ -n ${BIND:-} ]]; then
+    bind=(--bind "$BIND")
+fi
+
+cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
+     --nproc-per-node "$NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+     -m pipeq launch "$JOB" ${bind[@]+"${bind[@]}"} "$@")
+echo "$prog: host $NODE_RANK of $NNODES in $PWD:$(printf ' %q' "${cmd[@]}")" >&2
+exec "${cmd[@]}"
