@@ -110,6 +110,12 @@ def run_agent(
         code = _watch(rz, sock, monitor, procs, heartbeat_interval, driver_grace, start_timeout, log)
     except KeyboardInterrupt:
         log(f"node {rz.node_rank}: interrupted; stopping stage(s) {mine}")
+        try:  # the driver names the node at once instead of waiting for missing heartbeats
+            sock.send_multipart(codec.encode(Kind.ERROR, extra={
+                "stage": mine[0], "message": f"node {rz.node_rank}'s agent was interrupted"}),
+                flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
         code = 130
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -280,7 +280,7 @@ class ProcessBackend:
         stage = num
         if role == "a":  # an agent reports one of its stages (or itself)
             stage = extra.get("stage") if type(extra.get("stage")) is int else None
-            where = f" on node {num} ({self.rendezvous.nnodes if self.rendezvous else 1} nodes)"
+            where = f" (on node {num})"
             return PipelineError(str(extra.get("message", "failed")) + where, stage, extra.get("traceback"))
         return PipelineError(str(extra.get("message", "failed")), stage, extra.get("traceback"))
 

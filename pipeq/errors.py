@@ -11,6 +11,7 @@ class PipelineError(RuntimeError):
     """
 
     def __init__(self, message: str, stage: int | None = None, remote_traceback: str | None = None):
+        self.message = message
         self.stage = stage
         self.remote_traceback = remote_traceback
         text = message if stage is None else f"stage {stage}: {message}"

@@ -139,7 +139,7 @@ class Trainer:
                 self.train(runner)
         except PipelineError as exc:
             where = f"stage {exc.stage}" if exc.stage is not None else "the pipeline"
-            self.log(f"{where} failed: {exc}")
+            self.log(f"{where} failed: {exc.message}")
             if exc.remote_traceback:
                 print(f"--- traceback of {where} ---\n{exc.remote_traceback.rstrip()}",
                       file=self.stream, flush=True)

@@ -47,7 +47,10 @@ class PipelineRunner:
 
     Args:
         stages: the model, split into stages; stage k's output is stage k+1's input (a tensor
-            or a tuple of tensors). In process mode they must be picklable.
+            or a tuple of tensors). In process mode they must be picklable. Or a
+            :class:`pipeq.Recipe` (importable names, as in a job file) from which each stage
+            process builds its own stage; then ``loss_fn`` and ``optimizer`` are None (the
+            recipe names them). Multi-host runs need a recipe.
         loss_fn: ``loss_fn(output, target)`` on the last stage; reduction 'mean' or 'sum'.
         optimizer: called with one stage's parameters, e.g. ``partial(torch.optim.SGD, lr=0.1)``.
         schedule: ``"1f1b"`` or ``"fill-drain"`` (alias ``"gpipe"``), or your own schedule
@@ -55,6 +58,9 @@ class PipelineRunner:
             (module level, so that stage processes can import it); it is validated and
             dry-run for deadlock here, before anything starts.
         microbatches: microbatches per step (a smaller batch uses one sample per microbatch).
+        lr_scheduler: called with each stage's optimizer, e.g.
+            ``partial(torch.optim.lr_scheduler.StepLR, step_size=10)``; stepped once per
+            training step on every stage, right after the optimizer.
         mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
         devices: one device string per stage; default ``cuda:k`` round-robin when CUDA is
             available, else ``cpu`` with each stage pinned to its share of the CPU cores.
@@ -71,6 +77,14 @@ class PipelineRunner:
         start_method: ``"spawn"`` (default: a fresh interpreter per stage, ~2 s to start) or
             ``"forkserver"`` (stages fork from a server that has torch imported: ~50 ms; the
             server process lives on until this process exits).
+        rendezvous: a :class:`pipeq.rendezvous.Rendezvous` for a multi-host run (this process
+            is node 0; the other nodes run ``pipeq launch ... --node-rank r``); its stages bind
+            to ``rendezvous.bind`` over TCP.
+        placement: stages per node, e.g. ``[[0], [1, 2]]`` (default: an even, contiguous split).
+
+    Checkpoints: :meth:`save` / :meth:`load` write and read every stage's parameters, optimizer
+    and scheduler state under the flat model's names (see :mod:`pipeq.checkpoint`); a
+    checkpoint loads into another split of the same layers.
     """
 
     def __init__(

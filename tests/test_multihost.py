@@ -74,8 +74,8 @@ def _wait_for(pred, timeout: float, what: str) -> None:
 def test_sigkill_of_a_worker_ends_the_run_naming_the_stage(hosts: TwoHosts, tmp_path, victim: int) -> None:
     h = hosts
     out = str(tmp_path / "multi")
-    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", "100000")
-    node0 = _node(h, h.a, 0, out, "--steps", "100000")
+    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", "100000", "--epochs", "100000")
+    node0 = _node(h, h.a, 0, out, "--steps", "100000", "--epochs", "100000")
     try:
         metrics = os.path.join(out, "metrics.jsonl")
         _wait_for(lambda: os.path.exists(metrics) and os.path.getsize(metrics) > 0, 120, "training to start")
@@ -102,8 +102,8 @@ def test_sigkill_of_a_worker_ends_the_run_naming_the_stage(hosts: TwoHosts, tmp_
 def test_driver_death_takes_the_remote_workers_with_it(hosts: TwoHosts, tmp_path) -> None:
     h = hosts
     out = str(tmp_path / "multi")
-    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", "100000")
-    node0 = _node(h, h.a, 0, out, "--steps", "100000")
+    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", "100000", "--epochs", "100000")
+    node0 = _node(h, h.a, 0, out, "--steps", "100000", "--epochs", "100000")
     try:
         metrics = os.path.join(out, "metrics.jsonl")
         _wait_for(lambda: os.path.exists(metrics) and os.path.getsize(metrics) > 0, 120, "training to start")
@@ -112,6 +112,35 @@ def test_driver_death_takes_the_remote_workers_with_it(hosts: TwoHosts, tmp_path
         node1.communicate(timeout=30)
         assert node1.returncode != 0
         _wait_for(lambda: not h.procs(h.a) and not h.procs(h.b), 15, "all processes to exit")
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def test_host_cut_off_is_named_and_both_sides_clean_up(hosts: TwoHosts, tmp_path) -> None:
+    """Host B's link goes down (no FIN, no RST): heartbeats name its stage, and B's agent, which
+    lost the driver, stops its stages on its own."""
+    h = hosts
+    out = str(tmp_path / "multi")
+    args = ("--steps", "100000", "--epochs", "100000", "--heartbeat-timeout", "3")
+    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), *args)
+    node0 = _node(h, h.a, 0, out, *args)
+    try:
+        metrics = os.path.join(out, "metrics.jsonl")
+        _wait_for(lambda: os.path.exists(metrics) and os.path.getsize(metrics) > 0, 120, "training to start")
+        subprocess.run(h.cmd(h.b, ["ip", "link", "set", h.veth_b, "down"]), check=True)
+        t0 = time.monotonic()
+        _, err0 = node0.communicate(timeout=60)
+        took = time.monotonic() - t0
+        assert node0.returncode == 1, err0
+        assert "no heartbeat" in err0 and ("stage 1 failed" in err0 or "stage 2 failed" in err0), err0
+        assert took < 3 + 5, f"the driver took {took:.1f} s to notice the lost host"
+        _, err1 = node1.communicate(timeout=30)
+        assert node1.returncode != 0
+        assert "lost the driver" in err1, err1
+        _wait_for(lambda: not h.procs(h.a) and not h.procs(h.b), 10, "all processes to exit")
     finally:
         for p in (node0, node1):
             if p.poll() is None:

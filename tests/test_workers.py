@@ -232,6 +232,6 @@ def test_script_is_executable_bash_and_parses(script) -> None:
 def test_scripts_are_shellcheck_clean() -> None:
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed")
-    r = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", *SCRIPTS, ],
+    r = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", *SCRIPTS],
                        capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stdout + r.stderr
