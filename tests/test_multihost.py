@@ -7,6 +7,7 @@ process left in either namespace.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -70,15 +71,28 @@ def _wait_for(pred, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_sigkill_of_a_worker_ends_the_run_naming_the_stage(hosts: TwoHosts, tmp_path, victim: int) -> None:
-    h = hosts
+@contextlib.contextmanager
+def training(h: TwoHosts, tmp_path, *extra: str):
+    """Node 1 on host B, node 0 on host A, training "forever"; yields once steps are being made."""
     out = str(tmp_path / "multi")
-    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", "100000", "--epochs", "100000")
-    node0 = _node(h, h.a, 0, out, "--steps", "100000", "--epochs", "100000")
+    args = ("--steps", "100000", "--epochs", "100000", *extra)
+    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), *args)
+    node0 = _node(h, h.a, 0, out, *args)
     try:
         metrics = os.path.join(out, "metrics.jsonl")
         _wait_for(lambda: os.path.exists(metrics) and os.path.getsize(metrics) > 0, 120, "training to start")
+        yield node0, node1
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_sigkill_of_a_worker_ends_the_run_naming_the_stage(hosts: TwoHosts, tmp_path, victim: int) -> None:
+    h = hosts
+    with training(h, tmp_path) as (node0, node1):
         ns = h.b if victim else h.a
         pid = next(p for p, comm in h.procs(ns) if comm == f"pipeq-stage{victim}")
         os.kill(pid, signal.SIGKILL)
@@ -92,44 +106,24 @@ def test_sigkill_of_a_worker_ends_the_run_naming_the_stage(hosts: TwoHosts, tmp_
         assert node1.returncode != 0
         # every process of the run, in both namespaces, is gone
         _wait_for(lambda: not h.procs(h.a) and not h.procs(h.b), 10, "all processes to exit")
-    finally:
-        for p in (node0, node1):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
 
 
 def test_driver_death_takes_the_remote_workers_with_it(hosts: TwoHosts, tmp_path) -> None:
     h = hosts
-    out = str(tmp_path / "multi")
-    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", "100000", "--epochs", "100000")
-    node0 = _node(h, h.a, 0, out, "--steps", "100000", "--epochs", "100000")
-    try:
-        metrics = os.path.join(out, "metrics.jsonl")
-        _wait_for(lambda: os.path.exists(metrics) and os.path.getsize(metrics) > 0, 120, "training to start")
+    with training(h, tmp_path) as (node0, node1):
         node0.kill()
         node0.communicate()
-        node1.communicate(timeout=30)
+        _, err1 = node1.communicate(timeout=30)
         assert node1.returncode != 0
+        assert "lost the driver" in err1, err1
         _wait_for(lambda: not h.procs(h.a) and not h.procs(h.b), 15, "all processes to exit")
-    finally:
-        for p in (node0, node1):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
 
 
 def test_host_cut_off_is_named_and_both_sides_clean_up(hosts: TwoHosts, tmp_path) -> None:
     """Host B's link goes down (no FIN, no RST): heartbeats name its stage, and B's agent, which
     lost the driver, stops its stages on its own."""
     h = hosts
-    out = str(tmp_path / "multi")
-    args = ("--steps", "100000", "--epochs", "100000", "--heartbeat-timeout", "3")
-    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), *args)
-    node0 = _node(h, h.a, 0, out, *args)
-    try:
-        metrics = os.path.join(out, "metrics.jsonl")
-        _wait_for(lambda: os.path.exists(metrics) and os.path.getsize(metrics) > 0, 120, "training to start")
+    with training(h, tmp_path, "--heartbeat-timeout", "3") as (node0, node1):
         subprocess.run(h.cmd(h.b, ["ip", "link", "set", h.veth_b, "down"]), check=True)
         t0 = time.monotonic()
         _, err0 = node0.communicate(timeout=60)
@@ -141,8 +135,3 @@ def test_host_cut_off_is_named_and_both_sides_clean_up(hosts: TwoHosts, tmp_path
         assert node1.returncode != 0
         assert "lost the driver" in err1, err1
         _wait_for(lambda: not h.procs(h.a) and not h.procs(h.b), 10, "all processes to exit")
-    finally:
-        for p in (node0, node1):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
