@@ -400,10 +400,6 @@ class PipelineRunner:
 
         self._require_running()
         ckpt = checkpoint.load(directory)
-        layouts = [
-            checkpoint.StageLayout(model_names=lay["model"], param_names=lay["params"],
-                                   layers=lay["layers"], sequential=lay["sequential"])
-            for lay in self._backend.layouts()
-        ]
+        layouts = [checkpoint.StageLayout(**lay) for lay in self._backend.layouts()]
         self._backend.restore(checkpoint.split(ckpt, layouts))
         return dict(ckpt.meta)

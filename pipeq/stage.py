@@ -12,6 +12,7 @@ sum-reduced one, so microbatches of unequal size are weighted correctly.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -272,28 +273,15 @@ class StageExecutor:
     # -- checkpoints ---------------------------------------------------------------------------
     def layout(self) -> dict[str, Any]:
         """What a checkpoint needs to know of this stage to hand it its part (local names)."""
-        sequential = isinstance(self.module, nn.Sequential)
-        return {
-            "model": list(self.module.state_dict()),
-            "params": [n for n, p in self.module.named_parameters() if p.requires_grad],
-            "layers": len(self.module) if sequential else 1,
-            "sequential": sequential,
-        }
+        from .checkpoint import layout_of
+
+        return dataclasses.asdict(layout_of(self.module))
 
     def snapshot(self) -> dict[str, Any]:
         """Parameters and buffers, optimizer and scheduler state and the RNG, as CPU copies."""
-        from .checkpoint import optimizer_snapshot
+        from .checkpoint import stage_snapshot
 
-        lay = self.layout()
-        names, tensors = self.state_tensors()
-        return {
-            "model": {n: t.clone() for n, t in zip(names, tensors)},
-            "optim": optimizer_snapshot(self.module, self.optimizer) if self.optimizer is not None else {},
-            "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "rng": torch.get_rng_state(),
-            "layers": lay["layers"],
-            "sequential": lay["sequential"],
-        }
+        return dict(stage_snapshot(self.module, self.optimizer, self.scheduler))
 
     def restore(self, snap: dict[str, Any]) -> None:
         """Load a :meth:`snapshot` (possibly re-split from another stage count)."""

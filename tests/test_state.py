@@ -119,3 +119,26 @@ def test_lr_scheduler_must_be_a_factory() -> None:
     sgd = functools.partial(torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="lr_scheduler must be a factory"):
         pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), sgd, lr_scheduler=3)
+
+
+def test_frozen_parameters_save_and_load(tmp_path) -> None:
+    """A stage whose parameters are partly frozen (not in its optimizer) still round-trips."""
+    def stages() -> list[nn.Module]:
+        s = digits_stages()
+        s[0][0].weight.requires_grad_(False)
+        return s
+
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    x, y = _batches(1)[0]
+    with pipeq.PipelineRunner(stages(), nn.CrossEntropyLoss(), sgd, mode="process", **FAST) as r:
+        r.step(x, y)
+        r.save(str(tmp_path / "ckpt"))
+        r.step(x, y)
+        want = r.state_dict()
+    with pipeq.PipelineRunner(stages(), nn.CrossEntropyLoss(), sgd, mode="process", **FAST) as r:
+        r.load(str(tmp_path / "ckpt"))
+        r.step(x, y)
+        got = r.state_dict()
+    assert torch.equal(got["0.0.weight"], stages()[0][0].weight)  # frozen: never trained
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
