@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -350,16 +351,38 @@ def checkpoint_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
 
 
-def latest(root: str) -> str | None:
-    """The complete ``step-<n>`` checkpoint under ``root`` with the largest n, or None."""
+def _complete(root: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete ``step-<n>`` checkpoints under ``root``, oldest first."""
     if not os.path.isdir(root):
-        return None
+        return []
     found = []
     for name in os.listdir(root):
         m = _STEP_DIR.fullmatch(name)
         if m and os.path.isfile(os.path.join(root, name, MANIFEST)):
-            found.append((int(m.group(1)), name))
-    return os.path.join(root, max(found)[1]) if found else None
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def latest(root: str) -> str | None:
+    """The complete ``step-<n>`` checkpoint under ``root`` with the largest n, or None."""
+    found = _complete(root)
+    return found[-1][1] if found else None
+
+
+def prune(root: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root``; the deleted paths.
+
+    The manifest goes first, so a deletion that is cut short leaves an incomplete checkpoint
+    (ignored by :func:`latest`), never a complete-looking one with files missing.
+    """
+    if keep < 1:
+        return []
+    gone = []
+    for _, path in _complete(root)[:-keep]:
+        os.remove(os.path.join(path, MANIFEST))
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
+    return gone
 
 
 # ---------------------------------------------------------------------------- re-split

@@ -16,6 +16,7 @@ A job file (TOML, read with the standard library's tomllib)::
     steps = 60                                   # or epochs = 3 (steps then caps them)
     out = "runs/digits"
     checkpoint_every = 20                        # 0: only the final state
+    keep_checkpoints = 3                         # the newest 3 (0: keep all)
     seed = 0
     [placement]                                  # optional, multi-host: stages per node
     nodes = [[0], [1, 2]]
@@ -166,6 +167,7 @@ class Job:
     epochs: int | None = None
     out: str = "pipeq-run"
     checkpoint_every: int = 0
+    keep_checkpoints: int = 0
     eval_every: int = 0
     log_every: int = 10
     placement: list[list[int]] | None = None
@@ -199,7 +201,8 @@ _RECIPE_KEYS = {
 }
 _JOB_KEYS = {
     "data": str, "eval_data": str, "schedule": str, "microbatches": int, "steps": int, "epochs": int,
-    "out": str, "checkpoint_every": int, "eval_every": int, "log_every": int, "placement": dict,
+    "out": str, "checkpoint_every": int, "keep_checkpoints": int, "eval_every": int,
+    "log_every": int, "placement": dict,
     "threads_per_stage": int, "heartbeat_timeout": (int, float),
 }
 _REQUIRED = ("stages", "loss", "optimizer", "data")
@@ -229,7 +232,7 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     for key in ("microbatches", "steps", "epochs", "n_stages", "threads_per_stage"):
         if key in raw and raw[key] < 1:
             raise ValueError(f"job file {path}: {key} must be at least 1, got {raw[key]}")
-    for key in ("checkpoint_every", "eval_every", "log_every"):
+    for key in ("checkpoint_every", "keep_checkpoints", "eval_every", "log_every"):
         if key in raw and raw[key] < 0:
             raise ValueError(f"job file {path}: {key} must be 0 or more, got {raw[key]}")
     if "steps" not in raw and "epochs" not in raw:

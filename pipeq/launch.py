@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", help="output directory")
     g.add_argument("--seed", type=int, help="seed of the stages' initial weights")
     g.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps (0: never)")
+    g.add_argument("--keep-checkpoints", type=int, metavar="K", help="keep the newest K checkpoints (0: all)")
     g.add_argument("--eval-every", type=int, metavar="N", help="evaluate every N steps (0: at the end)")
     g.add_argument("--threads-per-stage", type=int)
     g.add_argument("--heartbeat-timeout", type=float, help="seconds of silence before a stage is failed")
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("steps", "epochs", "schedule", "microbatches", "out", "seed", "checkpoint_every",
-            "eval_every", "threads_per_stage", "heartbeat_timeout")
+            "keep_checkpoints", "eval_every", "threads_per_stage", "heartbeat_timeout")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -273,6 +274,8 @@ class Trainer:
     def _save(self, runner: Any, directory: str, step: int, epoch: int, batch: int) -> None:
         runner.save(directory, {"step": step, "epoch": epoch, "batch": batch, "job": self.job.path,
                                 "schedule": self.job.schedule, "microbatches": self.job.microbatches})
+        if os.path.dirname(directory) == self.ckpt_root:
+            checkpoint.prune(self.ckpt_root, self.job.keep_checkpoints)
 
     @staticmethod
     def _trim_metrics(path: str, step: int) -> None:

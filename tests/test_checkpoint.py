@@ -292,3 +292,18 @@ def test_latest_picks_the_highest_complete_step(tmp_path):
     assert latest(root) == checkpoint_dir(root, 5)
     make_checkpoint(checkpoint_dir(root, 7))
     assert latest(root) == checkpoint_dir(root, 7)
+
+
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path) -> None:
+    from pipeq.checkpoint import checkpoint_dir, latest, prune, save, stage_snapshot
+
+    root = str(tmp_path)
+    snap = stage_snapshot(nn.Linear(2, 2))
+    for step in (5, 10, 15, 20):
+        save(checkpoint_dir(root, step), [snap], {"step": step})
+    os.makedirs(checkpoint_dir(root, 25))  # an unfinished save: no manifest, never counted
+    gone = prune(root, 2)
+    assert [os.path.basename(p) for p in gone] == ["step-00000005", "step-00000010"]
+    assert sorted(os.listdir(root)) == ["step-00000015", "step-00000020", "step-00000025"]
+    assert latest(root) == checkpoint_dir(root, 20)
+    assert prune(root, 0) == []  # 0 keeps everything
