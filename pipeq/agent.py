@@ -17,6 +17,7 @@ exits non-zero. So no stage waits forever on a peer that is gone.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -29,7 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 from . import codec
 from . import rendezvous as rdzv
 from .codec import Kind
-from .driver import exit_reason, plan_devices, start_worker, stop_processes
+from .driver import exit_reason, job_identity, plan_devices, start_worker, stop_processes
 from .rendezvous import Rendezvous
 from .worker import StageBuilder, WorkerConfig
 
@@ -50,6 +51,31 @@ def _fetch(store: Any, key: str, what: str, rz: Rendezvous, timeout: float) -> A
             "same --master-addr/--master-port and run id?"
         ) from None
     return rdzv.decode_json(store.get(key), what)
+
+
+def _differences(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(theirs) | set(ours)):
+        a, b = theirs.get(key), ours.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} is {a!r} on node 0 but {b!r} here")
+    return out
+
+
+def _tell_driver(control: str, rz: Rendezvous, message: str) -> None:
+    """Send one ERROR to the driver (so it fails at once, naming this node), then hang up."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"a%d" % rz.node_rank)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(control)
+        sock.send_multipart(codec.encode(Kind.ERROR, extra={"message": message}))
+        sock.close()
+    finally:
+        ctx.term()
 
 
 def run_agent(
@@ -78,6 +104,14 @@ def run_agent(
             f"node {rz.node_rank}: the driver runs a different job (placement {plan!r} for "
             f"{rz.nnodes} nodes, this node's job file has {n_stages} stages)"
         )
+    theirs = _fetch(store, "job", "job description", rz, start_timeout)
+    ours = json.loads(json.dumps(job_identity(builder, schedule)))  # as it came through JSON
+    if theirs != ours:
+        differ = _differences(theirs, ours) if isinstance(theirs, dict) else ["everything"]
+        message = (f"node {rz.node_rank} was started with another job than node 0: "
+                   f"{'; '.join(differ)}; pass the same job file and flags on every node")
+        _tell_driver(control, rz, message)
+        raise AgentError(message)
     mine: list[int] = plan[rz.node_rank]
     ctx = mp.get_context("spawn")
     procs: dict[int, mp.process.BaseProcess] = {}

@@ -77,6 +77,14 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def job_identity(payload: "bytes | StageBuilder", schedule: "str | ScheduleFn") -> dict[str, Any]:
+    """What every node of a multi-host run must agree on (compared by the agents)."""
+    if not isinstance(schedule, str):
+        schedule = f"{schedule.__module__}:{schedule.__qualname__}"
+    recipe = payload.describe() if isinstance(payload, StageBuilder) else {}
+    return {"schedule": schedule, "recipe": recipe}
+
+
 def exit_reason(code: int) -> str:
     return f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
 
@@ -178,6 +186,7 @@ class ProcessBackend:
         self.server = ControlServer(self.transport, where)
         if rz is not None:  # tell the other nodes where to find us and what each of them runs
             self.store.set("placement", rdzv.encode_json(self.placement))
+            self.store.set("job", rdzv.encode_json(job_identity(self.payloads[0], self.schedule)))
             self.store.set("control", rdzv.encode_json(self.server.address))
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
@@ -364,21 +373,24 @@ class ProcessBackend:
         """Multi-host start-up: which missing stages reached the rendezvous, and where they run."""
         if what != "start" or self.store is None or self.rendezvous is None:
             return ""
+        rz = self.rendezvous
         hints = []
-        for k in sorted(missing):
-            node = next(r for r, stages in enumerate(self.placement) if k in stages)
+        for node, stages in enumerate(self.placement):
+            lost = [k for k in stages if k in missing]
+            if not lost:
+                continue
             try:
-                seen = self.store.check([f"stage/{k}"])
+                seen = [k for k in lost if self.store.check([f"stage/{k}"])]
             except Exception:
-                seen = False
+                seen = []
             if seen:
-                hints.append(f"stage {k} (node {node}) registered at the rendezvous but never reached "
-                             f"the control channel at {self.server.address if self.server else '?'}: "
+                hints.append(f"stage(s) {seen} (node {node}) registered at the rendezvous but never "
+                             f"reached the control channel {self.server.address if self.server else ''}: "
                              f"is that port reachable from node {node}?")
-            else:
-                hints.append(f"stage {k} (node {node}) never registered at the rendezvous "
-                             f"{self.rendezvous.master_addr}:{self.rendezvous.master_port}: is node "
-                             f"{node} started (pipeq launch ... --node-rank {node})?")
+            if len(seen) < len(lost):
+                hints.append(f"stage(s) {[k for k in lost if k not in seen]} (node {node}) never "
+                             f"registered at the rendezvous {rz.master_addr}:{rz.master_port}: is "
+                             f"node {node} started (pipeq launch ... --node-rank {node})?")
         return "; " + "; ".join(hints)
 
     def _begin_wait(self) -> float:

@@ -155,6 +155,9 @@ class Recipe(StageBuilder):
     def seed_for(self, stage: int) -> int:
         return self.seed * 1009 + stage + 1
 
+    def describe(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "sys_path"}
+
 
 @dataclass
 class Job:
@@ -173,6 +176,7 @@ class Job:
     placement: list[list[int]] | None = None
     threads_per_stage: int | None = None
     heartbeat_timeout: float = 15.0
+    start_timeout: float = 120.0
     path: str = ""
 
     def data_fn(self) -> Callable[..., Iterable]:
@@ -203,7 +207,7 @@ _JOB_KEYS = {
     "data": str, "eval_data": str, "schedule": str, "microbatches": int, "steps": int, "epochs": int,
     "out": str, "checkpoint_every": int, "keep_checkpoints": int, "eval_every": int,
     "log_every": int, "placement": dict,
-    "threads_per_stage": int, "heartbeat_timeout": (int, float),
+    "threads_per_stage": int, "heartbeat_timeout": (int, float), "start_timeout": (int, float),
 }
 _REQUIRED = ("stages", "loss", "optimizer", "data")
 

@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, metavar="N", help="evaluate every N steps (0: at the end)")
     g.add_argument("--threads-per-stage", type=int)
     g.add_argument("--heartbeat-timeout", type=float, help="seconds of silence before a stage is failed")
+    g.add_argument("--start-timeout", type=float, help="seconds to wait for every stage (and node) to start")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--quiet", action="store_true", help="plain log lines instead of a progress bar")
     m = p.add_argument_group("multi-host (default: torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, "
@@ -72,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("steps", "epochs", "schedule", "microbatches", "out", "seed", "checkpoint_every",
-            "keep_checkpoints", "eval_every", "threads_per_stage", "heartbeat_timeout")
+            "keep_checkpoints", "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -99,7 +100,8 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
         n = job.recipe.count_stages()
         return run_agent(rz, job.recipe, n, job.schedule, threads_per_stage=job.threads_per_stage,
                          queue_capacity=max(64, 4 * job.microbatches),
-                         heartbeat_timeout=job.heartbeat_timeout, log=log)
+                         heartbeat_timeout=job.heartbeat_timeout, start_timeout=job.start_timeout,
+                         log=log)
     except (AgentError, RuntimeError, ValueError) as exc:
         log(str(exc))
         return 1
@@ -130,7 +132,7 @@ class Trainer:
             runner = PipelineRunner(
                 job.recipe, None, None, job.schedule, job.microbatches,
                 threads_per_stage=job.threads_per_stage, heartbeat_timeout=job.heartbeat_timeout,
-                rendezvous=self.rz, placement=job.placement,
+                start_timeout=job.start_timeout, rendezvous=self.rz, placement=job.placement,
             )
         except ValueError as exc:
             self.log(str(exc))

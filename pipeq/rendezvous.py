@@ -27,6 +27,7 @@ import json
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -54,6 +55,8 @@ class Rendezvous:
         from torch.distributed import PrefixStore, TCPStore
 
         host = self.node_rank == 0 and not self.agent_store
+        if not host:
+            self._wait_for_store(timeout)
         try:
             base = TCPStore(self.master_addr, self.master_port, is_master=host,
                             timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
@@ -66,6 +69,23 @@ class Rendezvous:
                 "and that node 0 is started" + (" (is the port already in use?)" if host else "")
             ) from None
         return PrefixStore(self.prefix, base)
+
+    def _wait_for_store(self, timeout: float) -> None:
+        """Wait until the store's port accepts connections (quietly: TCPStore's own retries log
+        a C++ stack trace per attempt)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection((self.master_addr, self.master_port), timeout=1.0).close()
+                return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"node {self.node_rank}: no rendezvous store at {self.master_addr}:"
+                        f"{self.master_port} after {timeout:.0f} s ({exc}); is node 0 started, and "
+                        "are --master-addr/--master-port the same on every node?"
+                    ) from None
+                time.sleep(0.2)
 
     def store_address(self) -> tuple[str, int, str]:
         return (self.master_addr, self.master_port, self.prefix)

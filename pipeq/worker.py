@@ -73,6 +73,10 @@ class StageBuilder:
         """The seed of stage ``stage``'s torch RNG (dropout...), the same on every host."""
         return stage
 
+    def describe(self) -> dict[str, Any]:
+        """Plain data that two hosts compare to make sure they build the same job."""
+        return {}
+
 
 def _die_with_parent() -> None:
     """Linux: get SIGKILL when the process that started us exits (no orphans)."""

@@ -104,3 +104,27 @@ def test_bad_job_file_is_refused_with_the_key(tmp_path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "unknown key(s) ['microbatchs']" in r.stderr
+
+
+def test_nodes_started_with_different_jobs_are_refused(tmp_path) -> None:
+    """A node with another schedule or seed would deadlock or train apart: both nodes say so."""
+    import subprocess
+
+    from launch_util import free_port, launch_cmd
+
+    port = str(free_port())
+    common = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--steps", "3")
+    node1 = subprocess.Popen(launch_cmd(*common, "--node-rank", "1", "--out", str(tmp_path / "n1"),
+                                        "--schedule", "fill-drain"),
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        node0 = subprocess.run(launch_cmd(*common, "--node-rank", "0", "--out", str(tmp_path / "n0")),
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+        _, err1 = node1.communicate(timeout=60)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.communicate()
+    expected = "schedule is '1f1b' on node 0 but 'fill-drain' here"
+    assert node0.returncode == 1 and expected in node0.stderr, node0.stderr
+    assert node1.returncode == 1 and expected in err1, err1
