@@ -11,6 +11,7 @@ Layers, imports pointing down only::
     checkpoint.py                    files: global names, re-split across stage counts
 """
 
+from . import rendezvous
 from .errors import CodecError, PipelineError, ScheduleError
 from .job import Recipe
 from .runner import PipelineRunner

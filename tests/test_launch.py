@@ -128,3 +128,37 @@ def test_nodes_started_with_different_jobs_are_refused(tmp_path) -> None:
     expected = "schedule is '1f1b' on node 0 but 'fill-drain' here"
     assert node0.returncode == 1 and expected in node0.stderr, node0.stderr
     assert node1.returncode == 1 and expected in err1, err1
+
+
+def test_embedded_runner_as_node_0_of_a_two_node_run(tmp_path) -> None:
+    """A script embeds PipelineRunner with a recipe as node 0; node 1 is `pipeq launch`."""
+    import subprocess
+    import sys
+
+    import pipeq
+    from launch_util import DIGITS_JOB, free_port, launch_cmd
+    from pipeq.job import load_job
+
+    sys.path.insert(0, ROOT)
+    from examples.digits_job import train_batches
+
+    port = free_port()
+    node1 = subprocess.Popen(
+        launch_cmd("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                   "--master-port", str(port), "--out", str(tmp_path / "n1")),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        job = load_job(DIGITS_JOB)
+        rz = pipeq.rendezvous.from_settings(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        runner = pipeq.PipelineRunner(job.recipe, None, None, job.schedule, job.microbatches,
+                                      threads_per_stage=1, rendezvous=rz)
+        with runner:
+            losses = [runner.step(x, y) for x, y in train_batches(0)[:20]]
+        assert losses[-1] < losses[0]
+        _, err1 = node1.communicate(timeout=60)
+        assert node1.returncode == 0, err1
+        assert "started stage(s) [1, 2]" in err1
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.communicate()
