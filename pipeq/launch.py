@@ -178,7 +178,11 @@ class Trainer:
         started = time.perf_counter()
         bar = self._progress(total, step)
         last_eval: dict[str, float] = {}
+        pos = (epoch, skip)  # where the next batch comes from: (epoch, index in it)
+        last: dict[str, Any] | None = None
         with open(metrics_path, "a") as metrics:
+            if total is not None and step >= total:
+                self.log(f"already trained {step} of {total} steps; writing the final state")
             for epoch, batch, (x, y) in self._batches(epoch, skip):
                 if total is not None and step >= total:
                     break
@@ -186,6 +190,7 @@ class Trainer:
                 loss = runner.step(x, y)
                 dt = time.perf_counter() - t0
                 step += 1
+                pos = (epoch, batch + 1)
                 samples += int(x.shape[0])
                 if math.isnan(first_loss):
                     first_loss = loss
@@ -197,30 +202,31 @@ class Trainer:
                     last_eval = self.evaluate(runner, eval_set, loss_fn)
                     line.update(last_eval)
                 if job.checkpoint_every and step % job.checkpoint_every == 0:
-                    self._save(runner, checkpoint.checkpoint_dir(self.ckpt_root, step), step, epoch, batch + 1)
-                if done:
+                    self._save(runner, checkpoint.checkpoint_dir(self.ckpt_root, step), step, *pos)
+                if done:  # its line is written below, with the final evaluation
                     last = line
                     break
                 metrics.write(json.dumps(line) + "\n")
                 metrics.flush()
                 self._report(bar, line, total)
-            else:
-                last = None
             if step == 0:
                 raise ValueError(f"the job's data ({job.data}) yielded no batch")
             if eval_set is not None:
                 last_eval = self.evaluate(runner, eval_set, loss_fn)
-            if last is not None:  # the final step's line carries the final evaluation
+                if last is None and samples:  # data ran out before a step count: a line of its own
+                    last = {"step": step, "epoch": pos[0]}
+            if last is not None:
                 last.update(last_eval)
                 metrics.write(json.dumps(last) + "\n")
-                self._report(bar, last, total)
+                if "loss" in last:
+                    self._report(bar, last, total)
         if bar is not None:
             bar.close()
         elapsed = time.perf_counter() - started
         final = os.path.join(self.out, "final")
-        self._save(runner, final, step, epoch, batch + 1)
-        if job.checkpoint_every:
-            self._save(runner, checkpoint.checkpoint_dir(self.ckpt_root, step), step, epoch, batch + 1)
+        self._save(runner, final, step, *pos)
+        if job.checkpoint_every and samples and step % job.checkpoint_every:  # else just saved
+            self._save(runner, checkpoint.checkpoint_dir(self.ckpt_root, step), step, *pos)
         model = checkpoint.load(final).model
         tmp = os.path.join(self.out, "model.pt.tmp")
         torch.save(model, tmp)
