@@ -38,6 +38,8 @@ from multiprocessing.connection import wait as mp_wait
 import torch
 from torch import nn
 
+from pipeq.testing import SleepStage
+
 LR = 0.05  # large enough that the loss visibly moves (a cross-check between configs)
 GLOO_WINDOW = 4
 SLEEP_WIDTH = 16  # sleep-stage activations are (rows x 16) float32
@@ -47,34 +49,6 @@ SLEEP_MB_ROWS = 8  # rows per microbatch in the schedule probe (8 x 16 tensors)
 # ==================================================================================================
 # Stage modules (module level: picklable for pipeq's stage processes)
 # ==================================================================================================
-class _SleepFn(torch.autograd.Function):
-    """Identity whose forward sleeps t_f and whose backward sleeps t_b (fixed, CPU-free work)."""
-
-    @staticmethod
-    def forward(ctx, x, tf, tb):  # type: ignore[override]
-        ctx.tb = tb
-        time.sleep(tf)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        time.sleep(ctx.tb)
-        return g, None, None
-
-
-class SleepStage(nn.Module):
-    """x + bias, through _SleepFn. The bias makes every stage (stage 0 too) run a backward."""
-
-    def __init__(self, width: int, tf: float, tb: float) -> None:
-        super().__init__()
-        self.bias = nn.Parameter(torch.zeros(width))
-        self.tf = tf
-        self.tb = tb
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SleepFn.apply(x + self.bias, self.tf, self.tb)
-
-
 def make_stages(spec: tuple) -> list[nn.Module]:
     """spec = ("mlp", width, depth, n_stages) or ("sleep", n_stages, tf, tb). Deterministic."""
     if spec[0] == "mlp":
@@ -86,7 +60,7 @@ def make_stages(spec: tuple) -> list[nn.Module]:
         per = len(layers) // n
         return [nn.Sequential(*layers[k * per:(k + 1) * per]) for k in range(n)]
     _, n, tf, tb = spec
-    return [SleepStage(SLEEP_WIDTH, tf, tb) for _ in range(n)]
+    return [SleepStage(SLEEP_WIDTH, tf, tb) for _ in range(n)]  # pipeq.testing
 
 
 def make_data(spec: tuple, batch: int) -> tuple[torch.Tensor, torch.Tensor]:

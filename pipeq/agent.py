@@ -112,6 +112,8 @@ def run_agent(
                    f"{'; '.join(differ)}; pass the same job file and flags on every node")
         _tell_driver(control, rz, message)
         raise AgentError(message)
+    options = _fetch(store, "options", "run options", rz, start_timeout)
+    traced = bool(options.get("trace")) if isinstance(options, dict) else False
     mine: list[int] = plan[rz.node_rank]
     ctx = mp.get_context("spawn")
     procs: dict[int, mp.process.BaseProcess] = {}
@@ -135,6 +137,7 @@ def run_agent(
                 threads=threads_per_stage or threads, queue_capacity=queue_capacity,
                 heartbeat_interval=heartbeat_interval, spin_s=spin_s, die_with_parent=True,
                 driver_pid=os.getpid(), seed=builder.seed_for(k), store=rz.store_address(),
+                trace=traced,
             )
             procs[k] = start_worker(ctx, cfg, builder)
         log(f"node {rz.node_rank}: started stage(s) {mine} (pids "

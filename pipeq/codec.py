@@ -76,6 +76,8 @@ class Kind(enum.IntEnum):
     EXIT = 16
     GET_SNAPSHOT = 17  # reply SNAPSHOT: parameters, optimizer and scheduler state, RNG
     RESTORE = 18  # load a snapshot, reply ACK
+    CLOCK = 19  # reply TIME with the stage's clock (trace clock alignment)
+    GET_TRACE = 30  # reply TRACE: the recorded action rows since the last GET_TRACE
     # worker -> runner
     READY = 20
     LOSS = 21
@@ -85,6 +87,8 @@ class Kind(enum.IntEnum):
     ERROR = 25
     HEARTBEAT = 26
     SNAPSHOT = 27
+    TIME = 28
+    TRACE = 29
 
 
 _KINDS = frozenset(int(k) for k in Kind)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import codec
+from . import codec, trace
 from .codec import Kind, Message
 from .errors import CodecError, PipelineError
 from .schedules import ScheduleFn
@@ -35,7 +35,7 @@ from .worker import StageBuilder, WorkerConfig, worker_entry
 _POLL_MS = 100
 # Replies a worker sends to a command; one of these that no one waits for any more (the caller was
 # interrupted, e.g. by Ctrl-C) is stale and dropped.
-_REPLIES = frozenset({Kind.LOSS, Kind.OUTPUT, Kind.STATE, Kind.SNAPSHOT, Kind.ACK})
+_REPLIES = frozenset({Kind.LOSS, Kind.OUTPUT, Kind.STATE, Kind.SNAPSHOT, Kind.ACK, Kind.TIME, Kind.TRACE})
 
 
 def plan_devices(
@@ -79,10 +79,8 @@ def _signal_name(code: int) -> str:
 
 def job_identity(payload: "bytes | StageBuilder", schedule: "str | ScheduleFn") -> dict[str, Any]:
     """What every node of a multi-host run must agree on (compared by the agents)."""
-    if not isinstance(schedule, str):
-        schedule = f"{schedule.__module__}:{schedule.__qualname__}"
     recipe = payload.describe() if isinstance(payload, StageBuilder) else {}
-    return {"schedule": schedule, "recipe": recipe}
+    return {"schedule": trace.schedule_label(schedule), "recipe": recipe}
 
 
 def exit_reason(code: int) -> str:
@@ -138,7 +136,13 @@ class ProcessBackend:
         stop_timeout: float = 60.0,
         rendezvous: Rendezvous | None = None,
         placement: Sequence[Sequence[int]] | None = None,
+        trace: str | None = None,
+        microbatches: int = 0,
     ) -> None:
+        self.trace_path = trace
+        self.microbatches = microbatches
+        self.spans: list[tuple[int, bool, int, int, int]] = []  # traced commands (pipeq.trace)
+        self.clocks: list[list[trace.ClockSample]] = []
         self.start_method = start_method
         self.stop_timeout = stop_timeout
         self.payloads = list(payloads)
@@ -187,6 +191,7 @@ class ProcessBackend:
         if rz is not None:  # tell the other nodes where to find us and what each of them runs
             self.store.set("placement", rdzv.encode_json(self.placement))
             self.store.set("job", rdzv.encode_json(job_identity(self.payloads[0], self.schedule)))
+            self.store.set("options", rdzv.encode_json({"trace": self.trace_path is not None}))
             self.store.set("control", rdzv.encode_json(self.server.address))
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
@@ -218,6 +223,7 @@ class ProcessBackend:
                 seed=(self.payloads[k].seed_for(k) if isinstance(self.payloads[k], StageBuilder)
                       else base_seed + k),
                 store=rz.store_address() if rz is not None else None,
+                trace=self.trace_path is not None,
             )
             self.procs[k] = start_worker(ctx, cfg, self.payloads[k])
         self.last_beat = [float("inf")] * self.n  # heartbeats are watched once a stage is READY
@@ -232,6 +238,8 @@ class ProcessBackend:
                 extra["prev_backward"] = ready[k - 1].extra["backward"]
             self.server.send(k, codec.encode(Kind.PEERS, extra=extra))
         self.worker_info = [ready[k].extra for k in range(self.n)]
+        if self.trace_path is not None:
+            self.clocks = [[s] for s in self._measure_clocks()]
 
     def close(self) -> None:
         """Stop every worker and remove the ipc files.
@@ -243,17 +251,22 @@ class ProcessBackend:
         if self.server is None or self.failure is not None:
             self._teardown()
             return
+        traced = None
         try:
             req = self._next_control_id()
             self._send_all([(k, codec.encode(Kind.STOP, req)) for k in range(self.n)])
             self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), step=req,
                           timeout=self.stop_timeout, what="stop")
+            if self.trace_path is not None:
+                traced = self._fetch_trace()
             self._send_all([(k, codec.encode(Kind.EXIT, req)) for k in range(self.n)])
             deadline = time.monotonic() + 5.0
             for p in self.procs.values():
                 p.join(max(0.0, deadline - time.monotonic()))
         finally:  # whatever happened (Ctrl-C included), no process or ipc file outlives close()
             self._teardown()
+        if traced is not None and self.trace_path is not None:
+            trace.write(self.trace_path, traced)
 
     def _teardown(self) -> None:
         if self.server is not None and self.rendezvous is not None:
@@ -446,17 +459,23 @@ class ProcessBackend:
         for k in range(self.n):
             tensors = ([x] if k == 0 else []) + ([target] if k == last else [])
             msgs.append((k, codec.encode(Kind.STEP, step, 0, tensors, extra)))
+        t0 = time.perf_counter_ns()
         self._send_all(msgs)
         reply = self._collect(Kind.LOSS, {last: 1}, step=step, what=f"step {step}")[last][0]
+        if self.trace_path is not None:
+            self.spans.append((step, True, t0, time.perf_counter_ns(), len(sizes)))
         return float(reply.extra["loss"])
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
         self._check_usable()
         last = self.n - 1
         extra = {"sizes": sizes}
+        t0 = time.perf_counter_ns()
         self._send_all([(k, codec.encode(Kind.PREDICT, step, 0, [x] if k == 0 else [], extra))
                         for k in range(self.n)])
         msgs = self._collect(Kind.OUTPUT, {last: len(sizes)}, step=step, what=f"predict {step}")[last]
+        if self.trace_path is not None:
+            self.spans.append((step, False, t0, time.perf_counter_ns(), len(sizes)))
         msgs.sort(key=lambda m: m.microbatch)
         return [tuple(m.tensors) for m in msgs]
 
@@ -502,3 +521,41 @@ class ProcessBackend:
 
     def layouts(self) -> list[dict[str, Any]]:
         return [info["layout"] for info in self.worker_info]
+
+    # -- tracing ---------------------------------------------------------------------------------
+    def _measure_clocks(self, rounds: int = 8) -> list[trace.ClockSample]:
+        """Each stage's clock offset from ours: the least-delayed of ``rounds`` round trips."""
+        assert self.server is not None
+        out = []
+        for k in range(self.n):
+            samples = []
+            for _ in range(rounds):
+                req = self._next_control_id()
+                t0 = time.perf_counter_ns()
+                self.server.send(k, codec.encode(Kind.CLOCK, req))
+                reply = self._collect(Kind.TIME, {k: 1}, step=req, what="clock")[k][0]
+                t1 = time.perf_counter_ns()
+                ns = reply.extra.get("ns")
+                if type(ns) is not int:
+                    raise self._fail(PipelineError(f"malformed clock reply {reply.extra!r}", k))
+                samples.append((t0, ns, t1))
+            out.append(trace.best_offset(samples))
+        return out
+
+    def _fetch_trace(self) -> dict[str, Any]:
+        """The merged trace of the run so far (stages' rows on our clock, plus our step spans)."""
+        for k, sample in enumerate(self._measure_clocks()):
+            self.clocks[k].append(sample)
+        req = self._next_control_id()
+        self._send_all([(k, codec.encode(Kind.GET_TRACE, req)) for k in range(self.n)])
+        got = self._collect(Kind.TRACE, dict.fromkeys(range(self.n), 1), step=req, what="trace")
+        rows = []
+        for k in range(self.n):
+            try:
+                rows.append(trace.check_rows(got[k][0].tensors[0], k))
+            except (IndexError, ValueError) as exc:
+                raise self._fail(PipelineError(f"malformed trace: {exc}", k))
+        meta = trace.TraceMeta(trace.schedule_label(self.schedule), self.n, self.microbatches)
+        hosts = [str(info.get("host", "")) for info in self.worker_info]
+        return trace.build(meta, rows, self.clocks, self.spans,
+                           hosts=hosts if len(set(hosts)) > 1 else None)

@@ -17,32 +17,49 @@ Requests (first element an :class:`~pipeq.schedules.Op`, or ``OUTPUT``)::
 
 from __future__ import annotations
 
+import time
 from typing import Any, Generator, Sequence
 
 from .schedules import Action, Op
 from .stage import StageExecutor, Tensors
+from .trace import B as TRACE_B
+from .trace import F as TRACE_F
+from .trace import STEP as TRACE_STEP
 
 OUTPUT = "output"
 
 Request = tuple[Any, ...]
 
 
-def execute(ex: StageExecutor, actions: Sequence[Action]) -> Generator[Request, Any, None]:
+def execute(
+    ex: StageExecutor, actions: Sequence[Action], trace: list | None = None
+) -> Generator[Request, Any, None]:
+    """Run ``actions``; with ``trace`` (a list), append ``(code, step, microbatch, start_ns,
+    end_ns, 0)`` for each compute action (see :mod:`pipeq.trace`)."""
     received: dict[int, Tensors] = {}
     grads: dict[int, Tensors] = {}
     to_send: dict[int, Tensors] = {}
+    rec = trace.append if trace is not None else None
+    clock = time.perf_counter_ns
+    step = ex.step_index
     for a in actions:
         op = a.op
         j = a.microbatch
         if op is Op.FORWARD:
+            t0 = clock() if rec else 0
             out = ex.forward(j, received.pop(j, None))
+            if rec:
+                rec((TRACE_F, step, j, t0, clock(), 0))
             if out is not None:
                 if ex.is_last:
                     yield (OUTPUT, j, ex.to_host(out))
                 else:
                     to_send[j] = out
         elif op is Op.BACKWARD:
+            t0 = clock() if rec else 0
             gin = ex.backward(j, grads.pop(j, None))
+            if rec:
+                rec((TRACE_B, step, j, t0, clock(), 0))
             if gin is not None:
                 to_send[j] = gin
         elif op is Op.RECV_ACT:
@@ -52,6 +69,9 @@ def execute(ex: StageExecutor, actions: Sequence[Action]) -> Generator[Request, 
         elif op is Op.SEND_ACT or op is Op.SEND_GRAD:
             yield (op, j, ex.to_host(to_send.pop(j)))
         elif op is Op.STEP:
+            t0 = clock() if rec else 0
             ex.optimizer_step()
+            if rec:
+                rec((TRACE_STEP, step, -1, t0, clock(), 0))
         else:  # pragma: no cover - schedules are validated before they reach here
             raise ValueError(f"stage {ex.index}: cannot execute action {a}")

@@ -177,6 +177,7 @@ class Job:
     threads_per_stage: int | None = None
     heartbeat_timeout: float = 15.0
     start_timeout: float = 120.0
+    trace: str | None = None
     path: str = ""
 
     def data_fn(self) -> Callable[..., Iterable]:
@@ -208,6 +209,7 @@ _JOB_KEYS = {
     "out": str, "checkpoint_every": int, "keep_checkpoints": int, "eval_every": int,
     "log_every": int, "placement": dict,
     "threads_per_stage": int, "heartbeat_timeout": (int, float), "start_timeout": (int, float),
+    "trace": str,
 }
 _REQUIRED = ("stages", "loss", "optimizer", "data")
 

@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, metavar="N", help="evaluate every N steps (0: at the end)")
     g.add_argument("--threads-per-stage", type=int)
     g.add_argument("--heartbeat-timeout", type=float, help="seconds of silence before a stage is failed")
+    g.add_argument("--trace", metavar="PATH", help="write a Chrome trace of every stage's actions "
+                   "(read it with pipeq report PATH)")
     g.add_argument("--start-timeout", type=float, help="seconds to wait for every stage (and node) to start")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--quiet", action="store_true", help="plain log lines instead of a progress bar")
@@ -73,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("steps", "epochs", "schedule", "microbatches", "out", "seed", "checkpoint_every",
-            "keep_checkpoints", "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout")
+            "keep_checkpoints", "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout", "trace")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -133,6 +135,7 @@ class Trainer:
                 job.recipe, None, None, job.schedule, job.microbatches,
                 threads_per_stage=job.threads_per_stage, heartbeat_timeout=job.heartbeat_timeout,
                 start_timeout=job.start_timeout, rendezvous=self.rz, placement=job.placement,
+                trace=job.trace,
             )
         except ValueError as exc:
             self.log(str(exc))
@@ -333,5 +336,5 @@ class Trainer:
             + (f"; eval loss {ev['eval_loss']:.4f}" if "eval_loss" in ev else ""),
             f"  state: {os.path.join(self.out, 'model.pt')} and {os.path.join(self.out, 'final')}",
             f"  metrics: {os.path.join(self.out, METRICS)}",
-        ]
+        ] + ([f"  trace: {self.job.trace} (pipeq report {self.job.trace})"] if self.job.trace else [])
         print("\n".join(lines), flush=True)

@@ -17,6 +17,7 @@ backend: :class:`~pipeq.driver.ProcessBackend` (``mode="process"``, the default)
 from __future__ import annotations
 
 import collections
+import os
 import pickle
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -81,6 +82,9 @@ class PipelineRunner:
             is node 0; the other nodes run ``pipeq launch ... --node-rank r``); its stages bind
             to ``rendezvous.bind`` over TCP.
         placement: stages per node, e.g. ``[[0], [1, 2]]`` (default: an even, contiguous split).
+        trace: a file path: every stage records each action it runs (forward, backward,
+            optimizer step, send, waiting for input) and ``close()`` writes one merged Chrome
+            trace-event JSON file there (Perfetto, chrome://tracing; ``pipeq report`` reads it).
 
     Checkpoints: :meth:`save` / :meth:`load` write and read every stage's parameters, optimizer
     and scheduler state under the flat model's names (see :mod:`pipeq.checkpoint`); a
@@ -110,6 +114,7 @@ class PipelineRunner:
         stop_timeout: float = 60.0,
         rendezvous: "Rendezvous | None" = None,
         placement: Sequence[Sequence[int]] | None = None,
+        trace: str | None = None,
     ) -> None:
         builder: StageBuilder | None = None
         if isinstance(stages, StageBuilder):  # a job's recipe (pipeq launch, multi-host)
@@ -179,6 +184,11 @@ class PipelineRunner:
                     raise ValueError(f"devices[{k}] = {d!r}: pipeq runs stages on 'cpu' or 'cuda'")
         if builder is None:
             self._check_untied(stages)
+        if trace is not None and (not isinstance(trace, (str, os.PathLike)) or mode != "process"):
+            raise ValueError(
+                f"trace={trace!r}: give a file path, in process mode (a simulated run has no "
+                "timeline worth tracing: every stage runs in this one process)"
+            )
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         # Refuse a schedule that cannot run before any process starts.
@@ -215,6 +225,7 @@ class PipelineRunner:
                 heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
                 start_timeout=start_timeout, spin_s=spin, start_method=start_method,
                 stop_timeout=stop_timeout, rendezvous=rendezvous, placement=placement,
+                trace=os.fspath(trace) if trace is not None else None, microbatches=microbatches,
             )
         else:
             from .simulated import SimulatedBackend

@@ -10,6 +10,8 @@ The loop waits for a command on the control channel and carries it out:
     SET_STATE  load them, reply ACK
     GET_SNAPSHOT  reply SNAPSHOT (parameters, optimizer and scheduler state, RNG: checkpoints)
     RESTORE    load a snapshot, reply ACK
+    CLOCK      reply TIME with this process's clock (aligning traces)
+    GET_TRACE  reply TRACE: the actions recorded since the last GET_TRACE (pipeq.trace)
     STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
     EXIT       leave the loop
 
@@ -24,13 +26,14 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from . import schedules
+from . import schedules, trace
 from .codec import Kind, Message, pack_tree, unpack_tree
 from .interpreter import OUTPUT, execute
 from .schedules import Op
@@ -60,6 +63,7 @@ class WorkerConfig:
     # multi-host: the rendezvous store (host, port, key prefix) where this stage publishes its
     # endpoints; None on one host
     store: tuple[str, int, str] | None = None
+    trace: bool = False  # record every action (pipeq.trace)
 
 
 class StageBuilder:
@@ -141,6 +145,7 @@ class EventLoop:
         self.t = transport
         self.ex = executor
         self._actions: dict[tuple[int, bool], list[schedules.Action]] = {}
+        self.trace: list[tuple[int, ...]] | None = [] if cfg.trace else None
 
     def actions(self, m: int, training: bool) -> list[schedules.Action]:
         key = (m, training)
@@ -172,6 +177,13 @@ class EventLoop:
             elif kind is Kind.RESTORE:
                 self.ex.restore(unpack_tree(msg.extra["snapshot"], msg.tensors))
                 t.send_control(Kind.ACK, msg.step)
+            elif kind is Kind.CLOCK:
+                t.send_control(Kind.TIME, msg.step, extra={"ns": time.perf_counter_ns()})
+            elif kind is Kind.GET_TRACE:
+                rows = self.trace or []
+                if self.trace is not None:
+                    self.trace = []  # a long run is fetched piece by piece
+                t.send_control(Kind.TRACE, msg.step, tensors=[trace.rows_to_tensor(rows)])
             elif kind is Kind.PEERS:
                 t.connect(msg.extra.get("next_forward"), msg.extra.get("prev_backward"))
             elif kind is Kind.STOP:
@@ -196,28 +208,47 @@ class EventLoop:
         x = tensors[0] if ex.is_first else None
         target = tensors[-1] if (ex.is_last and training) else None
         ex.begin(step, sizes, training, x, target, weights)
-        gen = execute(ex, self.actions(len(sizes), training))
+        rec = self.trace.append if self.trace is not None else None
+        gen = execute(ex, self.actions(len(sizes), training), self.trace)
         fq, bq = t.forward_queue, t.backward_queue
+        clock = time.perf_counter_ns
         value: Any = None
         try:
             while True:
                 req = gen.send(value)
                 op = req[0]
                 value = None
+                t0 = clock() if rec else 0
                 if op is Op.RECV_ACT:
-                    value = t.wait_data(fq, step, req[1]).tensors
+                    got = t.wait_data(fq, step, req[1])
+                    value = got.tensors
+                    if rec:
+                        rec((trace.WAIT_ACT, step, req[1], t0, clock(), _nbytes(value)))
                 elif op is Op.RECV_GRAD:
-                    value = t.wait_data(bq, step, req[1]).tensors
+                    got = t.wait_data(bq, step, req[1])
+                    value = got.tensors
+                    if rec:
+                        rec((trace.WAIT_GRAD, step, req[1], t0, clock(), _nbytes(value)))
                 elif op is Op.SEND_ACT:
                     t.send_activation(step, req[1], req[2])
+                    if rec:
+                        rec((trace.SEND_ACT, step, req[1], t0, clock(), _nbytes(req[2])))
                 elif op is Op.SEND_GRAD:
                     t.send_gradient(step, req[1], req[2])
+                    if rec:
+                        rec((trace.SEND_GRAD, step, req[1], t0, clock(), _nbytes(req[2])))
                 elif op == OUTPUT:
                     t.send_control(Kind.OUTPUT, step, req[1], req[2])
+                    if rec:
+                        rec((trace.OUTPUT, step, req[1], t0, clock(), _nbytes(req[2])))
         except StopIteration:
             pass
         if ex.is_last and training:
             t.send_control(Kind.LOSS, step, extra={"loss": ex.mean_loss()})
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _build(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> tuple[Any, Any, Any, Any]:

@@ -1,0 +1,108 @@
+"""Traces of real runs: every action of every stage, in the schedule's order, on one clock."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+from models import mlp_stages
+from pipeq import schedules, trace
+from pipeq.schedules import Op
+from pipeq.testing import SleepStage
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _x_events(t: dict) -> list[dict]:
+    return [e for e in t["traceEvents"] if e["ph"] == "X"]
+
+
+def test_traced_1f1b_run_has_every_action_in_schedule_order(tmp_path) -> None:
+    path = tmp_path / "run.json"
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    steps = 2
+    with pipeq.PipelineRunner(mlp_stages((8, 16, 16, 3)), nn.CrossEntropyLoss(), sgd, "1f1b", 4,
+                              trace=str(path)) as runner:
+        for _ in range(steps):
+            runner.step(torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    text = path.read_text()
+    t = json.loads(text)  # valid JSON, in Chrome's trace-event format
+    assert t["otherData"]["pipeq_trace_version"] == trace.VERSION
+    assert t["otherData"]["n_stages"] == 3 and t["otherData"]["schedule"] == "1f1b"
+    events = _x_events(t)
+    for e in events:
+        assert {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} <= set(e)
+        assert e["dur"] >= 0 and e["ts"] >= 0
+    names = {(e["tid"], e["args"]["name"]) for e in t["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {(0, "stage 0"), (1, "stage 1"), (2, "stage 2"), (3, "driver")}
+    plan = schedules.build("1f1b", 3, 4)
+    for k in range(3):
+        mine = sorted((e for e in events if e["tid"] == k), key=lambda e: e["ts"])
+        for a, b in zip(mine, mine[1:]):  # one stage does one thing at a time
+            assert a["ts"] + a["dur"] <= b["ts"] + 1.0, (a, b)  # 1 us of float rounding
+        for step in range(1, steps + 1):
+            got = [(e["args"]["op"], e["args"]["microbatch"]) for e in mine
+                   if e["args"]["step"] == step and e["cat"] in ("forward", "backward", "step")]
+            want = [("STEP", -1) if a.op is Op.STEP else ("F" if a.op is Op.FORWARD else "B", a.microbatch)
+                    for a in plan[k] if a.op in (Op.FORWARD, Op.BACKWARD, Op.STEP)]
+            assert got == want, (k, step)
+            sends = [e for e in mine if e["args"]["step"] == step and e["cat"] == "send"]
+            waits = [e for e in mine if e["args"]["step"] == step and e["cat"] == "wait"]
+            n_send = (4 if k < 2 else 0) + (4 if k > 0 else 0)  # activations on, gradients back
+            assert len(sends) == n_send and len(waits) == n_send
+            assert all(e["args"]["bytes"] > 0 for e in sends + waits)
+    driver = [e for e in events if e["tid"] == 3]
+    assert [e["args"]["step"] for e in driver] == [1, 2]
+    # clocks aligned: no stage works on a step before the driver sent it, and the last stage's
+    # work ends before the driver has its loss (earlier stages may still be in their backward)
+    for d in driver:
+        inside = [e for e in events if e["tid"] < 3 and e["args"]["step"] == d["args"]["step"]]
+        assert min(e["ts"] for e in inside) >= d["ts"] - 50
+        last = [e for e in inside if e["tid"] == 2 and e["cat"] in ("forward", "backward")]
+        assert max(e["ts"] + e["dur"] for e in last) <= d["ts"] + d["dur"] + 50
+
+
+def test_sleep_stages_bubble_is_the_ideal_formula(tmp_path) -> None:
+    from pipeq import report
+
+    n, m, cost = 3, 4, 0.02
+    path = tmp_path / "run.json"
+    stages = [SleepStage(4, cost, cost) for _ in range(n)]
+    with pipeq.PipelineRunner(stages, nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.01),
+                              "1f1b", m, trace=str(path)) as runner:
+        for _ in range(3):
+            runner.step(torch.randn(8, 4), torch.randn(8, 4))
+    rep = report.analyze(report.load_trace(str(path)), skip_first=1)
+    ideal = (n - 1) / (m + n - 1)
+    assert rep.ideal_bubble == pytest.approx(ideal)
+    assert abs(rep.measured_bubble - ideal) < 0.05, (rep.measured_bubble, ideal)
+
+
+def test_trace_needs_process_mode() -> None:
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="process mode"):
+        pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), sgd, mode="simulated", trace="x.json")
+
+
+def test_clock_offsets_are_aligned_even_days_apart() -> None:
+    """Two hosts' monotonic clocks may differ by days and drift: the rows land on the driver's."""
+    day = 86_400 * 10**9
+    # stage clock = driver clock + day + drift (1 us per ms of driver time)
+    def stage_ns(d: int) -> int:
+        return d + day + d // 1000
+
+    start = trace.best_offset([(1_000_000, stage_ns(1_000_100), 1_000_200),
+                               (2_000_000, stage_ns(2_000_500), 2_001_000)])  # the first: least delay
+    assert start.rtt_ns == 200 and start.offset_ns == pytest.approx(day + 1000, abs=1)
+    end = trace.best_offset([(101_000_000, stage_ns(101_000_100), 101_000_200)])
+    rows = trace.rows_to_tensor([(trace.F, 1, 0, stage_ns(51_000_000), stage_ns(51_010_000), 0)])
+    built = trace.build(trace.TraceMeta("1f1b", 1, 1), [rows], [[start, end]],
+                        [(1, True, 50_000_000, 52_000_000, 1)])
+    ev = [e for e in built["traceEvents"] if e["ph"] == "X" and e["tid"] == 0][0]
+    assert ev["ts"] == pytest.approx(1000.0, abs=1.0)  # 51 ms driver time, 1 ms after the span
+    assert ev["dur"] == pytest.approx(10.0, abs=0.1)
