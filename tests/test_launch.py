@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(300)
 def uninterrupted(tmp_path_factory) -> str:
     """40 steps in one go, checkpointing every 20 (the reference of the resume test)."""
     out = str(tmp_path_factory.mktemp("full"))
-    r = run_launch("--steps", "40", "--checkpoint-every", "20", "--eval-every", "20", "--out", out)
+    r = run_launch("--steps", "40", "--checkpoint-every", "20", "--eval-every", "20", "--out", out,
+                   "--trace", os.path.join(out, "trace.json"))
     assert r.returncode == 0, r.stderr
     return out
 
@@ -162,3 +163,12 @@ def test_embedded_runner_as_node_0_of_a_two_node_run(tmp_path) -> None:
         if node1.poll() is None:
             node1.kill()
             node1.communicate()
+
+
+def test_launch_trace_covers_every_step_of_every_stage(uninterrupted: str) -> None:
+    with open(os.path.join(uninterrupted, "trace.json")) as f:
+        t = json.load(f)
+    events = [e for e in t["traceEvents"] if e["ph"] == "X"]
+    for k in range(3):
+        steps = {e["args"]["step"] for e in events if e["tid"] == k and e["cat"] == "forward"}
+        assert len(steps) >= 40  # 40 training steps (and the evaluations' forward passes)

@@ -51,7 +51,7 @@ def test_two_namespaces_equal_the_single_host_run(hosts: TwoHosts, single_host: 
     h = hosts
     out = str(tmp_path / "multi")
     node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", "8")
-    node0 = _node(h, h.a, 0, out, "--steps", "8")
+    node0 = _node(h, h.a, 0, out, "--steps", "8", "--trace", os.path.join(out, "trace.json"))
     out0, err0 = node0.communicate(timeout=150)
     out1, err1 = node1.communicate(timeout=30)
     assert node0.returncode == 0, err0
@@ -60,6 +60,15 @@ def test_two_namespaces_equal_the_single_host_run(hosts: TwoHosts, single_host: 
     assert_same_state(model_state(out), model_state(single_host), atol=1e-6)
     # stage 1 and 2 really ran on host B: the agent says so
     assert "started stage(s) [1, 2]" in err1
+    # and the trace has all three stages on one clock: each step's forward order holds across hosts
+    import json
+
+    with open(os.path.join(out, "trace.json")) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    for step in range(1, 9):
+        f0 = {e["tid"]: e["ts"] for e in events
+              if e["cat"] == "forward" and e["args"]["step"] == step and e["args"]["microbatch"] == 0}
+        assert f0[0] < f0[1] < f0[2], (step, f0)
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:
