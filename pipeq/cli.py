@@ -1,7 +1,9 @@
 """The ``pipeq`` command.
 
     pipeq schedule 1f1b --stages 4 --microbatches 8   # print a schedule's stage x time table
+    pipeq schedule 1f1b --stages 4 --microbatches 8 --plot plan.png   # ... and draw it
     pipeq launch examples/digits.toml                 # train a job file (see pipeq.launch)
+    pipeq report run.json --skip-first 1 --plot run.png   # where a traced run's time went
 """
 
 from __future__ import annotations
@@ -9,8 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__, schedules
-from .errors import ScheduleError
+from . import __version__, report, schedules
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--backward-cost", type=int, default=2,
                    help="time units of a backward relative to a forward's 1 (default 2)")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw the planned timeline (needs matplotlib)")
+    p = sub.add_parser("report", help="where a traced run's time went: per stage, per step, the bubble",
+                       description="Read a trace (PipelineRunner(trace=...) or pipeq launch --trace) and "
+                                   "print each stage's compute, send, wait and idle time and the bubble.")
+    p.add_argument("trace", help="the trace file (JSON)")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw a stage x time picture (needs matplotlib)")
+    p.add_argument("--steps", metavar="all|N|N-M",
+                   help="the steps to cover (report and picture); default: every step in the report, "
+                        "the last training step in the picture")
+    p.add_argument("--skip-first", type=int, default=0, metavar="K",
+                   help="leave the first K steps out of the report (the first includes lazy set-up)")
+    p.add_argument("--include-predict", action="store_true", help="also cover forward-only (predict) steps")
     from . import launch
 
     p = sub.add_parser("launch", help="train a job file (TOML), on one host or several",
@@ -31,13 +44,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "launch":
         return launch.run(args)
-    if args.command == "schedule":
-        try:
-            print(schedules.format_table(args.name, args.stages, args.microbatches,
-                                         backward_cost=args.backward_cost))
-        except ScheduleError as exc:
-            print(f"pipeq: {exc}", file=sys.stderr)
-            return 2
+    try:
+        if args.command == "schedule":
+            return _schedule(args)
+        if args.command == "report":
+            return _report(args)
+    except (ValueError, OSError, RuntimeError) as exc:  # ScheduleError is a ValueError; RuntimeError: no matplotlib
+        print(f"pipeq: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    print(schedules.format_table(args.name, args.stages, args.microbatches, backward_cost=args.backward_cost))
+    if args.plot:
+        plan = report.planned_trace(args.name, args.stages, args.microbatches, backward_cost=args.backward_cost)
+        print(f"plot: {report.plot_trace(plan, args.plot, steps='all')}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    trace = report.load_trace(args.trace)
+    steps = report.parse_steps(args.steps) if args.steps else None
+    print(report.format_report(report.analyze(trace, args.include_predict, skip_first=args.skip_first,
+                                              steps="all" if steps is None else steps)))
+    if args.plot:
+        print(f"plot: {report.plot_trace(trace, args.plot, steps=steps)}")
     return 0
 
 

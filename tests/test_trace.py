@@ -80,7 +80,8 @@ def test_sleep_stages_bubble_is_the_ideal_formula(tmp_path) -> None:
     rep = report.analyze(report.load_trace(str(path)), skip_first=1)
     ideal = (n - 1) / (m + n - 1)
     assert rep.ideal_bubble == pytest.approx(ideal)
-    assert abs(rep.measured_bubble - ideal) < 0.05, (rep.measured_bubble, ideal)
+    assert abs(rep.bubble - ideal) < 0.05, (rep.bubble, ideal)
+    print(report.format_report(rep))
 
 
 def test_trace_needs_process_mode() -> None:
