@@ -169,7 +169,7 @@ def test_wall_is_the_extent_of_compute_and_sends_with_or_without_driver_span():
     data["traceEvents"] = [e for e in data["traceEvents"] if e.get("cat") != "driver"]
     step = R.analyze(R.trace_from_dict(data)).steps[0]
     assert step.wall_us == 990  # F0 at 0 .. STEP's end at 990 (neither waits nor the gc span count)
-    assert step.stages[0].idle_us == 995 - 650 - 20 - 320
+    assert step.stages[0].idle_us == 0 and step.stages[1].idle_us == 990 - 660 - 20 - 120
 
 
 def _expected_plan_bubble(schedule: str, n: int, m: int, c: int) -> float:
