@@ -107,3 +107,23 @@ def test_clock_offsets_are_aligned_even_days_apart() -> None:
     ev = [e for e in built["traceEvents"] if e["ph"] == "X" and e["tid"] == 0][0]
     assert ev["ts"] == pytest.approx(1000.0, abs=1.0)  # 51 ms driver time, 1 ms after the span
     assert ev["dur"] == pytest.approx(10.0, abs=0.1)
+
+
+def test_pipeq_report_and_plot_on_a_real_trace(tmp_path, capsys) -> None:
+    from pipeq import cli
+
+    path = tmp_path / "run.json"
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    with pipeq.PipelineRunner(mlp_stages((8, 16, 16, 3)), nn.CrossEntropyLoss(), sgd, "fill-drain", 4,
+                              trace=str(path), start_method="forkserver") as runner:
+        for _ in range(3):
+            runner.step(torch.randn(16, 8), torch.randint(0, 3, (16,)))
+        runner.predict(torch.randn(4, 8))
+    png = tmp_path / "run.png"
+    assert cli.main(["report", str(path), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "pipeq trace: fill-drain, 3 stages x 4 microbatches; 3 training steps" in out
+    assert "slowest stage:" in out and "vs ideal 33.3%" in out
+    for k in range(3):
+        assert any(line.split()[:1] == [str(k)] for line in out.splitlines())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
