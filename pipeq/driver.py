@@ -13,6 +13,7 @@ ipc directory removed. Workers die with the driver (PR_SET_PDEATHSIG plus a pare
 
 from __future__ import annotations
 
+import collections
 import multiprocessing as mp
 import os
 import signal
@@ -22,7 +23,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import codec, trace
+from . import codec
+from . import trace as tr
 from .codec import Kind, Message
 from .errors import CodecError, PipelineError
 from .schedules import ScheduleFn
@@ -80,7 +82,7 @@ def _signal_name(code: int) -> str:
 def job_identity(payload: "bytes | StageBuilder", schedule: "str | ScheduleFn") -> dict[str, Any]:
     """What every node of a multi-host run must agree on (compared by the agents)."""
     recipe = payload.describe() if isinstance(payload, StageBuilder) else {}
-    return {"schedule": trace.schedule_label(schedule), "recipe": recipe}
+    return {"schedule": tr.schedule_label(schedule), "recipe": recipe}
 
 
 def exit_reason(code: int) -> str:
@@ -141,8 +143,9 @@ class ProcessBackend:
     ) -> None:
         self.trace_path = trace
         self.microbatches = microbatches
-        self.spans: list[tuple[int, bool, int, int, int]] = []  # traced commands (pipeq.trace)
-        self.clocks: list[list[trace.ClockSample]] = []
+        # traced commands (pipeq.trace), as many as the stages' ring buffers can hold
+        self.spans: collections.deque[tuple[int, bool, int, int, int]] = collections.deque(maxlen=tr.MAX_ROWS)
+        self.clocks: list[list[tr.ClockSample]] = []
         self.start_method = start_method
         self.stop_timeout = stop_timeout
         self.payloads = list(payloads)
@@ -266,7 +269,7 @@ class ProcessBackend:
         finally:  # whatever happened (Ctrl-C included), no process or ipc file outlives close()
             self._teardown()
         if traced is not None and self.trace_path is not None:
-            trace.write(self.trace_path, traced)
+            tr.write(self.trace_path, traced)
 
     def _teardown(self) -> None:
         if self.server is not None and self.rendezvous is not None:
@@ -523,7 +526,7 @@ class ProcessBackend:
         return [info["layout"] for info in self.worker_info]
 
     # -- tracing ---------------------------------------------------------------------------------
-    def _measure_clocks(self, rounds: int = 8) -> list[trace.ClockSample]:
+    def _measure_clocks(self, rounds: int = 8) -> list[tr.ClockSample]:
         """Each stage's clock offset from ours: the least-delayed of ``rounds`` round trips."""
         assert self.server is not None
         out = []
@@ -539,7 +542,7 @@ class ProcessBackend:
                 if type(ns) is not int:
                     raise self._fail(PipelineError(f"malformed clock reply {reply.extra!r}", k))
                 samples.append((t0, ns, t1))
-            out.append(trace.best_offset(samples))
+            out.append(tr.best_offset(samples))
         return out
 
     def _fetch_trace(self) -> dict[str, Any]:
@@ -552,10 +555,13 @@ class ProcessBackend:
         rows = []
         for k in range(self.n):
             try:
-                rows.append(trace.check_rows(got[k][0].tensors[0], k))
+                rows.append(tr.check_rows(got[k][0].tensors[0], k))
             except (IndexError, ValueError) as exc:
                 raise self._fail(PipelineError(f"malformed trace: {exc}", k))
-        meta = trace.TraceMeta(trace.schedule_label(self.schedule), self.n, self.microbatches)
+        rows = tr.drop_partial_steps(rows, [bool(got[k][0].extra.get("truncated")) for k in range(self.n)])
+        first = min((int(t[:, 1].min()) for t in rows if t.numel()), default=0)
+        spans = [s for s in self.spans if s[0] >= first]
+        meta = tr.TraceMeta(tr.schedule_label(self.schedule), self.n, self.microbatches)
         hosts = [str(info.get("host", "")) for info in self.worker_info]
-        return trace.build(meta, rows, self.clocks, self.spans,
+        return tr.build(meta, rows, self.clocks, spans,
                            hosts=hosts if len(set(hosts)) > 1 else None)

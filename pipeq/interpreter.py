@@ -32,9 +32,9 @@ Request = tuple[Any, ...]
 
 
 def execute(
-    ex: StageExecutor, actions: Sequence[Action], trace: list | None = None
+    ex: StageExecutor, actions: Sequence[Action], trace: Any = None
 ) -> Generator[Request, Any, None]:
-    """Run ``actions``; with ``trace`` (a list), append ``(code, step, microbatch, start_ns,
+    """Run ``actions``; with ``trace`` (a list or deque), append ``(code, step, microbatch, start_ns,
     end_ns, 0)`` for each compute action (see :mod:`pipeq.trace`)."""
     received: dict[int, Tensors] = {}
     grads: dict[int, Tensors] = {}

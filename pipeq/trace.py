@@ -36,6 +36,18 @@ OPS: dict[int, tuple[str, str, str]] = {
 }
 F, B, STEP, SEND_ACT, SEND_GRAD, WAIT_ACT, WAIT_GRAD, OUTPUT = range(8)
 COLUMNS = 6
+#: A stage keeps its most recent rows only (a ring buffer, ~30 MB): a long traced run keeps its
+#: last few thousand steps, and the oldest, partly overwritten step is left out of the file.
+MAX_ROWS = 200_000
+
+
+def drop_partial_steps(rows: list[torch.Tensor], truncated: list[bool]) -> list[torch.Tensor]:
+    """Leave out every step up to the oldest one a full ring buffer may have cut into."""
+    cut = [int(t[:, 1].min()) for t, full in zip(rows, truncated) if full and t.numel()]
+    if not cut:
+        return rows
+    first_whole = max(cut) + 1
+    return [t[t[:, 1] >= first_whole] for t in rows]
 
 
 def schedule_label(schedule: Any) -> str:

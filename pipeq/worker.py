@@ -21,6 +21,7 @@ exits. The event loop is the only code in a worker that touches the transport.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import pickle
@@ -145,7 +146,9 @@ class EventLoop:
         self.t = transport
         self.ex = executor
         self._actions: dict[tuple[int, bool], list[schedules.Action]] = {}
-        self.trace: list[tuple[int, ...]] | None = [] if cfg.trace else None
+        self.trace: collections.deque[tuple[int, ...]] | None = (
+            collections.deque(maxlen=trace.MAX_ROWS) if cfg.trace else None
+        )
 
     def actions(self, m: int, training: bool) -> list[schedules.Action]:
         key = (m, training)
@@ -180,10 +183,11 @@ class EventLoop:
             elif kind is Kind.CLOCK:
                 t.send_control(Kind.TIME, msg.step, extra={"ns": time.perf_counter_ns()})
             elif kind is Kind.GET_TRACE:
-                rows = self.trace or []
+                rows = list(self.trace or ())
                 if self.trace is not None:
-                    self.trace = []  # a long run is fetched piece by piece
-                t.send_control(Kind.TRACE, msg.step, tensors=[trace.rows_to_tensor(rows)])
+                    self.trace.clear()
+                t.send_control(Kind.TRACE, msg.step, tensors=[trace.rows_to_tensor(rows)],
+                               extra={"truncated": len(rows) == trace.MAX_ROWS})
             elif kind is Kind.PEERS:
                 t.connect(msg.extra.get("next_forward"), msg.extra.get("prev_backward"))
             elif kind is Kind.STOP:

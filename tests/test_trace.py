@@ -127,3 +127,11 @@ def test_pipeq_report_and_plot_on_a_real_trace(tmp_path, capsys) -> None:
     for k in range(3):
         assert any(line.split()[:1] == [str(k)] for line in out.splitlines())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_full_ring_buffer_drops_the_partly_overwritten_steps() -> None:
+    rows = [trace.rows_to_tensor([(trace.F, s, 0, s, s + 1, 0) for s in (3, 4, 5)]),
+            trace.rows_to_tensor([(trace.F, s, 0, s, s + 1, 0) for s in (2, 3, 4, 5)])]
+    kept = trace.drop_partial_steps(rows, [True, False])  # stage 0's buffer was full: step 3 may be cut
+    assert [t[:, 1].tolist() for t in kept] == [[4, 5], [4, 5]]
+    assert trace.drop_partial_steps(rows, [False, False]) == rows
