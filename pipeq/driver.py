@@ -140,7 +140,9 @@ class ProcessBackend:
         placement: Sequence[Sequence[int]] | None = None,
         trace: str | None = None,
         microbatches: int = 0,
+        targets_to_all: bool = False,
     ) -> None:
+        self.targets_to_all = targets_to_all  # interlocking: every stage computes a loss
         self.trace_path = trace
         self.microbatches = microbatches
         # traced commands (pipeq.trace), as many as the stages' ring buffers can hold
@@ -460,7 +462,7 @@ class ProcessBackend:
         extra = {"sizes": sizes, "weights": weights}
         msgs = []
         for k in range(self.n):
-            tensors = ([x] if k == 0 else []) + ([target] if k == last else [])
+            tensors = ([x] if k == 0 else []) + ([target] if k == last or self.targets_to_all else [])
             msgs.append((k, codec.encode(Kind.STEP, step, 0, tensors, extra)))
         t0 = time.perf_counter_ns()
         self._send_all(msgs)

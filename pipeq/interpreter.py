@@ -38,7 +38,8 @@ def execute(
     end_ns, 0)`` for each compute action (see :mod:`pipeq.trace`)."""
     received: dict[int, Tensors] = {}
     grads: dict[int, Tensors] = {}
-    to_send: dict[int, Tensors] = {}
+    acts_out: dict[int, Tensors] = {}
+    grads_out: dict[int, Tensors] = {}
     rec = trace.append if trace is not None else None
     clock = time.perf_counter_ns
     step = ex.step_index
@@ -54,20 +55,24 @@ def execute(
                 if ex.is_last:
                     yield (OUTPUT, j, ex.to_host(out))
                 else:
-                    to_send[j] = out
+                    acts_out[j] = out
         elif op is Op.BACKWARD:
             t0 = clock() if rec else 0
             gin = ex.backward(j, grads.pop(j, None))
             if rec:
                 rec((TRACE_B, step, j, t0, clock(), 0))
             if gin is not None:
-                to_send[j] = gin
+                grads_out[j] = gin
         elif op is Op.RECV_ACT:
             received[j] = yield (op, j)
         elif op is Op.RECV_GRAD:
             grads[j] = yield (op, j)
-        elif op is Op.SEND_ACT or op is Op.SEND_GRAD:
-            yield (op, j, ex.to_host(to_send.pop(j)))
+        elif op is Op.SEND_ACT:
+            yield (op, j, ex.to_host(acts_out.pop(j)))
+        elif op is Op.SEND_GRAD:
+            # after its backward; or (interlocking) right after its forward: the head's gradient
+            out = grads_out.pop(j, None)
+            yield (op, j, ex.to_host(out if out is not None else ex.early_input_grads(j)))
         elif op is Op.STEP:
             t0 = clock() if rec else 0
             ex.optimizer_step()

@@ -115,7 +115,11 @@ class PipelineRunner:
         rendezvous: "Rendezvous | None" = None,
         placement: Sequence[Sequence[int]] | None = None,
         trace: str | None = None,
+        aux_heads: Sequence[nn.Module] | None = None,
+        aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+        interlock_distance: int | None = None,
     ) -> None:
+        schedule = schedules.resolve(schedule, interlock_distance)
         builder: StageBuilder | None = None
         if isinstance(stages, StageBuilder):  # a job's recipe (pipeq launch, multi-host)
             builder = stages
@@ -182,6 +186,25 @@ class PipelineRunner:
                     raise ValueError(f"devices[{k}] = {d!r}, but CUDA is not available here")
                 if dev.type not in ("cpu", "cuda"):
                     raise ValueError(f"devices[{k}] = {d!r}: pipeq runs stages on 'cpu' or 'cuda'")
+        interlocking = isinstance(schedule, schedules.Interlock)
+        if aux_heads is not None or aux_loss is not None:
+            if not interlocking:
+                raise ValueError(
+                    f"aux_heads/aux_loss train with the interlocking schedules ({', '.join(schedules.INTERLOCK)}), "
+                    f"not with {schedules.schedule_name(schedule)!r}"
+                )
+            if aux_heads is None or len(aux_heads) != len(stages) - 1 or not all(
+                isinstance(h, nn.Module) for h in aux_heads
+            ):
+                raise ValueError(
+                    f"aux_heads must be a list of {len(stages) - 1} nn.Module (one per stage but the "
+                    f"last, stage k's head reading stage k's output), got {aux_heads!r}"
+                )
+            if aux_loss is not None and not callable(aux_loss):
+                raise ValueError("aux_loss must be callable as aux_loss(head_output, target)")
+        if interlocking and builder is not None:
+            raise ValueError("interlocking schedules are not available from job recipes yet; embed "
+                             "PipelineRunner with modules and aux_heads")
         if builder is None:
             self._check_untied(stages)
         if trace is not None and (not isinstance(trace, (str, os.PathLike)) or mode != "process"):
@@ -209,10 +232,12 @@ class PipelineRunner:
             from .driver import ProcessBackend
 
             if builder is None:
-                self._check_picklable(stages, loss_fn, optimizer, schedule, lr_scheduler)
-                n = len(stages)
+                self._check_picklable(stages, loss_fn, optimizer, schedule, lr_scheduler,
+                                      {f"aux_heads[{k}]": h for k, h in enumerate(aux_heads or [])}
+                                      | ({"aux_loss": aux_loss} if aux_loss is not None else {}))
                 payloads: list[Any] = [
-                    pickle.dumps((s, loss_fn if k == n - 1 else None, optimizer, lr_scheduler))
+                    pickle.dumps((s, loss_fn if k == len(stages) - 1 else None, optimizer, lr_scheduler,
+                                  self._extras(k, aux_heads, aux_loss)))
                     for k, s in enumerate(stages)
                 ]
             else:
@@ -226,6 +251,7 @@ class PipelineRunner:
                 start_timeout=start_timeout, spin_s=spin, start_method=start_method,
                 stop_timeout=stop_timeout, rendezvous=rendezvous, placement=placement,
                 trace=os.fspath(trace) if trace is not None else None, microbatches=microbatches,
+                targets_to_all=interlocking,
             )
         else:
             from .simulated import SimulatedBackend
@@ -233,10 +259,18 @@ class PipelineRunner:
             self._backend = SimulatedBackend(
                 stages, loss_fn, optimizer, schedule, devices[0] if devices else "cpu",
                 lr_scheduler=lr_scheduler,
+                extras=[self._extras(k, aux_heads, aux_loss) for k in range(len(stages))],
             )
         self._step = 0
         self._running = False
         self._used = False
+
+    @staticmethod
+    def _extras(k: int, aux_heads: Sequence[nn.Module] | None, aux_loss: Any) -> dict[str, Any]:
+        """What stage k needs besides its module (interlocking: its auxiliary head and loss)."""
+        if aux_heads is None:
+            return {}
+        return {"aux_head": aux_heads[k] if k < len(aux_heads) else None, "aux_loss": aux_loss}
 
     @staticmethod
     def _check_untied(stages: Sequence[nn.Module]) -> None:
@@ -254,11 +288,12 @@ class PipelineRunner:
 
     @staticmethod
     def _check_picklable(
-        stages: Sequence[nn.Module], loss_fn: Any, optimizer: Any, schedule: Any, lr_scheduler: Any
+        stages: Sequence[nn.Module], loss_fn: Any, optimizer: Any, schedule: Any, lr_scheduler: Any,
+        more: Mapping[str, Any] | None = None,
     ) -> None:
         items = [(f"stage {k} ({type(s).__name__})", s) for k, s in enumerate(stages)]
         items += [("loss_fn", loss_fn), ("optimizer", optimizer), ("schedule", schedule),
-                  ("lr_scheduler", lr_scheduler)]
+                  ("lr_scheduler", lr_scheduler), *(more or {}).items()]
         for what, obj in items:
             try:
                 pickle.dumps(obj)

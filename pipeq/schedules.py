@@ -105,11 +105,147 @@ def forward_only(n_stages: int, n_microbatches: int) -> Schedule:
     return [[F(j) for j in range(n_microbatches)] for _ in range(n_stages)]
 
 
+# -- interlocking backpropagation -------------------------------------------------------------------
+#
+# Stages 0..N-2 own an auxiliary head; L_k is head k's loss, L_{N-1} the real loss. With distance d,
+# main_k is trained by L_{t(k)}, t(k) = min(k + d, N - 1), and stage k sends down the gradients (with
+# respect to its input) of the losses the stages below it are trained by. d = 0 is "local" (no
+# backward messages at all), d = 1 "pairwise", d = N - 1 "global" (plain backprop).
+#
+# Pairwise, 4 stages x 4 microbatches: stage k sends its own head's gradient down right after its
+# forward (sendB after F), so stage k-1's backward waits for stage k's forward only, not for the
+# stack above; every stage steps as soon as its own backwards are done:
+#
+#     stage 0 | F0 F1 .  B0 F2 B1 F3 B2 B3 ST
+#     stage 1 | .  F0 F1 B0 F2 B1 F3 B2 B3 ST
+#     stage 2 | .  .  F0 F1 B0 F2 B1 F3 B2 B3 ST
+#     stage 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 ST
+
+
+def trained_by(k: int, n_stages: int, distance: int) -> int:
+    """The loss that trains stage k's main module: L_min(k+d, N-1)."""
+    return min(k + distance, n_stages - 1)
+
+
+def sends_down(k: int, n_stages: int, distance: int) -> list[int]:
+    """The losses whose gradient (w.r.t. its input) stage k sends to stage k-1, in order."""
+    return sorted({trained_by(i, n_stages, distance) for i in range(max(0, k - distance), k)})
+
+
+def receives(k: int, n_stages: int, distance: int) -> list[int]:
+    """The losses whose gradient (w.r.t. its output) stage k receives from stage k+1, in order."""
+    return sends_down(k + 1, n_stages, distance) if k + 1 < n_stages else []
+
+
+def sends_early(k: int, n_stages: int, distance: int) -> bool:
+    """Stage k's downward message is its own head's gradient only: sent right after its forward."""
+    return 0 < k < n_stages - 1 and sends_down(k, n_stages, distance) == [k]
+
+
+class Interlock:
+    """An interlocking-backprop schedule: ``global``, ``local``, ``pairwise`` or ``nwise`` (d).
+
+    Called like any schedule function, ``(n_stages, n_microbatches)``, it returns *lowered* action
+    lists (sends and receives included), because where a gradient goes depends on the scheme.
+    Stage k warms up with min(m, min(d, N-1-k) + 1) forwards (1F1B's N-k when d = N-1), then
+    alternates one backward and one forward; STEP ends each stage's list.
+    """
+
+    KINDS = ("global", "local", "pairwise", "nwise")
+
+    def __init__(self, kind: str, distance: int | None = None) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"interlocking scheme {kind!r} is not one of {self.KINDS}")
+        if kind == "nwise":
+            if type(distance) is not int or distance < 1:
+                raise ValueError(
+                    f"schedule 'nwise' needs interlock_distance=d, an integer >= 1, got {distance!r}"
+                )
+        elif distance is not None:
+            raise ValueError(f"interlock_distance applies to schedule 'nwise' only, not {kind!r}")
+        self.kind = kind
+        self._distance = distance
+
+    @property
+    def name(self) -> str:
+        return f"nwise(d={self._distance})" if self.kind == "nwise" else self.kind
+
+    def distance(self, n_stages: int) -> int:
+        if self.kind == "global":
+            return n_stages - 1
+        if self.kind == "local":
+            return 0
+        if self.kind == "pairwise":
+            return 1
+        return min(int(self._distance or 1), n_stages - 1)
+
+    def __repr__(self) -> str:
+        return f"Interlock({self.name!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Interlock) and (self.kind, self._distance) == (other.kind, other._distance)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self._distance))
+
+    def __call__(self, n_stages: int, n_microbatches: int) -> Schedule:
+        _check_counts(n_stages, n_microbatches)
+        n, m, d = n_stages, n_microbatches, self.distance(n_stages)
+        out = []
+        for k in range(n):
+            warm = min(m, min(d, n - 1 - k) + 1)
+            order = [F(j) for j in range(warm)]
+            for i in range(m - warm):
+                order += [B(i), F(warm + i)]
+            order += [B(j) for j in range(m - warm, m)]
+            early = sends_early(k, n, d)
+            down = bool(sends_down(k, n, d))
+            up = bool(receives(k, n, d))
+            acts: list[Action] = []
+            for a in order:
+                j = a.microbatch
+                if a.op is Op.FORWARD:
+                    if k > 0:
+                        acts.append(Action(Op.RECV_ACT, j))
+                    acts.append(a)
+                    if k < n - 1:
+                        acts.append(Action(Op.SEND_ACT, j))
+                    if early:
+                        acts.append(Action(Op.SEND_GRAD, j))
+                else:
+                    if up:
+                        acts.append(Action(Op.RECV_GRAD, j))
+                    acts.append(a)
+                    if down and not early:
+                        acts.append(Action(Op.SEND_GRAD, j))
+            acts.append(STEP)
+            out.append(acts)
+        return out
+
+
 SCHEDULES: dict[str, ScheduleFn] = {
     "fill-drain": fill_drain,
     "gpipe": fill_drain,
     "1f1b": one_f_one_b,
+    "global": Interlock("global"),
+    "local": Interlock("local"),
+    "pairwise": Interlock("pairwise"),
 }
+INTERLOCK = ("global", "local", "pairwise", "nwise")
+
+
+def resolve(schedule: "str | ScheduleFn", interlock_distance: int | None = None) -> "str | ScheduleFn":
+    """A schedule name or function as given, or the :class:`Interlock` it names.
+
+    ``"nwise"`` needs ``interlock_distance``; the other names refuse one.
+    """
+    if schedule == "nwise":
+        return Interlock("nwise", interlock_distance)
+    if interlock_distance is not None:
+        raise ValueError(f"interlock_distance applies to schedule 'nwise' only, not {schedule_name(schedule)!r}")
+    if isinstance(schedule, str) and isinstance(SCHEDULES.get(schedule), Interlock):
+        return SCHEDULES[schedule]
+    return schedule
 
 
 def get_schedule(name: str | ScheduleFn) -> ScheduleFn:
@@ -126,7 +262,9 @@ def get_schedule(name: str | ScheduleFn) -> ScheduleFn:
 
 
 def schedule_name(schedule: str | ScheduleFn) -> str:
-    return schedule if isinstance(schedule, str) else getattr(schedule, "__name__", repr(schedule))
+    if isinstance(schedule, str):
+        return schedule
+    return getattr(schedule, "name", None) or getattr(schedule, "__name__", repr(schedule))
 
 
 def lower(schedule: Schedule) -> Schedule:
@@ -288,8 +426,11 @@ def build(
         raise ScheduleError(
             f"schedule {schedule_name(schedule)!r} must return one list of Action per stage"
         )
-    check_consistency(sched, n_stages, n_microbatches, training)
-    lowered = lower(sched)
+    given_lowered = any(a.op not in COMPUTE_OPS for acts in sched for a in acts)
+    compute = [[a for a in acts if a.op in COMPUTE_OPS] for acts in sched] if given_lowered else sched
+    check_consistency(compute, n_stages, n_microbatches, training)
+    # a schedule that routes its own messages (interlocking) gives them; dry_run checks them
+    lowered = sched if given_lowered else lower(sched)
     dry_run(lowered)
     return lowered
 

@@ -18,9 +18,10 @@ from torch import nn
 
 from . import schedules
 from .errors import PipelineError
+from .interlock import make_executor
 from .interpreter import OUTPUT, execute
 from .schedules import Op, ScheduleFn
-from .stage import StageExecutor, Tensors
+from .stage import Tensors
 
 
 class SimulatedBackend:
@@ -32,13 +33,14 @@ class SimulatedBackend:
         schedule: "str | ScheduleFn",
         device: str = "cpu",
         lr_scheduler: Callable[..., Any] | None = None,
+        extras: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         self.schedule = schedule
         n = len(stages)
         dev = torch.device(device)
         self.executors = [
-            StageExecutor(k, n, copy.deepcopy(s), optimizer, loss_fn if k == n - 1 else None, dev,
-                          lr_scheduler=lr_scheduler)
+            make_executor(schedule, k, n, copy.deepcopy(s), optimizer, loss_fn if k == n - 1 else None,
+                          dev, lr_scheduler, copy.deepcopy(extras[k]) if extras else None)
             for k, s in enumerate(stages)
         ]
 
@@ -57,7 +59,7 @@ class SimulatedBackend:
         gens = []
         for k, ex in enumerate(self.executors):
             self._guard(k, ex.begin, step, sizes, training, x if k == 0 else None,
-                        target if k == n - 1 else None, weights)
+                        target if ex.needs_target else None, weights)
             gens.append(execute(ex, lowered[k]))
         mailbox: dict[tuple[int, str, int], Tensors] = {}  # (destination, kind, microbatch)
         outputs: dict[int, Tensors] = {}

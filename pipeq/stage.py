@@ -80,6 +80,7 @@ class StageExecutor:
         loss_fn: Callable | None,
         device: torch.device,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        param_source: nn.Module | None = None,
     ) -> None:
         self.index = index
         self.n_stages = n_stages
@@ -87,7 +88,9 @@ class StageExecutor:
         self.is_last = index == n_stages - 1
         self.device = device
         self.module = module.to(device)
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        # what the optimizer covers: the module (and, for interlocking, its auxiliary head)
+        params = [p for p in (param_source or self.module).parameters() if p.requires_grad]
+        self.needs_target = self.is_last  # which stages get the batch's target
         self.optimizer = optimizer_factory(params) if params else None
         # stepped once per training step, right after the optimizer (every stage alike)
         self.scheduler = (
@@ -207,6 +210,10 @@ class StageExecutor:
         if self.training:
             self.stash[j] = (leaves, outs)
         return tuple(t.detach() for t in outs)
+
+    def early_input_grads(self, j: int) -> Tensors:
+        """Input gradients computed in the forward (interlocking); plain backprop has none."""
+        raise RuntimeError(f"stage {self.index}: the schedule sends a gradient after a forward")
 
     def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
         """Backward of microbatch ``j``; returns the input gradients to send back (None on stage 0)."""

@@ -38,6 +38,7 @@ from . import schedules, trace
 from .codec import Kind, Message, pack_tree, unpack_tree
 from .interpreter import OUTPUT, execute
 from .schedules import Op
+from .interlock import make_executor
 from .stage import StageExecutor
 from .transport import Heartbeat, StageTransport, Stopped, remove_ipc_dir, tune_process_allocator
 
@@ -210,7 +211,7 @@ class EventLoop:
             raise ValueError(f"stage {self.cfg.stage}: bad loss weights {weights!r} in command")
         tensors = msg.tensors
         x = tensors[0] if ex.is_first else None
-        target = tensors[-1] if (ex.is_last and training) else None
+        target = tensors[-1] if (ex.needs_target and training) else None
         ex.begin(step, sizes, training, x, target, weights)
         rec = self.trace.append if self.trace is not None else None
         gen = execute(ex, self.actions(len(sizes), training), self.trace)
@@ -312,9 +313,10 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
         )
         device = select_device(cfg)
         torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
-        module, loss_fn, optimizer_factory, scheduler_factory = _build(cfg, payload)
-        executor = StageExecutor(cfg.stage, cfg.n_stages, module, optimizer_factory, loss_fn, device,
-                                 lr_scheduler=scheduler_factory)
+        built = _build(cfg, payload)
+        module, loss_fn, optimizer_factory, scheduler_factory = built[:4]
+        executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, module, optimizer_factory,
+                                 loss_fn, device, scheduler_factory, built[4] if len(built) > 4 else None)
         info = {**transport.addresses, "pid": os.getpid(), "device": str(device),
                 "threads": torch.get_num_threads(), "host": os.uname().nodename,
                 "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
