@@ -21,7 +21,7 @@ backward; ``predict`` uses the main path only.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -156,23 +156,3 @@ class InterlockExecutor(StageExecutor):
         if not wanted:
             return None
         return tuple(send[i].detach() for i in wanted)
-
-
-def make_executor(
-    schedule: Any,
-    index: int,
-    n_stages: int,
-    module: nn.Module,
-    optimizer_factory: Callable,
-    loss_fn: Callable | None,
-    device: torch.device,
-    lr_scheduler: Callable | None = None,
-    extras: dict[str, Any] | None = None,
-) -> StageExecutor:
-    """The executor a schedule needs: interlocking schedules route gradients their own way."""
-    extras = extras or {}
-    if isinstance(schedule, Interlock):
-        return InterlockExecutor(index, n_stages, module, optimizer_factory, loss_fn, device,
-                                 lr_scheduler, schedule=schedule, aux_head=extras.get("aux_head"),
-                                 aux_loss=extras.get("aux_loss"))
-    return StageExecutor(index, n_stages, module, optimizer_factory, loss_fn, device, lr_scheduler)

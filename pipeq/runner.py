@@ -118,6 +118,7 @@ class PipelineRunner:
         aux_heads: Sequence[nn.Module] | None = None,
         aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         interlock_distance: int | None = None,
+        weight_stashing: bool = True,
     ) -> None:
         schedule = schedules.resolve(schedule, interlock_distance)
         builder: StageBuilder | None = None
@@ -202,6 +203,8 @@ class PipelineRunner:
                 )
             if aux_loss is not None and not callable(aux_loss):
                 raise ValueError("aux_loss must be callable as aux_loss(head_output, target)")
+        if type(weight_stashing) is not bool:
+            raise ValueError(f"weight_stashing must be True or False, got {weight_stashing!r}")
         if interlocking and builder is not None:
             raise ValueError("interlocking schedules are not available from job recipes yet; embed "
                              "PipelineRunner with modules and aux_heads")
@@ -237,7 +240,7 @@ class PipelineRunner:
                                       | ({"aux_loss": aux_loss} if aux_loss is not None else {}))
                 payloads: list[Any] = [
                     pickle.dumps((s, loss_fn if k == len(stages) - 1 else None, optimizer, lr_scheduler,
-                                  self._extras(k, aux_heads, aux_loss)))
+                                  self._extras(k, aux_heads, aux_loss, weight_stashing)))
                     for k, s in enumerate(stages)
                 ]
             else:
@@ -259,18 +262,22 @@ class PipelineRunner:
             self._backend = SimulatedBackend(
                 stages, loss_fn, optimizer, schedule, devices[0] if devices else "cpu",
                 lr_scheduler=lr_scheduler,
-                extras=[self._extras(k, aux_heads, aux_loss) for k in range(len(stages))],
+                extras=[self._extras(k, aux_heads, aux_loss, weight_stashing) for k in range(len(stages))],
             )
         self._step = 0
         self._running = False
         self._used = False
 
     @staticmethod
-    def _extras(k: int, aux_heads: Sequence[nn.Module] | None, aux_loss: Any) -> dict[str, Any]:
-        """What stage k needs besides its module (interlocking: its auxiliary head and loss)."""
-        if aux_heads is None:
-            return {}
-        return {"aux_head": aux_heads[k] if k < len(aux_heads) else None, "aux_loss": aux_loss}
+    def _extras(
+        k: int, aux_heads: Sequence[nn.Module] | None, aux_loss: Any, weight_stashing: bool
+    ) -> dict[str, Any]:
+        """What stage k needs besides its module: its auxiliary head and loss (interlocking),
+        whether it stashes weights (asynchronous 1F1B)."""
+        out: dict[str, Any] = {"weight_stashing": weight_stashing}
+        if aux_heads is not None:
+            out.update(aux_head=aux_heads[k] if k < len(aux_heads) else None, aux_loss=aux_loss)
+        return out
 
     @staticmethod
     def _check_untied(stages: Sequence[nn.Module]) -> None:

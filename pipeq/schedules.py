@@ -223,7 +223,47 @@ class Interlock:
         return out
 
 
+class AsyncOneFOneB:
+    """Asynchronous 1F1B (the tutorial's pipeline, PipeDream): no flush inside a step.
+
+    Stage k warms up with min(m, N-k) forwards, then alternates one backward and one forward, and
+    steps its optimizer after *every* backward: m updates per stage per ``runner.step``. The
+    backward of microbatch j may run after updates made since its forward; weight stashing (the
+    executor's business, see :mod:`pipeq.asyncpipe`) makes it use the weights its forward used::
+
+        stage 0 | F0 F1 F2 F3 .  .  .  B0 ST F4 B1 ST F5 ...
+        stage 3 | .  .  .  F0 B0 ST F1 B1 ST F2 B2 ST ...
+    """
+
+    name = "async"
+    per_microbatch_steps = True  # check_consistency: one STEP after each backward
+
+    def __call__(self, n_stages: int, n_microbatches: int) -> Schedule:
+        _check_counts(n_stages, n_microbatches)
+        m = n_microbatches
+        out = []
+        for k in range(n_stages):
+            warm = min(m, n_stages - k)
+            acts = [F(j) for j in range(warm)]
+            for i in range(m - warm):
+                acts += [B(i), STEP, F(warm + i)]
+            for j in range(m - warm, m):
+                acts += [B(j), STEP]
+            out.append(acts)
+        return out
+
+    def __repr__(self) -> str:
+        return "AsyncOneFOneB()"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AsyncOneFOneB)
+
+    def __hash__(self) -> int:
+        return hash("async")
+
+
 SCHEDULES: dict[str, ScheduleFn] = {
+    "async": AsyncOneFOneB(),
     "fill-drain": fill_drain,
     "gpipe": fill_drain,
     "1f1b": one_f_one_b,
@@ -292,8 +332,11 @@ def lower(schedule: Schedule) -> Schedule:
     return out
 
 
-def check_consistency(schedule: Schedule, n_stages: int, n_microbatches: int, training: bool) -> None:
-    """Every stage runs each microbatch's forward once, its backward once after it, then one STEP."""
+def check_consistency(
+    schedule: Schedule, n_stages: int, n_microbatches: int, training: bool, per_microbatch_steps: bool = False
+) -> None:
+    """Every stage runs each microbatch's forward once, its backward once after it, then one STEP
+    (``per_microbatch_steps``: a STEP right after every backward instead)."""
     if len(schedule) != n_stages:
         raise ScheduleError(f"schedule has {len(schedule)} stage lists for {n_stages} stages")
     m = n_microbatches
@@ -307,7 +350,10 @@ def check_consistency(schedule: Schedule, n_stages: int, n_microbatches: int, tr
                 raise ScheduleError(f"{where}: schedules list compute actions only (F, B, STEP)")
             if a.op is Op.STEP:
                 steps += 1
-                if pos != len(acts) - 1:
+                if per_microbatch_steps:
+                    if pos == 0 or acts[pos - 1].op is not Op.BACKWARD:
+                        raise ScheduleError(f"{where}: each STEP must follow a backward")
+                elif pos != len(acts) - 1:
                     raise ScheduleError(f"{where}: STEP must be the stage's last action")
                 continue
             j = a.microbatch
@@ -330,8 +376,9 @@ def check_consistency(schedule: Schedule, n_stages: int, n_microbatches: int, tr
             if len(seen_b) != m:
                 missing = sorted(set(range(m)) - seen_b)
                 raise ScheduleError(f"stage {k}: no backward for microbatch(es) {missing}")
-            if steps != 1:
-                raise ScheduleError(f"stage {k}: a training step needs exactly one STEP, found {steps}")
+            want = m if per_microbatch_steps else 1
+            if steps != want:
+                raise ScheduleError(f"stage {k}: a training step needs exactly {want} STEP, found {steps}")
         elif seen_b or steps:
             raise ScheduleError(f"stage {k}: a forward-only schedule has no backward or STEP")
 
@@ -428,7 +475,8 @@ def build(
         )
     given_lowered = any(a.op not in COMPUTE_OPS for acts in sched for a in acts)
     compute = [[a for a in acts if a.op in COMPUTE_OPS] for acts in sched] if given_lowered else sched
-    check_consistency(compute, n_stages, n_microbatches, training)
+    check_consistency(compute, n_stages, n_microbatches, training,
+                      per_microbatch_steps=training and getattr(fn, "per_microbatch_steps", False))
     # a schedule that routes its own messages (interlocking) gives them; dry_run checks them
     lowered = sched if given_lowered else lower(sched)
     dry_run(lowered)

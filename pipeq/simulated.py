@@ -18,7 +18,7 @@ from torch import nn
 
 from . import schedules
 from .errors import PipelineError
-from .interlock import make_executor
+from .executors import make_executor
 from .interpreter import OUTPUT, execute
 from .schedules import Op, ScheduleFn
 from .stage import Tensors

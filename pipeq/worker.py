@@ -38,7 +38,7 @@ from . import schedules, trace
 from .codec import Kind, Message, pack_tree, unpack_tree
 from .interpreter import OUTPUT, execute
 from .schedules import Op
-from .interlock import make_executor
+from .executors import make_executor
 from .stage import StageExecutor
 from .transport import Heartbeat, StageTransport, Stopped, remove_ipc_dir, tune_process_allocator
 

@@ -1,0 +1,129 @@
+"""Asynchronous 1F1B on one stage: an optimizer step after every microbatch, weight stashing.
+
+With :class:`pipeq.schedules.AsyncOneFOneB` a stage updates its weights after each backward, so
+microbatch j's backward may come after updates made since its forward. Two rules:
+
+- ``weight_stashing=True`` (default, PipeDream): the forward of j runs on a *copy* of the weights
+  as they are then (``torch.func.functional_call``), its backward computes the gradient of that
+  copy, and the optimizer applies it to the live weights. Forward and backward of j agree; at most
+  the stage's in-flight microbatches (its warm-up, min(m, N-k)) hold a copy.
+- ``weight_stashing=False``: the forward of j runs without a graph; its backward recomputes the
+  forward with the current weights from the saved input, so the gradient is that of the newest
+  weights (no copies, one more forward per microbatch).
+
+Every microbatch is its own update: its loss is not scaled by a share of the batch. The lr
+scheduler, if any, steps with the optimizer (once per microbatch).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .stage import StageExecutor, Tensors, as_tuple, describe
+
+
+class AsyncExecutor(StageExecutor):
+    def __init__(
+        self,
+        index: int,
+        n_stages: int,
+        module: nn.Module,
+        optimizer_factory: Callable[..., torch.optim.Optimizer],
+        loss_fn: Callable | None,
+        device: torch.device,
+        lr_scheduler: Callable | None = None,
+        *,
+        weight_stashing: bool = True,
+    ) -> None:
+        super().__init__(index, n_stages, module, optimizer_factory, loss_fn, device, lr_scheduler)
+        self.weight_stashing = weight_stashing
+        self.copies: dict[int, dict[str, torch.Tensor]] = {}  # microbatch -> its stashed weights
+        self.max_copies = 0  # the most copies held at once (bounded by the pipeline depth)
+
+    def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
+              weights: Any = None) -> None:
+        # each microbatch is its own update: its mean loss, unscaled
+        super().begin(step, sizes, training, x, target, [1.0] * len(sizes) if training else weights)
+        self.copies.clear()
+        self.n_losses = len(sizes)
+
+    def mean_loss(self) -> float:
+        """The mean of the step's microbatch losses (each microbatch is its own update)."""
+        return float(self.loss_sum) / self.n_losses if self.loss_sum is not None else float("nan")
+
+    def _run(self, j: int, args: Tensors, weights: dict[str, torch.Tensor] | None) -> Any:
+        try:
+            if weights is None:
+                return self.module(*args)
+            return functional_call(self.module, {**weights, **dict(self.module.named_buffers())}, args)
+        except Exception as exc:
+            raise RuntimeError(
+                f"forward of microbatch {j} (step {self.step_index}) failed on input of shape "
+                f"{describe(args)}: {exc}"
+            ) from exc
+
+    def forward(self, j: int, received: Tensors | None) -> Tensors | None:
+        if not self.training:
+            return super().forward(j, received)
+        args = (self.inputs[j],) if self.is_first else tuple(
+            t.to(self.device, non_blocking=True) for t in received or ())
+        if self.weight_stashing:
+            leaves = tuple(t.requires_grad_() if t.is_floating_point() else t for t in args) \
+                if not self.is_first else ()
+            copy = {n: p.detach().clone().requires_grad_(p.requires_grad)
+                    for n, p in self.module.named_parameters()}
+            self.copies[j] = copy
+            self.max_copies = max(self.max_copies, len(self.copies))
+            out = self._run(j, tuple(t.clone() if t.requires_grad else t for t in leaves) or args, copy)
+            outs = as_tuple(out)
+            if self.is_last:
+                loss = self.loss_fn(out, self.targets[j]).reshape(())  # type: ignore[misc]
+                self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+                self.stash[j] = (leaves, loss)
+                return None
+            self.stash[j] = (leaves, outs)
+            return tuple(t.detach() for t in outs)
+        # no stashing: keep the input, recompute in the backward with the weights of that moment
+        with torch.no_grad():
+            out = self._run(j, args, None)
+        self.stash[j] = (args, None)
+        if self.is_last:
+            loss = self.loss_fn(out, self.targets[j]).reshape(())  # type: ignore[misc]
+            self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+            return None
+        return tuple(t.detach() for t in as_tuple(out))
+
+    def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.weight_stashing:
+            leaves, outs = self.stash.pop(j)
+            copy = self.copies.pop(j)
+        else:
+            saved, _ = self.stash.pop(j)
+            leaves = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in saved) \
+                if not self.is_first else ()
+            out = self._run(j, tuple(t.clone() if t.requires_grad else t for t in leaves) or saved, None)
+            outs = self.loss_fn(out, self.targets[j]).reshape(()) if self.is_last else as_tuple(out)  # type: ignore[misc]
+            copy = None
+        if self.is_last:
+            outs.backward()
+        else:
+            assert grads is not None
+            pairs = [(o, g.to(self.device, non_blocking=True)) for o, g in
+                     zip([o for o in outs if o.is_floating_point()], grads) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if copy is not None:  # the stashed copy's gradient updates the live weights
+            for n, p in self.module.named_parameters():
+                g = copy[n].grad
+                if g is not None:
+                    p.grad = g
+        if self.is_first:
+            return None
+        return tuple((t.grad if t.grad is not None else torch.zeros_like(t)).detach()
+                     for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad)

@@ -1,0 +1,41 @@
+"""Which executor runs a stage: the schedule decides how its compute actions behave.
+
+Plain backprop schedules (fill-drain, 1F1B, your own) use :class:`~pipeq.stage.StageExecutor`;
+interlocking ones :class:`~pipeq.interlock.InterlockExecutor` (auxiliary heads, their own
+gradient routing); asynchronous 1F1B :class:`~pipeq.asyncpipe.AsyncExecutor` (a step per
+microbatch, weight stashing). The worker process and the simulated engine both build theirs here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .asyncpipe import AsyncExecutor
+from .interlock import InterlockExecutor
+from .schedules import AsyncOneFOneB, Interlock
+from .stage import StageExecutor
+
+
+def make_executor(
+    schedule: Any,
+    index: int,
+    n_stages: int,
+    module: nn.Module,
+    optimizer_factory: Callable,
+    loss_fn: Callable | None,
+    device: torch.device,
+    lr_scheduler: Callable | None = None,
+    extras: dict[str, Any] | None = None,
+) -> StageExecutor:
+    extras = extras or {}
+    if isinstance(schedule, Interlock):
+        return InterlockExecutor(index, n_stages, module, optimizer_factory, loss_fn, device,
+                                 lr_scheduler, schedule=schedule, aux_head=extras.get("aux_head"),
+                                 aux_loss=extras.get("aux_loss"))
+    if isinstance(schedule, AsyncOneFOneB) or schedule == "async":
+        return AsyncExecutor(index, n_stages, module, optimizer_factory, loss_fn, device, lr_scheduler,
+                             weight_stashing=extras.get("weight_stashing", True))
+    return StageExecutor(index, n_stages, module, optimizer_factory, loss_fn, device, lr_scheduler)
