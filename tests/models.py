@@ -130,3 +130,47 @@ def eager_backward(n_stages, n_microbatches):
     first = [F(0), B(0)] + [a for j in range(1, m) for a in (F(j), B(j))] + [STEP]
     rest = [F(j) for j in range(m)] + [B(j) for j in range(m)] + [STEP]
     return [first] + [list(rest) for _ in range(n_stages - 1)]
+
+
+class Mul(nn.Module):
+    """A scalar "multiply" net: x * w with a 1-element parameter (interlocking hand checks)."""
+
+    def __init__(self, w: float):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([float(w)]))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class SumSq:
+    """Sum (or mean) of squared errors, with the ``reduction`` attribute pipeq reads."""
+
+    def __init__(self, reduction: str = "sum"):
+        self.reduction = reduction
+
+    def __call__(self, out, y):
+        sq = (out - y) ** 2
+        return sq.sum() if self.reduction == "sum" else sq.mean()
+
+
+class TutorialStage0(nn.Module):
+    """The tutorial's 16-8-1 MLP, first half: Linear(16, 8) + ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return torch.relu(self.w1(x))
+
+
+class TutorialStage1(nn.Module):
+    """Second half: Linear(8, 1) + sigmoid (BCE loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w2 = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.w2(x))

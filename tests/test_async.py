@@ -1,0 +1,142 @@
+"""Asynchronous 1F1B: a step after every microbatch, with and without weight stashing."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import pipeq
+from models import TutorialStage0, TutorialStage1
+from pipeq import schedules
+from pipeq.schedules import Op
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def tutorial_data(n_micro: int = 20):
+    """The tutorial's data: rand(320, 16) inputs, random binary targets, microbatches of 32."""
+    torch.manual_seed(40)
+    x = torch.rand([320, 16])
+    y = torch.randint(0, 2, [320, 1], dtype=torch.float32)
+    xs = [x[(32 * j) % 320:(32 * j) % 320 + 32] for j in range(n_micro)]
+    ys = [y[(32 * j) % 320:(32 * j) % 320 + 32] for j in range(n_micro)]
+    return xs, ys
+
+
+def stashing_reference(stages, xs, ys, lr):
+    """The update rule written out in one process: each stage runs its actions in the async
+    schedule's order; the forward of j uses a copy of the stage's weights as they are then, its
+    backward the gradient of that copy, and SGD applies it to the live weights right away."""
+    n, m = len(stages), len(xs)
+    live = [copy.deepcopy(s) for s in stages]
+    opts = [torch.optim.SGD(s.parameters(), lr=lr) for s in live]
+    # any order that respects each stage's list and the messages gives the same numbers: the
+    # stages share no weights. Walk the lists, running whatever is ready.
+    lists = [[a for a in acts if a.op in (Op.FORWARD, Op.BACKWARD)] for acts in schedules.AsyncOneFOneB()(n, m)]
+    pos = [0] * n
+    acts_in: dict = {}
+    grads_in: dict = {}
+    saved: dict = {}
+    losses = []
+    while any(pos[k] < len(lists[k]) for k in range(n)):
+        for k in range(n):
+            if pos[k] == len(lists[k]):
+                continue
+            a = lists[k][pos[k]]
+            j = a.microbatch
+            if a.op is Op.FORWARD:
+                if k > 0 and (k, j) not in acts_in:
+                    continue
+                weights = {name: p.detach().clone().requires_grad_() for name, p in live[k].named_parameters()}
+                inp = xs[j] if k == 0 else acts_in.pop((k, j)).requires_grad_()
+                out = functional_call(live[k], weights, (inp,))
+                if k == n - 1:
+                    out = nn.BCELoss()(out, ys[j])
+                    losses.append(out.item())
+                else:
+                    acts_in[(k + 1, j)] = out.detach()
+                saved[(k, j)] = (inp, out, weights)
+            else:
+                if k < n - 1 and (k, j) not in grads_in:
+                    continue
+                inp, out, weights = saved.pop((k, j))
+                out.backward(grads_in.pop((k, j)) if k < n - 1 else None)
+                if k > 0:
+                    grads_in[(k - 1, j)] = inp.grad.detach()
+                for name, p in live[k].named_parameters():
+                    p.grad = weights[name].grad
+                opts[k].step()
+            pos[k] += 1
+    return live, losses
+
+
+@pytest.mark.parametrize("mode", ["simulated", "process"])
+def test_async_with_weight_stashing_equals_the_reference_on_the_tutorial_mlp(mode: str) -> None:
+    torch.manual_seed(40)
+    stages = [TutorialStage0(), TutorialStage1()]
+    xs, ys = tutorial_data(20)
+    ref, losses = stashing_reference(stages, xs, ys, lr=0.5)
+    runner = pipeq.PipelineRunner(stages, nn.BCELoss(), functools.partial(torch.optim.SGD, lr=0.5),
+                                  "async", 20, mode=mode, start_method="forkserver")
+    with runner:
+        loss = runner.step(torch.cat(xs), torch.cat(ys))  # 20 microbatches: 20 updates per stage
+        got = runner.state_dict()
+    assert loss == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    for k, s in enumerate(ref):
+        for name, p in s.state_dict().items():
+            assert torch.allclose(got[f"{k}.{name}"], p, atol=1e-6), (k, name)
+    # and it is not plain synchronous training (the test can fail)
+    sync = copy.deepcopy(stages)
+    opt = [torch.optim.SGD(s.parameters(), lr=0.5) for s in sync]
+    for x, y in zip(xs, ys):
+        for o in opt:
+            o.zero_grad()
+        nn.BCELoss()(sync[1](sync[0](x)), y).backward()
+        for o in opt:
+            o.step()
+    assert not torch.allclose(sync[0].w1.weight, got["0.w1.weight"], atol=1e-6)
+
+
+def test_stashed_copies_are_bounded_by_the_pipeline_depth() -> None:
+    stages = [TutorialStage0(), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), TutorialStage1()]
+    xs, ys = tutorial_data(12)
+    runner = pipeq.PipelineRunner(stages, nn.BCELoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                                  "async", 12, mode="simulated")
+    with runner:
+        runner.step(torch.cat(xs), torch.cat(ys))
+        held = [ex.max_copies for ex in runner._backend.executors]
+    assert held == [3, 2, 1]  # min(m, N - k): stage k's microbatches in flight
+
+
+def test_without_stashing_the_backward_uses_the_newest_weights() -> None:
+    """No copies: microbatch j's gradient is that of the weights at its backward."""
+    torch.manual_seed(0)
+    stages = [TutorialStage0(), TutorialStage1()]
+    xs, ys = tutorial_data(6)
+    sgd = functools.partial(torch.optim.SGD, lr=0.5)
+    results = {}
+    for stash in (True, False):
+        with pipeq.PipelineRunner(stages, nn.BCELoss(), sgd, "async", 6, mode="simulated",
+                                  weight_stashing=stash) as runner:
+            runner.step(torch.cat(xs), torch.cat(ys))
+            results[stash] = runner.state_dict()
+    # stage 0 has 2 microbatches in flight: its forward and backward weights differ without stashing
+    assert not torch.allclose(results[True]["0.w1.weight"], results[False]["0.w1.weight"])
+
+
+def test_async_learns_the_tutorial_task_and_the_schedule_is_checked() -> None:
+    torch.manual_seed(40)
+    xs, ys = tutorial_data(10)
+    runner = pipeq.PipelineRunner([TutorialStage0(), TutorialStage1()], nn.BCELoss(),
+                                  functools.partial(torch.optim.SGD, lr=0.5), "async", 10, mode="simulated")
+    with runner:
+        losses = [runner.step(torch.cat(xs), torch.cat(ys)) for _ in range(150)]
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.05
+    lowered = schedules.build("async", 2, 4)
+    steps = [sum(1 for a in acts if a.op is Op.STEP) for acts in lowered]
+    assert steps == [4, 4]  # a step after every backward
