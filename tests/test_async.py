@@ -140,3 +140,15 @@ def test_async_learns_the_tutorial_task_and_the_schedule_is_checked() -> None:
     lowered = schedules.build("async", 2, 4)
     steps = [sum(1 for a in acts if a.op is Op.STEP) for acts in lowered]
     assert steps == [4, 4]  # a step after every backward
+
+
+def test_the_async_example_runs_and_its_loss_falls() -> None:
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from async_mlp import train
+
+    curve = train(updates=3000, mode="simulated", every=1000, verbose=False)
+    assert [c[0] for c in curve] == [0, 1000, 2000]
+    assert curve[-1][1] < curve[0][1] - 0.05
