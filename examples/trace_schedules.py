@@ -1,9 +1,9 @@
 """Trace the same model under different schedules and draw what happened.
 
     python examples/trace_schedules.py                 # writes docs/trace-<schedule>.{json,png}
-    python examples/trace_schedules.py --out /tmp/traces --schedules 1f1b
+    python examples/trace_schedules.py --out /tmp/traces --schedules 1f1b pairwise
 
-The model: 4 stages of fixed cost (pipeq.testing.SleepStage: forward 10 ms, backward 20 ms), so
+The model: 4 stages of fixed cost (pairwise interlocking adds a Linear head per stage but the last) (pipeq.testing.SleepStage: forward 10 ms, backward 20 ms), so
 the pictures show the schedule and pipeq's own overhead, not CPU contention on a small machine.
 Each run trains 3 steps of 8 microbatches with ``trace=``; the last step is drawn and the report
 (compute, send, wait, bubble against (N-1)/(m+N-1)) is printed.
@@ -28,8 +28,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def trace_run(schedule: str, out: str, n: int = 4, m: int = 8) -> str:
     path = os.path.join(out, f"trace-{schedule}.json")
     stages = [SleepStage(16, 0.010, 0.020) for _ in range(n)]
+    heads = {}
+    if schedule in ("local", "pairwise", "nwise"):  # interlocking: a small head per stage but the last
+        heads = dict(aux_heads=[nn.Linear(16, 16) for _ in range(n - 1)], aux_loss=nn.MSELoss())
     runner = pipeq.PipelineRunner(stages, nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.01),
-                                  schedule, m, trace=path)
+                                  schedule, m, trace=path, **heads)
     with runner:
         for _ in range(3):
             runner.step(torch.randn(32, 16), torch.randn(32, 16))
@@ -39,7 +42,7 @@ def trace_run(schedule: str, out: str, n: int = 4, m: int = 8) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "docs"))
-    p.add_argument("--schedules", nargs="+", default=["fill-drain", "1f1b"])
+    p.add_argument("--schedules", nargs="+", default=["fill-drain", "1f1b", "pairwise"])
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for schedule in args.schedules:

@@ -149,7 +149,12 @@ class InterlockExecutor(StageExecutor):
             if own is not None:  # local: this stage's own head
                 own.backward()
         else:
-            torch.autograd.backward(out, got[self.trainer])
+            # main's parameters only, unless the stage below needs this loss's input gradient too
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            if self.trainer in wanted or not params:
+                torch.autograd.backward(out, got[self.trainer])
+            else:
+                torch.autograd.backward(out, got[self.trainer], inputs=params)
         if self.trainer in wanted:
             assert leaf is not None
             send[self.trainer] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)

@@ -51,7 +51,13 @@ def drop_partial_steps(rows: list[torch.Tensor], truncated: list[bool]) -> list[
 
 
 def schedule_label(schedule: Any) -> str:
-    return schedule if isinstance(schedule, str) else f"{schedule.__module__}:{schedule.__qualname__}"
+    """A schedule's name: registered names and pipeq's schedule objects by name, functions by
+    ``module:qualname``."""
+    if isinstance(schedule, str):
+        return schedule
+    if isinstance(getattr(schedule, "name", None), str):
+        return schedule.name
+    return f"{schedule.__module__}:{getattr(schedule, '__qualname__', type(schedule).__name__)}"
 
 
 def rows_to_tensor(rows: Sequence[tuple[int, ...]]) -> torch.Tensor:
