@@ -264,6 +264,7 @@ class PipelineRunner:
                 lr_scheduler=lr_scheduler,
                 extras=[self._extras(k, aux_heads, aux_loss, weight_stashing) for k in range(len(stages))],
             )
+        self._aux_heads = aux_heads is not None
         self._step = 0
         self._running = False
         self._used = False
@@ -444,6 +445,7 @@ class PipelineRunner:
         from . import checkpoint
 
         self._require_running()
+        self._check_checkpointable()
         checkpoint.save(directory, self._backend.get_snapshots(), dict(meta or {}))
 
     def load(self, directory: str) -> dict[str, Any]:
@@ -452,7 +454,15 @@ class PipelineRunner:
         from . import checkpoint
 
         self._require_running()
+        self._check_checkpointable()
         ckpt = checkpoint.load(directory)
         layouts = [checkpoint.StageLayout(**lay) for lay in self._backend.layouts()]
         self._backend.restore(checkpoint.split(ckpt, layouts))
         return dict(ckpt.meta)
+
+    def _check_checkpointable(self) -> None:
+        if self._aux_heads:
+            raise ValueError(
+                "checkpoints of runs with aux_heads are not supported yet: the auxiliary heads have no "
+                "place among the flat model's names; use state_dict() for the main path"
+            )
