@@ -21,13 +21,13 @@ backward; ``predict`` uses the main path only.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .schedules import Interlock, receives, sends_down, sends_early, trained_by
-from .stage import StageExecutor, Tensors, as_tuple, describe
+from .stage import StageExecutor, Tensors, describe, microbatch_weights
 
 
 class InterlockExecutor(StageExecutor):
@@ -65,6 +65,15 @@ class InterlockExecutor(StageExecutor):
         self.needs_target = True  # every stage computes a loss
         self.own_grad: dict[int, torch.Tensor] = {}  # microbatch -> own head's input gradient
 
+    def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
+              weights: Any = None) -> None:
+        super().begin(step, sizes, training, x, target, weights)
+        # a head's loss is weighted by its own reduction (and ignore_index), like the real one
+        self.aux_weights = (
+            microbatch_weights(self.aux_loss, target, list(sizes))
+            if training and target is not None and self.head is not None else []
+        )
+
     # -- forward: main path, then this stage's own loss ----------------------------------------
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:
         if not self.training:
@@ -91,15 +100,18 @@ class InterlockExecutor(StageExecutor):
         if isinstance(out, tuple) or not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {self.index}: interlocking schedules need a stage to return one tensor")
         target = self.targets[j]
-        w = self.weights[j]
         if self.is_last_stage:
-            loss = self.loss_fn(out, target)  # type: ignore[misc]
-            scaled = loss.reshape(()) * w
-            self.loss_sum = scaled.detach() if self.loss_sum is None else self.loss_sum + scaled.detach()
+            w = self.weights[j]
+            scaled = None
+            if w != 0.0:  # a microbatch whose targets are all ignored has no loss, no gradient
+                scaled = self.loss_fn(out, target).reshape(()) * w  # type: ignore[misc]
+                d = scaled.detach()
+                self.loss_sum = d if self.loss_sum is None else self.loss_sum + d
             self.stash[j] = (leaf, out, scaled)
             return None
         own = None
-        if self.head is not None:
+        w = self.aux_weights[j] if self.head is not None else 0.0
+        if self.head is not None and w != 0.0:
             if self.distance == 0:  # local: the head's loss trains main too (in B)
                 own = self.aux_loss(self.head(out), target).reshape(()) * w
             else:  # the head learns from a detached output; its gradient w.r.t. out is kept
@@ -110,6 +122,8 @@ class InterlockExecutor(StageExecutor):
                     assert leaf is not None
                     (gx,) = torch.autograd.grad(out, leaf, detached.grad, retain_graph=True)
                     self.own_grad[j] = gx.detach()
+        if self.index in self.down and j not in self.own_grad and leaf is not None:
+            self.own_grad[j] = torch.zeros_like(leaf)  # nothing counts in this microbatch
         self.stash[j] = (leaf, out, own)
         return (out.detach(),)
 

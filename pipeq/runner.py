@@ -203,6 +203,11 @@ class PipelineRunner:
                 )
             if aux_loss is not None and not callable(aux_loss):
                 raise ValueError("aux_loss must be callable as aux_loss(head_output, target)")
+        if interlocking and aux_heads is None and schedule.distance(len(stages)) < len(stages) - 1:
+            raise ValueError(
+                f"schedule {schedules.schedule_name(schedule)!r} trains with auxiliary heads: pass "
+                f"aux_heads=[head_0, ..., head_{len(stages) - 2}] (one per stage but the last)"
+            )
         if type(weight_stashing) is not bool:
             raise ValueError(f"weight_stashing must be True or False, got {weight_stashing!r}")
         if interlocking and builder is not None:
