@@ -191,9 +191,15 @@ class Interlock:
     def __call__(self, n_stages: int, n_microbatches: int) -> Schedule:
         _check_counts(n_stages, n_microbatches)
         n, m, d = n_stages, n_microbatches, self.distance(n_stages)
+        # how many stages above stage k its backward waits on (its gradients come in one message
+        # per microbatch, sent after the backward of the stage above unless that one sends early)
+        depth = [0] * n
+        for k in range(n - 2, -1, -1):
+            if receives(k, n, d):
+                depth[k] = 1 if sends_early(k + 1, n, d) else 1 + depth[k + 1]
         out = []
         for k in range(n):
-            warm = min(m, min(d, n - 1 - k) + 1)
+            warm = min(m, depth[k] + 1)
             order = [F(j) for j in range(warm)]
             for i in range(m - warm):
                 order += [B(i), F(warm + i)]
@@ -378,7 +384,8 @@ def check_consistency(
                 raise ScheduleError(f"stage {k}: no backward for microbatch(es) {missing}")
             want = m if per_microbatch_steps else 1
             if steps != want:
-                raise ScheduleError(f"stage {k}: a training step needs exactly {want} STEP, found {steps}")
+                need = "one STEP" if want == 1 else f"{want} STEPs (one after each backward)"
+                raise ScheduleError(f"stage {k}: a training step needs exactly {need}, found {steps}")
         elif seen_b or steps:
             raise ScheduleError(f"stage {k}: a forward-only schedule has no backward or STEP")
 
