@@ -140,9 +140,13 @@ class ProcessBackend:
         placement: Sequence[Sequence[int]] | None = None,
         trace: str | None = None,
         microbatches: int = 0,
-        targets_to_all: bool = False,
+        target_stages: Sequence[int] | None = None,
+        output_stage: int | None = None,
     ) -> None:
-        self.targets_to_all = targets_to_all  # interlocking: every stage computes a loss
+        # which stages get the target (the last; all with interlocking; stage 0 with AL) and which
+        # one returns predict's output (the last; stage 0 when AL decodes back down)
+        self.target_stages = set(target_stages) if target_stages is not None else {len(payloads) - 1}
+        self.output_stage = len(payloads) - 1 if output_stage is None else output_stage
         self.trace_path = trace
         self.microbatches = microbatches
         # traced commands (pipeq.trace), as many as the stages' ring buffers can hold
@@ -462,7 +466,7 @@ class ProcessBackend:
         extra = {"sizes": sizes, "weights": weights}
         msgs = []
         for k in range(self.n):
-            tensors = ([x] if k == 0 else []) + ([target] if k == last or self.targets_to_all else [])
+            tensors = ([x] if k == 0 else []) + ([target] if k in self.target_stages else [])
             msgs.append((k, codec.encode(Kind.STEP, step, 0, tensors, extra)))
         t0 = time.perf_counter_ns()
         self._send_all(msgs)
@@ -478,7 +482,8 @@ class ProcessBackend:
         t0 = time.perf_counter_ns()
         self._send_all([(k, codec.encode(Kind.PREDICT, step, 0, [x] if k == 0 else [], extra))
                         for k in range(self.n)])
-        msgs = self._collect(Kind.OUTPUT, {last: len(sizes)}, step=step, what=f"predict {step}")[last]
+        out = self.output_stage
+        msgs = self._collect(Kind.OUTPUT, {out: len(sizes)}, step=step, what=f"predict {step}")[out]
         if self.trace_path is not None:
             self.spans.append((step, False, t0, time.perf_counter_ns(), len(sizes)))
         msgs.sort(key=lambda m: m.microbatch)

@@ -3,7 +3,7 @@
 Plain backprop schedules (fill-drain, 1F1B, your own) use :class:`~pipeq.stage.StageExecutor`;
 interlocking ones :class:`~pipeq.interlock.InterlockExecutor` (auxiliary heads, their own
 gradient routing); asynchronous 1F1B :class:`~pipeq.asyncpipe.AsyncExecutor` (a step per
-microbatch, weight stashing). The worker process and the simulated engine both build theirs here.
+microbatch, weight stashing); Associated Learning :class:`~pipeq.al.ALExecutor` (local losses only). The worker process and the simulated engine both build theirs here.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .al import ALExecutor
 from .asyncpipe import AsyncExecutor
 from .interlock import InterlockExecutor
-from .schedules import AsyncOneFOneB, Interlock
+from .schedules import AssociatedLearning, AsyncOneFOneB, Interlock
 from .stage import StageExecutor
 
 
@@ -35,6 +36,10 @@ def make_executor(
         return InterlockExecutor(index, n_stages, module, optimizer_factory, loss_fn, device,
                                  lr_scheduler, schedule=schedule, aux_head=extras.get("aux_head"),
                                  aux_loss=extras.get("aux_loss"))
+    if isinstance(schedule, AssociatedLearning) or schedule == "al":
+        layer = schedule.inference_layer if isinstance(schedule, AssociatedLearning) else None
+        return ALExecutor(index, n_stages, module, optimizer_factory, loss_fn, device, lr_scheduler,
+                          first_loss=extras.get("al_first_loss", "ce"), inference_layer=layer)
     if isinstance(schedule, AsyncOneFOneB) or schedule == "async":
         return AsyncExecutor(index, n_stages, module, optimizer_factory, loss_fn, device, lr_scheduler,
                              weight_stashing=extras.get("weight_stashing", True))

@@ -62,7 +62,10 @@ def execute(
             if rec:
                 rec((TRACE_B, step, j, t0, clock(), 0))
             if gin is not None:
-                grads_out[j] = gin
+                if ex.is_first and not ex.training:  # a decode path (AL) ends here: the output
+                    yield (OUTPUT, j, ex.to_host(gin))
+                else:
+                    grads_out[j] = gin
         elif op is Op.RECV_ACT:
             received[j] = yield (op, j)
         elif op is Op.RECV_GRAD:

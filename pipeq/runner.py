@@ -119,8 +119,15 @@ class PipelineRunner:
         aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         interlock_distance: int | None = None,
         weight_stashing: bool = True,
+        al_first_loss: str = "ce",
+        al_inference_layer: int | None = None,
     ) -> None:
+        if schedule == "al" and al_inference_layer is not None:
+            schedule = schedules.AssociatedLearning(al_inference_layer)
         schedule = schedules.resolve(schedule, interlock_distance)
+        is_al = isinstance(schedule, schedules.AssociatedLearning)
+        if is_al and loss_fn is None:
+            loss_fn = nn.MSELoss()  # the associated and autoencoder losses' criterion
         builder: StageBuilder | None = None
         if isinstance(stages, StageBuilder):  # a job's recipe (pipeq launch, multi-host)
             builder = stages
@@ -208,6 +215,17 @@ class PipelineRunner:
                 f"schedule {schedules.schedule_name(schedule)!r} trains with auxiliary heads: pass "
                 f"aux_heads=[head_0, ..., head_{len(stages) - 2}] (one per stage but the last)"
             )
+        if al_first_loss not in ("ce", "mse"):
+            raise ValueError(f"al_first_loss must be 'ce' or 'mse', got {al_first_loss!r}")
+        if is_al:
+            from .al import ALLayer
+
+            for k, st in enumerate(stages):
+                if not isinstance(st, ALLayer):
+                    raise ValueError(
+                        f"stage {k} is a {type(st).__name__}: schedule 'al' trains pipeq.al.ALLayer "
+                        "stages (f, b, g, h); build them with pipeq.al.build_al"
+                    )
         if type(weight_stashing) is not bool:
             raise ValueError(f"weight_stashing must be True or False, got {weight_stashing!r}")
         if interlocking and builder is not None:
@@ -245,7 +263,7 @@ class PipelineRunner:
                                       | ({"aux_loss": aux_loss} if aux_loss is not None else {}))
                 payloads: list[Any] = [
                     pickle.dumps((s, loss_fn if k == len(stages) - 1 else None, optimizer, lr_scheduler,
-                                  self._extras(k, aux_heads, aux_loss, weight_stashing)))
+                                  self._extras(k, aux_heads, aux_loss, weight_stashing, al_first_loss)))
                     for k, s in enumerate(stages)
                 ]
             else:
@@ -259,7 +277,9 @@ class PipelineRunner:
                 start_timeout=start_timeout, spin_s=spin, start_method=start_method,
                 stop_timeout=stop_timeout, rendezvous=rendezvous, placement=placement,
                 trace=os.fspath(trace) if trace is not None else None, microbatches=microbatches,
-                targets_to_all=interlocking,
+                target_stages=(list(range(len(stages))) if interlocking else [0] if is_al
+                               else [len(stages) - 1]),
+                output_stage=0 if is_al else None,
             )
         else:
             from .simulated import SimulatedBackend
@@ -267,7 +287,8 @@ class PipelineRunner:
             self._backend = SimulatedBackend(
                 stages, loss_fn, optimizer, schedule, devices[0] if devices else "cpu",
                 lr_scheduler=lr_scheduler,
-                extras=[self._extras(k, aux_heads, aux_loss, weight_stashing) for k in range(len(stages))],
+                extras=[self._extras(k, aux_heads, aux_loss, weight_stashing, al_first_loss)
+                        for k in range(len(stages))],
             )
         self._aux_heads = aux_heads is not None
         self._step = 0
@@ -276,11 +297,12 @@ class PipelineRunner:
 
     @staticmethod
     def _extras(
-        k: int, aux_heads: Sequence[nn.Module] | None, aux_loss: Any, weight_stashing: bool
+        k: int, aux_heads: Sequence[nn.Module] | None, aux_loss: Any, weight_stashing: bool,
+        al_first_loss: str,
     ) -> dict[str, Any]:
         """What stage k needs besides its module: its auxiliary head and loss (interlocking),
-        whether it stashes weights (asynchronous 1F1B)."""
-        out: dict[str, Any] = {"weight_stashing": weight_stashing}
+        whether it stashes weights (asynchronous 1F1B), layer 1's label loss (AL)."""
+        out: dict[str, Any] = {"weight_stashing": weight_stashing, "al_first_loss": al_first_loss}
         if aux_heads is not None:
             out.update(aux_head=aux_heads[k] if k < len(aux_heads) else None, aux_loss=aux_loss)
         return out
@@ -466,6 +488,9 @@ class PipelineRunner:
         return dict(ckpt.meta)
 
     def _check_checkpointable(self) -> None:
+        if isinstance(self.schedule, schedules.AssociatedLearning):
+            raise ValueError("checkpoints of Associated Learning runs are not supported yet (two "
+                             "optimizers per layer); use state_dict() for the parameters")
         if self._aux_heads:
             raise ValueError(
                 "checkpoints of runs with aux_heads are not supported yet: the auxiliary heads have no "

@@ -268,7 +268,83 @@ class AsyncOneFOneB:
         return hash("async")
 
 
+class AssociatedLearning:
+    """Associated Learning's pipeline (see :mod:`pipeq.al`): messages only flow forward.
+
+    Training, per stage and microbatch: receive (s, t), F (both paths and the two local losses),
+    send (s, t) on, B (the local backward), STEP. Inference (:meth:`inference`): s flows forward
+    to layer l (the last by default), whose b and h start the decode; each stage below applies
+    its h to what comes back (on the backward channel), and stage 0's is the output::
+
+        training   stage k | F0 B0 ST F1 B1 ST F2 B2 ST ...   (stage k+1 one F behind)
+        inference  stage k | F0 F1 ... D0 D1 ...              (D = decode, toward stage 0)
+    """
+
+    name = "al"
+    per_microbatch_steps = True
+
+    def __init__(self, inference_layer: int | None = None) -> None:
+        if inference_layer is not None and (type(inference_layer) is not int or inference_layer < 0):
+            raise ValueError(f"al_inference_layer must be a stage index >= 0, got {inference_layer!r}")
+        self.inference_layer = inference_layer
+
+    def __call__(self, n_stages: int, n_microbatches: int) -> Schedule:
+        _check_counts(n_stages, n_microbatches)
+        out = []
+        for k in range(n_stages):
+            acts: list[Action] = []
+            for j in range(n_microbatches):
+                if k > 0:
+                    acts.append(Action(Op.RECV_ACT, j))
+                acts.append(F(j))
+                if k < n_stages - 1:
+                    acts.append(Action(Op.SEND_ACT, j))
+                acts += [B(j), STEP]
+            out.append(acts)
+        return out
+
+    def last(self, n_stages: int) -> int:
+        layer = n_stages - 1 if self.inference_layer is None else self.inference_layer
+        if layer >= n_stages:
+            raise ScheduleError(f"al_inference_layer={layer} but there are only {n_stages} stages")
+        return layer
+
+    def inference(self, n_stages: int, n_microbatches: int) -> Schedule:
+        _check_counts(n_stages, n_microbatches)
+        top = self.last(n_stages)
+        out = []
+        for k in range(n_stages):
+            if k > top:
+                out.append([])
+                continue
+            acts: list[Action] = []
+            for j in range(n_microbatches):
+                if k > 0:
+                    acts.append(Action(Op.RECV_ACT, j))
+                acts.append(F(j))
+                if k < top:
+                    acts.append(Action(Op.SEND_ACT, j))
+            for j in range(n_microbatches):
+                if k < top:
+                    acts.append(Action(Op.RECV_GRAD, j))
+                acts.append(B(j))
+                if k > 0:
+                    acts.append(Action(Op.SEND_GRAD, j))
+            out.append(acts)
+        return out
+
+    def __repr__(self) -> str:
+        return f"AssociatedLearning(inference_layer={self.inference_layer!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AssociatedLearning) and other.inference_layer == self.inference_layer
+
+    def __hash__(self) -> int:
+        return hash(("al", self.inference_layer))
+
+
 SCHEDULES: dict[str, ScheduleFn] = {
+    "al": AssociatedLearning(),
     "async": AsyncOneFOneB(),
     "fill-drain": fill_drain,
     "gpipe": fill_drain,
@@ -289,8 +365,9 @@ def resolve(schedule: "str | ScheduleFn", interlock_distance: int | None = None)
         return Interlock("nwise", interlock_distance)
     if interlock_distance is not None:
         raise ValueError(f"interlock_distance applies to schedule 'nwise' only, not {schedule_name(schedule)!r}")
-    if isinstance(schedule, str) and isinstance(SCHEDULES.get(schedule), Interlock):
-        return SCHEDULES[schedule]
+    if isinstance(schedule, str) and isinstance(SCHEDULES.get(schedule), (Interlock, AsyncOneFOneB,
+                                                                       AssociatedLearning)):
+        return SCHEDULES[schedule]  # the object: the runner and the stages ask it what it needs
     return schedule
 
 
@@ -472,7 +549,10 @@ def build(
     like any other (consistency, then a deadlock-free dry run) and refused with a
     :class:`ScheduleError` naming the stage and action at fault.
     """
-    fn = get_schedule(schedule) if training else forward_only
+    fn = get_schedule(schedule)
+    decode = not training and hasattr(fn, "inference")  # Associated Learning decodes backward
+    if not training:
+        fn = fn.inference if decode else forward_only  # type: ignore[attr-defined]
     sched = fn(n_stages, n_microbatches)
     if not isinstance(sched, list) or not all(
         isinstance(acts, list) and all(isinstance(a, Action) for a in acts) for acts in sched
@@ -482,8 +562,9 @@ def build(
         )
     given_lowered = any(a.op not in COMPUTE_OPS for acts in sched for a in acts)
     compute = [[a for a in acts if a.op in COMPUTE_OPS] for acts in sched] if given_lowered else sched
-    check_consistency(compute, n_stages, n_microbatches, training,
-                      per_microbatch_steps=training and getattr(fn, "per_microbatch_steps", False))
+    if not decode:  # an inference plan with a decode path is checked by its dry run alone
+        check_consistency(compute, n_stages, n_microbatches, training,
+                          per_microbatch_steps=training and getattr(fn, "per_microbatch_steps", False))
     # a schedule that routes its own messages (interlocking) gives them; dry_run checks them
     lowered = sched if given_lowered else lower(sched)
     dry_run(lowered)
