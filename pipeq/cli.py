@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"pipeq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("schedule", help="print a schedule's planned stage x time table (dry run)")
-    p.add_argument("name", choices=sorted(schedules.SCHEDULES))
+    p.add_argument("name", choices=sorted([*schedules.SCHEDULES, "nwise"]))
+    p.add_argument("--distance", type=int, metavar="D", help="nwise: the interlocking distance d")
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--backward-cost", type=int, default=2,
@@ -56,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    print(schedules.format_table(args.name, args.stages, args.microbatches, backward_cost=args.backward_cost))
+    name = schedules.resolve(args.name, args.distance)
+    print(schedules.format_table(name, args.stages, args.microbatches, backward_cost=args.backward_cost))
     if args.plot:
-        plan = report.planned_trace(args.name, args.stages, args.microbatches, backward_cost=args.backward_cost)
+        plan = report.planned_trace(name, args.stages, args.microbatches, backward_cost=args.backward_cost)
         print(f"plot: {report.plot_trace(plan, args.plot, steps='all')}")
     return 0
 
