@@ -23,6 +23,11 @@ def batches(n_steps: int, batch: int, seed: int = 1, d_in: int = 8, classes: int
     ]
 
 
+# tests about numbers, not start-up: stages fork from a server with torch imported (~0.1 s each
+# instead of ~3 s); test_process_mode_equals_single_process_training keeps the default (spawn)
+FAST = {"start_method": "forkserver"}
+
+
 def run(stages, data, *, schedule, microbatches, mode, loss_fn=None, opt=SGD, **kw):
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     runner = pipeq.PipelineRunner(
@@ -78,16 +83,16 @@ def test_simulated_mode_equals_single_process_training(schedule, n_stages, batch
 def test_process_mode_uneven_microbatches_and_few_microbatches():
     stages = mlp_stages((8, 12, 12, 3))
     data = batches(3, 50)  # 8 microbatches of 7 or 6 samples
-    losses, state, _ = run(stages, data, schedule="1f1b", microbatches=8, mode="process")
+    losses, state, _ = run(stages, data, schedule="1f1b", microbatches=8, mode="process", **FAST)
     assert_matches_reference(stages, data, losses, state)
-    losses, state, _ = run(stages, data, schedule="fill-drain", microbatches=2, mode="process")
+    losses, state, _ = run(stages, data, schedule="fill-drain", microbatches=2, mode="process", **FAST)
     assert_matches_reference(stages, data, losses, state)
 
 
 def test_simulated_equals_process_mode():
     stages = mlp_stages((8, 16, 16, 16, 3))
     data = batches(3, 40)
-    a = run(stages, data, schedule="1f1b", microbatches=5, mode="process")
+    a = run(stages, data, schedule="1f1b", microbatches=5, mode="process", **FAST)
     b = run(stages, data, schedule="1f1b", microbatches=5, mode="simulated")
     assert a[0] == pytest.approx(b[0], abs=1e-6)
     for name in a[1]:
