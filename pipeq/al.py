@@ -90,11 +90,15 @@ class ALExecutor(StageExecutor):
                 f"stage {index}: schedule 'al' needs pipeq.al.ALLayer stages (f, b, g, h), got a "
                 f"{type(module).__name__}; build them with pipeq.al.build_al"
             )
-        super().__init__(index, n_stages, module, optimizer_factory, None, device, None,
+        super().__init__(index, n_stages, module, optimizer_factory, None, device, lr_scheduler,
                          param_source=nn.ModuleList([module.f, module.b]))
         layer: ALLayer = self.module  # type: ignore[assignment]
         label = [p for m in (layer.g, layer.h) for p in m.parameters() if p.requires_grad]
         self.label_optimizer = optimizer_factory(label) if label else None
+        # the lr scheduler, if any, drives both paths' optimizers (stepped with them, per microbatch)
+        self.label_scheduler = (
+            lr_scheduler(self.label_optimizer) if lr_scheduler is not None and self.label_optimizer else None
+        )
         self.criterion = loss_fn if loss_fn is not None else nn.MSELoss()
         if first_loss not in ("ce", "mse"):
             raise ValueError(f"al_first_loss must be 'ce' or 'mse', got {first_loss!r}")
@@ -182,6 +186,8 @@ class ALExecutor(StageExecutor):
         super().optimizer_step()
         if self.label_optimizer is not None:
             self.label_optimizer.step()
+            if self.label_scheduler is not None:
+                self.label_scheduler.step()
         for opt in (self.optimizer, self.label_optimizer):
             if opt is not None:
                 opt.zero_grad(set_to_none=True)

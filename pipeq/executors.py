@@ -38,7 +38,8 @@ def make_executor(
                                  aux_loss=extras.get("aux_loss"))
     if isinstance(schedule, AssociatedLearning) or schedule == "al":
         layer = schedule.inference_layer if isinstance(schedule, AssociatedLearning) else None
-        return ALExecutor(index, n_stages, module, optimizer_factory, loss_fn, device, lr_scheduler,
+        criterion = extras.get("al_criterion", loss_fn)  # every layer's local losses use it
+        return ALExecutor(index, n_stages, module, optimizer_factory, criterion, device, lr_scheduler,
                           first_loss=extras.get("al_first_loss", "ce"), inference_layer=layer)
     if isinstance(schedule, AsyncOneFOneB) or schedule == "async":
         return AsyncExecutor(index, n_stages, module, optimizer_factory, loss_fn, device, lr_scheduler,

@@ -122,10 +122,15 @@ class PipelineRunner:
         al_first_loss: str = "ce",
         al_inference_layer: int | None = None,
     ) -> None:
-        if schedule == "al" and al_inference_layer is not None:
+        if al_inference_layer is not None and (
+            schedule == "al" or isinstance(schedule, schedules.AssociatedLearning)
+        ):
             schedule = schedules.AssociatedLearning(al_inference_layer)
         schedule = schedules.resolve(schedule, interlock_distance)
         is_al = isinstance(schedule, schedules.AssociatedLearning)
+        if not is_al and (al_first_loss != "ce" or al_inference_layer is not None):
+            raise ValueError(f"al_first_loss / al_inference_layer apply to schedule 'al' only, not "
+                             f"{schedules.schedule_name(schedule)!r}")
         if is_al and loss_fn is None:
             loss_fn = nn.MSELoss()  # the associated and autoencoder losses' criterion
         builder: StageBuilder | None = None
@@ -220,6 +225,9 @@ class PipelineRunner:
         if is_al:
             from .al import ALLayer
 
+            if schedule.inference_layer is not None and schedule.inference_layer >= len(stages):
+                raise ValueError(f"al_inference_layer={schedule.inference_layer} but there are only "
+                                 f"{len(stages)} AL layers (stages 0..{len(stages) - 1})")
             for k, st in enumerate(stages):
                 if not isinstance(st, ALLayer):
                     raise ValueError(
@@ -263,7 +271,8 @@ class PipelineRunner:
                                       | ({"aux_loss": aux_loss} if aux_loss is not None else {}))
                 payloads: list[Any] = [
                     pickle.dumps((s, loss_fn if k == len(stages) - 1 else None, optimizer, lr_scheduler,
-                                  self._extras(k, aux_heads, aux_loss, weight_stashing, al_first_loss)))
+                                  self._extras(k, aux_heads, aux_loss, weight_stashing, al_first_loss,
+                                              loss_fn if is_al else None)))
                     for k, s in enumerate(stages)
                 ]
             else:
@@ -287,8 +296,8 @@ class PipelineRunner:
             self._backend = SimulatedBackend(
                 stages, loss_fn, optimizer, schedule, devices[0] if devices else "cpu",
                 lr_scheduler=lr_scheduler,
-                extras=[self._extras(k, aux_heads, aux_loss, weight_stashing, al_first_loss)
-                        for k in range(len(stages))],
+                extras=[self._extras(k, aux_heads, aux_loss, weight_stashing, al_first_loss,
+                                     loss_fn if is_al else None) for k in range(len(stages))],
             )
         self._aux_heads = aux_heads is not None
         self._step = 0
@@ -298,11 +307,12 @@ class PipelineRunner:
     @staticmethod
     def _extras(
         k: int, aux_heads: Sequence[nn.Module] | None, aux_loss: Any, weight_stashing: bool,
-        al_first_loss: str,
+        al_first_loss: str, al_criterion: Any = None,
     ) -> dict[str, Any]:
         """What stage k needs besides its module: its auxiliary head and loss (interlocking),
         whether it stashes weights (asynchronous 1F1B), layer 1's label loss (AL)."""
-        out: dict[str, Any] = {"weight_stashing": weight_stashing, "al_first_loss": al_first_loss}
+        out: dict[str, Any] = {"weight_stashing": weight_stashing, "al_first_loss": al_first_loss,
+                               "al_criterion": al_criterion}
         if aux_heads is not None:
             out.update(aux_head=aux_heads[k] if k < len(aux_heads) else None, aux_loss=aux_loss)
         return out
@@ -407,6 +417,13 @@ class PipelineRunner:
             raise ValueError(
                 f"x has {x.shape[0]} samples (shape {tuple(x.shape)}) but target has "
                 f"{target.shape[0]} (shape {tuple(target.shape)})"
+            )
+        if isinstance(self.schedule, schedules.AssociatedLearning) and (
+            target.is_floating_point() or target.is_complex() or target.dim() != 1
+        ):
+            raise ValueError(
+                f"schedule 'al' encodes class indices as one-hot labels: target must be a 1-d integer "
+                f"tensor, got {tuple(target.shape)} {target.dtype}"
             )
         sizes = self._sizes(x.shape[0])
         weights = microbatch_weights(self._loss_fn, target, sizes)

@@ -566,7 +566,7 @@ def build(
         check_consistency(compute, n_stages, n_microbatches, training,
                           per_microbatch_steps=training and getattr(fn, "per_microbatch_steps", False))
     # a schedule that routes its own messages (interlocking) gives them; dry_run checks them
-    lowered = sched if given_lowered else lower(sched)
+    lowered = sched if given_lowered or decode else lower(sched)
     dry_run(lowered)
     return lowered
 
