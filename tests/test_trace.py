@@ -70,12 +70,12 @@ def test_traced_1f1b_run_has_every_action_in_schedule_order(tmp_path) -> None:
 def test_sleep_stages_bubble_is_the_ideal_formula(tmp_path) -> None:
     from pipeq import report
 
-    n, m, cost = 3, 4, 0.02
+    n, m, cost = 3, 4, 0.04  # long enough that wake-up delays of a loaded machine stay small
     path = tmp_path / "run.json"
     stages = [SleepStage(4, cost, cost) for _ in range(n)]
     with pipeq.PipelineRunner(stages, nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.01),
                               "1f1b", m, trace=str(path)) as runner:
-        for _ in range(3):
+        for _ in range(4):
             runner.step(torch.randn(8, 4), torch.randn(8, 4))
     rep = report.analyze(report.load_trace(str(path)), skip_first=1)
     ideal = (n - 1) / (m + n - 1)
