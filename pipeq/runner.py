@@ -60,8 +60,9 @@ class PipelineRunner:
             dry-run for deadlock here, before anything starts.
         microbatches: microbatches per step (a smaller batch uses one sample per microbatch).
         lr_scheduler: called with each stage's optimizer, e.g.
-            ``partial(torch.optim.lr_scheduler.StepLR, step_size=10)``; stepped once per
-            training step on every stage, right after the optimizer.
+            ``partial(torch.optim.lr_scheduler.StepLR, step_size=10)``; stepped with the
+            optimizer on every stage: once per training step (once per microbatch with
+            ``"async"`` and ``"al"``, which update after every microbatch).
         mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
         devices: one device string per stage; default ``cuda:k`` round-robin when CUDA is
             available, else ``cpu`` with each stage pinned to its share of the CPU cores.
