@@ -12,7 +12,7 @@ always-blank border pixels stay 0; an 80/20 split, seed 0) are trained two ways:
   Linear+Tanh bridge ``b``, label encoder ``g`` and decoder ``h`` per layer, label widths = W).
   Every stage learns from its own two local losses only and updates after every microbatch, so
   messages only flow forward; prediction decodes ``b_4``, ``h_4 .. h_1`` back to stage 0
-  (``/work/shared/notes/algorithms.md``);
+  (the inference path of the AL paper);
 - 1F1B: the same four blocks (the same initial weights: they are made first from the same seed)
   plus a Linear W->10 head on the last stage, CrossEntropyLoss, plain end-to-end backprop under
   the 1F1B schedule, one optimizer step per batch.

@@ -29,14 +29,14 @@ def _bench():
 
 
 def test_example_al_learns_in_stage_processes(capsys):
-    rows = al_digits.compare(mode="process", epochs=1, verbose=False)
+    rows = al_digits.compare(mode="process", epochs=3, verbose=False)
     out = capsys.readouterr().out
     assert [r[0] for r in rows] == ["AL", "1F1B"]
     for method, acc, secs in rows:
         assert secs > 0
         assert method in out
     acc_al = rows[0][1]
-    assert acc_al > 0.6, f"AL: held-out accuracy {acc_al:.1%} after one epoch (chance: 10%)"
+    assert acc_al > 0.85, f"AL: held-out accuracy {acc_al:.1%} after three epochs (chance: 10%)"
     assert "held-out accuracy" in out and "process mode" in out
 
 
