@@ -132,10 +132,13 @@ class PipelineRunner:
         if not is_al and (al_first_loss != "ce" or al_inference_layer is not None):
             raise ValueError(f"al_first_loss / al_inference_layer apply to schedule 'al' only, not "
                              f"{schedules.schedule_name(schedule)!r}")
-        if is_al and loss_fn is None:
-            loss_fn = nn.MSELoss()  # the associated and autoencoder losses' criterion
         builder: StageBuilder | None = None
         if isinstance(stages, StageBuilder):  # a job's recipe (pipeq launch, multi-host)
+            if is_al or isinstance(schedule, schedules.Interlock):
+                raise ValueError(
+                    f"schedule {schedules.schedule_name(schedule)!r} is not available from job recipes "
+                    "yet; embed PipelineRunner with modules (and aux_heads / pipeq.al layers)"
+                )
             builder = stages
             if loss_fn is not None or optimizer is not None or lr_scheduler is not None:
                 raise ValueError("with a stage recipe, the loss, optimizer and scheduler come from it: "
@@ -154,6 +157,8 @@ class PipelineRunner:
                 "a multi-host run builds each stage on its own host from importable names: pass "
                 "a job recipe (pipeq.job.Recipe, or use pipeq launch) instead of modules"
             )
+        if is_al and loss_fn is None:
+            loss_fn = nn.MSELoss()  # the associated and autoencoder losses' criterion
         if isinstance(stages, nn.Module) or not isinstance(stages, (list, tuple)) or not stages:
             raise ValueError("stages must be a non-empty list of nn.Module, one per pipeline stage")
         for k, s in enumerate(stages):
@@ -223,7 +228,7 @@ class PipelineRunner:
             )
         if al_first_loss not in ("ce", "mse"):
             raise ValueError(f"al_first_loss must be 'ce' or 'mse', got {al_first_loss!r}")
-        if is_al:
+        if is_al and builder is None:
             from .al import ALLayer
 
             if schedule.inference_layer is not None and schedule.inference_layer >= len(stages):
@@ -237,9 +242,6 @@ class PipelineRunner:
                     )
         if type(weight_stashing) is not bool:
             raise ValueError(f"weight_stashing must be True or False, got {weight_stashing!r}")
-        if interlocking and builder is not None:
-            raise ValueError("interlocking schedules are not available from job recipes yet; embed "
-                             "PipelineRunner with modules and aux_heads")
         if builder is None:
             self._check_untied(stages)
         if trace is not None and (not isinstance(trace, (str, os.PathLike)) or mode != "process"):

@@ -116,3 +116,12 @@ def test_unimportable_names_are_reported_with_their_key(tmp_path) -> None:
     with pytest.raises(ValueError, match="expected 'package.module:name'"):
         load_job(str(path)).recipe.count_stages()
     assert os.path.exists(DIGITS_JOB)
+
+
+@pytest.mark.parametrize("schedule", ["al", "pairwise"])
+def test_job_recipes_refuse_schedules_they_cannot_express(schedule) -> None:
+    import pipeq
+
+    recipe = load_job(DIGITS_JOB).recipe
+    with pytest.raises(ValueError, match=f"schedule '{schedule}' is not available from job recipes"):
+        pipeq.PipelineRunner(recipe, None, None, schedule)
