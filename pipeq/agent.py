@@ -93,16 +93,26 @@ def run_agent(
     spin_s: float = 0.01,
     driver_grace: float = 5.0,
     log: Callable[[str], None] = print,
+    data_parallel: int = 1,
 ) -> int:
     """Run node ``rz.node_rank``'s stages until the driver ends the run; the exit code (0 = ok)."""
     store = rz.store(start_timeout)
     control = _fetch(store, "control", "control address", rz, start_timeout)
     plan = _fetch(store, "placement", "stage placement", rz, start_timeout)
+    options = _fetch(store, "options", "run options", rz, start_timeout)
+    traced = bool(options.get("trace")) if isinstance(options, dict) else False
+    replicas = options.get("replicas", 1) if isinstance(options, dict) else 1
+    if replicas != data_parallel:
+        message = (f"node {rz.node_rank} was started with data_parallel={data_parallel}, node 0 with "
+                   f"{replicas}; pass the same job file and flags on every node")
+        _tell_driver(control, rz, message)
+        raise AgentError(message)
+    # the placement names processes: g = replica * n_stages + stage
     if (not isinstance(control, str) or not isinstance(plan, list) or len(plan) != rz.nnodes
-            or sorted(k for node in plan for k in node) != list(range(n_stages))):
+            or sorted(k for node in plan for k in node) != list(range(n_stages * replicas))):
         raise AgentError(
             f"node {rz.node_rank}: the driver runs a different job (placement {plan!r} for "
-            f"{rz.nnodes} nodes, this node's job file has {n_stages} stages)"
+            f"{rz.nnodes} nodes, this node's job file has {n_stages} stages x {replicas} replicas)"
         )
     theirs = _fetch(store, "job", "job description", rz, start_timeout)
     ours = json.loads(json.dumps(job_identity(builder, schedule)))  # as it came through JSON
@@ -112,8 +122,6 @@ def run_agent(
                    f"{'; '.join(differ)}; pass the same job file and flags on every node")
         _tell_driver(control, rz, message)
         raise AgentError(message)
-    options = _fetch(store, "options", "run options", rz, start_timeout)
-    traced = bool(options.get("trace")) if isinstance(options, dict) else False
     mine: list[int] = plan[rz.node_rank]
     ctx = mp.get_context("spawn")
     procs: dict[int, mp.process.BaseProcess] = {}
@@ -129,17 +137,19 @@ def run_agent(
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     code = 1
     try:
-        local_devices = [devices[k] for k in mine] if devices is not None else None
-        for k, (dev, cores, threads) in zip(mine, plan_devices(len(mine), local_devices, rz)):
+        local_devices = [devices[g % n_stages] for g in mine] if devices is not None else None
+        for g, (dev, cores, threads) in zip(mine, plan_devices(len(mine), local_devices, rz)):
+            k = g % n_stages
             cfg = WorkerConfig(
                 stage=k, n_stages=n_stages, schedule=schedule, control_addr=control,
                 transport="tcp", where=rz.bind, device=dev, cores=cores,
                 threads=threads_per_stage or threads, queue_capacity=queue_capacity,
                 heartbeat_interval=heartbeat_interval, spin_s=spin_s, die_with_parent=True,
                 driver_pid=os.getpid(), seed=builder.seed_for(k), store=rz.store_address(),
-                trace=traced,
+                trace=traced, replica=g // n_stages, replicas=replicas, process=g,
+                dp_store=rz.store_address() if replicas > 1 else None,
             )
-            procs[k] = start_worker(ctx, cfg, builder)
+            procs[g] = start_worker(ctx, cfg, builder)
         log(f"node {rz.node_rank}: started stage(s) {mine} (pids "
             f"{[p.pid for p in procs.values()]}), driver at {control}")
         sock.send_multipart(codec.encode(Kind.READY, extra={

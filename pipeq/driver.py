@@ -142,11 +142,16 @@ class ProcessBackend:
         microbatches: int = 0,
         target_stages: Sequence[int] | None = None,
         output_stage: int | None = None,
+        replicas: int = 1,
     ) -> None:
+        # payloads: replica 0's stages 0..N-1, then replica 1's...; process g = r * N + k
+        self.R = replicas
+        self.P = len(payloads)
         # which stages get the target (the last; all with interlocking; stage 0 with AL) and which
         # one returns predict's output (the last; stage 0 when AL decodes back down)
-        self.target_stages = set(target_stages) if target_stages is not None else {len(payloads) - 1}
-        self.output_stage = len(payloads) - 1 if output_stage is None else output_stage
+        n_stages = len(payloads) // replicas
+        self.target_stages = set(target_stages) if target_stages is not None else {n_stages - 1}
+        self.output_stage = n_stages - 1 if output_stage is None else output_stage
         self.trace_path = trace
         self.microbatches = microbatches
         # traced commands (pipeq.trace), as many as the stages' ring buffers can hold
@@ -155,7 +160,8 @@ class ProcessBackend:
         self.start_method = start_method
         self.stop_timeout = stop_timeout
         self.payloads = list(payloads)
-        self.n = len(self.payloads)
+        self.n = self.P // self.R  # stages per replica
+        self.dp_store: Any = None
         self.schedule = schedule
         self.devices = devices
         self.threads_per_stage = threads_per_stage
@@ -168,9 +174,9 @@ class ProcessBackend:
         self.spin_s = spin_s
         self.rendezvous = rendezvous
         if rendezvous is not None:
-            self.placement = rdzv.placement(self.n, rendezvous.nnodes, placement)
+            self.placement = rdzv.placement(self.P, rendezvous.nnodes, placement)
         else:
-            self.placement = [list(range(self.n))]
+            self.placement = [list(range(self.P))]
         self.local = self.placement[0]
         self.store: Any = None
         self.procs: dict[int, mp.process.BaseProcess] = {}
@@ -200,19 +206,30 @@ class ProcessBackend:
         if rz is not None:  # tell the other nodes where to find us and what each of them runs
             self.store.set("placement", rdzv.encode_json(self.placement))
             self.store.set("job", rdzv.encode_json(job_identity(self.payloads[0], self.schedule)))
-            self.store.set("options", rdzv.encode_json({"trace": self.trace_path is not None}))
+            self.store.set("options", rdzv.encode_json({"trace": self.trace_path is not None,
+                                                         "replicas": self.R}))
             self.store.set("control", rdzv.encode_json(self.server.address))
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             # The fork server imports torch and pipeq once; each stage is then a cheap fork of it
             # (stages start in ~50 ms instead of ~2 s; the fork server outlives the runner).
             ctx.set_forkserver_preload(["pipeq._preload"])
-        devices = [self.devices[k] for k in self.local] if self.devices is not None else None
+        dp_address = None
+        if self.R > 1:  # the replicas' process groups meet at a store: the rendezvous, or ours
+            if rz is not None:
+                dp_address = rz.store_address()
+            else:
+                from torch.distributed import TCPStore
+
+                self.dp_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+                dp_address = ("127.0.0.1", self.dp_store.port, "pipeq/")
+        devices = [self.devices[g % self.n] for g in self.local] if self.devices is not None else None
         plan = plan_devices(len(self.local), devices, rz)
         main_thread = threading.current_thread() is threading.main_thread()
         # stage seeds come from the caller's RNG: torch.manual_seed before the runner repeats a run
         base_seed = int(torch.randint(0, 2**62, ()).item())
-        for k, (dev, cores, threads) in zip(self.local, plan):
+        for g, (dev, cores, threads) in zip(self.local, plan):
+            k = g % self.n
             cfg = WorkerConfig(
                 stage=k,
                 n_stages=self.n,
@@ -229,24 +246,26 @@ class ProcessBackend:
                 # PDEATHSIG fires when the *thread* that started us exits: only safe from main.
                 die_with_parent=main_thread,
                 driver_pid=os.getpid(),
-                seed=(self.payloads[k].seed_for(k) if isinstance(self.payloads[k], StageBuilder)
-                      else base_seed + k),
+                seed=(self.payloads[g].seed_for(k) if isinstance(self.payloads[g], StageBuilder)
+                      else base_seed + g),
                 store=rz.store_address() if rz is not None else None,
                 trace=self.trace_path is not None,
+                replica=g // self.n, replicas=self.R, process=g, dp_store=dp_address,
             )
-            self.procs[k] = start_worker(ctx, cfg, self.payloads[k])
-        self.last_beat = [float("inf")] * self.n  # heartbeats are watched once a stage is READY
-        replies = self._collect(Kind.READY, dict.fromkeys(range(self.n), 1),
+            self.procs[g] = start_worker(ctx, cfg, self.payloads[g])
+        self.last_beat = [float("inf")] * self.P  # heartbeats are watched once a stage is READY
+        replies = self._collect(Kind.READY, dict.fromkeys(range(self.P), 1),
                                 timeout=self.start_timeout, what="start")
-        ready = {k: msgs[0] for k, msgs in replies.items()}
-        for k in range(self.n):
+        ready = {g: msgs[0] for g, msgs in replies.items()}
+        for g in range(self.P):  # neighbours within the replica
+            k = g % self.n
             extra: dict[str, Any] = {}
             if k + 1 < self.n:
-                extra["next_forward"] = ready[k + 1].extra["forward"]
+                extra["next_forward"] = ready[g + 1].extra["forward"]
             if k > 0:
-                extra["prev_backward"] = ready[k - 1].extra["backward"]
-            self.server.send(k, codec.encode(Kind.PEERS, extra=extra))
-        self.worker_info = [ready[k].extra for k in range(self.n)]
+                extra["prev_backward"] = ready[g - 1].extra["backward"]
+            self.server.send(g, codec.encode(Kind.PEERS, extra=extra))
+        self.worker_info = [ready[g].extra for g in range(self.P)]
         if self.trace_path is not None:
             self.clocks = [[s] for s in self._measure_clocks()]
 
@@ -263,12 +282,12 @@ class ProcessBackend:
         traced = None
         try:
             req = self._next_control_id()
-            self._send_all([(k, codec.encode(Kind.STOP, req)) for k in range(self.n)])
-            self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), step=req,
+            self._send_all([(g, codec.encode(Kind.STOP, req)) for g in range(self.P)])
+            self._collect(Kind.ACK, dict.fromkeys(range(self.P), 1), step=req,
                           timeout=self.stop_timeout, what="stop")
             if self.trace_path is not None:
                 traced = self._fetch_trace()
-            self._send_all([(k, codec.encode(Kind.EXIT, req)) for k in range(self.n)])
+            self._send_all([(g, codec.encode(Kind.EXIT, req)) for g in range(self.P)])
             deadline = time.monotonic() + 5.0
             for p in self.procs.values():
                 p.join(max(0.0, deadline - time.monotonic()))
@@ -281,7 +300,7 @@ class ProcessBackend:
         if self.server is not None and self.rendezvous is not None:
             # Remote stages and agents: tell them to go (their agents also see us vanish).
             abort = codec.encode(Kind.EXIT, 0, 0, (), {"abort": self.failure is not None})
-            for ident in [b"s%d" % k for k in range(self.n) if k not in self.procs] + [
+            for ident in [b"s%d" % g for g in range(self.P) if g not in self.procs] + [
                 b"a%d" % r for r in range(1, len(self.placement))
             ]:
                 self.server.send_to(ident, abort)
@@ -292,6 +311,7 @@ class ProcessBackend:
             self.server = None
         remove_ipc_dir(self.ipc_dir)
         self.ipc_dir = None
+        self.dp_store = None
 
     # -- failure handling ------------------------------------------------------------------
     def _stage_of(self, ident: bytes) -> tuple[str, int] | None:
@@ -299,21 +319,25 @@ class ProcessBackend:
         role, num = ident[:1], ident[1:]
         if not num.isdigit():
             return None
-        if role in (b"s", b"h") and int(num) < self.n:
+        if role in (b"s", b"h") and int(num) < self.P:
             return role.decode(), int(num)
         if role == b"a" and 0 < int(num) < len(self.placement):
             return "a", int(num)
         return None
 
+    def _err(self, message: str, g: int | None, traceback: str | None = None) -> PipelineError:
+        """A PipelineError naming process g's stage (and its replica, with data parallelism)."""
+        if g is None:
+            return PipelineError(message, None, traceback)
+        return PipelineError(message, g % self.n, traceback, replica=g // self.n if self.R > 1 else None)
+
     def _error_of(self, got: tuple[bytes, Message]) -> PipelineError:
         role, num = self._stage_of(got[0])  # type: ignore[misc]
         extra = got[1].extra
-        stage = num
-        if role == "a":  # an agent reports one of its stages (or itself)
-            stage = extra.get("stage") if type(extra.get("stage")) is int else None
-            where = f" (on node {num})"
-            return PipelineError(str(extra.get("message", "failed")) + where, stage, extra.get("traceback"))
-        return PipelineError(str(extra.get("message", "failed")), stage, extra.get("traceback"))
+        if role == "a":  # an agent reports one of its processes (or itself)
+            g = extra.get("stage") if type(extra.get("stage")) is int else None
+            return self._err(str(extra.get("message", "failed")) + f" (on node {num})", g, extra.get("traceback"))
+        return self._err(str(extra.get("message", "failed")), num, extra.get("traceback"))
 
     def _fail(self, err: PipelineError) -> PipelineError:
         self.failure = err
@@ -332,10 +356,10 @@ class ProcessBackend:
                     got = self.server.recv(50)
                     if got is not None and got[1].kind is Kind.ERROR:
                         raise self._fail(self._error_of(got))
-                raise self._fail(PipelineError(f"stage process (pid {p.pid}) {exit_reason(code)}", k))
-        for k in range(self.n):
+                raise self._fail(self._err(f"stage process (pid {p.pid}) {exit_reason(code)}", k))
+        for k in range(self.P):
             if now - self.last_beat[k] > self.heartbeat_timeout:
-                raise self._fail(PipelineError(
+                raise self._fail(self._err(
                     f"no heartbeat for {now - self.last_beat[k]:.1f} s (heartbeat_timeout="
                     f"{self.heartbeat_timeout}); the stage is hung or unreachable", k))
 
@@ -381,7 +405,7 @@ class ProcessBackend:
                         if len(got[stage]) == counts[stage]:
                             missing.discard(stage)
                     elif msg.kind not in _REPLIES:
-                        raise self._fail(PipelineError(
+                        raise self._fail(self._err(
                             f"protocol error: got {msg.kind.name} while waiting for {kind.name}", stage))
             if r is None or now - self._last_health > _POLL_MS / 1000:
                 self._check_health()
@@ -451,7 +475,7 @@ class ProcessBackend:
                 self.server.send(k, frames)
             except PeerUnreachable:
                 self._check_health()  # names the stage and its own error if it died
-                raise self._fail(PipelineError("its control socket is gone", k))
+                raise self._fail(self._err("its control socket is gone", k))
 
     def _next_control_id(self) -> int:
         self._control_id -= 1  # control requests count down, steps count up: never equal
@@ -461,19 +485,32 @@ class ProcessBackend:
     def step(
         self, step: int, sizes: list[int], weights: list[float], x: torch.Tensor, target: torch.Tensor
     ) -> float:
+        return self.step_replicated(step, [(sizes, weights)], x, target)
+
+    def step_replicated(
+        self, step: int, shards: list[tuple[list[int], list[float]]], x: torch.Tensor, target: torch.Tensor
+    ) -> float:
+        """One step: replica r trains on the r-th shard of the batch (its microbatch sizes and
+        loss weights, relative to the whole batch); returns the whole batch's loss."""
         self._check_usable()
-        last = self.n - 1
-        extra = {"sizes": sizes, "weights": weights}
         msgs = []
-        for k in range(self.n):
-            tensors = ([x] if k == 0 else []) + ([target] if k in self.target_stages else [])
-            msgs.append((k, codec.encode(Kind.STEP, step, 0, tensors, extra)))
+        offset = 0
+        for r, (sizes, weights) in enumerate(shards):
+            n = sum(sizes)
+            xr, tr_ = x[offset:offset + n], target[offset:offset + n]
+            offset += n
+            extra = {"sizes": sizes, "weights": weights}
+            for k in range(self.n):
+                tensors = ([xr] if k == 0 else []) + ([tr_] if k in self.target_stages else [])
+                msgs.append((r * self.n + k, codec.encode(Kind.STEP, step, 0, tensors, extra)))
         t0 = time.perf_counter_ns()
         self._send_all(msgs)
-        reply = self._collect(Kind.LOSS, {last: 1}, step=step, what=f"step {step}")[last][0]
+        lasts = {r * self.n + self.n - 1: 1 for r in range(len(shards))}
+        replies = self._collect(Kind.LOSS, lasts, step=step, what=f"step {step}")
         if self.trace_path is not None:
-            self.spans.append((step, True, t0, time.perf_counter_ns(), len(sizes)))
-        return float(reply.extra["loss"])
+            self.spans.append((step, True, t0, time.perf_counter_ns(), len(shards[0][0])))
+        # each replica's loss is already weighted by its share of the batch: they add up
+        return sum(float(replies[g][0].extra["loss"]) for g in lasts)
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
         self._check_usable()
@@ -499,9 +536,9 @@ class ProcessBackend:
     def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
         self._check_usable()
         req = self._next_control_id()
-        self._send_all([(k, codec.encode(Kind.SET_STATE, req, 0, tensors, {"names": names}))
-                        for k, (names, tensors) in enumerate(per_stage)])
-        self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), step=req, what="load_state_dict")
+        self._send_all([(r * self.n + k, codec.encode(Kind.SET_STATE, req, 0, tensors, {"names": names}))
+                        for r in range(self.R) for k, (names, tensors) in enumerate(per_stage)])
+        self._collect(Kind.ACK, dict.fromkeys(range(self.P), 1), step=req, what="load_state_dict")
 
     def get_snapshots(self) -> list[dict[str, Any]]:
         """Every stage's packed snapshot (see :meth:`StageExecutor.snapshot`) and its tensors."""
@@ -515,7 +552,7 @@ class ProcessBackend:
             try:
                 out.append(codec.unpack_tree(msg.extra["snapshot"], msg.tensors))
             except (CodecError, KeyError) as exc:
-                raise self._fail(PipelineError(f"malformed snapshot: {exc}", k))
+                raise self._fail(self._err(f"malformed snapshot: {exc}", k))
         return out
 
     def restore(self, snapshots: list[dict[str, Any]]) -> None:
@@ -525,19 +562,20 @@ class ProcessBackend:
         for k, snap in enumerate(snapshots):
             tensors: list[torch.Tensor] = []
             tree = codec.pack_tree(snap, tensors, f"stage {k}'s snapshot")
-            msgs.append((k, codec.encode(Kind.RESTORE, req, 0, tensors, {"snapshot": tree})))
+            frames = codec.encode(Kind.RESTORE, req, 0, tensors, {"snapshot": tree})
+            msgs += [(r * self.n + k, frames) for r in range(self.R)]  # every replica
         self._send_all(msgs)
-        self._collect(Kind.ACK, dict.fromkeys(range(self.n), 1), step=req, what="load")
+        self._collect(Kind.ACK, dict.fromkeys(range(self.P), 1), step=req, what="load")
 
     def layouts(self) -> list[dict[str, Any]]:
-        return [info["layout"] for info in self.worker_info]
+        return [info["layout"] for info in self.worker_info[:self.n]]
 
     # -- tracing ---------------------------------------------------------------------------------
     def _measure_clocks(self, rounds: int = 8) -> list[tr.ClockSample]:
         """Each stage's clock offset from ours: the least-delayed of ``rounds`` round trips."""
         assert self.server is not None
         out = []
-        for k in range(self.n):
+        for k in range(self.P):
             samples = []
             for _ in range(rounds):
                 req = self._next_control_id()
@@ -547,28 +585,38 @@ class ProcessBackend:
                 t1 = time.perf_counter_ns()
                 ns = reply.extra.get("ns")
                 if type(ns) is not int:
-                    raise self._fail(PipelineError(f"malformed clock reply {reply.extra!r}", k))
+                    raise self._fail(self._err(f"malformed clock reply {reply.extra!r}", k))
                 samples.append((t0, ns, t1))
             out.append(tr.best_offset(samples))
         return out
 
     def _fetch_trace(self) -> dict[str, Any]:
         """The merged trace of the run so far (stages' rows on our clock, plus our step spans)."""
-        for k, sample in enumerate(self._measure_clocks()):
-            self.clocks[k].append(sample)
+        for g, sample in enumerate(self._measure_clocks()):
+            self.clocks[g].append(sample)
         req = self._next_control_id()
-        self._send_all([(k, codec.encode(Kind.GET_TRACE, req)) for k in range(self.n)])
-        got = self._collect(Kind.TRACE, dict.fromkeys(range(self.n), 1), step=req, what="trace")
+        self._send_all([(g, codec.encode(Kind.GET_TRACE, req)) for g in range(self.P)])
+        got = self._collect(Kind.TRACE, dict.fromkeys(range(self.P), 1), step=req, what="trace")
         rows = []
-        for k in range(self.n):
+        for g in range(self.P):
             try:
-                rows.append(tr.check_rows(got[k][0].tensors[0], k))
+                rows.append(tr.check_rows(got[g][0].tensors[0], g % self.n))
             except (IndexError, ValueError) as exc:
-                raise self._fail(PipelineError(f"malformed trace: {exc}", k))
-        rows = tr.drop_partial_steps(rows, [bool(got[k][0].extra.get("truncated")) for k in range(self.n)])
+                raise self._fail(self._err(f"malformed trace: {exc}", g))
+        rows = tr.drop_partial_steps(rows, [bool(got[g][0].extra.get("truncated")) for g in range(self.P)])
         first = min((int(t[:, 1].min()) for t in rows if t.numel()), default=0)
         spans = [s for s in self.spans if s[0] >= first]
-        meta = tr.TraceMeta(tr.schedule_label(self.schedule), self.n, self.microbatches)
+        meta = tr.TraceMeta(tr.schedule_label(self.schedule), self.n, self.microbatches, replicas=self.R)
         hosts = [str(info.get("host", "")) for info in self.worker_info]
-        return tr.build(meta, rows, self.clocks, spans,
-                           hosts=hosts if len(set(hosts)) > 1 else None)
+        merged: dict[str, Any] | None = None
+        origin = min((float(sp[2]) for sp in spans), default=None)  # one time axis for all replicas
+        for r in range(self.R):  # one process (pid) per replica in the trace
+            part = slice(r * self.n, (r + 1) * self.n)
+            one = tr.build(meta, rows[part], self.clocks[part], spans if r == 0 else [], replica=r,
+                           hosts=hosts[part] if len(set(hosts)) > 1 else None, origin_ns=origin)
+            if merged is None:
+                merged = one
+            else:
+                merged["traceEvents"] += one["traceEvents"]
+        assert merged is not None
+        return merged

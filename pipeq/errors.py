@@ -7,16 +7,20 @@ class PipelineError(RuntimeError):
     """A stage failed, died or could not be reached.
 
     ``stage`` is the index of the stage at fault (None when the failure is not one stage's),
+    ``replica`` its replica with data parallelism (None without),
     ``remote_traceback`` the stage's own traceback text when it raised.
     """
 
-    def __init__(self, message: str, stage: int | None = None, remote_traceback: str | None = None):
+    def __init__(self, message: str, stage: int | None = None, remote_traceback: str | None = None,
+                 replica: int | None = None):
         self.message = message
         self.stage = stage
+        self.replica = replica  # with data parallelism: which replica's stage
         self.remote_traceback = remote_traceback
-        text = message if stage is None else f"stage {stage}: {message}"
+        where = "" if stage is None else (f"replica {replica}, " if replica is not None else "") + f"stage {stage}"
+        text = f"{where}: {message}" if where else message
         if remote_traceback:
-            text += "\n\n--- traceback in stage {} ---\n{}".format(stage, remote_traceback.rstrip())
+            text += f"\n\n--- traceback in {where} ---\n{remote_traceback.rstrip()}"
         super().__init__(text)
 
 

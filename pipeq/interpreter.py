@@ -61,6 +61,8 @@ def execute(
             gin = ex.backward(j, grads.pop(j, None))
             if rec:
                 rec((TRACE_B, step, j, t0, clock(), 0))
+            if ex.training:
+                ex.backward_done()
             if gin is not None:
                 if ex.is_first and not ex.training:  # a decode path (AL) ends here: the output
                     yield (OUTPUT, j, ex.to_host(gin))

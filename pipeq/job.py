@@ -18,8 +18,9 @@ A job file (TOML, read with the standard library's tomllib)::
     checkpoint_every = 20                        # 0: only the final state
     keep_checkpoints = 3                         # the newest 3 (0: keep all)
     seed = 0
-    [placement]                                  # optional, multi-host: stages per node
-    nodes = [[0], [1, 2]]
+    data_parallel = 1                            # R replicas of the pipeline (R x N processes)
+    [placement]                                  # optional, multi-host: processes per node
+    nodes = [[0], [1, 2]]                        # (process r * n_stages + k: replica r's stage k)
 
 Stage processes build their stage from these names themselves (``Recipe.build``), on whichever
 host they run: nothing but plain data crosses hosts, and every host builds the same weights
@@ -178,6 +179,7 @@ class Job:
     heartbeat_timeout: float = 15.0
     start_timeout: float = 120.0
     trace: str | None = None
+    data_parallel: int = 1
     path: str = ""
 
     def data_fn(self) -> Callable[..., Iterable]:
@@ -209,7 +211,7 @@ _JOB_KEYS = {
     "out": str, "checkpoint_every": int, "keep_checkpoints": int, "eval_every": int,
     "log_every": int, "placement": dict,
     "threads_per_stage": int, "heartbeat_timeout": (int, float), "start_timeout": (int, float),
-    "trace": str,
+    "trace": str, "data_parallel": int,
 }
 _REQUIRED = ("stages", "loss", "optimizer", "data")
 
@@ -235,7 +237,7 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
         raise ValueError(f"job file {path}: missing required key(s) {missing}")
-    for key in ("microbatches", "steps", "epochs", "n_stages", "threads_per_stage"):
+    for key in ("microbatches", "steps", "epochs", "n_stages", "threads_per_stage", "data_parallel"):
         if key in raw and raw[key] < 1:
             raise ValueError(f"job file {path}: {key} must be at least 1, got {raw[key]}")
     for key in ("checkpoint_every", "keep_checkpoints", "eval_every", "log_every"):

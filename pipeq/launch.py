@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-checkpoints", type=int, metavar="K", help="keep the newest K checkpoints (0: all)")
     g.add_argument("--eval-every", type=int, metavar="N", help="evaluate every N steps (0: at the end)")
     g.add_argument("--threads-per-stage", type=int)
+    g.add_argument("--data-parallel", type=int, metavar="R", help="R replicas of the pipeline, gradients all-reduced")
     g.add_argument("--heartbeat-timeout", type=float, help="seconds of silence before a stage is failed")
     g.add_argument("--trace", metavar="PATH", help="write a Chrome trace of every stage's actions "
                    "(read it with pipeq report PATH)")
@@ -75,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("steps", "epochs", "schedule", "microbatches", "out", "seed", "checkpoint_every",
-            "keep_checkpoints", "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout", "trace")
+            "keep_checkpoints", "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout", "trace", "data_parallel")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -103,7 +104,7 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
         return run_agent(rz, job.recipe, n, job.schedule, threads_per_stage=job.threads_per_stage,
                          queue_capacity=max(64, 4 * job.microbatches),
                          heartbeat_timeout=job.heartbeat_timeout, start_timeout=job.start_timeout,
-                         log=log)
+                         log=log, data_parallel=job.data_parallel)
     except (AgentError, RuntimeError, ValueError) as exc:
         log(str(exc))
         return 1
@@ -135,7 +136,7 @@ class Trainer:
                 job.recipe, None, None, job.schedule, job.microbatches,
                 threads_per_stage=job.threads_per_stage, heartbeat_timeout=job.heartbeat_timeout,
                 start_timeout=job.start_timeout, rendezvous=self.rz, placement=job.placement,
-                trace=job.trace,
+                trace=job.trace, data_parallel=job.data_parallel,
             )
         except ValueError as exc:
             self.log(str(exc))

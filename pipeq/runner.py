@@ -120,6 +120,7 @@ class PipelineRunner:
         aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         interlock_distance: int | None = None,
         weight_stashing: bool = True,
+        data_parallel: int = 1,
         al_first_loss: str = "ce",
         al_inference_layer: int | None = None,
     ) -> None:
@@ -132,6 +133,23 @@ class PipelineRunner:
         if not is_al and (al_first_loss != "ce" or al_inference_layer is not None):
             raise ValueError(f"al_first_loss / al_inference_layer apply to schedule 'al' only, not "
                              f"{schedules.schedule_name(schedule)!r}")
+        if type(data_parallel) is not int or data_parallel < 1:
+            raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+        replica_stages = None
+        if data_parallel > 1:
+            if mode != "process":
+                raise ValueError("data_parallel > 1 runs R x N stage processes: use mode='process'")
+            if is_al or isinstance(schedule, schedules.AsyncOneFOneB):
+                raise ValueError(
+                    f"schedule {schedules.schedule_name(schedule)!r} updates after every microbatch; "
+                    "replicas would have to all-reduce every microbatch: data_parallel is not "
+                    "supported with it (use fill-drain, 1f1b or an interlocking schedule)"
+                )
+            if isinstance(stages, (list, tuple)) and stages and all(isinstance(s, (list, tuple)) for s in stages):
+                if len(stages) != data_parallel:
+                    raise ValueError(f"{len(stages)} replica stage lists for data_parallel={data_parallel}")
+                replica_stages = [list(s) for s in stages]
+                stages = replica_stages[0]
         builder: StageBuilder | None = None
         if isinstance(stages, StageBuilder):  # a job's recipe (pipeq launch, multi-host)
             if is_al or isinstance(schedule, schedules.Interlock):
@@ -256,6 +274,7 @@ class PipelineRunner:
         self._checked_counts = {microbatches}
 
         self.n_stages = len(stages)
+        self.data_parallel = data_parallel
         self._loss_fn = loss_fn
         self.schedule = schedule
         self.microbatches = microbatches
@@ -276,11 +295,14 @@ class PipelineRunner:
                     pickle.dumps((s, loss_fn if k == len(stages) - 1 else None, optimizer, lr_scheduler,
                                   self._extras(k, aux_heads, aux_loss, weight_stashing, al_first_loss,
                                               loss_fn if is_al else None)))
-                    for k, s in enumerate(stages)
+                    for copy in (replica_stages or [stages] * data_parallel)  # replica r's stages
+                    for k, s in enumerate(copy)
                 ]
+                if replica_stages is not None:
+                    self._check_replicas(replica_stages)
             else:
                 self._check_picklable([], None, None, schedule, None)
-                payloads = [builder] * len(stages)
+                payloads = [builder] * (len(stages) * data_parallel)
             self._backend: Any = ProcessBackend(
                 payloads, schedule,
                 devices=devices, threads_per_stage=threads_per_stage, transport=transport,
@@ -291,7 +313,7 @@ class PipelineRunner:
                 trace=os.fspath(trace) if trace is not None else None, microbatches=microbatches,
                 target_stages=(list(range(len(stages))) if interlocking else [0] if is_al
                                else [len(stages) - 1]),
-                output_stage=0 if is_al else None,
+                output_stage=0 if is_al else None, replicas=data_parallel,
             )
         else:
             from .simulated import SimulatedBackend
@@ -319,6 +341,15 @@ class PipelineRunner:
         if aux_heads is not None:
             out.update(aux_head=aux_heads[k] if k < len(aux_heads) else None, aux_loss=aux_loss)
         return out
+
+    @staticmethod
+    def _check_replicas(replica_stages: Sequence[Sequence[nn.Module]]) -> None:
+        """Every replica's copy of the model has the same stages, names and shapes."""
+        ref = [{n: tuple(t.shape) for n, t in s.state_dict().items()} for s in replica_stages[0]]
+        for r, copy in enumerate(replica_stages[1:], start=1):
+            got = [{n: tuple(t.shape) for n, t in s.state_dict().items()} for s in copy]
+            if got != ref:
+                raise ValueError(f"replica {r}'s stages differ from replica 0's (names or shapes)")
 
     @staticmethod
     def _check_untied(stages: Sequence[nn.Module]) -> None:
@@ -428,10 +459,28 @@ class PipelineRunner:
                 f"schedule 'al' encodes class indices as one-hot labels: target must be a 1-d integer "
                 f"tensor, got {tuple(target.shape)} {target.dtype}"
             )
+        if self.data_parallel > 1:
+            return self._step_replicated(x, target)
         sizes = self._sizes(x.shape[0])
         weights = microbatch_weights(self._loss_fn, target, sizes)
         self._step += 1
         return self._backend.step(self._step, sizes, weights, x, target)
+
+    def _step_replicated(self, x: torch.Tensor, target: torch.Tensor) -> float:
+        """Replica r trains on the r-th shard; every microbatch's loss weight is its share of the
+        whole batch's, so the replicas' summed gradients are the full batch's."""
+        R = self.data_parallel
+        if x.shape[0] < R:
+            raise ValueError(f"a batch of {x.shape[0]} samples cannot be split over data_parallel={R} replicas")
+        shard_sizes = split_sizes(x.shape[0], R)
+        per = [self._sizes(n) for n in shard_sizes]
+        weights = microbatch_weights(self._loss_fn, target, [s for sizes in per for s in sizes])
+        shards, i = [], 0
+        for sizes in per:
+            shards.append((sizes, weights[i:i + len(sizes)]))
+            i += len(sizes)
+        self._step += 1
+        return self._backend.step_replicated(self._step, shards, x, target)
 
     def predict(self, x: torch.Tensor) -> Any:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU."""

@@ -91,6 +91,8 @@ class StageExecutor:
         # what the optimizer covers: the module (and, for interlocking, its auxiliary head)
         params = [p for p in (param_source or self.module).parameters() if p.requires_grad]
         self.needs_target = self.is_last  # which stages get the batch's target
+        self.grad_sync: Any = None  # data parallelism: a pipeq.dataparallel.GradSync
+        self._backwards = 0
         self.optimizer = optimizer_factory(params) if params else None
         # stepped once per training step, right after the optimizer (every stage alike)
         self.scheduler = (
@@ -142,6 +144,7 @@ class StageExecutor:
             self.module.eval()
         if training and self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+        self._backwards = 0
 
     def mean_loss(self) -> float:
         return float(self.loss_sum) if self.loss_sum is not None else float("nan")
@@ -249,7 +252,18 @@ class StageExecutor:
             if t.requires_grad
         )
 
+    def backward_done(self) -> None:
+        """Called after each backward: after the step's last one, the gradients' all-reduce starts."""
+        self._backwards += 1
+        if self.grad_sync is not None and self._backwards == len(self.weights):
+            self.grad_sync.start()
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer else []
+
     def optimizer_step(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
         if self.optimizer is not None:
             self.optimizer.step()
             if self.scheduler is not None:

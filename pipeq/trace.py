@@ -114,6 +114,7 @@ def build(
     driver_spans: Sequence[tuple[int, bool, int, int, int]],
     replica: int = 0,
     hosts: Sequence[str] | None = None,
+    origin_ns: float | None = None,
 ) -> dict[str, Any]:
     """The Chrome trace-event dict. ``driver_spans``: (step, training, start_ns, end_ns, m)."""
     n = meta.n_stages
@@ -129,7 +130,7 @@ def build(
             rows.append((code, step, mb, t0 - off, t1 - off, nbytes))
         shifted.append((k, rows))
         starts += [r[3] for r in rows[:1]]  # rows are in time order: the first starts first
-    origin = min(starts) if starts else 0.0
+    origin = origin_ns if origin_ns is not None else (min(starts) if starts else 0.0)
     training = {s[0]: s[1] for s in driver_spans}
     pid = replica
     events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"replica {replica}"}})

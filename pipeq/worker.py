@@ -66,6 +66,18 @@ class WorkerConfig:
     # endpoints; None on one host
     store: tuple[str, int, str] | None = None
     trace: bool = False  # record every action (pipeq.trace)
+    # data parallelism: this process is replica ``replica`` of ``replicas`` of its stage; its
+    # index among all the run's processes is ``process`` (r * n_stages + stage); the gradients'
+    # process group meets at ``dp_store`` (host, port, key prefix)
+    replica: int = 0
+    replicas: int = 1
+    process: int = -1
+    dp_store: tuple[str, int, str] | None = None
+
+    @property
+    def ident(self) -> int:
+        """This process's id on the control channel and in socket names."""
+        return self.stage if self.process < 0 else self.process
 
 
 class StageBuilder:
@@ -291,12 +303,12 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
         _die_with_parent()
     # Ctrl-C reaches the whole process group: the driver decides how its stages stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _set_name(f"pipeq-stage{cfg.stage}")
+    _set_name(f"pipeq-stage{cfg.stage}" + (f"r{cfg.replica}" if cfg.replicas > 1 else ""))
     tune_process_allocator()
     # Pin first: threads started later (ZeroMQ's I/O thread, torch's pool) inherit the affinity.
     pin_cpu(cfg)
     transport = StageTransport(
-        cfg.stage,
+        cfg.ident,
         cfg.control_addr,
         transport=cfg.transport,
         where=cfg.where,
@@ -308,7 +320,7 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
     try:
         # From here on the driver is watched: if it dies, this stage cleans up and exits.
         heartbeat = Heartbeat(
-            transport.ctx, cfg.control_addr, cfg.stage, cfg.heartbeat_interval,
+            transport.ctx, cfg.control_addr, cfg.ident, cfg.heartbeat_interval,
             cfg.driver_pid or os.getppid(), lambda: _orphaned(cfg)
         )
         device = select_device(cfg)
@@ -317,7 +329,16 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
         module, loss_fn, optimizer_factory, scheduler_factory = built[:4]
         executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, module, optimizer_factory,
                                  loss_fn, device, scheduler_factory, built[4] if len(built) > 4 else None)
-        info = {**transport.addresses, "pid": os.getpid(), "device": str(device),
+        if cfg.replicas > 1:  # join the stage's replicas: replica 0's weights, summed gradients
+            assert cfg.dp_store is not None
+            from . import dataparallel
+
+            dataparallel.join(cfg.stage, cfg.replica, cfg.replicas, cfg.dp_store, device,
+                              cfg.where if cfg.transport == "tcp" else None)
+            params = executor.optimizer_params()
+            dataparallel.broadcast_from_replica_0(params + list(executor.module.buffers()))
+            executor.grad_sync = dataparallel.GradSync(params)
+        info = {**transport.addresses, "pid": os.getpid(), "device": str(device), "replica": cfg.replica,
                 "threads": torch.get_num_threads(), "host": os.uname().nodename,
                 "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
         _publish(cfg, info)
