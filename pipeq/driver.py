@@ -339,6 +339,31 @@ class ProcessBackend:
             return self._err(str(extra.get("message", "failed")) + f" (on node {num})", g, extra.get("traceback"))
         return self._err(str(extra.get("message", "failed")), num, extra.get("traceback"))
 
+    @staticmethod
+    def _is_echo(err: PipelineError) -> bool:
+        """An error that only says a peer of the gradient all-reduce went away."""
+        text = (err.message or "").lower()
+        return "gloo" in text or "nccl" in text or "connection reset" in text or "connection closed" in text
+
+    def _blame(self, err: PipelineError) -> PipelineError:
+        """With replicas, a stage's error may only echo a peer that failed in the middle of their
+        gradient all-reduce: wait briefly for the peer's own error, or name the peer that died."""
+        if self.R == 1 or not self._is_echo(err) or self.server is None:
+            return err
+        echoes = {(err.replica or 0) * self.n + (err.stage or 0)}
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            got = self.server.recv(20)
+            if got is not None and got[1].kind is Kind.ERROR and self._stage_of(got[0]) is not None:
+                other = self._error_of(got)
+                if not self._is_echo(other):
+                    return other
+                echoes.add((other.replica or 0) * self.n + (other.stage or 0))
+        for g, p in self.procs.items():
+            if g not in echoes and p.exitcode is not None and p.exitcode != 0:
+                return self._err(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}", g)
+        return err
+
     def _fail(self, err: PipelineError) -> PipelineError:
         self.failure = err
         self._teardown()
@@ -399,7 +424,7 @@ class ProcessBackend:
                     if role == "h" or role == "a" and msg.kind is not Kind.ERROR:
                         pass
                     elif msg.kind is Kind.ERROR:
-                        raise self._fail(self._error_of(r))
+                        raise self._fail(self._blame(self._error_of(r)))
                     elif msg.kind is kind and msg.step == step and stage in missing:
                         got[stage].append(msg)
                         if len(got[stage]) == counts[stage]:
@@ -458,7 +483,7 @@ class ProcessBackend:
                 return
             who = self._stage_of(r[0])
             if who is not None and who[0] in ("s", "a") and r[1].kind is Kind.ERROR:
-                raise self._fail(self._error_of(r))
+                raise self._fail(self._blame(self._error_of(r)))
 
     def _send_all(self, messages: list[tuple[int, list[Any]]]) -> None:
         """Send encoded messages to their stages, after checking that every stage is alive.
@@ -488,18 +513,21 @@ class ProcessBackend:
         return self.step_replicated(step, [(sizes, weights)], x, target)
 
     def step_replicated(
-        self, step: int, shards: list[tuple[list[int], list[float]]], x: torch.Tensor, target: torch.Tensor
+        self, step: int, shards: list[tuple[list[int], ...]], x: torch.Tensor, target: torch.Tensor
     ) -> float:
         """One step: replica r trains on the r-th shard of the batch (its microbatch sizes and
         loss weights, relative to the whole batch); returns the whole batch's loss."""
         self._check_usable()
         msgs = []
         offset = 0
-        for r, (sizes, weights) in enumerate(shards):
+        for r, shard in enumerate(shards):
+            sizes, weights = shard[0], shard[1]
             n = sum(sizes)
             xr, tr_ = x[offset:offset + n], target[offset:offset + n]
             offset += n
-            extra = {"sizes": sizes, "weights": weights}
+            extra: dict[str, Any] = {"sizes": sizes, "weights": weights}
+            if len(shard) > 2:  # auxiliary heads' loss weights, relative to the whole batch too
+                extra["aux_weights"] = shard[2]
             for k in range(self.n):
                 tensors = ([xr] if k == 0 else []) + ([tr_] if k in self.target_stages else [])
                 msgs.append((r * self.n + k, codec.encode(Kind.STEP, step, 0, tensors, extra)))

@@ -325,6 +325,7 @@ class PipelineRunner:
                                      loss_fn if is_al else None) for k in range(len(stages))],
             )
         self._aux_heads = aux_heads is not None
+        self._aux_loss = aux_loss if aux_loss is not None else nn.CrossEntropyLoss()
         self._step = 0
         self._running = False
         self._used = False
@@ -474,10 +475,14 @@ class PipelineRunner:
             raise ValueError(f"a batch of {x.shape[0]} samples cannot be split over data_parallel={R} replicas")
         shard_sizes = split_sizes(x.shape[0], R)
         per = [self._sizes(n) for n in shard_sizes]
-        weights = microbatch_weights(self._loss_fn, target, [s for sizes in per for s in sizes])
-        shards, i = [], 0
+        flat = [s for sizes in per for s in sizes]
+        weights = microbatch_weights(self._loss_fn, target, flat)
+        aux = microbatch_weights(self._aux_loss, target, flat) if self._aux_heads else None
+        shards: list[tuple] = []
+        i = 0
         for sizes in per:
-            shards.append((sizes, weights[i:i + len(sizes)]))
+            part = slice(i, i + len(sizes))
+            shards.append((sizes, weights[part]) + ((aux[part],) if aux is not None else ()))
             i += len(sizes)
         self._step += 1
         return self._backend.step_replicated(self._step, shards, x, target)

@@ -225,6 +225,11 @@ class EventLoop:
         x = tensors[0] if ex.is_first else None
         target = tensors[-1] if (ex.needs_target and training) else None
         ex.begin(step, sizes, training, x, target, weights)
+        aux = msg.extra.get("aux_weights")
+        if aux is not None:  # data parallelism: head losses weighted by their share of the whole batch
+            if type(aux) is not list or len(aux) != len(sizes) or any(type(w) is not float for w in aux):
+                raise ValueError(f"stage {self.cfg.stage}: bad auxiliary loss weights {aux!r} in command")
+            ex.aux_weights = aux
         rec = self.trace.append if self.trace is not None else None
         gen = execute(ex, self.actions(len(sizes), training), self.trace)
         fq, bq = t.forward_queue, t.backward_queue
