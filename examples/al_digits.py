@@ -43,36 +43,22 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import sys
 import time
 
 import torch
 from torch import nn
 
-import pipeq
-from pipeq.al import build_al
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pipeq  # noqa: E402
+from examples.train_digits import load_digits  # noqa: E402  (the same split and scaling)
+from pipeq.al import build_al  # noqa: E402
 
 N_STAGES = 4
 N_CLASSES = 10
 WIDTH = 256
 METHODS = ("AL", "1F1B")
-
-
-def load_digits(seed: int = 0):
-    """sklearn's bundled 8x8 digits (1797 images, offline): standardized train/test tensors.
-
-    Per-pixel mean and std of the training part, the std clamped at >= 1 (the border pixels are
-    almost always blank: dividing by their tiny std would blow a stray ink dot up)."""
-    from sklearn.datasets import load_digits as _load
-
-    data = _load()
-    x = torch.tensor(data.data, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[perm], y[perm]
-    n_test = len(x) // 5
-    x_train, y_train, x_test, y_test = x[n_test:], y[n_test:], x[:n_test], y[:n_test]
-    mean, std = x_train.mean(0), x_train.std(0).clamp_min(1.0)
-    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
 
 
 def make_blocks(width: int = WIDTH) -> list[nn.Module]:
