@@ -245,17 +245,14 @@ class AsyncOneFOneB:
     per_microbatch_steps = True  # check_consistency: one STEP after each backward
 
     def __call__(self, n_stages: int, n_microbatches: int) -> Schedule:
-        _check_counts(n_stages, n_microbatches)
-        m = n_microbatches
         out = []
-        for k in range(n_stages):
-            warm = min(m, n_stages - k)
-            acts = [F(j) for j in range(warm)]
-            for i in range(m - warm):
-                acts += [B(i), STEP, F(warm + i)]
-            for j in range(m - warm, m):
-                acts += [B(j), STEP]
-            out.append(acts)
+        for acts in one_f_one_b(n_stages, n_microbatches):  # 1F1B's order, without its final STEP
+            stepped: list[Action] = []
+            for a in acts[:-1]:
+                stepped.append(a)
+                if a.op is Op.BACKWARD:
+                    stepped.append(STEP)
+            out.append(stepped)
         return out
 
     def __repr__(self) -> str:
