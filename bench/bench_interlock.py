@@ -53,13 +53,13 @@ def scheme_args(scheme: str) -> dict:
     if scheme in ("global", "local", "pairwise"):
         return {"schedule": scheme}
     if scheme.endswith("-wise") and scheme[:-5].isdigit() and 2 <= int(scheme[:-5]) <= N_STAGES:
-        return {"schedule": "nwise", "interlock_distance": int(scheme[:-5]) - 1}
+        return {"schedule": schedules.Interlock("nwise", distance=int(scheme[:-5]) - 1)}
     raise ValueError(f"unknown scheme {scheme!r}: global, local, pairwise or K-wise, 2 <= K <= {N_STAGES}")
 
 
 def interlock_of(scheme: str) -> schedules.Interlock:
     a = scheme_args(scheme)
-    return schedules.resolve(a["schedule"], a.get("interlock_distance"))  # type: ignore[return-value]
+    return schedules.resolve(a["schedule"])  # type: ignore[return-value]
 
 
 # -- ideals ---------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def train(updates: int = 10_000, stashing: bool = True, mode: str = "process",
     target = torch.randint(0, 2, [320, 1], dtype=torch.float32)
     runner = pipeq.PipelineRunner(
         [Stage0(), Stage1()], nn.BCELoss(), functools.partial(torch.optim.SGD, lr=0.5),
-        schedule="async", microbatches=10, mode=mode, weight_stashing=stashing,
+        schedule=pipeq.schedules.AsyncOneFOneB(weight_stashing=stashing), microbatches=10, mode=mode,
     )
     curve = []
     start = time.perf_counter()

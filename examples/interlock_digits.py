@@ -122,7 +122,7 @@ def scheme_args(scheme: str) -> dict:
         return {"schedule": scheme}
     m = re.fullmatch(r"(\d+)-wise", scheme)
     if m and 2 <= int(m.group(1)) <= N_STAGES:
-        return {"schedule": "nwise", "interlock_distance": int(m.group(1)) - 1}
+        return {"schedule": pipeq.schedules.Interlock("nwise", distance=int(m.group(1)) - 1)}
     raise ValueError(f"unknown scheme {scheme!r}: global, local, pairwise or K-wise, 2 <= K <= {N_STAGES}")
 
 

@@ -14,7 +14,7 @@ stages work on the same microbatch and it receives the next one (schedule ``"al"
 
 Inference (``predict``): ``s`` through every f, then the last layer's ``b``, then ``h_L, ...,
 h_1`` back toward stage 0 (over the backward channel); stage 0 returns class scores. A shortcut
-through layer l (``al_inference_layer=l``: f_1..f_l, b_l, h_l..h_1) is selectable.
+through layer l (``AssociatedLearning(inference_layer=l)``: f_1..f_l, b_l, h_l..h_1) is selectable.
 
 :func:`build_al` makes an AL model from plain blocks and widths.
 """
@@ -101,7 +101,7 @@ class ALExecutor(StageExecutor):
         )
         self.criterion = loss_fn if loss_fn is not None else nn.MSELoss()
         if first_loss not in ("ce", "mse"):
-            raise ValueError(f"al_first_loss must be 'ce' or 'mse', got {first_loss!r}")
+            raise ValueError(f"AssociatedLearning(first_loss=...) must be 'ce' or 'mse', got {first_loss!r}")
         self.first_loss = first_loss
         self.inference_layer = n_stages - 1 if inference_layer is None else inference_layer
         self.needs_target = index == 0
@@ -117,7 +117,7 @@ class ALExecutor(StageExecutor):
         return first.in_features
 
     def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
-              weights: Any = None) -> None:
+              weights: Any = None, aux_weights: Any = None) -> None:
         super().begin(step, sizes, training, x, target, [1.0] * len(sizes))
         if training and self.label_optimizer is not None:
             self.label_optimizer.zero_grad(set_to_none=True)

@@ -45,7 +45,7 @@ class AsyncExecutor(StageExecutor):
         self.max_copies = 0  # the most copies held at once (bounded by the pipeline depth)
 
     def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
-              weights: Any = None) -> None:
+              weights: Any = None, aux_weights: Any = None) -> None:
         # each microbatch is its own update: its mean loss, unscaled
         super().begin(step, sizes, training, x, target, [1.0] * len(sizes) if training else weights)
         self.copies.clear()

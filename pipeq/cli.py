@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    name = schedules.resolve(args.name, args.distance)
+    if args.distance is not None and args.name != "nwise":
+        raise ValueError(f"--distance applies to schedule nwise only, not {args.name!r}")
+    name = schedules.Interlock("nwise", args.distance) if args.name == "nwise" else schedules.resolve(args.name)
     print(schedules.format_table(name, args.stages, args.microbatches, backward_cost=args.backward_cost))
     if args.plot:
         plan = report.planned_trace(name, args.stages, args.microbatches, backward_cost=args.backward_cost)

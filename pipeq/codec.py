@@ -16,16 +16,15 @@ subclass of :class:`CodecError` that says what was wrong.
 
 from __future__ import annotations
 
-import enum
 import math
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import msgpack
 import torch
 
 from .errors import CodecError
+from .messages import Kind, Message
 
 FORMAT_VERSION = 1
 
@@ -60,37 +59,6 @@ class FrameLengthError(CodecError):
     """A frame's length does not equal shape x itemsize."""
 
 
-class Kind(enum.IntEnum):
-    """What a message is. Data kinds travel between stages, the others on the control channel."""
-
-    # data plane
-    ACTIVATION = 1  # stage k -> k+1 (forward channel)
-    GRADIENT = 2  # stage k+1 -> k (backward channel)
-    # runner -> worker
-    PEERS = 10
-    STEP = 11
-    PREDICT = 12
-    GET_STATE = 13
-    SET_STATE = 14
-    STOP = 15  # finish queued work, reply ACK, wait for EXIT
-    EXIT = 16
-    GET_SNAPSHOT = 17  # reply SNAPSHOT: parameters, optimizer and scheduler state, RNG
-    RESTORE = 18  # load a snapshot, reply ACK
-    CLOCK = 19  # reply TIME with the stage's clock (trace clock alignment)
-    GET_TRACE = 30  # reply TRACE: the recorded action rows since the last GET_TRACE
-    # worker -> runner
-    READY = 20
-    LOSS = 21
-    OUTPUT = 22
-    STATE = 23
-    ACK = 24
-    ERROR = 25
-    HEARTBEAT = 26
-    SNAPSHOT = 27
-    TIME = 28
-    TRACE = 29
-
-
 _KINDS = frozenset(int(k) for k in Kind)
 
 # dtype <-> wire code. Codes are part of the format: never renumber, only append.
@@ -113,17 +81,6 @@ _ITEMSIZE = tuple(torch.empty((), dtype=dt).element_size() for dt in _DTYPES)
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("pipeq's wire format is little-endian; this host is big-endian")
-
-
-@dataclass
-class Message:
-    """A decoded message. ``tensors`` are views over the received frames (no copy)."""
-
-    kind: Kind
-    step: int
-    microbatch: int
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def tensor_frame(t: torch.Tensor) -> Any:
@@ -241,47 +198,3 @@ def decode(frames: Sequence[Any]) -> Message:
             t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
         tensors.append(t)
     return Message(Kind(kind), step, microbatch, tensors, extra)
-
-
-_TENSOR_REF = "__tensor__"
-
-
-def pack_tree(obj: Any, tensors: list[torch.Tensor], where: str = "value") -> Any:
-    """``obj`` (nested dicts/lists of plain values and tensors) as msgpack-able data.
-
-    Each tensor is appended to ``tensors`` (to travel as its own frame) and replaced by
-    ``{"__tensor__": index}``; :func:`unpack_tree` puts it back. ``where`` names the value in
-    errors (e.g. "stage 2's lr scheduler state").
-    """
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach().cpu().contiguous())
-        return {_TENSOR_REF: len(tensors) - 1}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        return [pack_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        out = {}
-        for k, v in obj.items():
-            if not isinstance(k, str) or k == _TENSOR_REF:
-                raise ValueError(f"{where} has a key {k!r}: only string keys can be sent")
-            out[k] = pack_tree(v, tensors, f"{where}[{k!r}]")
-        return out
-    raise ValueError(
-        f"{where} holds a {type(obj).__name__}, which pipeq cannot send (plain numbers, strings, "
-        "lists, dicts and tensors only)"
-    )
-
-
-def unpack_tree(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """The inverse of :func:`pack_tree` (tensor indices are checked)."""
-    if isinstance(obj, dict):
-        if len(obj) == 1 and _TENSOR_REF in obj:
-            i = obj[_TENSOR_REF]
-            if type(i) is not int or not 0 <= i < len(tensors):
-                raise HeaderError(f"tensor reference {i!r} outside the message's {len(tensors)} tensors")
-            return tensors[i]
-        return {k: unpack_tree(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [unpack_tree(v, tensors) for v in obj]
-    return obj

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .schedules import Interlock, receives, sends_down, sends_early, trained_by
-from .stage import StageExecutor, Tensors, describe, microbatch_weights
+from .stage import StageExecutor, Tensors, describe
 
 
 class InterlockExecutor(StageExecutor):
@@ -66,13 +66,12 @@ class InterlockExecutor(StageExecutor):
         self.own_grad: dict[int, torch.Tensor] = {}  # microbatch -> own head's input gradient
 
     def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
-              weights: Any = None) -> None:
-        super().begin(step, sizes, training, x, target, weights)
-        # a head's loss is weighted by its own reduction (and ignore_index), like the real one
-        self.aux_weights = (
-            microbatch_weights(self.aux_loss, target, list(sizes))
-            if training and target is not None and self.head is not None else []
-        )
+              weights: Any = None, aux_weights: Any = None) -> None:
+        # a head's loss is weighted by its share of the batch under its own reduction (and
+        # ignore_index), like the real one: pipeq.batching computes them with the main weights
+        if training and self.head is not None and aux_weights is None:
+            raise ValueError(f"stage {self.index}: a training step with an auxiliary head needs its loss weights")
+        super().begin(step, sizes, training, x, target, weights, aux_weights)
 
     # -- forward: main path, then this stage's own loss ----------------------------------------
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:

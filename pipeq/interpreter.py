@@ -6,13 +6,14 @@ blocking socket operations; the simulated engine answers them from in-memory que
 to another stage when a message is not there yet. One interpreter, so both modes run the very same
 actions in the very same order.
 
-Requests (first element an :class:`~pipeq.schedules.Op`, or ``OUTPUT``)::
+Requests (first element an :class:`~pipeq.schedules.Op`, or ``EMIT``)::
 
     (Op.RECV_ACT, j)            -> caller sends back the received activation tensors
     (Op.RECV_GRAD, j)           -> caller sends back the received gradient tensors
     (Op.SEND_ACT, j, tensors)   -> caller sends them to the next stage
     (Op.SEND_GRAD, j, tensors)  -> caller sends them to the previous stage
-    (OUTPUT, j, tensors)        -> last stage, forward-only step: the caller returns them
+    (EMIT, j, tensors)          -> a forward-only result (the last stage's output, or the end
+                                   of a decode path on stage 0): the caller returns it
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from .schedules import Action, Op
 from .stage import StageExecutor, Tensors
 from .trace import B as TRACE_B
 from .trace import F as TRACE_F
-from .trace import STEP as TRACE_STEP
+from .trace import OPT_STEP as TRACE_OPT_STEP
 
-OUTPUT = "output"
+EMIT = "emit"
 
 Request = tuple[Any, ...]
 
@@ -53,7 +54,7 @@ def execute(
                 rec((TRACE_F, step, j, t0, clock(), 0))
             if out is not None:
                 if ex.is_last:
-                    yield (OUTPUT, j, ex.to_host(out))
+                    yield (EMIT, j, ex.to_host(out))
                 else:
                     acts_out[j] = out
         elif op is Op.BACKWARD:
@@ -65,7 +66,7 @@ def execute(
                 ex.backward_done()
             if gin is not None:
                 if ex.is_first and not ex.training:  # a decode path (AL) ends here: the output
-                    yield (OUTPUT, j, ex.to_host(gin))
+                    yield (EMIT, j, ex.to_host(gin))
                 else:
                     grads_out[j] = gin
         elif op is Op.RECV_ACT:
@@ -82,6 +83,6 @@ def execute(
             t0 = clock() if rec else 0
             ex.optimizer_step()
             if rec:
-                rec((TRACE_STEP, step, -1, t0, clock(), 0))
+                rec((TRACE_OPT_STEP, step, -1, t0, clock(), 0))
         else:  # pragma: no cover - schedules are validated before they reach here
             raise ValueError(f"stage {ex.index}: cannot execute action {a}")

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from .worker import StageBuilder
+from .executors import StageBuilder, StageSpec
 
 
 def resolve(spec: str, key: str) -> Any:
@@ -148,10 +148,10 @@ class Recipe(StageBuilder):
         fn = resolve(self.lr_scheduler, "lr_scheduler")
         return functools.partial(fn, **self.lr_scheduler_args) if self.lr_scheduler_args else fn
 
-    def build(self, stage: int, n_stages: int) -> tuple[Any, Any, Any, Any]:
+    def build(self, stage: int, n_stages: int) -> StageSpec:
         module = self.build_stage(stage, n_stages)
         loss = self.loss_fn() if stage == n_stages - 1 else None
-        return module, loss, self.optimizer_factory(), self.scheduler_factory()
+        return StageSpec(module, self.optimizer_factory(), loss, self.scheduler_factory())
 
     def seed_for(self, stage: int) -> int:
         return self.seed * 1009 + stage + 1

@@ -95,16 +95,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
     from .agent import AgentError, run_agent
+    from .processes import StageSettings
 
     def log(line: str) -> None:
         print(f"pipeq launch: {line}", file=sys.stderr, flush=True)
 
     try:
         n = job.recipe.count_stages()
-        return run_agent(rz, job.recipe, n, job.schedule, threads_per_stage=job.threads_per_stage,
-                         queue_capacity=max(64, 4 * job.microbatches),
-                         heartbeat_timeout=job.heartbeat_timeout, start_timeout=job.start_timeout,
-                         log=log, data_parallel=job.data_parallel)
+        settings = StageSettings(threads_per_stage=job.threads_per_stage,
+                                 queue_capacity=max(64, 4 * job.microbatches))
+        return run_agent(rz, job.recipe, n, job.schedule, settings, heartbeat_timeout=job.heartbeat_timeout,
+                         start_timeout=job.start_timeout, log=log, data_parallel=job.data_parallel)
     except (AgentError, RuntimeError, ValueError) as exc:
         log(str(exc))
         return 1

@@ -26,47 +26,17 @@ Fill-drain (GPipe), 4 stages x 4 microbatches, unit-time forward and backward::
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-from typing import Callable
-
 from .errors import ScheduleError
 
 
-class Op(enum.Enum):
-    FORWARD = "F"
-    BACKWARD = "B"
-    STEP = "STEP"
-    RECV_ACT = "recvF"  # activation from stage k-1
-    SEND_ACT = "sendF"  # activation to stage k+1
-    RECV_GRAD = "recvB"  # gradient from stage k+1
-    SEND_GRAD = "sendB"  # gradient to stage k-1
+from .actions import B, COMPUTE_OPS, F, STEP, Action, Op, Schedule, ScheduleFn, lower, lower_stage
 
-
-COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.STEP)
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    op: Op
-    microbatch: int = -1
-
-    def __str__(self) -> str:
-        return self.op.value if self.microbatch < 0 else f"{self.op.value}{self.microbatch}"
-
-
-def F(j: int) -> Action:
-    return Action(Op.FORWARD, j)
-
-
-def B(j: int) -> Action:
-    return Action(Op.BACKWARD, j)
-
-
-STEP = Action(Op.STEP)
-
-Schedule = list[list[Action]]
-ScheduleFn = Callable[[int, int], Schedule]
+__all__ = [
+    "Op", "Action", "F", "B", "STEP", "Schedule", "ScheduleFn", "COMPUTE_OPS", "lower", "lower_stage",
+    "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "Interlock", "AsyncOneFOneB",
+    "AssociatedLearning", "SCHEDULES", "INTERLOCK", "resolve", "get_schedule", "schedule_name",
+    "check_consistency", "dry_run", "build", "format_table",
+]
 
 
 def _check_counts(n_stages: int, n_microbatches: int) -> None:
@@ -83,20 +53,20 @@ def fill_drain(n_stages: int, n_microbatches: int) -> Schedule:
     return [[F(j) for j in range(m)] + [B(j) for j in range(m)] + [STEP] for _ in range(n_stages)]
 
 
+def warmup_order(n_microbatches: int, warmup: int) -> list[Action]:
+    """``warmup`` forwards, then one backward and one forward in turn, then the last backwards."""
+    m = n_microbatches
+    warm = min(m, warmup)
+    order = [F(j) for j in range(warm)]
+    for i in range(m - warm):
+        order += [B(i), F(warm + i)]
+    return order + [B(j) for j in range(m - warm, m)]
+
+
 def one_f_one_b(n_stages: int, n_microbatches: int) -> Schedule:
     """PipeDream-Flush: min(m, N-k) warm-up forwards on stage k, then one backward, one forward."""
     _check_counts(n_stages, n_microbatches)
-    m = n_microbatches
-    out = []
-    for k in range(n_stages):
-        warm = min(m, n_stages - k)
-        acts = [F(j) for j in range(warm)]
-        for i in range(m - warm):
-            acts += [B(i), F(warm + i)]
-        acts += [B(j) for j in range(m - warm, m)]
-        acts.append(STEP)
-        out.append(acts)
-    return out
+    return [warmup_order(n_microbatches, n_stages - k) + [STEP] for k in range(n_stages)]
 
 
 def forward_only(n_stages: int, n_microbatches: int) -> Schedule:
@@ -147,8 +117,12 @@ class Interlock:
 
     Called like any schedule function, ``(n_stages, n_microbatches)``, it returns *lowered* action
     lists (sends and receives included), because where a gradient goes depends on the scheme.
-    Stage k warms up with min(m, min(d, N-1-k) + 1) forwards (1F1B's N-k when d = N-1), then
-    alternates one backward and one forward; STEP ends each stage's list.
+    Stage k warms up with as many forwards as the stages above it its backward waits on, plus
+    one (1F1B's N-k when d = N-1), then alternates one backward and one forward; STEP ends each
+    stage's list.
+
+        pipeq.schedules.Interlock("pairwise")
+        pipeq.schedules.Interlock("nwise", distance=2)   # "global", "local", "pairwise" as strings too
     """
 
     KINDS = ("global", "local", "pairwise", "nwise")
@@ -159,10 +133,11 @@ class Interlock:
         if kind == "nwise":
             if type(distance) is not int or distance < 1:
                 raise ValueError(
-                    f"schedule 'nwise' needs interlock_distance=d, an integer >= 1, got {distance!r}"
+                    f"Interlock('nwise') needs distance=d, an integer >= 1, got {distance!r}: "
+                    "e.g. pipeq.schedules.Interlock('nwise', distance=2)"
                 )
         elif distance is not None:
-            raise ValueError(f"interlock_distance applies to schedule 'nwise' only, not {kind!r}")
+            raise ValueError(f"distance applies to Interlock('nwise') only, not {kind!r}")
         self.kind = kind
         self._distance = distance
 
@@ -199,33 +174,11 @@ class Interlock:
                 depth[k] = 1 if sends_early(k + 1, n, d) else 1 + depth[k + 1]
         out = []
         for k in range(n):
-            warm = min(m, depth[k] + 1)
-            order = [F(j) for j in range(warm)]
-            for i in range(m - warm):
-                order += [B(i), F(warm + i)]
-            order += [B(j) for j in range(m - warm, m)]
             early = sends_early(k, n, d)
-            down = bool(sends_down(k, n, d))
-            up = bool(receives(k, n, d))
-            acts: list[Action] = []
-            for a in order:
-                j = a.microbatch
-                if a.op is Op.FORWARD:
-                    if k > 0:
-                        acts.append(Action(Op.RECV_ACT, j))
-                    acts.append(a)
-                    if k < n - 1:
-                        acts.append(Action(Op.SEND_ACT, j))
-                    if early:
-                        acts.append(Action(Op.SEND_GRAD, j))
-                else:
-                    if up:
-                        acts.append(Action(Op.RECV_GRAD, j))
-                    acts.append(a)
-                    if down and not early:
-                        acts.append(Action(Op.SEND_GRAD, j))
-            acts.append(STEP)
-            out.append(acts)
+            order = warmup_order(m, depth[k] + 1) + [STEP]
+            out.append(lower_stage(order, recv_act=k > 0, send_act=k < n - 1,
+                                   recv_grad=bool(receives(k, n, d)), send_grad=bool(sends_down(k, n, d)),
+                                   grad_after_forward=early))
         return out
 
 
@@ -234,8 +187,9 @@ class AsyncOneFOneB:
 
     Stage k warms up with min(m, N-k) forwards, then alternates one backward and one forward, and
     steps its optimizer after *every* backward: m updates per stage per ``runner.step``. The
-    backward of microbatch j may run after updates made since its forward; weight stashing (the
-    executor's business, see :mod:`pipeq.asyncpipe`) makes it use the weights its forward used::
+    backward of microbatch j may run after updates made since its forward; with
+    ``weight_stashing=True`` (default, PipeDream) it uses the weights its forward used, without
+    it the newest ones (see :mod:`pipeq.asyncpipe`)::
 
         stage 0 | F0 F1 F2 F3 .  .  .  B0 ST F4 B1 ST F5 ...
         stage 3 | .  .  .  F0 B0 ST F1 B1 ST F2 B2 ST ...
@@ -244,11 +198,17 @@ class AsyncOneFOneB:
     name = "async"
     per_microbatch_steps = True  # check_consistency: one STEP after each backward
 
+    def __init__(self, weight_stashing: bool = True) -> None:
+        if type(weight_stashing) is not bool:
+            raise ValueError(f"AsyncOneFOneB(weight_stashing=...) must be True or False, got {weight_stashing!r}")
+        self.weight_stashing = weight_stashing
+
     def __call__(self, n_stages: int, n_microbatches: int) -> Schedule:
+        _check_counts(n_stages, n_microbatches)
         out = []
-        for acts in one_f_one_b(n_stages, n_microbatches):  # 1F1B's order, without its final STEP
+        for k in range(n_stages):  # 1F1B's order, a STEP after every backward
             stepped: list[Action] = []
-            for a in acts[:-1]:
+            for a in warmup_order(n_microbatches, n_stages - k):
                 stepped.append(a)
                 if a.op is Op.BACKWARD:
                     stepped.append(STEP)
@@ -256,13 +216,13 @@ class AsyncOneFOneB:
         return out
 
     def __repr__(self) -> str:
-        return "AsyncOneFOneB()"
+        return f"AsyncOneFOneB(weight_stashing={self.weight_stashing!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, AsyncOneFOneB)
+        return isinstance(other, AsyncOneFOneB) and other.weight_stashing == self.weight_stashing
 
     def __hash__(self) -> int:
-        return hash("async")
+        return hash(("async", self.weight_stashing))
 
 
 class AssociatedLearning:
@@ -279,65 +239,51 @@ class AssociatedLearning:
 
     name = "al"
     per_microbatch_steps = True
+    FIRST_LOSSES = ("ce", "mse")
 
-    def __init__(self, inference_layer: int | None = None) -> None:
+    def __init__(self, *, first_loss: str = "ce", inference_layer: int | None = None) -> None:
+        """``first_loss``: layer 1's label-path loss, cross-entropy on the one-hot labels ("ce")
+        or mean squared error ("mse"); ``inference_layer``: the layer whose b and h start the
+        decode in ``predict`` (default: the last; a lower one is the shortcut)."""
+        if first_loss not in self.FIRST_LOSSES:
+            raise ValueError(f"AssociatedLearning(first_loss=...) must be 'ce' or 'mse', got {first_loss!r}")
         if inference_layer is not None and (type(inference_layer) is not int or inference_layer < 0):
-            raise ValueError(f"al_inference_layer must be a stage index >= 0, got {inference_layer!r}")
+            raise ValueError(
+                f"AssociatedLearning(inference_layer=...) must be a stage index >= 0, got {inference_layer!r}")
+        self.first_loss = first_loss
         self.inference_layer = inference_layer
 
     def __call__(self, n_stages: int, n_microbatches: int) -> Schedule:
         _check_counts(n_stages, n_microbatches)
-        out = []
-        for k in range(n_stages):
-            acts: list[Action] = []
-            for j in range(n_microbatches):
-                if k > 0:
-                    acts.append(Action(Op.RECV_ACT, j))
-                acts.append(F(j))
-                if k < n_stages - 1:
-                    acts.append(Action(Op.SEND_ACT, j))
-                acts += [B(j), STEP]
-            out.append(acts)
-        return out
+        order = [a for j in range(n_microbatches) for a in (F(j), B(j), STEP)]
+        return [lower_stage(order, recv_act=k > 0, send_act=k < n_stages - 1, recv_grad=False, send_grad=False)
+                for k in range(n_stages)]
 
     def last(self, n_stages: int) -> int:
         layer = n_stages - 1 if self.inference_layer is None else self.inference_layer
         if layer >= n_stages:
-            raise ScheduleError(f"al_inference_layer={layer} but there are only {n_stages} stages")
+            raise ScheduleError(
+                f"AssociatedLearning(inference_layer={layer}) but there are only {n_stages} stages")
         return layer
 
     def inference(self, n_stages: int, n_microbatches: int) -> Schedule:
+        """Forwards up to the inference layer, then the decode down to stage 0 (as backwards)."""
         _check_counts(n_stages, n_microbatches)
         top = self.last(n_stages)
-        out = []
-        for k in range(n_stages):
-            if k > top:
-                out.append([])
-                continue
-            acts: list[Action] = []
-            for j in range(n_microbatches):
-                if k > 0:
-                    acts.append(Action(Op.RECV_ACT, j))
-                acts.append(F(j))
-                if k < top:
-                    acts.append(Action(Op.SEND_ACT, j))
-            for j in range(n_microbatches):
-                if k < top:
-                    acts.append(Action(Op.RECV_GRAD, j))
-                acts.append(B(j))
-                if k > 0:
-                    acts.append(Action(Op.SEND_GRAD, j))
-            out.append(acts)
-        return out
+        m = n_microbatches
+        order = [F(j) for j in range(m)] + [B(j) for j in range(m)]
+        return [lower_stage(order, recv_act=k > 0, send_act=k < top, recv_grad=k < top, send_grad=k > 0)
+                if k <= top else [] for k in range(n_stages)]
 
     def __repr__(self) -> str:
-        return f"AssociatedLearning(inference_layer={self.inference_layer!r})"
+        return f"AssociatedLearning(first_loss={self.first_loss!r}, inference_layer={self.inference_layer!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, AssociatedLearning) and other.inference_layer == self.inference_layer
+        return isinstance(other, AssociatedLearning) and (other.first_loss, other.inference_layer) == (
+            self.first_loss, self.inference_layer)
 
     def __hash__(self) -> int:
-        return hash(("al", self.inference_layer))
+        return hash(("al", self.first_loss, self.inference_layer))
 
 
 SCHEDULES: dict[str, ScheduleFn] = {
@@ -353,18 +299,16 @@ SCHEDULES: dict[str, ScheduleFn] = {
 INTERLOCK = ("global", "local", "pairwise", "nwise")
 
 
-def resolve(schedule: "str | ScheduleFn", interlock_distance: int | None = None) -> "str | ScheduleFn":
-    """A schedule name or function as given, or the :class:`Interlock` it names.
-
-    ``"nwise"`` needs ``interlock_distance``; the other names refuse one.
-    """
+def resolve(schedule: "str | ScheduleFn") -> "str | ScheduleFn":
+    """A schedule function as given; a registered name as the object it names when that is one
+    of pipeq's schedule classes (the runner and the stages ask it what it needs)."""
     if schedule == "nwise":
-        return Interlock("nwise", interlock_distance)
-    if interlock_distance is not None:
-        raise ValueError(f"interlock_distance applies to schedule 'nwise' only, not {schedule_name(schedule)!r}")
+        raise ValueError(
+            "schedule 'nwise' needs its distance: schedule=pipeq.schedules.Interlock('nwise', distance=d)"
+        )
     if isinstance(schedule, str) and isinstance(SCHEDULES.get(schedule), (Interlock, AsyncOneFOneB,
                                                                        AssociatedLearning)):
-        return SCHEDULES[schedule]  # the object: the runner and the stages ask it what it needs
+        return SCHEDULES[schedule]
     return schedule
 
 
@@ -385,31 +329,6 @@ def schedule_name(schedule: str | ScheduleFn) -> str:
     if isinstance(schedule, str):
         return schedule
     return getattr(schedule, "name", None) or getattr(schedule, "__name__", repr(schedule))
-
-
-def lower(schedule: Schedule) -> Schedule:
-    """Insert the receives and sends that the compute actions imply."""
-    n = len(schedule)
-    out = []
-    for k, acts in enumerate(schedule):
-        low: list[Action] = []
-        for a in acts:
-            if a.op is Op.FORWARD:
-                if k > 0:
-                    low.append(Action(Op.RECV_ACT, a.microbatch))
-                low.append(a)
-                if k < n - 1:
-                    low.append(Action(Op.SEND_ACT, a.microbatch))
-            elif a.op is Op.BACKWARD:
-                if k < n - 1:
-                    low.append(Action(Op.RECV_GRAD, a.microbatch))
-                low.append(a)
-                if k > 0:
-                    low.append(Action(Op.SEND_GRAD, a.microbatch))
-            else:
-                low.append(a)
-        out.append(low)
-    return out
 
 
 def check_consistency(

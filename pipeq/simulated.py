@@ -14,35 +14,23 @@ import traceback
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import nn
 
 from . import schedules
 from .errors import PipelineError
-from .executors import make_executor
-from .interpreter import OUTPUT, execute
+from .executors import StageSpec, make_executor
+from .interpreter import EMIT, execute
 from .schedules import Op, ScheduleFn
 from .stage import Tensors
 
 
 class SimulatedBackend:
-    def __init__(
-        self,
-        stages: Sequence[nn.Module],
-        loss_fn: Callable,
-        optimizer: Callable[..., Any],
-        schedule: "str | ScheduleFn",
-        device: str = "cpu",
-        lr_scheduler: Callable[..., Any] | None = None,
-        extras: Sequence[dict[str, Any]] | None = None,
-    ) -> None:
+    """Every stage's executor in this process, each built from a private copy of its spec."""
+
+    def __init__(self, specs: Sequence[StageSpec], schedule: "str | ScheduleFn", device: str = "cpu") -> None:
         self.schedule = schedule
-        n = len(stages)
+        n = len(specs)
         dev = torch.device(device)
-        self.executors = [
-            make_executor(schedule, k, n, copy.deepcopy(s), optimizer, loss_fn if k == n - 1 else None,
-                          dev, lr_scheduler, copy.deepcopy(extras[k]) if extras else None)
-            for k, s in enumerate(stages)
-        ]
+        self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev) for k, spec in enumerate(specs)]
 
     def start(self) -> None:
         pass
@@ -52,14 +40,14 @@ class SimulatedBackend:
 
     def _run(
         self, step: int, sizes: list[int], x: torch.Tensor, target: torch.Tensor | None, training: bool,
-        weights: list[float] | None = None,
+        weights: list[float] | None = None, aux_weights: list[float] | None = None,
     ) -> list[Tensors]:
         n = len(self.executors)
         lowered = schedules.build(self.schedule, n, len(sizes), training=training)
         gens = []
         for k, ex in enumerate(self.executors):
             self._guard(k, ex.begin, step, sizes, training, x if k == 0 else None,
-                        target if ex.needs_target else None, weights)
+                        target if ex.needs_target else None, weights, aux_weights)
             gens.append(execute(ex, lowered[k]))
         mailbox: dict[tuple[int, str, int], Tensors] = {}  # (destination, kind, microbatch)
         outputs: dict[int, Tensors] = {}
@@ -92,7 +80,7 @@ class SimulatedBackend:
                         mailbox[(k + 1, "act", req[1])] = tuple(t.clone() for t in req[2])
                     elif op is Op.SEND_GRAD:
                         mailbox[(k - 1, "grad", req[1])] = tuple(t.clone() for t in req[2])
-                    elif op == OUTPUT:
+                    elif op is EMIT:
                         outputs[req[1]] = req[2]
             if not progressed:  # cannot happen for a validated schedule
                 raise PipelineError(f"simulated pipeline stalled on {pending}")
@@ -106,10 +94,11 @@ class SimulatedBackend:
         except Exception as exc:
             raise PipelineError(f"{type(exc).__name__}: {exc}", k, traceback.format_exc()) from exc
 
-    def step(
-        self, step: int, sizes: list[int], weights: list[float], x: torch.Tensor, target: torch.Tensor
-    ) -> float:
-        self._run(step, sizes, x, target, training=True, weights=weights)
+    def train(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
+              x: torch.Tensor, target: torch.Tensor) -> float:
+        """One step on one shard (the whole batch: there are no replicas in one process)."""
+        ((sizes, weights, aux_weights),) = shards
+        self._run(step, sizes, x, target, training=True, weights=weights, aux_weights=aux_weights)
         return self.executors[-1].mean_loss()
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:

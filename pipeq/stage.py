@@ -107,6 +107,7 @@ class StageExecutor:
         self.step_index = 0
         self.training = True
         self.weights: list[float] = []
+        self.aux_weights: list[float] = []
         self.inputs: list[torch.Tensor] = []  # stage 0: microbatches of x
         self.targets: list[torch.Tensor] = []  # last stage: microbatches of the target
         self.stash: dict[int, tuple[Tensors, Any]] = {}  # microbatch -> (input leaves, outputs/loss)
@@ -121,8 +122,10 @@ class StageExecutor:
         x: torch.Tensor | None = None,
         target: torch.Tensor | None = None,
         weights: Sequence[float] | None = None,
+        aux_weights: Sequence[float] | None = None,
     ) -> None:
-        """Start a step: ``weights`` scale the microbatch losses (see :func:`microbatch_weights`)."""
+        """Start a step: ``weights`` scale the microbatch losses (see :func:`microbatch_weights`),
+        ``aux_weights`` the auxiliary heads' losses (interlocking)."""
         self.step_index = step
         self.training = training
         if weights is None:
@@ -131,6 +134,7 @@ class StageExecutor:
         elif len(weights) != len(sizes):
             raise ValueError(f"{len(weights)} loss weights for {len(sizes)} microbatches")
         self.weights = list(weights)
+        self.aux_weights = list(aux_weights) if aux_weights is not None else []
         if x is not None:
             self.inputs = list(x.to(self.device, non_blocking=True).split(list(sizes)))
         if target is not None:

@@ -34,7 +34,8 @@ OPS: dict[int, tuple[str, str, str]] = {
     6: ("WAIT_GRAD", "wait", "wait grad "),
     7: ("OUTPUT", "send", "output "),
 }
-F, B, STEP, SEND_ACT, SEND_GRAD, WAIT_ACT, WAIT_GRAD, OUTPUT = range(8)
+# row codes (OPT_STEP: a schedule's optimizer step; EMIT: a result handed to the driver)
+F, B, OPT_STEP, SEND_ACT, SEND_GRAD, WAIT_ACT, WAIT_GRAD, EMIT = range(8)
 COLUMNS = 6
 #: A stage keeps its most recent rows only (a ring buffer, ~30 MB): a long traced run keeps its
 #: last few thousand steps, and the oldest, partly overwritten step is left out of the file.
@@ -142,7 +143,7 @@ def build(
         for code, step, mb, t0, t1, nbytes in rows:
             op, cat, prefix = OPS[code]
             events.append({
-                "ph": "X", "name": prefix if code == STEP else f"{prefix}{mb}", "cat": cat,
+                "ph": "X", "name": prefix if code == OPT_STEP else f"{prefix}{mb}", "cat": cat,
                 "pid": pid, "tid": k, "ts": (t0 - origin) / 1e3, "dur": max(0.0, (t1 - t0) / 1e3),
                 "args": {"stage": k, "replica": replica, "step": step, "microbatch": mb,
                          "bytes": nbytes, "op": op, "training": training.get(step, True)},

@@ -124,8 +124,9 @@ def assert_states_close(got: dict, want: dict, atol: float = 1e-5) -> None:
         assert diff <= atol, f"{k}: max abs difference {diff:.3g} > {atol}"
 
 
-def runner(layers, mode="simulated", optimizer=SGD, microbatches=4, **kw):
-    return pipeq.PipelineRunner(layers, kw.pop("loss_fn", None), optimizer, schedule="al",
+def runner(layers, mode="simulated", optimizer=SGD, microbatches=4, first_loss="ce", inference_layer=None, **kw):
+    schedule = schedules.AssociatedLearning(first_loss=first_loss, inference_layer=inference_layer)
+    return pipeq.PipelineRunner(layers, kw.pop("loss_fn", None), optimizer, schedule=schedule,
                                 microbatches=microbatches, mode=mode, start_method="forkserver", **kw)
 
 
@@ -172,11 +173,11 @@ def test_uneven_microbatches_are_separate_unweighted_updates():
 
 
 def test_float64_with_the_mse_first_loss_equals_the_reference():
-    """al_first_loss="mse": layer 0's AE loss is MSE(h_0(t_0), onehot(y)); one-hot in x's dtype."""
+    """AssociatedLearning(first_loss="mse"): layer 0's AE loss is MSE(h_0(t_0), onehot(y)); one-hot in x's dtype."""
     layers = make_layers(dtype=torch.float64)
     x, y = make_data(24, dtype=torch.float64)
     ref_layers, ref_losses = al_reference(layers, x.split(4), y.split(4), ADAM, first_loss="mse")
-    with runner(layers, "simulated", ADAM, 3, al_first_loss="mse") as r:
+    with runner(layers, "simulated", ADAM, 3, first_loss="mse") as r:
         losses = [r.step(x[:12], y[:12]), r.step(x[12:], y[12:])]
         state = r.state_dict()
     assert all(t.dtype == torch.float64 for t in state.values())
@@ -272,7 +273,7 @@ def test_predict_decodes_through_b_and_the_hs_like_the_reference(mode, first_los
     x, y = make_data(16, seed=3)
     ref_layers, _ = al_reference(layers, x.split(4), y.split(4), ADAM, first_loss=first_loss)
     xt, _ = make_data(23, seed=4)  # 23 rows in 4 microbatches (6, 6, 6, 5)
-    with runner(layers, mode, ADAM, 4, al_first_loss=first_loss, al_inference_layer=top) as r:
+    with runner(layers, mode, ADAM, 4, first_loss=first_loss, inference_layer=top) as r:
         r.step(x, y)  # the inference layer does not change training
         assert_states_close(r.state_dict(), flat_state(ref_layers))
         out = r.predict(xt)
@@ -353,14 +354,14 @@ def test_a_stage_that_is_not_an_al_layer_is_refused_by_index():
 
 
 def test_an_unknown_first_loss_is_refused():
-    with pytest.raises(ValueError, match="al_first_loss.*'xx'"):
-        runner(make_layers(), al_first_loss="xx")
+    with pytest.raises(ValueError, match=r"AssociatedLearning\(first_loss=...\) must be 'ce' or 'mse', got 'xx'"):
+        runner(make_layers(), first_loss="xx")
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "1"])
 def test_a_malformed_inference_layer_is_refused_at_construction(bad):
-    with pytest.raises(ValueError, match="al_inference_layer"):
-        runner(make_layers(), al_inference_layer=bad)
+    with pytest.raises(ValueError, match="inference_layer"):
+        runner(make_layers(), inference_layer=bad)
 
 
 @pytest.mark.parametrize("mode", ["simulated", "process"])
@@ -368,19 +369,19 @@ def test_an_inference_layer_beyond_the_stages_gives_a_clear_error(mode):
     """At construction or at the latest at predict, naming the option and the stage count."""
     x, y = make_data(8)
     try:
-        r = runner(make_layers(), mode, al_inference_layer=4)
+        r = runner(make_layers(), mode, inference_layer=4)
     except ValueError as exc:
-        assert "al_inference_layer" in str(exc) and "4" in str(exc)
+        assert "inference_layer" in str(exc) and "4" in str(exc)
         return
     with r:
         r.step(x, y)  # training does not use it
-        with pytest.raises((ScheduleError, PipelineError), match=r"al_inference_layer=4 .*only 4 stages"):
+        with pytest.raises((ScheduleError, PipelineError), match=r"inference_layer=4\) but there are only 4 stages"):
             r.predict(x)
 
 
 def test_an_inference_layer_beyond_the_stages_is_refused_at_construction():
-    with pytest.raises(ValueError, match="al_inference_layer"):
-        runner(make_layers(), al_inference_layer=4)
+    with pytest.raises(ValueError, match=r"AssociatedLearning\(inference_layer=4\) but there are only 4 AL layers"):
+        runner(make_layers(), inference_layer=4)
 
 
 @pytest.mark.parametrize("mode", ["simulated", "process"])
@@ -453,7 +454,7 @@ def test_al_training_plan_sends_only_forward_and_steps_after_every_backward():
 
 @pytest.mark.parametrize("top", [None, 1])
 def test_al_inference_plan_decodes_toward_stage_0(top):
-    sched = "al" if top is None else schedules.AssociatedLearning(top)
+    sched = "al" if top is None else schedules.AssociatedLearning(inference_layer=top)
     plan = schedules.build(sched, 3, 4, training=False)
     last = 2 if top is None else top
     for k, acts in enumerate(plan):
@@ -474,23 +475,28 @@ def test_al_inference_plan_decodes_toward_stage_0(top):
 
 
 def test_al_inference_plan_through_layer_0_is_stage_0_alone():
-    plan = schedules.build(schedules.AssociatedLearning(0), 3, 2, training=False)
+    plan = schedules.build(schedules.AssociatedLearning(inference_layer=0), 3, 2, training=False)
     assert plan == [[schedules.F(0), schedules.F(1), schedules.B(0), schedules.B(1)], [], []]
 
 
 def test_al_schedule_object():
-    assert schedules.AssociatedLearning(1) == schedules.AssociatedLearning(1)
-    assert schedules.AssociatedLearning(1) != schedules.AssociatedLearning()
-    with pytest.raises(ScheduleError, match="al_inference_layer=3 .*only 3 stages"):
-        schedules.build(schedules.AssociatedLearning(3), 3, 2, training=False)
+    AL = schedules.AssociatedLearning
+    assert AL(inference_layer=1) == AL(inference_layer=1)
+    assert AL(inference_layer=1) != AL()
+    assert AL(first_loss="mse") != AL()
+    with pytest.raises(ScheduleError, match=r"AssociatedLearning\(inference_layer=3\) but there are only 3 stages"):
+        schedules.build(AL(inference_layer=3), 3, 2, training=False)
 
 
 def test_al_options_belong_to_the_al_schedule():
+    """The runner's old AL keywords say where the option lives now."""
     stages = [nn.Linear(4, 4), nn.Linear(4, 2)]
-    with pytest.raises(ValueError, match="apply to schedule 'al' only"):
+    with pytest.raises(ValueError, match=r"al_inference_layer is an option of the schedule now: pass "
+                                         r"schedule=pipeq.schedules.AssociatedLearning\(inference_layer=1\)"):
         pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, "1f1b", 2, al_inference_layer=1)
-    with pytest.raises(ValueError, match="apply to schedule 'al' only"):
-        pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, "1f1b", 2, al_first_loss="mse")
-    r = pipeq.PipelineRunner(make_layers(), None, SGD, schedules.AssociatedLearning(), 2, mode="simulated",
-                             al_inference_layer=1)
-    assert r.schedule == schedules.AssociatedLearning(1)
+    with pytest.raises(ValueError, match=r"AssociatedLearning\(first_loss='mse'\)"):
+        pipeq.PipelineRunner(make_layers(), None, SGD, "al", 2, al_first_loss="mse")
+    r = pipeq.PipelineRunner(make_layers(), None, SGD, schedules.AssociatedLearning(inference_layer=1), 2,
+                             mode="simulated")
+    assert r.schedule == schedules.AssociatedLearning(inference_layer=1)
+    assert pipeq.PipelineRunner(make_layers(), None, SGD, "al", 2, mode="simulated").schedule == schedules.AssociatedLearning()

@@ -121,8 +121,8 @@ def test_without_stashing_the_backward_uses_the_newest_weights() -> None:
     sgd = functools.partial(torch.optim.SGD, lr=0.5)
     results = {}
     for stash in (True, False):
-        with pipeq.PipelineRunner(stages, nn.BCELoss(), sgd, "async", 6, mode="simulated",
-                                  weight_stashing=stash) as runner:
+        with pipeq.PipelineRunner(stages, nn.BCELoss(), sgd, pipeq.schedules.AsyncOneFOneB(weight_stashing=stash),
+                                  6, mode="simulated") as runner:
             runner.step(torch.cat(xs), torch.cat(ys))
             results[stash] = runner.state_dict()
     # stage 0 has 2 microbatches in flight: its forward and backward weights differ without stashing

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq import codec
-from pipeq.codec import Kind
+from pipeq.messages import Kind
 from pipeq.errors import PipelineError
 
 from launch_util import DIGITS_JOB, ROOT, assert_same_state, free_port, launch_cmd, metrics, model_state
@@ -62,13 +61,11 @@ def replica_state(runner: pipeq.PipelineRunner, r: int) -> dict[str, torch.Tenso
     way ``ProcessBackend.get_state`` asks replica 0's.
     """
     be = runner._backend
-    procs = [r * be.n + k for k in range(be.n)]
-    req = be._next_control_id()
-    be._send_all([(g, codec.encode(Kind.GET_STATE, req)) for g in procs])
-    got = be._collect(Kind.STATE, dict.fromkeys(procs, 1), step=req, what=f"replica {r}'s state")
+    procs = [r * be.n_stages + k for k in range(be.n_stages)]
+    got = be._ask_each(Kind.GET_STATE, Kind.STATE, f"replica {r}'s state", procs)
     out = {}
     for k, g in enumerate(procs):
-        msg = got[g][0]
+        msg = got[g]
         for name, t in zip(msg.extra["names"], msg.tensors):
             out[f"{k}.{name}"] = t.clone()
     return out

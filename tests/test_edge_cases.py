@@ -14,8 +14,7 @@ import zmq
 from torch import nn
 
 import pipeq
-from pipeq import codec
-from pipeq.codec import Kind
+import msgpack
 
 from models import FailingStepSGD, reference_train
 
@@ -253,7 +252,7 @@ def test_foreign_peer_on_tcp_control_port_does_not_crash_the_driver():
     try:
         with runner:
             s.connect(runner._backend.server.address)
-            s.send_multipart(codec.encode(Kind.HEARTBEAT, 1))
+            s.send_multipart([msgpack.packb([1, 26, 1, 0, [], None])])  # a well-formed HEARTBEAT
             time.sleep(0.3)
             try:
                 runner.step(*xy())  # ValueError: invalid literal for int() (in _stage_of)

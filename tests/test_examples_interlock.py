@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import pipeq
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # stage processes unpickle examples.interlock_digits' classes
 from examples import interlock_digits  # noqa: E402
@@ -35,7 +37,7 @@ def test_example_trains_two_schemes_in_stage_processes(capsys):
 
 
 def test_example_scheme_names():
-    assert interlock_digits.scheme_args("3-wise") == {"schedule": "nwise", "interlock_distance": 2}
+    assert interlock_digits.scheme_args("3-wise") == {"schedule": pipeq.schedules.Interlock("nwise", distance=2)}
     assert interlock_digits.scheme_args("local") == {"schedule": "local"}
     with pytest.raises(ValueError, match="unknown scheme"):
         interlock_digits.scheme_args("5-wise")

@@ -31,6 +31,11 @@ SCHEMES = [("global", None), ("local", None), ("pairwise", None), ("nwise", 2)]
 SCHEME_IDS = ["global", "local", "pairwise", "nwise2"]
 SGD1 = functools.partial(torch.optim.SGD, lr=1.0)
 
+
+def scheme(schedule, d=None):
+    """The schedule argument: a name, or for "nwise" the Interlock object with its distance."""
+    return pipeq.schedules.Interlock("nwise", distance=d) if schedule == "nwise" else schedule
+
 # -- the scalar chain ---------------------------------------------------------------------------
 # main_k(x) = x * w_k, head_k(a) = a * h_k; every loss is (out - y)^2 (SumSq), SGD at lr 1.
 W = (2.0, 3.0, 0.5, 1.5)
@@ -39,8 +44,8 @@ H = (1.0, 2.0, 0.5)
 
 def scalar_runner(schedule, d=None, *, w=W, h=H, microbatches=1, reduction="sum", mode="simulated"):
     return pipeq.PipelineRunner(
-        [Mul(v) for v in w], SumSq(reduction), SGD1, schedule, microbatches, mode=mode,
-        aux_heads=[Mul(v) for v in h], aux_loss=SumSq(reduction), interlock_distance=d, **FAST,
+        [Mul(v) for v in w], SumSq(reduction), SGD1, scheme(schedule, d), microbatches, mode=mode,
+        aux_heads=[Mul(v) for v in h], aux_loss=SumSq(reduction), **FAST,
     )
 
 
@@ -208,8 +213,8 @@ def run(schedule, d=None, *, stages=None, heads="default", data, microbatches=3,
     """(state_dict, losses, predict(x_eval)) after training on ``data`` through the runner."""
     heads = linear_heads() if heads == "default" else heads
     runner = pipeq.PipelineRunner(
-        stages if stages is not None else linear_stages(), nn.CrossEntropyLoss(), make_opt, schedule,
-        microbatches, mode=mode, aux_heads=heads, interlock_distance=d, **FAST,
+        stages if stages is not None else linear_stages(), nn.CrossEntropyLoss(), make_opt,
+        scheme(schedule, d), microbatches, mode=mode, aux_heads=heads, **FAST,
     )
     with runner:
         losses = [runner.step(x, y) for x, y in data]
@@ -373,7 +378,7 @@ def digits_accuracy(digits, schedule, d=None, mode="simulated"):
     stages = [nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3)] + [nn.Linear(64, 10)]
     heads = [nn.Linear(64, 10) for _ in range(3)]
     runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), functools.partial(torch.optim.Adam, lr=3e-3),
-                                  schedule, 2, mode=mode, aux_heads=heads, interlock_distance=d, **FAST)
+                                  scheme(schedule, d), 2, mode=mode, aux_heads=heads, **FAST)
     with runner:
         before = (runner.predict(x_test).argmax(1) == y_test).float().mean().item()
         for _ in range(3):
@@ -413,14 +418,20 @@ def test_argument_errors():
             make(heads=wrong)
     with pytest.raises(ValueError, match="3 nn.Module"):
         make(heads=[nn.Linear(8, 4), nn.Linear(8, 4), "head"])
-    with pytest.raises(ValueError, match="interlock_distance"):
+    with pytest.raises(ValueError, match=r"Interlock\('nwise', distance=d\)"):
         make("nwise")
-    for bad in (0, -1, 1.5, "2"):
-        with pytest.raises(ValueError, match="interlock_distance"):
-            make("nwise", interlock_distance=bad)
-    for name in ("pairwise", "global", "local", "1f1b"):
-        with pytest.raises(ValueError, match="interlock_distance applies to schedule 'nwise' only"):
-            make(name, heads=None, interlock_distance=1)
+    for bad in (0, -1, 1.5, "2", None):
+        with pytest.raises(ValueError, match="needs distance=d"):
+            pipeq.schedules.Interlock("nwise", distance=bad)
+    for name in ("pairwise", "global", "local"):
+        with pytest.raises(ValueError, match="distance applies to Interlock\\('nwise'\\) only"):
+            pipeq.schedules.Interlock(name, distance=1)
+    # the runner's old keyword says where the option lives now
+    with pytest.raises(ValueError, match=r"interlock_distance is an option of the schedule now: pass "
+                                         r"schedule=pipeq.schedules.Interlock\('nwise', distance=2\)"):
+        make("nwise", interlock_distance=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'interlock_distanse'"):
+        make("nwise", interlock_distanse=2)
     with pytest.raises(ValueError, match="aux_loss must be callable"):
         make(aux_loss="ce")
 
@@ -431,7 +442,7 @@ def test_missing_heads_are_named(schedule):
     for mode in ("simulated", "process"):
         with pytest.raises(ValueError, match=rf"schedule '{schedule}' trains with auxiliary heads: pass aux_heads="):
             make(schedule, heads=None, mode=mode)
-    make("nwise", heads=None, interlock_distance=3)  # d = N-1 is global: no head needed
+    make(scheme("nwise", 3), heads=None)  # d = N-1 is global: no head needed
 
 
 def test_tuple_boundary_is_refused():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeq.codec import Kind, Message
-from pipeq.transport import KeyedQueue, ProtocolError, StageTransport, make_ipc_dir, remove_ipc_dir
+from pipeq.messages import Kind, Message
+from pipeq.transport import BindTo, KeyedQueue, ProtocolError, StageTransport, make_ipc_dir, remove_ipc_dir
 
 
 def msg(step: int, mb: int) -> Message:
@@ -31,8 +31,9 @@ def test_keyed_queue_is_order_free_and_bounded():
 @pytest.mark.parametrize("kind", ["ipc", "tcp"])
 def test_activation_and_gradient_between_two_stages(kind):
     where = make_ipc_dir() if kind == "ipc" else "127.0.0.1"
-    a = StageTransport(0, "inproc://unused", transport=kind, where=where, queue_capacity=4)
-    b = StageTransport(1, "inproc://unused", transport=kind, where=where, queue_capacity=4)
+    bind = BindTo.ipc(where) if kind == "ipc" else BindTo.tcp(where)
+    a = StageTransport(0, "inproc://unused", bind=bind, queue_capacity=4)
+    b = StageTransport(1, "inproc://unused", bind=bind, queue_capacity=4)
     try:
         a.connect(b.addresses["forward"], None)
         b.connect(None, a.addresses["backward"])

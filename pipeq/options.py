@@ -1,0 +1,295 @@
+"""Checking what a :class:`~pipeq.PipelineRunner` is given, before any process starts.
+
+Every refusal is a ``ValueError`` that names the stage or setting at fault and says what to do.
+:func:`check_model` turns the model arguments into a :class:`Model`: one
+:class:`~pipeq.executors.StageSpec` per stage and replica, or the recipe that builds them in the
+stage processes. :func:`check_run` checks the process settings; :func:`process_payloads` makes
+what each stage process is started with.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from . import schedules
+from .executors import StageBuilder, StageSpec
+from .stage import loss_weight_mode
+
+if TYPE_CHECKING:
+    from .rendezvous import Rendezvous
+
+MODES = ("process", "simulated")
+TRANSPORTS = ("ipc", "tcp")
+START_METHODS = ("spawn", "forkserver")
+
+#: Keyword arguments that used to be the runner's and are now options of a schedule object.
+MOVED = {
+    "interlock_distance": "schedule=pipeq.schedules.Interlock('nwise', distance={value!r})",
+    "weight_stashing": "schedule=pipeq.schedules.AsyncOneFOneB(weight_stashing={value!r})",
+    "al_first_loss": "schedule=pipeq.schedules.AssociatedLearning(first_loss={value!r})",
+    "al_inference_layer": "schedule=pipeq.schedules.AssociatedLearning(inference_layer={value!r})",
+}
+
+
+def refuse_moved(kwargs: Mapping[str, Any]) -> None:
+    """A moved option says where it went; anything else is an unknown argument, as in Python."""
+    for key, value in kwargs.items():
+        if key in MOVED:
+            raise ValueError(f"{key} is an option of the schedule now: pass {MOVED[key].format(value=value)}")
+        raise TypeError(f"PipelineRunner() got an unexpected keyword argument {key!r}")
+
+
+@dataclass
+class Model:
+    """The checked model: stage specs per replica, or the recipe the stage processes build from."""
+
+    n_stages: int
+    loss_fn: Callable  # weights the microbatches' losses (the recipe's, when one builds the stages)
+    replicas: list[list[StageSpec]] = field(default_factory=list)  # empty when built remotely
+    builder: StageBuilder | None = None
+    aux_loss: Callable | None = None  # with auxiliary heads: weights their losses
+
+    @property
+    def stage_shapes(self) -> list[dict[str, tuple[int, ...]]] | None:
+        """Each stage's state_dict shapes (None when the stages are built in their processes)."""
+        if not self.replicas:
+            return None
+        return [{n: tuple(t.shape) for n, t in spec.module.state_dict().items()} for spec in self.replicas[0]]
+
+
+def _factory(value: Any, what: str, example: str) -> None:
+    if value is not None and not callable(value):
+        raise ValueError(f"{what} must be a factory called with one stage's {example}")
+
+
+def check_model(
+    stages: Any, loss_fn: Any, optimizer: Any, lr_scheduler: Any, schedule: Any, *,
+    aux_heads: Sequence[nn.Module] | None, aux_loss: Any, data_parallel: int, mode: str,
+    rendezvous: "Rendezvous | None",
+) -> Model:
+    """The model arguments of :class:`~pipeq.PipelineRunner`, checked (see its docstring)."""
+    name = schedules.schedule_name(schedule)
+    if type(data_parallel) is not int or data_parallel < 1:
+        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+    if data_parallel > 1:
+        if mode != "process":
+            raise ValueError("data_parallel > 1 runs R x N stage processes: use mode='process'")
+        if isinstance(schedule, (schedules.AssociatedLearning, schedules.AsyncOneFOneB)):
+            raise ValueError(
+                f"schedule {name!r} updates after every microbatch; replicas would have to all-reduce "
+                "every microbatch: data_parallel is not supported with it (use fill-drain, 1f1b or an "
+                "interlocking schedule)")
+    if isinstance(stages, StageBuilder):
+        return _check_recipe(stages, loss_fn, optimizer, lr_scheduler, schedule, mode)
+    if rendezvous is not None:
+        raise ValueError(
+            "a multi-host run builds each stage on its own host from importable names: pass a job "
+            "recipe (pipeq.job.Recipe, or use pipeq launch) instead of modules")
+    copies = _replica_lists(stages, data_parallel)
+    stages = copies[0]
+    n = len(stages)
+    is_al = isinstance(schedule, schedules.AssociatedLearning)
+    if is_al and loss_fn is None:
+        loss_fn = nn.MSELoss()  # the associated and autoencoder losses' criterion
+    if not callable(loss_fn):
+        raise ValueError("loss_fn must be callable as loss_fn(output, target)")
+    loss_weight_mode(loss_fn)
+    if not callable(optimizer):
+        raise ValueError("optimizer must be a factory called with one stage's parameters, e.g. "
+                         "functools.partial(torch.optim.SGD, lr=0.1)")
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise ValueError("lr_scheduler must be a factory called with one stage's optimizer, e.g. "
+                         "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)")
+    _check_heads(schedule, n, aux_heads, aux_loss)
+    if is_al:
+        _check_al_layers(schedule, stages)
+    _check_untied(stages)
+    heads = list(aux_heads) + [None] if aux_heads is not None else [None] * n
+    replicas = [[StageSpec(module, optimizer, loss_fn if is_al or k == n - 1 else None, lr_scheduler,
+                           heads[k], aux_loss if aux_heads is not None else None)
+                 for k, module in enumerate(copy)] for copy in copies]
+    return Model(n, loss_fn, replicas, None,
+                 (aux_loss if aux_loss is not None else nn.CrossEntropyLoss()) if aux_heads is not None else None)
+
+
+def _check_recipe(builder: StageBuilder, loss_fn: Any, optimizer: Any, lr_scheduler: Any, schedule: Any,
+                  mode: str) -> Model:
+    """A job's recipe (pipeq launch, multi-host): the stage processes build the stages."""
+    if isinstance(schedule, (schedules.AssociatedLearning, schedules.Interlock)):
+        raise ValueError(
+            f"schedule {schedules.schedule_name(schedule)!r} is not available from job recipes yet; "
+            "embed PipelineRunner with modules (and aux_heads / pipeq.al layers)")
+    if loss_fn is not None or optimizer is not None or lr_scheduler is not None:
+        raise ValueError("with a stage recipe, the loss, optimizer and scheduler come from it: "
+                         "pass loss_fn=None, optimizer=None")
+    n = builder.count_stages()  # type: ignore[attr-defined]
+    loss = builder.loss_fn()  # type: ignore[attr-defined]
+    if mode == "simulated":  # build them here, as the stage processes would
+        return Model(n, loss, [[builder.build(k, n) for k in range(n)]])
+    return Model(n, loss, [], builder)
+
+
+def _replica_lists(stages: Any, data_parallel: int) -> list[list[nn.Module]]:
+    """Every replica's stage list: R given lists (checked alike), or the one list R times."""
+    if (data_parallel > 1 and isinstance(stages, (list, tuple)) and stages
+            and all(isinstance(s, (list, tuple)) for s in stages)):
+        if len(stages) != data_parallel:
+            raise ValueError(f"{len(stages)} replica stage lists for data_parallel={data_parallel}")
+        copies = [list(s) for s in stages]
+    else:
+        copies = [stages] * data_parallel
+    first = copies[0]
+    if isinstance(first, nn.Module) or not isinstance(first, (list, tuple)) or not first:
+        raise ValueError("stages must be a non-empty list of nn.Module, one per pipeline stage")
+    for k, s in enumerate(first):
+        if not isinstance(s, nn.Module):
+            raise ValueError(f"stage {k} is a {type(s).__name__}, not an nn.Module")
+    shapes = [[{n: tuple(t.shape) for n, t in s.state_dict().items()} for s in copy] for copy in copies]
+    for r in range(1, len(copies)):
+        if shapes[r] != shapes[0]:
+            raise ValueError(f"replica {r}'s stages differ from replica 0's (names or shapes)")
+    return [list(c) for c in copies]
+
+
+def _check_heads(schedule: Any, n: int, aux_heads: Any, aux_loss: Any) -> None:
+    interlocking = isinstance(schedule, schedules.Interlock)
+    if aux_heads is not None or aux_loss is not None:
+        if not interlocking:
+            raise ValueError(
+                f"aux_heads/aux_loss train with the interlocking schedules ({', '.join(schedules.INTERLOCK)}), "
+                f"not with {schedules.schedule_name(schedule)!r}")
+        if aux_heads is None or len(aux_heads) != n - 1 or not all(isinstance(h, nn.Module) for h in aux_heads):
+            raise ValueError(
+                f"aux_heads must be a list of {n - 1} nn.Module (one per stage but the last, stage k's "
+                f"head reading stage k's output), got {aux_heads!r}")
+        if aux_loss is not None and not callable(aux_loss):
+            raise ValueError("aux_loss must be callable as aux_loss(head_output, target)")
+    if interlocking and aux_heads is None and schedule.distance(n) < n - 1:
+        raise ValueError(
+            f"schedule {schedules.schedule_name(schedule)!r} trains with auxiliary heads: pass "
+            f"aux_heads=[head_0, ..., head_{n - 2}] (one per stage but the last)")
+
+
+def _check_al_layers(schedule: schedules.AssociatedLearning, stages: Sequence[nn.Module]) -> None:
+    from .al import ALLayer
+
+    if schedule.inference_layer is not None and schedule.inference_layer >= len(stages):
+        raise ValueError(f"AssociatedLearning(inference_layer={schedule.inference_layer}) but there are only "
+                         f"{len(stages)} AL layers (stages 0..{len(stages) - 1})")
+    for k, st in enumerate(stages):
+        if not isinstance(st, ALLayer):
+            raise ValueError(f"stage {k} is a {type(st).__name__}: schedule 'al' trains pipeq.al.ALLayer "
+                             "stages (f, b, g, h); build them with pipeq.al.build_al")
+
+
+def _check_untied(stages: Sequence[nn.Module]) -> None:
+    """Each stage process owns its tensors: a parameter shared by two stages would untie."""
+    owner: dict[int, tuple[int, str]] = {}
+    for k, s in enumerate(stages):
+        for name, t in list(s.named_parameters()) + list(s.named_buffers()):
+            first = owner.setdefault(id(t), (k, name))
+            if first[0] != k:
+                raise ValueError(
+                    f"stage {k}'s {name!r} is the same tensor as stage {first[0]}'s {first[1]!r}; tensors "
+                    "shared between stages (tied weights) would be trained apart, one copy per stage "
+                    "process: keep them in one stage")
+
+
+def check_run(
+    n_stages: int, microbatches: int, *, mode: str, devices: Sequence[str] | None, threads_per_stage: Any,
+    transport: str, start_method: str, queue_capacity: Any, trace: Any, heartbeat_interval: float,
+    heartbeat_timeout: float,
+) -> None:
+    """The process settings of :class:`~pipeq.PipelineRunner` (see its docstring)."""
+    if type(microbatches) is not int or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if threads_per_stage is not None and (type(threads_per_stage) is not int or threads_per_stage < 1):
+        raise ValueError(f"threads_per_stage must be a positive integer, got {threads_per_stage!r}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+    if queue_capacity is not None and (type(queue_capacity) is not int or queue_capacity < microbatches):
+        raise ValueError(
+            f"queue_capacity={queue_capacity!r} is too small: a stage may hold every microbatch of a "
+            f"step, so it must be an integer >= microbatches ({microbatches})")
+    if devices is not None:
+        if len(devices) != n_stages:
+            raise ValueError(f"devices names {len(devices)} device(s) for {n_stages} stages")
+        for k, d in enumerate(devices):
+            try:
+                dev = torch.device(d)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"devices[{k}] = {d!r} is not a device: {exc}") from None
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"devices[{k}] = {d!r}, but CUDA is not available here")
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"devices[{k}] = {d!r}: pipeq runs stages on 'cpu' or 'cuda'")
+    if trace is not None and (not isinstance(trace, (str, os.PathLike)) or mode != "process"):
+        raise ValueError(
+            f"trace={trace!r}: give a file path, in process mode (a simulated run has no timeline "
+            "worth tracing: every stage runs in this one process)")
+    if heartbeat_timeout <= heartbeat_interval:
+        raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
+
+
+def process_payloads(model: Model, schedule: Any) -> list["bytes | StageBuilder"]:
+    """What each stage process (replica r's stage k is process r * N + k) is started with: its
+    pickled :class:`StageSpec`, or the recipe. Checks that everything pickles, naming what
+    does not."""
+    _check_picklable("schedule", schedule)
+    if model.builder is not None:
+        return [model.builder] * model.n_stages * max(1, len(model.replicas))
+    out: list[bytes | StageBuilder] = []
+    for copy in model.replicas:
+        for k, spec in enumerate(copy):
+            for what, obj in (("stage %d (%s)" % (k, type(spec.module).__name__), spec.module),
+                              ("loss_fn", spec.loss_fn), ("optimizer", spec.optimizer),
+                              ("lr_scheduler", spec.lr_scheduler), (f"aux_heads[{k}]", spec.aux_head),
+                              ("aux_loss", spec.aux_loss)):
+                _check_picklable(what, obj)
+            out.append(pickle.dumps(spec))
+    return out
+
+
+def _check_picklable(what: str, obj: Any) -> None:
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:
+        raise ValueError(
+            f"{what} cannot be pickled to start its stage process ({exc}); define classes and "
+            "functions at module level (no lambdas or local classes), or use mode='simulated'"
+        ) from exc
+
+
+def split_state(state: Mapping[str, torch.Tensor], shapes: list[dict[str, tuple[int, ...]]]
+                ) -> list[tuple[list[str], list[torch.Tensor]]]:
+    """A flat ``state_dict`` (keys ``"k.name"``) as each stage's (names, tensors), checked
+    against the stages' names and shapes before anything is loaded."""
+    expected = {f"{k}.{n}" for k, stage in enumerate(shapes) for n in stage}
+    unexpected = sorted(set(state) - expected)
+    missing = sorted(expected - set(state))
+    if unexpected or missing:
+        raise ValueError(f"state_dict does not fit these {len(shapes)} stages: missing keys {missing}, "
+                         f"unexpected keys {unexpected}")
+    per_stage = []
+    for k, stage in enumerate(shapes):
+        names, tensors = [], []
+        for name, shape in stage.items():
+            t = state[f"{k}.{name}"]
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"state_dict['{k}.{name}'] is a {type(t).__name__}, not a tensor")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"state_dict['{k}.{name}'] has shape {tuple(t.shape)}, stage {k} expects {shape}")
+            names.append(name)
+            tensors.append(t.detach().cpu())
+        per_stage.append((names, tensors))
+    return per_stage

@@ -1,0 +1,146 @@
+"""Stage processes: where each one runs, what it is told at start, and how it is stopped.
+
+Used by both halves of the control plane that start stages: the driver (every stage on one host,
+or node 0's in a multi-host run) and a node's agent (the stages of node r > 0). A run's processes
+are numbered ``g = replica * n_stages + stage``; :func:`worker_configs` is the one place a
+:class:`~pipeq.worker.WorkerConfig` is made.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from . import schedules
+from .executors import StageBuilder
+from .transport import BindTo
+from .worker import WorkerConfig, worker_entry
+
+if TYPE_CHECKING:
+    from .rendezvous import Rendezvous
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """How every stage process of a run is set up (the runner's and the job file's knobs)."""
+
+    devices: Sequence[str] | None = None  # one per stage index; None: CUDA round-robin, else CPU
+    threads_per_stage: int | None = None  # None: this host's cores / its stages, at least 1
+    queue_capacity: int = 64
+    heartbeat_interval: float = 1.0
+    spin_s: float = 0.01
+    trace: bool = False
+
+
+def plan_devices(
+    n_local: int, devices: Sequence[str] | None, rendezvous: "Rendezvous | None" = None
+) -> list[tuple[str, list[int], int]]:
+    """(device, cpu cores, threads) for each of this host's ``n_local`` stage processes: the
+    given devices, else CUDA round-robin when present, else ``cpu``, each with its share of cores.
+
+    Under torchrun/srun several pipeq nodes may share a host: LOCAL_RANK / LOCAL_WORLD_SIZE then
+    give this node its GPU (cuda:LOCAL_RANK) or its slice of the host's cores.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    local_rank = rendezvous.local_rank if rendezvous is not None else None
+    local_size = rendezvous.local_world_size if rendezvous is not None else None
+    if local_rank is not None and local_size and local_size > 1 and len(cores) >= local_size:
+        share = len(cores) // local_size
+        cores = cores[local_rank * share:(local_rank + 1) * share]
+    per = max(1, len(cores) // n_local)
+    plan = []
+    for i in range(n_local):
+        if devices is not None:
+            dev = devices[i]
+        elif torch.cuda.is_available():
+            dev = f"cuda:{(local_rank if local_rank is not None else i) % torch.cuda.device_count()}"
+        else:
+            dev = "cpu"
+        start = (i * per) % len(cores)
+        plan.append((dev, [cores[(start + c) % len(cores)] for c in range(per)], per))
+    return plan
+
+
+def worker_configs(
+    processes: Sequence[int],
+    n_stages: int,
+    replicas: int,
+    schedule: Any,
+    settings: StageSettings,
+    *,
+    control_addr: str,
+    bind: BindTo,
+    seed_of: Callable[[int], int],
+    rendezvous: "Rendezvous | None" = None,
+    dp_store: tuple[str, int, str] | None = None,
+    die_with_parent: bool = True,
+) -> list[WorkerConfig]:
+    """The start-up configuration of each of this host's ``processes`` (numbers g).
+
+    ``seed_of(g)`` seeds process g's torch RNG; ``dp_store`` is where the replicas' gradient
+    groups meet (data parallelism). The workers watch this process (``driver_pid``) and exit
+    when it is gone; ``die_with_parent`` adds the kernel's PDEATHSIG, which is only safe when
+    this is the main thread (it fires when the *thread* that started them exits).
+    """
+    schedule = schedules.resolve(schedule)
+    devices = [settings.devices[g % n_stages] for g in processes] if settings.devices is not None else None
+    plan = plan_devices(len(processes), devices, rendezvous)
+    return [
+        WorkerConfig(
+            stage=g % n_stages, n_stages=n_stages, schedule=schedule, control_addr=control_addr,
+            bind=bind, process=g, device=dev, cores=cores,
+            threads=settings.threads_per_stage or threads, queue_capacity=settings.queue_capacity,
+            heartbeat_interval=settings.heartbeat_interval, spin_s=settings.spin_s,
+            die_with_parent=die_with_parent, driver_pid=os.getpid(), seed=seed_of(g),
+            store=rendezvous.store_address() if rendezvous is not None else None,
+            trace=settings.trace, replica=g // n_stages, replicas=replicas, dp_store=dp_store,
+        )
+        for g, (dev, cores, threads) in zip(processes, plan)
+    ]
+
+
+def job_identity(payload: "bytes | StageBuilder", schedule: Any) -> dict[str, Any]:
+    """What every node of a multi-host run must agree on (compared by the agents)."""
+    from .trace import schedule_label
+
+    recipe = payload.describe() if isinstance(payload, StageBuilder) else {}
+    return {"schedule": schedule_label(schedules.resolve(schedule)), "recipe": recipe}
+
+
+def exit_reason(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"was killed by {name}"
+
+
+def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> mp.process.BaseProcess:
+    p = ctx.Process(target=worker_entry, args=(cfg, payload), name=f"pipeq-stage{cfg.stage}", daemon=True)
+    p.start()
+    return p
+
+
+def stop_processes(procs: Sequence[mp.process.BaseProcess], grace: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds: nothing outlives this call."""
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(5.0)
+    for p in procs:
+        if p.exitcode is not None:
+            p.close()

@@ -1,0 +1,213 @@
+"""Watching a run's processes while the driver waits on them: replies, errors, deaths, silence.
+
+Every wait of the driver goes through :meth:`Supervisor.collect`, which files the replies it
+waits for and, on the way, ends the run with a :class:`~pipeq.errors.PipelineError` naming the
+stage (and replica) at fault when
+
+- a stage (or a node's agent, for a remote stage) reports an ERROR, with its traceback;
+- a local stage process has exited (os._exit, a signal, the OOM killer), noticed within ~0.1 s;
+- a stage's heartbeats stopped for ``heartbeat_timeout`` seconds (hung, or its host cut off).
+
+Only time spent waiting counts against the heartbeat timeout: a caller that paused between two
+calls does not make its stages look dead. On a failure the ``teardown`` callback stops every
+process before the error is raised.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Callable
+
+from .errors import CodecError, PipelineError
+from .messages import REPLIES, Kind, Message
+from .processes import exit_reason
+from .transport import AGENT, HEARTBEAT, STAGE, ControlServer, Peer, PeerUnreachable
+
+_POLL_MS = 100
+
+
+class Supervisor:
+    def __init__(
+        self,
+        server: ControlServer,
+        procs: dict[int, mp.process.BaseProcess],
+        *,
+        n_stages: int,
+        n_processes: int,
+        n_nodes: int,
+        heartbeat_timeout: float,
+        teardown: Callable[[], None],
+    ) -> None:
+        self.server = server
+        self.procs = procs  # this host's stage processes, by process number g
+        self.n_stages = n_stages
+        self.n_processes = n_processes
+        self.n_nodes = n_nodes
+        self.replicated = n_processes > n_stages
+        self.heartbeat_timeout = heartbeat_timeout
+        self.teardown = teardown
+        self.failure: PipelineError | None = None
+        # heartbeats are judged once a stage is READY (see expect_heartbeats)
+        self.last_beat = [float("inf")] * n_processes
+        self._last_health = 0.0
+
+    # -- naming the culprit ------------------------------------------------------------------
+    def known(self, peer: Peer | None) -> bool:
+        """Whether ``peer`` is one of this run's stage processes (or their heartbeats) or agents."""
+        if peer is None:
+            return False
+        if peer.role == AGENT:
+            return 0 < peer.index < self.n_nodes
+        return peer.index < self.n_processes
+
+    def error(self, message: str, g: int | None, traceback: str | None = None) -> PipelineError:
+        """A PipelineError naming process g's stage (and its replica, with data parallelism)."""
+        if g is None:
+            return PipelineError(message, None, traceback)
+        return PipelineError(message, g % self.n_stages, traceback,
+                             replica=g // self.n_stages if self.replicated else None)
+
+    def error_of(self, peer: Peer, msg: Message) -> PipelineError:
+        extra = msg.extra
+        if peer.role == AGENT:  # an agent reports one of its processes (or itself)
+            g = extra.get("stage") if type(extra.get("stage")) is int else None
+            return self.error(str(extra.get("message", "failed")) + f" (on node {peer.index})", g,
+                              extra.get("traceback"))
+        return self.error(str(extra.get("message", "failed")), peer.index, extra.get("traceback"))
+
+    @staticmethod
+    def _is_echo(err: PipelineError) -> bool:
+        """An error that only says a peer of the gradient all-reduce went away."""
+        text = (err.message or "").lower()
+        return "gloo" in text or "nccl" in text or "connection reset" in text or "connection closed" in text
+
+    def _process_of(self, err: PipelineError) -> int:
+        return (err.replica or 0) * self.n_stages + (err.stage or 0)
+
+    def blame(self, err: PipelineError) -> PipelineError:
+        """With replicas, a stage's error may only echo a peer that failed in the middle of their
+        gradient all-reduce: wait briefly for the peer's own error, or name the peer that died."""
+        if not self.replicated or not self._is_echo(err):
+            return err
+        echoes = {self._process_of(err)}
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            got = self.server.recv(20)
+            if got is not None and got[1].kind is Kind.ERROR and self.known(got[0]):
+                other = self.error_of(got[0], got[1])  # type: ignore[arg-type]
+                if not self._is_echo(other):
+                    return other
+                echoes.add(self._process_of(other))
+        for g, p in self.procs.items():
+            if g not in echoes and p.exitcode is not None and p.exitcode != 0:
+                return self.error(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}", g)
+        return err
+
+    def fail(self, err: PipelineError) -> PipelineError:
+        """Record the run's failure, stop every process; returns ``err`` for the caller to raise."""
+        self.failure = err
+        self.teardown()
+        return err
+
+    # -- health --------------------------------------------------------------------------------
+    def expect_heartbeats(self) -> None:
+        """Every stage is READY: from now on a silent one is failed."""
+        self.last_beat = [time.monotonic()] * self.n_processes
+
+    def begin_wait(self) -> float:
+        """Heartbeats are judged from now on: silence while nobody waited is not a failure."""
+        now = time.monotonic()
+        self.last_beat = [max(b, now) for b in self.last_beat]
+        self._last_health = now
+        return now
+
+    def check_health(self) -> None:
+        now = time.monotonic()
+        self._last_health = now
+        for g, p in self.procs.items():
+            code = p.exitcode
+            if code is not None:
+                # An ERROR may still be in flight from a stage that raised and exited: prefer it.
+                end = time.monotonic() + 0.5
+                while time.monotonic() < end:
+                    got = self.server.recv(50)
+                    if got is not None and got[1].kind is Kind.ERROR and self.known(got[0]):
+                        raise self.fail(self.error_of(got[0], got[1]))  # type: ignore[arg-type]
+                raise self.fail(self.error(f"stage process (pid {p.pid}) {exit_reason(code)}", g))
+        for g in range(self.n_processes):
+            if now - self.last_beat[g] > self.heartbeat_timeout:
+                raise self.fail(self.error(
+                    f"no heartbeat for {now - self.last_beat[g]:.1f} s (heartbeat_timeout="
+                    f"{self.heartbeat_timeout}); the stage is hung or unreachable", g))
+
+    def check_usable(self) -> None:
+        if self.failure is not None:
+            raise PipelineError(f"the pipeline has failed and is closed: {self.failure}")
+
+    def _recv(self, timeout_ms: int) -> tuple[Peer | None, Message] | None:
+        try:
+            return self.server.recv(timeout_ms)
+        except CodecError as exc:
+            raise self.fail(PipelineError(f"malformed message on the control channel: {exc}"))
+
+    # -- waiting and sending -----------------------------------------------------------------------
+    def collect(
+        self, kind: Kind, counts: dict[int, int], *, step: int = 0, timeout: float | None = None,
+        what: str = "reply", on_timeout: Callable[[set[int]], str] | None = None,
+    ) -> dict[int, list[Message]]:
+        """Wait for ``counts[g]`` replies ``(kind, step)`` from each process g, watching every
+        process; ``on_timeout(missing)`` may add a hint to the time-out's message."""
+        start = self.begin_wait()
+        got: dict[int, list[Message]] = {g: [] for g in counts}
+        missing = {g for g, c in counts.items() if c > 0}
+        deadline = None if timeout is None else start + timeout
+        while missing:
+            r = self._recv(_POLL_MS)
+            now = time.monotonic()
+            if r is not None and self.known(r[0]):  # anything else is not one of ours: ignored
+                peer, msg = r
+                assert peer is not None
+                if peer.role != AGENT:
+                    self.last_beat[peer.index] = now
+                if msg.kind is Kind.ERROR and peer.role in (STAGE, AGENT):
+                    raise self.fail(self.blame(self.error_of(peer, msg)))
+                if peer.role == STAGE:
+                    g = peer.index
+                    if msg.kind is kind and msg.step == step and g in missing:
+                        got[g].append(msg)
+                        if len(got[g]) == counts[g]:
+                            missing.discard(g)
+                    elif msg.kind not in REPLIES:
+                        raise self.fail(self.error(
+                            f"protocol error: got {msg.kind.name} while waiting for {kind.name}", g))
+            if r is None or now - self._last_health > _POLL_MS / 1000:
+                self.check_health()
+            if deadline is not None and now > deadline:
+                hint = on_timeout(missing) if on_timeout is not None else ""
+                raise self.fail(PipelineError(
+                    f"timed out after {timeout} s waiting for {kind.name} ({what}) from stage(s) "
+                    f"{sorted(missing)}" + (f"; {hint}" if hint else "")))
+        return got
+
+    def drain_pending(self) -> None:
+        """Handle what arrived while no call was waiting (an ERROR above all), without blocking."""
+        while True:
+            r = self._recv(0)
+            if r is None:
+                return
+            peer, msg = r
+            if self.known(peer) and peer.role in (STAGE, AGENT) and msg.kind is Kind.ERROR:  # type: ignore[union-attr]
+                raise self.fail(self.blame(self.error_of(peer, msg)))  # type: ignore[arg-type]
+
+    def send_all(self, messages: list[tuple[int, Message]]) -> None:
+        """Send ``(process, message)`` pairs after checking that every process is alive. All are
+        encoded before any is sent: a bad input leaves no stage half-commanded."""
+        self.drain_pending()
+        self.begin_wait()
+        self.check_health()
+        try:
+            self.server.send_many(messages)
+        except PeerUnreachable as exc:
+            self.check_health()  # names the stage and its own error if it died
+            raise self.fail(self.error("its control socket is gone", exc.process))
