@@ -1,14 +1,20 @@
 """pipeq: multiprocess pipeline-parallel training for PyTorch over ZeroMQ.
 
-Layers, imports pointing down only::
+Layers, imports pointing down only (tests/test_layers.py checks it)::
 
-    cli.py -> launch.py (pipeq launch: job.py files, checkpoints, metrics) | agent.py (node r > 0)
-    runner.py  (PipelineRunner)  ->  driver.py (process mode) | simulated.py (one process)
-                                     rendezvous.py (multi-host: TCPStore, placement)
-    worker.py  (event loop)      ->  interpreter.py -> stage.py (compute)
-                                 ->  transport.py (ZeroMQ, queues) -> codec.py (bytes)
-    schedules.py                     pure: actions as data, validation, dry run
-    checkpoint.py                    files: global names, re-split across stage counts
+    control plane  cli.py -> launch.py (pipeq launch: job.py files, checkpoints, metrics)
+                             agent.py (node r > 0 of a multi-host run)
+                   runner.py (PipelineRunner) -> options.py (checks), batching.py (microbatches,
+                             loss weights) -> driver.py (process mode: supervisor.py watches
+                             failures, tracing.py collects traces, processes.py starts stages,
+                             rendezvous.py meets other hosts) | simulated.py (one process)
+                   report.py, plot.py (reading traces)
+    event loop     worker.py (one per stage process) -> interpreter.py (runs a stage's actions)
+    compute        schedules.py + actions.py (pure: actions as data, lowering, dry run),
+                   executors.py -> stage.py, interlock.py, asyncpipe.py, al.py (forward, backward,
+                   step), checkpoint.py (global names), dataparallel.py, trace.py (the trace format)
+    transport      transport.py (ZeroMQ sockets, keyed queues; the only user of the codec)
+    codec          codec.py (bytes), messages.py (kinds, Message), errors.py, netif.py
 """
 
 from . import rendezvous

@@ -21,13 +21,14 @@ through layer l (``AssociatedLearning(inference_layer=l)``: f_1..f_l, b_l, h_l..
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .stage import StageExecutor, Tensors, describe
+from .schedules import AssociatedLearning
+from .stage import StageExecutor, StageSpec, Tensors, describe
 
 
 class ALLayer(nn.Module):
@@ -72,36 +73,23 @@ def build_al(
 class ALExecutor(StageExecutor):
     """Runs one AL layer: forward of both paths, the two local losses, two optimizers."""
 
-    def __init__(
-        self,
-        index: int,
-        n_stages: int,
-        module: nn.Module,
-        optimizer_factory: Callable[..., torch.optim.Optimizer],
-        loss_fn: Callable | None,
-        device: torch.device,
-        lr_scheduler: Callable | None = None,
-        *,
-        first_loss: str = "ce",
-        inference_layer: int | None = None,
-    ) -> None:
+    def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device,
+                 schedule: AssociatedLearning) -> None:
+        module = spec.module
         if not isinstance(module, ALLayer):
             raise ValueError(
                 f"stage {index}: schedule 'al' needs pipeq.al.ALLayer stages (f, b, g, h), got a "
                 f"{type(module).__name__}; build them with pipeq.al.build_al"
             )
-        super().__init__(index, n_stages, module, optimizer_factory, None, device, lr_scheduler,
-                         param_source=nn.ModuleList([module.f, module.b]))
+        super().__init__(index, n_stages, spec, device, trains=nn.ModuleList([module.f, module.b]))
         layer: ALLayer = self.module  # type: ignore[assignment]
         label = [p for m in (layer.g, layer.h) for p in m.parameters() if p.requires_grad]
-        self.label_optimizer = optimizer_factory(label) if label else None
         # the lr scheduler, if any, drives both paths' optimizers (stepped with them, per microbatch)
-        self.label_scheduler = (
-            lr_scheduler(self.label_optimizer) if lr_scheduler is not None and self.label_optimizer else None
-        )
-        self.criterion = loss_fn if loss_fn is not None else nn.MSELoss()
-        if first_loss not in ("ce", "mse"):
-            raise ValueError(f"AssociatedLearning(first_loss=...) must be 'ce' or 'mse', got {first_loss!r}")
+        self.label_optimizer = self.make_optimizer(spec, label)
+        self.label_scheduler = self.make_scheduler(spec, self.label_optimizer)
+        self.criterion = spec.loss_fn if spec.loss_fn is not None else nn.MSELoss()
+        self.loss_fn = None  # no end-to-end loss: the criterion serves the local ones
+        first_loss, inference_layer = schedule.first_loss, schedule.inference_layer
         self.first_loss = first_loss
         self.inference_layer = n_stages - 1 if inference_layer is None else inference_layer
         self.needs_target = index == 0

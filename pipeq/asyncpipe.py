@@ -17,29 +17,20 @@ scheduler, if any, steps with the optimizer (once per microbatch).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch import nn
 from torch.func import functional_call
 
-from .stage import StageExecutor, Tensors, as_tuple, describe
+from .schedules import AsyncOneFOneB
+from .stage import StageExecutor, StageSpec, Tensors, as_tuple, describe
 
 
 class AsyncExecutor(StageExecutor):
-    def __init__(
-        self,
-        index: int,
-        n_stages: int,
-        module: nn.Module,
-        optimizer_factory: Callable[..., torch.optim.Optimizer],
-        loss_fn: Callable | None,
-        device: torch.device,
-        lr_scheduler: Callable | None = None,
-        *,
-        weight_stashing: bool = True,
-    ) -> None:
-        super().__init__(index, n_stages, module, optimizer_factory, loss_fn, device, lr_scheduler)
+    def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device,
+                 schedule: AsyncOneFOneB) -> None:
+        super().__init__(index, n_stages, spec, device)
+        weight_stashing = schedule.weight_stashing
         self.weight_stashing = weight_stashing
         self.copies: dict[int, dict[str, torch.Tensor]] = {}  # microbatch -> its stashed weights
         self.max_copies = 0  # the most copies held at once (bounded by the pipeline depth)

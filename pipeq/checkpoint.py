@@ -117,18 +117,6 @@ def to_global(local: str, offset: int, sequential: bool) -> str:
     return f"{offset + int(head)}{dot}{rest}"
 
 
-def to_local(global_: str, offset: int, sequential: bool, layers: int | None = None) -> str:
-    """Inverse of :func:`to_global`; ValueError if ``global_`` is not in this stage's layers."""
-    layer = layer_of(global_)
-    span = layers if sequential else 1  # None: a sequential stage of unknown length
-    if layer < offset or (span is not None and layer >= offset + span):
-        raise ValueError(f"{global_!r} is not in the stage whose layers start at {offset} (span {span})")
-    rest = global_.split(".", 1)[1] if "." in global_ else ""
-    if not sequential:
-        return rest
-    return f"{layer - offset}.{rest}" if rest else str(layer - offset)
-
-
 # ---------------------------------------------------------------------------- optimizer
 
 

@@ -17,26 +17,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from .netif import interface_of
+
 BUCKET_BYTES = 25 << 20
-
-
-def interface_of(address: str) -> str | None:
-    """The network interface that holds IPv4 ``address`` (for gloo's GLOO_SOCKET_IFNAME)."""
-    from .rendezvous import _interface_address
-
-    for _, name in socket.if_nameindex():
-        try:
-            if _interface_address(name) == address:
-                return name
-        except ValueError:
-            continue
-    return None
 
 
 def join(stage: int, replica: int, replicas: int, store_address: tuple[str, int, str], device: torch.device,

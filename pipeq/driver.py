@@ -16,7 +16,6 @@ with the driver (a pidfd watch, or PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import threading
 import time
 from typing import Any, Sequence

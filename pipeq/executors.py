@@ -15,29 +15,17 @@ The worker process and the simulated engine both build theirs here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch import nn
 
 from .al import ALExecutor
 from .asyncpipe import AsyncExecutor
 from .interlock import InterlockExecutor
 from .schedules import AssociatedLearning, AsyncOneFOneB, Interlock
-from .stage import StageExecutor
+from .stage import StageExecutor, StageSpec
 
-
-@dataclass
-class StageSpec:
-    """Everything stage k's executor is made of."""
-
-    module: nn.Module
-    optimizer: Callable[..., torch.optim.Optimizer]  # called with the stage's parameters
-    loss_fn: Callable | None = None  # the last stage's; every stage's local criterion with AL
-    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
-    aux_head: nn.Module | None = None  # interlocking: the head reading this stage's output
-    aux_loss: Callable | None = None
+__all__ = ["StageSpec", "StageBuilder", "make_executor"]
 
 
 class StageBuilder:
@@ -56,11 +44,8 @@ class StageBuilder:
 
 
 def make_executor(schedule: Any, index: int, n_stages: int, spec: StageSpec, device: torch.device) -> StageExecutor:
-    common = (index, n_stages, spec.module, spec.optimizer, spec.loss_fn, device, spec.lr_scheduler)
-    if isinstance(schedule, Interlock):
-        return InterlockExecutor(*common, schedule=schedule, aux_head=spec.aux_head, aux_loss=spec.aux_loss)
-    if isinstance(schedule, AssociatedLearning):
-        return ALExecutor(*common, first_loss=schedule.first_loss, inference_layer=schedule.inference_layer)
-    if isinstance(schedule, AsyncOneFOneB):
-        return AsyncExecutor(*common, weight_stashing=schedule.weight_stashing)
-    return StageExecutor(*common)
+    for kind, executor in ((Interlock, InterlockExecutor), (AssociatedLearning, ALExecutor),
+                           (AsyncOneFOneB, AsyncExecutor)):
+        if isinstance(schedule, kind):
+            return executor(index, n_stages, spec, device, schedule)
+    return StageExecutor(index, n_stages, spec, device)

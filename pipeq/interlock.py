@@ -21,32 +21,21 @@ backward; ``predict`` uses the main path only.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .schedules import Interlock, receives, sends_down, sends_early, trained_by
-from .stage import StageExecutor, Tensors, describe
+from .stage import StageExecutor, StageSpec, Tensors, describe
 
 
 class InterlockExecutor(StageExecutor):
-    def __init__(
-        self,
-        index: int,
-        n_stages: int,
-        module: nn.Module,
-        optimizer_factory: Callable[..., torch.optim.Optimizer],
-        loss_fn: Callable | None,
-        device: torch.device,
-        lr_scheduler: Callable | None = None,
-        *,
-        schedule: Interlock,
-        aux_head: nn.Module | None = None,
-        aux_loss: Callable | None = None,
-    ) -> None:
+    def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device,
+                 schedule: Interlock) -> None:
         self.distance = d = schedule.distance(n_stages)
         self.is_last_stage = index == n_stages - 1
+        aux_head, aux_loss = spec.aux_head, spec.aux_loss
         if not self.is_last_stage and aux_head is None and d < n_stages - 1:
             raise ValueError(
                 f"stage {index}: schedule {schedule.name!r} trains with auxiliary heads: pass "
@@ -54,9 +43,8 @@ class InterlockExecutor(StageExecutor):
             )
         # the head lives with its stage: one optimizer covers both
         self.head = aux_head.to(device) if aux_head is not None else None
-        holder = nn.ModuleList([module, self.head]) if self.head is not None else None
-        super().__init__(index, n_stages, module, optimizer_factory, loss_fn, device, lr_scheduler,
-                         param_source=holder)
+        holder = nn.ModuleList([spec.module, self.head]) if self.head is not None else None
+        super().__init__(index, n_stages, spec, device, trains=holder)
         self.aux_loss = aux_loss if aux_loss is not None else nn.CrossEntropyLoss()
         self.trainer = trained_by(index, n_stages, d)  # the loss that trains main
         self.down = sends_down(index, n_stages, d)  # the losses whose input gradient goes down

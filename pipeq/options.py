@@ -50,6 +50,7 @@ class Model:
     """The checked model: stage specs per replica, or the recipe the stage processes build from."""
 
     n_stages: int
+    n_replicas: int
     loss_fn: Callable  # weights the microbatches' losses (the recipe's, when one builds the stages)
     replicas: list[list[StageSpec]] = field(default_factory=list)  # empty when built remotely
     builder: StageBuilder | None = None
@@ -61,11 +62,6 @@ class Model:
         if not self.replicas:
             return None
         return [{n: tuple(t.shape) for n, t in spec.module.state_dict().items()} for spec in self.replicas[0]]
-
-
-def _factory(value: Any, what: str, example: str) -> None:
-    if value is not None and not callable(value):
-        raise ValueError(f"{what} must be a factory called with one stage's {example}")
 
 
 def check_model(
@@ -86,7 +82,7 @@ def check_model(
                 "every microbatch: data_parallel is not supported with it (use fill-drain, 1f1b or an "
                 "interlocking schedule)")
     if isinstance(stages, StageBuilder):
-        return _check_recipe(stages, loss_fn, optimizer, lr_scheduler, schedule, mode)
+        return _check_recipe(stages, loss_fn, optimizer, lr_scheduler, schedule, mode, data_parallel)
     if rendezvous is not None:
         raise ValueError(
             "a multi-host run builds each stage on its own host from importable names: pass a job "
@@ -114,12 +110,12 @@ def check_model(
     replicas = [[StageSpec(module, optimizer, loss_fn if is_al or k == n - 1 else None, lr_scheduler,
                            heads[k], aux_loss if aux_heads is not None else None)
                  for k, module in enumerate(copy)] for copy in copies]
-    return Model(n, loss_fn, replicas, None,
+    return Model(n, data_parallel, loss_fn, replicas, None,
                  (aux_loss if aux_loss is not None else nn.CrossEntropyLoss()) if aux_heads is not None else None)
 
 
 def _check_recipe(builder: StageBuilder, loss_fn: Any, optimizer: Any, lr_scheduler: Any, schedule: Any,
-                  mode: str) -> Model:
+                  mode: str, data_parallel: int) -> Model:
     """A job's recipe (pipeq launch, multi-host): the stage processes build the stages."""
     if isinstance(schedule, (schedules.AssociatedLearning, schedules.Interlock)):
         raise ValueError(
@@ -131,8 +127,8 @@ def _check_recipe(builder: StageBuilder, loss_fn: Any, optimizer: Any, lr_schedu
     n = builder.count_stages()  # type: ignore[attr-defined]
     loss = builder.loss_fn()  # type: ignore[attr-defined]
     if mode == "simulated":  # build them here, as the stage processes would
-        return Model(n, loss, [[builder.build(k, n) for k in range(n)]])
-    return Model(n, loss, [], builder)
+        return Model(n, 1, loss, [[builder.build(k, n) for k in range(n)]])
+    return Model(n, data_parallel, loss, [], builder)
 
 
 def _replica_lists(stages: Any, data_parallel: int) -> list[list[nn.Module]]:
@@ -247,7 +243,7 @@ def process_payloads(model: Model, schedule: Any) -> list["bytes | StageBuilder"
     does not."""
     _check_picklable("schedule", schedule)
     if model.builder is not None:
-        return [model.builder] * model.n_stages * max(1, len(model.replicas))
+        return [model.builder] * (model.n_stages * model.n_replicas)
     out: list[bytes | StageBuilder] = []
     for copy in model.replicas:
         for k, spec in enumerate(copy):

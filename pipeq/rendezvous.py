@@ -21,15 +21,15 @@ pipeq launch job.toml`` gives two nodes on one host.
 from __future__ import annotations
 
 import datetime
-import fcntl
 import ipaddress
 import json
 import os
 import socket
-import struct
 import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
+
+from .netif import interface_address
 
 DEFAULT_PORT = 29500
 
@@ -150,18 +150,6 @@ def from_settings(
     )
 
 
-def _interface_address(name: str) -> str | None:
-    """IPv4 address of network interface ``name`` (Linux SIOCGIFADDR), None if no such interface."""
-    if name not in {n for _, n in socket.if_nameindex()}:
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-        except OSError:
-            raise ValueError(f"network interface {name!r} has no IPv4 address") from None
-    return socket.inet_ntoa(res[20:24])
-
-
 def resolve_bind(bind: str | None, master_addr: str, master_port: int) -> str:
     """The address to bind to: ``bind`` as an IP, an interface name or a host name; by default
     the local address this host uses to reach the master (so peers can reach it back)."""
@@ -170,7 +158,7 @@ def resolve_bind(bind: str | None, master_addr: str, master_port: int) -> str:
             return str(ipaddress.ip_address(bind))
         except ValueError:
             pass
-        addr = _interface_address(bind)
+        addr = interface_address(bind)
         if addr is not None:
             return addr
         try:

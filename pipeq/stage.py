@@ -13,6 +13,7 @@ sum-reduced one, so microbatches of unequal size are weighted correctly.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -68,37 +69,41 @@ def microbatch_weights(loss_fn: Callable, target: torch.Tensor, sizes: Sequence[
     return [d / total for d in dens]
 
 
-class StageExecutor:
-    """Runs stage ``index`` of ``n_stages``: the module, its optimizer and (last stage) the loss."""
+@dataclass
+class StageSpec:
+    """Everything stage k's executor is made of (see :mod:`pipeq.executors`)."""
 
-    def __init__(
-        self,
-        index: int,
-        n_stages: int,
-        module: nn.Module,
-        optimizer_factory: Callable[..., torch.optim.Optimizer],
-        loss_fn: Callable | None,
-        device: torch.device,
-        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-        param_source: nn.Module | None = None,
-    ) -> None:
+    module: nn.Module
+    optimizer: Callable[..., torch.optim.Optimizer]  # called with the stage's parameters
+    loss_fn: Callable | None = None  # the last stage's; every stage's local criterion with AL
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    aux_head: nn.Module | None = None  # interlocking: the head reading this stage's output
+    aux_loss: Callable | None = None
+
+
+class StageExecutor:
+    """Runs stage ``index`` of ``n_stages``: the module, its optimizer and (last stage) the loss.
+
+    Subclasses for other schedules take the same arguments plus the schedule object they run.
+    """
+
+    def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device, *,
+                 trains: nn.Module | None = None) -> None:
+        """``trains``: what the optimizer covers (default: the module)."""
         self.index = index
         self.n_stages = n_stages
         self.is_first = index == 0
         self.is_last = index == n_stages - 1
         self.device = device
-        self.module = module.to(device)
-        # what the optimizer covers: the module (and, for interlocking, its auxiliary head)
-        params = [p for p in (param_source or self.module).parameters() if p.requires_grad]
+        self.module = spec.module.to(device)
+        params = [p for p in (trains or self.module).parameters() if p.requires_grad]
         self.needs_target = self.is_last  # which stages get the batch's target
         self.grad_sync: Any = None  # data parallelism: a pipeq.dataparallel.GradSync
         self._backwards = 0
-        self.optimizer = optimizer_factory(params) if params else None
+        self.optimizer = self.make_optimizer(spec, params)
         # stepped once per training step, right after the optimizer (every stage alike)
-        self.scheduler = (
-            lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer is not None else None
-        )
-        self.loss_fn = loss_fn
+        self.scheduler = self.make_scheduler(spec, self.optimizer)
+        self.loss_fn = spec.loss_fn
         self._cuda = device.type == "cuda"
         # train() would switch on submodules the user put in eval mode (frozen BatchNorm...):
         # training restores the modes the module came with instead.
@@ -112,6 +117,14 @@ class StageExecutor:
         self.targets: list[torch.Tensor] = []  # last stage: microbatches of the target
         self.stash: dict[int, tuple[Tensors, Any]] = {}  # microbatch -> (input leaves, outputs/loss)
         self.loss_sum: torch.Tensor | None = None
+
+    @staticmethod
+    def make_optimizer(spec: StageSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+        return spec.optimizer(params) if params else None
+
+    @staticmethod
+    def make_scheduler(spec: StageSpec, optimizer: torch.optim.Optimizer | None) -> Any:
+        return spec.lr_scheduler(optimizer) if spec.lr_scheduler is not None and optimizer is not None else None
 
     # -- step boundaries -------------------------------------------------------------------
     def begin(

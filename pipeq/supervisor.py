@@ -22,7 +22,7 @@ from typing import Callable
 from .errors import CodecError, PipelineError
 from .messages import REPLIES, Kind, Message
 from .processes import exit_reason
-from .transport import AGENT, HEARTBEAT, STAGE, ControlServer, Peer, PeerUnreachable
+from .transport import AGENT, STAGE, ControlServer, Peer, PeerUnreachable
 
 _POLL_MS = 100
 

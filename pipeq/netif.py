@@ -1,0 +1,34 @@
+"""Network interfaces (Linux): the IPv4 address of an interface, the interface of an address.
+
+Used where pipeq binds on a multi-host run (``--bind eth0``) and where gloo needs to be told which
+interface carries the replicas' gradients (GLOO_SOCKET_IFNAME).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+
+
+def interface_address(name: str) -> str | None:
+    """IPv4 address of network interface ``name`` (Linux SIOCGIFADDR), None if no such interface."""
+    if name not in {n for _, n in socket.if_nameindex()}:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            raise ValueError(f"network interface {name!r} has no IPv4 address") from None
+    return socket.inet_ntoa(res[20:24])
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds IPv4 ``address``, None if none does."""
+    for _, name in socket.if_nameindex():
+        try:
+            if interface_address(name) == address:
+                return name
+        except ValueError:
+            continue
+    return None
