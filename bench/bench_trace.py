@@ -67,11 +67,11 @@ def recording_cost_ns(n: int = 200_000) -> float:
 
 def direct(width: int, depth: int, batch: int, steps: int, tmp: str) -> tuple[float, float, float]:
     """(actions per stage per step, recording us per stage-step, % of the step time)."""
-    from pipeq import report
+    from pipeq import trace
 
     path = os.path.join(tmp, "direct.json")
     step_s = run(width, depth, batch, steps, path)
-    events = [e for e in report.load_trace(path).events if e.training]
+    events = [e for e in trace.load_trace(path).events if e.training]
     per_stage_step = len(events) / (2 * steps)
     cost_us = per_stage_step * recording_cost_ns() / 1e3
     return per_stage_step, cost_us, 100 * cost_us / (step_s * 1e6)

@@ -20,7 +20,9 @@ from torch import nn
 
 import pipeq
 from pipeq import report
+from pipeq.plot import plot_trace
 from pipeq.testing import SleepStage
+from pipeq.trace import load_trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,10 +49,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     for schedule in args.schedules:
         path = trace_run(schedule, args.out)
-        trace = report.load_trace(path)
+        trace = load_trace(path)
         print(report.format_report(report.analyze(trace, skip_first=1)))
-        png = report.plot_trace(trace, path[:-len(".json")] + ".png",
-                                title=f"{schedule}: 4 stages x 8 microbatches (F 10 ms, B 20 ms), measured")
+        png = plot_trace(trace, path[:-len(".json")] + ".png",
+                         title=f"{schedule}: 4 stages x 8 microbatches (F 10 ms, B 20 ms), measured")
         print(f"picture: {png}\n")
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__, report, schedules
+from . import __version__, plot, report, schedules
+from .trace import load_trace, planned_trace
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,18 +63,18 @@ def _schedule(args: argparse.Namespace) -> int:
     name = schedules.Interlock("nwise", args.distance) if args.name == "nwise" else schedules.resolve(args.name)
     print(schedules.format_table(name, args.stages, args.microbatches, backward_cost=args.backward_cost))
     if args.plot:
-        plan = report.planned_trace(name, args.stages, args.microbatches, backward_cost=args.backward_cost)
-        print(f"plot: {report.plot_trace(plan, args.plot, steps='all')}")
+        plan = planned_trace(name, args.stages, args.microbatches, backward_cost=args.backward_cost)
+        print(f"plot: {plot.plot_trace(plan, args.plot, steps='all')}")
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
-    trace = report.load_trace(args.trace)
+    trace = load_trace(args.trace)
     steps = report.parse_steps(args.steps) if args.steps else None
     print(report.format_report(report.analyze(trace, args.include_predict, skip_first=args.skip_first,
                                               steps="all" if steps is None else steps)))
     if args.plot:
-        print(f"plot: {report.plot_trace(trace, args.plot, steps=steps)}")
+        print(f"plot: {plot.plot_trace(trace, args.plot, steps=steps)}")
     return 0
 
 

@@ -1,249 +1,31 @@
-"""Reading a pipeq trace: where each stage's time went, how big the pipeline bubble was, pictures.
+"""Analysing a pipeq trace: where each stage's time went and how big the pipeline bubble was.
 
 A traced run (``PipelineRunner(..., trace="run.json")`` or ``pipeq launch --trace run.json``)
-writes one Chrome trace-event JSON file (it opens in Perfetto or chrome://tracing). This module
-reads it back::
+writes one Chrome trace-event file (its format, and reading it back: :mod:`pipeq.trace`). This
+module turns it into numbers and text::
 
-    trace = load_trace("run.json")
+    trace = load_trace("run.json")                        # pipeq.trace
     print(format_report(analyze(trace, skip_first=1)))   # or: pipeq report run.json --skip-first 1
-    plot_trace(trace, "run.png")                          # the last training step, stage x time
 
-and draws a schedule's *plan* the same way (``pipeq schedule 1f1b --stages 4 --microbatches 8
---plot plan.png``)::
-
-    plot_trace(planned_trace("1f1b", 4, 8), "plan.png", steps="all")
-
-The file (version 1): ``otherData`` holds ``pipeq_trace_version`` (1), ``schedule``,
-``n_stages``, ``microbatches``, ``replicas``; every ``"X"`` event of a stage has ``ts`` and
-``dur`` (microseconds, clocks aligned to the driver's) and ``args`` with ``stage``, ``step``
-and optionally ``replica`` (default: the event's ``pid``), ``microbatch`` (default -1),
-``op``, ``bytes`` (default 0) and ``training`` (default true). ``cat`` says what the time was:
-``forward``, ``backward``, ``step`` (compute), ``send``, ``wait`` (blocked on an input); other
-categories are kept but left out of the numbers (and drawn grey). A step's wall time runs from
-its first stage event's start to its last one's end (the driver's ``"step S"`` spans, ``cat``
-``driver``, are drawn, and used for steps without stage events).
+(pictures of it: :mod:`pipeq.plot`). Compute is the ``forward``, ``backward`` and ``step``
+events, then come ``send`` and ``wait`` (blocked on an input); other categories are left out of
+the numbers. A step's wall time runs from its first stage event's start to its last one's end
+(the driver's ``"step S"`` spans are used for steps without stage events).
 
 Bubble: the share of a step's wall time a stage does not compute, averaged over the stages. The
 ideal, (N-1)/(m+N-1) for N stages and m microbatches, is that of fill-drain and 1F1B with equal
 stage costs and free communication (and no optimizer step). Nothing here starts a process or
-opens a socket; matplotlib is needed for the pictures only (``pip install 'pipeq[plot]'``).
+opens a socket.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Union
+from dataclasses import dataclass
+from typing import Iterable, Union
 
-from . import schedules
-from .schedules import Op
-
-TRACE_VERSION = 1
-
-COMPUTE_CATS = ("forward", "backward", "step")
-SEND_CAT = "send"
-WAIT_CAT = "wait"
-DRIVER_CAT = "driver"
-
-_CAT_OF_OP = {"F": "forward", "B": "backward", "STEP": "step", "SEND_ACT": "send", "SEND_GRAD": "send",
-              "OUTPUT": "send", "WAIT_ACT": "wait", "WAIT_GRAD": "wait"}
-_OP_OF_CAT = {"forward": "F", "backward": "B", "step": "STEP", "send": "SEND", "wait": "WAIT"}
+from .trace import COMPUTE_CATS, FORWARD_CAT, SEND_CAT, WAIT_CAT, Event, Trace
 
 StepSelection = Union[int, str, Iterable[int], None]
-
-
-# ---------------------------------------------------------------- reading
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One timed span of one stage (an ``"X"`` event of the trace)."""
-
-    stage: int
-    replica: int
-    step: int
-    microbatch: int
-    op: str  # args.op: F, B, STEP, SEND_ACT, SEND_GRAD, OUTPUT, WAIT_ACT, WAIT_GRAD, or other
-    cat: str  # forward, backward, step, send, wait, or a category this module does not know
-    name: str
-    start_us: float
-    dur_us: float
-    bytes: int
-    training: bool
-
-    @property
-    def end_us(self) -> float:
-        return self.start_us + self.dur_us
-
-
-@dataclass
-class Trace:
-    """A pipeq trace file, checked: the stages' events and the driver's step spans."""
-
-    meta: dict[str, Any]  # the file's otherData
-    events: list[Event]  # stage events, sorted by start time
-    driver: dict[tuple[int, int], tuple[float, float]]  # (replica, step) -> (start_us, dur_us)
-    n_stages: int
-    replicas: int
-    driver_training: dict[tuple[int, int], bool] = field(default_factory=dict)
-    source: str = "<trace>"
-
-    def is_training(self, key: tuple[int, int]) -> bool:
-        """Whether step ``key`` = (replica, step) was a training step (not forward-only)."""
-        if key in self.driver_training:
-            return self.driver_training[key]
-        return any(e.training for e in self.events if (e.replica, e.step) == key)
-
-    def step_keys(self) -> list[tuple[int, int]]:
-        """Every (replica, step) with stage events or a driver span, in step order."""
-        keys = {(e.replica, e.step) for e in self.events} | set(self.driver)
-        return sorted(keys, key=lambda k: (k[1], k[0]))
-
-
-def load_trace(path: str | os.PathLike[str]) -> Trace:
-    """Read and check a pipeq trace file; ValueError naming the file and what is wrong."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ValueError(f"cannot read trace {os.fspath(path)}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{os.fspath(path)} is not JSON ({exc}); expected a pipeq trace, as written by "
-            "PipelineRunner(trace=...) or pipeq launch --trace"
-        ) from None
-    return trace_from_dict(data, source=os.fspath(path))
-
-
-def trace_from_dict(data: Any, source: str = "<trace>") -> Trace:
-    """Check a parsed trace (e.g. from :func:`planned_trace`) and index it."""
-    meta = _check_header(data, source)
-    events: list[Event] = []
-    driver: dict[tuple[int, int], tuple[float, float]] = {}
-    driver_training: dict[tuple[int, int], bool] = {}
-    for i, ev in enumerate(data["traceEvents"]):
-        if not isinstance(ev, dict):
-            raise ValueError(f"{source}: traceEvents[{i}] is not an object")
-        if ev.get("ph") != "X":
-            continue  # metadata, instants, counters: not timed spans of a stage
-        if ev.get("cat") == DRIVER_CAT:
-            key, span, training = _driver_span(ev, i, source)
-            if key in driver:  # two spans of one step: keep their union
-                s0, d0 = driver[key]
-                start, end = min(s0, span[0]), max(s0 + d0, span[0] + span[1])
-                span = (start, end - start)
-            driver[key] = span
-            if training is not None:
-                driver_training[key] = training
-        else:
-            events.append(_stage_event(ev, i, source))
-    n_stages = _count(meta, "n_stages", 1 + max((e.stage for e in events), default=-1), source)
-    replicas = _count(meta, "replicas", 1 + max((e.replica for e in events), default=-1), source)
-    for e in events:
-        if e.stage >= n_stages or e.replica >= replicas:
-            where, said = (("stage", f"n_stages={n_stages}") if e.stage >= n_stages
-                           else ("replica", f"replicas={replicas}"))
-            raise ValueError(f"{source}: event {e.name!r} is on {where} {getattr(e, where)}, but the trace "
-                             f"says {said} (otherData)")
-    if not events and not driver:
-        raise ValueError(f"{source}: the trace has no timed events (\"ph\": \"X\"); was the run traced "
-                         "for at least one step?")
-    events.sort(key=lambda e: (e.start_us, e.replica, e.stage))
-    return Trace(meta, events, driver, n_stages, replicas, driver_training, source)
-
-
-def _check_header(data: Any, source: str) -> dict[str, Any]:
-    if isinstance(data, list):
-        raise ValueError(f"{source} is a bare list of trace events; a pipeq trace is an object with "
-                         "traceEvents and otherData.pipeq_trace_version")
-    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise ValueError(f"{source} has no traceEvents list; is it a pipeq trace (Chrome trace-event "
-                         "JSON written by PipelineRunner(trace=...) or pipeq launch --trace)?")
-    meta = data.get("otherData")
-    if not isinstance(meta, dict) or "pipeq_trace_version" not in meta:
-        raise ValueError(f"{source} has no otherData.pipeq_trace_version: not a pipeq trace (write one "
-                         "with PipelineRunner(trace=...) or pipeq launch --trace)")
-    version = meta["pipeq_trace_version"]
-    if version != TRACE_VERSION:
-        raise ValueError(f"{source} is a pipeq trace of version {version!r}; this pipeq reads version "
-                         f"{TRACE_VERSION} (use the pipeq that wrote it, or re-trace the run)")
-    return meta
-
-
-def _count(meta: dict[str, Any], key: str, seen: int, source: str) -> int:
-    value = meta.get(key, max(seen, 1))
-    if type(value) is not int or value < 1:
-        raise ValueError(f"{source}: otherData.{key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _number(ev: dict[str, Any], key: str, i: int, source: str) -> float:
-    value = ev.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        what = "has no" if value is None else f"has a non-numeric ({value!r})"
-        raise ValueError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) {what} {key!r}; "
-                         "every \"X\" event needs ts and dur in microseconds")
-    if key == "dur" and value < 0:
-        raise ValueError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) has a negative dur {value}")
-    return float(value)
-
-
-def _int_arg(args: dict[str, Any], key: str, i: int, ev: dict[str, Any], source: str,
-             default: int | None = None) -> int:
-    value = args.get(key, default)
-    if type(value) is not int:
-        what = "has no" if value is None else f"has a non-integer ({value!r})"
-        raise ValueError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) {what} args.{key}")
-    return value
-
-
-def _args(ev: dict[str, Any], i: int, source: str) -> dict[str, Any]:
-    args = ev.get("args")
-    if not isinstance(args, dict):
-        raise ValueError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) has no args; a stage's "
-                         "\"X\" event needs args.stage and args.step")
-    return args
-
-
-def _stage_event(ev: dict[str, Any], i: int, source: str) -> Event:
-    start, dur = _number(ev, "ts", i, source), _number(ev, "dur", i, source)
-    args = _args(ev, i, source)
-    stage = _int_arg(args, "stage", i, ev, source)
-    step = _int_arg(args, "step", i, ev, source)
-    pid = ev.get("pid", 0)
-    replica = _int_arg(args, "replica", i, ev, source, pid if type(pid) is int else 0)
-    if stage < 0 or replica < 0:
-        raise ValueError(f"{source}: traceEvents[{i}] ({ev.get('name')!r}) has a negative stage or replica")
-    op = str(args.get("op", ""))
-    cat = str(ev.get("cat") or _CAT_OF_OP.get(op, "other"))
-    nbytes = args.get("bytes", 0)
-    return Event(
-        stage=stage, replica=replica, step=step,
-        microbatch=_int_arg(args, "microbatch", i, ev, source, -1),
-        op=op or _OP_OF_CAT.get(cat, cat), cat=cat, name=str(ev.get("name", cat)),
-        start_us=start, dur_us=dur,
-        bytes=int(nbytes) if isinstance(nbytes, (int, float)) and not isinstance(nbytes, bool) else 0,
-        training=bool(args.get("training", True)),
-    )
-
-
-def _driver_span(ev: dict[str, Any], i: int, source: str) -> tuple[tuple[int, int], tuple[float, float], bool | None]:
-    start, dur = _number(ev, "ts", i, source), _number(ev, "dur", i, source)
-    args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
-    step = args.get("step")
-    if type(step) is not int:
-        name = str(ev.get("name", ""))
-        if not (name.startswith("step ") and name[5:].strip().isdigit()):
-            raise ValueError(f"{source}: traceEvents[{i}] (driver span {name!r}) has no args.step")
-        step = int(name[5:])
-    pid = ev.get("pid", 0)
-    replica = args.get("replica", pid if type(pid) is int else 0)
-    training = args.get("training")
-    return (int(replica), step), (start, dur), None if training is None else bool(training)
 
 
 # ---------------------------------------------------------------- the numbers
@@ -354,8 +136,8 @@ def select_steps(trace: Trace, steps: StepSelection) -> set[int] | None:
         return {(training or present)[-1]}
     wanted = {steps} if isinstance(steps, int) else {int(s) for s in steps}
     if not wanted & set(present):
-        raise ValueError(f"{trace.source} has no step {_span_text(sorted(wanted))}; its steps are "
-                         f"{_span_text(present)}")
+        raise ValueError(f"{trace.source} has no step {span_text(sorted(wanted))}; its steps are "
+                         f"{span_text(present)}")
     return wanted
 
 
@@ -376,7 +158,8 @@ def parse_steps(text: str) -> str | int | range:
     return range(first, last + 1)
 
 
-def _span_text(values: list[int]) -> str:
+def span_text(values: list[int]) -> str:
+    """Step numbers as text: "3-7" for a run, else "1, 4, 9" (at most 8, then "..."), "(none)"."""
     if not values:
         return "(none)"
     if len(values) > 1 and values == list(range(values[0], values[-1] + 1)):
@@ -428,7 +211,7 @@ def _step_wall(trace: Trace, key: tuple[int, int], events: list[Event]) -> float
     that tail twice. The driver's span is the fallback for a step with no stage events.
     """
     # compute and sends: a stage idling into the step (waiting for its first input) is not its start
-    busy = [e for e in events if e.cat in ("forward", "backward", "step", "send")]
+    busy = [e for e in events if e.cat in (*COMPUTE_CATS, SEND_CAT)]
     if busy:
         return max(e.end_us for e in busy) - min(e.start_us for e in busy)
     if key in trace.driver:
@@ -451,10 +234,10 @@ def _step_stats(trace: Trace, key: tuple[int, int], events: list[Event]) -> Step
     _count_received(rows, events)
     for row in rows:
         row.idle_us = max(0.0, wall - row.compute_us - row.send_us - row.wait_us)
-    m = len({e.microbatch for e in events if e.stage == 0 and e.cat == "forward"})
+    m = len({e.microbatch for e in events if e.stage == 0 and e.cat == FORWARD_CAT})
     if m == 0:  # stage 0 untraced: the run's setting, else the most forwards any stage ran
         m = trace.meta.get("microbatches") or max(
-            (len({e.microbatch for e in events if e.stage == k and e.cat == "forward"})
+            (len({e.microbatch for e in events if e.stage == k and e.cat == FORWARD_CAT})
              for k in range(trace.n_stages)), default=0)
     return StepStats(
         replica=key[0], step=key[1], training=trace.is_training(key), wall_us=wall,
@@ -526,7 +309,7 @@ def _heading(report: Report) -> list[str]:
     line = (f"pipeq trace: {report.schedule}, {report.n_stages} stages x {m} microbatches{replicas}; "
             f"{n} {kind}")
     if report.skipped:
-        line += f" (skipped the first {len(report.skipped)}: step {_span_text(report.skipped)})"
+        line += f" (skipped the first {len(report.skipped)}: step {span_text(report.skipped)})"
     return [line]
 
 
@@ -574,219 +357,3 @@ def _summary(report: Report) -> list[str]:
         f"((N-1)/(m+N-1) for N={report.n_stages}, m={m})",
     ]
 
-
-# ---------------------------------------------------------------- the plan
-
-
-def planned_trace(schedule: str | schedules.ScheduleFn, n_stages: int, n_microbatches: int,
-                  backward_cost: int = 2, unit_us: float = 1000.0) -> dict[str, Any]:
-    """A schedule's planned step (its dry run) as a trace dict in the traced runs' format.
-
-    Forward and optimizer step take one time unit (``unit_us`` microseconds), backward
-    ``backward_cost`` units, communication none. Draw it with :func:`plot_trace`, keep it with
-    :func:`save_trace`.
-    """
-    if type(backward_cost) is not int or backward_cost < 1:
-        raise ValueError(f"backward_cost is in forward time units, a positive integer; got {backward_cost!r}")
-    if not unit_us > 0:
-        raise ValueError(f"unit_us must be positive, got {unit_us!r}")
-    lowered = schedules.build(schedule, n_stages, n_microbatches)
-    timeline = schedules.dry_run(lowered, cost={Op.BACKWARD: backward_cost})
-    name = schedules.schedule_name(schedule)
-    events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"plan: {name}"}}]
-    for k in range(n_stages + 1):
-        label = "driver" if k == n_stages else f"stage {k}"
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": k, "args": {"name": label}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": k, "args": {"sort_index": k}})
-    end = 0
-    for k, row in enumerate(timeline):
-        for t, a in row:
-            units = backward_cost if a.op is Op.BACKWARD else 1
-            end = max(end, t + units)
-            events.append(_planned_event(k, t, units, a, unit_us))
-    events.append({"ph": "X", "name": "step 0", "cat": DRIVER_CAT, "pid": 0, "tid": n_stages, "ts": 0.0,
-                   "dur": end * unit_us, "args": {"step": 0, "replica": 0, "training": True,
-                                                  "microbatches": n_microbatches}})
-    meta = {"pipeq_trace_version": TRACE_VERSION, "schedule": name, "n_stages": n_stages,
-            "microbatches": n_microbatches, "replicas": 1, "clock_offsets_us": [0.0] * n_stages,
-            "planned": True, "backward_cost": backward_cost, "unit_us": unit_us}
-    return {"displayTimeUnit": "ms", "otherData": meta, "traceEvents": events}
-
-
-def _planned_event(stage: int, t: int, units: int, a: schedules.Action, unit_us: float) -> dict[str, Any]:
-    cat = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.STEP: "step"}[a.op]
-    return {"ph": "X", "name": str(a), "cat": cat, "pid": 0, "tid": stage, "ts": t * unit_us,
-            "dur": units * unit_us,
-            "args": {"stage": stage, "replica": 0, "step": 0, "microbatch": a.microbatch, "bytes": 0,
-                     "op": a.op.value, "training": True}}
-
-
-def save_trace(trace_dict: dict[str, Any], path: str | os.PathLike[str]) -> str:
-    """Write a trace dict (e.g. :func:`planned_trace`'s) as JSON; return the path."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(trace_dict, f)
-        f.write("\n")
-    return os.fspath(path)
-
-
-# ---------------------------------------------------------------- the picture
-
-_STEP_COLOUR = "#3a3a3a"
-_SEND_COLOUR = "#8a9bb0"  # slate: neutral, told apart from the optimizer step's dark grey
-_OTHER_COLOUR = "#c8c8c8"
-
-
-def plot_trace(trace: Trace | dict[str, Any], path: str | os.PathLike[str], steps: StepSelection = None,
-               title: str | None = None) -> str:
-    """Draw a stage x time picture of a trace (PNG); return the path.
-
-    Stages are rows (stage 0 on top; with several replicas one group of rows per replica,
-    "r1 s0"), time runs left to right in ms from the first event drawn. Forward boxes are light,
-    backward boxes dark and hatched, both coloured by microbatch; the optimizer step is dark
-    grey, sends thin slate boxes, unknown categories light grey; white is idle or waiting.
-    ``steps``: None (default) the last training step, "all", a step number or numbers.
-    """
-    try:
-        from matplotlib.figure import Figure  # pyplot-free: no display, the global backend is untouched
-    except ImportError as exc:
-        raise RuntimeError("pip install 'pipeq[plot]' (matplotlib) to draw pipeline timelines") from exc
-    if isinstance(trace, dict):
-        trace = trace_from_dict(trace)
-    wanted = select_steps(trace, steps)
-    events = [e for e in trace.events if wanted is None or e.step in wanted]
-    if not events:
-        raise ValueError(f"{trace.source} has no stage events in step {_span_text(sorted(wanted or []))}")
-    replicas = sorted({e.replica for e in events})
-    row_of = {(r, k): i * trace.n_stages + k for i, r in enumerate(replicas) for k in range(trace.n_stages)}
-    t0 = min(e.start_us for e in events)
-    span_ms = max(max(e.end_us for e in events) - t0, 1e-3) / 1e3
-    n_rows = len(row_of)
-    width_in = 13.0
-    fig = Figure(figsize=(width_in, 1.4 + 0.55 * n_rows), dpi=120)
-    ax = fig.add_subplot(1, 1, 1)
-    px_per_ms = width_in * 120 * 0.8 / span_ms
-    _draw_boxes(ax, events, row_of, t0, px_per_ms)
-    _draw_step_marks(ax, trace, wanted, events, t0)
-    labels = [f"stage {k}" if len(replicas) == 1 else f"r{r} s{k}" for (r, k) in row_of]
-    ax.set_yticks(range(n_rows))
-    ax.set_yticklabels(labels)
-    ax.set_ylim(n_rows - 0.5, -0.5)  # stage 0 on top
-    ax.set_xlim(0, span_ms * 1.01)
-    ax.set_xlabel("time (ms from the first event drawn)")
-    ax.grid(axis="x", color="#e6e6e6", linewidth=0.6)
-    ax.set_axisbelow(True)
-    ax.set_title(title or _default_title(trace, wanted, events), loc="left", fontsize=10)
-    ax.legend(handles=_legend_handles(events), loc="upper left", bbox_to_anchor=(1.005, 1.0),
-              frameon=False, fontsize=8)
-    fig.savefig(path, format="png", dpi=120, bbox_inches="tight")
-    return os.fspath(path)
-
-
-def _colour(j: int) -> tuple[float, float, float]:
-    from matplotlib import colormaps
-
-    r, g, b, _ = colormaps["tab10"](j % 10 if j >= 0 else 7)
-    return (r, g, b)
-
-
-def _mix(colour: tuple[float, float, float], white: float) -> tuple[float, float, float]:
-    """``colour`` moved ``white`` of the way to white (negative: towards black)."""
-    target = 1.0 if white >= 0 else 0.0
-    w = abs(white)
-    return tuple(c + (target - c) * w for c in colour)  # type: ignore[return-value]
-
-
-def _box_style(e: Event) -> tuple[str, Any, Any, str | None, float]:
-    """(group, face, edge, hatch, height) of an event's box."""
-    if e.cat == "forward":
-        c = _colour(e.microbatch)
-        return ("forward", _mix(c, 0.55), _mix(c, -0.15), None, 0.8)
-    if e.cat == "backward":
-        c = _colour(e.microbatch)
-        return ("backward", c, _mix(c, -0.45), "//", 0.8)
-    if e.cat == "step":
-        return ("step", _STEP_COLOUR, _STEP_COLOUR, None, 0.8)
-    if e.cat == SEND_CAT:
-        return ("send", _SEND_COLOUR, _SEND_COLOUR, None, 0.22)
-    if e.cat == WAIT_CAT:
-        return ("wait", None, None, None, 0.0)
-    return ("other", _OTHER_COLOUR, "#a0a0a0", None, 0.5)
-
-
-def _draw_boxes(ax: Any, events: list[Event], row_of: dict[tuple[int, int], int], t0: float,
-                px_per_ms: float) -> None:
-    from matplotlib.collections import PatchCollection
-    from matplotlib.patches import Rectangle
-
-    groups: dict[tuple[str, str | None], tuple[list[Any], list[Any], list[Any]]] = {}
-    for e in events:
-        kind, face, edge, hatch, height = _box_style(e)
-        if face is None:
-            continue  # waits are left white, like idle time
-        y = row_of[(e.replica, e.stage)]
-        x, w = (e.start_us - t0) / 1e3, e.dur_us / 1e3
-        top = y + 0.4 - height if kind == "send" else y - height / 2  # sends: a strip at the row's foot
-        patches, faces, edges = groups.setdefault((kind, hatch), ([], [], []))
-        patches.append(Rectangle((x, top), w, height))
-        faces.append(face)
-        edges.append(edge)
-        _label(ax, e, kind, x, w, y, px_per_ms)
-    for (kind, hatch), (patches, faces, edges) in groups.items():
-        ax.add_collection(PatchCollection(patches, facecolors=faces, edgecolors=edges, linewidths=0.6,
-                                          hatch=hatch, zorder=2))
-
-
-def _label(ax: Any, e: Event, kind: str, x: float, w: float, y: int, px_per_ms: float) -> None:
-    """Write "F3" / "B3" inside a forward or backward box that is wide enough."""
-    if kind not in ("forward", "backward", "step"):
-        return
-    text = "ST" if kind == "step" else f"{'F' if kind == 'forward' else 'B'}{e.microbatch}"
-    if w * px_per_ms < 7.5 * len(text) + 4:
-        return
-    colour = "black" if kind == "forward" else "white"
-    ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=7, color=colour, zorder=3,
-            fontweight="bold" if kind == "backward" else "normal", clip_on=True)
-
-
-def _draw_step_marks(ax: Any, trace: Trace, wanted: set[int] | None, events: list[Event], t0: float) -> None:
-    """A dotted line where each drawn step starts, when more than one is drawn."""
-    starts: dict[int, float] = {}
-    for e in events:
-        starts[e.step] = min(starts.get(e.step, e.start_us), e.start_us)
-    if len(starts) < 2:
-        return
-    for (_, step), (start, _dur) in trace.driver.items():
-        if step in starts:
-            starts[step] = min(starts[step], max(start, t0))
-    label = len(starts) <= 30
-    for step, start in sorted(starts.items()):
-        x = (start - t0) / 1e3
-        ax.axvline(x, color="#9a9a9a", linestyle=":", linewidth=0.8, zorder=1)
-        if label:
-            ax.annotate(f"step {step}", (x, 0), xycoords=("data", "axes fraction"), xytext=(2, 2),
-                        textcoords="offset points", fontsize=7, color="#606060")
-
-
-def _legend_handles(events: list[Event]) -> list[Any]:
-    from matplotlib.patches import Patch
-
-    c = _colour(0)
-    handles = [Patch(facecolor=_mix(c, 0.55), edgecolor=_mix(c, -0.15), label="forward"),
-               Patch(facecolor=c, edgecolor=_mix(c, -0.45), hatch="//", label="backward"),
-               Patch(facecolor=_STEP_COLOUR, label="optimizer step"),
-               Patch(facecolor=_SEND_COLOUR, label="send")]
-    cats = {e.cat for e in events}
-    if cats - set(COMPUTE_CATS) - {SEND_CAT, WAIT_CAT}:
-        handles.append(Patch(facecolor=_OTHER_COLOUR, edgecolor="#a0a0a0", label="other"))
-    handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", label="idle / waiting"))
-    return handles
-
-
-def _default_title(trace: Trace, wanted: set[int] | None, events: list[Event]) -> str:
-    meta = trace.meta
-    head = "plan" if meta.get("planned") else "pipeq trace"
-    what = f"{head}: {meta.get('schedule', '?')}, {trace.n_stages} stages x {meta.get('microbatches', '?')} microbatches"
-    if meta.get("planned"):
-        return what + f" (backward = {meta.get('backward_cost', '?')} x forward)"
-    drawn = sorted({e.step for e in events})
-    return what + f", step {_span_text(drawn)}" if wanted is not None else what + f", steps {_span_text(drawn)}"

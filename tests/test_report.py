@@ -1,8 +1,9 @@
-"""pipeq.report: reading traces, the per-stage numbers and the bubble, the text, the pictures, the CLI.
+"""Traces read back (pipeq.trace), their numbers, bubble and text (pipeq.report), the pictures
+(pipeq.plot) and the CLI.
 
 Traces here are synthetic (no processes): a hand-made two-stage step with every number worked out
-below, schedules' planned timelines (:func:`planned_trace`), and a small simulator that runs the
-lowered action lists with sends that take time and records the waits, as a traced run would.
+below, schedules' planned timelines (:func:`pipeq.trace.planned_trace`), and a small simulator that
+runs the lowered action lists with sends that take time and records the waits, as a traced run would.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import sys
 
 import pytest
 
+from pipeq import plot as P
 from pipeq import report as R
 from pipeq import schedules as S
+from pipeq import trace as T
 from pipeq.cli import main
 from pipeq.schedules import Op
 
@@ -143,7 +146,7 @@ def write(tmp_path, data, name="run.json") -> str:
 
 
 def test_hand_trace_numbers():
-    rep = R.analyze(R.trace_from_dict(hand_trace()))
+    rep = R.analyze(T.trace_from_dict(hand_trace()))
     (step,) = rep.steps
     s0, s1 = step.stages
     assert step.wall_us == 990 and step.microbatches == 2
@@ -159,7 +162,7 @@ def test_hand_trace_numbers():
 
 
 def test_received_bytes_counted_from_the_sender_without_a_wait_event():
-    rep = R.analyze(R.trace_from_dict(hand_trace(with_wait_act0=False)))
+    rep = R.analyze(T.trace_from_dict(hand_trace(with_wait_act0=False)))
     s1 = rep.steps[0].stages[1]
     assert s1.bytes_received == 2000 and s1.wait_us == 10
 
@@ -167,7 +170,7 @@ def test_received_bytes_counted_from_the_sender_without_a_wait_event():
 def test_wall_is_the_extent_of_compute_and_sends_with_or_without_driver_span():
     data = hand_trace()
     data["traceEvents"] = [e for e in data["traceEvents"] if e.get("cat") != "driver"]
-    step = R.analyze(R.trace_from_dict(data)).steps[0]
+    step = R.analyze(T.trace_from_dict(data)).steps[0]
     assert step.wall_us == 990  # F0 at 0 .. STEP's end at 990 (neither waits nor the gc span count)
     assert step.stages[0].idle_us == 0 and step.stages[1].idle_us == 990 - 660 - 20 - 120
 
@@ -185,7 +188,7 @@ def _expected_plan_bubble(schedule: str, n: int, m: int, c: int) -> float:
 @pytest.mark.parametrize("n,m", [(3, 4), (4, 8), (4, 4)])
 @pytest.mark.parametrize("c", [1, 2])
 def test_planned_bubble_is_exact(schedule, n, m, c):
-    rep = R.analyze(R.trace_from_dict(R.planned_trace(schedule, n, m, backward_cost=c)))
+    rep = R.analyze(T.trace_from_dict(T.planned_trace(schedule, n, m, backward_cost=c)))
     expected = _expected_plan_bubble(schedule, n, m, c)
     # equal stage costs: makespan (m+N-1)(1+c) + 1, every stage busy m(1+c) + 1
     assert expected == pytest.approx(1 - (m * (1 + c) + 1) / ((m + n - 1) * (1 + c) + 1))
@@ -195,19 +198,19 @@ def test_planned_bubble_is_exact(schedule, n, m, c):
 
 
 def test_planned_trace_format_and_save(tmp_path):
-    plan = R.planned_trace("1f1b", 3, 4, backward_cost=2, unit_us=10.0)
+    plan = T.planned_trace("1f1b", 3, 4, backward_cost=2, unit_us=10.0)
     assert plan["otherData"]["pipeq_trace_version"] == 1 and plan["otherData"]["n_stages"] == 3
     xs = [e for e in plan["traceEvents"] if e["ph"] == "X" and e["cat"] != "driver"]
     assert len(xs) == 3 * (2 * 4 + 1)
     b = next(e for e in xs if e["name"] == "B0")
     assert b["dur"] == 20.0 and b["args"]["op"] == "B" and b["args"]["microbatch"] == 0
-    path = R.save_trace(plan, tmp_path / "plan.json")
-    trace = R.load_trace(path)
+    path = T.save_trace(plan, tmp_path / "plan.json")
+    trace = T.load_trace(path)
     assert trace.n_stages == 3 and trace.driver == {(0, 0): (0.0, 19 * 10.0)}
 
 
 def test_simulated_run_slow_stage_and_skip_first():
-    trace = R.trace_from_dict(simulate("1f1b", 3, 4, steps=4, slow_stage=2))
+    trace = T.trace_from_dict(simulate("1f1b", 3, 4, steps=4, slow_stage=2))
     rep = R.analyze(trace, skip_first=1)
     assert [s.step for s in rep.steps] == [1, 2, 3] and rep.skipped == [0]
     assert rep.slowest_stage == 2 and all(s.slowest_stage == 2 for s in rep.steps)
@@ -224,18 +227,18 @@ def test_simulated_run_slow_stage_and_skip_first():
 
 
 def test_predict_steps_left_out_unless_asked():
-    trace = R.trace_from_dict(simulate("fill-drain", 2, 4, steps=4, predict_every=2))
+    trace = T.trace_from_dict(simulate("fill-drain", 2, 4, steps=4, predict_every=2))
     assert [s.step for s in R.analyze(trace).steps] == [0, 2]
     rep = R.analyze(trace, include_predict=True)
     assert [(s.step, s.training) for s in rep.steps] == [(0, True), (1, False), (2, True), (3, False)]
     assert "predict" in R.format_report(rep)
-    only_predict = R.trace_from_dict(simulate("fill-drain", 2, 4, steps=2, predict_every=1))
+    only_predict = T.trace_from_dict(simulate("fill-drain", 2, 4, steps=2, predict_every=1))
     with pytest.raises(ValueError, match="--include-predict"):
         R.analyze(only_predict)
 
 
 def test_steps_selection():
-    trace = R.trace_from_dict(simulate("1f1b", 2, 2, steps=6))
+    trace = T.trace_from_dict(simulate("1f1b", 2, 2, steps=6))
     assert [s.step for s in R.analyze(trace, steps=R.parse_steps("2-4")).steps] == [2, 3, 4]
     assert [s.step for s in R.analyze(trace, steps=5).steps] == [5]
     assert R.select_steps(trace, None) == {5}
@@ -247,17 +250,17 @@ def test_steps_selection():
 
 
 def test_unknown_category_is_tolerated(tmp_path):
-    trace = R.trace_from_dict(simulate("1f1b", 3, 4, steps=2, extra_cat=True))
+    trace = T.trace_from_dict(simulate("1f1b", 3, 4, steps=2, extra_cat=True))
     assert any(e.cat == "gc" for e in trace.events)
     rep = R.analyze(trace)
-    plain = R.analyze(R.trace_from_dict(simulate("1f1b", 3, 4, steps=2)))
+    plain = R.analyze(T.trace_from_dict(simulate("1f1b", 3, 4, steps=2)))
     assert rep.stages[0].compute_us == plain.stages[0].compute_us
-    out = R.plot_trace(trace, tmp_path / "gc.png", steps="all")
+    out = P.plot_trace(trace, tmp_path / "gc.png", steps="all")
     assert open(out, "rb").read(8) == PNG
 
 
 def test_replicas():
-    trace = R.trace_from_dict(simulate("1f1b", 2, 4, steps=2, replicas=2))
+    trace = T.trace_from_dict(simulate("1f1b", 2, 4, steps=2, replicas=2))
     assert trace.replicas == 2
     rep = R.analyze(trace)
     assert len(rep.steps) == 4 and rep.stages[0].steps == 4
@@ -271,7 +274,7 @@ def test_replicas():
 
 
 def test_format_report_hand_trace():
-    text = R.format_report(R.analyze(R.trace_from_dict(hand_trace())))
+    text = R.format_report(R.analyze(T.trace_from_dict(hand_trace())))
     lines = text.splitlines()
     assert lines[0] == "pipeq trace: fill-drain, 2 stages x 2 microbatches; 1 training step"
     stage0 = next(line for line in lines if line.split()[:1] == ["0"])
@@ -283,7 +286,7 @@ def test_format_report_hand_trace():
 
 
 def test_format_report_elides_long_runs():
-    rep = R.analyze(R.trace_from_dict(simulate("1f1b", 2, 2, steps=25)))
+    rep = R.analyze(T.trace_from_dict(simulate("1f1b", 2, 2, steps=25)))
     lines = R.format_report(rep).splitlines()
     table = lines[lines.index("per step") + 2: lines.index("per step") + 2 + 16]
     assert [row.split()[0] for row in table] == [*map(str, range(10)), "...", *map(str, range(20, 25))]
@@ -314,17 +317,17 @@ def test_format_report_elides_long_runs():
 def test_load_trace_rejects(tmp_path, content, message):
     path = write(tmp_path, content, "bad.json")
     with pytest.raises(ValueError, match=message) as info:
-        R.load_trace(path)
+        T.load_trace(path)
     assert "bad.json" in str(info.value)
 
 
 def test_load_trace_missing_file(tmp_path):
     with pytest.raises(ValueError, match="cannot read trace .*nope.json"):
-        R.load_trace(tmp_path / "nope.json")
+        T.load_trace(tmp_path / "nope.json")
 
 
 def test_load_trace_round_trip(tmp_path):
-    trace = R.load_trace(write(tmp_path, hand_trace()))
+    trace = T.load_trace(write(tmp_path, hand_trace()))
     assert trace.n_stages == 2 and trace.replicas == 1 and trace.driver == {(0, 0): (-10.0, 1010.0)}
     f0 = next(e for e in trace.events if e.name == "F0" and e.stage == 1)
     assert (f0.replica, f0.step, f0.microbatch, f0.op, f0.cat, f0.start_us, f0.dur_us, f0.training) == (
@@ -335,24 +338,24 @@ def test_load_trace_round_trip(tmp_path):
 
 
 def test_plot_default_and_all(tmp_path):
-    trace = R.trace_from_dict(simulate("1f1b", 3, 4, steps=3, predict_every=3))
+    trace = T.trace_from_dict(simulate("1f1b", 3, 4, steps=3, predict_every=3))
     for steps, name in ((None, "last.png"), ("all", "all.png"), (1, "one.png"), (range(0, 2), "two.png")):
-        out = R.plot_trace(trace, tmp_path / name, steps=steps)
+        out = P.plot_trace(trace, tmp_path / name, steps=steps)
         data = open(out, "rb").read()
         assert data[:8] == PNG and len(data) > 5000
 
 
 def test_plot_replicas_and_plan(tmp_path):
-    out = R.plot_trace(R.trace_from_dict(simulate("1f1b", 2, 4, replicas=2)), tmp_path / "r.png", title="two")
+    out = P.plot_trace(T.trace_from_dict(simulate("1f1b", 2, 4, replicas=2)), tmp_path / "r.png", title="two")
     assert open(out, "rb").read(8) == PNG
-    out = R.plot_trace(R.planned_trace("fill-drain", 4, 8), tmp_path / "plan.png", steps="all")
+    out = P.plot_trace(T.planned_trace("fill-drain", 4, 8), tmp_path / "plan.png", steps="all")
     assert open(out, "rb").read(8) == PNG
 
 
 def test_plot_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(RuntimeError, match=r"pip install 'pipeq\[plot\]'"):
-        R.plot_trace(R.planned_trace("1f1b", 2, 2), tmp_path / "x.png")
+        P.plot_trace(T.planned_trace("1f1b", 2, 2), tmp_path / "x.png")
 
 
 # ---------------------------------------------------------------- the command

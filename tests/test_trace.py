@@ -77,7 +77,7 @@ def test_sleep_stages_bubble_is_the_ideal_formula(tmp_path) -> None:
                               "1f1b", m, trace=str(path)) as runner:
         for _ in range(4):
             runner.step(torch.randn(8, 4), torch.randn(8, 4))
-    rep = report.analyze(report.load_trace(str(path)), skip_first=1)
+    rep = report.analyze(trace.load_trace(str(path)), skip_first=1)
     ideal = (n - 1) / (m + n - 1)
     assert rep.ideal_bubble == pytest.approx(ideal)
     assert abs(rep.bubble - ideal) < 0.05, (rep.bubble, ideal)
