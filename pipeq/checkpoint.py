@@ -391,22 +391,22 @@ def split(ckpt: Checkpoint, layouts: list[StageLayout]) -> list[StageSnapshot]:
     out: list[StageSnapshot] = []
     offset = 0
     same = ckpt.n_stages == len(layouts)
+
+    def take(names: list[str], table: dict[str, Any], taken: set[str], k: int, what: str) -> dict[str, Any]:
+        """This stage's entries of a global-name ``table``, under their local names."""
+        mine = {}
+        for name in names:
+            g = to_global(name, offset, lay.sequential)
+            if g in table:
+                mine[name] = table[g]
+                taken.add(g)
+            else:
+                missing.append(f"{what}{g} (stage {k})")
+        return mine
+
     for k, lay in enumerate(layouts):
-        model, optim = {}, {}
-        for name in lay.model_names:
-            g = to_global(name, offset, lay.sequential)
-            if g in ckpt.model:
-                model[name] = ckpt.model[g]
-                claimed.add(g)
-            else:
-                missing.append(f"{g} (stage {k})")
-        for name in lay.param_names if have_optim else []:
-            g = to_global(name, offset, lay.sequential)
-            if g in ckpt.optim:
-                optim[name] = ckpt.optim[g]
-                claimed_optim.add(g)
-            else:
-                missing.append(f"optimizer state of {g} (stage {k})")
+        model = take(lay.model_names, ckpt.model, claimed, k, "")
+        optim = take(lay.param_names, ckpt.optim, claimed_optim, k, "optimizer state of ") if have_optim else {}
         out.append(
             StageSnapshot(
                 model=model,
