@@ -10,7 +10,7 @@ Layers, imports pointing down only (tests/test_layers.py checks it)::
                              rendezvous.py meets other hosts) | simulated.py (one process)
                    report.py, plot.py (reading traces)
     event loop     worker.py (one per stage process) -> interpreter.py (runs a stage's actions)
-    compute        schedules.py + actions.py (pure: actions as data, lowering, dry run),
+    compute        schedules.py, actions.py, dryrun.py (pure: actions as data, lowering, dry run),
                    executors.py -> stage.py, interlock.py, asyncpipe.py, al.py (forward, backward,
                    step), checkpoint.py (global names), dataparallel.py, trace.py (the trace format)
     transport      transport.py (ZeroMQ sockets, keyed queues; the only user of the codec)

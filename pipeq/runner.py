@@ -140,13 +140,13 @@ class PipelineRunner:
         else:
             from .driver import ProcessBackend
 
-            n, is_al = model.n_stages, isinstance(schedule, schedules.AssociatedLearning)
             settings = StageSettings(devices, threads_per_stage, queue_capacity or max(64, 4 * microbatches),
                                      heartbeat_interval, spin, trace is not None)
             self._backend = ProcessBackend(
                 options.process_payloads(model, schedule), schedule, settings, replicas=data_parallel,
-                loss_stages=(range(n) if isinstance(schedule, schedules.Interlock) else [0] if is_al else [n - 1]),
-                output_stage=0 if is_al else n - 1, microbatches=microbatches, transport=transport, host=host,
+                loss_stages=schedules.loss_stages(schedule, model.n_stages),
+                output_stage=schedules.output_stage(schedule, model.n_stages), microbatches=microbatches,
+                transport=transport, host=host,
                 start_method=start_method, heartbeat_timeout=heartbeat_timeout, start_timeout=start_timeout,
                 stop_timeout=stop_timeout, rendezvous=rendezvous, placement=placement,
                 trace_path=os.fspath(trace) if trace is not None else None)

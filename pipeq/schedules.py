@@ -30,11 +30,13 @@ from .errors import ScheduleError
 
 
 from .actions import B, COMPUTE_OPS, F, STEP, Action, Op, Schedule, ScheduleFn, lower, lower_stage
+from .dryrun import check_consistency, dry_run
 
 __all__ = [
     "Op", "Action", "F", "B", "STEP", "Schedule", "ScheduleFn", "COMPUTE_OPS", "lower", "lower_stage",
     "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "Interlock", "AsyncOneFOneB",
-    "AssociatedLearning", "SCHEDULES", "INTERLOCK", "resolve", "get_schedule", "schedule_name",
+    "AssociatedLearning", "SCHEDULES", "INTERLOCK", "resolve", "get_schedule", "loss_stages", "output_stage",
+    "schedule_name",
     "check_consistency", "dry_run", "build", "format_table",
 ]
 
@@ -296,7 +298,7 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "local": Interlock("local"),
     "pairwise": Interlock("pairwise"),
 }
-INTERLOCK = ("global", "local", "pairwise", "nwise")
+INTERLOCK = Interlock.KINDS
 
 
 def resolve(schedule: "str | ScheduleFn") -> "str | ScheduleFn":
@@ -325,135 +327,23 @@ def get_schedule(name: str | ScheduleFn) -> ScheduleFn:
         ) from None
 
 
+def loss_stages(schedule: "str | ScheduleFn", n_stages: int) -> list[int]:
+    """The stages that compute a loss, and so get the batch's target: the last; every stage when
+    interlocking (auxiliary heads); stage 0 with Associated Learning (the labels enter there)."""
+    if isinstance(schedule, Interlock):
+        return list(range(n_stages))
+    return [0] if isinstance(schedule, AssociatedLearning) else [n_stages - 1]
+
+
+def output_stage(schedule: "str | ScheduleFn", n_stages: int) -> int:
+    """The stage that returns ``predict``'s output: the last; stage 0 when AL decodes back down."""
+    return 0 if isinstance(schedule, AssociatedLearning) else n_stages - 1
+
+
 def schedule_name(schedule: str | ScheduleFn) -> str:
     if isinstance(schedule, str):
         return schedule
     return getattr(schedule, "name", None) or getattr(schedule, "__name__", repr(schedule))
-
-
-def check_consistency(
-    schedule: Schedule, n_stages: int, n_microbatches: int, training: bool, per_microbatch_steps: bool = False
-) -> None:
-    """Every stage runs each microbatch's forward once, its backward once after it, then one STEP
-    (``per_microbatch_steps``: a STEP right after every backward instead)."""
-    if len(schedule) != n_stages:
-        raise ScheduleError(f"schedule has {len(schedule)} stage lists for {n_stages} stages")
-    m = n_microbatches
-    for k, acts in enumerate(schedule):
-        seen_f: set[int] = set()
-        seen_b: set[int] = set()
-        steps = 0
-        for pos, a in enumerate(acts):
-            where = f"stage {k}, action {pos} ({a})"
-            if a.op not in COMPUTE_OPS:
-                raise ScheduleError(f"{where}: schedules list compute actions only (F, B, STEP)")
-            if a.op is Op.STEP:
-                steps += 1
-                if per_microbatch_steps:
-                    if pos == 0 or acts[pos - 1].op is not Op.BACKWARD:
-                        raise ScheduleError(f"{where}: each STEP must follow a backward")
-                elif pos != len(acts) - 1:
-                    raise ScheduleError(f"{where}: STEP must be the stage's last action")
-                continue
-            j = a.microbatch
-            if not 0 <= j < m:
-                raise ScheduleError(f"{where}: microbatch {j} is out of range 0..{m - 1}")
-            if a.op is Op.FORWARD:
-                if j in seen_f:
-                    raise ScheduleError(f"{where}: forward of microbatch {j} appears twice")
-                seen_f.add(j)
-            else:
-                if j not in seen_f:
-                    raise ScheduleError(f"{where}: backward of microbatch {j} before its forward")
-                if j in seen_b:
-                    raise ScheduleError(f"{where}: backward of microbatch {j} appears twice")
-                seen_b.add(j)
-        if len(seen_f) != m:
-            missing = sorted(set(range(m)) - seen_f)
-            raise ScheduleError(f"stage {k}: no forward for microbatch(es) {missing}")
-        if training:
-            if len(seen_b) != m:
-                missing = sorted(set(range(m)) - seen_b)
-                raise ScheduleError(f"stage {k}: no backward for microbatch(es) {missing}")
-            want = m if per_microbatch_steps else 1
-            if steps != want:
-                need = "one STEP" if want == 1 else f"{want} STEPs (one after each backward)"
-                raise ScheduleError(f"stage {k}: a training step needs exactly {need}, found {steps}")
-        elif seen_b or steps:
-            raise ScheduleError(f"stage {k}: a forward-only schedule has no backward or STEP")
-
-
-def _channel(k: int, a: Action) -> tuple[int, int, str, int]:
-    """(source stage, destination stage, kind, microbatch) of the message a comm action moves."""
-    if a.op is Op.SEND_ACT:
-        return (k, k + 1, "act", a.microbatch)
-    if a.op is Op.RECV_ACT:
-        return (k - 1, k, "act", a.microbatch)
-    if a.op is Op.SEND_GRAD:
-        return (k, k - 1, "grad", a.microbatch)
-    return (k + 1, k, "grad", a.microbatch)
-
-
-def dry_run(
-    lowered: Schedule, *, cost: dict[Op, int] | None = None, capacity: int | None = None
-) -> list[list[tuple[int, Action]]]:
-    """Execute lowered action lists symbolically; return each stage's (start time, action) list.
-
-    Compute actions take ``cost[op]`` time units (forward 1, backward 1, step 1 by default);
-    communication is instantaneous, but a message sent at time t can be received from t on. A
-    send blocks while its receiver already holds ``capacity`` unconsumed messages from that
-    sender (None: unbounded). Raises :class:`ScheduleError` naming every blocked stage if no
-    stage can move.
-    """
-    cost = {Op.FORWARD: 1, Op.BACKWARD: 1, Op.STEP: 1, **(cost or {})}
-    n = len(lowered)
-    pc = [0] * n
-    clock = [0] * n  # time at which stage k is free
-    sent: dict[tuple[int, int, str, int], int] = {}  # message -> time it is available
-    pending: dict[tuple[int, int], int] = {}  # (src, dst) -> unconsumed messages
-    timeline: list[list[tuple[int, Action]]] = [[] for _ in range(n)]
-    while True:
-        progressed = False
-        for k in range(n):
-            while pc[k] < len(lowered[k]):
-                a = lowered[k][pc[k]]
-                if a.op in COMPUTE_OPS:
-                    timeline[k].append((clock[k], a))
-                    clock[k] += cost[a.op]
-                elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
-                    ch = _channel(k, a)
-                    if not 0 <= ch[1] < n:
-                        raise ScheduleError(f"stage {k}: {a} sends to stage {ch[1]}, which does not exist")
-                    if capacity is not None and pending.get(ch[:2], 0) >= capacity:
-                        break
-                    if ch in sent:
-                        raise ScheduleError(f"stage {k}: {a} sends the same message twice")
-                    sent[ch] = clock[k]
-                    pending[ch[:2]] = pending.get(ch[:2], 0) + 1
-                else:
-                    ch = _channel(k, a)
-                    if ch not in sent:
-                        break
-                    clock[k] = max(clock[k], sent.pop(ch))
-                    pending[ch[:2]] -= 1
-                pc[k] += 1
-                progressed = True
-        if all(pc[k] == len(lowered[k]) for k in range(n)):
-            if sent:
-                extra = ", ".join(f"{kind} {j} from stage {s} to {d}" for s, d, kind, j in sent)
-                raise ScheduleError(f"messages sent but never received: {extra}")
-            return timeline
-        if not progressed:
-            blocked = []
-            for k in range(n):
-                if pc[k] < len(lowered[k]):
-                    a = lowered[k][pc[k]]
-                    s, d, kind, j = _channel(k, a)
-                    if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                        blocked.append(f"stage {k} waits for the {kind} of microbatch {j} from stage {s}")
-                    else:
-                        blocked.append(f"stage {k} cannot send the {kind} of microbatch {j} to stage {d} (queue full)")
-            raise ScheduleError("schedule deadlocks: " + "; ".join(blocked))
 
 
 def build(
