@@ -78,11 +78,11 @@ def test_job_file_overrides_and_recipe(tmp_path) -> None:
     assert (job.steps, job.schedule, job.out, job.microbatches) == (5, "fill-drain", "runs/digits", 4)
     r = job.recipe
     assert r.count_stages() == 3
-    module, loss, opt, sched = r.build(2, 3)
-    assert loss is not None and r.build(0, 3)[1] is None
-    o = opt(module.parameters())
+    spec = r.build(2, 3)
+    assert spec.loss_fn is not None and r.build(0, 3).loss_fn is None
+    o = spec.optimizer(spec.module.parameters())
     assert o.param_groups[0]["lr"] == 0.05 and o.param_groups[0]["momentum"] == 0.9
-    assert sched(o).step_size == 60
+    assert spec.lr_scheduler(o).step_size == 60
     # every host builds the same weights
     a, b = r.build_stage(1, 3), r.build_stage(1, 3)
     assert all((p == q).all() for p, q in zip(a.parameters(), b.parameters()))
