@@ -90,6 +90,7 @@ class ProcessBackend:
         self.ipc_dir: str | None = None
         self.worker_info: list[dict[str, Any]] = []
         self._request_id = 0
+        self._submitted: dict[int, tuple[int, int, int]] = {}  # step -> (sent at ns, replicas, microbatches)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -255,8 +256,14 @@ class ProcessBackend:
         return {g: msgs[0] for g, msgs in got.items()}
 
     # -- commands --------------------------------------------------------------------------
-    def train(self, step: int, shards: list[Shard], x: torch.Tensor, target: torch.Tensor) -> float:
-        """One step: replica r trains on the r-th shard of the batch; returns the whole batch's loss."""
+    @property
+    def failing(self) -> bool:
+        """A stage has failed in a step still ahead of the caller (see Supervisor.deferred)."""
+        return self.sup is not None and self.sup.deferred is not None
+
+    def submit(self, step: int, shards: list[Shard], x: torch.Tensor, target: torch.Tensor) -> None:
+        """Send one training step: replica r trains on the r-th shard of the batch. It does not
+        wait: each stage starts the step as soon as it is done with the ones sent before."""
         sup = self._usable()
         msgs = []
         offset = 0
@@ -272,12 +279,23 @@ class ProcessBackend:
                 msgs.append((r * self.n_stages + k, Message(Kind.TRAIN, step, 0, tensors, extra)))
         t0 = time.perf_counter_ns()
         sup.send_all(msgs)
-        lasts = {r * self.n_stages + self.n_stages - 1: 1 for r in range(len(shards))}
+        sup.awaited.add((Kind.LOSS, step))
+        self._submitted[step] = (t0, len(shards), len(shards[0][0]))
+
+    def result(self, step: int) -> float:
+        """Wait for a submitted step's loss (the whole batch's)."""
+        sup = self._usable()
+        t0, n_shards, microbatches = self._submitted.pop(step)
+        lasts = {r * self.n_stages + self.n_stages - 1: 1 for r in range(n_shards)}
         replies = sup.collect(Kind.LOSS, lasts, step=step, what=f"step {step}")
         if self.recorder is not None:
-            self.recorder.span(step, True, t0, len(shards[0][0]))
+            self.recorder.span(step, True, t0, microbatches)
         # each replica's loss is already weighted by its share of the batch: they add up
         return sum(float(replies[g][0].extra["loss"]) for g in lasts)
+
+    def train(self, step: int, shards: list[Shard], x: torch.Tensor, target: torch.Tensor) -> float:
+        self.submit(step, shards, x, target)
+        return self.result(step)
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
         sup = self._usable()

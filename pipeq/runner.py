@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -150,7 +150,10 @@ class PipelineRunner:
                 start_method=start_method, heartbeat_timeout=heartbeat_timeout, start_timeout=start_timeout,
                 stop_timeout=stop_timeout, rendezvous=rendezvous, placement=placement,
                 trace_path=os.fspath(trace) if trace is not None else None)
+        self._queue_capacity = queue_capacity or max(64, 4 * microbatches)
         self._step = 0
+        self._submitted: collections.deque[int] = collections.deque()  # steps whose loss is not back
+        self._losses: dict[int, float] = {}  # losses collected early (settle), not yet handed out
         self._running = False
         self._used = False
 
@@ -194,16 +197,84 @@ class PipelineRunner:
             pass
 
     def _require_running(self) -> None:
+        """The pipeline runs, and every step sent so far is done (a consistent state)."""
         if not self._running:
             raise PipelineError("the pipeline is not running; use 'with runner:' or runner.start()")
+        self._settle()
 
     # -- training and inference --------------------------------------------------------------
     def step(self, x: torch.Tensor, target: torch.Tensor) -> float:
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss."""
         self._require_running()
+        return self._result(self._submit(x, target))
+
+    def stream(self, batches: Iterable[tuple[Any, Any]], *, in_flight: int | None = None) -> Iterator[float]:
+        """Train on every ``(x, target)`` of ``batches`` (any iterable; a DataLoader works) and
+        yield each batch's loss, in order, while the stages work on the batches behind it.
+
+        The pipeline is filled once and drained once: at the end of ``batches``, when the
+        iterator is closed (``break``: the batches already taken are finished first), and
+        before anything that needs a consistent state (``step``, ``predict``, ``state_dict``,
+        ``save``...). Every stage runs its batches in order, starting the next as soon as its
+        own work and update for the previous one are done, so the losses and weights are those
+        of ``[runner.step(x, y) for x, y in batches]``. At most ``in_flight`` batches are sent
+        ahead (default: one more than the stages, enough to keep every stage busy), so memory
+        stays bounded for an endless iterable.
+        """
+        self._require_running()
+        if in_flight is None:
+            in_flight = max(1, min(self.n_stages + 1, self._queue_capacity // self.microbatches))
+        elif type(in_flight) is not int or in_flight < 1:
+            raise ValueError(f"in_flight must be a positive integer, got {in_flight!r}")
+        elif in_flight * self.microbatches > self._queue_capacity:
+            raise ValueError(
+                f"in_flight={in_flight} batches of {self.microbatches} microbatches can put "
+                f"{in_flight * self.microbatches} messages in a stage's queue, over queue_capacity="
+                f"{self._queue_capacity}: lower in_flight or raise the runner's queue_capacity")
+        return self._stream(iter(batches), in_flight)
+
+    def _stream(self, batches: Iterator[tuple[Any, Any]], in_flight: int) -> Iterator[float]:
+        mine: collections.deque[int] = collections.deque()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(mine) < in_flight and not self._backend.failing:
+                    try:
+                        x, target = next(batches)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    mine.append(self._submit(x, target))
+                if not mine:
+                    return
+                yield self._result(mine.popleft())
+        except BaseException as exc:
+            # closed early (break), or the data raised: the batches already sent are finished, so
+            # the runner is consistent again. A pipeline failure has already stopped everything.
+            if not isinstance(exc, PipelineError) and self._running:
+                for step in mine:
+                    self._result(step)
+            raise
+
+    def _submit(self, x: Any, target: Any) -> int:
         x, target = self._batcher.training_pair(x, target)
+        shards = self._batcher.shards(target)
         self._step += 1
-        return self._backend.train(self._step, self._batcher.shards(target), x, target)
+        self._backend.submit(self._step, shards, x, target)
+        self._submitted.append(self._step)
+        return self._step
+
+    def _result(self, step: int) -> float:
+        if step in self._losses:
+            return self._losses.pop(step)
+        self._submitted.remove(step)
+        return self._backend.result(step)
+
+    def _settle(self) -> None:
+        """Wait until every step sent so far is done (their losses are kept for their stream)."""
+        while self._submitted:
+            step = self._submitted.popleft()
+            self._losses[step] = self._backend.result(step)
 
     def predict(self, x: torch.Tensor) -> Any:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU."""

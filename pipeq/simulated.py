@@ -31,6 +31,7 @@ class SimulatedBackend:
         n = len(specs)
         dev = torch.device(device)
         self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev) for k, spec in enumerate(specs)]
+        self._results: dict[int, float | PipelineError] = {}  # submitted steps, not yet handed out
 
     def start(self) -> None:
         pass
@@ -100,6 +101,25 @@ class SimulatedBackend:
         ((sizes, weights, aux_weights),) = shards
         self._run(step, sizes, x, target, training=True, weights=weights, aux_weights=aux_weights)
         return self.executors[-1].mean_loss()
+
+    def submit(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
+               x: torch.Tensor, target: torch.Tensor) -> None:
+        """In one process a step runs when it is submitted: ``result`` hands its loss (or its
+        failure) back, so a stream fails at the batch where it happened, as in process mode."""
+        try:
+            self._results[step] = self.train(step, shards, x, target)
+        except PipelineError as exc:
+            self._results[step] = exc
+
+    @property
+    def failing(self) -> bool:
+        return any(isinstance(r, PipelineError) for r in self._results.values())
+
+    def result(self, step: int) -> float:
+        got = self._results.pop(step)
+        if isinstance(got, PipelineError):
+            raise got
+        return got
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
         return self._run(step, sizes, x, None, training=False)

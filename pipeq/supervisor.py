@@ -11,6 +11,11 @@ stage (and replica) at fault when
 Only time spent waiting counts against the heartbeat timeout: a caller that paused between two
 calls does not make its stages look dead. On a failure the ``teardown`` callback stops every
 process before the error is raised.
+
+With several training steps in flight (``runner.stream``), a stage that fails in step s has done
+its part of every earlier step (a stage runs its steps in order), so those can still finish: the
+failure is *deferred* until the caller waits for step s, then raised. Every message read on the
+way is filed, never dropped: a reply someone will wait for is kept until then.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Callable
 from .errors import CodecError, PipelineError
 from .messages import REPLIES, Kind, Message
 from .processes import exit_reason
-from .transport import AGENT, STAGE, ControlServer, Peer, PeerUnreachable
+from .transport import AGENT, HEARTBEAT, STAGE, ControlServer, Peer, PeerUnreachable
 
 _POLL_MS = 100
 
@@ -51,6 +56,12 @@ class Supervisor:
         # heartbeats are judged once a stage is READY (see expect_heartbeats)
         self.last_beat = [float("inf")] * n_processes
         self._last_health = 0.0
+        # replies that will be collected later (a stream's later batches): kept when they come early
+        self.awaited: set[tuple[Kind, int]] = set()
+        self._early: dict[tuple[Kind, int], list[tuple[int, Message]]] = {}
+        # a failure in a later step than the one being waited for: (step, error), raised then
+        self.deferred: tuple[int, PipelineError] | None = None
+        self._excused: set[int] = set()  # processes that failed with a deferred error
 
     # -- naming the culprit ------------------------------------------------------------------
     def known(self, peer: Peer | None) -> bool:
@@ -93,9 +104,9 @@ class Supervisor:
         echoes = {self._process_of(err)}
         end = time.monotonic() + 0.5
         while time.monotonic() < end:
-            got = self.server.recv(20)
-            if got is not None and got[1].kind is Kind.ERROR and self.known(got[0]):
-                other = self.error_of(got[0], got[1])  # type: ignore[arg-type]
+            got = self._read(20)
+            if got is not None:
+                other = self.error_of(*got)
                 if not self._is_echo(other):
                     return other
                 echoes.add(self._process_of(other))
@@ -127,16 +138,16 @@ class Supervisor:
         self._last_health = now
         for g, p in self.procs.items():
             code = p.exitcode
-            if code is not None:
+            if code is not None and g not in self._excused:
                 # An ERROR may still be in flight from a stage that raised and exited: prefer it.
                 end = time.monotonic() + 0.5
                 while time.monotonic() < end:
-                    got = self.server.recv(50)
-                    if got is not None and got[1].kind is Kind.ERROR and self.known(got[0]):
-                        raise self.fail(self.error_of(got[0], got[1]))  # type: ignore[arg-type]
+                    got = self._read(50)
+                    if got is not None:
+                        raise self.fail(self.error_of(*got))
                 raise self.fail(self.error(f"stage process (pid {p.pid}) {exit_reason(code)}", g))
         for g in range(self.n_processes):
-            if now - self.last_beat[g] > self.heartbeat_timeout:
+            if now - self.last_beat[g] > self.heartbeat_timeout and g not in self._excused:
                 raise self.fail(self.error(
                     f"no heartbeat for {now - self.last_beat[g]:.1f} s (heartbeat_timeout="
                     f"{self.heartbeat_timeout}); the stage is hung or unreachable", g))
@@ -151,16 +162,68 @@ class Supervisor:
         except CodecError as exc:
             raise self.fail(PipelineError(f"malformed message on the control channel: {exc}"))
 
+    def _read(self, timeout_ms: int) -> tuple[Peer, Message] | None:
+        """The next ERROR from one of ours, filing everything else that arrives (heartbeats,
+        replies someone will wait for); None when nothing more came within ``timeout_ms``."""
+        while True:
+            r = self._recv(timeout_ms)
+            if r is None:
+                return None
+            peer, msg = r
+            if not self.known(peer):
+                continue  # not one of our workers: ignored
+            assert peer is not None
+            if peer.role != AGENT:
+                self.last_beat[peer.index] = time.monotonic()
+            if msg.kind is Kind.ERROR and peer.role != HEARTBEAT:
+                return peer, msg
+            if peer.role == STAGE:
+                self._keep(peer.index, msg)
+
+    def _keep(self, g: int, msg: Message) -> None:
+        """A stage's reply that is not the one being waited for: kept for whoever awaits it."""
+        if (msg.kind, msg.step) in self.awaited:
+            self._early.setdefault((msg.kind, msg.step), []).append((g, msg))
+        elif msg.kind not in REPLIES:
+            raise self.fail(self.error(f"protocol error: unexpected {msg.kind.name}", g))
+        # else: a stale reply to a command whose caller was interrupted (e.g. by Ctrl-C)
+
+    def _error(self, peer: Peer, msg: Message, waiting_for: int | None) -> None:
+        """An ERROR: raised now, or deferred while ``waiting_for`` an earlier step's loss."""
+        err = self.blame(self.error_of(peer, msg))
+        step = msg.extra.get("step")
+        if (waiting_for is not None and peer.role == STAGE and type(step) is int and step > waiting_for
+                and (Kind.LOSS, step) in self.awaited):
+            if self.deferred is None or step < self.deferred[0]:
+                self.deferred = (step, err)
+            self._excused.add(peer.index)
+            return
+        raise self.fail(err)
+
     # -- waiting and sending -----------------------------------------------------------------------
     def collect(
         self, kind: Kind, counts: dict[int, int], *, step: int = 0, timeout: float | None = None,
         what: str = "reply", on_timeout: Callable[[set[int]], str] | None = None,
     ) -> dict[int, list[Message]]:
         """Wait for ``counts[g]`` replies ``(kind, step)`` from each process g, watching every
-        process; ``on_timeout(missing)`` may add a hint to the time-out's message."""
+        process; ``on_timeout(missing)`` may add a hint to the time-out's message. Replies for an
+        ``awaited`` (kind, step) that arrive meanwhile are kept for their own collect; any other
+        reply is stale (its caller was interrupted) and dropped."""
+        training = kind is Kind.LOSS
+        if self.deferred is not None and (not training or step >= self.deferred[0]):
+            raise self.fail(self.deferred[1])
         start = self.begin_wait()
         got: dict[int, list[Message]] = {g: [] for g in counts}
         missing = {g for g, c in counts.items() if c > 0}
+        self.awaited.discard((kind, step))
+
+        def take(g: int, msg: Message) -> None:
+            got[g].append(msg)
+            if len(got[g]) == counts[g]:
+                missing.discard(g)
+
+        for g, msg in self._early.pop((kind, step), []):
+            take(g, msg)
         deadline = None if timeout is None else start + timeout
         while missing:
             r = self._recv(_POLL_MS)
@@ -170,17 +233,13 @@ class Supervisor:
                 assert peer is not None
                 if peer.role != AGENT:
                     self.last_beat[peer.index] = now
-                if msg.kind is Kind.ERROR and peer.role in (STAGE, AGENT):
-                    raise self.fail(self.blame(self.error_of(peer, msg)))
-                if peer.role == STAGE:
-                    g = peer.index
-                    if msg.kind is kind and msg.step == step and g in missing:
-                        got[g].append(msg)
-                        if len(got[g]) == counts[g]:
-                            missing.discard(g)
-                    elif msg.kind not in REPLIES:
-                        raise self.fail(self.error(
-                            f"protocol error: got {msg.kind.name} while waiting for {kind.name}", g))
+                if msg.kind is Kind.ERROR and peer.role != HEARTBEAT:
+                    self._error(peer, msg, step if training else None)
+                elif peer.role == STAGE:
+                    if msg.kind is kind and msg.step == step and peer.index in missing:
+                        take(peer.index, msg)
+                    else:
+                        self._keep(peer.index, msg)
             if r is None or now - self._last_health > _POLL_MS / 1000:
                 self.check_health()
             if deadline is not None and now > deadline:
@@ -192,17 +251,15 @@ class Supervisor:
 
     def drain_pending(self) -> None:
         """Handle what arrived while no call was waiting (an ERROR above all), without blocking."""
-        while True:
-            r = self._recv(0)
-            if r is None:
-                return
-            peer, msg = r
-            if self.known(peer) and peer.role in (STAGE, AGENT) and msg.kind is Kind.ERROR:  # type: ignore[union-attr]
-                raise self.fail(self.blame(self.error_of(peer, msg)))  # type: ignore[arg-type]
+        got = self._read(0)
+        if got is not None:
+            raise self.fail(self.blame(self.error_of(*got)))
 
     def send_all(self, messages: list[tuple[int, Message]]) -> None:
         """Send ``(process, message)`` pairs after checking that every process is alive. All are
         encoded before any is sent: a bad input leaves no stage half-commanded."""
+        if self.deferred is not None:  # a stage has failed: nothing new can run
+            raise self.fail(self.deferred[1])
         self.drain_pending()
         self.begin_wait()
         self.check_health()

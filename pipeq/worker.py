@@ -137,6 +137,7 @@ class EventLoop:
         self.cfg = cfg
         self.transport = transport
         self.executor = executor
+        self.step: int | None = None  # the TRAIN/PREDICT step being run (named in an ERROR)
         self._actions: dict[tuple[int, bool], list[schedules.Action]] = {}
         self.trace: collections.deque[tuple[int, ...]] | None = (
             collections.deque(maxlen=trace.MAX_ROWS) if cfg.trace else None
@@ -198,7 +199,7 @@ class EventLoop:
     def run_batch(self, msg: Message, training: bool) -> None:
         """Run the schedule's actions for one batch, answering the interpreter's requests."""
         ex, transport = self.executor, self.transport
-        step = msg.step
+        step = self.step = msg.step
         sizes = msg.extra.get("sizes")
         if type(sizes) is not list or not sizes or any(type(n) is not int or n < 1 for n in sizes):
             raise ValueError(f"stage {self.cfg.stage}: bad microbatch sizes {sizes!r} in command")
@@ -293,6 +294,7 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
     transport = StageTransport(cfg.process, cfg.control_addr, bind=cfg.bind,
                                queue_capacity=cfg.queue_capacity, spin_s=cfg.spin_s)
     heartbeat = None
+    loop: EventLoop | None = None
     clean = False
     try:
         # From here on the driver is watched: if it dies, this stage cleans up and exits.
@@ -317,14 +319,16 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
                 "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
         _publish(cfg, info)
         transport.send_control(Message(Kind.READY, extra={**info, "layout": executor.layout()}))
-        EventLoop(cfg, transport, executor).serve()
+        loop = EventLoop(cfg, transport, executor)
+        loop.serve()
         clean = True
     except Stopped:
         clean = True
     except BaseException as exc:  # report everything, KeyboardInterrupt included
         try:
             transport.send_control(Message(Kind.ERROR, extra={
-                "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}))
+                "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                "step": loop.step if loop is not None else None}))
         except Exception:
             pass
     finally:
