@@ -13,6 +13,10 @@ microbatch j's backward may come after updates made since its forward. Two rules
 
 Every microbatch is its own update: its loss is not scaled by a share of the batch. The lr
 scheduler, if any, steps with the optimizer (once per microbatch).
+
+Training microbatches are numbered across batches (0, 1, ... over a whole ``runner.stream``):
+:meth:`AsyncExecutor.extend` adds a batch's microbatches, and a backward may belong to an
+earlier batch than the forward before it (the stage does not drain between batches).
 """
 
 from __future__ import annotations
@@ -34,17 +38,35 @@ class AsyncExecutor(StageExecutor):
         self.weight_stashing = weight_stashing
         self.copies: dict[int, dict[str, torch.Tensor]] = {}  # microbatch -> its stashed weights
         self.max_copies = 0  # the most copies held at once (bounded by the pipeline depth)
+        # training microbatches, numbered across batches: their inputs (stage 0), targets (last
+        # stage) and batch (step); each batch's microbatch losses until its LOSS is reported
+        self.stream_inputs: dict[int, torch.Tensor] = {}
+        self.stream_targets: dict[int, torch.Tensor] = {}
+        self.step_of: dict[int, int] = {}
+        self.step_losses: dict[int, list[torch.Tensor]] = {}
 
-    def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
-              weights: Any = None, aux_weights: Any = None) -> None:
-        # each microbatch is its own update: its mean loss, unscaled
-        super().begin(step, sizes, training, x, target, [1.0] * len(sizes) if training else weights)
-        self.copies.clear()
-        self.n_losses = len(sizes)
+    def extend(self, step: int, first: int, sizes: Any, x: Any = None, target: Any = None) -> None:
+        """Batch ``step`` joins the stream: its microbatches are numbered ``first``, ``first + 1``..."""
+        self.step_index = step
+        self.training = True
+        for m, mode in self._train_modes:
+            m.training = mode
+        for store, data in ((self.stream_inputs, x), (self.stream_targets, target)):
+            if data is not None:
+                for j, chunk in enumerate(data.to(self.device, non_blocking=True).split(list(sizes))):
+                    store[first + j] = chunk
+        for j in range(len(sizes)):
+            self.step_of[first + j] = step
+        self.step_losses[step] = []
+
+    def _report(self, j: int, loss: torch.Tensor) -> None:
+        self.step_losses[self.step_of[j]].append(loss.detach())
 
     def mean_loss(self) -> float:
-        """The mean of the step's microbatch losses (each microbatch is its own update)."""
-        return float(self.loss_sum) / self.n_losses if self.loss_sum is not None else float("nan")
+        """The mean of the current batch's microbatch losses (each microbatch is its own update;
+        the last stage finishes a batch's forwards before it reports)."""
+        losses = self.step_losses.pop(self.step_index, [])
+        return float(sum(losses)) / len(losses) if losses else float("nan")
 
     def _run(self, j: int, args: Tensors, weights: dict[str, torch.Tensor] | None) -> Any:
         try:
@@ -60,7 +82,7 @@ class AsyncExecutor(StageExecutor):
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:
         if not self.training:
             return super().forward(j, received)
-        args = (self.inputs[j],) if self.is_first else tuple(
+        args = (self.stream_inputs.pop(j),) if self.is_first else tuple(
             t.to(self.device, non_blocking=True) for t in received or ())
         if self.weight_stashing:
             leaves = tuple(t.requires_grad_() if t.is_floating_point() else t for t in args) \
@@ -72,8 +94,8 @@ class AsyncExecutor(StageExecutor):
             out = self._run(j, tuple(t.clone() if t.requires_grad else t for t in leaves) or args, copy)
             outs = as_tuple(out)
             if self.is_last:
-                loss = self.loss_fn(out, self.targets[j]).reshape(())  # type: ignore[misc]
-                self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+                loss = self.loss_fn(out, self.stream_targets[j]).reshape(())  # type: ignore[misc]
+                self._report(j, loss)
                 self.stash[j] = (leaves, loss)
                 return None
             self.stash[j] = (leaves, outs)
@@ -83,14 +105,15 @@ class AsyncExecutor(StageExecutor):
             out = self._run(j, args, None)
         self.stash[j] = (args, None)
         if self.is_last:
-            loss = self.loss_fn(out, self.targets[j]).reshape(())  # type: ignore[misc]
-            self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+            loss = self.loss_fn(out, self.stream_targets[j]).reshape(())  # type: ignore[misc]
+            self._report(j, loss)
             return None
         return tuple(t.detach() for t in as_tuple(out))
 
     def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+        self.step_of.pop(j, None)
         if self.weight_stashing:
             leaves, outs = self.stash.pop(j)
             copy = self.copies.pop(j)
@@ -99,7 +122,7 @@ class AsyncExecutor(StageExecutor):
             leaves = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in saved) \
                 if not self.is_first else ()
             out = self._run(j, tuple(t.clone() if t.requires_grad else t for t in leaves) or saved, None)
-            outs = self.loss_fn(out, self.targets[j]).reshape(()) if self.is_last else as_tuple(out)  # type: ignore[misc]
+            outs = self.loss_fn(out, self.stream_targets[j]).reshape(()) if self.is_last else as_tuple(out)  # type: ignore[misc]
             copy = None
         if self.is_last:
             outs.backward()
@@ -114,6 +137,7 @@ class AsyncExecutor(StageExecutor):
                 g = copy[n].grad
                 if g is not None:
                     p.grad = g
+        self.stream_targets.pop(j, None)
         if self.is_first:
             return None
         return tuple((t.grad if t.grad is not None else torch.zeros_like(t)).detach()

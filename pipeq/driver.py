@@ -261,9 +261,12 @@ class ProcessBackend:
         """A stage has failed in a step still ahead of the caller (see Supervisor.deferred)."""
         return self.sup is not None and self.sup.deferred is not None
 
-    def submit(self, step: int, shards: list[Shard], x: torch.Tensor, target: torch.Tensor) -> None:
+    def submit(self, step: int, shards: list[Shard], x: torch.Tensor, target: torch.Tensor,
+               stream: bool = False) -> None:
         """Send one training step: replica r trains on the r-th shard of the batch. It does not
-        wait: each stage starts the step as soon as it is done with the ones sent before."""
+        wait: each stage starts the step as soon as it is done with the ones sent before. With
+        ``stream``, a schedule that need not drain between batches (asynchronous 1F1B) does not;
+        :meth:`drain` ends the stream."""
         sup = self._usable()
         msgs = []
         offset = 0
@@ -274,6 +277,8 @@ class ProcessBackend:
             extra: dict[str, Any] = {"sizes": sizes, "weights": weights}
             if aux_weights is not None:
                 extra["aux_weights"] = aux_weights
+            if stream:
+                extra["stream"] = True
             for k in range(self.n_stages):
                 tensors = ([x_r] if k == 0 else []) + ([target_r] if k in self.loss_stages else [])
                 msgs.append((r * self.n_stages + k, Message(Kind.TRAIN, step, 0, tensors, extra)))
@@ -296,6 +301,10 @@ class ProcessBackend:
     def train(self, step: int, shards: list[Shard], x: torch.Tensor, target: torch.Tensor) -> float:
         self.submit(step, shards, x, target)
         return self.result(step)
+
+    def drain(self) -> None:
+        """End a stream: every stage finishes its leftover work (asynchronous 1F1B's last backwards)."""
+        self._ask_each(Kind.DRAIN, Kind.ACK, "drain", range(self.n_processes))
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
         sup = self._usable()

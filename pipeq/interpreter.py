@@ -19,9 +19,10 @@ Requests (first element an :class:`~pipeq.schedules.Op`, or ``EMIT``)::
 from __future__ import annotations
 
 import time
-from typing import Any, Generator, Sequence
+from typing import Any, Generator, Mapping, Sequence
 
-from .schedules import Action, Op
+from . import schedules
+from .schedules import Action, AsyncCursor, AsyncOneFOneB, Op, lower_stage
 from .stage import StageExecutor, Tensors
 from .trace import B as TRACE_B
 from .trace import F as TRACE_F
@@ -32,11 +33,61 @@ EMIT = "emit"
 Request = tuple[Any, ...]
 
 
+class StagePlan:
+    """Which actions one stage runs for each batch it is given: the schedule's validated plan of
+    one batch, or, for asynchronous 1F1B, the next stretch of the stage's stream (an
+    :class:`~pipeq.schedules.AsyncCursor`: microbatches numbered across batches, no drain between
+    them unless asked). Shared by the worker and the simulated engine, so both run the same
+    actions."""
+
+    def __init__(self, schedule: Any, stage: int, n_stages: int) -> None:
+        self.schedule = schedule
+        self.stage = stage
+        self.n_stages = n_stages
+        self._plans: dict[tuple[int, bool], list[Action]] = {}
+        self.cursor = (AsyncCursor(schedule.warmup_of(stage, n_stages))
+                       if isinstance(schedule, AsyncOneFOneB) else None)
+        self.keys: dict[int, tuple[int, int]] = {}  # stream microbatch -> (step, microbatch) on the wire
+
+    def actions(self, m: int, training: bool) -> list[Action]:
+        key = (m, training)
+        acts = self._plans.get(key)
+        if acts is None:
+            acts = self._plans[key] = schedules.build(self.schedule, self.n_stages, m, training=training)[self.stage]
+        return acts
+
+    def begin(self, ex: StageExecutor, step: int, sizes: list[int], training: bool, x: Any, target: Any,
+              weights: Any = None, aux_weights: Any = None, stream: bool = False,
+              ) -> tuple[list[Action], Mapping[int, tuple[int, int]] | None]:
+        """Start batch ``step`` on ``ex``: its actions, and (a stream) the wire key of each
+        microbatch number they use (None: microbatch j of this step is ``(step, j)``)."""
+        if not (training and self.cursor is not None):
+            ex.begin(step, sizes, training, x, target, weights, aux_weights=aux_weights)
+            return self.actions(len(sizes), training), None
+        done = [g for g in self.keys if g < self.cursor.next_b]
+        for g in done:
+            del self.keys[g]
+        first = self.cursor.add(len(sizes))
+        self.keys.update({first + j: (step, j) for j in range(len(sizes))})
+        ex.extend(step, first, sizes, x, target)  # type: ignore[attr-defined]
+        return self._lower(self.cursor.take(drain=not stream)), self.keys
+
+    def drain(self) -> list[Action]:
+        """A stream's leftover work (asynchronous 1F1B's last backwards); nothing otherwise."""
+        return self._lower(self.cursor.take(drain=True)) if self.cursor is not None else []
+
+    def _lower(self, acts: list[Action]) -> list[Action]:
+        k, n = self.stage, self.n_stages
+        return lower_stage(acts, recv_act=k > 0, send_act=k < n - 1, recv_grad=k < n - 1, send_grad=k > 0)
+
+
 def execute(
-    ex: StageExecutor, actions: Sequence[Action], trace: Any = None
+    ex: StageExecutor, actions: Sequence[Action], trace: Any = None,
+    keys: Mapping[int, tuple[int, int]] | None = None,
 ) -> Generator[Request, Any, None]:
     """Run ``actions``; with ``trace`` (a list or deque), append ``(code, step, microbatch, start_ns,
-    end_ns, 0)`` for each compute action (see :mod:`pipeq.trace`)."""
+    end_ns, 0)`` for each compute action (see :mod:`pipeq.trace`; ``keys`` maps a stream's
+    microbatch numbers to their (step, microbatch))."""
     received: dict[int, Tensors] = {}
     grads: dict[int, Tensors] = {}
     acts_out: dict[int, Tensors] = {}
@@ -51,7 +102,7 @@ def execute(
             t0 = clock() if rec else 0
             out = ex.forward(j, received.pop(j, None))
             if rec:
-                rec((TRACE_F, step, j, t0, clock(), 0))
+                rec((TRACE_F, *(keys[j] if keys is not None else (step, j)), t0, clock(), 0))
             if out is not None:
                 if ex.is_last:
                     yield (EMIT, j, ex.to_host(out))
@@ -61,7 +112,7 @@ def execute(
             t0 = clock() if rec else 0
             gin = ex.backward(j, grads.pop(j, None))
             if rec:
-                rec((TRACE_B, step, j, t0, clock(), 0))
+                rec((TRACE_B, *(keys[j] if keys is not None else (step, j)), t0, clock(), 0))
             if ex.training:
                 ex.backward_done()
             if gin is not None:

@@ -7,7 +7,7 @@ read :class:`Message` objects only.
 Kinds by channel::
 
     data     ACTIVATION (stage k -> k+1)   GRADIENT (stage k+1 -> k)
-    command  PEERS TRAIN PREDICT GET_STATE SET_STATE GET_SNAPSHOT RESTORE CLOCK GET_TRACE STOP EXIT
+    command  PEERS TRAIN DRAIN PREDICT GET_STATE SET_STATE GET_SNAPSHOT RESTORE CLOCK GET_TRACE STOP EXIT
     reply    READY LOSS OUTPUT STATE SNAPSHOT TIME TRACE ACK ERROR HEARTBEAT
 
 ``TRAIN`` is the command "train on one batch" (a schedule's optimizer step is the action
@@ -43,6 +43,7 @@ class Kind(enum.IntEnum):
     RESTORE = 18  # load a snapshot, reply ACK
     CLOCK = 19  # reply TIME with the stage's clock (trace clock alignment)
     GET_TRACE = 30  # reply TRACE: the recorded action rows since the last GET_TRACE
+    DRAIN = 31  # finish a stream's leftover work (asynchronous 1F1B's last backwards), reply ACK
     # worker (or agent) -> driver
     READY = 20
     LOSS = 21

@@ -154,6 +154,7 @@ class PipelineRunner:
         self._step = 0
         self._submitted: collections.deque[int] = collections.deque()  # steps whose loss is not back
         self._losses: dict[int, float] = {}  # losses collected early (settle), not yet handed out
+        self._undrained = False  # a stream left work behind (see _settle)
         self._running = False
         self._used = False
 
@@ -244,24 +245,25 @@ class PipelineRunner:
                     except StopIteration:
                         exhausted = True
                         break
-                    mine.append(self._submit(x, target))
+                    mine.append(self._submit(x, target, stream=True))
                 if not mine:
-                    return
+                    break
                 yield self._result(mine.popleft())
         except BaseException as exc:
             # closed early (break), or the data raised: the batches already sent are finished, so
             # the runner is consistent again. A pipeline failure has already stopped everything.
             if not isinstance(exc, PipelineError) and self._running:
-                for step in mine:
-                    self._result(step)
+                self._settle()
             raise
+        self._settle()  # the end of the batches: drained once
 
-    def _submit(self, x: Any, target: Any) -> int:
+    def _submit(self, x: Any, target: Any, stream: bool = False) -> int:
         x, target = self._batcher.training_pair(x, target)
         shards = self._batcher.shards(target)
         self._step += 1
-        self._backend.submit(self._step, shards, x, target)
+        self._backend.submit(self._step, shards, x, target, stream)
         self._submitted.append(self._step)
+        self._undrained |= stream and isinstance(self.schedule, schedules.AsyncOneFOneB)
         return self._step
 
     def _result(self, step: int) -> float:
@@ -271,10 +273,14 @@ class PipelineRunner:
         return self._backend.result(step)
 
     def _settle(self) -> None:
-        """Wait until every step sent so far is done (their losses are kept for their stream)."""
+        """Wait until every step sent so far is done (their losses are kept for their stream),
+        and drain what a stream left (asynchronous 1F1B's last backwards)."""
         while self._submitted:
             step = self._submitted.popleft()
             self._losses[step] = self._backend.result(step)
+        if self._undrained:
+            self._undrained = False
+            self._backend.drain()
 
     def predict(self, x: torch.Tensor) -> Any:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU."""

@@ -34,7 +34,7 @@ from .dryrun import check_consistency, dry_run
 
 __all__ = [
     "Op", "Action", "F", "B", "STEP", "Schedule", "ScheduleFn", "COMPUTE_OPS", "lower", "lower_stage",
-    "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "Interlock", "AsyncOneFOneB",
+    "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "Interlock", "AsyncCursor", "AsyncOneFOneB",
     "AssociatedLearning", "SCHEDULES", "INTERLOCK", "resolve", "get_schedule", "loss_stages", "output_stage",
     "schedule_name",
     "check_consistency", "dry_run", "build", "format_table",
@@ -184,14 +184,52 @@ class Interlock:
         return out
 
 
-class AsyncOneFOneB:
-    """Asynchronous 1F1B (the tutorial's pipeline, PipeDream): no flush inside a step.
+class AsyncCursor:
+    """Where one stage is in an asynchronous 1F1B stream of microbatches (numbered 0, 1, ...
+    across batches): ``warmup`` forwards, then one backward (and STEP) and one forward in turn.
 
-    Stage k warms up with min(m, N-k) forwards, then alternates one backward and one forward, and
-    steps its optimizer after *every* backward: m updates per stage per ``runner.step``. The
-    backward of microbatch j may run after updates made since its forward; with
-    ``weight_stashing=True`` (default, PipeDream) it uses the weights its forward used, without
-    it the newest ones (see :mod:`pipeq.asyncpipe`)::
+    :meth:`take` hands out the next actions, up to the first forward of a microbatch that has not
+    been :meth:`add`-ed yet (its batch has not arrived); with ``drain`` it also runs the
+    backwards left at the end. A stream is thus one long asynchronous plan over all its
+    microbatches, cut into pieces as batches arrive; a step that drains is one batch's plan.
+    """
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.commanded = 0  # microbatches whose batch has arrived
+        self.next_f = 0
+        self.next_b = 0
+
+    def add(self, count: int) -> int:
+        """``count`` more microbatches arrived; returns the number of the first."""
+        self.commanded += count
+        return self.commanded - count
+
+    def take(self, drain: bool = False) -> list[Action]:
+        acts: list[Action] = []
+        while True:
+            ahead = self.next_f - self.next_b  # forwards whose backward is still to come
+            if self.next_f < self.commanded and ahead < self.warmup:
+                acts.append(F(self.next_f))
+                self.next_f += 1
+            elif ahead > 0 and (ahead >= self.warmup or drain and self.next_f == self.commanded):
+                acts += [B(self.next_b), STEP]
+                self.next_b += 1
+            else:
+                return acts
+
+
+class AsyncOneFOneB:
+    """Asynchronous 1F1B (the tutorial's pipeline, PipeDream): a step after every backward, and
+    under ``runner.stream`` no drain between batches.
+
+    Stage 0 runs ``warmup`` (W) forwards before its first backward, stage k < N-1 runs W - k, the
+    last stage alternates from its first microbatch (W = N, the default, gives N - k on every
+    stage); then each stage alternates one backward (followed by its optimizer step) and one
+    forward. ``runner.step`` drains at the end of its batch; ``runner.stream`` keeps going into
+    the next batch (:class:`AsyncCursor`). The backward of microbatch j may run after updates
+    made since its forward; with ``weight_stashing=True`` (default, PipeDream) it uses the
+    weights its forward used, without it the newest ones (see :mod:`pipeq.asyncpipe`)::
 
         stage 0 | F0 F1 F2 F3 .  .  .  B0 ST F4 B1 ST F5 ...
         stage 3 | .  .  .  F0 B0 ST F1 B1 ST F2 B2 ST ...
@@ -200,31 +238,40 @@ class AsyncOneFOneB:
     name = "async"
     per_microbatch_steps = True  # check_consistency: one STEP after each backward
 
-    def __init__(self, weight_stashing: bool = True) -> None:
+    def __init__(self, warmup: int | None = None, weight_stashing: bool = True) -> None:
+        if warmup is not None and (type(warmup) is not int or warmup < 1):
+            raise ValueError(f"AsyncOneFOneB(warmup=...) must be a positive integer or None, got {warmup!r}")
         if type(weight_stashing) is not bool:
             raise ValueError(f"AsyncOneFOneB(weight_stashing=...) must be True or False, got {weight_stashing!r}")
+        self.warmup = warmup
         self.weight_stashing = weight_stashing
+
+    def warmup_of(self, stage: int, n_stages: int) -> int:
+        """How many forwards stage ``stage`` runs before its first backward."""
+        w = n_stages if self.warmup is None else self.warmup
+        if w < n_stages - 1:
+            raise ScheduleError(f"AsyncOneFOneB(warmup={w}) with {n_stages} stages would deadlock: stage "
+                                f"{n_stages - 2} needs at least one forward ahead; use warmup >= {n_stages - 1}")
+        return 1 if stage == n_stages - 1 else w - stage
 
     def __call__(self, n_stages: int, n_microbatches: int) -> Schedule:
         _check_counts(n_stages, n_microbatches)
         out = []
-        for k in range(n_stages):  # 1F1B's order, a STEP after every backward
-            stepped: list[Action] = []
-            for a in warmup_order(n_microbatches, n_stages - k):
-                stepped.append(a)
-                if a.op is Op.BACKWARD:
-                    stepped.append(STEP)
-            out.append(stepped)
+        for k in range(n_stages):
+            cursor = AsyncCursor(self.warmup_of(k, n_stages))
+            cursor.add(n_microbatches)
+            out.append(cursor.take(drain=True))
         return out
 
     def __repr__(self) -> str:
-        return f"AsyncOneFOneB(weight_stashing={self.weight_stashing!r})"
+        return f"AsyncOneFOneB(warmup={self.warmup!r}, weight_stashing={self.weight_stashing!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, AsyncOneFOneB) and other.weight_stashing == self.weight_stashing
+        return isinstance(other, AsyncOneFOneB) and (other.warmup, other.weight_stashing) == (
+            self.warmup, self.weight_stashing)
 
     def __hash__(self) -> int:
-        return hash(("async", self.weight_stashing))
+        return hash(("async", self.warmup, self.weight_stashing))
 
 
 class AssociatedLearning:

@@ -15,10 +15,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import schedules
 from .errors import PipelineError
 from .executors import StageSpec, make_executor
-from .interpreter import EMIT, execute
+from .interpreter import EMIT, StagePlan, execute
 from .schedules import Op, ScheduleFn
 from .stage import Tensors
 
@@ -31,6 +30,9 @@ class SimulatedBackend:
         n = len(specs)
         dev = torch.device(device)
         self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev) for k, spec in enumerate(specs)]
+        self.plans = [StagePlan(schedule, k, n) for k in range(n)]
+        # messages sent and not yet received: (destination, kind, microbatch); a stream's outlive a batch
+        self.mailbox: dict[tuple[int, str, int], Tensors] = {}
         self._results: dict[int, float | PipelineError] = {}  # submitted steps, not yet handed out
 
     def start(self) -> None:
@@ -40,17 +42,20 @@ class SimulatedBackend:
         pass
 
     def _run(
-        self, step: int, sizes: list[int], x: torch.Tensor, target: torch.Tensor | None, training: bool,
-        weights: list[float] | None = None, aux_weights: list[float] | None = None,
+        self, step: int, sizes: list[int], x: torch.Tensor | None, target: torch.Tensor | None, training: bool,
+        weights: list[float] | None = None, aux_weights: list[float] | None = None, stream: bool = False,
     ) -> list[Tensors]:
-        n = len(self.executors)
-        lowered = schedules.build(self.schedule, n, len(sizes), training=training)
         gens = []
-        for k, ex in enumerate(self.executors):
-            self._guard(k, ex.begin, step, sizes, training, x if k == 0 else None,
-                        target if ex.needs_target else None, weights, aux_weights)
-            gens.append(execute(ex, lowered[k]))
-        mailbox: dict[tuple[int, str, int], Tensors] = {}  # (destination, kind, microbatch)
+        for k, (ex, plan) in enumerate(zip(self.executors, self.plans)):
+            actions, _ = self._guard(k, plan.begin, ex, step, sizes, training, x if k == 0 else None,
+                                     target if ex.needs_target else None, weights, aux_weights, stream)
+            gens.append(execute(ex, actions))
+        return self._advance(gens)
+
+    def _advance(self, gens: list[Any]) -> list[Tensors]:
+        """Advance every stage's interpreter in turn until all are done; the EMITted outputs."""
+        n = len(gens)
+        mailbox = self.mailbox
         outputs: dict[int, Tensors] = {}
         pending: list[Any] = [None] * n  # request a stage is blocked on
         values: list[Any] = [None] * n
@@ -87,6 +92,10 @@ class SimulatedBackend:
                 raise PipelineError(f"simulated pipeline stalled on {pending}")
         return [outputs[j] for j in sorted(outputs)]
 
+    def drain(self) -> None:
+        """Finish a stream's leftover work (asynchronous 1F1B's last backwards)."""
+        self._advance([execute(ex, plan.drain()) for ex, plan in zip(self.executors, self.plans)])
+
     def _guard(self, k: int, fn: Callable, *args: Any) -> Any:
         try:
             return fn(*args)
@@ -96,18 +105,18 @@ class SimulatedBackend:
             raise PipelineError(f"{type(exc).__name__}: {exc}", k, traceback.format_exc()) from exc
 
     def train(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
-              x: torch.Tensor, target: torch.Tensor) -> float:
+              x: torch.Tensor, target: torch.Tensor, stream: bool = False) -> float:
         """One step on one shard (the whole batch: there are no replicas in one process)."""
         ((sizes, weights, aux_weights),) = shards
-        self._run(step, sizes, x, target, training=True, weights=weights, aux_weights=aux_weights)
+        self._run(step, sizes, x, target, True, weights, aux_weights, stream)
         return self.executors[-1].mean_loss()
 
     def submit(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
-               x: torch.Tensor, target: torch.Tensor) -> None:
+               x: torch.Tensor, target: torch.Tensor, stream: bool = False) -> None:
         """In one process a step runs when it is submitted: ``result`` hands its loss (or its
         failure) back, so a stream fails at the batch where it happened, as in process mode."""
         try:
-            self._results[step] = self.train(step, shards, x, target)
+            self._results[step] = self.train(step, shards, x, target, stream)
         except PipelineError as exc:
             self._results[step] = exc
 

@@ -5,6 +5,7 @@ The loop waits for a command on the control channel and carries it out:
     PEERS      connect the forward/backward channels to the neighbours' addresses
     TRAIN      run the schedule's actions for one batch (x rides along to stage 0, the target
                to the stages that compute a loss); the last stage replies LOSS
+    DRAIN      finish a stream's leftover work (asynchronous 1F1B's last backwards), reply ACK
     PREDICT    run forward-only actions; the output stage replies OUTPUT per microbatch
     GET_STATE  reply STATE (the stage module's state_dict tensors)
     SET_STATE  load them, reply ACK
@@ -37,7 +38,7 @@ import torch
 
 from . import schedules, trace
 from .executors import StageBuilder, StageSpec, make_executor
-from .interpreter import EMIT, execute
+from .interpreter import EMIT, StagePlan, execute
 from .messages import Kind, Message, tree_message, tree_of
 from .schedules import Op
 from .stage import StageExecutor
@@ -138,18 +139,10 @@ class EventLoop:
         self.transport = transport
         self.executor = executor
         self.step: int | None = None  # the TRAIN/PREDICT step being run (named in an ERROR)
-        self._actions: dict[tuple[int, bool], list[schedules.Action]] = {}
+        self.plan = StagePlan(cfg.schedule, cfg.stage, cfg.n_stages)
         self.trace: collections.deque[tuple[int, ...]] | None = (
             collections.deque(maxlen=trace.MAX_ROWS) if cfg.trace else None
         )
-
-    def actions(self, m: int, training: bool) -> list[schedules.Action]:
-        key = (m, training)
-        acts = self._actions.get(key)
-        if acts is None:
-            acts = schedules.build(self.cfg.schedule, self.cfg.n_stages, m, training=training)[self.cfg.stage]
-            self._actions[key] = acts
-        return acts
 
     def serve(self) -> None:
         transport, ex = self.transport, self.executor
@@ -161,6 +154,9 @@ class EventLoop:
             kind = msg.kind
             if kind is Kind.TRAIN or kind is Kind.PREDICT:
                 self.run_batch(msg, training=kind is Kind.TRAIN)
+            elif kind is Kind.DRAIN:
+                self.run(self.plan.drain(), self.step or 0, self.plan.keys)
+                reply(Message(Kind.ACK, msg.step))
             elif kind is Kind.GET_STATE:
                 names, tensors = ex.state_tensors()
                 reply(Message(Kind.STATE, msg.step, 0, tensors, {"names": names}))
@@ -206,10 +202,20 @@ class EventLoop:
         tensors = msg.tensors
         x = tensors[0] if ex.is_first else None
         target = tensors[-1] if (ex.needs_target and training) else None
-        ex.begin(step, sizes, training, x, target, self._weights(msg, "weights", len(sizes)),
-                 aux_weights=self._weights(msg, "aux_weights", len(sizes)))
+        actions, keys = self.plan.begin(ex, step, sizes, training, x, target,
+                                        self._weights(msg, "weights", len(sizes)),
+                                        self._weights(msg, "aux_weights", len(sizes)),
+                                        stream=msg.extra.get("stream") is True)
+        self.run(actions, step, keys)
+        if ex.is_last and training:
+            transport.send_control(Message(Kind.LOSS, step, extra={"loss": ex.mean_loss()}))
+
+    def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:
+        """Run ``actions``, answering the interpreter's requests with the transport. Messages are
+        keyed (step, microbatch); in a stream, ``keys`` gives each microbatch number's key."""
+        transport = self.transport
         rec = self.trace.append if self.trace is not None else None
-        gen = execute(ex, self.actions(len(sizes), training), self.trace)
+        gen = execute(self.executor, actions, self.trace, keys)
         fq, bq = transport.forward_queue, transport.backward_queue
         clock = time.perf_counter_ns
         value: Any = None
@@ -219,30 +225,29 @@ class EventLoop:
                 op = req[0]
                 value = None
                 t0 = clock() if rec else 0
+                s, j = keys[req[1]] if keys is not None else (step, req[1])
                 if op is Op.RECV_ACT:
-                    value = transport.wait_data(fq, step, req[1]).tensors
+                    value = transport.wait_data(fq, s, j).tensors
                     if rec:
-                        rec((trace.WAIT_ACT, step, req[1], t0, clock(), _nbytes(value)))
+                        rec((trace.WAIT_ACT, s, j, t0, clock(), _nbytes(value)))
                 elif op is Op.RECV_GRAD:
-                    value = transport.wait_data(bq, step, req[1]).tensors
+                    value = transport.wait_data(bq, s, j).tensors
                     if rec:
-                        rec((trace.WAIT_GRAD, step, req[1], t0, clock(), _nbytes(value)))
+                        rec((trace.WAIT_GRAD, s, j, t0, clock(), _nbytes(value)))
                 elif op is Op.SEND_ACT:
-                    transport.send_activation(step, req[1], req[2])
+                    transport.send_activation(s, j, req[2])
                     if rec:
-                        rec((trace.SEND_ACT, step, req[1], t0, clock(), _nbytes(req[2])))
+                        rec((trace.SEND_ACT, s, j, t0, clock(), _nbytes(req[2])))
                 elif op is Op.SEND_GRAD:
-                    transport.send_gradient(step, req[1], req[2])
+                    transport.send_gradient(s, j, req[2])
                     if rec:
-                        rec((trace.SEND_GRAD, step, req[1], t0, clock(), _nbytes(req[2])))
+                        rec((trace.SEND_GRAD, s, j, t0, clock(), _nbytes(req[2])))
                 elif op is EMIT:
-                    transport.send_control(Message(Kind.OUTPUT, step, req[1], req[2]))
+                    transport.send_control(Message(Kind.OUTPUT, s, j, req[2]))
                     if rec:
-                        rec((trace.EMIT, step, req[1], t0, clock(), _nbytes(req[2])))
+                        rec((trace.EMIT, s, j, t0, clock(), _nbytes(req[2])))
         except StopIteration:
             pass
-        if ex.is_last and training:
-            transport.send_control(Message(Kind.LOSS, step, extra={"loss": ex.mean_loss()}))
 
 
 def _nbytes(tensors: Any) -> int:

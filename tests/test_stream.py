@@ -147,3 +147,103 @@ def test_in_flight_is_checked():
                 runner.stream(batches(2), in_flight=bad)
         with pytest.raises(ValueError, match="queue_capacity"):
             runner.stream(batches(2), in_flight=100)
+
+
+# -- asynchronous 1F1B streams for real: the tutorial's two-stage pipeline (seed 000) --------------
+class TutorialStage0(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return torch.relu(self.w1(x))
+
+
+class TutorialStage1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w2 = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.w2(x))
+
+
+def tutorial_batches(n: int, seed: int = 40):
+    """The tutorial's data (320 samples, 16 features, 0/1 targets) and its batch order: 32 rows at a
+    time, cycling; its slicing makes the last batch of each pass x[288:-1], 31 rows."""
+    torch.manual_seed(seed)
+    x = torch.rand(320, 16)
+    y = torch.randint(0, 2, (320, 1)).float()
+    out = []
+    for i in range(n):
+        start, end = i * 32 % 320, (i + 1) * 32 % 320
+        end = -1 if end == 0 else end
+        out.append((x[start:end], y[start:end]))
+    return out
+
+
+def tutorial_replay(stages, data, lr=0.5, warmup=3):
+    """The tutorial's loop, replayed in one process: clock ticks; on each tick stage 0 either
+    forwards the next batch or backpropagates the oldest gradient that came back (and steps), and
+    stage 1 alternates forward and backward (and steps); stage 0 forwards ``warmup`` batches before
+    it starts alternating. Returns stage 1's loss of each batch, in order."""
+    s0, s1 = copy.deepcopy(stages)
+    opt0, opt1 = torch.optim.SGD(s0.parameters(), lr=lr), torch.optim.SGD(s1.parameters(), lr=lr)
+    to_stage1, to_backward1, back_to_stage0 = [], [], []
+    losses = []
+    forward0, forward1, sent = True, False, 0
+    while len(losses) < len(data):
+        if forward0:
+            if sent < len(data):
+                xb, yb = data[sent]
+                to_stage1.append((s0(xb), yb))
+                sent += 1
+        elif back_to_stage0:
+            out0 = back_to_stage0.pop(0)
+            opt0.zero_grad()
+            out0.backward(out0.grad)
+            opt0.step()
+        if forward1:
+            if to_stage1:
+                out0, yb = to_stage1.pop(0)
+                to_backward1.append((s1(out0), out0, yb))
+        elif to_backward1:
+            out1, out0, yb = to_backward1.pop(0)
+            opt1.zero_grad()
+            loss = nn.functional.binary_cross_entropy(out1, yb)
+            loss.backward(inputs=[*s1.parameters(), out0], retain_graph=True)
+            back_to_stage0.append(out0)
+            opt1.step()
+            losses.append(loss.item())
+        if sent >= warmup:
+            forward0 = not forward0
+        forward1 = not forward1
+    return losses
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("mode", "n"), [("simulated", 1200), ("process", 300)])
+def test_async_stream_replays_the_tutorial_pipeline(mode, n):
+    torch.manual_seed(1)
+    stages = [TutorialStage0(), TutorialStage1()]
+    data = tutorial_batches(n)
+    want = tutorial_replay(stages, data)
+    runner = pipeq.PipelineRunner(copy.deepcopy(stages), nn.BCELoss(), functools.partial(torch.optim.SGD, lr=0.5),
+                                  pipeq.schedules.AsyncOneFOneB(warmup=3), 1, mode=mode, **FAST)
+    with runner:
+        got = list(runner.stream(data))
+    assert len(got) == n
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6
+    assert sum(got[-20:]) < sum(got[:20])  # and it learns
+
+
+def test_async_warmup_plans():
+    AsyncOneFOneB = pipeq.schedules.AsyncOneFOneB
+    table = pipeq.schedules.format_table(AsyncOneFOneB(warmup=3), 2, 4)
+    assert table.splitlines()[1].split("|")[1].split() == "F0 F1 F2 B0 ST F3 B1 ST . B2 ST . B3 ST".split()
+    assert AsyncOneFOneB() == AsyncOneFOneB(warmup=None) != AsyncOneFOneB(warmup=4)
+    with pytest.raises(pipeq.ScheduleError, match="warmup >= 3"):
+        pipeq.schedules.build(AsyncOneFOneB(warmup=2), 4, 4)
+    for bad in (0, 1.5, "3"):
+        with pytest.raises(ValueError, match="warmup"):
+            AsyncOneFOneB(warmup=bad)
