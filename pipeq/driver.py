@@ -268,6 +268,10 @@ class ProcessBackend:
         ``stream``, a schedule that need not drain between batches (asynchronous 1F1B) does not;
         :meth:`drain` ends the stream."""
         sup = self._usable()
+        sup.drain_pending()
+        if sup.deferred is not None:  # a stage failed in an earlier step: this one cannot run;
+            self._submitted[step] = (0, len(shards), len(shards[0][0]))  # result() raises the error
+            return
         msgs = []
         offset = 0
         for r, (sizes, weights, aux_weights) in enumerate(shards):

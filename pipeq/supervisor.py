@@ -62,6 +62,7 @@ class Supervisor:
         # a failure in a later step than the one being waited for: (step, error), raised then
         self.deferred: tuple[int, PipelineError] | None = None
         self._excused: set[int] = set()  # processes that failed with a deferred error
+        self._collecting: int | None = None  # the training step whose loss collect() waits for
 
     # -- naming the culprit ------------------------------------------------------------------
     def known(self, peer: Peer | None) -> bool:
@@ -141,11 +142,12 @@ class Supervisor:
             if code is not None and g not in self._excused:
                 # An ERROR may still be in flight from a stage that raised and exited: prefer it.
                 end = time.monotonic() + 0.5
-                while time.monotonic() < end:
+                while time.monotonic() < end and g not in self._excused:
                     got = self._read(50)
                     if got is not None:
-                        raise self.fail(self.error_of(*got))
-                raise self.fail(self.error(f"stage process (pid {p.pid}) {exit_reason(code)}", g))
+                        self._error(*got)  # raised, or deferred (which excuses its process)
+                if g not in self._excused:
+                    raise self.fail(self.error(f"stage process (pid {p.pid}) {exit_reason(code)}", g))
         for g in range(self.n_processes):
             if now - self.last_beat[g] > self.heartbeat_timeout and g not in self._excused:
                 raise self.fail(self.error(
@@ -188,12 +190,19 @@ class Supervisor:
             raise self.fail(self.error(f"protocol error: unexpected {msg.kind.name}", g))
         # else: a stale reply to a command whose caller was interrupted (e.g. by Ctrl-C)
 
-    def _error(self, peer: Peer, msg: Message, waiting_for: int | None) -> None:
-        """An ERROR: raised now, or deferred while ``waiting_for`` an earlier step's loss."""
+    def _oldest_outstanding(self) -> int | None:
+        """The earliest training step whose loss is still to come (being or to be collected)."""
+        steps = [s for kind, s in self.awaited if kind is Kind.LOSS]
+        if self._collecting is not None:
+            steps.append(self._collecting)
+        return min(steps, default=None)
+
+    def _error(self, peer: Peer, msg: Message) -> None:
+        """An ERROR: raised now, or deferred while an earlier step than its own is outstanding."""
         err = self.blame(self.error_of(peer, msg))
-        step = msg.extra.get("step")
-        if (waiting_for is not None and peer.role == STAGE and type(step) is int and step > waiting_for
-                and (Kind.LOSS, step) in self.awaited):
+        step, oldest = msg.extra.get("step"), self._oldest_outstanding()
+        if (peer.role == STAGE and type(step) is int and oldest is not None and step > oldest
+                and ((Kind.LOSS, step) in self.awaited or step == self._collecting)):
             if self.deferred is None or step < self.deferred[0]:
                 self.deferred = (step, err)
             self._excused.add(peer.index)
@@ -212,6 +221,14 @@ class Supervisor:
         training = kind is Kind.LOSS
         if self.deferred is not None and (not training or step >= self.deferred[0]):
             raise self.fail(self.deferred[1])
+        self._collecting = step if training else None
+        try:
+            return self._collect(kind, counts, step, timeout, what, on_timeout)
+        finally:
+            self._collecting = None
+
+    def _collect(self, kind: Kind, counts: dict[int, int], step: int, timeout: float | None, what: str,
+                 on_timeout: Callable[[set[int]], str] | None) -> dict[int, list[Message]]:
         start = self.begin_wait()
         got: dict[int, list[Message]] = {g: [] for g in counts}
         missing = {g for g, c in counts.items() if c > 0}
@@ -234,7 +251,7 @@ class Supervisor:
                 if peer.role != AGENT:
                     self.last_beat[peer.index] = now
                 if msg.kind is Kind.ERROR and peer.role != HEARTBEAT:
-                    self._error(peer, msg, step if training else None)
+                    self._error(peer, msg)
                 elif peer.role == STAGE:
                     if msg.kind is kind and msg.step == step and peer.index in missing:
                         take(peer.index, msg)
@@ -251,9 +268,8 @@ class Supervisor:
 
     def drain_pending(self) -> None:
         """Handle what arrived while no call was waiting (an ERROR above all), without blocking."""
-        got = self._read(0)
-        if got is not None:
-            raise self.fail(self.blame(self.error_of(*got)))
+        while (got := self._read(0)) is not None:
+            self._error(*got)
 
     def send_all(self, messages: list[tuple[int, Message]]) -> None:
         """Send ``(process, message)`` pairs after checking that every process is alive. All are
