@@ -9,6 +9,8 @@ a schedule that would deadlock, naming every blocked stage; its timeline is what
 
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
 from .actions import COMPUTE_OPS, Action, Op, Schedule
 from .errors import ScheduleError
 
@@ -65,6 +67,17 @@ def check_consistency(
             raise ScheduleError(f"stage {k}: a forward-only schedule has no backward or STEP")
 
 
+def stage_costs(
+    cost: "Mapping[Op, float] | Sequence[Mapping[Op, float]] | None", n_stages: int
+) -> list[dict[Op, float]]:
+    """One complete cost mapping per stage (F, B and STEP 1 unless given) from what
+    :func:`dry_run` accepts: None, one mapping for every stage, or one mapping per stage."""
+    per_stage = [cost] * n_stages if cost is None or isinstance(cost, Mapping) else list(cost)
+    if len(per_stage) != n_stages:
+        raise ScheduleError(f"cost has {len(per_stage)} per-stage mappings for {n_stages} stages")
+    return [{Op.FORWARD: 1, Op.BACKWARD: 1, Op.STEP: 1, **(c or {})} for c in per_stage]
+
+
 def _channel(k: int, a: Action) -> tuple[int, int, str, int]:
     """(source stage, destination stage, kind, microbatch) of the message a comm action moves."""
     if a.op is Op.SEND_ACT:
@@ -77,20 +90,25 @@ def _channel(k: int, a: Action) -> tuple[int, int, str, int]:
 
 
 def dry_run(
-    lowered: Schedule, *, cost: dict[Op, int] | None = None, capacity: int | None = None
+    lowered: Schedule, *, cost: "Mapping[Op, float] | Sequence[Mapping[Op, float]] | None" = None,
+    capacity: int | None = None, start: Sequence[float] | None = None,
 ) -> list[list[tuple[int, Action]]]:
     """Execute lowered action lists symbolically; return each stage's (start time, action) list.
 
-    Compute actions take ``cost[op]`` time units (forward 1, backward 1, step 1 by default);
-    communication is instantaneous, but a message sent at time t can be received from t on. A
-    send blocks while its receiver already holds ``capacity`` unconsumed messages from that
-    sender (None: unbounded). Raises :class:`ScheduleError` naming every blocked stage if no
-    stage can move.
+    Compute actions take ``cost[op]`` time units (forward 1, backward 1, step 1 by default), or
+    ``cost[k][op]`` on stage k when ``cost`` is a list of one mapping per stage (stages of
+    unequal cost); communication is instantaneous, but a message sent at time t can be received
+    from t on. A send blocks while its receiver already holds ``capacity`` unconsumed messages
+    from that sender (None: unbounded). ``start``: the time each stage is free to begin (default
+    0 on every stage). Raises :class:`ScheduleError` naming every blocked stage if no stage can
+    move.
     """
-    cost = {Op.FORWARD: 1, Op.BACKWARD: 1, Op.STEP: 1, **(cost or {})}
     n = len(lowered)
+    costs = stage_costs(cost, n)
+    if start is not None and len(start) != n:
+        raise ScheduleError(f"start has {len(start)} times for {n} stages")
     pc = [0] * n
-    clock = [0] * n  # time at which stage k is free
+    clock = list(start) if start is not None else [0] * n  # time at which stage k is free
     sent: dict[tuple[int, int, str, int], int] = {}  # message -> time it is available
     pending: dict[tuple[int, int], int] = {}  # (src, dst) -> unconsumed messages
     timeline: list[list[tuple[int, Action]]] = [[] for _ in range(n)]
@@ -101,7 +119,7 @@ def dry_run(
                 a = lowered[k][pc[k]]
                 if a.op in COMPUTE_OPS:
                     timeline[k].append((clock[k], a))
-                    clock[k] += cost[a.op]
+                    clock[k] += costs[k][a.op]
                 elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
                     ch = _channel(k, a)
                     if not 0 <= ch[1] < n:

@@ -8,7 +8,7 @@ import pytest
 import pipeq
 from pipeq import schedules as S
 from pipeq.errors import ScheduleError
-from pipeq.schedules import STEP, Action, B, F, Op
+from pipeq.schedules import STEP, Action, B, F, Op, stream_bound, stream_plan
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -395,3 +395,81 @@ def test_makespan_with_backward_twice_as_slow():
     for n, m in [(2, 3), (3, 4), (4, 8)]:
         tl = S.dry_run(S.build("1f1b", n, m), cost={Op.BACKWARD: 2})
         assert _makespan(tl, {Op.BACKWARD: 2}) == 3 * (m + n - 1) + 1
+
+
+# ---------------------------------------------------------------- per-stage costs, start times
+
+
+def test_dry_run_per_stage_costs_and_start_times():
+    low = S.build("fill-drain", 2, 1)  # F0 B0 ST on both stages
+    tl = S.dry_run(low, cost=[{Op.FORWARD: 3}, {Op.BACKWARD: 5, Op.STEP: 0}], start=[10, 0])
+    assert [[(t, str(a)) for t, a in row] for row in tl] == [
+        [(10, "F0"), (19, "B0"), (20, "STEP")],  # waits for stage 1's gradient, 14 + 5
+        [(13, "F0"), (14, "B0"), (19, "STEP")],  # waits for stage 0's activation, 10 + 3
+    ]
+    with pytest.raises(ScheduleError, match="2 stages"):
+        S.dry_run(low, cost=[{}])
+    with pytest.raises(ScheduleError, match="2 stages"):
+        S.dry_run(low, start=[0, 0, 0])
+
+
+# ---------------------------------------------------------------- streams of batches
+
+
+@pytest.mark.parametrize("name", ["fill-drain", "1f1b", "global", "local", "pairwise", "async", "al",
+                                  S.Interlock("nwise", distance=2)])
+def test_stream_plan_is_the_batches_back_to_back(name):
+    n, m, nb = 4, 3, 5
+    one = S.build(name, n, m)
+    plan = stream_plan(name, n, m, nb)
+    S.dry_run(plan)  # the renumbered plan runs without deadlock
+    for k in range(n):
+        assert len(plan[k]) == nb * len(one[k])
+        forwards = [a.microbatch for a in plan[k] if a.op is Op.FORWARD]
+        assert sorted(forwards) == list(range(nb * m))  # n_batches * m forwards, each once
+        for b in range(nb):  # batch b is batch 0's list, microbatches shifted by b * m
+            part = plan[k][b * len(one[k]):(b + 1) * len(one[k])]
+            assert [(a.op, a.microbatch) for a in part] == [
+                (a.op, a.microbatch + b * m if a.microbatch >= 0 else -1) for a in one[k]]
+    assert stream_plan(name, n, m, 1) == one
+
+
+def test_stream_plan_refuses_no_batches():
+    with pytest.raises(ScheduleError, match="n_batches"):
+        stream_plan("1f1b", 2, 2, 0)
+
+
+@pytest.mark.parametrize("name", ["fill-drain", "1f1b", "global"])
+@pytest.mark.parametrize("n,m", [(2, 2), (4, 4), (4, 8), (3, 1)])
+def test_stream_bound_of_flushing_schedules_is_one_batch(name, n, m):
+    # stage 0 steps only once the last gradient of batch b is back, and only then starts batch
+    # b+1's forwards: streaming saves nothing, and a step loop is one batch's makespan
+    for cost in ({}, {Op.FORWARD: 5, Op.BACKWARD: 10, Op.STEP: 0}):
+        full = {Op.FORWARD: 1, Op.BACKWARD: 1, Op.STEP: 1, **cost}
+        makespan = (m + n - 1) * (full[Op.FORWARD] + full[Op.BACKWARD]) + full[Op.STEP]
+        assert stream_bound(name, n, m, cost) == (makespan, makespan, m * (full[Op.FORWARD] + full[Op.BACKWARD])
+                                                  + full[Op.STEP])
+
+
+@pytest.mark.parametrize("n,m", [(2, 2), (4, 4), (4, 8), (5, 3)])
+def test_stream_bound_of_local_has_no_flush(n, m):
+    f, b, st = 5.0, 10.0, 1.0
+    bound = stream_bound("local", n, m, {Op.FORWARD: f, Op.BACKWARD: b, Op.STEP: st})
+    assert bound.stream == pytest.approx(m * (f + b) + st)  # every stage busy all the time
+    assert bound.busy == pytest.approx(m * (f + b) + st)
+    # a step loop waits for the last stage, which trails stage 0 by N-1 forwards
+    assert bound.step == pytest.approx((n - 1) * f + m * (f + b) + st)
+
+
+def test_stream_bound_step_loop_overlaps_the_tail_of_a_batch():
+    # pairwise, unit costs: one batch takes 13, but the last stage returns the loss at 12 and
+    # the stages still busy then finish batch b while the others start b+1
+    low = S.build("pairwise", 4, 4)
+    assert _makespan(S.dry_run(low)) == 13
+    assert stream_bound("pairwise", 4, 4) == (11, 12, 9)
+
+
+def test_stream_bound_per_stage_costs():
+    # a stage twice as slow sets the pace of a stream of "local" batches
+    cost = [{Op.STEP: 0}, {Op.FORWARD: 2, Op.BACKWARD: 2, Op.STEP: 0}, {Op.STEP: 0}]
+    assert stream_bound("local", 3, 4, cost).stream == 16
