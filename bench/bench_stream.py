@@ -54,6 +54,7 @@ from torch import nn
 
 import pipeq
 from pipeq import schedules
+from pipeq.bounds import StreamBound, stream_bound
 from pipeq.schedules import Op
 from pipeq.testing import SleepStage
 
@@ -92,11 +93,11 @@ def model_costs(name: str, n: int, f: float, b: float) -> "list[dict[Op, float]]
     return _interlock_bench().action_costs(scheme, n, f, b)
 
 
-def bounds(name: str, n: int, m: int, f: float, b: float) -> dict[str, schedules.StreamBound]:
+def bounds(name: str, n: int, m: int, f: float, b: float) -> dict[str, StreamBound]:
     """Seconds per batch: the plan (F and B as given) and the SleepStage cost model."""
     sched = schedule_of(name)
-    return {"plan": schedules.stream_bound(sched, n, m, {Op.FORWARD: f, Op.BACKWARD: b, Op.STEP: 0.0}),
-            "model": schedules.stream_bound(sched, n, m, model_costs(name, n, f, b))}
+    return {"plan": stream_bound(sched, n, m, {Op.FORWARD: f, Op.BACKWARD: b, Op.STEP: 0.0}),
+            "model": stream_bound(sched, n, m, model_costs(name, n, f, b))}
 
 
 # -- measurement ----------------------------------------------------------------------------------

@@ -23,14 +23,14 @@ LAYERS: dict[str, list[str]] = {
                       "batching", "driver", "supervisor", "tracing", "processes", "rendezvous", "report",
                       "plot"],
     "event loop": ["_preload", "worker", "simulated", "interpreter"],
-    "compute": ["schedules", "actions", "dryrun", "executors", "stage", "interlock", "asyncpipe", "al", "checkpoint",
+    "compute": ["schedules", "actions", "dryrun", "bounds", "executors", "stage", "interlock", "asyncpipe", "al", "checkpoint",
                 "dataparallel", "trace", "testing"],
     "transport": ["transport"],
     "codec": ["codec", "messages", "errors", "netif"],
 }
 RANK = {m: i for i, mods in enumerate(LAYERS.values()) for m in mods}
 #: Modules that do no I/O: they import nothing but these and the standard library's pure parts.
-PURE = {"schedules", "actions", "dryrun", "errors"}
+PURE = {"schedules", "actions", "dryrun", "bounds", "errors"}
 
 
 def modules() -> list[str]:

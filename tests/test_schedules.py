@@ -8,7 +8,8 @@ import pytest
 import pipeq
 from pipeq import schedules as S
 from pipeq.errors import ScheduleError
-from pipeq.schedules import STEP, Action, B, F, Op, stream_bound, stream_plan
+from pipeq.bounds import stream_bound, stream_plan
+from pipeq.schedules import STEP, Action, B, F, Op
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -416,7 +417,7 @@ def test_dry_run_per_stage_costs_and_start_times():
 # ---------------------------------------------------------------- streams of batches
 
 
-@pytest.mark.parametrize("name", ["fill-drain", "1f1b", "global", "local", "pairwise", "async", "al",
+@pytest.mark.parametrize("name", ["fill-drain", "1f1b", "global", "local", "pairwise", "al",
                                   S.Interlock("nwise", distance=2)])
 def test_stream_plan_is_the_batches_back_to_back(name):
     n, m, nb = 4, 3, 5
@@ -432,6 +433,19 @@ def test_stream_plan_is_the_batches_back_to_back(name):
             assert [(a.op, a.microbatch) for a in part] == [
                 (a.op, a.microbatch + b * m if a.microbatch >= 0 else -1) for a in one[k]]
     assert stream_plan(name, n, m, 1) == one
+
+
+def test_async_stream_plan_does_not_drain_between_batches():
+    """Asynchronous 1F1B's stream is its plan for all the stream's microbatches at once: stage 0
+    starts batch 1's forwards before batch 0's last backwards, as the stages do under stream()."""
+    n, m, nb = 4, 3, 5
+    plan = stream_plan("async", n, m, nb)
+    assert plan == S.build("async", n, m * nb)
+    stage0 = [a for a in plan[0] if a.op in (Op.FORWARD, Op.BACKWARD)]
+    assert stage0.index(F(m)) < stage0.index(B(m - 1))  # F3 comes before B2: no drain at batch 0's end
+    per_batch = stream_plan("1f1b", n, m, nb)
+    assert [a for a in per_batch[0] if a.op in (Op.FORWARD, Op.BACKWARD)].index(F(m)) > \
+        [a for a in per_batch[0] if a.op in (Op.FORWARD, Op.BACKWARD)].index(B(m - 1))
 
 
 def test_stream_plan_refuses_no_batches():
