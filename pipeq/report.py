@@ -14,16 +14,26 @@ the numbers. A step's wall time runs from its first stage event's start to its l
 
 Bubble: the share of a step's wall time a stage does not compute, averaged over the stages. The
 ideal, (N-1)/(m+N-1) for N stages and m microbatches, is that of fill-drain and 1F1B with equal
-stage costs and free communication (and no optimizer step). Nothing here starts a process or
-opens a socket.
+stage costs and free communication (and no optimizer step).
+
+Throughput: training steps per second in the steady state (between the ends of the first and
+the last step covered), beside the schedule's bound (:mod:`pipeq.bounds`) with each stage's
+measured mean forward, backward and optimizer-step times: the streamed bound for a
+``runner.stream`` run (the driver sent a step before the previous one's loss was back), the
+``step``-loop bound otherwise. Nothing here starts a process or opens a socket.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Iterable, Union
+from typing import Any, Iterable, Union
 
-from .trace import COMPUTE_CATS, FORWARD_CAT, SEND_CAT, WAIT_CAT, Event, Trace
+from . import schedules
+from .bounds import stream_bound
+from .errors import ScheduleError
+from .schedules import Op
+from .trace import BACKWARD_CAT, COMPUTE_CATS, FORWARD_CAT, SEND_CAT, STEP_CAT, WAIT_CAT, Event, Trace
 
 StepSelection = Union[int, str, Iterable[int], None]
 
@@ -94,6 +104,16 @@ class StageTotals:
 
 
 @dataclass
+class Throughput:
+    """Training steps per second over the steps covered, and what the schedule allows."""
+
+    steps_per_s: float
+    streamed: bool  # a runner.stream run: steps were sent before the previous loss was back
+    bound_steps_per_s: float | None  # None: a schedule this module cannot rebuild (your own function)
+    costs_ms: list[tuple[float, float, float]]  # per stage: mean forward, backward, step (ms)
+
+
+@dataclass
 class Report:
     """:func:`analyze`'s result; :func:`format_report` prints it."""
 
@@ -107,6 +127,7 @@ class Report:
     bubble: float  # mean over steps of the measured bubble
     ideal_bubble: float  # mean over steps of (N-1)/(m+N-1)
     slowest_stage: int  # the stage with the most compute over the run
+    throughput: Throughput | None = None  # None: fewer than two training steps covered
 
     @property
     def microbatches(self) -> list[int]:
@@ -199,7 +220,49 @@ def analyze(trace: Trace, include_predict: bool = False, *, skip_first: int = 0,
         bubble=sum(s.bubble for s in stats) / len(stats),
         ideal_bubble=sum(s.ideal_bubble for s in stats) / len(stats),
         slowest_stage=max(totals, key=lambda t: t.compute_us).stage,
+        throughput=_throughput(trace, [k for k in keys if k[0] == 0 and trace.is_training(k)], by_key),
     )
+
+
+def _throughput(trace: Trace, keys: list[tuple[int, int]], by_key: dict[tuple[int, int], list[Event]]
+                ) -> Throughput | None:
+    """Replica 0's training steps per second, and the schedule's bound with their measured costs."""
+    ends = sorted(max(e.end_us for e in by_key[k]) for k in keys if by_key.get(k))
+    if len(ends) < 2 or ends[-1] <= ends[0]:
+        return None
+    rate = (len(ends) - 1) / ((ends[-1] - ends[0]) / 1e6)
+    spans = sorted((trace.driver[k] for k in keys if k in trace.driver))
+    streamed = any(later[0] < earlier[0] + earlier[1] for earlier, later in zip(spans, spans[1:]))
+    costs = []
+    for k in range(trace.n_stages):
+        mean = []
+        for cat in (FORWARD_CAT, BACKWARD_CAT, STEP_CAT):
+            durs = [e.dur_us for key in keys for e in by_key.get(key, []) if e.stage == k and e.cat == cat]
+            mean.append(sum(durs) / len(durs) / 1e3 if durs else 0.0)
+        costs.append(tuple(mean))
+    bound = None
+    schedule = schedule_of(str(trace.meta.get("schedule", "")))
+    m = trace.meta.get("microbatches")
+    if schedule is not None and type(m) is int and m > 0:
+        per_stage = [{Op.FORWARD: f, Op.BACKWARD: b, Op.STEP: st} for f, b, st in costs]
+        try:
+            seconds = stream_bound(schedule, trace.n_stages, m, per_stage)
+            per_batch_ms = seconds.stream if streamed else seconds.step
+            bound = 1e3 / per_batch_ms if per_batch_ms > 0 else None
+        except (ScheduleError, ValueError):
+            bound = None
+    return Throughput(rate, streamed, bound, costs)  # type: ignore[arg-type]
+
+
+def schedule_of(label: str) -> Any:
+    """The schedule a trace's label names (None for your own schedule functions)."""
+    m = re.fullmatch(r"nwise\(d=(\d+)\)", label)
+    if m:
+        return schedules.Interlock("nwise", distance=int(m.group(1)))
+    m = re.fullmatch(r"async\(warmup=(\d+)\)", label)
+    if m:
+        return schedules.AsyncOneFOneB(warmup=int(m.group(1)))
+    return schedules.resolve(label) if label in schedules.SCHEDULES else None
 
 
 def _step_wall(trace: Trace, key: tuple[int, int], events: list[Event]) -> float:
@@ -355,5 +418,17 @@ def _summary(report: Report) -> list[str]:
         f"slowest stage: {slow.stage} ({100 * slow.compute_fraction:.0f}% of the step time computing)",
         f"bubble: measured {100 * report.bubble:.1f}% vs ideal {100 * report.ideal_bubble:.1f}% "
         f"((N-1)/(m+N-1) for N={report.n_stages}, m={m})",
-    ]
+    ] + _throughput_lines(report.throughput)
+
+
+def _throughput_lines(t: Throughput | None) -> list[str]:
+    if t is None:
+        return []
+    how = "streamed" if t.streamed else "step loop"
+    line = f"throughput: {t.steps_per_s:.2f} steps/s ({how})"
+    if t.bound_steps_per_s is not None:
+        line += (f"; the schedule's {how} bound with these costs: {t.bound_steps_per_s:.2f} steps/s "
+                 f"({100 * t.steps_per_s / t.bound_steps_per_s:.0f}% of it)")
+    costs = ", ".join(f"{f:.2f}/{b:.2f}/{st:.2f}" for f, b, st in t.costs_ms)
+    return [line, f"  mean forward/backward/step ms per stage: {costs}"]
 

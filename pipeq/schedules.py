@@ -234,7 +234,6 @@ class AsyncOneFOneB:
         stage 3 | .  .  .  F0 B0 ST F1 B1 ST F2 B2 ST ...
     """
 
-    name = "async"
     per_microbatch_steps = True  # check_consistency: one STEP after each backward
 
     def __init__(self, warmup: int | None = None, weight_stashing: bool = True) -> None:
@@ -244,6 +243,11 @@ class AsyncOneFOneB:
             raise ValueError(f"AsyncOneFOneB(weight_stashing=...) must be True or False, got {weight_stashing!r}")
         self.warmup = warmup
         self.weight_stashing = weight_stashing
+
+    @property
+    def name(self) -> str:
+        """"async", or "async(warmup=W)" (in traces, and ``pipeq report`` rebuilds the plan from it)."""
+        return "async" if self.warmup is None else f"async(warmup={self.warmup})"
 
     def warmup_of(self, stage: int, n_stages: int) -> int:
         """How many forwards stage ``stage`` runs before its first backward."""

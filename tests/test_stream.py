@@ -247,3 +247,46 @@ def test_async_warmup_plans():
     for bad in (0, 1.5, "3"):
         with pytest.raises(ValueError, match="warmup"):
             AsyncOneFOneB(warmup=bad)
+
+
+@pytest.mark.timeout(120)
+def test_report_gives_a_streamed_runs_throughput_against_its_bound(tmp_path):
+    """A traced stream is recognised as one (steps sent before the previous loss came back) and
+    compared with the schedule's streamed bound; a step loop with the step-loop bound."""
+    from pipeq import report
+    from pipeq.testing import SleepStage
+    from pipeq.trace import load_trace
+
+    found = {}
+    for how in ("stream", "step"):
+        stages = [SleepStage(4, 0.002, 0.004) for _ in range(3)]
+        path = tmp_path / f"{how}.json"
+        runner = pipeq.PipelineRunner(stages, nn.MSELoss(), MOMENTUM, "local", 2, trace=str(path), **FAST,
+                                      aux_heads=[nn.Identity(), nn.Identity()], aux_loss=nn.MSELoss())
+        data = [(torch.randn(4, 4), torch.randn(4, 4)) for _ in range(10)]
+        with runner:
+            if how == "stream":
+                list(runner.stream(data))
+            else:
+                [runner.step(x, y) for x, y in data]
+        got = report.analyze(load_trace(path), skip_first=1)
+        found[how] = got.throughput
+        text = report.format_report(got)
+        assert f"({'streamed' if how == 'stream' else 'step loop'})" in text and "bound with these costs" in text
+    assert found["stream"].streamed and not found["step"].streamed
+    # the schedule allows more streamed than in a loop of steps (no flush), with the same costs
+    assert found["stream"].bound_steps_per_s > 1.2 * found["step"].bound_steps_per_s
+    for t in found.values():
+        assert t.steps_per_s > 0 and len(t.costs_ms) == 3
+        assert all(f > 1.5 and b > 3.5 for f, b, _ in t.costs_ms)  # the sleeps, measured
+
+
+def test_report_rebuilds_schedules_from_trace_labels():
+    from pipeq.report import schedule_of
+
+    AsyncOneFOneB = pipeq.schedules.AsyncOneFOneB
+    assert schedule_of("1f1b") == "1f1b"
+    assert schedule_of("nwise(d=2)") == pipeq.schedules.Interlock("nwise", distance=2)
+    assert schedule_of(AsyncOneFOneB(warmup=3).name) == AsyncOneFOneB(warmup=3)
+    assert schedule_of("async") == AsyncOneFOneB()
+    assert schedule_of("tests.mine:plan") is None
