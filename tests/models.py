@@ -10,6 +10,23 @@ import torch
 from torch import nn
 
 
+def float64_stages3(seed: int = 0) -> list[nn.Module]:
+    """Three float64 stages: 6 -> 10 -> 10 -> 4 (ReLU, then Tanh inside the first two)."""
+    torch.manual_seed(seed)
+    return [
+        nn.Sequential(nn.Linear(6, 10), nn.ReLU()).double(),
+        nn.Sequential(nn.Linear(10, 10), nn.Tanh()).double(),
+        nn.Linear(10, 4).double(),
+    ]
+
+
+def float64_data(batch: int, seed: int = 1, d_in: int = 6, classes: int = 4):
+    """(x, class targets) for float64_stages3."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, d_in, generator=g, dtype=torch.float64),
+            torch.randint(0, classes, (batch,), generator=g))
+
+
 def mlp_stages(widths=(8, 16, 16, 3), seed: int = 0) -> list[nn.Module]:
     """Linear(+ReLU) stages: widths[k] -> widths[k+1]; no ReLU after the last."""
     torch.manual_seed(seed)

@@ -18,27 +18,13 @@ from pipeq.interpreter import EMIT, execute
 from pipeq.schedules import Op
 from pipeq.stage import microbatch_weights
 
+from models import float64_data, float64_stages3
+
 pytestmark = pytest.mark.timeout(60)
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 CPU = torch.device("cpu")
 TOL = dict(atol=1e-12, rtol=0)
-
-
-def stages3(seed: int = 0) -> list[nn.Module]:
-    """Three float64 stages: 6 -> 10 -> 10 -> 4 (ReLU inside the first two)."""
-    torch.manual_seed(seed)
-    return [
-        nn.Sequential(nn.Linear(6, 10), nn.ReLU()).double(),
-        nn.Sequential(nn.Linear(10, 10), nn.Tanh()).double(),
-        nn.Linear(10, 4).double(),
-    ]
-
-
-def data(batch: int, seed: int = 1, d_in: int = 6, classes: int = 4):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, d_in, generator=g, dtype=torch.float64),
-            torch.randint(0, classes, (batch,), generator=g))
 
 
 def executors(stages, schedule="1f1b", loss_fn=None):
@@ -106,14 +92,14 @@ def train_step(exs, step, x, y, m, schedule="1f1b", **kw):
 
 @pytest.mark.parametrize("n_stages", [2, 3])
 def test_hand_driven_1f1b_equals_single_process_training(n_stages):
-    stages = stages3()
+    stages = float64_stages3()
     if n_stages == 2:  # 6 -> 10 -> 4
         stages = [nn.Sequential(*stages[0], *stages[1]), stages[2]]
     model = nn.Sequential(*copy.deepcopy(stages))
     opt = SGD(model.parameters())
     exs = executors(stages)
     for step, seed in enumerate((1, 2, 3)):  # momentum: later steps depend on the earlier ones
-        x, y = data(10, seed)  # 4 microbatches of 3, 3, 2, 2
+        x, y = float64_data(10, seed)  # 4 microbatches of 3, 3, 2, 2
         loss, _, _ = train_step(exs, step, x, y, m=4)
         opt.zero_grad()
         ref = nn.functional.cross_entropy(model(x), y)
@@ -135,7 +121,7 @@ def test_hand_driven_1f1b_equals_single_process_training(n_stages):
 def test_requests_and_compute_follow_the_lowered_plan(schedule):
     """Every action runs once, in the stage's plan order: the communication as yielded requests,
     the compute as calls on the executor (recorded by wrapping them) in between."""
-    exs = executors(stages3(), schedule)
+    exs = executors(float64_stages3(), schedule)
     log: list[list[str]] = [[] for _ in exs]
     for k, ex in enumerate(exs):
         def wrap(fn, tag, k=k):
@@ -146,7 +132,7 @@ def test_requests_and_compute_follow_the_lowered_plan(schedule):
         ex.forward = wrap(ex.forward, "F")
         ex.backward = wrap(ex.backward, "B")
         ex.optimizer_step = wrap(ex.optimizer_step, "STEP")
-    x, y = data(10)
+    x, y = float64_data(10)
     _, plan, (emitted, requests) = train_step(exs, 0, x, y, m=4, schedule=schedule, log=log)
     assert emitted == {}  # training emits nothing
     for k in range(len(exs)):
@@ -159,9 +145,9 @@ def test_requests_and_compute_follow_the_lowered_plan(schedule):
 
 
 def test_forward_only_emits_each_microbatch_output_from_the_last_stage():
-    stages = stages3()
+    stages = float64_stages3()
     exs = executors(stages)
-    x, _ = data(10)
+    x, _ = float64_data(10)
     sizes = split_sizes(10, 4)
     for k, ex in enumerate(exs):
         ex.begin(5, sizes, False, x if k == 0 else None)
@@ -179,8 +165,8 @@ def test_forward_only_emits_each_microbatch_output_from_the_last_stage():
 
 
 def test_tensors_yielded_for_sending_carry_no_autograd_graph():
-    exs = executors(stages3())
-    x, y = data(10)
+    exs = executors(float64_stages3())
+    x, y = float64_data(10)
     _, _, (_, requests) = train_step(exs, 0, x, y, m=4)
     sent = [(k, r) for k, reqs in enumerate(requests) for r in reqs if r[0] in (Op.SEND_ACT, Op.SEND_GRAD)]
     # stages 0 and 1 send activations, stages 1 and 2 gradients: 4 microbatches each
@@ -193,9 +179,9 @@ def test_tensors_yielded_for_sending_carry_no_autograd_graph():
 
 
 def test_trace_rows_one_per_compute_action():
-    exs = executors(stages3())
+    exs = executors(float64_stages3())
     traces = [[] for _ in exs]
-    x, y = data(10)
+    x, y = float64_data(10)
     _, plan, _ = train_step(exs, 7, x, y, m=4, traces=traces)
     codes = {Op.FORWARD: trace.F, Op.BACKWARD: trace.B, Op.STEP: trace.OPT_STEP}
     for k, rows in enumerate(traces):
@@ -216,7 +202,7 @@ def test_error_in_forward_propagates_out_of_the_generator_naming_microbatch_and_
     # stage 1 expects width 7 but receives width 10
     stages = [nn.Linear(6, 10).double(), nn.Linear(7, 4).double()]
     exs = executors(stages)
-    x, y = data(10)
+    x, y = float64_data(10)
     sizes = split_sizes(10, 4)
     for k, ex in enumerate(exs):
         ex.begin(3, sizes, True, x if k == 0 else None, y if k == 1 else None)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipeq
-from models import FailingStepSGD, Raises
+from models import float64_data, float64_stages3, FailingStepSGD, Raises
 from pipeq.batching import split_sizes
 from pipeq.executors import StageSpec
 from pipeq.simulated import SimulatedBackend
@@ -21,21 +21,6 @@ pytestmark = pytest.mark.timeout(60)
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 TOL = dict(atol=1e-12, rtol=0)
-
-
-def stages3(seed: int = 0) -> list[nn.Module]:
-    torch.manual_seed(seed)
-    return [
-        nn.Sequential(nn.Linear(6, 10), nn.ReLU()).double(),
-        nn.Sequential(nn.Linear(10, 10), nn.Tanh()).double(),
-        nn.Linear(10, 4).double(),
-    ]
-
-
-def data(batch: int, seed: int = 1, d_in: int = 6, classes: int = 4):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, d_in, generator=g, dtype=torch.float64),
-            torch.randint(0, classes, (batch,), generator=g))
 
 
 def backend(stages, schedule="1f1b", loss_fn=None, opt=SGD, **spec_kw):
@@ -65,12 +50,12 @@ def predict(be, x, m=4) -> torch.Tensor:
 @pytest.mark.parametrize("schedule", ["fill-drain", "1f1b"])
 def test_equals_single_process_training_with_uneven_microbatches(schedule):
     assert split_sizes(10, 4) == [3, 3, 2, 2]
-    stages = stages3()
+    stages = float64_stages3()
     model = nn.Sequential(*copy.deepcopy(stages))
     opt = SGD(model.parameters())
     be = backend(stages, schedule)
     for step, seed in enumerate((1, 2, 3)):
-        x, y = data(10, seed)
+        x, y = float64_data(10, seed)
         loss = train(be, step, x, y, m=4)
         opt.zero_grad()
         ref = nn.functional.cross_entropy(model(x), y)
@@ -83,19 +68,19 @@ def test_equals_single_process_training_with_uneven_microbatches(schedule):
     assert len(got) == len(ref_state)
     for (name, ref), v in zip(ref_state.items(), got):
         torch.testing.assert_close(v, ref, **TOL, msg=name)
-    x, _ = data(10, 9)
+    x, _ = float64_data(10, 9)
     with torch.no_grad():
         torch.testing.assert_close(predict(be, x), model(x), **TOL)
 
 
 def test_trains_private_copies_of_the_callers_modules():
-    stages = stages3()
+    stages = float64_stages3()
     before = [copy.deepcopy(m.state_dict()) for m in stages]
     be = backend(stages)
     for ex, m in zip(be.executors, stages):
         assert ex.module is not m
         assert not {id(p) for p in ex.module.parameters()} & {id(p) for p in m.parameters()}
-    x, y = data(10)
+    x, y = float64_data(10)
     train(be, 0, x, y)
     train(be, 1, x, y)
     for k, m in enumerate(stages):
@@ -119,7 +104,7 @@ def test_messages_are_copies_an_inplace_op_downstream_leaves_the_sender_untouche
     model = nn.Sequential(*copy.deepcopy(stages))
     w0 = copy.deepcopy(first)
     be = backend(stages)
-    x, y = data(10)
+    x, y = float64_data(10)
     sizes = split_sizes(10, 4)
     for training in (True, False):
         kept.clear()
@@ -149,7 +134,7 @@ def test_stage_that_raises_in_forward_is_named(schedule):
     torch.manual_seed(0)
     stages = [nn.Linear(6, 6).double(), Raises(6).double(), nn.Linear(6, 4).double()]
     be = backend(stages, schedule)
-    x, y = data(10)
+    x, y = float64_data(10)
     with pytest.raises(pipeq.PipelineError) as info:
         train(be, 0, x, y)
     err = info.value
@@ -165,15 +150,15 @@ def test_stage_that_raises_in_its_optimizer_step_is_named():
     torch.manual_seed(0)
     stages = [nn.Linear(8, 5).double(), nn.Linear(5, 5).double(), nn.Linear(5, 4).double()]
     be = backend(stages, opt=functools.partial(FailingStepSGD, lr=0.1))
-    x, y = data(10, d_in=8)
+    x, y = float64_data(10, d_in=8)
     with pytest.raises(pipeq.PipelineError, match="optimizer step failed on purpose") as info:
         train(be, 0, x, y)
     assert info.value.stage == 0
 
 
 def test_get_state_returns_copies_and_set_state_round_trips():
-    x, y = data(10)
-    be = backend(stages3())
+    x, y = float64_data(10)
+    be = backend(float64_stages3())
     train(be, 0, x, y)
     state = be.get_state()
     kept = [[t.clone() for t in tensors] for _, tensors in state]
@@ -187,7 +172,7 @@ def test_get_state_returns_copies_and_set_state_round_trips():
     torch.testing.assert_close(predict(be, x), out, atol=0, rtol=0)
 
     # into another backend (other initial weights): same state, same outputs
-    fresh = backend(stages3(seed=5))
+    fresh = backend(float64_stages3(seed=5))
     assert not torch.equal(predict(fresh, x), out)
     given = [(names, [t.clone() for t in tensors]) for (names, _), tensors in zip(be.get_state(), kept)]
     fresh.set_state(given)
@@ -216,7 +201,7 @@ def test_snapshots_restore_continue_training_exactly():
     # step_size=2: the lr halves after the 2nd step, so a lost scheduler count shows in step 3
     kw = dict(opt=functools.partial(torch.optim.Adam, lr=0.01),
               lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5))
-    batches = [data(10, seed) for seed in (1, 2, 3)]
+    batches = [float64_data(10, seed) for seed in (1, 2, 3)]
     torch.manual_seed(42)
     a = backend(make_stages(0), **kw)
     train(a, 0, *batches[0])

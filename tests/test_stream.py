@@ -12,7 +12,7 @@ from torch import nn
 
 import pipeq
 from pipeq.al import build_al
-from models import Raises, mlp_stages
+from models import Raises, TutorialStage0, TutorialStage1, mlp_stages
 
 FAST = dict(start_method="forkserver")
 MOMENTUM = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -150,24 +150,6 @@ def test_in_flight_is_checked():
 
 
 # -- asynchronous 1F1B streams for real: the tutorial's two-stage pipeline (seed 000) --------------
-class TutorialStage0(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1 = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return torch.relu(self.w1(x))
-
-
-class TutorialStage1(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w2 = nn.Linear(8, 1)
-
-    def forward(self, x):
-        return torch.sigmoid(self.w2(x))
-
-
 def tutorial_batches(n: int, seed: int = 40):
     """The tutorial's data (320 samples, 16 features, 0/1 targets) and its batch order: 32 rows at a
     time, cycling; its slicing makes the last batch of each pass x[288:-1], 31 rows."""
