@@ -2,6 +2,7 @@
 
     pipeq launch examples/digits.toml                  # 3 stages, one host
     pipeq launch examples/digits.toml --steps 200 --checkpoint-every 50 --out runs/digits
+    pipeq launch examples/digits_pairwise.toml         # pairwise interlocking, with heads()
 
 A job file names these functions as ``examples.digits_job:NAME``; every stage process imports
 this module and builds its own stage (the same weights on every host: the launcher seeds it).
@@ -24,6 +25,12 @@ def stages() -> list[nn.Module]:
     """Three stages."""
     l = layers()
     return [nn.Sequential(*l[0:2]), nn.Sequential(*l[2:4]), nn.Sequential(*l[4:])]
+
+
+def heads() -> list[nn.Module]:
+    """Auxiliary heads for the interlocking schedules (examples/digits_pairwise.toml): stage k's
+    reads stage k's output (128 and 64 features) and predicts the digit."""
+    return [nn.Linear(128, 10), nn.Linear(64, 10)]
 
 
 def two_stages() -> list[nn.Module]:

@@ -27,7 +27,8 @@ from . import rendezvous as rdzv
 from .errors import CodecError
 from .executors import StageBuilder
 from .messages import Kind, Message
-from .processes import StageSettings, exit_reason, job_identity, start_worker, stop_processes, worker_configs
+from .processes import (StageSettings, exit_reason, job_identity, process_context, start_worker, stop_processes,
+                        worker_configs)
 from .rendezvous import Rendezvous
 from .transport import BindTo, DriverLink
 
@@ -82,10 +83,12 @@ def run_agent(
     driver_grace: float = 5.0,
     log: Callable[[str], None] = print,
     data_parallel: int = 1,
+    start_method: str = "forkserver",
 ) -> int:
     """Run node ``rz.node_rank``'s stages until the driver ends the run; the exit code (0 = ok).
 
-    ``settings.trace`` is taken from node 0 (the driver decides whether the run is traced)."""
+    ``settings.trace`` is taken from node 0 (the driver decides whether the run is traced).
+    ``start_method``: how the stages start (see :func:`pipeq.processes.process_context`)."""
     store = rz.store(start_timeout)
     control = _fetch(store, "control", "control address", rz, start_timeout)
     plan = _fetch(store, "placement", "stage placement", rz, start_timeout)
@@ -113,7 +116,7 @@ def run_agent(
         _tell_driver(control, rz, message)
         raise AgentError(message)
     mine: list[int] = plan[rz.node_rank]
-    ctx = mp.get_context("spawn")
+    ctx = process_context(start_method)
     procs: dict[int, mp.process.BaseProcess] = {}
     settings = StageSettings(**{**vars(settings), "trace": traced})
     interval = settings.heartbeat_interval

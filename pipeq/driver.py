@@ -27,7 +27,8 @@ from .batching import Shard
 from .errors import PipelineError
 from .executors import StageBuilder
 from .messages import Kind, Message, tree_message, tree_of
-from .processes import StageSettings, job_identity, start_worker, stop_processes, worker_configs
+from .processes import (StageSettings, job_identity, process_context, start_worker, stop_processes,
+                        worker_configs)
 from .rendezvous import Rendezvous
 from .stage import Tensors
 from .supervisor import Supervisor
@@ -116,11 +117,7 @@ class ProcessBackend:
             self.store.set("options", rdzv.encode_json({"trace": self.recorder is not None,
                                                          "replicas": self.replicas}))
             self.store.set("control", rdzv.encode_json(self.server.address))
-        ctx = mp.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            # The fork server imports torch and pipeq once; each stage is then a cheap fork of it
-            # (stages start in ~50 ms instead of seconds; the fork server outlives the runner).
-            ctx.set_forkserver_preload(["pipeq._preload"])
+        ctx = process_context(self.start_method)
         # stage seeds come from the caller's RNG: torch.manual_seed before the runner repeats a run
         base_seed = int(torch.randint(0, 2**62, ()).item())
 

@@ -11,7 +11,12 @@ A job file (TOML, read with the standard library's tomllib)::
     lr_scheduler_args = { step_size = 20, gamma = 0.5 }
     data = "examples.digits_job:train_batches"   # (epoch) -> iterable of (x, target) batches
     eval_data = "examples.digits_job:heldout"    # optional: () -> (x, target) or batches
-    schedule = "1f1b"
+    schedule = "1f1b"                            # or a table with the schedule's options:
+                                                 # { name = "nwise", distance = 2 }
+                                                 # { name = "async", warmup = 3, weight_stashing = false }
+                                                 # { name = "al", first_loss = "mse", inference_layer = 1 }
+    aux_heads = "pkg.mod:heads"                  # interlocking: () -> the N-1 auxiliary heads
+    aux_loss = "torch.nn:CrossEntropyLoss"       # their loss (optional, this is the default)
     microbatches = 4
     steps = 60                                   # or epochs = 3 (steps then caps them)
     out = "runs/digits"
@@ -24,11 +29,14 @@ A job file (TOML, read with the standard library's tomllib)::
 
 Stage processes build their stage from these names themselves (``Recipe.build``), on whichever
 host they run: nothing but plain data crosses hosts, and every host builds the same weights
-(the stages function runs under ``torch.manual_seed(seed)``).
+(the stages and heads functions run under ``torch.manual_seed(seed)``). With Associated
+Learning (``schedule = "al"``) the stages function returns ``pipeq.al.ALLayer`` s (e.g. from
+``pipeq.al.build_al``) and ``loss`` (optional, MSE by default) is the layers' local criterion.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -37,11 +45,13 @@ import os
 import sys
 import tomllib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
+from . import schedules
+from .al import ALLayer
 from .executors import StageBuilder, StageSpec
 
 
@@ -71,18 +81,41 @@ def _required_positional(fn: Callable) -> int:
                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Build under ``torch.manual_seed(seed)`` (the same weights on every host), and leave the
+    caller's RNG as it was (a stage process keeps its own stream, for dropout)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _make_loss(spec: str, key: str) -> Callable:
+    """A loss named by ``spec``: a class (instantiated), a zero-argument factory, or the loss."""
+    obj = resolve(spec, key)
+    if isinstance(obj, type):
+        return obj()
+    if not isinstance(obj, nn.Module) and callable(obj) and _required_positional(obj) == 0:
+        return obj()  # a factory
+    if not callable(obj):
+        raise ValueError(f"{key} = {spec!r} is not callable")
+    return obj
+
+
 @dataclass
 class Recipe(StageBuilder):
     """How a stage process builds its part of a job (plain strings: picklable, host-independent)."""
 
     stages: str
-    loss: str
+    loss: str | None  # None: no end-to-end loss (Associated Learning's layers default to MSE)
     optimizer: str
     optimizer_args: dict[str, Any] = field(default_factory=dict)
     lr_scheduler: str | None = None
     lr_scheduler_args: dict[str, Any] = field(default_factory=dict)
     n_stages: int | None = None
     seed: int = 0
+    aux_heads: str | None = None  # interlocking: () or (n_stages) -> the N-1 auxiliary heads
+    aux_loss: str | None = None  # their loss (None: the executors' default, cross-entropy)
     sys_path: list[str] = field(default_factory=list)
 
     def _imports(self) -> None:
@@ -104,8 +137,8 @@ class Recipe(StageBuilder):
         return n
 
     def _all_stages(self, fn: Callable) -> list[nn.Module]:
-        torch.manual_seed(self.seed)
-        stages = fn() if _required_positional(fn) == 0 else fn(self.n_stages)
+        with _seeded(self.seed):
+            stages = fn() if _required_positional(fn) == 0 else fn(self.n_stages)
         if not isinstance(stages, (list, tuple)) or not all(isinstance(s, nn.Module) for s in stages):
             raise ValueError(f"stages = {self.stages!r} must return a list of nn.Module")
         return list(stages)
@@ -114,8 +147,8 @@ class Recipe(StageBuilder):
         self._imports()
         fn = resolve(self.stages, "stages")
         if _required_positional(fn) == 2:
-            torch.manual_seed(self.seed + k)
-            module = fn(k, n)
+            with _seeded(self.seed + k):
+                module = fn(k, n)
         else:
             stages = self._all_stages(fn)
             if len(stages) != n:
@@ -125,16 +158,28 @@ class Recipe(StageBuilder):
             raise ValueError(f"stages = {self.stages!r} gave stage {k} as a {type(module).__name__}")
         return module
 
-    def loss_fn(self) -> Callable:
+    def heads(self, n_stages: int) -> list[nn.Module] | None:
+        """The auxiliary heads (one per stage but the last), or None when the job has none. Built
+        like the stages, under the job's seed: every host builds the same ones."""
+        if self.aux_heads is None:
+            return None
         self._imports()
-        obj = resolve(self.loss, "loss")
-        if isinstance(obj, type):
-            return obj()
-        if not isinstance(obj, nn.Module) and callable(obj) and _required_positional(obj) == 0:
-            return obj()  # a factory
-        if not callable(obj):
-            raise ValueError(f"loss = {self.loss!r} is not callable")
-        return obj
+        fn = resolve(self.aux_heads, "aux_heads")
+        with _seeded(self.seed):
+            heads = fn() if _required_positional(fn) == 0 else fn(n_stages)
+        if (not isinstance(heads, (list, tuple)) or len(heads) != n_stages - 1
+                or not all(isinstance(h, nn.Module) for h in heads)):
+            raise ValueError(f"aux_heads = {self.aux_heads!r} must return a list of {n_stages - 1} nn.Module "
+                             f"(one per stage but the last), got {heads!r}")
+        return list(heads)
+
+    def loss_fn(self) -> Callable | None:
+        self._imports()
+        return _make_loss(self.loss, "loss") if self.loss is not None else None
+
+    def aux_loss_fn(self) -> Callable | None:
+        self._imports()
+        return _make_loss(self.aux_loss, "aux_loss") if self.aux_loss is not None else None
 
     def optimizer_factory(self) -> Callable:
         self._imports()
@@ -149,9 +194,15 @@ class Recipe(StageBuilder):
         return functools.partial(fn, **self.lr_scheduler_args) if self.lr_scheduler_args else fn
 
     def build(self, stage: int, n_stages: int) -> StageSpec:
+        """Stage ``stage``'s spec: the loss on the last stage (on every AL layer: their local
+        criterion), and with auxiliary heads stage k's head and their loss."""
         module = self.build_stage(stage, n_stages)
-        loss = self.loss_fn() if stage == n_stages - 1 else None
-        return StageSpec(module, self.optimizer_factory(), loss, self.scheduler_factory())
+        local = isinstance(module, ALLayer)
+        loss = self.loss_fn() if local or stage == n_stages - 1 else None
+        heads = self.heads(n_stages)
+        head = heads[stage] if heads is not None and stage < n_stages - 1 else None
+        aux_loss = self.aux_loss_fn() if heads is not None else None
+        return StageSpec(module, self.optimizer_factory(), loss, self.scheduler_factory(), head, aux_loss)
 
     def seed_for(self, stage: int) -> int:
         return self.seed * 1009 + stage + 1
@@ -165,7 +216,7 @@ class Job:
     recipe: Recipe
     data: str
     eval_data: str | None = None
-    schedule: str = "1f1b"
+    schedule: "str | schedules.ScheduleFn" = "1f1b"  # a name, or a schedule object with its options
     microbatches: int = 8
     steps: int | None = None
     epochs: int | None = None
@@ -200,20 +251,63 @@ class Job:
             return [got]
         return list(got)
 
+    def checkpoint_refusal(self) -> str | None:
+        """Why this job's state cannot be checkpointed yet (None: it can; see ``runner.save``)."""
+        if isinstance(schedules.resolve(self.schedule), schedules.AssociatedLearning):
+            return "checkpoints of Associated Learning runs are not supported yet (two optimizers per layer)"
+        if self.recipe.aux_heads is not None:
+            return ("checkpoints of runs with auxiliary heads are not supported yet (the heads have no "
+                    "place among the flat model's names)")
+        return None
+
+
+#: The options a job file's schedule table may set, per schedule name (the others take none).
+SCHEDULE_OPTIONS: dict[str, tuple[str, ...]] = {
+    **{name: () for name in schedules.SCHEDULES},
+    "nwise": ("distance",),
+    "async": ("warmup", "weight_stashing"),
+    "al": ("first_loss", "inference_layer"),
+}
+
+
+def parse_schedule(value: "str | Mapping[str, Any]") -> "str | schedules.ScheduleFn":
+    """A job file's ``schedule``: a name (``"pairwise"``), or a table of the name and the
+    schedule's options (``{ name = "nwise", distance = 2 }``), as the runner takes it."""
+    options = {"name": value} if isinstance(value, str) else dict(value)
+    name = options.pop("name", None)
+    if not isinstance(name, str) or name not in SCHEDULE_OPTIONS:
+        what = "a table without a name" if name is None else f"unknown name {name!r}"
+        raise ValueError(f"schedule: {what}; choose one of {', '.join(sorted(SCHEDULE_OPTIONS))}, "
+                         'e.g. schedule = "1f1b" or schedule = { name = "nwise", distance = 2 }')
+    allowed = SCHEDULE_OPTIONS[name]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"schedule {name!r}: unknown option(s) {unknown}; "
+                         + (f"allowed: {list(allowed)}" if allowed else "it takes none"))
+    if name == "nwise" and "distance" not in options:
+        raise ValueError('schedule "nwise" needs its distance: schedule = { name = "nwise", distance = 2 }')
+    if not options:
+        return name
+    if name in schedules.INTERLOCK:
+        return schedules.Interlock(name, **options)
+    if name == "async":
+        return schedules.AsyncOneFOneB(**options)
+    return schedules.AssociatedLearning(**options)
+
 
 # key -> (type(s), where it goes); types are checked so a typo or a wrong value fails loudly
 _RECIPE_KEYS = {
     "stages": str, "loss": str, "optimizer": str, "optimizer_args": dict, "lr_scheduler": str,
-    "lr_scheduler_args": dict, "n_stages": int, "seed": int,
+    "lr_scheduler_args": dict, "n_stages": int, "seed": int, "aux_heads": str, "aux_loss": str,
 }
 _JOB_KEYS = {
-    "data": str, "eval_data": str, "schedule": str, "microbatches": int, "steps": int, "epochs": int,
+    "data": str, "eval_data": str, "schedule": (str, dict), "microbatches": int, "steps": int, "epochs": int,
     "out": str, "checkpoint_every": int, "keep_checkpoints": int, "eval_every": int,
     "log_every": int, "placement": dict,
     "threads_per_stage": int, "heartbeat_timeout": (int, float), "start_timeout": (int, float),
     "trace": str, "data_parallel": int,
 }
-_REQUIRED = ("stages", "loss", "optimizer", "data")
+_REQUIRED = ("stages", "optimizer", "data")  # and loss, but with Associated Learning
 
 
 def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
@@ -234,9 +328,11 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
         if key in raw and (not isinstance(raw[key], types) or isinstance(raw[key], bool)):
             want = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
             raise ValueError(f"job file {path}: {key} must be a {want}, got {raw[key]!r}")
-    missing = [k for k in _REQUIRED if k not in raw]
-    if missing:
-        raise ValueError(f"job file {path}: missing required key(s) {missing}")
+    try:
+        raw["schedule"] = parse_schedule(raw.get("schedule", "1f1b"))
+    except ValueError as exc:
+        raise ValueError(f"job file {path}: {exc}") from None
+    _check_schedule_keys(path, raw)
     for key in ("microbatches", "steps", "epochs", "n_stages", "threads_per_stage", "data_parallel"):
         if key in raw and raw[key] < 1:
             raise ValueError(f"job file {path}: {key} must be at least 1, got {raw[key]}")
@@ -256,6 +352,25 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     base = os.path.dirname(os.path.abspath(path))
     # the job's own directory and the current one: "examples.digits_job:stages" from the repo root
     sys_path = [os.getcwd(), base] + ([os.path.dirname(base)] if base != os.getcwd() else [])
-    recipe = Recipe(**{k: raw.pop(k) for k in list(raw) if k in _RECIPE_KEYS}, sys_path=sys_path)
+    recipe = Recipe(**{"loss": None, **{k: raw.pop(k) for k in list(raw) if k in _RECIPE_KEYS}},
+                    sys_path=sys_path)
     job = Job(recipe=recipe, placement=nodes, path=os.path.abspath(path), **raw)
-    return dataclasses.replace(job)
+    refusal = job.checkpoint_refusal()
+    if refusal and job.checkpoint_every:
+        raise ValueError(f"job file {path}: checkpoint_every = {job.checkpoint_every}, but {refusal}; set "
+                         "checkpoint_every = 0 (model.pt is still written at the end)")
+    return job
+
+
+def _check_schedule_keys(path: str, raw: Mapping[str, Any]) -> None:
+    """The keys the job's schedule needs or refuses: a loss (but with Associated Learning),
+    auxiliary heads only with an interlocking schedule."""
+    schedule = schedules.resolve(raw["schedule"])
+    al = isinstance(schedule, schedules.AssociatedLearning)
+    missing = [k for k in _REQUIRED if k not in raw] + (["loss"] if "loss" not in raw and not al else [])
+    if missing:
+        raise ValueError(f"job file {path}: missing required key(s) {missing}")
+    for key in ("aux_heads", "aux_loss"):
+        if key in raw and not isinstance(schedule, schedules.Interlock):
+            raise ValueError(f"job file {path}: {key} trains with the interlocking schedules "
+                             f"({', '.join(schedules.INTERLOCK)}), not with {schedules.schedule_name(schedule)!r}")

@@ -7,9 +7,10 @@ environment) node 0 is the driver and every other node runs an agent that starts
     host A: pipeq launch job.toml --nnodes 2 --node-rank 0 --master-addr A   # driver + stage 0
     host B: pipeq launch job.toml --nnodes 2 --node-rank 1 --master-addr A   # stages 1, 2
 
-The driver trains for the job's steps or epochs, shows progress (tqdm; ``--quiet`` logs plain
-lines), checkpoints every ``--checkpoint-every`` steps (``--resume`` continues from the newest
-complete one), and writes into the output directory::
+The driver trains for the job's steps or epochs with ``runner.stream`` (the pipeline stays full
+across batches; it drains only before an evaluation, a checkpoint and the end), shows progress
+(tqdm; ``--quiet`` logs plain lines), checkpoints every ``--checkpoint-every`` steps
+(``--resume`` continues from the newest complete one), and writes into the output directory::
 
     checkpoints/step-00000020/   manifest.json + stage-<k>.pt (global names; loads into any split)
     final/                       the same, for the final state
@@ -18,12 +19,17 @@ complete one), and writes into the output directory::
     metrics.jsonl                one JSON line per step: step, epoch, loss, samples_per_s, and
                                  eval_accuracy / eval_loss where evaluated
 
+Runs with auxiliary heads (interlocking) or Associated Learning cannot be checkpointed yet: such
+a job with ``checkpoint_every`` > 0 or ``--resume`` is refused, and at the end it writes model.pt
+(``runner.state_dict()``: the main path, or the AL layers) but no final/.
+
 A failing stage ends the command with exit code 1 and that stage's traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import math
@@ -31,11 +37,12 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Iterator, TextIO
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, schedules
 from . import rendezvous as rdzv
 from .errors import PipelineError
 from .job import Job, load_job
@@ -43,12 +50,25 @@ from .job import Job, load_job
 METRICS = "metrics.jsonl"
 
 
+@dataclass
+class StepDone:
+    """One trained batch, as the stream hands it back."""
+
+    step: int
+    epoch: int
+    batch: int  # its index in the epoch
+    size: int  # samples
+    loss: float
+    seconds: float  # wall time since the previous loss (see Trainer._stream)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", help="the job file (TOML)")
     g = p.add_argument_group("training (override the job file's keys)")
     g.add_argument("--steps", type=int, help="optimizer steps to train (caps --epochs)")
     g.add_argument("--epochs", type=int, help="passes over the job's data")
-    g.add_argument("--schedule", help="schedule name, e.g. 1f1b or fill-drain")
+    g.add_argument("--schedule", help="schedule name, e.g. 1f1b or pairwise (replaces the job's schedule "
+                   "table; options need the table)")
     g.add_argument("--microbatches", type=int)
     g.add_argument("--out", help="output directory")
     g.add_argument("--seed", type=int, help="seed of the stages' initial weights")
@@ -87,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
                                 args.bind, args.run_id)
     except ValueError as exc:
         print(f"pipeq launch: {exc}", file=sys.stderr)
+        return 2
+    refusal = job.checkpoint_refusal()
+    if args.resume and refusal:
+        print(f"pipeq launch: --resume continues from a checkpoint, but {refusal}", file=sys.stderr)
         return 2
     if rz is not None and rz.node_rank != 0:
         return _run_agent(job, rz)
@@ -137,13 +161,16 @@ class Trainer:
                 job.recipe, None, None, job.schedule, job.microbatches,
                 threads_per_stage=job.threads_per_stage, heartbeat_timeout=job.heartbeat_timeout,
                 start_timeout=job.start_timeout, rendezvous=self.rz, placement=job.placement,
-                trace=job.trace, data_parallel=job.data_parallel,
+                trace=job.trace, data_parallel=job.data_parallel, start_method="forkserver",
             )
         except ValueError as exc:
             self.log(str(exc))
             return 2
         try:
+            t0 = time.perf_counter()
             with runner:
+                self.log(f"{runner.n_stages * job.data_parallel} stage processes started in "
+                         f"{time.perf_counter() - t0:.1f} s")
                 self.train(runner)
         except PipelineError as exc:
             where = f"stage {exc.stage}" if exc.stage is not None else "the pipeline"
@@ -164,19 +191,12 @@ class Trainer:
     def train(self, runner: Any) -> None:
         job = self.job
         os.makedirs(self.out, exist_ok=True)
-        step, epoch, skip = 0, 0, 0
-        if self.resume:
-            found = checkpoint.latest(self.ckpt_root)
-            if found is None:
-                self.log(f"--resume: no complete checkpoint under {self.ckpt_root}; starting fresh")
-            else:
-                meta = runner.load(found)
-                step, epoch, skip = int(meta["step"]), int(meta["epoch"]), int(meta["batch"])
-                self.log(f"resumed from {found} (step {step}, epoch {epoch})")
+        step, epoch, skip = self._resume_point(runner)
         metrics_path = os.path.join(self.out, METRICS)
         self._trim_metrics(metrics_path, step)
         eval_set = job.eval_batches()
-        loss_fn = job.recipe.loss_fn()
+        eval_every = job.eval_every if eval_set is not None else 0
+        loss_fn = self._eval_loss_fn()
         total = self._total_steps()
         first_loss = last_loss = float("nan")
         samples = 0
@@ -188,27 +208,22 @@ class Trainer:
         with open(metrics_path, "a") as metrics:
             if total is not None and step >= total:
                 self.log(f"already trained {step} of {total} steps; writing the final state")
-            for epoch, batch, (x, y) in self._batches(epoch, skip):
-                if total is not None and step >= total:
-                    break
-                t0 = time.perf_counter()
-                loss = runner.step(x, y)
-                dt = time.perf_counter() - t0
-                step += 1
-                pos = (epoch, batch + 1)
-                samples += int(x.shape[0])
+            for done in self._stream(runner, self._batches(epoch, skip), step, total, eval_every):
+                step, pos = done.step, (done.epoch, done.batch + 1)
+                samples += done.size
                 if math.isnan(first_loss):
-                    first_loss = loss
-                last_loss = loss
-                line: dict[str, Any] = {"step": step, "epoch": epoch, "loss": loss,
-                                        "samples_per_s": x.shape[0] / dt if dt > 0 else None}
-                done = total is not None and step >= total
-                if eval_set is not None and job.eval_every and step % job.eval_every == 0 and not done:
+                    first_loss = done.loss
+                last_loss = done.loss
+                line: dict[str, Any] = {"step": step, "epoch": done.epoch, "loss": done.loss,
+                                        "samples_per_s": done.size / done.seconds if done.seconds > 0 else None}
+                final = total is not None and step >= total
+                # _stream ends a segment at these steps: the state is this step's
+                if eval_every and step % eval_every == 0 and not final:
                     last_eval = self.evaluate(runner, eval_set, loss_fn)
                     line.update(last_eval)
                 if job.checkpoint_every and step % job.checkpoint_every == 0:
                     self._save(runner, checkpoint.checkpoint_dir(self.ckpt_root, step), step, *pos)
-                if done:  # its line is written below, with the final evaluation
+                if final:  # its line is written below, with the final evaluation
                     last = line
                     break
                 metrics.write(json.dumps(line) + "\n")
@@ -228,15 +243,85 @@ class Trainer:
         if bar is not None:
             bar.close()
         elapsed = time.perf_counter() - started
-        final = os.path.join(self.out, "final")
-        self._save(runner, final, step, *pos)
-        if job.checkpoint_every and samples and step % job.checkpoint_every:  # else just saved
-            self._save(runner, checkpoint.checkpoint_dir(self.ckpt_root, step), step, *pos)
-        model = checkpoint.load(final).model
+        wrote_final = self._write_final(runner, step, pos, samples)
+        self._summary(runner, step, first_loss, last_loss, last_eval, samples, elapsed, wrote_final)
+
+    def _resume_point(self, runner: Any) -> tuple[int, int, int]:
+        """(step, epoch, batch index in it) to start from: 0s, or the newest checkpoint's (--resume)."""
+        if not self.resume:
+            return 0, 0, 0
+        found = checkpoint.latest(self.ckpt_root)
+        if found is None:
+            self.log(f"--resume: no complete checkpoint under {self.ckpt_root}; starting fresh")
+            return 0, 0, 0
+        meta = runner.load(found)
+        step, epoch, skip = int(meta["step"]), int(meta["epoch"]), int(meta["batch"])
+        self.log(f"resumed from {found} (step {step}, epoch {epoch})")
+        return step, epoch, skip
+
+    def _stream(self, runner: Any, source: Iterator[tuple[int, int, Any]], step: int, total: int | None,
+                eval_every: int) -> Iterator[StepDone]:
+        """Train on ``source`` ((epoch, index, batch) triples) from step ``step`` on with
+        ``runner.stream``: the pipeline stays full across batches, and is drained only at the
+        end of each segment, which ends exactly at the next evaluation, checkpoint or last step.
+        A segment's last step is yielded once that stream is done, so what the caller does then
+        (evaluate, save) sees the state of that step."""
+        while total is None or step < total:
+            end = self._segment_end(step, total, eval_every)
+            taken: collections.deque[tuple[int, int, int]] = collections.deque()
+            held: StepDone | None = None
+            t = time.perf_counter()
+            for loss in runner.stream(self._take(source, None if end is None else end - step, taken)):
+                now = time.perf_counter()
+                epoch, index, size = taken.popleft()  # losses come back in the order batches went
+                step += 1
+                # The stages work on several batches at once, so a batch has no time of its own:
+                # its time is the wall time since the previous loss (a segment's first also covers
+                # filling the pipeline), hence samples_per_s = its samples / that time.
+                done = StepDone(step, epoch, index, size, loss, now - t)
+                t = now
+                if step == end:
+                    held = done
+                else:
+                    yield done
+            if held is None:  # the data ran out before the segment's end
+                return
+            yield held
+
+    def _segment_end(self, step: int, total: int | None, eval_every: int) -> int | None:
+        """The first step after ``step`` that needs a consistent state (an evaluation, a
+        checkpoint, the last step); None: none before the data runs out."""
+        ends = [total] if total is not None else []
+        ends += [(step // every + 1) * every for every in (eval_every, self.job.checkpoint_every) if every]
+        return min(ends, default=None)
+
+    @staticmethod
+    def _take(source: Iterator[tuple[int, int, Any]], count: int | None,
+              taken: "collections.deque[tuple[int, int, int]]") -> Iterator[Any]:
+        """The next ``count`` batches of ``source`` (None: all), each noted in ``taken`` as it goes."""
+        for epoch, index, (x, y) in itertools.islice(source, count):
+            taken.append((epoch, index, int(x.shape[0])))
+            yield x, y
+
+    def _write_final(self, runner: Any, step: int, pos: tuple[int, int], samples: int) -> bool:
+        """model.pt, and final/ (plus the last checkpoint) when the schedule can be checkpointed;
+        whether final/ was written."""
+        refusal = self.job.checkpoint_refusal()
+        if refusal is None:
+            final = os.path.join(self.out, "final")
+            self._save(runner, final, step, *pos)
+            every = self.job.checkpoint_every
+            if every and samples and step % every:  # else just saved
+                self._save(runner, checkpoint.checkpoint_dir(self.ckpt_root, step), step, *pos)
+            model = checkpoint.load(final).model
+        else:
+            self.log(f"final/ is skipped for schedule {schedules.schedule_name(self.job.schedule)!r}: {refusal}; "
+                     "model.pt holds runner.state_dict() (keys as in nn.Sequential(*stages).state_dict())")
+            model = dict(runner.state_dict())
         tmp = os.path.join(self.out, "model.pt.tmp")
         torch.save(model, tmp)
         os.replace(tmp, os.path.join(self.out, "model.pt"))
-        self._summary(runner, step, first_loss, last_loss, last_eval, samples, elapsed)
+        return refusal is None
 
     # -- pieces ----------------------------------------------------------------------------
     def _total_steps(self) -> int | None:
@@ -266,6 +351,13 @@ class Trainer:
             if empty:
                 return
 
+    def _eval_loss_fn(self) -> Any:
+        """The evaluation's loss: the job's; with Associated Learning (whose loss compares the
+        layers' representations) the cross-entropy of predict's class scores."""
+        if isinstance(schedules.resolve(self.job.schedule), schedules.AssociatedLearning):
+            return torch.nn.CrossEntropyLoss()
+        return self.job.recipe.loss_fn()
+
     def evaluate(self, runner: Any, batches: list, loss_fn: Any) -> dict[str, float]:
         correct = count = 0
         loss_sum = 0.0
@@ -285,8 +377,11 @@ class Trainer:
         return res
 
     def _save(self, runner: Any, directory: str, step: int, epoch: int, batch: int) -> None:
+        schedule = self.job.schedule
         runner.save(directory, {"step": step, "epoch": epoch, "batch": batch, "job": self.job.path,
-                                "schedule": self.job.schedule, "microbatches": self.job.microbatches})
+                                "schedule": schedules.schedule_name(schedule),
+                                "schedule_options": schedules.options_of(schedule),
+                                "microbatches": self.job.microbatches})
         if os.path.dirname(directory) == self.ckpt_root:
             checkpoint.prune(self.ckpt_root, self.job.keep_checkpoints)
 
@@ -327,7 +422,7 @@ class Trainer:
             self.log(f"step {step}{of} loss {line['loss']:.4f} {sps or 0:.0f} samples/s{ev}")
 
     def _summary(self, runner: Any, steps: int, first: float, last: float, ev: dict[str, float],
-                 samples: int, elapsed: float) -> None:
+                 samples: int, elapsed: float, wrote_final: bool) -> None:
         job = self.job
         nodes = f", {self.rz.nnodes} nodes" if self.rz is not None else ""
         lines = [
@@ -336,7 +431,9 @@ class Trainer:
             f"  loss {first:.4f} -> {last:.4f}"
             + (f"; eval accuracy {ev['eval_accuracy']:.4f}" if "eval_accuracy" in ev else "")
             + (f"; eval loss {ev['eval_loss']:.4f}" if "eval_loss" in ev else ""),
-            f"  state: {os.path.join(self.out, 'model.pt')} and {os.path.join(self.out, 'final')}",
+            f"  state: {os.path.join(self.out, 'model.pt')}"
+            + (f" and {os.path.join(self.out, 'final')}" if wrote_final else " (no final/ checkpoint: not supported "
+               "for this schedule yet)"),
             f"  metrics: {os.path.join(self.out, METRICS)}",
         ] + ([f"  trace: {self.job.trace} (pipeq report {self.job.trace})"] if self.job.trace else [])
         print("\n".join(lines), flush=True)

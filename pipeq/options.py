@@ -82,6 +82,9 @@ def check_model(
                 "every microbatch: data_parallel is not supported with it (use fill-drain, 1f1b or an "
                 "interlocking schedule)")
     if isinstance(stages, StageBuilder):
+        if aux_heads is not None or aux_loss is not None:
+            raise ValueError("with a stage recipe, the auxiliary heads come from it: name them in the "
+                             "recipe (aux_heads, aux_loss) and pass aux_heads=None")
         return _check_recipe(stages, loss_fn, optimizer, lr_scheduler, schedule, mode, data_parallel)
     if rendezvous is not None:
         raise ValueError(
@@ -116,19 +119,29 @@ def check_model(
 
 def _check_recipe(builder: StageBuilder, loss_fn: Any, optimizer: Any, lr_scheduler: Any, schedule: Any,
                   mode: str, data_parallel: int) -> Model:
-    """A job's recipe (pipeq launch, multi-host): the stage processes build the stages."""
-    if isinstance(schedule, (schedules.AssociatedLearning, schedules.Interlock)):
-        raise ValueError(
-            f"schedule {schedules.schedule_name(schedule)!r} is not available from job recipes yet; "
-            "embed PipelineRunner with modules (and aux_heads / pipeq.al layers)")
+    """A job's recipe (pipeq launch, multi-host): the stage processes build the stages (and
+    heads); the heads are built here too, to be checked."""
     if loss_fn is not None or optimizer is not None or lr_scheduler is not None:
         raise ValueError("with a stage recipe, the loss, optimizer and scheduler come from it: "
                          "pass loss_fn=None, optimizer=None")
     n = builder.count_stages()  # type: ignore[attr-defined]
+    heads = builder.heads(n)  # type: ignore[attr-defined]
+    aux_loss = builder.aux_loss_fn()  # type: ignore[attr-defined]
+    _check_heads(schedule, n, heads, aux_loss, hint="name them in the job: aux_heads = 'pkg.module:heads', "
+                 f"a function returning the {n - 1} heads")
     loss = builder.loss_fn()  # type: ignore[attr-defined]
+    if isinstance(schedule, schedules.AssociatedLearning):
+        _check_inference_layer(schedule, n)
+        _check_al_recipe(builder, n)
+        loss = loss if loss is not None else nn.MSELoss()  # the layers' local criterion
+    elif loss is None:
+        raise ValueError(f"the recipe names no loss; schedule {schedules.schedule_name(schedule)!r} needs "
+                         "one (only Associated Learning's layers do without)")
+    loss_weight_mode(loss)
+    weigh_aux = (aux_loss if aux_loss is not None else nn.CrossEntropyLoss()) if heads is not None else None
     if mode == "simulated":  # build them here, as the stage processes would
-        return Model(n, 1, loss, [[builder.build(k, n) for k in range(n)]])
-    return Model(n, data_parallel, loss, [], builder)
+        return Model(n, 1, loss, [[builder.build(k, n) for k in range(n)]], aux_loss=weigh_aux)
+    return Model(n, data_parallel, loss, [], builder, weigh_aux)
 
 
 def _replica_lists(stages: Any, data_parallel: int) -> list[list[nn.Module]]:
@@ -153,8 +166,11 @@ def _replica_lists(stages: Any, data_parallel: int) -> list[list[nn.Module]]:
     return [list(c) for c in copies]
 
 
-def _check_heads(schedule: Any, n: int, aux_heads: Any, aux_loss: Any) -> None:
+def _check_heads(schedule: Any, n: int, aux_heads: Any, aux_loss: Any, hint: str | None = None) -> None:
+    """Heads only with interlocking, one per stage but the last; required when d < N-1.
+    ``hint``: where the heads come from (default: the aux_heads argument)."""
     interlocking = isinstance(schedule, schedules.Interlock)
+    hint = hint or f"pass aux_heads=[head_0, ..., head_{n - 2}] (one per stage but the last)"
     if aux_heads is not None or aux_loss is not None:
         if not interlocking:
             raise ValueError(
@@ -167,17 +183,30 @@ def _check_heads(schedule: Any, n: int, aux_heads: Any, aux_loss: Any) -> None:
         if aux_loss is not None and not callable(aux_loss):
             raise ValueError("aux_loss must be callable as aux_loss(head_output, target)")
     if interlocking and aux_heads is None and schedule.distance(n) < n - 1:
-        raise ValueError(
-            f"schedule {schedules.schedule_name(schedule)!r} trains with auxiliary heads: pass "
-            f"aux_heads=[head_0, ..., head_{n - 2}] (one per stage but the last)")
+        raise ValueError(f"schedule {schedules.schedule_name(schedule)!r} trains with auxiliary heads: {hint}")
+
+
+def _check_inference_layer(schedule: schedules.AssociatedLearning, n: int) -> None:
+    if schedule.inference_layer is not None and schedule.inference_layer >= n:
+        raise ValueError(f"AssociatedLearning(inference_layer={schedule.inference_layer}) but there are only "
+                         f"{n} AL layers (stages 0..{n - 1})")
+
+
+def _check_al_recipe(builder: StageBuilder, n: int) -> None:
+    """Stage 0 is an AL layer (built here once: a wrong stages function fails before any process)."""
+    from .al import ALLayer
+
+    first = builder.build_stage(0, n)  # type: ignore[attr-defined]
+    if not isinstance(first, ALLayer):
+        raise ValueError(f"schedule 'al' trains pipeq.al.ALLayer stages (f, b, g, h), but the recipe's stages "
+                         f"({getattr(builder, 'stages', builder)}) give a {type(first).__name__}; build them with "
+                         "pipeq.al.build_al")
 
 
 def _check_al_layers(schedule: schedules.AssociatedLearning, stages: Sequence[nn.Module]) -> None:
     from .al import ALLayer
 
-    if schedule.inference_layer is not None and schedule.inference_layer >= len(stages):
-        raise ValueError(f"AssociatedLearning(inference_layer={schedule.inference_layer}) but there are only "
-                         f"{len(stages)} AL layers (stages 0..{len(stages) - 1})")
+    _check_inference_layer(schedule, len(stages))
     for k, st in enumerate(stages):
         if not isinstance(st, ALLayer):
             raise ValueError(f"stage {k} is a {type(st).__name__}: schedule 'al' trains pipeq.al.ALLayer "

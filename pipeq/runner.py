@@ -132,7 +132,7 @@ class PipelineRunner:
         self._batcher = Batcher(schedule, model.n_stages, microbatches, model.loss_fn, model.aux_loss,
                                 data_parallel)
         self._stage_shapes = model.stage_shapes
-        self._aux_heads = aux_heads is not None
+        self._aux_heads = model.aux_loss is not None  # heads given, or named by the recipe
         if mode == "simulated":
             from .simulated import SimulatedBackend
 
@@ -251,8 +251,9 @@ class PipelineRunner:
                 yield self._result(mine.popleft())
         except BaseException as exc:
             # closed early (break), or the data raised: the batches already sent are finished, so
-            # the runner is consistent again. A pipeline failure has already stopped everything.
-            if not isinstance(exc, PipelineError) and self._running:
+            # the runner is consistent again. A pipeline failure has already stopped everything;
+            # Ctrl-C does not wait for them either (anything needing a consistent state still does).
+            if not isinstance(exc, (PipelineError, KeyboardInterrupt)) and self._running:
                 self._settle()
             raise
         self._settle()  # the end of the batches: drained once

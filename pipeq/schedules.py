@@ -36,7 +36,7 @@ __all__ = [
     "Op", "Action", "F", "B", "STEP", "Schedule", "ScheduleFn", "COMPUTE_OPS", "lower", "lower_stage",
     "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "Interlock", "AsyncCursor", "AsyncOneFOneB",
     "AssociatedLearning", "SCHEDULES", "INTERLOCK", "resolve", "get_schedule", "loss_stages", "output_stage",
-    "schedule_name", "check_consistency", "dry_run", "build", "format_table",
+    "schedule_name", "options_of", "check_consistency", "dry_run", "build", "format_table",
 ]
 
 
@@ -155,6 +155,11 @@ class Interlock:
             return 1
         return min(int(self._distance or 1), n_stages - 1)
 
+    @property
+    def options(self) -> dict[str, int | None]:
+        """The options given besides the scheme (plain data: two runs compare them)."""
+        return {"distance": self._distance} if self.kind == "nwise" else {}
+
     def __repr__(self) -> str:
         return f"Interlock({self.name!r})"
 
@@ -266,6 +271,10 @@ class AsyncOneFOneB:
             out.append(cursor.take(drain=True))
         return out
 
+    @property
+    def options(self) -> dict[str, int | bool | None]:
+        return {"warmup": self.warmup, "weight_stashing": self.weight_stashing}
+
     def __repr__(self) -> str:
         return f"AsyncOneFOneB(warmup={self.warmup!r}, weight_stashing={self.weight_stashing!r})"
 
@@ -326,6 +335,10 @@ class AssociatedLearning:
         order = [F(j) for j in range(m)] + [B(j) for j in range(m)]
         return [lower_stage(order, recv_act=k > 0, send_act=k < top, recv_grad=k < top, send_grad=k > 0)
                 if k <= top else [] for k in range(n_stages)]
+
+    @property
+    def options(self) -> dict[str, str | int | None]:
+        return {"first_loss": self.first_loss, "inference_layer": self.inference_layer}
 
     def __repr__(self) -> str:
         return f"AssociatedLearning(first_loss={self.first_loss!r}, inference_layer={self.inference_layer!r})"
@@ -394,6 +407,15 @@ def schedule_name(schedule: str | ScheduleFn) -> str:
     if isinstance(schedule, str):
         return schedule
     return getattr(schedule, "name", None) or getattr(schedule, "__name__", repr(schedule))
+
+
+def options_of(schedule: "str | ScheduleFn") -> dict:
+    """The options of one of pipeq's schedule objects (a name means its defaults), as plain
+    data; {} for schedule functions."""
+    schedule = resolve(schedule)
+    if isinstance(schedule, (Interlock, AsyncOneFOneB, AssociatedLearning)):
+        return dict(schedule.options)
+    return {}
 
 
 def build(

@@ -1,0 +1,53 @@
+"""Tiny job modules for tests/test_launch_stream.py (not a test module).
+
+Job files name these as ``launch_jobs:NAME``; the launches run from this folder, so every stage
+process imports this module through the recipe's search path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from pipeq.al import build_al
+
+FEATURES, CLASSES, SAMPLES, BATCH = 8, 3, 240, 24
+
+
+@functools.lru_cache(maxsize=1)
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    """Points labelled by a fixed random linear teacher: learnable in a few dozen steps."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, FEATURES, generator=g)
+    y = (x @ torch.randn(FEATURES, CLASSES, generator=g)).argmax(1)
+    return x, y
+
+
+def train_batches(epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of shuffled batches (10); the shuffle depends on the epoch only."""
+    x, y = _data()
+    perm = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(100 + epoch))
+    return [(x[i], y[i]) for i in perm.split(BATCH)]
+
+
+def heldout() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _data()
+    return x[:60], y[:60]
+
+
+def mlp_stages() -> list[nn.Module]:
+    return [nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU()), nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
+            nn.Linear(16, CLASSES)]
+
+
+def heads() -> list[nn.Module]:
+    """The auxiliary heads of mlp_stages' first two stages."""
+    return [nn.Linear(16, CLASSES), nn.Linear(16, CLASSES)]
+
+
+def al_layers() -> list[nn.Module]:
+    blocks = [nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU()), nn.Sequential(nn.Linear(16, 12), nn.ReLU()),
+              nn.Sequential(nn.Linear(12, 8), nn.Tanh())]
+    return build_al(blocks, [16, 12, 8], CLASSES, label_widths=[8, 6, 6])

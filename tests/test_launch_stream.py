@@ -1,0 +1,286 @@
+"""``pipeq launch`` streams, and job files name every schedule with its options.
+
+The launches of the three schedules run concurrently (one module fixture) from tests/, whose
+launch_jobs.py holds the tiny job modules; everything else runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+from launch_util import ROOT, metrics, model_state
+from pipeq import checkpoint
+from pipeq.al import ALLayer
+from pipeq.cli import main as pipeq_main
+from pipeq.job import load_job
+from pipeq.processes import job_identity
+from pipeq.schedules import AssociatedLearning, AsyncOneFOneB, Interlock
+
+TESTS = os.path.join(ROOT, "tests")
+
+MLP = """\
+stages = "launch_jobs:mlp_stages"
+loss = "torch.nn:CrossEntropyLoss"
+optimizer = "torch.optim:SGD"
+optimizer_args = { lr = 0.1, momentum = 0.9 }
+data = "launch_jobs:train_batches"
+eval_data = "launch_jobs:heldout"
+microbatches = 4
+"""
+AL = """\
+stages = "launch_jobs:al_layers"
+optimizer = "torch.optim:Adam"
+optimizer_args = { lr = 0.01 }
+data = "launch_jobs:train_batches"
+eval_data = "launch_jobs:heldout"
+microbatches = 4
+"""
+JOBS = {  # name -> job file text (out is added)
+    "pairwise": MLP + 'schedule = "pairwise"\naux_heads = "launch_jobs:heads"\nsteps = 30\neval_every = 10\n',
+    "async": MLP.replace("lr = 0.1, momentum = 0.9", "lr = 0.05")
+    + 'schedule = { name = "async", warmup = 3 }\nsteps = 30\ncheckpoint_every = 15\n',
+    "al": AL + 'schedule = "al"\nsteps = 30\neval_every = 10\n',
+}
+# 14 steps over two epochs of 10 batches: streamed in segments that end at 3, 4, 6, 8, 9, 12 and 14
+STREAMED = MLP + 'schedule = "1f1b"\nsteps = 14\neval_every = 4\ncheckpoint_every = 3\n'
+
+
+def write_job(directory, text: str, name: str = "job") -> str:
+    path = os.path.join(str(directory), f"{name}.toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def launch_cmd(job: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeq", "launch", job, "--quiet", "--threads-per-stage", "1", *args]
+
+
+def launch_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, tuple[str, subprocess.CompletedProcess]]:
+    """Every job of JOBS launched at once: name -> (out directory, the finished command)."""
+    base = tmp_path_factory.mktemp("launches")
+    procs = {}
+    for name, text in JOBS.items():
+        out = str(base / f"out-{name}")
+        job = write_job(base, text + f'out = "{out}"\n', name)
+        procs[name] = (out, subprocess.Popen(launch_cmd(job), cwd=TESTS, env=launch_env(), text=True,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    done = {}
+    try:
+        for name, (out, p) in procs.items():
+            stdout, stderr = p.communicate(timeout=150)
+            done[name] = (out, subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for _, p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return done
+
+
+def finished(launched, name: str) -> str:
+    out, r = launched[name]
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
+def losses(out: str) -> list[float]:
+    lines = metrics(out)
+    assert [ln["step"] for ln in lines] == list(range(1, len(lines) + 1))
+    assert all(ln["samples_per_s"] > 0 for ln in lines)
+    return [ln["loss"] for ln in lines]
+
+
+# -- the three schedules that job files could not name before ----------------------------------------
+
+@pytest.mark.timeout(180)
+def test_pairwise_job_with_aux_heads_learns_and_skips_final(launched) -> None:
+    out = finished(launched, "pairwise")
+    loss = losses(out)
+    assert len(loss) == 30 and mean(loss[-5:]) < 0.5 * mean(loss[:5]), loss
+    assert [ln["step"] for ln in metrics(out) if "eval_accuracy" in ln] == [10, 20, 30]
+    assert "final/ is skipped for schedule 'pairwise'" in launched["pairwise"][1].stderr
+    assert not os.path.exists(os.path.join(out, "final"))
+    state = model_state(out)  # runner.state_dict(): the main path only
+    assert sorted(state) == ["0.0.bias", "0.0.weight", "1.0.bias", "1.0.weight", "2.bias", "2.weight"]
+
+
+@pytest.mark.timeout(180)
+def test_async_job_with_warmup_learns_and_checkpoints(launched) -> None:
+    out = finished(launched, "async")
+    loss = losses(out)
+    assert len(loss) == 30 and mean(loss[-5:]) < 0.85 * mean(loss[:5]), loss
+    assert "AsyncOneFOneB(warmup=3, weight_stashing=True)" in launched["async"][1].stdout
+    with open(os.path.join(out, "checkpoints", "step-00000015", "manifest.json")) as f:
+        meta = json.load(f)["meta"]
+    assert meta["schedule"] == "async" and meta["schedule_options"] == {"warmup": 3, "weight_stashing": True}
+    assert sorted(model_state(out)) == sorted(checkpoint.load(os.path.join(out, "final")).model)
+
+
+@pytest.mark.timeout(180)
+def test_al_job_learns_and_writes_its_layers(launched) -> None:
+    out = finished(launched, "al")
+    assert len(losses(out)) == 30
+    # AL's loss is layer 1's associated loss, whose targets move as g learns: judge it by accuracy
+    accuracy = [ln["eval_accuracy"] for ln in metrics(out) if "eval_accuracy" in ln]
+    assert len(accuracy) == 3 and accuracy[-1] > max(0.8, accuracy[0]), accuracy
+    assert "final/ is skipped for schedule 'al'" in launched["al"][1].stderr
+    state = model_state(out)
+    assert {k.split(".")[1] for k in state} == {"f", "b", "g", "h"}
+
+
+# -- streaming changes nothing: the numbers of a runner.step loop ------------------------------------
+
+@pytest.mark.timeout(120)
+def test_streamed_launch_equals_a_step_loop(tmp_path, capsys) -> None:
+    """Launched in this process (its fork server serves both runs: a launch less to start)."""
+    out = str(tmp_path / "out")
+    job_path = write_job(tmp_path, STREAMED + f'out = "{out}"\n')
+    assert pipeq_main(["launch", job_path, "--quiet", "--threads-per-stage", "1"]) == 0, capsys.readouterr().err
+    lines = metrics(out)
+    assert [ln["step"] for ln in lines] == list(range(1, 15))
+    assert [ln["epoch"] for ln in lines] == [0] * 10 + [1] * 4
+    assert [ln["step"] for ln in lines if "eval_loss" in ln] == [4, 8, 12, 14]
+    import launch_jobs
+
+    job = load_job(job_path)
+    x_eval, y_eval = launch_jobs.heldout()
+    batches = launch_jobs.train_batches(0) + launch_jobs.train_batches(1)[:4]
+    runner = pipeq.PipelineRunner(job.recipe, None, None, job.schedule, job.microbatches, threads_per_stage=1,
+                                  start_method="forkserver")
+    with runner:
+        for step, (x, y) in enumerate(batches, 1):
+            line = lines[step - 1]
+            assert runner.step(x, y) == pytest.approx(line["loss"], abs=1e-6), step
+            if "eval_loss" in line:
+                out_eval = runner.predict(x_eval)
+                eval_loss = float(nn.functional.cross_entropy(out_eval, y_eval))
+                assert eval_loss == pytest.approx(line["eval_loss"], abs=1e-6)
+                assert float((out_eval.argmax(1) == y_eval).float().mean()) == pytest.approx(line["eval_accuracy"])
+            if step == 6:  # a checkpoint between two evaluations holds that step's state
+                runner.save(str(tmp_path / "at6"))
+                assert_same(checkpoint.load(str(tmp_path / "at6")).model,
+                            checkpoint.load(os.path.join(out, "checkpoints", "step-00000006")).model)
+        runner.save(str(tmp_path / "final"))
+    assert_same(checkpoint.load(str(tmp_path / "final")).model, model_state(out))
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), k
+
+
+# -- schedule tables ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("table", "expected"), [
+    ('"pairwise"', "pairwise"),
+    ('{ name = "nwise", distance = 2 }', Interlock("nwise", distance=2)),
+    ('{ name = "async", warmup = 3, weight_stashing = false }', AsyncOneFOneB(warmup=3, weight_stashing=False)),
+    ('{ name = "al", first_loss = "mse", inference_layer = 1 }',
+     AssociatedLearning(first_loss="mse", inference_layer=1)),
+    ('{ name = "gpipe" }', "gpipe"),
+])
+def test_schedule_table_is_parsed_into_the_schedule(tmp_path, table: str, expected) -> None:
+    body = AL if '"al"' in table else MLP
+    job = load_job(write_job(tmp_path, body + f"schedule = {table}\nsteps = 1\n"))
+    assert job.schedule == expected
+
+
+def test_command_line_schedule_replaces_the_table(tmp_path) -> None:
+    path = write_job(tmp_path, MLP + 'schedule = { name = "async", warmup = 3 }\nsteps = 1\n')
+    assert load_job(path, {"schedule": "fill-drain"}).schedule == "fill-drain"
+
+
+@pytest.mark.parametrize(("table", "message"), [
+    ('{ name = "async", warmup = 3, stash = true }',
+     "schedule 'async': unknown option(s) ['stash']; allowed: ['warmup', 'weight_stashing']"),
+    ('{ name = "1f1b", distance = 2 }', "schedule '1f1b': unknown option(s) ['distance']; it takes none"),
+    ('"zero-bubble"', "schedule: unknown name 'zero-bubble'; choose one of 1f1b, al, async,"),
+    ('{ warmup = 3 }', "schedule: a table without a name"),
+    ('"nwise"', 'schedule "nwise" needs its distance: schedule = { name = "nwise", distance = 2 }'),
+    ('{ name = "async", warmup = 0 }', "AsyncOneFOneB(warmup=...) must be a positive integer"),
+    ('{ name = "al", first_loss = "l1" }', "must be 'ce' or 'mse'"),
+])
+def test_bad_schedule_table_is_refused(tmp_path, capsys, table: str, message: str) -> None:
+    path = write_job(tmp_path, MLP + f"schedule = {table}\nsteps = 1\n")
+    assert pipeq_main(["launch", path]) == 2
+    err = capsys.readouterr().err
+    assert message in err and path in err, err
+
+
+def test_job_keys_the_schedule_needs_or_refuses(tmp_path, capsys) -> None:
+    no_loss = write_job(tmp_path, MLP.replace('loss = "torch.nn:CrossEntropyLoss"\n', "") + "steps = 1\n", "a")
+    heads_1f1b = write_job(tmp_path, MLP + 'aux_heads = "launch_jobs:heads"\nsteps = 1\n', "b")
+    for path, message in ((no_loss, "missing required key(s) ['loss']"),
+                          (heads_1f1b, "aux_heads trains with the interlocking schedules")):
+        assert pipeq_main(["launch", path]) == 2
+        assert message in capsys.readouterr().err
+    assert load_job(write_job(tmp_path, AL + 'schedule = "al"\nsteps = 1\n', "c")).recipe.loss is None
+
+
+def test_checkpoints_of_interlocking_and_al_jobs_are_refused_at_start(tmp_path, capsys) -> None:
+    pairwise = write_job(tmp_path, MLP + 'schedule = "pairwise"\naux_heads = "launch_jobs:heads"\nsteps = 1\n'
+                         "checkpoint_every = 5\n", "p")
+    al = write_job(tmp_path, AL + 'schedule = "al"\nsteps = 1\n', "al")
+    assert pipeq_main(["launch", pairwise]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint_every = 5, but checkpoints of runs with auxiliary heads are not supported yet" in err, err
+    assert pipeq_main(["launch", pairwise, "--checkpoint-every", "0", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume continues from a checkpoint, but checkpoints of runs with auxiliary heads" in err, err
+    assert pipeq_main(["launch", al, "--checkpoint-every", "2"]) == 2
+    assert "checkpoints of Associated Learning runs are not supported yet" in capsys.readouterr().err
+
+
+# -- what a recipe builds, and what two nodes compare ------------------------------------------------
+
+def test_recipe_builds_heads_and_al_losses(tmp_path) -> None:
+    pairwise = load_job(write_job(tmp_path, MLP + 'schedule = "pairwise"\naux_heads = "launch_jobs:heads"\n'
+                                  'aux_loss = "torch.nn:MultiMarginLoss"\nsteps = 1\n', "p")).recipe
+    specs = [pairwise.build(k, 3) for k in range(3)]
+    assert [s.aux_head is not None for s in specs] == [True, True, False]
+    assert all(isinstance(s.aux_loss, nn.MultiMarginLoss) for s in specs)
+    assert [s.loss_fn is not None for s in specs] == [False, False, True]
+    # every host builds the same stages and heads (seeded), leaving the caller's RNG alone
+    rng = torch.get_rng_state()
+    again = pairwise.build(0, 3)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(again.aux_head.weight, specs[0].aux_head.weight)
+    assert torch.equal(again.module[0].weight, specs[0].module[0].weight)
+    al = load_job(write_job(tmp_path, AL + 'schedule = "al"\nloss = "torch.nn:SmoothL1Loss"\nsteps = 1\n',
+                            "al")).recipe
+    for k in range(3):  # every AL layer gets the local criterion
+        spec = al.build(k, 3)
+        assert isinstance(spec.module, ALLayer) and isinstance(spec.loss_fn, nn.SmoothL1Loss)
+
+
+def test_nodes_compare_schedule_options() -> None:
+    stash, no_stash = AsyncOneFOneB(weight_stashing=True), AsyncOneFOneB(weight_stashing=False)
+    assert job_identity(b"", stash) != job_identity(b"", no_stash)
+    assert job_identity(b"", "async") == job_identity(b"", stash)
+    assert job_identity(b"", Interlock("nwise", distance=2))["schedule_options"] == {"distance": 2}
+    assert job_identity(b"", "1f1b") == {"schedule": "1f1b", "schedule_options": {}, "recipe": {}}
+
+
+def test_pairwise_example_job_names_its_heads() -> None:
+    job = load_job(os.path.join(ROOT, "examples", "digits_pairwise.toml"))
+    assert job.schedule == "pairwise" and job.checkpoint_refusal() is not None
+    assert [h.in_features for h in job.recipe.heads(job.recipe.count_stages())] == [128, 64]
