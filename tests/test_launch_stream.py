@@ -130,7 +130,7 @@ def test_async_job_with_warmup_learns_and_checkpoints(launched) -> None:
     assert "AsyncOneFOneB(warmup=3, weight_stashing=True)" in launched["async"][1].stdout
     with open(os.path.join(out, "checkpoints", "step-00000015", "manifest.json")) as f:
         meta = json.load(f)["meta"]
-    assert meta["schedule"] == "async" and meta["schedule_options"] == {"warmup": 3, "weight_stashing": True}
+    assert meta["schedule"] == "async(warmup=3)" and meta["schedule_options"] == {"warmup": 3, "weight_stashing": True}
     assert sorted(model_state(out)) == sorted(checkpoint.load(os.path.join(out, "final")).model)
 
 
