@@ -6,6 +6,11 @@ import os
 import time
 
 import pytest
+import torch
+
+# Simulated-mode tests train tiny models in this process: one thread, like each stage process
+# (two threads only contend with the stage processes and the other tests for the two cores).
+torch.set_num_threads(1)
 
 
 def _descendants(root: int) -> list[tuple[int, str, str]]:
