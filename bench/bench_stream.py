@@ -61,6 +61,7 @@ from pipeq.testing import SleepStage
 N_STAGES = 4
 WIDTH = 16
 ROWS = 4  # rows per microbatch
+REAL_ROWS = 64  # rows per microbatch with --real
 SCHEDULES = ["fill-drain", "1f1b", "global", "local", "pairwise", "nwise:2", "async"]
 REFERENCE = "1f1b"
 
@@ -101,15 +102,25 @@ def bounds(name: str, n: int, m: int, f: float, b: float) -> dict[str, StreamBou
 
 
 # -- measurement ----------------------------------------------------------------------------------
-def measure(name: str, m: int, f: float, b: float, warmup: int, batches: int) -> tuple[float, float]:
-    """(step loop, stream) in batches/s, one fresh runner for both."""
+def real_stages(n: int, width: int) -> list[nn.Module]:
+    """``n`` stages of real compute: Linear(width) + ReLU twice each."""
+    return [nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU())
+            for _ in range(n)]
+
+
+def measure(name: str, m: int, f: float, b: float, warmup: int, batches: int,
+            real: int = 0) -> tuple[float, float]:
+    """(step loop, stream) in batches/s, one fresh runner for both (``real``: MLP stages of that
+    width instead of sleeping ones)."""
     torch.manual_seed(0)
     sched = schedule_of(name)
-    stages = [SleepStage(WIDTH, f, b) for _ in range(N_STAGES)]
+    width = real or WIDTH
+    stages = real_stages(N_STAGES, width) if real else [SleepStage(WIDTH, f, b) for _ in range(N_STAGES)]
     extra: dict = {}
     if isinstance(schedules.resolve(sched), schedules.Interlock):
         extra = {"aux_heads": [nn.Identity() for _ in range(N_STAGES - 1)], "aux_loss": nn.MSELoss()}
-    data = [(torch.randn(ROWS * m, WIDTH), torch.randn(ROWS * m, WIDTH)) for _ in range(4)]
+    rows = REAL_ROWS if real else ROWS
+    data = [(torch.randn(rows * m, width), torch.randn(rows * m, width)) for _ in range(4)]
     runner = pipeq.PipelineRunner(stages, nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.01),
                                   schedule=sched, microbatches=m, threads_per_stage=1,
                                   start_method="forkserver", **extra)
@@ -141,6 +152,22 @@ def slept(seconds: float, samples: int = 15) -> float:
     return statistics.median(took)
 
 
+def _real(names: list[str], ms: list[int], warmup: int, batches: int, width: int) -> dict:
+    """The same loops on real compute: measured batches/s and the ratio to a 1F1B step loop."""
+    print(f"real compute: {N_STAGES} stages of 2 x Linear({width}) + ReLU, {REAL_ROWS} rows a microbatch, "
+          f"one thread a stage, on {os.cpu_count()} cores (load {_load()})")
+    print(f"{'m':>2} {'schedule':<10} {'step':>8} {'stream':>8} {'step x1F1B':>11} {'stream x1F1B':>13}")
+    out: dict = {}
+    for m in ms:
+        ref = None
+        for name in names:
+            step, stream = measure(name, m, 0.0, 0.0, warmup, batches, real=width)
+            ref = ref or step
+            out[(m, name)] = (step, stream)
+            print(f"{m:>2} {name:<10} {step:>8.2f} {stream:>8.2f} {step / ref:>10.2f}x {stream / ref:>12.2f}x")
+    return out
+
+
 def _load() -> str:
     try:
         return "load average %.2f %.2f %.2f" % os.getloadavg()
@@ -161,6 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=1, help="runs of every schedule (medians are printed)")
     p.add_argument("--forward-ms", type=float, default=5.0)
     p.add_argument("--backward-ms", type=float, default=10.0)
+    p.add_argument("--real", type=int, default=0, metavar="WIDTH",
+                   help="real compute instead of sleeps: 4 stages of 2 x Linear(WIDTH)+ReLU, measured only "
+                        "(the four stage processes share this machine's cores, so no dry-run bound applies)")
     p.add_argument("--schedules", nargs="+", default=SCHEDULES,
                    help=f"any of {' '.join(SCHEDULES)} (nwise:D for distance D); {REFERENCE} always runs")
     args = p.parse_args(argv)
@@ -173,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     for s in names:
         schedule_of(s)
     n, f, b = N_STAGES, args.forward_ms / 1e3, args.backward_ms / 1e3
+    if args.real:
+        return _real(names, ms, warmup, batches, args.real)
     print(f"runner.stream vs runner.step: {n} SleepStage stages (F {args.forward_ms:g} ms, B "
           f"{args.backward_ms:g} ms), microbatches of {ROWS} rows, m = {', '.join(map(str, ms))}; "
           f"{warmup} warm-up + {batches} timed batches per loop, {args.rounds} round(s); process mode "
