@@ -30,7 +30,7 @@ def test_three_stage_mlp_learns_digits():
     ]
     runner = pipeq.PipelineRunner(
         stages, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
-        schedule="1f1b", microbatches=4,
+        schedule="1f1b", microbatches=4, start_method="forkserver",  # about learning, not start-up
     )
     with runner:
         before = (runner.predict(x_test).argmax(1) == y_test).float().mean().item()

@@ -18,6 +18,12 @@ from models import Exits, FailingStepSGD, Raises, Sleeps, mlp_stages
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 pytestmark = pytest.mark.timeout(60)
 
+# Stages fork from a server that has torch imported (~0.1 s each instead of 2-6 s with spawn):
+# these tests are about how failures surface, not about start-up. Two stay on the default
+# (spawn) on purpose, where the stages are the driver's own children:
+# test_stage_killed_by_sigkill and test_driver_death_takes_workers_with_it.
+FAST = dict(start_method="forkserver")
+
 
 def three_stages(middle: nn.Module) -> list[nn.Module]:
     return [nn.Linear(8, 8), middle, nn.Linear(8, 3)]
@@ -47,14 +53,16 @@ def expect_failure(runner: pipeq.PipelineRunner, call, stage: int, match: str, w
 
 @pytest.mark.parametrize("schedule", ["1f1b", "fill-drain"])
 def test_stage_that_raises(schedule):
-    runner = pipeq.PipelineRunner(three_stages(Raises(8)), nn.CrossEntropyLoss(), SGD, schedule=schedule)
+    runner = pipeq.PipelineRunner(three_stages(Raises(8)), nn.CrossEntropyLoss(), SGD, schedule=schedule,
+                                  **FAST)
     err = expect_failure(runner, lambda r: r.step(*xy()), stage=1, match="boom from the stage")
     assert "Traceback" in err.remote_traceback and "models.py" in err.remote_traceback
 
 
 def test_stage_that_raises_on_a_later_step():
     runner = pipeq.PipelineRunner(three_stages(Raises(8, after_calls=20)), nn.CrossEntropyLoss(), SGD,
-                                  microbatches=4)
+                                  microbatches=4, **FAST)
+
     def work(r):
         for _ in range(10):
             r.step(*xy())
@@ -62,11 +70,12 @@ def test_stage_that_raises_on_a_later_step():
 
 
 def test_stage_that_calls_os_exit():
-    runner = pipeq.PipelineRunner(three_stages(Exits(8)), nn.CrossEntropyLoss(), SGD)
+    runner = pipeq.PipelineRunner(three_stages(Exits(8)), nn.CrossEntropyLoss(), SGD, **FAST)
     expect_failure(runner, lambda r: r.step(*xy()), stage=1, match="exited with code 7")
 
 
 def test_stage_killed_by_sigkill():
+    # spawn (the default) on purpose: the killed stage is the driver's own child here
     runner = pipeq.PipelineRunner(three_stages(Sleeps(8)), nn.CrossEntropyLoss(), SGD)
 
     def work(r):
@@ -78,14 +87,14 @@ def test_stage_killed_by_sigkill():
 
 
 def test_wrong_input_shape_names_stage_and_shape():
-    runner = pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), SGD, microbatches=4)
+    runner = pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), SGD, microbatches=4, **FAST)
     err = expect_failure(runner, lambda r: r.step(torch.randn(16, 5), torch.randint(0, 3, (16,))),
                          stage=0, match=r"stage 0: .*forward of microbatch 0.*\(4, 5\)")
     assert "mat1 and mat2" in str(err)
 
 
 def test_wrong_target_shape_names_last_stage():
-    runner = pipeq.PipelineRunner(mlp_stages(), nn.MSELoss(), SGD, microbatches=2)
+    runner = pipeq.PipelineRunner(mlp_stages(), nn.MSELoss(), SGD, microbatches=2, **FAST)
     expect_failure(runner, lambda r: r.step(torch.randn(8, 8), torch.randn(8, 7)),
                    stage=2, match=r"loss_fn failed on output \(4, 3\).*target \(4, 7\)")
 
@@ -93,7 +102,7 @@ def test_wrong_target_shape_names_last_stage():
 def test_hung_stage_is_reported_by_heartbeat_loss():
     # a stage whose process is stopped (SIGSTOP) sends no heartbeats: named within the timeout
     runner = pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), SGD,
-                                  heartbeat_interval=0.2, heartbeat_timeout=1.5)
+                                  heartbeat_interval=0.1, heartbeat_timeout=1.0, **FAST)
 
     def work(r):
         os.kill(r._backend.worker_info[2]["pid"], signal.SIGSTOP)
@@ -103,7 +112,8 @@ def test_hung_stage_is_reported_by_heartbeat_loss():
 
 
 def test_driver_death_takes_workers_with_it():
-    # a driver process that dies by SIGKILL must not leave its workers running
+    # a driver process that dies by SIGKILL must not leave its workers running; spawn (the
+    # default) on purpose: the workers are the dead driver's own children
     import subprocess, sys, textwrap
     code = textwrap.dedent("""
         import functools, os, sys, time, torch
@@ -145,7 +155,8 @@ def test_error_after_the_loss_is_not_lost():
     # stage 0 fails in its optimizer step, after the last stage has already reported the loss:
     # the error must still reach the caller (from the next call or from leaving the block)
     stages = [nn.Linear(8, 5), nn.Linear(5, 3)]
-    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), functools.partial(FailingStepSGD, lr=0.1))
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), functools.partial(FailingStepSGD, lr=0.1),
+                                  **FAST)
     with pytest.raises(pipeq.PipelineError, match="optimizer step failed on purpose") as info:
         with runner:
             runner.step(*xy())
@@ -154,7 +165,8 @@ def test_error_after_the_loss_is_not_lost():
 
 
 def test_workers_are_pinned_to_their_own_cores():
-    runner = pipeq.PipelineRunner([nn.Linear(8, 8), nn.Linear(8, 3)], nn.CrossEntropyLoss(), SGD)
+    runner = pipeq.PipelineRunner([nn.Linear(8, 8), nn.Linear(8, 3)], nn.CrossEntropyLoss(), SGD,
+                                  **FAST)
     with runner:
         info = runner._backend.worker_info
     ncores = len(os.sched_getaffinity(0))

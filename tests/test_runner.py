@@ -24,7 +24,8 @@ def batches(n_steps: int, batch: int, seed: int = 1, d_in: int = 8, classes: int
 
 
 # tests about numbers, not start-up: stages fork from a server with torch imported (~0.1 s each
-# instead of ~3 s); test_process_mode_equals_single_process_training keeps the default (spawn)
+# instead of ~3 s); test_process_mode_equals_single_process_training[1f1b] keeps the default
+# (spawn) on purpose: a fresh interpreter per stage, the start-up most users get
 FAST = {"start_method": "forkserver"}
 
 
@@ -51,11 +52,12 @@ def assert_matches_reference(stages, data, losses, state, loss_fn=None, opt=SGD,
     return model
 
 
-@pytest.mark.parametrize("schedule", ["fill-drain", "1f1b"])
-def test_process_mode_equals_single_process_training(schedule):
+@pytest.mark.parametrize(("schedule", "start"), [("fill-drain", FAST), ("1f1b", {})],  # {}: spawn
+                         ids=["fill-drain", "1f1b"])
+def test_process_mode_equals_single_process_training(schedule, start):
     stages = mlp_stages()
     data = batches(4, 48)
-    losses, state, out = run(stages, data, schedule=schedule, microbatches=4, mode="process")
+    losses, state, out = run(stages, data, schedule=schedule, microbatches=4, mode="process", **start)
     model = assert_matches_reference(stages, data, losses, state)
     with torch.no_grad():
         torch.testing.assert_close(out, model(data[0][0]), atol=1e-5, rtol=0)
@@ -118,7 +120,8 @@ def test_tuple_activations_cross_stage_boundaries(flag_first):
     stages = [TwoOut(8, 16, flag_first), TwoIn(16, 3, flag_first)]
     data = batches(3, 24)
     for mode in ("simulated", "process"):
-        losses, state, _ = run(stages, data, schedule="1f1b", microbatches=3, mode=mode)
+        kw = FAST if mode == "process" else {}
+        losses, state, _ = run(stages, data, schedule="1f1b", microbatches=3, mode=mode, **kw)
         assert_matches_reference(stages, data, losses, state)
 
 
@@ -126,7 +129,7 @@ def test_state_dict_round_trip_and_caller_modules_untouched():
     stages = mlp_stages()
     before = {k: v.clone() for k, v in nn.Sequential(*stages).state_dict().items()}
     data = batches(2, 32)
-    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=4)
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=4, **FAST)
     with runner:
         runner.step(*data[0])
         trained = runner.state_dict()
@@ -150,7 +153,8 @@ def test_state_dict_round_trip_and_caller_modules_untouched():
 def test_tcp_transport():
     stages = mlp_stages()
     data = batches(2, 32)
-    losses, state, _ = run(stages, data, schedule="1f1b", microbatches=4, mode="process", transport="tcp")
+    losses, state, _ = run(stages, data, schedule="1f1b", microbatches=4, mode="process", transport="tcp",
+                                **FAST)
     assert_matches_reference(stages, data, losses, state)
 
 
@@ -183,7 +187,8 @@ def test_user_schedule_function_runs_in_both_modes():
     stages = mlp_stages()
     data = batches(3, 40)
     for mode in ("simulated", "process"):
-        losses, state, _ = run(stages, data, schedule=reverse_drain, microbatches=4, mode=mode)
+        kw = FAST if mode == "process" else {}
+        losses, state, _ = run(stages, data, schedule=reverse_drain, microbatches=4, mode=mode, **kw)
         assert_matches_reference(stages, data, losses, state)
 
 

@@ -27,7 +27,7 @@ def test_traced_1f1b_run_has_every_action_in_schedule_order(tmp_path) -> None:
     sgd = functools.partial(torch.optim.SGD, lr=0.1)
     steps = 2
     with pipeq.PipelineRunner(mlp_stages((8, 16, 16, 3)), nn.CrossEntropyLoss(), sgd, "1f1b", 4,
-                              trace=str(path)) as runner:
+                              trace=str(path), start_method="forkserver") as runner:
         for _ in range(steps):
             runner.step(torch.randn(16, 8), torch.randint(0, 3, (16,)))
     text = path.read_text()
@@ -74,7 +74,7 @@ def test_sleep_stages_bubble_is_the_ideal_formula(tmp_path) -> None:
     path = tmp_path / "run.json"
     stages = [SleepStage(4, cost, cost) for _ in range(n)]
     with pipeq.PipelineRunner(stages, nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.01),
-                              "1f1b", m, trace=str(path)) as runner:
+                              "1f1b", m, trace=str(path), start_method="forkserver") as runner:
         for _ in range(4):
             runner.step(torch.randn(8, 4), torch.randn(8, 4))
     rep = report.analyze(report.load_trace(str(path)), skip_first=1)
