@@ -332,7 +332,7 @@ def test_al_on_digits_reaches_85_percent_held_out():
     layers = build_al(blocks, [128] * 4, 10, label_widths=[64] * 4)
     g = torch.Generator().manual_seed(1)
     with runner(layers, "simulated", functools.partial(torch.optim.Adam, lr=1e-3), 4) as r:
-        for _ in range(10):
+        for _ in range(4):  # ~95% held out after 3-4 epochs (and ~98% after 10)
             order = torch.randperm(n_train, generator=g)
             for i in range(0, n_train, 64):
                 idx = order[i:i + 64]
