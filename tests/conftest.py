@@ -60,6 +60,19 @@ def wait_no_strays(timeout: float = 5.0) -> list[tuple[int, str, str]]:
         time.sleep(0.05)
 
 
+@pytest.fixture(scope="session")
+def single_host_digits(tmp_path_factory) -> str:
+    """The output directory of ``pipeq launch`` of the digits job on one host for
+    ``launch_util.REFERENCE_STEPS`` steps: what every multi-host run must reproduce. One launch
+    (every stage a fresh interpreter: seconds) serves test_workers.py and test_multihost.py."""
+    from launch_util import REFERENCE_STEPS, run_launch
+
+    out = str(tmp_path_factory.mktemp("single-host"))
+    r = run_launch("--steps", str(REFERENCE_STEPS), "--out", out)  # adds --quiet --threads-per-stage 1
+    assert r.returncode == 0, r.stderr
+    return out
+
+
 @pytest.fixture(autouse=True)
 def no_stray_workers():
     """Every test must leave no worker process behind (checked after it, with 5 s of grace)."""

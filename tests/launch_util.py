@@ -7,11 +7,17 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS_JOB = os.path.join(ROOT, "examples", "digits.toml")
+
+
+# steps of the single-host digits run that the multi-host runs (test_workers.py, test_multihost.py)
+# must reproduce: one launch, shared through conftest.py's session fixture single_host_digits
+REFERENCE_STEPS = 6
 
 
 def launch_cmd(*args: str) -> list[str]:
@@ -20,6 +26,31 @@ def launch_cmd(*args: str) -> list[str]:
 
 def run_launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(launch_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def run_at_once(argvs: dict[str, list[str]], timeout: float = 240) -> dict[str, subprocess.CompletedProcess]:
+    """Run independent commands (from the repository root) at the same time; their results by name.
+
+    Every ``pipeq launch`` starts its driver and then its stages as fresh interpreters that
+    import torch: one run at a time leaves a core idle much of the time, a few at once do not.
+    Whatever still runs at ``timeout`` (or when something fails) is killed.
+    """
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name, argv in argvs.items():
+            procs[name] = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           text=True)
+        deadline = time.monotonic() + timeout
+        results = {}
+        for name, p in procs.items():
+            stdout, stderr = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            results[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+        return results
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 def metrics(out: str) -> list[dict]:
@@ -41,6 +72,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n different free ports (for runs started at the same time)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def digits_model(state: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -4,21 +4,62 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from launch_util import ROOT, assert_same_state, digits_model, metrics, model_state, run_launch
+from launch_util import (ROOT, assert_same_state, digits_model, launch_cmd, metrics, model_state, run_at_once,
+                         run_launch)
 
 pytestmark = pytest.mark.timeout(300)
 
 
+def _bad_job(directory) -> str:
+    """A copy of the digits job whose last stage raises in its forward."""
+    job = directory / "bad.toml"
+    job.write_text(
+        open(os.path.join(ROOT, "examples", "digits.toml")).read()
+        .replace('stages = "examples.digits_job:stages"', 'stages = "tests_bad_job:stages"')
+    )
+    (directory / "tests_bad_job.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Boom(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.l = nn.Linear(128, 10)\n"
+        "    def forward(self, x):\n        raise RuntimeError('boom in the last stage')\n"
+        "def stages():\n"
+        "    return [nn.Sequential(nn.Linear(64, 128), nn.ReLU()), nn.Sequential(nn.Linear(128, 128)), Boom()]\n"
+    )
+    return str(job)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> str:
+def launched(tmp_path_factory) -> dict[str, tuple[str, subprocess.CompletedProcess]]:
+    """Three independent runs, started at once; each one's output directory and result.
+
+    ``full``: 40 steps in one go, checkpointing every 20 (the reference of the resume test).
+    ``fresh``: 20 steps with --resume in an empty directory: it starts fresh (one test) and is the
+    first half of the resumed run (another test: one launch serves both).
+    ``bad``: a job whose last stage raises.
+    """
+    outs = {name: str(tmp_path_factory.mktemp(name) / "run") for name in ("full", "fresh", "bad")}
+    bad = tmp_path_factory.mktemp("bad-job")
+    results = run_at_once({
+        "full": launch_cmd("--steps", "40", "--checkpoint-every", "20", "--eval-every", "20",
+                           "--out", outs["full"], "--trace", os.path.join(outs["full"], "trace.json")),
+        "fresh": launch_cmd("--steps", "20", "--checkpoint-every", "20", "--out", outs["fresh"], "--resume"),
+        "bad": [sys.executable, "-m", "pipeq", "launch", _bad_job(bad), "--quiet", "--steps", "3",
+                "--out", outs["bad"]],
+    })
+    return {name: (outs[name], results[name]) for name in outs}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(launched) -> str:
     """40 steps in one go, checkpointing every 20 (the reference of the resume test)."""
-    out = str(tmp_path_factory.mktemp("full"))
-    r = run_launch("--steps", "40", "--checkpoint-every", "20", "--eval-every", "20", "--out", out,
-                   "--trace", os.path.join(out, "trace.json"))
+    out, r = launched["full"]
     assert r.returncode == 0, r.stderr
     return out
 
@@ -50,10 +91,11 @@ def test_launch_trains_and_writes_state_and_metrics(uninterrupted: str) -> None:
         assert manifest["n_stages"] == 3 and manifest["meta"]["step"] == int(d[-2:]) if "step" in d else True
 
 
-def test_resume_continues_to_the_same_parameters(uninterrupted: str, tmp_path) -> None:
+def test_resume_continues_to_the_same_parameters(uninterrupted: str, launched, tmp_path) -> None:
     out = str(tmp_path / "run")
-    first = run_launch("--steps", "20", "--checkpoint-every", "20", "--out", out)
+    first_out, first = launched["fresh"]  # 20 steps, checkpointed at 20
     assert first.returncode == 0, first.stderr
+    shutil.copytree(first_out, out)  # resume a copy: the fixture's run stays as it was
     resumed = run_launch("--steps", "40", "--checkpoint-every", "20", "--out", out, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr and "step 20" in resumed.stderr
@@ -62,34 +104,15 @@ def test_resume_continues_to_the_same_parameters(uninterrupted: str, tmp_path) -
     assert [ln["step"] for ln in metrics(out)] == list(range(1, 41))
 
 
-def test_resume_without_checkpoint_starts_fresh(tmp_path) -> None:
-    out = str(tmp_path / "run")
-    r = run_launch("--steps", "3", "--out", out, "--resume")
+def test_resume_without_checkpoint_starts_fresh(launched) -> None:
+    out, r = launched["fresh"]
     assert r.returncode == 0, r.stderr
     assert "no complete checkpoint" in r.stderr
-    assert len(metrics(out)) == 3
+    assert len(metrics(out)) == 20
 
 
-def test_failing_stage_exits_nonzero_with_its_traceback(tmp_path) -> None:
-    job = tmp_path / "bad.toml"
-    job.write_text(
-        open(os.path.join(ROOT, "examples", "digits.toml")).read()
-        .replace('stages = "examples.digits_job:stages"', 'stages = "tests_bad_job:stages"')
-    )
-    (tmp_path / "tests_bad_job.py").write_text(
-        "import torch\nfrom torch import nn\n"
-        "class Boom(nn.Module):\n"
-        "    def __init__(self):\n        super().__init__()\n        self.l = nn.Linear(128, 10)\n"
-        "    def forward(self, x):\n        raise RuntimeError('boom in the last stage')\n"
-        "def stages():\n"
-        "    return [nn.Sequential(nn.Linear(64, 128), nn.ReLU()), nn.Sequential(nn.Linear(128, 128)), Boom()]\n"
-    )
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "pipeq", "launch", str(job), "--quiet", "--steps", "3",
-                        "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+def test_failing_stage_exits_nonzero_with_its_traceback(launched) -> None:
+    _, r = launched["bad"]  # the job's last stage raises in its forward
     assert r.returncode == 1
     assert "stage 2 failed" in r.stderr
     assert "boom in the last stage" in r.stderr and "Traceback" in r.stderr
@@ -152,7 +175,7 @@ def test_embedded_runner_as_node_0_of_a_two_node_run(tmp_path) -> None:
         job = load_job(DIGITS_JOB)
         rz = pipeq.rendezvous.from_settings(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
         runner = pipeq.PipelineRunner(job.recipe, None, None, job.schedule, job.microbatches,
-                                      threads_per_stage=1, rendezvous=rz)
+                                      threads_per_stage=1, rendezvous=rz, start_method="forkserver")
         with runner:
             losses = [runner.step(x, y) for x, y in train_batches(0)[:20]]
         assert losses[-1] < losses[0]

@@ -15,20 +15,13 @@ import time
 
 import pytest
 
-from launch_util import ROOT, assert_same_state, launch_cmd, model_state, run_launch
+from launch_util import REFERENCE_STEPS, ROOT, assert_same_state, launch_cmd, model_state
 from netns import TwoHosts, netns_available
 
 pytestmark = pytest.mark.timeout(240)
 
 PORT = 29517  # each namespace has its own port space: no clash with anything on the machine
-
-
-@pytest.fixture(scope="module")
-def single_host(tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("single"))
-    r = run_launch("--steps", "8", "--out", out)
-    assert r.returncode == 0, r.stderr
-    return out
+STEPS = REFERENCE_STEPS  # the steps of conftest.py's single_host_digits (shared with test_workers)
 
 
 @pytest.fixture
@@ -47,11 +40,13 @@ def _node(h: TwoHosts, ns: str, rank: int, out: str, *extra: str) -> subprocess.
     return h.popen(ns, argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_two_namespaces_equal_the_single_host_run(hosts: TwoHosts, single_host: str, tmp_path) -> None:
+def test_two_namespaces_equal_the_single_host_run(hosts: TwoHosts, request, tmp_path) -> None:
     h = hosts
     out = str(tmp_path / "multi")
-    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", "8")
-    node0 = _node(h, h.a, 0, out, "--steps", "8", "--trace", os.path.join(out, "trace.json"))
+    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", str(STEPS))
+    node0 = _node(h, h.a, 0, out, "--steps", str(STEPS), "--trace", os.path.join(out, "trace.json"))
+    # the single-host run to compare with (conftest.py); if not done yet, it runs beside the nodes
+    single_host = request.getfixturevalue("single_host_digits")
     out0, err0 = node0.communicate(timeout=150)
     out1, err1 = node1.communicate(timeout=30)
     assert node0.returncode == 0, err0
@@ -65,7 +60,7 @@ def test_two_namespaces_equal_the_single_host_run(hosts: TwoHosts, single_host: 
 
     with open(os.path.join(out, "trace.json")) as f:
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
-    for step in range(1, 9):
+    for step in range(1, STEPS + 1):
         f0 = {e["tid"]: e["ts"] for e in events
               if e["cat"] == "forward" and e["args"]["step"] == step and e["args"]["microbatch"] == 0}
         assert f0[0] < f0[1] < f0[2], (step, f0)

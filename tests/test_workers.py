@@ -13,10 +13,11 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
-from launch_util import ROOT, assert_same_state, free_port, model_state, run_launch
+from launch_util import REFERENCE_STEPS, ROOT, assert_same_state, free_ports, model_state
 
 WORKERS = os.path.join(ROOT, "workers")
 LOCAL = os.path.join(WORKERS, "local.sh")
@@ -24,17 +25,14 @@ TORCHRUN = os.path.join(WORKERS, "torchrun.sh")
 SLURM = os.path.join(WORKERS, "slurm.sbatch")
 SCRIPTS = [LOCAL, TORCHRUN, SLURM]
 
-STEPS = "6"
+STEPS = str(REFERENCE_STEPS)  # 6
 ARGS = ["--threads-per-stage", "1", "--steps", STEPS, "--quiet"]  # deterministic, short
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    """The single-host run every recipe must reproduce."""
-    out = str(tmp_path_factory.mktemp("reference"))
-    r = run_launch("--steps", STEPS, "--out", out)  # run_launch adds --quiet --threads-per-stage 1
-    assert r.returncode == 0, r.stderr
-    return model_state(out)
+def reference(single_host_digits: str) -> dict:
+    """The single-host run every recipe must reproduce (conftest.py: shared with test_multihost)."""
+    return model_state(single_host_digits)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -57,59 +55,40 @@ def _start(cmd: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    """(returncode, stdout, stderr) of each process; all are ended (their groups) on a timeout."""
+def _end_group(p: subprocess.Popen) -> None:
+    """End p's whole process group (torchrun's workers, fake srun's tasks) if it still runs."""
+    if p.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            p.wait(timeout=5)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    p.communicate()
+
+
+def _finish(procs: list[subprocess.Popen], deadline: float) -> list[tuple[int, str, str]]:
+    """(returncode, stdout, stderr) of each process; all are ended (their groups) if one is still
+    running at ``deadline`` (time.monotonic())."""
     results = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=timeout)
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             results.append((p.returncode, out, err))
     except subprocess.TimeoutExpired:
         for p in procs:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    p.wait(timeout=5)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        for p in procs:
-            p.communicate()
+            _end_group(p)
         raise
     return results
 
 
 def _report(results: list[tuple[int, str, str]]) -> str:
     return "\n".join(f"--- process {i}: exit {rc}\n{out}\n{err}" for i, (rc, out, err) in enumerate(results))
-
-
-@pytest.mark.timeout(180)
-def test_local_sh_two_nodes_match_single_host(reference, tmp_path) -> None:
-    out = str(tmp_path / "out")
-    port = str(free_port())
-    env = _env(MASTER_PORT=port)
-    cwd = str(tmp_path)  # the script cds to the repository root itself
-    node1 = _start([LOCAL, "1", "127.0.0.1", *ARGS, "--out", out], env, cwd)
-    node0 = _start([LOCAL, "0", "127.0.0.1", *ARGS, "--out", out], env, cwd)
-    results = _finish([node0, node1], timeout=150)
-    assert [rc for rc, _, _ in results] == [0, 0], _report(results)
-    assert "trained 6 steps (3 stages, 2 nodes" in results[0][1], _report(results)
-    assert "node 1: started stage(s) [1, 2]" in results[1][2], _report(results)
-    assert_same_state(model_state(out), reference, atol=1e-6)
-
-
-@pytest.mark.timeout(180)
-def test_torchrun_sh_two_processes_on_loopback_match_single_host(reference, tmp_path) -> None:
-    out = str(tmp_path / "out")
-    env = _env(NNODES="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
-    p = _start([TORCHRUN, "0", "127.0.0.1", *ARGS, "--out", out], env, str(tmp_path))
-    results = _finish([p], timeout=150)
-    assert results[0][0] == 0, _report(results)
-    assert "trained 6 steps (3 stages, 2 nodes" in results[0][1], _report(results)
-    assert_same_state(model_state(out), reference, atol=1e-6)
 
 
 FAKE_SCONTROL = """#!/usr/bin/env bash
@@ -149,24 +128,79 @@ def _fake_slurm(tmp_path) -> tuple[str, str]:
     return str(bin_dir), str(tmp_path / "fake-slurm")
 
 
-@pytest.mark.timeout(180)
-def test_slurm_sbatch_under_fake_srun_matches_single_host(reference, tmp_path) -> None:
-    bin_dir, log = _fake_slurm(tmp_path)
-    out = str(tmp_path / "out")
-    port = str(free_port())
-    env = _env(
-        PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-        FAKE_SLURM_LOG=log,
-        SLURM_JOB_NODELIST="node[01-02]",
-        SLURM_NTASKS="2",
-        SLURM_JOB_ID="4242",
-        SLURM_SUBMIT_DIR=ROOT,  # sbatch runs a copy of the script: it must cd to the submit dir
-        MASTER_PORT=port,
-    )
-    scratch = tmp_path / "scratch"
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory, request) -> dict:
+    """The three recipes' training runs, started at once (each node's driver and stages are fresh
+    interpreters importing torch: run one after another they leave a core idle much of the time).
+
+    Each run: its output directory and the (returncode, stdout, stderr) of its processes.
+    ``local``: local.sh node 0 and node 1; ``torchrun``: torchrun.sh with two processes;
+    ``slurm``: slurm.sbatch under the fake srun/scontrol (whose logs are under ``slurm_log``).
+    """
+    base = tmp_path_factory.mktemp("recipes")
+    ports = free_ports(3)
+    dirs = {name: base / name for name in ("local", "torchrun", "slurm")}
+    outs = {name: str(d / "out") for name, d in dirs.items()}
+    for d in dirs.values():
+        d.mkdir()
+    bin_dir, log = _fake_slurm(dirs["slurm"])
+    scratch = dirs["slurm"] / "scratch"
     scratch.mkdir()
-    p = _start(["bash", SLURM, *ARGS, "--out", out], env, str(scratch))
-    results = _finish([p], timeout=150)
+    procs: dict[str, list[subprocess.Popen]] = {}
+    try:
+        # local.sh, two nodes (node 1 first), started from a scratch directory: the script cds
+        # to the repository root itself
+        env = _env(MASTER_PORT=str(ports[0]))
+        node1 = _start([LOCAL, "1", "127.0.0.1", *ARGS, "--out", outs["local"]], env, str(dirs["local"]))
+        procs["local"] = [node1]
+        node0 = _start([LOCAL, "0", "127.0.0.1", *ARGS, "--out", outs["local"]], env, str(dirs["local"]))
+        procs["local"] = [node0, node1]  # results in rank order
+        # torchrun.sh: one torchrun, two processes (nodes) on loopback
+        env = _env(NNODES="1", NPROC_PER_NODE="2", MASTER_PORT=str(ports[1]))
+        procs["torchrun"] = [_start([TORCHRUN, "0", "127.0.0.1", *ARGS, "--out", outs["torchrun"]], env,
+                                    str(dirs["torchrun"]))]
+        # slurm.sbatch under fake srun and scontrol on PATH
+        env = _env(
+            PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+            FAKE_SLURM_LOG=log,
+            SLURM_JOB_NODELIST="node[01-02]",
+            SLURM_NTASKS="2",
+            SLURM_JOB_ID="4242",
+            SLURM_SUBMIT_DIR=ROOT,  # sbatch runs a copy of the script: it must cd to the submit dir
+            MASTER_PORT=str(ports[2]),
+        )
+        procs["slurm"] = [_start(["bash", SLURM, *ARGS, "--out", outs["slurm"]], env, str(scratch))]
+        deadline = time.monotonic() + 200
+        # the single-host run they must reproduce (conftest.py): if not done yet, it runs beside them
+        request.getfixturevalue("single_host_digits")
+        results = {name: _finish(ps, deadline) for name, ps in procs.items()}
+    finally:  # a time-out (or error) in one run ends the others too, with their process groups
+        for p in (p for ps in procs.values() for p in ps):
+            _end_group(p)
+    return {"out": outs, "results": results, "slurm_log": log, "slurm_port": ports[2]}
+
+
+@pytest.mark.timeout(240)
+def test_local_sh_two_nodes_match_single_host(recipe_runs, reference) -> None:
+    out, results = recipe_runs["out"]["local"], recipe_runs["results"]["local"]
+    assert [rc for rc, _, _ in results] == [0, 0], _report(results)
+    assert "trained 6 steps (3 stages, 2 nodes" in results[0][1], _report(results)
+    assert "node 1: started stage(s) [1, 2]" in results[1][2], _report(results)
+    assert_same_state(model_state(out), reference, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_sh_two_processes_on_loopback_match_single_host(recipe_runs, reference) -> None:
+    out, results = recipe_runs["out"]["torchrun"], recipe_runs["results"]["torchrun"]
+    assert results[0][0] == 0, _report(results)
+    assert "trained 6 steps (3 stages, 2 nodes" in results[0][1], _report(results)
+    assert_same_state(model_state(out), reference, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_slurm_sbatch_under_fake_srun_matches_single_host(recipe_runs, reference) -> None:
+    out, results = recipe_runs["out"]["slurm"], recipe_runs["results"]["slurm"]
+    log, port = recipe_runs["slurm_log"], recipe_runs["slurm_port"]
     assert results[0][0] == 0, _report(results)
     with open(log + ".scontrol") as f:
         assert f.read().split() == ["node[01-02]"]
