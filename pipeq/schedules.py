@@ -188,6 +188,21 @@ class Interlock:
         return out
 
 
+class _OptionsIdentity:
+    """A schedule object that is its class and its options: repr, equality and hash follow them."""
+
+    options: dict
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.options == self.options  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(self.options.items())))
+
+
 class AsyncCursor:
     """Where one stage is in an asynchronous 1F1B stream of microbatches (numbered 0, 1, ...
     across batches): ``warmup`` forwards, then one backward (and STEP) and one forward in turn.
@@ -223,7 +238,7 @@ class AsyncCursor:
                 return acts
 
 
-class AsyncOneFOneB:
+class AsyncOneFOneB(_OptionsIdentity):
     """Asynchronous 1F1B (the tutorial's pipeline, PipeDream): a step after every backward, and
     under ``runner.stream`` no drain between batches.
 
@@ -275,18 +290,9 @@ class AsyncOneFOneB:
     def options(self) -> dict[str, int | bool | None]:
         return {"warmup": self.warmup, "weight_stashing": self.weight_stashing}
 
-    def __repr__(self) -> str:
-        return f"AsyncOneFOneB(warmup={self.warmup!r}, weight_stashing={self.weight_stashing!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, AsyncOneFOneB) and (other.warmup, other.weight_stashing) == (
-            self.warmup, self.weight_stashing)
-
-    def __hash__(self) -> int:
-        return hash(("async", self.warmup, self.weight_stashing))
 
 
-class AssociatedLearning:
+class AssociatedLearning(_OptionsIdentity):
     """Associated Learning's pipeline (see :mod:`pipeq.al`): messages only flow forward.
 
     Training, per stage and microbatch: receive (s, t), F (both paths and the two local losses),
@@ -340,15 +346,6 @@ class AssociatedLearning:
     def options(self) -> dict[str, str | int | None]:
         return {"first_loss": self.first_loss, "inference_layer": self.inference_layer}
 
-    def __repr__(self) -> str:
-        return f"AssociatedLearning(first_loss={self.first_loss!r}, inference_layer={self.inference_layer!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, AssociatedLearning) and (other.first_loss, other.inference_layer) == (
-            self.first_loss, self.inference_layer)
-
-    def __hash__(self) -> int:
-        return hash(("al", self.first_loss, self.inference_layer))
 
 
 SCHEDULES: dict[str, ScheduleFn] = {
