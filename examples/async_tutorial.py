@@ -75,6 +75,10 @@ import torch
 from torch import nn
 
 import pipeq
+try:  # the tutorial's two stages: imported as examples.async_tutorial (tests) or run as a script
+    from examples.async_mlp import Stage0, Stage1
+except ImportError:
+    from async_mlp import Stage0, Stage1  # type: ignore[no-redef]
 
 # Every module the notebook constructs between torch.manual_seed(40) (cell 1) and Stage0()/Stage1()
 # (cell 5), in order, as nn.Linear (in_features, out_features, bias): each draws its weight, then its
@@ -93,24 +97,6 @@ NOTEBOOK = {3: 0.691, 1003: 0.599, 2003: 0.423, 3003: 0.367, 4003: 0.348,
             5003: 0.330, 6003: 0.426, 7003: 0.334, 8003: 0.276, 9003: 0.280}
 NOTEBOOK_PLAIN_AT_10000 = 0.199
 WARMUP = 3  # stage 0 forwards 3 batches before its first backward
-
-
-class Stage0(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.w1(x))
-
-
-class Stage1(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w2 = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.w2(x))
 
 
 def tutorial_setup() -> tuple[torch.Tensor, torch.Tensor, list[nn.Module]]:
