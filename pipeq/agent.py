@@ -30,7 +30,7 @@ from .messages import Kind, Message
 from .processes import (StageSettings, exit_reason, job_identity, process_context, start_worker, stop_processes,
                         worker_configs)
 from .rendezvous import Rendezvous
-from .transport import BindTo, DriverLink
+from .transport import BindTo, DriverLink, WireAuth
 
 _TICK_MS = 100
 
@@ -62,9 +62,15 @@ def _differences(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def _auth(rz: Rendezvous, mode: str = "encrypt") -> WireAuth:
+    if rz.secret is None:
+        raise AgentError(f"node {rz.node_rank}: a multi-host run needs the job's secret")
+    return WireAuth(rz.secret, mode)
+
+
 def _tell_driver(control: str, rz: Rendezvous, message: str) -> None:
     """Send one ERROR to the driver (so it fails at once, naming this node), then hang up."""
-    link = DriverLink(control, rz.node_rank, linger_ms=2000)
+    link = DriverLink(control, rz.node_rank, linger_ms=2000, auth=_auth(rz))
     try:
         link.send(Message(Kind.ERROR, extra={"message": message}))
     finally:
@@ -95,6 +101,8 @@ def run_agent(
     options = _fetch(store, "options", "run options", rz, start_timeout)
     traced = bool(options.get("trace")) if isinstance(options, dict) else False
     replicas = options.get("replicas", 1) if isinstance(options, dict) else 1
+    security = options.get("tcp_security", "encrypt") if isinstance(options, dict) else "encrypt"
+    auth = WireAuth(_auth(rz).secret, str(security))
     if replicas != data_parallel:
         message = (f"node {rz.node_rank} was started with data_parallel={data_parallel}, node 0 with "
                    f"{replicas}; pass the same job file and flags on every node")
@@ -118,15 +126,16 @@ def run_agent(
     mine: list[int] = plan[rz.node_rank]
     ctx = process_context(start_method)
     procs: dict[int, mp.process.BaseProcess] = {}
-    settings = StageSettings(**{**vars(settings), "trace": traced})
+    settings = StageSettings(**{**vars(settings), "trace": traced, "tcp_security": auth.mode})
     interval = settings.heartbeat_interval
-    link = DriverLink(control, rz.node_rank, heartbeat_s=(interval, heartbeat_timeout))
+    link = DriverLink(control, rz.node_rank, heartbeat_s=(interval, heartbeat_timeout), auth=auth)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     code = 1
     try:
         for cfg in worker_configs(mine, n_stages, replicas, schedule, settings, control_addr=control,
                                   bind=BindTo.tcp(rz.bind), seed_of=lambda g: builder.seed_for(g % n_stages),
-                                  rendezvous=rz, dp_store=rz.store_address() if replicas > 1 else None):
+                                  rendezvous=rz, dp_store=rz.store_address() if replicas > 1 else None,
+                                  auth=auth):
             procs[cfg.process] = start_worker(ctx, cfg, builder)
         log(f"node {rz.node_rank}: started stage(s) {mine} (pids "
             f"{[p.pid for p in procs.values()]}), driver at {control}")

@@ -33,7 +33,8 @@ from .rendezvous import Rendezvous
 from .stage import Tensors
 from .supervisor import Supervisor
 from .tracing import TraceRecorder
-from .transport import AGENT, STAGE, BindTo, ControlServer, make_ipc_dir, remove_ipc_dir
+from .keys import JobSecret
+from .transport import AGENT, STAGE, BindTo, ControlServer, WireAuth, make_ipc_dir, remove_ipc_dir
 
 class ProcessBackend:
     """Runs the stages as processes: all on this host, or (``rendezvous``) spread over nodes.
@@ -105,9 +106,13 @@ class ProcessBackend:
         rz = self.rendezvous
         if rz is not None:
             self.store = rz.store(self.start_timeout)
-        self.ipc_dir = make_ipc_dir()
-        bind = BindTo.ipc(self.ipc_dir) if self.transport == "ipc" else BindTo.tcp(self.host)
-        self.server = ControlServer(bind)
+        if self.transport == "ipc":
+            self.ipc_dir = make_ipc_dir()
+            bind, auth = BindTo.ipc(self.ipc_dir), None
+        else:  # tcp: the job's secret (multi-host), or one of our own (one host)
+            secret = rz.secret if rz is not None and rz.secret is not None else JobSecret.generate()
+            bind, auth = BindTo.tcp(self.host), WireAuth(secret, self.settings.tcp_security)
+        self.server = ControlServer(bind, auth)
         self.sup = Supervisor(self.server, self.procs, n_stages=self.n_stages, n_processes=self.n_processes,
                               n_nodes=len(self.placement), heartbeat_timeout=self.heartbeat_timeout,
                               teardown=self._teardown)
@@ -115,7 +120,8 @@ class ProcessBackend:
             self.store.set("placement", rdzv.encode_json(self.placement))
             self.store.set("job", rdzv.encode_json(job_identity(self.payloads[0], self.schedule)))
             self.store.set("options", rdzv.encode_json({"trace": self.recorder is not None,
-                                                         "replicas": self.replicas}))
+                                                         "replicas": self.replicas,
+                                                         "tcp_security": self.settings.tcp_security}))
             self.store.set("control", rdzv.encode_json(self.server.address))
         ctx = process_context(self.start_method)
         # stage seeds come from the caller's RNG: torch.manual_seed before the runner repeats a run
@@ -129,7 +135,7 @@ class ProcessBackend:
             self.placement[0], self.n_stages, self.replicas, self.schedule, self.settings,
             control_addr=self.server.address, bind=bind, seed_of=seed_of, rendezvous=rz,
             dp_store=self._dp_store_address(),
-            die_with_parent=threading.current_thread() is threading.main_thread(),
+            die_with_parent=threading.current_thread() is threading.main_thread(), auth=auth,
         )
         for cfg in configs:
             self.procs[cfg.process] = start_worker(ctx, cfg, self.payloads[cfg.process])

@@ -20,6 +20,7 @@ from torch import nn
 from . import schedules
 from .executors import StageBuilder, StageSpec
 from .stage import loss_weight_mode
+from .transport import SECURITY_MODES
 
 if TYPE_CHECKING:
     from .rendezvous import Rendezvous
@@ -229,7 +230,7 @@ def _check_untied(stages: Sequence[nn.Module]) -> None:
 def check_run(
     n_stages: int, microbatches: int, *, mode: str, devices: Sequence[str] | None, threads_per_stage: Any,
     transport: str, start_method: str, queue_capacity: Any, trace: Any, heartbeat_interval: float,
-    heartbeat_timeout: float,
+    heartbeat_timeout: float, tcp_security: str = "encrypt", max_message_mb: Any = 256,
 ) -> None:
     """The process settings of :class:`~pipeq.PipelineRunner` (see its docstring)."""
     if type(microbatches) is not int or microbatches < 1:
@@ -238,6 +239,10 @@ def check_run(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if tcp_security not in SECURITY_MODES:
+        raise ValueError(f"tcp_security must be one of {SECURITY_MODES}, got {tcp_security!r}")
+    if type(max_message_mb) is not int or not 1 <= max_message_mb <= 1 << 20:
+        raise ValueError(f"max_message_mb must be a whole number of MiB from 1 to 1048576, got {max_message_mb!r}")
     if threads_per_stage is not None and (type(threads_per_stage) is not int or threads_per_stage < 1):
         raise ValueError(f"threads_per_stage must be a positive integer, got {threads_per_stage!r}")
     if start_method not in START_METHODS:

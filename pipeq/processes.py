@@ -19,7 +19,7 @@ import torch
 
 from . import schedules
 from .executors import StageBuilder
-from .transport import BindTo
+from .transport import BindTo, WireAuth
 from .worker import WorkerConfig, worker_entry
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ class StageSettings:
     heartbeat_interval: float = 1.0
     spin_s: float = 0.01
     trace: bool = False
+    tcp_security: str = "encrypt"  # see pipeq.transport.WireAuth
+    max_message_mb: int = 256  # the largest tensor frame a stage accepts from a peer
 
 
 def plan_devices(
@@ -80,11 +82,12 @@ def worker_configs(
     rendezvous: "Rendezvous | None" = None,
     dp_store: tuple[str, int, str] | None = None,
     die_with_parent: bool = True,
+    auth: WireAuth | None = None,
 ) -> list[WorkerConfig]:
     """The start-up configuration of each of this host's ``processes`` (numbers g).
 
-    ``seed_of(g)`` seeds process g's torch RNG; ``dp_store`` is where the replicas' gradient
-    groups meet (data parallelism). The workers watch this process (``driver_pid``) and exit
+    ``auth`` carries the job secret to stages on tcp. ``seed_of(g)`` seeds process g's torch
+    RNG; ``dp_store`` is where the replicas' gradient groups meet (data parallelism). The workers watch this process (``driver_pid``) and exit
     when it is gone; ``die_with_parent`` adds the kernel's PDEATHSIG, which is only safe when
     this is the main thread (it fires when the *thread* that started them exits).
     """
@@ -96,6 +99,7 @@ def worker_configs(
             stage=g % n_stages, n_stages=n_stages, schedule=schedule, control_addr=control_addr,
             bind=bind, process=g, device=dev, cores=cores,
             threads=settings.threads_per_stage or threads, queue_capacity=settings.queue_capacity,
+            max_frame_bytes=settings.max_message_mb << 20, auth=auth,
             heartbeat_interval=settings.heartbeat_interval, spin_s=settings.spin_s,
             die_with_parent=die_with_parent, driver_pid=os.getpid(), seed=seed_of(g),
             store=rendezvous.store_address() if rendezvous is not None else None,

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from .keys import HOW_TO_MAKE, JobSecret
 from .netif import interface_address
 
 DEFAULT_PORT = 29500
@@ -45,6 +46,7 @@ class Rendezvous:
     agent_store: bool = False  # torchrun's elastic agent hosts the store: connect as a client
     local_rank: int | None = None
     local_world_size: int | None = None
+    secret: JobSecret | None = None  # the job's secret: keys of every socket, store signatures
 
     @property
     def prefix(self) -> str:
@@ -110,6 +112,7 @@ def from_settings(
     bind: str | None = None,
     run_id: str | None = None,
     env: Mapping[str, str] | None = None,
+    secret_file: str | None = None,
 ) -> Rendezvous | None:
     """The rendezvous from flags, then torchrun's / SLURM's variables; None for one host."""
     env = os.environ if env is None else env
@@ -137,6 +140,9 @@ def from_settings(
     if not 0 < master_port < 65536:
         raise ValueError(f"master port {master_port} is not a TCP port")
     run_id = run_id or env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "pipeq"
+    secret = JobSecret.load(secret_file, env)
+    if secret is None:
+        raise ValueError(f"a multi-host run needs the job's secret on every node: {HOW_TO_MAKE}")
     return Rendezvous(
         nnodes=nnodes,
         node_rank=node_rank,
@@ -147,6 +153,7 @@ def from_settings(
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         local_rank=_env_int(env, "LOCAL_RANK"),
         local_world_size=_env_int(env, "LOCAL_WORLD_SIZE"),
+        secret=secret,
     )
 
 

@@ -62,6 +62,13 @@ class PipelineRunner:
         threads_per_stage: torch threads per stage process (default: cores / stages, at least 1).
         transport: ``"ipc"`` (Unix sockets, one host) or ``"tcp"``.
         host: the address stages bind to with ``transport="tcp"``.
+        tcp_security: how TCP sockets are protected: ``"encrypt"`` (default; CURVE on every
+            socket: encrypted and authenticated) or ``"authenticate"`` (CURVE on the control
+            channel, an HMAC on every data message: no encryption of activations and gradients,
+            2-3x the bandwidth at 4-64 MiB). Either way only holders of the job's secret get in:
+            this runner makes one, a multi-host run takes it from ``rendezvous.secret``.
+        max_message_mb: the largest tensor (MiB) one stage sends another; a larger frame is
+            refused by the receiving stage before it is buffered, and the sender fails naming it.
         heartbeat_interval, heartbeat_timeout: seconds; a stage silent for longer is failed.
         start_timeout: seconds to wait for every stage to start.
         stop_timeout: seconds ``close()`` lets the stages finish what they were sent before they
@@ -102,6 +109,8 @@ class PipelineRunner:
         threads_per_stage: int | None = None,
         transport: str = "ipc",
         host: str = "127.0.0.1",
+        tcp_security: str = "encrypt",
+        max_message_mb: int = 256,
         queue_capacity: int | None = None,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 15.0,
@@ -126,7 +135,8 @@ class PipelineRunner:
         options.check_run(model.n_stages, microbatches, mode=mode, devices=devices,
                           threads_per_stage=threads_per_stage, transport=transport, start_method=start_method,
                           queue_capacity=queue_capacity, trace=trace, heartbeat_interval=heartbeat_interval,
-                          heartbeat_timeout=heartbeat_timeout)
+                          heartbeat_timeout=heartbeat_timeout, tcp_security=tcp_security,
+                          max_message_mb=max_message_mb)
         self.n_stages, self.microbatches, self.mode = model.n_stages, microbatches, mode
         self.data_parallel = data_parallel
         self._batcher = Batcher(schedule, model.n_stages, microbatches, model.loss_fn, model.aux_loss,
@@ -141,7 +151,7 @@ class PipelineRunner:
             from .driver import ProcessBackend
 
             settings = StageSettings(devices, threads_per_stage, queue_capacity or max(64, 4 * microbatches),
-                                     heartbeat_interval, spin, trace is not None)
+                                     heartbeat_interval, spin, trace is not None, tcp_security, max_message_mb)
             self._backend = ProcessBackend(
                 options.process_payloads(model, schedule), schedule, settings, replicas=data_parallel,
                 loss_stages=schedules.loss_stages(schedule, model.n_stages),

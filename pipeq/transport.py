@@ -16,7 +16,19 @@ and decode (and validate) on the way in. Channels::
 
 Every stage binds its two inbound sockets where its :class:`BindTo` says (``ipc://`` files in a
 private directory, or ``tcp://`` ports on one address) and connects its outbound ones to its
-neighbours' addresses. Arriving data messages are filed in a :class:`KeyedQueue` under
+neighbours' addresses.
+
+Nobody without the job's secret gets in (:class:`WireAuth`). An ``ipc`` directory is private to
+the user (mode 0700, checked before use). Every ``tcp`` socket is authenticated at the ZeroMQ
+handshake by a ZAP handler (:class:`_Gatekeeper`) that admits only keys derived from the secret::
+
+    mode            control channel          data channels (activations, gradients)
+    "encrypt"       CURVE                    CURVE (encrypted and authenticated)
+    "authenticate"  CURVE                    PLAIN handshake + an HMAC-SHA256 per message
+
+A peer without the keys is refused at the handshake: it can neither read nor inject, and the run
+does not notice it. Inbound data frames are capped (``max_frame_bytes``, ZeroMQ's MAXMSGSIZE):
+a larger one is refused before it is buffered. Arriving data messages are filed in a :class:`KeyedQueue` under
 ``(step, microbatch)``, so the order in which they arrive does not matter, and the queue's
 capacity bounds what a stage may hold. Peers on the control channel are named by their
 ZeroMQ identity: ``s<g>`` a stage process, ``h<g>`` its heartbeat thread, ``a<r>`` node r's agent.
@@ -25,8 +37,12 @@ ZeroMQ identity: ``s<g>`` a stage process, ``h<g>`` its heartbeat thread, ``a<r>
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import os
 import shutil
+import stat
+import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -37,6 +53,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from . import codec
+from .keys import MAC_BYTES, JobSecret
 from .messages import Kind, Message
 
 #: Socket-level buffering. ZeroMQ's high-water marks stay far above what the keyed queues allow,
@@ -46,6 +63,9 @@ _KERNEL_BUF = 4 << 20
 _SLICE_MS = 200  # how often a blocked wait looks for an EXIT from the driver
 
 STAGE, HEARTBEAT, AGENT = "s", "h", "a"  # roles on the control channel (identity prefixes)
+SECURITY_MODES = ("encrypt", "authenticate")
+DEFAULT_MAX_FRAME = 256 << 20
+ZAP_DOMAIN = "pipeq"
 
 
 class ProtocolError(RuntimeError):
@@ -122,7 +142,26 @@ def tune_process_allocator() -> bool:
 
 def make_ipc_dir() -> str:
     """A private directory for one pipeline's ``ipc://`` socket files (removed by the driver)."""
-    return tempfile.mkdtemp(prefix="pipeq-")
+    path = tempfile.mkdtemp(prefix="pipeq-")  # mode 0700, a fresh name
+    check_private_dir(path)
+    return path
+
+
+def check_private_dir(path: str) -> None:
+    """Refuse an ipc directory another user could reach: it must be a real directory (not a
+    symlink) owned by this user with no access for group or others."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise PermissionError(f"ipc directory {path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"ipc directory {path} is not a directory (a symlink?); refusing to use it")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise PermissionError(f"ipc directory {path} belongs to uid {st.st_uid}, not to this user "
+                              f"({os.getuid()}); refusing to put sockets there")
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise PermissionError(f"ipc directory {path} is open to others (mode {stat.S_IMODE(st.st_mode):o}); "
+                              "it must be 0700")
 
 
 def remove_ipc_dir(path: str | None) -> None:
@@ -150,6 +189,7 @@ class BindTo:
     def bind(self, sock: zmq.Socket, name: str) -> str:
         """Bind ``sock`` (``name`` is its file name under ipc); returns the address peers connect to."""
         if self.scheme == "ipc":
+            check_private_dir(self.ipc_dir)
             addr = f"ipc://{os.path.join(self.ipc_dir, name)}"
             sock.bind(addr)
             return addr
@@ -164,6 +204,143 @@ def tune_socket(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.SNDBUF, _KERNEL_BUF)
     sock.setsockopt(zmq.RCVBUF, _KERNEL_BUF)
     sock.setsockopt(zmq.LINGER, 2000)
+
+
+@dataclass(frozen=True)
+class WireAuth:
+    """Who may talk to a run over TCP: holders of ``secret``; ``mode`` is "encrypt" (CURVE on
+    every socket) or "authenticate" (CURVE on the control channel; data frames in the clear with
+    a per-message HMAC, for bandwidth-bound runs: see the README's measurements)."""
+
+    secret: JobSecret
+    mode: str = "encrypt"
+
+    def __post_init__(self) -> None:
+        if self.mode not in SECURITY_MODES:
+            raise ValueError(f"tcp_security={self.mode!r}: use one of {SECURITY_MODES}")
+
+    def curve(self, role: str) -> tuple[bytes, bytes]:
+        """The (public, secret) CURVE key pair of ``role`` ("server" or "client"), z85."""
+        secret_key = zmq.utils.z85.encode(self.secret.derive(f"curve-{role}"))
+        return zmq.curve_public(secret_key), secret_key
+
+    def plain_password(self) -> bytes:
+        return self.secret.derive("data-plain").hex().encode()
+
+
+def _tcp(addr: str) -> bool:
+    return addr.startswith("tcp://")
+
+
+def _need_auth(auth: WireAuth | None, addr: str) -> None:
+    if auth is None and _tcp(addr):
+        raise ValueError(f"{addr}: a tcp socket needs the job's secret (WireAuth); pipeq never "
+                         "opens an unauthenticated TCP port")
+
+
+def secure_server(sock: zmq.Socket, auth: WireAuth | None, *, data: bool = False) -> None:
+    """Make ``sock`` (about to bind on tcp) demand the job's keys at the handshake."""
+    if auth is None:
+        return
+    if data and auth.mode == "authenticate":
+        sock.plain_server = True
+    else:
+        public, secret = auth.curve("server")
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.curve_server = True
+    sock.zap_domain = ZAP_DOMAIN.encode()
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler: refuse, never admit
+
+
+def secure_client(sock: zmq.Socket, auth: WireAuth | None, addr: str, *, data: bool = False) -> None:
+    """Give ``sock`` (about to connect to ``addr``) the job's keys, if ``addr`` is tcp."""
+    _need_auth(auth, addr)
+    if auth is None or not _tcp(addr):
+        return
+    if data and auth.mode == "authenticate":
+        sock.plain_username = b"pipeq"
+        sock.plain_password = auth.plain_password()
+    else:
+        sock.curve_serverkey = auth.curve("server")[0]
+        sock.curve_publickey, sock.curve_secretkey = auth.curve("client")
+
+
+class _Gatekeeper:
+    """The ZAP handler of one ZeroMQ context: admits the job's CURVE client key and the job's
+    PLAIN password, refuses everything else (refused peers are never seen by pipeq's code)."""
+
+    def __init__(self, ctx: zmq.Context, auth: WireAuth) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        client_key = auth.curve("client")[0]
+
+        class _Keys:
+            def callback(self, domain: str, key: bytes) -> bool:
+                return hmac.compare_digest(key, client_key)
+
+        self._auth = ThreadAuthenticator(ctx, log=_quiet_log())
+        self._auth.start()
+        self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_Keys())
+        self._auth.configure_plain(ZAP_DOMAIN, {"pipeq": auth.plain_password().decode()})
+
+    def stop(self) -> None:
+        self._auth.stop()
+
+
+def _quiet_log() -> Any:
+    import logging
+
+    log = logging.getLogger("pipeq.zap")  # denials at DEBUG: an attacker cannot flood the logs
+    return log
+
+
+class _FrameMac:
+    """Per-message MACs of one data channel in "authenticate" mode.
+
+    A sealed message is ``[seq (8 bytes) + HMAC-SHA256 tag (32), header, buffers...]``; the tag
+    covers the channel's label (which stage sent it, which direction), the sequence number and
+    every frame with its length. The receiver drops a message whose tag does not verify or whose
+    sequence number is not above the last one it accepted (a replay), without a word: a forger
+    must not be able to end the run.
+    """
+
+    __slots__ = ("_key", "_label", "seq", "dropped")
+
+    def __init__(self, auth: WireAuth, label: str) -> None:
+        self._key = auth.secret.derive("data-mac")
+        self._label = label.encode()
+        self.seq = 0
+        self.dropped = 0
+
+    def _tag(self, seq: bytes, frames: Sequence[Any]) -> bytes:
+        h = hmac.new(self._key, self._label, hashlib.sha256)
+        h.update(seq)
+        for f in frames:
+            view = memoryview(f)
+            h.update(struct.pack(">Q", view.nbytes))
+            h.update(view)
+        return h.digest()
+
+    def seal(self, frames: list[Any]) -> list[Any]:
+        self.seq += 1
+        seq = struct.pack(">Q", self.seq)
+        return [seq + self._tag(seq, frames), *frames]
+
+    def open(self, frames: Sequence[Any]) -> Sequence[Any] | None:
+        """The message's frames if it is genuine and new, else None."""
+        if len(frames) < 2:
+            self.dropped += 1
+            return None
+        head = memoryview(frames[0]).tobytes()
+        if len(head) != 8 + MAC_BYTES:
+            self.dropped += 1
+            return None
+        (seq,) = struct.unpack(">Q", head[:8])
+        if seq <= self.seq or not hmac.compare_digest(head[8:], self._tag(head[:8], frames[1:])):
+            self.dropped += 1
+            return None
+        self.seq = seq
+        return frames[1:]
 
 
 def _frames(msg: Message) -> list[Any]:
@@ -182,22 +359,39 @@ class StageTransport:
     """
 
     def __init__(
-        self, process: int, control_addr: str, *, bind: BindTo, queue_capacity: int, spin_s: float = 0.0
+        self, process: int, control_addr: str, *, bind: BindTo, queue_capacity: int, spin_s: float = 0.0,
+        auth: WireAuth | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME,
     ) -> None:
         self.process = process
+        self.auth = auth
+        self.max_frame_bytes = max_frame_bytes
         self.ctx = zmq.Context(io_threads=1)
+        tcp = bind.scheme == "tcp"
+        if tcp and auth is None:
+            raise ValueError("a stage bound on tcp needs the job's secret (WireAuth)")
+        self._gate = _Gatekeeper(self.ctx, auth) if tcp and auth is not None else None
         self.ctrl = self.ctx.socket(zmq.DEALER)
         self.ctrl.setsockopt(zmq.IDENTITY, _identity(STAGE, process))
         tune_socket(self.ctrl)
+        secure_client(self.ctrl, auth, control_addr)
         self.ctrl.connect(control_addr)
         self.fwd_in = self.ctx.socket(zmq.PULL)
         self.bwd_in = self.ctx.socket(zmq.PULL)
         for s in (self.fwd_in, self.bwd_in):
             tune_socket(s)
+            s.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 1024)  # tensor frame + MAC/slack
+            if tcp:
+                secure_server(s, auth, data=True)
         self.addresses = {
             "forward": bind.bind(self.fwd_in, f"s{process}-fwd"),
             "backward": bind.bind(self.bwd_in, f"s{process}-bwd"),
         }
+        # "authenticate" mode: inbound data is MAC-checked per message, outbound is sealed
+        macs = tcp and auth is not None and auth.mode == "authenticate"
+        self._mac_in = {self.fwd_in: _FrameMac(auth, f"F{process - 1}"),
+                        self.bwd_in: _FrameMac(auth, f"B{process + 1}")} if macs else {}
+        self._mac_fwd = _FrameMac(auth, f"F{process}") if macs else None
+        self._mac_bwd = _FrameMac(auth, f"B{process}") if macs else None
         self.fwd_out: zmq.Socket | None = None
         self.bwd_out: zmq.Socket | None = None
         self.forward_queue = KeyedQueue(f"stage process {process} forward", queue_capacity)
@@ -213,22 +407,42 @@ class StageTransport:
         if next_forward:
             self.fwd_out = self.ctx.socket(zmq.PUSH)
             tune_socket(self.fwd_out)
+            secure_client(self.fwd_out, self.auth, next_forward, data=True)
             self.fwd_out.connect(next_forward)
         if prev_backward:
             self.bwd_out = self.ctx.socket(zmq.PUSH)
             tune_socket(self.bwd_out)
+            secure_client(self.bwd_out, self.auth, prev_backward, data=True)
             self.bwd_out.connect(prev_backward)
+
+    @property
+    def dropped(self) -> int:
+        """Inbound data messages dropped as forged or replayed ("authenticate" mode)."""
+        return sum(m.dropped for m in self._mac_in.values())
+
+    def _data_frames(self, kind: Kind, step: int, mb: int, tensors: Sequence[torch.Tensor],
+                     mac: "_FrameMac | None") -> list[Any]:
+        frames = codec.encode(kind, step, mb, tensors)
+        for i, f in enumerate(frames[1:]):
+            if f.nbytes > self.max_frame_bytes:
+                t = tensors[i]
+                raise ValueError(
+                    f"stage process {self.process}: the {kind.name.lower()} of step {step} microbatch {mb} "
+                    f"holds a tensor of {f.nbytes / 2**20:.1f} MiB (shape {list(t.shape)}, {t.dtype}), over "
+                    f"the {self.max_frame_bytes / 2**20:.0f} MiB cap of a data frame; raise max_message_mb "
+                    "(PipelineRunner / the job file) or use smaller microbatches")
+        return mac.seal(frames) if mac is not None else frames
 
     # -- sending -------------------------------------------------------------------------------
     # Sends block only past the high-water mark, which the bounded queues keep far away; a stage
     # stuck in one because its peer died is ended by the driver, which watches every process.
     def send_activation(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         assert self.fwd_out is not None, "stage has no next stage"
-        self.fwd_out.send_multipart(codec.encode(Kind.ACTIVATION, step, mb, tensors), copy=False)
+        self.fwd_out.send_multipart(self._data_frames(Kind.ACTIVATION, step, mb, tensors, self._mac_fwd), copy=False)
 
     def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         assert self.bwd_out is not None, "stage has no previous stage"
-        self.bwd_out.send_multipart(codec.encode(Kind.GRADIENT, step, mb, tensors), copy=False)
+        self.bwd_out.send_multipart(self._data_frames(Kind.GRADIENT, step, mb, tensors, self._mac_bwd), copy=False)
 
     def send_control(self, msg: Message) -> None:
         """Send ``msg`` to the driver (replies, errors)."""
@@ -242,6 +456,11 @@ class StageTransport:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            mac = self._mac_in.get(sock)
+            if mac is not None:
+                frames = mac.open(frames)
+                if frames is None:
+                    continue  # forged, replayed or garbage: dropped (counted in ``dropped``)
             msg = codec.decode(frames)
             if sock is self.ctrl:
                 self.control_queue.append(msg)
@@ -298,17 +517,24 @@ class StageTransport:
         for s in (self.ctrl, self.fwd_in, self.bwd_in, self.fwd_out, self.bwd_out):
             if s is not None:
                 s.close(linger=linger_ms)
+        if self._gate is not None:
+            self._gate.stop()
         self.ctx.term()
 
 
 class ControlServer:
     """The driver's end of every control channel (one ROUTER socket)."""
 
-    def __init__(self, bind: BindTo) -> None:
+    def __init__(self, bind: BindTo, auth: WireAuth | None = None) -> None:
+        if bind.scheme == "tcp" and auth is None:
+            raise ValueError("a control channel on tcp needs the job's secret (WireAuth)")
         self.ctx = zmq.Context(io_threads=1)
+        self._gate = _Gatekeeper(self.ctx, auth) if bind.scheme == "tcp" and auth is not None else None
         self.sock = self.ctx.socket(zmq.ROUTER)
         tune_socket(self.sock)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if bind.scheme == "tcp":
+            secure_server(self.sock, auth)
         self.address = bind.bind(self.sock, "control")
 
     def send_many(self, messages: Sequence[tuple[int, Message]]) -> None:
@@ -343,14 +569,24 @@ class ControlServer:
         if not self.sock.poll(timeout_ms):
             return None
         frames = self.sock.recv_multipart(copy=False)
-        ident = frames[0].bytes
-        role, num = ident[:1].decode("latin-1"), ident[1:]
-        peer = Peer(role, int(num)) if role in (STAGE, HEARTBEAT, AGENT) and num.isdigit() else None
-        return peer, codec.decode(frames[1:])
+        return peer_of(frames[0].bytes), codec.decode(frames[1:])
 
     def close(self, linger_ms: int = 0) -> None:
         self.sock.close(linger=linger_ms)
+        if self._gate is not None:
+            self._gate.stop()
         self.ctx.term()
+
+
+def peer_of(identity: bytes) -> Peer | None:
+    """The pipeq peer a control-channel identity names, exactly as pipeq spells it (``s2``, never
+    ``s02`` or ``s+2``); None for anything else."""
+    role, num = identity[:1].decode("latin-1"), identity[1:]
+    if role not in (STAGE, HEARTBEAT, AGENT) or not num.isdigit() or len(num) > 9:
+        return None
+    if num != str(int(num)).encode():
+        return None
+    return Peer(role, int(num))
 
 
 class Heartbeat:
@@ -369,10 +605,13 @@ class Heartbeat:
         interval: float,
         driver_pid: int,
         on_orphan: Callable[[], None],
+        auth: WireAuth | None = None,
     ) -> None:
         import threading
 
+        _need_auth(auth, control_addr)
         self._stop = threading.Event()
+        self._auth = auth
         self._args = (ctx, control_addr, process, interval, on_orphan)
         self._driver_pid = driver_pid
         self._wake_r, self._wake_w = os.pipe()  # stop() writes here to end a wait at once
@@ -410,6 +649,7 @@ class Heartbeat:
         sock.setsockopt(zmq.IDENTITY, _identity(HEARTBEAT, process))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 4)
+        secure_client(sock, self._auth, addr)
         sock.connect(addr)
         try:
             beat = 0
@@ -445,10 +685,12 @@ class DriverLink:
     """
 
     def __init__(self, control_addr: str, node: int, *, heartbeat_s: tuple[float, float] | None = None,
-                 linger_ms: int = 500) -> None:
+                 linger_ms: int = 500, auth: WireAuth | None = None) -> None:
+        _need_auth(auth, control_addr)
         self.ctx = zmq.Context(io_threads=1)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, _identity(AGENT, node))
+        secure_client(self.sock, auth, control_addr)
         self.sock.setsockopt(zmq.LINGER, linger_ms)
         self.monitor: zmq.Socket | None = None
         if heartbeat_s is not None:

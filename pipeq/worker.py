@@ -42,7 +42,8 @@ from .interpreter import EMIT, StagePlan, execute
 from .messages import Kind, Message, tree_message, tree_of
 from .schedules import Op
 from .stage import StageExecutor
-from .transport import BindTo, Heartbeat, StageTransport, Stopped, remove_ipc_dir, tune_process_allocator
+from .transport import (BindTo, Heartbeat, StageTransport, Stopped, WireAuth, remove_ipc_dir,
+                        tune_process_allocator)
 
 
 @dataclass
@@ -59,6 +60,8 @@ class WorkerConfig:
     cores: list[int] = field(default_factory=list)
     threads: int = 1
     queue_capacity: int = 64
+    max_frame_bytes: int = 256 << 20  # inbound data frames above this are refused
+    auth: WireAuth | None = None  # tcp: the job's secret (handed over at start, never sent)
     heartbeat_interval: float = 1.0
     spin_s: float = 0.0
     die_with_parent: bool = True
@@ -297,7 +300,8 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
     # Pin first: threads started later (ZeroMQ's I/O thread, torch's pool) inherit the affinity.
     pin_cpu(cfg)
     transport = StageTransport(cfg.process, cfg.control_addr, bind=cfg.bind,
-                               queue_capacity=cfg.queue_capacity, spin_s=cfg.spin_s)
+                               queue_capacity=cfg.queue_capacity, spin_s=cfg.spin_s, auth=cfg.auth,
+                               max_frame_bytes=cfg.max_frame_bytes)
     heartbeat = None
     loop: EventLoop | None = None
     clean = False
@@ -305,7 +309,7 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
         # From here on the driver is watched: if it dies, this stage cleans up and exits.
         heartbeat = Heartbeat(
             transport.ctx, cfg.control_addr, cfg.process, cfg.heartbeat_interval,
-            cfg.driver_pid or os.getppid(), lambda: _orphaned(cfg)
+            cfg.driver_pid or os.getppid(), lambda: _orphaned(cfg), auth=cfg.auth
         )
         device = select_device(cfg)
         torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)

@@ -11,8 +11,11 @@ import zmq
 
 from pipeq.errors import CodecError
 from pipeq.messages import Kind, Message
+from pipeq.keys import JobSecret
 from pipeq.transport import (AGENT, STAGE, BindTo, ControlServer, DriverLink, KeyedQueue, Peer, PeerUnreachable,
-                             ProtocolError, StageTransport, make_ipc_dir, remove_ipc_dir)
+                             ProtocolError, StageTransport, WireAuth, make_ipc_dir, remove_ipc_dir)
+
+AUTH = WireAuth(JobSecret.generate())
 
 
 def encode_frames(msg: Message) -> list[bytes]:
@@ -39,12 +42,13 @@ def test_keyed_queue_is_order_free_and_bounded():
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+@pytest.mark.parametrize("kind", ["ipc", "tcp-encrypt", "tcp-authenticate"])
 def test_activation_and_gradient_between_two_stages(kind):
     where = make_ipc_dir() if kind == "ipc" else "127.0.0.1"
     bind = BindTo.ipc(where) if kind == "ipc" else BindTo.tcp(where)
-    a = StageTransport(0, "inproc://unused", bind=bind, queue_capacity=4)
-    b = StageTransport(1, "inproc://unused", bind=bind, queue_capacity=4)
+    auth = None if kind == "ipc" else WireAuth(AUTH.secret, kind.split("-")[1])
+    a = StageTransport(0, "inproc://unused", bind=bind, queue_capacity=4, auth=auth)
+    b = StageTransport(1, "inproc://unused", bind=bind, queue_capacity=4, auth=auth)
     try:
         a.connect(b.addresses["forward"], None)
         b.connect(None, a.addresses["backward"])
@@ -102,8 +106,8 @@ def test_control_channel_both_ways_and_a_batch_is_all_or_nothing():
 
 @pytest.mark.timeout(30)
 def test_driver_link_reports_connection_and_foreign_peers_are_unnamed():
-    server = ControlServer(BindTo.tcp("127.0.0.1"))
-    link = DriverLink(server.address, 2, heartbeat_s=(0.1, 0.5))
+    server = ControlServer(BindTo.tcp("127.0.0.1"), AUTH)
+    link = DriverLink(server.address, 2, heartbeat_s=(0.1, 0.5), auth=AUTH)
     foreign = zmq.Context()
     raw = foreign.socket(zmq.DEALER)
     raw.setsockopt(zmq.IDENTITY, b"x9")
@@ -117,7 +121,9 @@ def test_driver_link_reports_connection_and_foreign_peers_are_unnamed():
         assert server.send_best_effort(AGENT, 2, Message(Kind.EXIT, extra={"abort": False}))
         got = wait_for(lambda: link.recv(100))
         assert got.kind is Kind.EXIT and got.extra == {"abort": False}
-        # a peer whose identity is not one of pipeq's roles is not named as anyone
+        # a key holder whose identity is not one of pipeq's roles is not named as anyone
+        public, secret = AUTH.curve("client")
+        raw.curve_serverkey, raw.curve_publickey, raw.curve_secretkey = AUTH.curve("server")[0], public, secret
         raw.connect(server.address)
         raw.send_multipart(encode_frames(Message(Kind.ERROR, extra={"message": "forged"})))
         peer, msg = wait_for(lambda: server.recv(100))
@@ -133,3 +139,146 @@ def test_driver_link_reports_connection_and_foreign_peers_are_unnamed():
         link.close()
         if server is not None:
             server.close()
+
+
+# -- who may connect (issue 13) ------------------------------------------------------------------
+def test_control_identities_are_taken_exactly_as_pipeq_spells_them():
+    from pipeq.transport import HEARTBEAT, peer_of
+
+    assert peer_of(b"s2") == Peer(STAGE, 2) and peer_of(b"h0") == Peer(HEARTBEAT, 0)
+    assert peer_of(b"a13") == Peer(AGENT, 13)
+    for forged in (b"s02", b"h02", b"s+2", b"s 2", b"s", b"x2", b"s2\x00", b"s\xd9\xa2", b"s" + b"9" * 30):
+        assert peer_of(forged) is None, forged
+
+
+def test_tcp_sockets_refuse_to_exist_without_the_secret():
+    with pytest.raises(ValueError, match="secret"):
+        ControlServer(BindTo.tcp("127.0.0.1"))
+    with pytest.raises(ValueError, match="secret"):
+        StageTransport(0, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=4)
+    with pytest.raises(ValueError, match="secret"):
+        DriverLink("tcp://127.0.0.1:1", 1)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["encrypt", "authenticate"])
+def test_a_peer_without_the_keys_is_refused_at_the_handshake(mode):
+    """Plain sockets, and sockets holding keys derived from another secret, reach nothing: not the
+    control channel, not a stage's data sockets; the legitimate traffic goes on."""
+    auth = WireAuth(AUTH.secret, mode)
+    other = WireAuth(JobSecret.generate(), mode)
+    server = ControlServer(BindTo.tcp("127.0.0.1"), auth)
+    stage = StageTransport(1, server.address, bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
+    peer0 = StageTransport(0, server.address, bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        peer0.connect(stage.addresses["forward"], None)
+        forged = encode_frames(Message(Kind.ERROR, extra={"message": "forged"}))
+        for addr, kind in [(server.address, zmq.DEALER), (stage.addresses["forward"], zmq.PUSH),
+                           (stage.addresses["backward"], zmq.PUSH)]:
+            for keys in (None, other):
+                s = ctx.socket(kind)
+                s.setsockopt(zmq.LINGER, 0)
+                if kind == zmq.DEALER:
+                    s.setsockopt(zmq.IDENTITY, b"s1")
+                if keys is not None:
+                    from pipeq.transport import secure_client
+                    secure_client(s, keys, addr, data=kind == zmq.PUSH)
+                s.connect(addr)
+                socks.append((s, forged))
+        for s, frames in socks:
+            for _ in range(3):
+                s.send_multipart(frames, flags=zmq.NOBLOCK) if s.poll(0, zmq.POLLOUT) else None
+        time.sleep(0.5)
+        assert server.recv(200) is None
+        assert not stage.pump(200) and len(stage.forward_queue) == 0 and not stage.control_queue
+        peer0.send_activation(1, 0, [torch.ones(3)])  # the job's own traffic still flows
+        assert torch.equal(stage.wait_data(stage.forward_queue, 1, 0).tensors[0], torch.ones(3))
+    finally:
+        for s, _ in socks:
+            s.close(linger=0)
+        ctx.term()
+        for t in (peer0, stage):
+            t.close()
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_authenticate_mode_drops_forged_and_replayed_data_messages():
+    """Someone who has seen the traffic (and so the PLAIN password) still cannot inject: a message
+    is taken only with a valid MAC and a sequence number above the last one."""
+    from pipeq.transport import secure_client
+
+    auth = WireAuth(AUTH.secret, "authenticate")
+    a = StageTransport(0, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
+    b = StageTransport(1, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
+    ctx = zmq.Context()
+    sniffer = ctx.socket(zmq.PUSH)
+    sniffer.setsockopt(zmq.LINGER, 0)
+    secure_client(sniffer, auth, b.addresses["forward"], data=True)
+    sniffer.connect(b.addresses["forward"])
+    try:
+        a.connect(b.addresses["forward"], None)
+        sealed = a._data_frames(Kind.ACTIVATION, 3, 0, [torch.full((4,), 7.0)], a._mac_fwd)
+        copies = [bytes(memoryview(f)) for f in sealed]
+        a.fwd_out.send_multipart(sealed)
+        assert torch.equal(b.wait_data(b.forward_queue, 3, 0).tensors[0], torch.full((4,), 7.0))
+        tampered = list(copies)
+        tampered[2] = bytes(torch.full((4,), 9.0).numpy().tobytes())
+        unsigned = copies[1:]
+        for frames in (copies, tampered, unsigned, [b"\0" * 40, *copies[1:]], [b"junk"]):
+            sniffer.send_multipart(frames)
+        a.send_activation(3, 1, [torch.ones(4)])  # the real next message
+        assert torch.equal(b.wait_data(b.forward_queue, 3, 1).tensors[0], torch.ones(4))
+        assert b.forward_queue.pop(3, 0) is None and len(b.forward_queue) == 0
+        assert b.dropped == 5
+    finally:
+        sniffer.close()
+        ctx.term()
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["encrypt", "authenticate"])
+def test_an_oversized_frame_is_refused_before_it_is_buffered(mode):
+    auth = WireAuth(AUTH.secret, mode)
+    a = StageTransport(0, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth,
+                       max_frame_bytes=1 << 20)
+    b = StageTransport(1, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth,
+                       max_frame_bytes=1 << 20)
+    try:
+        a.connect(b.addresses["forward"], None)
+        big = torch.zeros(2 << 20, dtype=torch.uint8)
+        with pytest.raises(ValueError, match=r"stage process 0: the activation of step 1 microbatch 0 .*2\.0 MiB "
+                                             r".*shape \[2097152\].*max_message_mb"):
+            a.send_activation(1, 0, [big])
+        a.max_frame_bytes = 4 << 20  # a misconfigured (or hostile) key holder sends it anyway
+        a.send_activation(1, 0, [big])
+        a.send_activation(1, 1, [torch.ones(2)])
+        assert not b.pump(500) or len(b.forward_queue) == 0  # libzmq dropped the connection
+        assert b.forward_queue.pop(1, 0) is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_ipc_directory_must_be_private(tmp_path):
+    import os
+
+    from pipeq.transport import check_private_dir
+
+    where = make_ipc_dir()
+    try:
+        assert os.stat(where).st_mode & 0o777 == 0o700
+        check_private_dir(where)
+        os.chmod(where, 0o755)
+        with pytest.raises(PermissionError, match="open to others .*0700"):
+            StageTransport(0, "inproc://unused", bind=BindTo.ipc(where), queue_capacity=4)
+    finally:
+        remove_ipc_dir(where)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(PermissionError, match="not a directory"):
+        check_private_dir(str(link))
