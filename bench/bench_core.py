@@ -403,8 +403,11 @@ def transport_plan(quick: bool, repeats: int) -> list[tuple[int, int, int]]:
     return [(s, max(floor, min(cap, math.ceil(target / s))), repeats) for s in sizes]
 
 
-def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: list) -> dict:
-    """rank 1 receives (binds PULL + ack PUSH), rank 0 sends and times. pipeq's codec + tune_socket."""
+def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: list,
+              security: str | None = None, secret: Any = None) -> dict:
+    """rank 1 receives (binds PULL + ack PUSH), rank 0 sends and times. pipeq's codec + tune_socket;
+    with ``security`` ("encrypt" / "authenticate", tcp only) the sockets are secured as a stage's
+    data sockets are (CURVE; or PLAIN + a per-message HMAC, sealed and checked here)."""
     import zmq
 
     from pipeq import codec, transport
@@ -413,9 +416,13 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
     _pin(rank)
     _threads(1)
     ctx = zmq.Context(io_threads=1)
+    auth = transport.WireAuth(secret, security) if security else None
+    mac = transport._FrameMac(auth, "F0") if security == "authenticate" else None
     socks = []
+    gate = None
     try:
         if rank == 1:
+            gate = transport._Gatekeeper(ctx, auth) if auth is not None else None
             pull, ack = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
             socks += [pull, ack]
             eps = []
@@ -423,6 +430,7 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
                 transport.tune_socket(s)
                 s.setsockopt(zmq.RCVTIMEO, 120_000)
                 s.setsockopt(zmq.SNDTIMEO, 120_000)
+                transport.secure_server(s, auth, data=True)
                 s.bind(f"ipc://{os.path.join(ipc_dir, name)}" if proto == "ipc" else "tcp://127.0.0.1:0")
                 eps.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
             side.send(eps)
@@ -430,6 +438,9 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
                 for _ in range(rounds + 1):  # +1: warm-up round
                     for _ in range(n):
                         frames = pull.recv_multipart(copy=False)
+                        if mac is not None:
+                            frames = mac.open(frames)
+                            assert frames is not None, "a genuine message failed its MAC"
                         msg = codec.decode(frames)
                         assert msg.tensors[0].numel() * 4 == size
                         del msg, frames
@@ -438,19 +449,21 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
         ep_data, ep_ack = side.recv()
         push, ackin = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
         socks += [push, ackin]
-        for s in (push, ackin):
+        for s, ep in ((push, ep_data), (ackin, ep_ack)):
             transport.tune_socket(s)
             s.setsockopt(zmq.RCVTIMEO, 120_000)
             s.setsockopt(zmq.SNDTIMEO, 120_000)
-        push.connect(ep_data)
-        ackin.connect(ep_ack)
+            if auth is not None:
+                transport.secure_client(s, auth, ep, data=True)
+            s.connect(ep)
         out = {}
         for size, n, rounds in plan:
             t = torch.ones(size // 4)
 
             def send_round() -> None:
                 for i in range(n):
-                    push.send_multipart(codec.encode(codec.Kind.ACTIVATION, 0, i, [t]), copy=False)
+                    frames = codec.encode(codec.Kind.ACTIVATION, 0, i, [t])
+                    push.send_multipart(mac.seal(frames) if mac is not None else frames, copy=False)
                 ackin.recv()
 
             out[size] = _stream_rates(size, n, rounds, send_round)
@@ -458,6 +471,8 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
     finally:
         for s in socks:
             s.close(linger=0)
+        if gate is not None:
+            gate.stop()
         ctx.term()
 
 
@@ -797,14 +812,18 @@ def section_transport(a: argparse.Namespace) -> None:
     print(f"    {_background()}\n", flush=True)
     res: dict[str, dict | None] = {}
     ctx = mp.get_context("spawn")
-    for proto in ("ipc", "tcp"):
+    from pipeq.keys import JobSecret
+
+    secret = JobSecret.generate()
+    for proto, security in (("ipc", None), ("tcp", None), ("tcp", "encrypt"), ("tcp", "authenticate")):
         ipc_dir = tempfile.mkdtemp(prefix="pipeq-bench-")
+        name = f"pipeq {proto}" + (f" {security}" if security else "")
         try:
             a_end, b_end = ctx.Pipe()
-            r = _attempt(f"pipeq zmq {proto}", lambda: run_group(
+            r = _attempt(name, lambda: run_group(
                 f"zmq-{proto}", child_zmq, 2,
-                lambda rank: (a_end if rank == 0 else b_end, proto, ipc_dir, plan), to))
-            res[f"pipeq {proto}"] = r[0] if r else None
+                lambda rank: (a_end if rank == 0 else b_end, proto, ipc_dir, plan, security, secret), to))
+            res[name] = r[0] if r else None
             a_end.close()
             b_end.close()
         finally:
@@ -839,12 +858,19 @@ def section_transport(a: argparse.Namespace) -> None:
             SUMMARY.append(f"transport {label:7s} pipeq ipc/gloo = {_f(ipc / gl)}, tcp/gloo = {_f(tcp / gl)} "
                            f"(vs the better gloo variant; >= 1.0: ipc {_verdict(ipc / gl, 1.0)}, "
                            f"tcp {_verdict(tcp / gl, 1.0)})")
-        rows.append([label, str(nmsg), _g(ipc), _g(tcp), _g(gb), _g(gw), _g(mc), _f(ipc / gl), _f(tcp / gl),
-                     _f(ipc / mc, 3), _f(tcp / mc, 3), target])
+        enc, mac = g("pipeq tcp encrypt", size), g("pipeq tcp authenticate", size)
+        rows.append([label, str(nmsg), _g(ipc), _g(tcp), _g(enc), _g(mac), _g(gb), _g(gw), _g(mc), _f(ipc / gl),
+                     _f(tcp / gl), _f(enc / tcp), _f(mac / tcp), _f(ipc / mc, 3), target])
+        if size in (256 << 10, 4 << 20, 64 << 20):
+            SUMMARY.append(f"transport {label:7s} tcp security: encrypt {_g(enc)} GB/s ({_f(enc / tcp)} of "
+                           f"unauthenticated tcp), authenticate {_g(mac)} GB/s ({_f(mac / tcp)})")
     print()
-    print(_table(["size", "msgs/round", "pipeq ipc", "pipeq tcp", "gloo blk", f"gloo w{GLOO_WINDOW}", "memcpy",
-                  "ipc/gloo", "tcp/gloo", "ipc/memcpy", "tcp/memcpy", "target >= 1.0 (>= 256 KiB)"], rows))
-    print("    ipc/gloo and tcp/gloo divide by the better of the two gloo columns", flush=True)
+    print(_table(["size", "msgs/round", "pipeq ipc", "tcp (no auth)", "tcp encrypt", "tcp authent.", "gloo blk",
+                  f"gloo w{GLOO_WINDOW}", "memcpy", "ipc/gloo", "tcp/gloo", "encrypt/tcp", "authent./tcp",
+                  "ipc/memcpy", "target >= 1.0 (>= 256 KiB)"], rows))
+    print("    ipc/gloo and tcp/gloo divide by the better of the two gloo columns; 'tcp (no auth)' is the bare wire\n"
+          "    (pipeq itself never opens an unauthenticated TCP port): encrypt = CURVE (the default),\n"
+          "    authenticate = PLAIN handshake + a Poly1305 MAC per message (tcp_security='authenticate')", flush=True)
 
 
 # ==================================================================================================

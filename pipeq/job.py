@@ -231,6 +231,8 @@ class Job:
     start_timeout: float = 120.0
     trace: str | None = None
     data_parallel: int = 1
+    tcp_security: str = "encrypt"  # multi-host: "encrypt" or "authenticate" (pipeq.transport)
+    max_message_mb: int = 256
     path: str = ""
 
     def data_fn(self) -> Callable[..., Iterable]:
@@ -305,7 +307,7 @@ _JOB_KEYS = {
     "out": str, "checkpoint_every": int, "keep_checkpoints": int, "eval_every": int,
     "log_every": int, "placement": dict,
     "threads_per_stage": int, "heartbeat_timeout": (int, float), "start_timeout": (int, float),
-    "trace": str, "data_parallel": int,
+    "trace": str, "data_parallel": int, "tcp_security": str, "max_message_mb": int,
 }
 _REQUIRED = ("stages", "optimizer", "data")  # and loss, but with Associated Learning
 

@@ -6,6 +6,7 @@ its TCP sockets, or redirect it through the rendezvous store. From the one secre
     secret --HMAC-SHA256("pipeq/curve-server")--> the CURVE key pair every bound socket uses
            --HMAC-SHA256("pipeq/curve-client")--> the CURVE key pair every connecting socket uses
            --HMAC-SHA256("pipeq/data-mac")------> the key of data frames' MACs ("authenticate" mode)
+           --HMAC-SHA256("pipeq/data-plain")----> the PLAIN password of data sockets (same mode)
            --HMAC-SHA256("pipeq/store")---------> the key that signs rendezvous store entries
 
 A single-host runner makes its own secret (:meth:`JobSecret.generate`); a multi-host job takes it
@@ -28,7 +29,6 @@ from typing import Mapping
 
 SECRET_ENV = "PIPEQ_SECRET"
 MIN_LENGTH = 32
-MAC_BYTES = 32
 HOW_TO_MAKE = ("make one with `python -m pipeq secret > job.secret` (chmod 600), then pass "
                "--secret-file job.secret or export PIPEQ_SECRET=$(cat job.secret) on every node")
 

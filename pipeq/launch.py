@@ -127,7 +127,8 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
     try:
         n = job.recipe.count_stages()
         settings = StageSettings(threads_per_stage=job.threads_per_stage,
-                                 queue_capacity=max(64, 4 * job.microbatches))
+                                 queue_capacity=max(64, 4 * job.microbatches),
+                                 max_message_mb=job.max_message_mb)
         return run_agent(rz, job.recipe, n, job.schedule, settings, heartbeat_timeout=job.heartbeat_timeout,
                          start_timeout=job.start_timeout, log=log, data_parallel=job.data_parallel)
     except (AgentError, RuntimeError, ValueError) as exc:
@@ -162,6 +163,7 @@ class Trainer:
                 threads_per_stage=job.threads_per_stage, heartbeat_timeout=job.heartbeat_timeout,
                 start_timeout=job.start_timeout, rendezvous=self.rz, placement=job.placement,
                 trace=job.trace, data_parallel=job.data_parallel, start_method="forkserver",
+                tcp_security=job.tcp_security, max_message_mb=job.max_message_mb,
             )
         except ValueError as exc:
             self.log(str(exc))
