@@ -4,7 +4,7 @@
     event loop      worker (and the simulated engine) run a schedule's actions
     compute         schedules (pure), executors, checkpoints, traces' format
     transport       ZeroMQ sockets and queues: the only user of the codec
-    codec           bytes on the wire, and the message vocabulary everyone shares
+    codec           bytes on the wire, the message vocabulary and the job's keys everyone shares
 
 A module may import modules of its own layer or below (lazy imports inside functions count too).
 """
@@ -26,7 +26,7 @@ LAYERS: dict[str, list[str]] = {
     "compute": ["schedules", "actions", "dryrun", "bounds", "executors", "stage", "interlock", "asyncpipe", "al", "checkpoint",
                 "dataparallel", "trace", "testing"],
     "transport": ["transport"],
-    "codec": ["codec", "messages", "errors", "netif"],
+    "codec": ["codec", "messages", "errors", "netif", "keys"],
 }
 RANK = {m: i for i, mods in enumerate(LAYERS.values()) for m in mods}
 #: Modules that do no I/O: they import nothing but these and the standard library's pure parts.

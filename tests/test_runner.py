@@ -150,12 +150,36 @@ def test_state_dict_round_trip_and_caller_modules_untouched():
         assert torch.equal(v, before[k])
 
 
-def test_tcp_transport():
+@pytest.mark.parametrize("security", ["encrypt", "authenticate"])
+def test_tcp_transport(security):
+    """Over authenticated tcp (the runner makes its own secret) training equals one process's."""
     stages = mlp_stages()
     data = batches(2, 32)
     losses, state, _ = run(stages, data, schedule="1f1b", microbatches=4, mode="process", transport="tcp",
-                                **FAST)
+                           tcp_security=security, **FAST)
     assert_matches_reference(stages, data, losses, state)
+
+
+def test_security_settings_are_checked():
+    stages = mlp_stages()
+    with pytest.raises(ValueError, match=r"tcp_security must be one of \('encrypt', 'authenticate'\), got 'none'"):
+        pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, transport="tcp", tcp_security="none")
+    with pytest.raises(ValueError, match="max_message_mb must be a whole number of MiB"):
+        pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, max_message_mb=0.5)
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_over_the_frame_cap_fails_naming_the_stage_and_the_setting():
+    stages = mlp_stages()
+    x, y = batches(1, 32)[0]
+    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=2, max_message_mb=1,
+                              **FAST) as runner:
+        runner.step(x, y)  # 16 x 32 floats: far below 1 MiB
+    big = pipeq.PipelineRunner([nn.Linear(32, 20000), nn.Linear(20000, 3)], nn.CrossEntropyLoss(), SGD,
+                               microbatches=1, max_message_mb=1, **FAST)
+    with big, pytest.raises(pipeq.PipelineError, match=r"stage 0.*activation of step 1 microbatch 0 .*1\.2 MiB"
+                                                           r".*max_message_mb"):
+        big.step(torch.randn(16, 32), torch.randint(0, 3, (16,)))
 
 
 def test_bad_arguments_are_refused_before_anything_starts():
