@@ -32,6 +32,9 @@ a larger one is refused before it is buffered. Arriving data messages are filed 
 ``(step, microbatch)``, so the order in which they arrive does not matter, and the queue's
 capacity bounds what a stage may hold. Peers on the control channel are named by their
 ZeroMQ identity: ``s<g>`` a stage process, ``h<g>`` its heartbeat thread, ``a<r>`` node r's agent.
+
+Received tensors are views over ZeroMQ's buffers (zero copy), except small ones that are not at
+torch's alignment (:func:`_decode`): the same run computes the same bits every time.
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ SECURITY_MODES = ("encrypt", "authenticate")
 DEFAULT_MAX_FRAME = 256 << 20
 ZAP_DOMAIN = "pipeq"
 _TAG_BYTES = 16  # Poly1305
+#: A received tensor under _COPY_BELOW bytes whose address is not a multiple of _ALIGN is copied
+#: (see _decode); torch's own allocations are 64-byte aligned.
+_ALIGN = 64
+_COPY_BELOW = 64 << 10
 
 
 class ProtocolError(RuntimeError):
@@ -348,6 +355,23 @@ class _FrameMac:
         return frames[1:]
 
 
+def _decode(frames: Sequence[Any]) -> Message:
+    """:func:`codec.decode`, with every small tensor at torch's alignment.
+
+    ZeroMQ hands over a small frame where it lies in its 8 KiB receive buffer, at an address that
+    depends on how the bytes happened to arrive (one read or two), so it changes from run to run
+    and under load; and MKL's matrix products round differently for an operand at another
+    address modulo 16 (1 ulp, e.g. a Linear(16, 3) on a 12x16 float32 input). Those tensors are
+    copied (under 64 KiB: microseconds). A larger frame has a ZeroMQ allocation of its own, always at the
+    same offset from malloc's 16-byte alignment, and is used in place (zero copy).
+    """
+    msg = codec.decode(frames)
+    if any(t.data_ptr() % _ALIGN and t.nbytes < _COPY_BELOW for t in msg.tensors):
+        msg.tensors = [t.clone() if t.data_ptr() % _ALIGN and t.nbytes < _COPY_BELOW else t
+                       for t in msg.tensors]
+    return msg
+
+
 def _frames(msg: Message) -> list[Any]:
     return codec.encode(msg.kind, msg.step, msg.microbatch, msg.tensors, msg.extra or None)
 
@@ -466,7 +490,7 @@ class StageTransport:
                 frames = mac.open(frames)
                 if frames is None:
                     continue  # forged, replayed or garbage: dropped (counted in ``dropped``)
-            msg = codec.decode(frames)
+            msg = _decode(frames)
             if sock is self.ctrl:
                 self.control_queue.append(msg)
             elif sock is self.fwd_in:
@@ -574,7 +598,7 @@ class ControlServer:
         if not self.sock.poll(timeout_ms):
             return None
         frames = self.sock.recv_multipart(copy=False)
-        return peer_of(frames[0].bytes), codec.decode(frames[1:])
+        return peer_of(frames[0].bytes), _decode(frames[1:])
 
     def close(self, linger_ms: int = 0) -> None:
         self.sock.close(linger=linger_ms)
@@ -733,7 +757,7 @@ class DriverLink:
                 self.connected = False
                 self.lost_since = time.monotonic()
         if self.sock in events:
-            return codec.decode(self.sock.recv_multipart(copy=False))
+            return _decode(self.sock.recv_multipart(copy=False))
         return None
 
     def close(self) -> None:

@@ -67,6 +67,34 @@ def test_activation_and_gradient_between_two_stages(kind):
             remove_ipc_dir(where)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["ipc", "tcp-encrypt", "tcp-authenticate"])
+def test_small_received_tensors_sit_where_torch_would_put_them(kind):
+    """ZeroMQ hands over a small frame where it lies in its receive buffer, at an address that
+    varies with how the bytes arrived, and MKL's matrix products round differently for an operand
+    at another address modulo 16: a small received tensor is copied to torch's 64-byte alignment
+    (so that a run computes the same bits every time, attacked or not)."""
+    where = make_ipc_dir() if kind == "ipc" else "127.0.0.1"
+    bind = BindTo.ipc(where) if kind == "ipc" else BindTo.tcp(where)
+    auth = None if kind == "ipc" else WireAuth(AUTH.secret, kind.split("-")[1])
+    a = StageTransport(0, "inproc://unused", bind=bind, queue_capacity=200, auth=auth)
+    b = StageTransport(1, "inproc://unused", bind=bind, queue_capacity=200, auth=auth)
+    try:
+        a.connect(b.addresses["forward"], None)
+        sent = [torch.randn(n) for n in range(1, 3000, 23)]  # back to back: many share a read
+        for mb, x in enumerate(sent):
+            a.send_activation(1, mb, [x, x.double()])
+        for mb, x in enumerate(sent):
+            got = b.wait_data(b.forward_queue, 1, mb).tensors
+            assert torch.equal(got[0], x) and torch.equal(got[1], x.double())
+            assert [t.data_ptr() % 64 for t in got] == [0, 0], (mb, x.numel())
+    finally:
+        a.close()
+        b.close()
+        if kind == "ipc":
+            remove_ipc_dir(where)
+
+
 def wait_for(fn, timeout=10.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
