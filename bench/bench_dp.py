@@ -17,8 +17,9 @@ Per N:
 - T_comp: a step of R = 1 on half the batch: one replica's work on its shard, no synchronization;
 - a probe in plain torch, R x N processes pinned as pipeq pins its stage processes, each with
   stage k's module and a shard, no pipeline messages:
-  T_sync, stage k's ``pipeq.dataparallel.GradSync`` alone (flatten the gradients, gloo
-  all-reduce, copy back: what a stage does before its optimizer step), all N groups at once;
+  T_sync, stage k's ``pipeq.dataparallel.GradSync`` alone (flatten the gradients, send them to
+  the other replica over pipeq's ipc link, wait for its, add, copy back: what a stage does
+  before its optimizer step), all N stages at once;
   contention, a stage's compute of one step (forwards, backwards, optimizer step) while every
   replica computes / while only replica 0's stages do (alternate iterations);
   the slowest stage's medians.
@@ -33,7 +34,9 @@ This machine has 2 cores: R = 2 x N = 1 gives each replica a core, but R = 2 x N
 stage processes on 2 cores (two per core), so its replicas cannot compute at once and its
 T_2 - T_comp is mostly contention, not synchronization.
 
-Measured on a 2-vCPU VM shared with other jobs (defaults; load average ~2 from them)::
+Measured on a 2-vCPU VM shared with other jobs (defaults; load average ~2 from them), when the
+gradients were still all-reduced by torch.distributed's gloo (pipeq now sums them over its own
+ZeroMQ link; not re-measured since)::
 
     $ python bench/bench_dp.py
      N  R=1 st/s  R=2 st/s  speedup     T_1     T_2  T_comp  T_sync T_2-T_comp T_1/T_comp T_sync/T_comp contention
@@ -45,7 +48,7 @@ Measured on a 2-vCPU VM shared with other jobs (defaults; load average ~2 from t
     N = 2, R = 2 (4 processes on 2 cores): T_sync / T_comp = 0.42 < 1: the rule says it pays (R T_comp / (T_comp + T_sync) = 1.41x)
        measured: R = 2 makes 0.68x the steps/s of R = 1: it does not pay; with the contention measured beside, T_1 / (T_comp x 1.95 + T_sync) = 0.72x
 
-The all-reduce of 16 MiB of gradients over loopback gloo takes ~20-25 ms against ~47 ms of
+The all-reduce of 16 MiB of gradients over loopback gloo took ~20-25 ms against ~47 ms of
 compute per shard: T_sync / T_comp ~ 0.5, inside the rule's bound. With one replica per core
 (N = 1) data parallelism pays, less than the rule promises (1.17x, not 1.34x) because a batch of
 256 costs 1.79 T_comp, not 2 (the rule's T_1 = R T_comp); T_1 / (T_comp + T_sync) predicts it.
@@ -112,18 +115,17 @@ def step_time(n_stages: int, replicas: int, batch: int, microbatches: int, width
     return statistics.median(times[WARMUP:])
 
 
-# -- the probe: one stage's compute and its gradient all-reduce, in plain torch ------------------
-def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: int, store: tuple,
+# -- the probe: one stage's compute and its gradient sum, in plain torch ---------------------------
+def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: int, ipc_dir: str,
+                  addresses: "mp.Queue", peers: "mp.Queue", barrier: "mp.synchronize.Barrier",
                   shard: int, microbatches: int, width: int, layers: int, iters: int,
                   out: "mp.Queue") -> None:
     try:
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, [core])
         torch.set_num_threads(1)
-        import datetime
-
-        import torch.distributed as dist
         from pipeq import dataparallel
+        from pipeq.transport import BindTo, StageTransport
 
         module = make_stages(width, layers, n_stages)[stage]
         params = list(module.parameters())
@@ -132,22 +134,20 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
         sizes = [len(c) for c in torch.arange(shard).tensor_split(microbatches)]
         xs = [torch.randn(n, width, generator=g) for n in sizes]
         ys = [torch.randn(n, width, generator=g) for n in sizes]  # targets, or output gradients
-        # every process of the probe lines up at the start of each iteration (through the store)
-        everyone = dist.PrefixStore("all/", dist.TCPStore(store[0], store[1], is_master=False,
-                                                          timeout=datetime.timedelta(seconds=60)))
-        total = replicas * n_stages
-
-        def line_up(i: int) -> None:
-            if everyone.add(f"in{i}", 1) == total:
-                everyone.set(f"go{i}", "1")
-            everyone.wait([f"go{i}"])
-
-        dataparallel.join(stage, replica, replicas, store, torch.device("cpu"), None, timeout_s=60)
-        sync = dataparallel.GradSync(params) if replicas > 1 else None
+        # stage k's link to its replicas, as in a stage process (no driver: nobody sends EXIT)
+        transport = StageTransport(replica * n_stages + stage, "inproc://no-driver", bind=BindTo.ipc(ipc_dir),
+                                   queue_capacity=4)
+        dp = dataparallel.Replicas(transport, BindTo.ipc(ipc_dir), stage=stage, replica=replica,
+                                   replicas=replicas, params=params, buffers=[]) if replicas > 1 else None
+        addresses.put((replica * n_stages + stage, dp.address if dp is not None else ""))
+        if dp is not None:
+            everyone = peers.get(timeout=60)
+            dp.join([everyone[r * n_stages + stage] for r in range(replicas)])
+        sync = dp.sync if dp is not None else None
         alone, beside, syncs = [], [], []
         for i in range(2 * (WARMUP + iters)):
             solo = i % 2 == 1  # every other iteration only replica 0's stages compute
-            line_up(i)
+            barrier.wait()  # every process of the probe lines up at the start of each iteration
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             if not solo or replica == 0:
@@ -161,7 +161,7 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
                         outp.backward(y)
             t_compute = time.perf_counter() - t0
             if sync is not None and not solo:
-                dist.barrier()  # time the all-reduce, not the partner's lateness
+                barrier.wait()  # time the gradient sum, not the partner's lateness
                 t1 = time.perf_counter()
                 sync.start()
                 sync.finish()
@@ -170,7 +170,10 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
             if not solo or replica == 0:
                 opt.step()
             (alone if solo else beside).append(t_compute + time.perf_counter() - t2)
-        dist.destroy_process_group()
+        barrier.wait()  # nobody closes its link while another may still read from it
+        if dp is not None:
+            dp.close()
+        transport.close()
         out.put((stage, replica, (statistics.median(alone[WARMUP:]), statistics.median(beside[WARMUP:]),
                                   statistics.median(syncs[WARMUP:]) if syncs else 0.0)))
     except BaseException as exc:  # reported by the parent
@@ -183,29 +186,35 @@ def probe(n_stages: int, replicas: int, shard: int, microbatches: int, width: in
     with stage k's module and a shard of ``shard`` samples, no pipeline messages, iterations
     alternating: a stage's work of one step (its forwards and backwards, its optimizer step) with
     every process computing ("beside") and with only replica 0's ("alone"); T_sync = stage k's
-    ``pipeq.dataparallel.GradSync`` (flatten, gloo all-reduce, copy back), all N groups at once.
-    The slowest stage's, medians over iterations (and replicas)."""
-    from torch.distributed import TCPStore
+    ``pipeq.dataparallel.GradSync`` (flatten, send to the other replica over pipeq's ipc link,
+    wait, add, copy back), all N stages at once. The slowest stage's, medians over iterations (and
+    replicas)."""
+    from pipeq.transport import make_ipc_dir, remove_ipc_dir
 
-    # one gloo group per stage index, as in pipeq
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     if hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
     else:
         cores = list(range(os.cpu_count() or 1))
     ctx = mp.get_context("forkserver")
-    out = ctx.Queue()
+    out, addresses = ctx.Queue(), ctx.Queue()
+    total = replicas * n_stages
+    barrier = ctx.Barrier(total)
+    peers = [ctx.Queue() for _ in range(total)]
+    ipc_dir = make_ipc_dir()
     procs = []
     for r in range(replicas):
         for k in range(n_stages):
             g = r * n_stages + k  # pinned as pipeq pins stage process g
             procs.append(ctx.Process(target=_probe_worker, daemon=True, args=(
-                k, r, replicas, n_stages, cores[g % len(cores)], ("127.0.0.1", store.port, "bench/"),
+                k, r, replicas, n_stages, cores[g % len(cores)], ipc_dir, addresses, peers[g], barrier,
                 shard, microbatches, width, layers, iters, out)))
     for p in procs:
         p.start()
     got: dict[tuple[int, int], tuple[float, float, float]] = {}
     try:
+        everyone: dict[int, str] = dict(addresses.get(timeout=120) for _ in procs)
+        for q in peers:  # as the driver's PEERS does: every process learns the others' addresses
+            q.put(everyone)
         for _ in procs:
             stage, replica, t = out.get(timeout=300)
             if isinstance(t, str):
@@ -217,6 +226,7 @@ def probe(n_stages: int, replicas: int, shard: int, microbatches: int, width: in
             if p.is_alive():
                 p.kill()
                 p.join()
+        remove_ipc_dir(ipc_dir)
     alone = max(got[(k, 0)][0] for k in range(n_stages))
     beside = max(statistics.median(got[(k, r)][1] for r in range(replicas)) for k in range(n_stages))
     sync = max(statistics.median(got[(k, r)][2] for r in range(replicas)) for k in range(n_stages))

@@ -10,9 +10,10 @@ images, 360 held out) with SGD (lr 0.05, momentum 0.9), CrossEntropyLoss, batche
 1F1B schedule with 4 microbatches per replica, ``start_method="forkserver"``, one thread per
 stage process. With ``data_parallel=2`` each batch is split in two halves of 32, each replica
 pipelines its half through its own two stage processes, and stage k's gradients are summed over
-the two replicas (gloo) before stage k steps: R x N = 4 processes. The same run with R = 1 (2
-processes, the whole batch in 4 microbatches of 16) is printed beside it; both are full-batch SGD,
-so they reach the same weights up to rounding (the maximum parameter difference is printed).
+the two replicas (over pipeq's ZeroMQ link between them) before stage k steps: R x N = 4
+processes. The same run with R = 1 (2 processes, the whole batch in 4 microbatches of 16) is
+printed beside it; both are full-batch SGD, so they reach the same weights up to rounding (the
+maximum parameter difference is printed).
 
 A run here (a 2-core VM shared with other jobs; the times are the training epochs only, "start" is
 starting the stage processes, the first one including the fork server's own start)::

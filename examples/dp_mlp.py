@@ -11,7 +11,8 @@ gives each of two nodes a batch of 32, sums the two nodes' gradients and steps o
 replicas (two processes; replica 0's weights are broadcast to replica 1 when they start). Each
 ``runner.step`` takes a batch of 64 consecutive samples (5 steps per pass over the data): replica
 0 gets the first 32, replica 1 the next 32 (one microbatch each), and the two replicas' gradients
-are all-reduced (gloo) before each replica steps its own optimizer.
+are summed (over pipeq's own ZeroMQ link between the replicas) before each replica steps its own
+optimizer.
 
 The learning rate. pipeq weights each replica's loss by its share of the whole batch, so the
 summed gradient is the gradient of the mean loss over all 64 samples (half the tutorial's sum of

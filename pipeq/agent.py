@@ -134,8 +134,7 @@ def run_agent(
     try:
         for cfg in worker_configs(mine, n_stages, replicas, schedule, settings, control_addr=control,
                                   bind=BindTo.tcp(rz.bind), seed_of=lambda g: builder.seed_for(g % n_stages),
-                                  rendezvous=rz, dp_store=rz.store_address() if replicas > 1 else None,
-                                  auth=auth):
+                                  rendezvous=rz, auth=auth):
             procs[cfg.process] = start_worker(ctx, cfg, builder)
         log(f"node {rz.node_rank}: started stage(s) {mine} (pids "
             f"{[p.pid for p in procs.values()]}), driver at {control}")

@@ -3,12 +3,14 @@
 The driver owns the control channel's server end. It starts the workers (multiprocessing
 ``spawn`` or ``forkserver``: each stage's :class:`~pipeq.executors.StageSpec` is handed over at
 process start, never over a socket), waits for each to report READY with its bound addresses,
-tells every worker its neighbours' addresses, and then sends commands and collects replies.
+tells every worker its neighbours' addresses (and, with data parallelism, its stage's other
+replicas'), and then sends commands and collects replies.
 Every wait is watched by a :class:`~pipeq.supervisor.Supervisor` (errors, deaths, heartbeats);
 a failure stops every worker and removes the ipc directory before it is raised. Workers die
 with the driver (a pidfd watch, or PR_SET_PDEATHSIG).
 
-    start:   spawn stages -> READY (addresses) from each -> PEERS to each
+    start:   spawn stages -> READY (addresses) from each -> PEERS to each [-> ACK from each: the
+             replicas hold replica 0's weights (data parallelism)]
     train:   TRAIN to each stage (x to stage 0, target to the loss stages) -> LOSS from the last
     close:   STOP to each -> ACK from each (nothing in flight) -> [traces] -> EXIT to each
 """
@@ -85,7 +87,6 @@ class ProcessBackend:
         self.recorder = (TraceRecorder(trace_path, schedule, self.n_stages, microbatches, replicas)
                          if trace_path is not None else None)
         self.store: Any = None
-        self.dp_store: Any = None
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self.server: ControlServer | None = None
         self.sup: Supervisor | None = None
@@ -134,7 +135,6 @@ class ProcessBackend:
         configs = worker_configs(
             self.placement[0], self.n_stages, self.replicas, self.schedule, self.settings,
             control_addr=self.server.address, bind=bind, seed_of=seed_of, rendezvous=rz,
-            dp_store=self._dp_store_address(),
             die_with_parent=threading.current_thread() is threading.main_thread(), auth=auth,
         )
         for cfg in configs:
@@ -144,6 +144,7 @@ class ProcessBackend:
         self.sup.expect_heartbeats()
         ready = {g: msgs[0].extra for g, msgs in replies.items()}
         peers = []
+        joined = self._next_request_id() if self.replicas > 1 else 0
         for g in range(self.n_processes):  # neighbours within the replica
             k = g % self.n_stages
             extra: dict[str, Any] = {}
@@ -151,22 +152,16 @@ class ProcessBackend:
                 extra["next_forward"] = ready[g + 1]["forward"]
             if k > 0:
                 extra["prev_backward"] = ready[g - 1]["backward"]
-            peers.append((g, Message(Kind.PEERS, extra=extra)))
+            if self.replicas > 1:  # the same stage's replicas, by replica (gradients, start-up weights)
+                extra["replicas"] = [ready[r * self.n_stages + k]["replica_link"] for r in range(self.replicas)]
+            peers.append((g, Message(Kind.PEERS, joined, extra=extra)))
         self.server.send_many(peers)
+        if self.replicas > 1:  # every replica has replica 0's weights (ACK) before the first step
+            self.sup.collect(Kind.ACK, dict.fromkeys(range(self.n_processes), 1), step=joined,
+                             timeout=self.start_timeout, what="replicas' start", on_timeout=self._replicas_hint)
         self.worker_info = [ready[g] for g in range(self.n_processes)]
         if self.recorder is not None:
             self.recorder.measure_clocks(self.sup, self._next_request_id)
-
-    def _dp_store_address(self) -> tuple[str, int, str] | None:
-        """Where the replicas' gradient groups meet: the rendezvous store, or one of ours."""
-        if self.replicas == 1:
-            return None
-        if self.rendezvous is not None:
-            return self.rendezvous.store_address()
-        from torch.distributed import TCPStore
-
-        self.dp_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        return ("127.0.0.1", self.dp_store.port, "pipeq/")
 
     def close(self) -> None:
         """Stop every worker and remove the ipc files.
@@ -213,7 +208,6 @@ class ProcessBackend:
             self.server = None
         remove_ipc_dir(self.ipc_dir)
         self.ipc_dir = None
-        self.dp_store = None
 
     def _start_hint(self, missing: set[int]) -> str:
         """Multi-host start-up: which missing stages reached the rendezvous, and where they run."""
@@ -238,6 +232,15 @@ class ProcessBackend:
                              f"registered at the rendezvous {rz.master_addr}:{rz.master_port}: is "
                              f"node {node} started (pipeq launch ... --node-rank {node})?")
         return "; ".join(hints)
+
+    def _replicas_hint(self, missing: set[int]) -> str:
+        """Start-up with replicas: who is still waiting for (or sending) replica 0's weights."""
+        stages = sorted({g % self.n_stages for g in missing})
+        hint = f"stage(s) {stages} of the replicas did not exchange replica 0's weights"
+        if self.rendezvous is not None:
+            hint += ("; is every stage process's replicas port (READY's 'replica_link') reachable from "
+                     "the nodes of the same stage's other replicas?")
+        return hint
 
     def _next_request_id(self) -> int:
         self._request_id -= 1  # control requests count down, steps count up: never equal

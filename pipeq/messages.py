@@ -7,6 +7,7 @@ read :class:`Message` objects only.
 Kinds by channel::
 
     data     ACTIVATION (stage k -> k+1)   GRADIENT (stage k+1 -> k)
+             REPLICA (stage k of replica r -> stage k of replica r': gradient buckets, start-up weights)
     command  PEERS TRAIN DRAIN PREDICT GET_STATE SET_STATE GET_SNAPSHOT RESTORE CLOCK GET_TRACE STOP EXIT
     reply    READY LOSS OUTPUT STATE SNAPSHOT TIME TRACE ACK ERROR HEARTBEAT
 
@@ -44,6 +45,8 @@ class Kind(enum.IntEnum):
     CLOCK = 19  # reply TIME with the stage's clock (trace clock alignment)
     GET_TRACE = 30  # reply TRACE: the recorded action rows since the last GET_TRACE
     DRAIN = 31  # finish a stream's leftover work (asynchronous 1F1B's last backwards), reply ACK
+    # data plane, data parallelism
+    REPLICA = 32  # stage k of one replica -> stage k of another (gradient buckets, replica 0's weights)
     # worker (or agent) -> driver
     READY = 20
     LOSS = 21

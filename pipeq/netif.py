@@ -1,7 +1,6 @@
-"""Network interfaces (Linux): the IPv4 address of an interface, the interface of an address.
+"""Network interfaces (Linux): the IPv4 address of an interface.
 
-Used where pipeq binds on a multi-host run (``--bind eth0``) and where gloo needs to be told which
-interface carries the replicas' gradients (GLOO_SOCKET_IFNAME).
+Used where pipeq binds on a multi-host run (``--bind eth0``).
 """
 
 from __future__ import annotations
@@ -22,13 +21,3 @@ def interface_address(name: str) -> str | None:
             raise ValueError(f"network interface {name!r} has no IPv4 address") from None
     return socket.inet_ntoa(res[20:24])
 
-
-def interface_of(address: str) -> str | None:
-    """The network interface that holds IPv4 ``address``, None if none does."""
-    for _, name in socket.if_nameindex():
-        try:
-            if interface_address(name) == address:
-                return name
-        except ValueError:
-            continue
-    return None

@@ -80,16 +80,15 @@ def worker_configs(
     bind: BindTo,
     seed_of: Callable[[int], int],
     rendezvous: "Rendezvous | None" = None,
-    dp_store: tuple[str, int, str] | None = None,
     die_with_parent: bool = True,
     auth: WireAuth | None = None,
 ) -> list[WorkerConfig]:
     """The start-up configuration of each of this host's ``processes`` (numbers g).
 
     ``auth`` carries the job secret to stages on tcp. ``seed_of(g)`` seeds process g's torch
-    RNG; ``dp_store`` is where the replicas' gradient groups meet (data parallelism). The workers watch this process (``driver_pid``) and exit
-    when it is gone; ``die_with_parent`` adds the kernel's PDEATHSIG, which is only safe when
-    this is the main thread (it fires when the *thread* that started them exits).
+    RNG. The workers watch this process (``driver_pid``) and exit when it is gone;
+    ``die_with_parent`` adds the kernel's PDEATHSIG, which is only safe when this is the main
+    thread (it fires when the *thread* that started them exits).
     """
     schedule = schedules.resolve(schedule)
     devices = [settings.devices[g % n_stages] for g in processes] if settings.devices is not None else None
@@ -103,7 +102,7 @@ def worker_configs(
             heartbeat_interval=settings.heartbeat_interval, spin_s=settings.spin_s,
             die_with_parent=die_with_parent, driver_pid=os.getpid(), seed=seed_of(g),
             store=rendezvous.store_address() if rendezvous is not None else None,
-            trace=settings.trace, replica=g // n_stages, replicas=replicas, dp_store=dp_store,
+            trace=settings.trace, replica=g // n_stages, replicas=replicas,
         )
         for g, (dev, cores, threads) in zip(processes, plan)
     ]

@@ -88,34 +88,6 @@ class Supervisor:
                               extra.get("traceback"))
         return self.error(str(extra.get("message", "failed")), peer.index, extra.get("traceback"))
 
-    @staticmethod
-    def _is_echo(err: PipelineError) -> bool:
-        """An error that only says a peer of the gradient all-reduce went away."""
-        text = (err.message or "").lower()
-        return "gloo" in text or "nccl" in text or "connection reset" in text or "connection closed" in text
-
-    def _process_of(self, err: PipelineError) -> int:
-        return (err.replica or 0) * self.n_stages + (err.stage or 0)
-
-    def blame(self, err: PipelineError) -> PipelineError:
-        """With replicas, a stage's error may only echo a peer that failed in the middle of their
-        gradient all-reduce: wait briefly for the peer's own error, or name the peer that died."""
-        if not self.replicated or not self._is_echo(err):
-            return err
-        echoes = {self._process_of(err)}
-        end = time.monotonic() + 0.5
-        while time.monotonic() < end:
-            got = self._read(20)
-            if got is not None:
-                other = self.error_of(*got)
-                if not self._is_echo(other):
-                    return other
-                echoes.add(self._process_of(other))
-        for g, p in self.procs.items():
-            if g not in echoes and p.exitcode is not None and p.exitcode != 0:
-                return self.error(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}", g)
-        return err
-
     def fail(self, err: PipelineError) -> PipelineError:
         """Record the run's failure, stop every process; returns ``err`` for the caller to raise."""
         self.failure = err
@@ -199,7 +171,7 @@ class Supervisor:
 
     def _error(self, peer: Peer, msg: Message) -> None:
         """An ERROR: raised now, or deferred while an earlier step than its own is outstanding."""
-        err = self.blame(self.error_of(peer, msg))
+        err = self.error_of(peer, msg)
         step, oldest = msg.extra.get("step"), self._oldest_outstanding()
         if (peer.role == STAGE and type(step) is int and oldest is not None and step > oldest
                 and ((Kind.LOSS, step) in self.awaited or step == self._collecting)):

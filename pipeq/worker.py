@@ -2,7 +2,8 @@
 
 The loop waits for a command on the control channel and carries it out:
 
-    PEERS      connect the forward/backward channels to the neighbours' addresses
+    PEERS      connect the forward/backward channels to the neighbours' addresses (with replicas:
+               connect to the same stage's other replicas, start from replica 0's weights, reply ACK)
     TRAIN      run the schedule's actions for one batch (x rides along to stage 0, the target
                to the stages that compute a loss); the last stage replies LOSS
     DRAIN      finish a stream's leftover work (asynchronous 1F1B's last backwards), reply ACK
@@ -37,6 +38,7 @@ from typing import Any, Callable
 import torch
 
 from . import schedules, trace
+from .dataparallel import Replicas
 from .executors import StageBuilder, StageSpec, make_executor
 from .interpreter import EMIT, StagePlan, execute
 from .messages import Kind, Message, tree_message, tree_of
@@ -71,11 +73,9 @@ class WorkerConfig:
     # endpoints; None on one host
     store: tuple[str, int, str] | None = None
     trace: bool = False  # record every action (pipeq.trace)
-    # data parallelism: this process is replica ``replica`` of ``replicas`` of its stage; the
-    # gradients' process group meets at ``dp_store`` (host, port, key prefix)
+    # data parallelism: this process is replica ``replica`` of ``replicas`` of its stage
     replica: int = 0
     replicas: int = 1
-    dp_store: tuple[str, int, str] | None = None
 
 
 def _die_with_parent() -> None:
@@ -137,10 +137,12 @@ def select_device(cfg: WorkerConfig) -> torch.device:
 class EventLoop:
     """Serves the driver's commands on one stage process until EXIT."""
 
-    def __init__(self, cfg: WorkerConfig, transport: StageTransport, executor: StageExecutor) -> None:
+    def __init__(self, cfg: WorkerConfig, transport: StageTransport, executor: StageExecutor,
+                 replicas: "Replicas | None" = None) -> None:
         self.cfg = cfg
         self.transport = transport
         self.executor = executor
+        self.replicas = replicas  # data parallelism: this stage's link to its replicas
         self.step: int | None = None  # the TRAIN/PREDICT step being run (named in an ERROR)
         self.plan = StagePlan(cfg.schedule, cfg.stage, cfg.n_stages)
         self.trace: collections.deque[tuple[int, ...]] | None = (
@@ -182,6 +184,9 @@ class EventLoop:
                               {"truncated": len(rows) == trace.MAX_ROWS}))
             elif kind is Kind.PEERS:
                 transport.connect(msg.extra.get("next_forward"), msg.extra.get("prev_backward"))
+                if self.replicas is not None:  # before any step: replicas never start apart
+                    self.replicas.join(msg.extra.get("replicas") or [])
+                    reply(Message(Kind.ACK, msg.step))
             elif kind is Kind.STOP:
                 reply(Message(Kind.ACK, msg.step))
             elif kind is Kind.EXIT:
@@ -304,6 +309,7 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
                                max_frame_bytes=cfg.max_frame_bytes)
     heartbeat = None
     loop: EventLoop | None = None
+    replicas: Replicas | None = None
     clean = False
     try:
         # From here on the driver is watched: if it dies, this stage cleans up and exits.
@@ -314,21 +320,18 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
         device = select_device(cfg)
         torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
         executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, _build(cfg, payload), device)
-        if cfg.replicas > 1:  # join the stage's replicas: replica 0's weights, summed gradients
-            assert cfg.dp_store is not None
-            from . import dataparallel
-
-            dataparallel.join(cfg.stage, cfg.replica, cfg.replicas, cfg.dp_store, device,
-                              cfg.bind.host or None)
-            params = executor.optimizer_params()
-            dataparallel.broadcast_from_replica_0(params + list(executor.module.buffers()))
-            executor.grad_sync = dataparallel.GradSync(params)
+        if cfg.replicas > 1:  # a link to the stage's replicas: replica 0's weights, summed gradients
+            replicas = Replicas(transport, cfg.bind, stage=cfg.stage, replica=cfg.replica, replicas=cfg.replicas,
+                                params=executor.optimizer_params(), buffers=list(executor.module.buffers()))
+            executor.grad_sync = replicas.sync
         info = {**transport.addresses, "pid": os.getpid(), "device": str(device), "replica": cfg.replica,
                 "threads": torch.get_num_threads(), "host": os.uname().nodename,
                 "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
+        if replicas is not None:
+            info["replica_link"] = replicas.address  # the driver's PEERS hands it to the other replicas
         _publish(cfg, info)
         transport.send_control(Message(Kind.READY, extra={**info, "layout": executor.layout()}))
-        loop = EventLoop(cfg, transport, executor)
+        loop = EventLoop(cfg, transport, executor, replicas)
         loop.serve()
         clean = True
     except Stopped:
@@ -343,6 +346,8 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+        if replicas is not None:
+            replicas.close(linger_ms=200)  # its sockets share the transport's context: first
         transport.close(linger_ms=200)
     # Skip the interpreter's teardown (a second or more with torch loaded): sockets are closed.
     sys.stdout.flush()

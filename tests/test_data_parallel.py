@@ -98,6 +98,29 @@ def test_two_replicas_equal_single_process_full_batch_training(schedule):
     assert not torch.allclose(sd["1.weight"], stages[1].weight, atol=1e-3)
 
 
+@pytest.mark.parametrize("security", ["encrypt", "authenticate"])
+def test_two_replicas_over_tcp_equal_single_process_full_batch_training(security):
+    """The gradients travel over tcp (CURVE, or PLAIN + a MAC per message) as they do between hosts."""
+    stages = mlp_stages(WIDTHS, seed=0)
+    data = batches(3, 16, seed=12)
+    ref, ref_losses = reference_train(stages, nn.CrossEntropyLoss(), MOMENTUM, data)
+    sd, losses = train(stages, data, transport="tcp", tcp_security=security)
+    assert_close_states(sd, ref.state_dict())
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+
+
+def test_parameters_larger_than_a_data_frame_are_cut_across_buckets():
+    """max_message_mb=1: stage 0's 1.5 MiB weight travels in two buckets (and so do its first
+    replica's weights at start); three replicas add in replica order."""
+    stages = mlp_stages((8, 49152, 3), seed=5)  # Linear(8, 49152): 1.5 MiB of float32 weights
+    data = batches(2, 12, seed=13)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    ref, ref_losses = reference_train(stages, nn.CrossEntropyLoss(), sgd, data)
+    sd, losses = train(stages, data, make_opt=sgd, data_parallel=3, max_message_mb=1, microbatches=1)
+    assert_close_states(sd, ref.state_dict())
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+
+
 def test_uneven_batch_with_adam_equals_full_batch_training():
     """25 samples: shards of 13 and 12, each in 3 microbatches (5+4+4, 4+4+4); Adam."""
     stages = mlp_stages(WIDTHS, seed=3)
@@ -118,6 +141,44 @@ def test_sum_reduction_loss_equals_full_batch_training():
     sd, losses = train(stages, data, microbatches=2, make_opt=sgd, loss_fn=loss_fn)
     assert_close_states(sd, ref.state_dict())
     assert losses == pytest.approx(ref_losses, abs=1e-4)
+
+
+def test_flat_layout_cuts_by_dtype_and_size_and_puts_back_in_place():
+    from pipeq.dataparallel import FlatLayout
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(5, 7, generator=g), torch.arange(6, dtype=torch.int64),
+               torch.randn(7, 5, generator=g).t(),  # not contiguous
+               torch.randn(40, generator=g, dtype=torch.float64), torch.zeros(0), torch.randn(3, generator=g)]
+    layout = FlatLayout(tensors, bucket_bytes=64)  # 16 float32, 8 int64/float64 per bucket
+    assert all(n * torch.empty((), dtype=dt).element_size() <= 64 for n, dt in zip(layout.numels, layout.dtypes))
+    assert sum(layout.numels) == sum(t.numel() for t in tensors)
+    assert {dt for dt in layout.dtypes} == {torch.float32, torch.int64, torch.float64}
+    for b in range(len(layout)):  # one dtype per bucket; a tensor is cut across buckets, in order
+        assert len({tensors[i].dtype for i, _, _ in layout.pieces[b]}) == 1
+    flats = [layout.gather(b, tensors) for b in range(len(layout))]
+    targets = [torch.full_like(t, -1) for t in tensors]
+    targets[2] = torch.empty(7, 5).t()  # the non-contiguous one too
+    for b, flat in enumerate(flats):
+        layout.scatter(b, flat, targets)
+    for t, u in zip(tensors, targets):
+        assert torch.equal(t, u)
+    flats[0].add_(1)  # a bucket is a copy, never a view of the tensors
+    assert torch.equal(targets[0], tensors[0])
+
+
+def test_the_sum_is_added_in_replica_order_and_never_into_ones_own_bucket():
+    from pipeq.dataparallel import sum_in_order
+
+    g = torch.Generator().manual_seed(1)
+    buckets = [torch.randn(1000, generator=g) * 10 ** e for e in (0, 7, -7)]
+    expect = (buckets[0] + buckets[1]) + buckets[2]
+    for mine in range(3):
+        got = [b.clone() for b in buckets]
+        own = got[mine].clone()
+        total = sum_in_order(got, mine)
+        assert torch.equal(total, expect)  # the same bits on every replica
+        assert torch.equal(got[mine], own)  # ZeroMQ may still be sending it
 
 
 # -- 2. replicas start and stay identical ---------------------------------------------------------
@@ -168,6 +229,73 @@ def test_replicas_stay_bit_identical_and_load_state_dict_reaches_every_replica()
         model.load_state_dict(runner.state_dict())
         with torch.no_grad():
             torch.testing.assert_close(runner.predict(data[1][0]), model(data[1][0]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("security", ["encrypt", "authenticate"])
+def test_nobody_outside_the_run_can_join_the_gradient_exchange(security, monkeypatch):
+    """Over tcp, sockets outside the run push forged buckets (gradients of 1e6, the right size, for
+    every round, claiming to come from either replica) at every stage process's replicas port,
+    before each step and after the last: without keys (refused at the handshake) and, in
+    "authenticate" mode, also with the PLAIN password a sniffer learns (no valid MAC: dropped).
+    The run ends with the very parameters and losses of an unattacked run."""
+    import struct
+
+    import zmq
+    from pipeq.codec import encode
+    from pipeq.keys import JobSecret
+    from pipeq.transport import WireAuth, secure_client
+
+    secret = JobSecret.generate()
+    monkeypatch.setattr(JobSecret, "generate", classmethod(lambda cls: secret))  # the run's, known here
+    stages = mlp_stages(WIDTHS, seed=0)
+    data = batches(3, 16, seed=14)
+    clean, clean_losses = train(stages, data, transport="tcp", tcp_security=security)
+    sniffer = WireAuth(secret, "authenticate") if security == "authenticate" else None
+    sizes = [sum(p.numel() for p in stage.parameters()) for stage in stages]  # one bucket per stage
+    ctx = zmq.Context()
+    socks = []
+
+    def forge(runner) -> None:
+        be = runner._backend
+        if not socks:
+            for g, info in enumerate(be.worker_info):
+                addr = info["replica_link"]
+                assert addr.startswith("tcp://127.0.0.1:")
+                for keys in (None, sniffer) if sniffer is not None else (None,):
+                    sock = ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    if keys is not None:
+                        secure_client(sock, keys, addr, data=True)
+                    sock.connect(addr)
+                    socks.append((sock, g % be.n_stages))
+        for sock, k in socks:
+            for sender in (0, 1):
+                for step in range(len(data) + 2):
+                    frames = encode(Kind.REPLICA, step, 0, [torch.full((sizes[k],), 1e6)])
+                    for forged in ([struct.pack(">I", sender), *frames],
+                                   [struct.pack(">I", sender), b"\1" * 40, *frames]):
+                        try:
+                            sock.send_multipart(forged, flags=zmq.NOBLOCK)
+                        except zmq.Again:  # refused at the handshake: nowhere to queue
+                            pass
+
+    try:
+        with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, "1f1b", 2, data_parallel=2,
+                                  transport="tcp", tcp_security=security, **FAST) as runner:
+            losses = []
+            for x, y in data:
+                forge(runner)
+                losses.append(runner.step(x, y))
+            forge(runner)
+            time.sleep(0.3)
+            attacked, r1 = runner.state_dict(), replica_state(runner, 1)
+    finally:
+        for sock, _ in socks:
+            sock.close(linger=0)
+        ctx.term()
+    assert_equal_states(attacked, clean)
+    assert_equal_states(r1, clean)
+    assert losses == clean_losses
 
 
 # -- 3. a failing replica ends the run, named -----------------------------------------------------
@@ -224,8 +352,8 @@ def test_a_killed_replica_worker_found_dead_before_a_step_is_named():
 
 
 def test_a_killed_replica_worker_is_named_not_its_peer_in_the_all_reduce():
-    """The step right after the kill: replica 0's stage 1 then sees its all-reduce peer gone
-    (gloo: "Connection closed by peer"); the dead process is at fault, not the survivor."""
+    """The step right after the kill: replica 0's stage 1 then waits for buckets that never come
+    (until the driver ends the run); the dead process is at fault, not the survivor."""
     _kill_replica_1_stage_1(wait=False)
 
 

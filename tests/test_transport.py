@@ -313,3 +313,134 @@ def test_the_ipc_directory_must_be_private(tmp_path):
     link.symlink_to(tmp_path)
     with pytest.raises(PermissionError, match="not a directory"):
         check_private_dir(str(link))
+
+
+# -- the replicas' channel (data parallelism) ------------------------------------------------------
+def _replica_pair(bind, auth=None, server_addr="inproc://unused"):
+    """Stage 1's processes of replicas 0 and 1 (processes 1 and 3 of a 2-stage run), linked."""
+    from pipeq.transport import ReplicaLink
+
+    stages = [StageTransport(r * 2 + 1, server_addr, bind=bind, queue_capacity=4, auth=auth) for r in (0, 1)]
+    links = [ReplicaLink(t, bind, stage=1, replica=r, replicas=2, capacity=8) for r, t in enumerate(stages)]
+    for link in links:
+        link.connect([links[0].address, links[1].address])
+    return stages, links
+
+
+def _close(stages, links):
+    for link in links:
+        link.close()
+    for t in stages:
+        t.close()
+
+
+@pytest.mark.timeout(30)
+def test_replica_link_exchanges_tagged_tensors_and_an_exit_interrupts_a_wait():
+    from pipeq.transport import Stopped
+
+    where = make_ipc_dir()
+    server = ControlServer(BindTo.ipc(where))
+    stages, links = _replica_pair(BindTo.ipc(where), server_addr=server.address)
+    try:
+        a, b = links
+        assert a.address.startswith("ipc://") and a.address != b.address
+        a.send(2, 1, [torch.arange(5.0)])
+        a.send(2, 0, [torch.ones(3), torch.zeros(2, dtype=torch.int64)])
+        b.send(2, 0, [torch.full((3,), 4.0)])
+        got = b.wait(0, 2, 0)  # out of order: filed under (sender, step, index)
+        assert torch.equal(got[0], torch.ones(3)) and torch.equal(got[1], torch.zeros(2, dtype=torch.int64))
+        assert torch.equal(b.wait(0, 2, 1)[0], torch.arange(5.0))
+        got = a.wait(1, 2, 0)[0]
+        got.add_(1)  # the receiver's own buffer, writable (the gradient sum goes there)
+        assert torch.equal(got, torch.full((3,), 5.0))
+        # nothing comes for (3, 0): the driver's EXIT ends the wait, other commands queue up
+        stages[1].send_control(Message(Kind.READY))  # connect the stage's control socket
+        wait_for(lambda: server.recv(100))
+        server.send_many([(3, Message(Kind.STOP, -1)), (3, Message(Kind.EXIT, -1))])
+        t0 = time.monotonic()
+        with pytest.raises(Stopped):
+            b.wait(0, 3, 0)
+        assert time.monotonic() - t0 < 5
+        assert [m.kind for m in stages[1].control_queue] == [Kind.STOP, Kind.EXIT]
+    finally:
+        _close(stages, links)
+        server.close()
+        remove_ipc_dir(where)
+
+
+@pytest.mark.timeout(30)
+def test_replica_link_refuses_duplicates_and_a_full_inbox():
+    where = make_ipc_dir()
+    stages, links = _replica_pair(BindTo.ipc(where))
+    try:
+        a, b = links
+        b.capacity = 2
+        a.send(1, 0, [torch.ones(1)])
+        a.send(1, 0, [torch.ones(1)])
+        with pytest.raises(ProtocolError, match="duplicate message \\(1, 0\\) from replica 0"):
+            b.wait(0, 1, 1)
+        stages2, links2 = _replica_pair(BindTo.ipc(where))
+        try:
+            links2[1].capacity = 2
+            for i in range(3):
+                links2[0].send(1, i, [torch.ones(1)])
+            with pytest.raises(ProtocolError, match="running ahead"):
+                links2[1].wait(0, 2, 0)
+        finally:
+            _close(stages2, links2)
+    finally:
+        _close(stages, links)
+        remove_ipc_dir(where)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["encrypt", "authenticate"])
+def test_nobody_without_the_keys_joins_the_replicas_channel(mode):
+    """A plain socket, keys from another secret, and (authenticate mode) a sniffer that knows the
+    PLAIN password but not the MAC key: refused at the handshake, or dropped; a message sealed for
+    another link (replayed to the wrong replica) is dropped too. The replicas' own traffic flows."""
+    from pipeq.codec import encode
+    from pipeq.transport import secure_client
+
+    auth = WireAuth(AUTH.secret, mode)
+    other = WireAuth(JobSecret.generate(), mode)
+    stages, links = _replica_pair(BindTo.tcp("127.0.0.1"), auth)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        a, b = links
+        assert b.address.startswith("tcp://")
+        forged = [b"\0\0\0\0", *[bytes(memoryview(f)) for f in encode(Kind.REPLICA, 1, 0, [torch.full((4,), 1e6)])]]
+        for keys in (None, other, auth if mode == "authenticate" else None):
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                secure_client(s, keys, b.address, data=True)
+            s.connect(b.address)
+            socks.append(s)
+        # a genuine message from replica 0 to replica 1, captured, and a copy of it resealed for
+        # the link 1 -> 0 (what a replay to the other end would carry)
+        a.send(1, 0, [torch.ones(4)])
+        assert torch.equal(b.wait(0, 1, 0)[0], torch.ones(4))
+        for s in socks:
+            for frames in (forged, [forged[0], b"\0" * 40, *forged[1:]], [b"junk"], [b"\0\0\0\7", *forged[1:]]):
+                if s.poll(0, zmq.POLLOUT):
+                    s.send_multipart(frames, flags=zmq.NOBLOCK)
+        if mode == "authenticate":
+            from pipeq.transport import _FrameMac
+
+            wrong_link = _FrameMac(auth, "R1:1>0")  # sealed (validly) for the other direction
+            socks[2].send_multipart([b"\0\0\0\0", *wrong_link.seal(forged[1:])])
+        time.sleep(0.5)
+        a.send(1, 1, [torch.full((4,), 2.0)])  # the next genuine one
+        assert torch.equal(b.wait(0, 1, 1)[0], torch.full((4,), 2.0))
+        assert b._inbox == {}  # nothing forged was filed
+        if mode == "authenticate":
+            assert b.dropped == 5  # the sniffer's four (one with a bad origin) and the misdirected one
+        else:
+            assert b.dropped == 0  # refused at the handshake: never seen
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+        _close(stages, links)
