@@ -3,7 +3,7 @@
 Node 0 runs the driver; every other node runs :func:`run_agent`::
 
     node r agent                              node 0 driver (ROUTER)
-      | read "control", "placement" from the rendezvous store
+      | read "control", "placement", ... from the rendezvous store (signed: pipeq.rendezvous)
       | start its stages (each builds itself from the job's importable names)
       |--- READY {agent: r, stages, pids} -------------------->|
       |--- ERROR {stage: k, message} when a stage dies ------->|   (named within ~0.1 s)
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import signal
 import time
 from typing import Any, Callable
@@ -33,22 +34,47 @@ from .rendezvous import Rendezvous
 from .transport import BindTo, DriverLink, WireAuth
 
 _TICK_MS = 100
+_POLL_S = 0.05  # how often the agent looks for node 0's entries in the rendezvous store
 
 
 class AgentError(RuntimeError):
     """The agent could not start its stages or lost the driver."""
 
 
-def _fetch(store: Any, key: str, what: str, rz: Rendezvous, timeout: float) -> Any:
-    try:
-        store.wait([key])
-    except Exception:
+def _fetch(store: Any, key: str, what: str, rz: Rendezvous, deadline: float, timeout: float,
+           log: Callable[[str], None]) -> Any:
+    """Node 0's entry ``key`` (its ``what``), once one signed with this node's secret is there.
+
+    Anything else under the key (unsigned, signed with another secret, moved from another key)
+    is ignored, whoever wrote it: anyone who reaches the store's port can write it, and node 0
+    writes its entries again every half second, so this keeps polling until ``deadline``
+    (time.monotonic()) instead of giving up on a forged entry. The first foreign one is logged at
+    once; if one is still there at the deadline, the secrets most likely differ."""
+    warned = False
+    while True:
+        state, value = rz.read(store, key)
+        if state == rdzv.VALID:
+            return value
+        if state == rdzv.FOREIGN and not warned:
+            warned = True
+            log(f"node {rz.node_rank}: ignoring the rendezvous store's {key!r} entry: it is not signed "
+                f"with this node's job secret; waiting up to {max(0.0, deadline - time.monotonic()):.0f} s "
+                "for node 0's (if this lasts, node 0 was started with another secret)")
+        if time.monotonic() > deadline:
+            break
+        time.sleep(_POLL_S)
+    if state == rdzv.FOREIGN:
         raise AgentError(
-            f"node {rz.node_rank}: node 0 did not publish its {what} at the rendezvous "
-            f"{rz.master_addr}:{rz.master_port} within {timeout:.0f} s; is node 0 started with the "
-            "same --master-addr/--master-port and run id?"
-        ) from None
-    return rdzv.decode_json(store.get(key), what)
+            f"node {rz.node_rank}: node 0's {what} ({key!r} at the rendezvous {rz.master_addr}:"
+            f"{rz.master_port}) is not signed with this node's job secret after {timeout:.0f} s: the "
+            "nodes were most likely started with different secrets; pass the same --secret-file (or "
+            "PIPEQ_SECRET) on every node"
+        )
+    raise AgentError(
+        f"node {rz.node_rank}: node 0 did not publish its {what} at the rendezvous "
+        f"{rz.master_addr}:{rz.master_port} within {timeout:.0f} s; is node 0 started with the "
+        "same --master-addr/--master-port and run id?"
+    )
 
 
 def _differences(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
@@ -95,10 +121,19 @@ def run_agent(
 
     ``settings.trace`` is taken from node 0 (the driver decides whether the run is traced).
     ``start_method``: how the stages start (see :func:`pipeq.processes.process_context`)."""
+    _auth(rz)  # no secret: refused before the store is touched
     store = rz.store(start_timeout)
-    control = _fetch(store, "control", "control address", rz, start_timeout)
-    plan = _fetch(store, "placement", "stage placement", rz, start_timeout)
-    options = _fetch(store, "options", "run options", rz, start_timeout)
+    deadline = time.monotonic() + start_timeout
+    # signed: node 0 names this node if its secret is another (ProcessBackend._start_hint)
+    me = f"agent/{rz.node_rank}"
+    store.set(me, rz.sign(me, {"node": rz.node_rank, "host": os.uname().nodename, "pid": os.getpid()}))
+
+    def fetch(key: str, what: str) -> Any:
+        return _fetch(store, key, what, rz, deadline, start_timeout, log)
+
+    control = fetch("control", "control address")
+    plan = fetch("placement", "stage placement")
+    options = fetch("options", "run options")
     traced = bool(options.get("trace")) if isinstance(options, dict) else False
     replicas = options.get("replicas", 1) if isinstance(options, dict) else 1
     security = options.get("tcp_security", "encrypt") if isinstance(options, dict) else "encrypt"
@@ -115,7 +150,7 @@ def run_agent(
             f"node {rz.node_rank}: the driver runs a different job (placement {plan!r} for "
             f"{rz.nnodes} nodes, this node's job file has {n_stages} stages x {replicas} replicas)"
         )
-    theirs = _fetch(store, "job", "job description", rz, start_timeout)
+    theirs = fetch("job", "job description")
     ours = json.loads(json.dumps(job_identity(builder, schedule)))  # as it came through JSON
     if theirs != ours:
         differ = _differences(theirs, ours) if isinstance(theirs, dict) else ["everything"]

@@ -4,14 +4,18 @@
     pipeq schedule 1f1b --stages 4 --microbatches 8 --plot plan.png   # ... and draw it
     pipeq launch examples/digits.toml                 # train a job file (see pipeq.launch)
     pipeq report run.json --skip-first 1 --plot run.png   # where a traced run's time went
+    pipeq secret --out job.secret                     # a fresh job secret for a multi-host run
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import sys
 
 from . import __version__, plot, report, schedules
+from .keys import SECRET_ENV, JobSecret
 from .trace import load_trace, planned_trace
 
 
@@ -38,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-first", type=int, default=0, metavar="K",
                    help="leave the first K steps out of the report (the first includes lazy set-up)")
     p.add_argument("--include-predict", action="store_true", help="also cover forward-only (predict) steps")
+    p = sub.add_parser("secret", help="print a fresh job secret (64 hex characters) for a multi-host run",
+                       description="Print a fresh random job secret. Every node of a multi-host run needs "
+                                   f"the same one: as `pipeq launch --secret-file FILE` or in ${SECRET_ENV}.")
+    p.add_argument("--out", metavar="FILE", help="write it to FILE instead, readable by its owner only "
+                   "(mode 0600; an existing FILE is never overwritten)")
     from . import launch
 
     p = sub.add_parser("launch", help="train a job file (TOML), on one host or several",
@@ -51,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             return _schedule(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "secret":
+            return _secret(args)
     except (ValueError, OSError, RuntimeError) as exc:  # ScheduleError is a ValueError; RuntimeError: no matplotlib
         print(f"pipeq: {exc}", file=sys.stderr)
         return 2
@@ -65,6 +76,25 @@ def _schedule(args: argparse.Namespace) -> int:
     if args.plot:
         plan = planned_trace(name, args.stages, args.microbatches, backward_cost=args.backward_cost)
         print(f"plot: {plot.plot_trace(plan, args.plot, steps='all')}")
+    return 0
+
+
+def _secret(args: argparse.Namespace) -> int:
+    """A fresh secret (as :meth:`JobSecret.generate` makes one), on stdout or in a new 0600 file."""
+    text = secrets.token_hex(32)
+    JobSecret.from_text(text)  # what every node will check it against
+    if args.out is None:
+        print(text)
+        return 0
+    try:  # created with its final mode: never readable by others, not even for a moment
+        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise OSError(f"{args.out} already exists; remove it first (a run's nodes must share one secret)") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.chmod(args.out, 0o600)  # whatever the umask
+    print(f"wrote a job secret to {args.out}; give every node the same file (--secret-file) "
+          f"or its content (${SECRET_ENV})", file=sys.stderr)
     return 0
 
 

@@ -87,6 +87,7 @@ class ProcessBackend:
         self.recorder = (TraceRecorder(trace_path, schedule, self.n_stages, microbatches, replicas)
                          if trace_path is not None else None)
         self.store: Any = None
+        self._republisher: rdzv.Republisher | None = None
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self.server: ControlServer | None = None
         self.sup: Supervisor | None = None
@@ -118,12 +119,7 @@ class ProcessBackend:
                               n_nodes=len(self.placement), heartbeat_timeout=self.heartbeat_timeout,
                               teardown=self._teardown)
         if rz is not None:  # tell the other nodes where to find us and what each of them runs
-            self.store.set("placement", rdzv.encode_json(self.placement))
-            self.store.set("job", rdzv.encode_json(job_identity(self.payloads[0], self.schedule)))
-            self.store.set("options", rdzv.encode_json({"trace": self.recorder is not None,
-                                                         "replicas": self.replicas,
-                                                         "tcp_security": self.settings.tcp_security}))
-            self.store.set("control", rdzv.encode_json(self.server.address))
+            self._publish(rz)
         ctx = process_context(self.start_method)
         # stage seeds come from the caller's RNG: torch.manual_seed before the runner repeats a run
         base_seed = int(torch.randint(0, 2**62, ()).item())
@@ -141,6 +137,7 @@ class ProcessBackend:
             self.procs[cfg.process] = start_worker(ctx, cfg, self.payloads[cfg.process])
         replies = self.sup.collect(Kind.READY, dict.fromkeys(range(self.n_processes), 1),
                                    timeout=self.start_timeout, what="start", on_timeout=self._start_hint)
+        self._stop_republishing()  # every node has read our entries: nothing reads them any more
         self.sup.expect_heartbeats()
         ready = {g: msgs[0].extra for g, msgs in replies.items()}
         peers = []
@@ -162,6 +159,26 @@ class ProcessBackend:
         self.worker_info = [ready[g] for g in range(self.n_processes)]
         if self.recorder is not None:
             self.recorder.measure_clocks(self.sup, self._next_request_id)
+
+    def _publish(self, rz: Rendezvous) -> None:
+        """Write node 0's signed entries (control last: agents read it first) and keep them
+        there until every stage is READY (see :class:`pipeq.rendezvous.Republisher`)."""
+        entries: dict[str, object] = {
+            "placement": self.placement,
+            "job": job_identity(self.payloads[0], self.schedule),
+            "options": {"trace": self.recorder is not None, "replicas": self.replicas,
+                        "tcp_security": self.settings.tcp_security},
+            "control": self.server.address if self.server is not None else None,
+        }
+        signed = {key: rz.sign(key, value) for key, value in entries.items()}
+        for key, raw in signed.items():
+            self.store.set(key, raw)
+        self._republisher = rdzv.Republisher(rz, signed, timeout=min(self.start_timeout, 10.0)).start()
+
+    def _stop_republishing(self) -> None:
+        if self._republisher is not None:
+            self._republisher.stop()
+            self._republisher = None
 
     def close(self) -> None:
         """Stop every worker and remove the ipc files.
@@ -193,6 +210,7 @@ class ProcessBackend:
             self.recorder.write(merged)
 
     def _teardown(self) -> None:
+        self._stop_republishing()
         if self.server is not None and self.rendezvous is not None:
             # Remote stages and agents: tell them to go (their agents also see us vanish).
             abort = Message(Kind.EXIT, extra={"abort": self.sup is not None and self.sup.failure is not None})
@@ -210,7 +228,10 @@ class ProcessBackend:
         self.ipc_dir = None
 
     def _start_hint(self, missing: set[int]) -> str:
-        """Multi-host start-up: which missing stages reached the rendezvous, and where they run."""
+        """Multi-host start-up: which missing stages reached the rendezvous, and where they run.
+
+        A node whose entries ("agent/r", "stage/g") are there but not signed with this node's
+        secret is named: it was most likely started with another secret."""
         rz = self.rendezvous
         if self.store is None or rz is None:
             return ""
@@ -219,15 +240,24 @@ class ProcessBackend:
             lost = [k for k in stages if k in missing]
             if not lost:
                 continue
-            try:
-                seen = [k for k in lost if self.store.check([f"stage/{k}"])]
-            except Exception:
-                seen = []
+            found = {k: self._entry_state(rz, f"stage/{k}") for k in lost}
+            agent = self._entry_state(rz, f"agent/{node}") if node > 0 else rdzv.MISSING
+            seen = [k for k in lost if found[k] == rdzv.VALID]
+            foreign = [f"stage/{k}" for k in lost if found[k] == rdzv.FOREIGN]
+            if agent == rdzv.FOREIGN:
+                foreign.insert(0, f"agent/{node}")
             if seen:
                 hints.append(f"stage(s) {seen} (node {node}) registered at the rendezvous but never "
                              f"reached the control channel {self.server.address if self.server else ''}: "
                              f"is that port reachable from node {node}?")
-            if len(seen) < len(lost):
+            if foreign:
+                hints.append(f"node {node} uses another secret: its entries {foreign} at the rendezvous "
+                             f"{rz.master_addr}:{rz.master_port} are not signed with this node's; pass "
+                             "the same --secret-file (or PIPEQ_SECRET) on every node")
+            elif len(seen) < len(lost) and agent == rdzv.VALID:
+                hints.append(f"node {node}'s agent reached the rendezvous but its stage(s) "
+                             f"{[k for k in lost if k not in seen]} never registered: see node {node}'s log")
+            elif len(seen) < len(lost):
                 hints.append(f"stage(s) {[k for k in lost if k not in seen]} (node {node}) never "
                              f"registered at the rendezvous {rz.master_addr}:{rz.master_port}: is "
                              f"node {node} started (pipeq launch ... --node-rank {node})?")
@@ -241,6 +271,12 @@ class ProcessBackend:
             hint += ("; is every stage process's replicas port (READY's 'replica_link') reachable from "
                      "the nodes of the same stage's other replicas?")
         return hint
+
+    def _entry_state(self, rz: Rendezvous, key: str) -> str:
+        try:
+            return rz.read(self.store, key)[0]
+        except Exception:  # the store is gone: no hint from it
+            return rdzv.MISSING
 
     def _next_request_id(self) -> int:
         self._request_id -= 1  # control requests count down, steps count up: never equal

@@ -4,8 +4,12 @@ On one host (the default) this process is the driver and starts every stage. In 
 (``--nnodes``/``--node-rank``/``--master-addr``/``--master-port``, or torchrun's / srun's
 environment) node 0 is the driver and every other node runs an agent that starts its stages::
 
-    host A: pipeq launch job.toml --nnodes 2 --node-rank 0 --master-addr A   # driver + stage 0
-    host B: pipeq launch job.toml --nnodes 2 --node-rank 1 --master-addr A   # stages 1, 2
+    anywhere: pipeq secret --out job.secret          # then copy it to every host (mode 0600)
+    host A: pipeq launch job.toml --nnodes 2 --node-rank 0 --master-addr A --secret-file job.secret
+    host B: pipeq launch job.toml --nnodes 2 --node-rank 1 --master-addr A --secret-file job.secret
+
+(``PIPEQ_SECRET`` in the environment instead of ``--secret-file``). Node 0 runs the driver and
+stage 0, node 1 stages 1 and 2; nothing without the secret can join or redirect the run.
 
 The driver trains for the job's steps or epochs with ``runner.stream`` (the pipeline stays full
 across batches; it drains only before an evaluation, a checkpoint and the end), shows progress
@@ -92,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--bind", help="address or interface this node's processes bind to (default: "
                                   "the one that routes to the master address)")
     m.add_argument("--run-id", help="keeps concurrent runs on one store apart")
+    m.add_argument("--secret-file", metavar="PATH",
+                   help="the job's secret, the same on every node, in a file only its owner may read "
+                        "(make one with `pipeq secret --out PATH`); default: $PIPEQ_SECRET. A multi-host "
+                        "run refuses to start without one; a single-host run makes its own")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -104,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.job, _overrides(args))
         rz = rdzv.from_settings(args.nnodes, args.node_rank, args.master_addr, args.master_port,
-                                args.bind, args.run_id)
+                                args.bind, args.run_id, secret_file=args.secret_file)
     except ValueError as exc:
         print(f"pipeq launch: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,18 @@ Settings follow torchrun's conventions, flags first, then the environment::
 
 Under torchrun every worker process is one pipeq node, so ``torchrun --nproc-per-node 2 -m
 pipeq launch job.toml`` gives two nodes on one host.
+
+Every node needs the job's secret (``--secret-file`` or ``PIPEQ_SECRET``: :mod:`pipeq.keys`).
+Anyone who can reach the store's port can read and write it, so every entry a node publishes is
+signed (:meth:`Rendezvous.sign`: an HMAC of the entry's full key and its JSON value) and every
+entry a node reads is checked (:meth:`Rendezvous.read`); an entry that does not verify is
+ignored, whoever wrote it. A store ``set`` overwrites, so a reader waits for a valid entry
+instead of giving up on a forged one, and node 0 writes its entries again every half second
+while the run starts (:class:`Republisher`)::
+
+    node 0 (driver):  "control", "placement", "job", "options"   (re-published until all READY)
+    node r (agent):   "agent/r"                                  (node 0 names a node with
+    stage process g:  "stage/g"                                   another secret from these)
 """
 
 from __future__ import annotations
@@ -25,14 +37,19 @@ import ipaddress
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .keys import HOW_TO_MAKE, JobSecret
 from .netif import interface_address
 
 DEFAULT_PORT = 29500
+#: A value no signed entry can have: :func:`peek` reads a key's value without waiting with it.
+_ABSENT = b"\0pipeq: no entry"
+#: What :meth:`Rendezvous.read` found under a key.
+VALID, FOREIGN, MISSING = "valid", "foreign", "missing"
 
 
 @dataclass
@@ -52,11 +69,12 @@ class Rendezvous:
     def prefix(self) -> str:
         return f"pipeq/{self.run_id}/"
 
-    def store(self, timeout: float):  # -> torch.distributed.Store
-        """The rendezvous store: hosted here on node 0 (unless torchrun's agent hosts it)."""
+    def store(self, timeout: float, *, client: bool = False):  # -> torch.distributed.Store
+        """The rendezvous store: hosted here on node 0 (unless torchrun's agent hosts it, or
+        ``client``: another connection to it, e.g. node 0's :class:`Republisher`)."""
         from torch.distributed import PrefixStore, TCPStore
 
-        host = self.node_rank == 0 and not self.agent_store
+        host = self.node_rank == 0 and not self.agent_store and not client
         if not host:
             self._wait_for_store(timeout)
         try:
@@ -92,6 +110,82 @@ class Rendezvous:
     def store_address(self) -> tuple[str, int, str]:
         return (self.master_addr, self.master_port, self.prefix)
 
+    # -- signed entries ------------------------------------------------------------------------
+    def _secret(self) -> JobSecret:
+        if self.secret is None:
+            raise ValueError(f"node {self.node_rank}: a multi-host run needs the job's secret: {HOW_TO_MAKE}")
+        return self.secret
+
+    def sign(self, key: str, value: object) -> bytes:
+        """``value`` (JSON-able) as the store entry ``key``, signed with the job's secret. The
+        signature covers the full key (run id included): an entry moved to another key or run
+        does not verify."""
+        return self._secret().sign(self.prefix + key, value)
+
+    def verify(self, key: str, raw: bytes) -> tuple[bool, object]:
+        """``(True, value)`` if ``raw`` is entry ``key`` signed with this node's secret, else
+        ``(False, None)`` (unsigned, another secret's, moved from another key, malformed)."""
+        return self._secret().verify(self.prefix + key, raw)
+
+    def read(self, store: Any, key: str) -> tuple[str, object]:
+        """Entry ``key`` of ``store`` now, without waiting: ``(VALID, value)``, ``(FOREIGN,
+        None)`` if what is there is not signed with this node's secret, ``(MISSING, None)``."""
+        raw = peek(store, key)
+        if raw is None:
+            return MISSING, None
+        ok, value = self.verify(key, raw)
+        return (VALID, value) if ok else (FOREIGN, None)
+
+
+def peek(store: Any, key: str) -> bytes | None:
+    """``key``'s value in ``store`` now, or None if it has none. Never waits: a ``get`` of a
+    missing key waits for it (up to the store's timeout), and a foreign client may delete a key
+    between a ``check`` and a ``get``. A ``compare_set`` whose expected and new values are both
+    ``_ABSENT`` changes nothing and answers the current value (or ``_ABSENT`` if there is none)."""
+    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if raw == _ABSENT else raw
+
+
+class Republisher:
+    """Node 0's signed entries, written again every ``interval`` seconds until :meth:`stop`.
+
+    Any client of the store may overwrite or delete an entry; readers ignore what does not
+    verify and keep polling, and this puts the real entry back, so a forger cannot stall the
+    start. It runs in a daemon thread with its own store connection (a TCPStore client is not
+    shared between threads); connection errors are retried, never raised.
+    """
+
+    def __init__(self, rz: Rendezvous, entries: Mapping[str, bytes], *, interval: float = 0.5,
+                 timeout: float = 10.0) -> None:
+        self.rz = rz
+        self.entries = dict(entries)
+        self.interval = interval
+        self.timeout = timeout
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pipeq-republish", daemon=True)
+
+    def start(self) -> "Republisher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+
+    def _run(self) -> None:
+        store = None
+        while not self._done.wait(self.interval):
+            try:
+                if store is None:
+                    store = self.rz.store(self.timeout, client=True)
+                for key, raw in self.entries.items():
+                    if self._done.is_set():
+                        return
+                    store.set(key, raw)
+            except Exception:  # the store is going away, or a hiccup: reconnect next round
+                store = None
+
 
 def _env_int(env: Mapping[str, str], *names: str) -> int | None:
     for name in names:
@@ -114,7 +208,11 @@ def from_settings(
     env: Mapping[str, str] | None = None,
     secret_file: str | None = None,
 ) -> Rendezvous | None:
-    """The rendezvous from flags, then torchrun's / SLURM's variables; None for one host."""
+    """The rendezvous from flags, then torchrun's / SLURM's variables; None for one host.
+
+    A multi-host run needs the job's secret (:attr:`Rendezvous.secret`): from ``secret_file``
+    (which only its owner may read), else ``$PIPEQ_SECRET``; without one it is refused with a
+    ValueError that says how to make one. One host needs none (the runner makes its own)."""
     env = os.environ if env is None else env
     nnodes = nnodes if nnodes is not None else _env_int(env, "WORLD_SIZE", "SLURM_NTASKS")
     if nnodes is None or nnodes == 1 and node_rank in (None, 0) and master_addr is None:

@@ -272,18 +272,22 @@ def _build(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> StageSpec:
 
 
 def _publish(cfg: WorkerConfig, info: dict[str, Any]) -> None:
-    """Multi-host: publish this stage's endpoints in the rendezvous store (JSON, no pickles)."""
+    """Multi-host: publish this process's endpoints in the rendezvous store as ``stage/<g>``
+    (JSON, signed with the job's secret under the entry's full key, as pipeq.rendezvous reads it;
+    no pickles). Node 0 only reads it for its start-up hints."""
     if cfg.store is None:
         return
+    if cfg.auth is None:
+        raise RuntimeError(f"stage {cfg.stage}: a multi-host stage needs the job's secret")
     import datetime
-    import json
 
     from torch.distributed import PrefixStore, TCPStore
 
     host, port, prefix = cfg.store
+    key = f"stage/{cfg.process}"
     store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60),
                      wait_for_workers=False)
-    PrefixStore(prefix, store).set(f"stage/{cfg.stage}", json.dumps(info))
+    PrefixStore(prefix, store).set(key, cfg.auth.secret.sign(prefix + key, info))
 
 
 def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -18,6 +19,14 @@ DIGITS_JOB = os.path.join(ROOT, "examples", "digits.toml")
 # steps of the single-host digits run that the multi-host runs (test_workers.py, test_multihost.py)
 # must reproduce: one launch, shared through conftest.py's session fixture single_host_digits
 REFERENCE_STEPS = 6
+
+# the job secret of the test session's multi-host runs (every node needs the same one)
+SECRET = secrets.token_hex(32)
+
+
+def secret_env(secret: str = SECRET, **extra: str) -> dict[str, str]:
+    """This process's environment with ``PIPEQ_SECRET`` set: what a multi-host node is started with."""
+    return {**os.environ, "PIPEQ_SECRET": secret, **extra}
 
 
 def launch_cmd(*args: str) -> list[str]:

@@ -22,3 +22,36 @@ def test_bad_counts_exit_2(capsys):
 def test_console_script_installed():
     out = subprocess.run([sys.executable, "-m", "pipeq.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("pipeq ")
+
+
+def test_secret_prints_a_fresh_one(capsys):
+    assert main(["secret"]) == 0
+    first = capsys.readouterr().out
+    assert main(["secret"]) == 0
+    second = capsys.readouterr().out
+    for out in (first, second):
+        assert out.endswith("\n") and len(out.strip()) == 64
+        int(out, 16)  # hex
+    assert first != second
+
+
+def test_secret_out_is_a_new_file_only_its_owner_may_read(tmp_path, capsys):
+    import os
+    import stat
+
+    from pipeq.keys import JobSecret
+
+    path = tmp_path / "job.secret"
+    old = os.umask(0o022)  # the usual umask: a plain `> file` would be readable by others
+    try:
+        assert main(["secret", "--out", str(path)]) == 0
+    finally:
+        os.umask(old)
+    assert capsys.readouterr().out == ""  # the secret is not printed
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    loaded = JobSecret.load(str(path), env={})
+    assert loaded == JobSecret.from_text(path.read_text())
+    text = path.read_text()
+    assert main(["secret", "--out", str(path)]) == 2  # never overwritten: the nodes share it
+    assert "already exists" in capsys.readouterr().err
+    assert path.read_text() == text

@@ -27,7 +27,8 @@ import pipeq
 from pipeq.messages import Kind
 from pipeq.errors import PipelineError
 
-from launch_util import DIGITS_JOB, ROOT, assert_same_state, free_port, launch_cmd, metrics, model_state
+from launch_util import (DIGITS_JOB, ROOT, assert_same_state, free_port, launch_cmd, metrics, model_state,
+                         secret_env)
 from models import Exits, Raises, mlp_stages, reference_train
 
 pytestmark = pytest.mark.timeout(300)
@@ -486,7 +487,8 @@ def launched(tmp_path_factory):
         "node1": launch_cmd(*steps, *multi, "--node-rank", "1", "--out", out["node1"]),
         "nodes": launch_cmd(*steps, *multi, "--node-rank", "0", "--out", out["nodes"]),
     }
-    procs = {name: subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = {name: subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=secret_env())  # the multi-host nodes need the job's secret
              for name, argv in argvs.items()}
     results = {}
     try:

@@ -134,16 +134,16 @@ def test_nodes_started_with_different_jobs_are_refused(tmp_path) -> None:
     """A node with another schedule or seed would deadlock or train apart: both nodes say so."""
     import subprocess
 
-    from launch_util import free_port, launch_cmd
+    from launch_util import free_port, launch_cmd, secret_env
 
     port = str(free_port())
     common = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--steps", "3")
     node1 = subprocess.Popen(launch_cmd(*common, "--node-rank", "1", "--out", str(tmp_path / "n1"),
                                         "--schedule", "fill-drain"),
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=secret_env())
     try:
         node0 = subprocess.run(launch_cmd(*common, "--node-rank", "0", "--out", str(tmp_path / "n0")),
-                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+                               cwd=ROOT, capture_output=True, text=True, timeout=120, env=secret_env())
         _, err1 = node1.communicate(timeout=60)
     finally:
         if node1.poll() is None:
@@ -160,20 +160,24 @@ def test_embedded_runner_as_node_0_of_a_two_node_run(tmp_path) -> None:
     import sys
 
     import pipeq
-    from launch_util import DIGITS_JOB, free_port, launch_cmd
+    from launch_util import DIGITS_JOB, SECRET, free_port, launch_cmd, secret_env
     from pipeq.job import load_job
 
     sys.path.insert(0, ROOT)
     from examples.digits_job import train_batches
 
     port = free_port()
+    secret_file = tmp_path / "job.secret"  # node 0 takes the secret from a file, node 1 from its env
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
     node1 = subprocess.Popen(
         launch_cmd("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
                    "--master-port", str(port), "--out", str(tmp_path / "n1")),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=secret_env())
     try:
         job = load_job(DIGITS_JOB)
-        rz = pipeq.rendezvous.from_settings(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        rz = pipeq.rendezvous.from_settings(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port,
+                                            env={}, secret_file=str(secret_file))
         runner = pipeq.PipelineRunner(job.recipe, None, None, job.schedule, job.microbatches,
                                       threads_per_stage=1, rendezvous=rz, start_method="forkserver")
         with runner:
@@ -186,6 +190,30 @@ def test_embedded_runner_as_node_0_of_a_two_node_run(tmp_path) -> None:
         if node1.poll() is None:
             node1.kill()
             node1.communicate()
+
+
+@pytest.mark.parametrize("given", ["nothing", "a file others may read"])
+def test_multi_host_without_a_usable_secret_refuses_to_start(tmp_path, monkeypatch, capsys, given) -> None:
+    """Refused before anything starts, saying what to do (exit code 2)."""
+    from launch_util import DIGITS_JOB, SECRET
+    from pipeq.cli import main
+
+    monkeypatch.delenv("PIPEQ_SECRET", raising=False)
+    loose = tmp_path / "loose.secret"
+    loose.write_text(SECRET)
+    loose.chmod(0o644)
+    argv = ["launch", DIGITS_JOB, "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+            "--out", str(tmp_path / "out")]
+    if given != "nothing":
+        argv += ["--secret-file", str(loose)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    if given == "nothing":
+        assert "a multi-host run needs the job's secret on every node" in err, err
+        assert "python -m pipeq secret" in err and "--secret-file" in err and "PIPEQ_SECRET" in err, err
+    else:
+        assert f"the secret file {loose} is readable by others (mode 644); chmod 600 {loose}" in err, err
+    assert not os.path.exists(tmp_path / "out")  # nothing started
 
 
 def test_launch_trace_covers_every_step_of_every_stage(uninterrupted: str) -> None:

@@ -1,8 +1,10 @@
 """Multi-host runs over TCP: two "hosts" made of network namespaces joined by a veth pair.
 
 Host A runs the driver and stage 0, host B stages 1 and 2 (``pipeq launch --nnodes 2``); the
-result must equal the single-host run, and a killed worker must end the run, named, with no
-process left in either namespace.
+result must equal the single-host run, even with a foreign client of the rendezvous store on host
+B forging, moving, overwriting and deleting every entry the nodes read; a killed worker must end
+the run, named, with no process left in either namespace. And (two nodes over loopback) a node
+started with another secret is refused, and both nodes say so.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
-from launch_util import REFERENCE_STEPS, ROOT, assert_same_state, launch_cmd, model_state
+import store_forger
+from launch_util import (REFERENCE_STEPS, ROOT, assert_same_state, free_port, launch_cmd, metrics, model_state,
+                         secret_env)
 from netns import TwoHosts, netns_available
 
 pytestmark = pytest.mark.timeout(240)
@@ -37,21 +42,36 @@ def hosts():
 def _node(h: TwoHosts, ns: str, rank: int, out: str, *extra: str) -> subprocess.Popen:
     argv = launch_cmd("--nnodes", "2", "--node-rank", str(rank), "--master-addr", h.addr_a,
                       "--master-port", str(PORT), "--out", out, *extra)
-    return h.popen(ns, argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return h.popen(ns, argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                   env=secret_env())
 
 
 def test_two_namespaces_equal_the_single_host_run(hosts: TwoHosts, request, tmp_path) -> None:
+    """... while a foreign store client on host B forges every entry the nodes read (node 1 follows
+    only node 0's signed ones): the same losses and parameters as the single-host run."""
     h = hosts
     out = str(tmp_path / "multi")
-    node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", str(STEPS))
-    node0 = _node(h, h.a, 0, out, "--steps", str(STEPS), "--trace", os.path.join(out, "trace.json"))
-    # the single-host run to compare with (conftest.py); if not done yet, it runs beside the nodes
-    single_host = request.getfixturevalue("single_host_digits")
-    out0, err0 = node0.communicate(timeout=150)
-    out1, err1 = node1.communicate(timeout=30)
+    forger = h.popen(h.b, [sys.executable, os.path.join(ROOT, "tests", "store_forger.py"), h.addr_a, str(PORT)],
+                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        node1 = _node(h, h.b, 1, str(tmp_path / "node1"), "--steps", str(STEPS))
+        node0 = _node(h, h.a, 0, out, "--steps", str(STEPS), "--trace", os.path.join(out, "trace.json"))
+        # the single-host run to compare with (conftest.py); if not done yet, it runs beside the nodes
+        single_host = request.getfixturevalue("single_host_digits")
+        out0, err0 = node0.communicate(timeout=150)
+        out1, err1 = node1.communicate(timeout=30)
+    finally:
+        forger.terminate()
+        forged, forger_err = forger.communicate(timeout=30)
     assert node0.returncode == 0, err0
     assert node1.returncode == 0, err1
     assert "2 nodes" in out0
+    assert forger.returncode == 0 and forged.startswith("rounds "), forged + forger_err
+    assert int(forged.split()[1]) >= 2, forged  # it forged all along the start
+    assert store_forger.FORGED_CONTROL not in err1
+    losses = [line["loss"] for line in metrics(out)]
+    assert losses == pytest.approx([line["loss"] for line in metrics(single_host)], abs=1e-6)
     assert_same_state(model_state(out), model_state(single_host), atol=1e-6)
     # stage 1 and 2 really ran on host B: the agent says so
     assert "started stage(s) [1, 2]" in err1
@@ -139,3 +159,37 @@ def test_host_cut_off_is_named_and_both_sides_clean_up(hosts: TwoHosts, tmp_path
         assert node1.returncode != 0
         assert "lost the driver" in err1, err1
         _wait_for(lambda: not h.procs(h.a) and not h.procs(h.b), 10, "all processes to exit")
+
+
+# -- the job secret (loopback) ---------------------------------------------------------------------
+def _loopback_node(rank: int, port: int, out: str, *extra: str, env: dict[str, str]) -> subprocess.Popen:
+    argv = launch_cmd("--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                      "--master-port", str(port), "--out", out, *extra)
+    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.timeout(90)
+def test_a_node_with_another_secret_is_refused_and_both_say_so(tmp_path) -> None:
+    port = free_port()
+    short = ("--steps", "3", "--start-timeout", "6")
+    # node 1 first: it waits for node 0's store (up to the start timeout)
+    node1 = _loopback_node(1, port, str(tmp_path / "node1"), *short,
+                           env=secret_env("another secret, not the one node 0 has"))
+    node0 = None
+    try:
+        node0 = _loopback_node(0, port, str(tmp_path / "node0"), *short, env=secret_env())
+        _, err0 = node0.communicate(timeout=60)
+        _, err1 = node1.communicate(timeout=30)
+    finally:
+        for p in (node0, node1):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert node0.returncode == 1, err0
+    assert "timed out after 6.0 s waiting for READY (start) from stage(s) [1, 2]" in err0, err0
+    assert "node 1 uses another secret: its entries ['agent/1']" in err0, err0
+    assert node1.returncode == 1, err1
+    assert "ignoring the rendezvous store's 'control' entry" in err1, err1  # said at once
+    assert ("node 1: node 0's control address ('control' at the rendezvous 127.0.0.1:" in err1
+            and "different secrets" in err1), err1
+    assert "started stage(s)" not in err1  # nothing was started with the wrong secret

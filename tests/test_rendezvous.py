@@ -3,13 +3,18 @@ and job files (keys, types, overrides)."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 import pytest
 
-from launch_util import DIGITS_JOB
+from launch_util import DIGITS_JOB, SECRET
 from pipeq import rendezvous as rdzv
 from pipeq.job import load_job
+from pipeq.keys import HOW_TO_MAKE, JobSecret, SecretError
+
+OTHER = "another secret, of at least 32 characters"
 
 
 def test_single_host_without_settings() -> None:
@@ -20,16 +25,18 @@ def test_single_host_without_settings() -> None:
 def test_torchrun_environment() -> None:
     env = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
            "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True",
-           "TORCHELASTIC_RUN_ID": "job7"}
+           "TORCHELASTIC_RUN_ID": "job7", "PIPEQ_SECRET": SECRET}
     rz = rdzv.from_settings(env=env)
     assert rz is not None
     assert (rz.nnodes, rz.node_rank, rz.master_addr, rz.master_port) == (2, 1, "127.0.0.1", 29555)
     assert rz.agent_store and rz.local_rank == 1 and rz.local_world_size == 2
     assert rz.run_id == "job7" and rz.bind == "127.0.0.1"
+    assert rz.secret == JobSecret.from_text(SECRET)
 
 
 def test_slurm_environment_and_flags_win() -> None:
-    env = {"SLURM_NTASKS": "3", "SLURM_PROCID": "2", "MASTER_ADDR": "127.0.0.1", "SLURM_JOB_ID": "99"}
+    env = {"SLURM_NTASKS": "3", "SLURM_PROCID": "2", "MASTER_ADDR": "127.0.0.1", "SLURM_JOB_ID": "99",
+           "PIPEQ_SECRET": SECRET}
     rz = rdzv.from_settings(env=env)
     assert rz is not None and (rz.nnodes, rz.node_rank, rz.master_port) == (3, 2, rdzv.DEFAULT_PORT)
     assert rz.run_id == "99" and not rz.agent_store
@@ -46,8 +53,12 @@ def test_slurm_environment_and_flags_win() -> None:
         ({"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 70000}, {}, "not a TCP port"),
         ({}, {"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
         ({"bind": "127.0.0.1"}, {}, "--bind only applies"),
-        ({"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "bind": "no-such-if0"}, {},
-         "neither an address, an interface nor a host name"),
+        ({"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "bind": "no-such-if0"},
+         {"PIPEQ_SECRET": SECRET}, "neither an address, an interface nor a host name"),
+        ({"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1"}, {},
+         "a multi-host run needs the job's secret on every node: make one with `python -m pipeq secret"),
+        ({"nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1"}, {"PIPEQ_SECRET": "short"},
+         r"\$PIPEQ_SECRET holds 5 characters, a job secret needs at least 32"),
     ],
 )
 def test_bad_settings_say_what_to_do(kwargs, env, match) -> None:
@@ -130,3 +141,197 @@ def test_job_recipes_refuse_schedules_their_stages_cannot_train(schedule, reason
     recipe = load_job(DIGITS_JOB).recipe
     with pytest.raises(ValueError, match=reason):
         pipeq.PipelineRunner(recipe, None, None, schedule)
+
+
+# -- the job secret -------------------------------------------------------------------------------
+def _rz(node_rank: int = 1, secret: str = SECRET, run_id: str = "pipeq", port: int = 1) -> rdzv.Rendezvous:
+    return rdzv.Rendezvous(nnodes=2, node_rank=node_rank, master_addr="127.0.0.1", master_port=port,
+                           bind="127.0.0.1", run_id=run_id, secret=JobSecret.from_text(secret))
+
+
+def test_multi_host_without_a_secret_says_how_to_make_one() -> None:
+    with pytest.raises(ValueError) as info:
+        rdzv.from_settings(nnodes=2, node_rank=0, master_addr="127.0.0.1", env={"SLURM_JOB_ID": "5"})
+    assert HOW_TO_MAKE in str(info.value)
+
+
+def test_secret_file_only_its_owner_may_read(tmp_path) -> None:
+    path = tmp_path / "job.secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o600)
+    flags = {"nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1"}
+    # the file wins over the environment
+    rz = rdzv.from_settings(**flags, env={"PIPEQ_SECRET": OTHER}, secret_file=str(path))
+    assert rz is not None and rz.secret == JobSecret.from_text(SECRET)
+    assert "hidden" in repr(rz.secret) and SECRET not in repr(rz)
+    for mode in (0o644, 0o640, 0o604):
+        path.chmod(mode)
+        with pytest.raises(SecretError, match=f"readable by others \\(mode {mode:o}\\); chmod 600 {path}"):
+            rdzv.from_settings(**flags, env={}, secret_file=str(path))
+    with pytest.raises(SecretError, match="cannot read the secret file"):
+        rdzv.from_settings(**flags, env={}, secret_file=str(tmp_path / "missing"))
+    path.write_text("too short")
+    path.chmod(0o600)
+    with pytest.raises(SecretError, match="holds 9 characters"):
+        rdzv.from_settings(**flags, env={}, secret_file=str(path))
+
+
+def test_signed_entries_verify_only_under_their_key_run_and_secret() -> None:
+    rz = _rz()
+    raw = rz.sign("control", "tcp://10.0.0.1:5555")
+    assert rz.verify("control", raw) == (True, "tcp://10.0.0.1:5555")
+    assert _rz(node_rank=0).verify("control", raw) == (True, "tcp://10.0.0.1:5555")  # any node, same secret
+    assert rz.verify("placement", raw) == (False, None)  # moved to another key
+    assert _rz(run_id="other").verify("control", raw) == (False, None)  # ... or another run's store
+    assert _rz(secret=OTHER).verify("control", raw) == (False, None)  # another secret
+    entry = json.loads(raw)
+    tampered = json.dumps({**entry, "value": json.dumps("tcp://6.6.6.6:5555")}).encode()
+    assert rz.verify("control", tampered) == (False, None)  # the value changed, the MAC kept
+    assert rz.verify("control", json.dumps({**entry, "mac": "0" * 64}).encode()) == (False, None)
+    forged = _rz(secret=OTHER).sign("control", "tcp://6.6.6.6:5555")
+    assert rz.verify("control", forged) == (False, None)
+    for junk in (rdzv.encode_json("tcp://6.6.6.6:5555"), b"", b"\xff\xfe", b"[1, 2]", b'{"value": 1, "mac": 2}',
+                 json.dumps({"value": entry["value"]}).encode()):
+        assert rz.verify("control", junk) == (False, None), junk
+    # every node agrees on the bytes: JSON with sorted keys, no pickles
+    value = {"b": [1, 2], "a": {"y": None, "x": "z"}}
+    assert rz.verify("job", rz.sign("job", value)) == (True, value)
+    assert rz.sign("job", value) == _rz(node_rank=0).sign("job", value)
+
+
+@pytest.fixture
+def store():
+    """A rendezvous store hosted in this process: (port, a client of it under run id "pipeq")."""
+    import datetime
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=10))
+    yield host.port, PrefixStore("pipeq/pipeq/", host)
+
+
+@pytest.mark.timeout(30)
+def test_read_never_waits_and_tells_valid_from_foreign(store) -> None:
+    port, s = store
+    rz = _rz(port=port)
+    t0 = time.monotonic()
+    assert rz.read(s, "control") == (rdzv.MISSING, None)
+    s.set("control", rdzv.encode_json("tcp://6.6.6.6:1"))
+    assert rz.read(s, "control") == (rdzv.FOREIGN, None)
+    s.set("control", rz.sign("control", "tcp://127.0.0.1:2"))
+    assert rz.read(s, "control") == (rdzv.VALID, "tcp://127.0.0.1:2")
+    assert rdzv.peek(s, "control") == rz.sign("control", "tcp://127.0.0.1:2")
+    s.delete_key("control")
+    assert rdzv.peek(s, "control") is None and not s.check(["control"])  # peeking wrote nothing
+    assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.timeout(30)
+def test_republisher_puts_overwritten_and_deleted_entries_back(store) -> None:
+    port, s = store
+    rz = _rz(node_rank=0, port=port)
+    entries = {key: rz.sign(key, key.upper()) for key in ("control", "placement")}
+    pub = rdzv.Republisher(rz, entries, interval=0.05).start()
+    try:
+        for attack in range(3):
+            s.set("control", rdzv.encode_json("tcp://6.6.6.6:1"))
+            s.delete_key("placement")
+            _until(lambda: rdzv.peek(s, "control") == entries["control"]
+                   and rdzv.peek(s, "placement") == entries["placement"], 5, "the entries to come back")
+    finally:
+        pub.stop()
+    assert not pub._thread.is_alive()
+    s.delete_key("control")
+    time.sleep(0.2)
+    assert rdzv.peek(s, "control") is None  # stopped: nothing writes any more
+
+
+def _until(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(30)
+def test_agent_waits_past_forged_entries_for_node_0s(store) -> None:
+    """Unsigned, another secret's, or node 0's entry for another key: ignored (with one warning)
+    until a signed one is there, however long it takes within the start timeout."""
+    import threading
+
+    from pipeq.agent import _fetch
+
+    port, s = store
+    rz = _rz(port=port)
+    node0 = _rz(node_rank=0, port=port)
+    lines: list[str] = []
+    s.set("control", rdzv.encode_json("tcp://6.6.6.6:1"))
+
+    def forge_then_publish() -> None:
+        for raw in (_rz(secret=OTHER, port=port).sign("control", "tcp://6.6.6.6:1"),
+                    node0.sign("placement", "tcp://6.6.6.6:1")):
+            time.sleep(0.15)
+            s.set("control", raw)
+        time.sleep(0.15)
+        s.set("control", node0.sign("control", "tcp://127.0.0.1:7"))
+
+    t = threading.Thread(target=forge_then_publish)
+    t.start()
+    try:
+        got = _fetch(s, "control", "control address", rz, time.monotonic() + 10, 10, lines.append)
+    finally:
+        t.join()
+    assert got == "tcp://127.0.0.1:7"
+    assert len(lines) == 1 and "ignoring the rendezvous store's 'control' entry" in lines[0], lines
+
+
+@pytest.mark.timeout(30)
+def test_agent_with_another_secret_says_so_after_the_start_timeout(store) -> None:
+    from pipeq.agent import AgentError, _fetch
+
+    port, s = store
+    s.set("control", _rz(node_rank=0, port=port).sign("control", "tcp://127.0.0.1:7"))
+    lines: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(AgentError) as info:
+        _fetch(s, "control", "control address", _rz(secret=OTHER, port=port), t0 + 0.5, 0.5, lines.append)
+    assert time.monotonic() - t0 >= 0.5  # a forger cannot make a good node give up early
+    message = str(info.value)
+    assert "node 1: node 0's control address ('control' at the rendezvous 127.0.0.1:" in message
+    assert "not signed with this node's job secret" in message and "different secrets" in message
+    assert "--secret-file" in message and "PIPEQ_SECRET" in message
+    assert len(lines) == 1 and "another secret" in lines[0]
+    # nothing there at all: node 0 is not started (the old message)
+    with pytest.raises(AgentError, match="node 0 did not publish its run options"):
+        _fetch(s, "options", "run options", _rz(port=port), time.monotonic() + 0.2, 0.2, lines.append)
+
+
+@pytest.mark.timeout(30)
+def test_start_hint_names_a_node_with_another_secret(store) -> None:
+    """Node 0's start time-out says which node's entries are there but signed with another
+    secret, which registered, and which never came."""
+    from pipeq.driver import ProcessBackend
+    from pipeq.processes import StageSettings
+
+    port, s = store
+    rz = _rz(node_rank=0, port=port)
+    backend = ProcessBackend([b""] * 3, "1f1b", StageSettings(), loss_stages=[2], output_stage=2,
+                             microbatches=2, rendezvous=rz)
+    backend.store = s
+    assert backend.placement == [[0], [1, 2]]
+    hint = backend._start_hint({1, 2})
+    assert "stage(s) [1, 2] (node 1) never registered" in hint and "another secret" not in hint, hint
+    s.set("agent/1", _rz(secret=OTHER, port=port).sign("agent/1", {"node": 1}))
+    hint = backend._start_hint({1, 2})
+    assert "node 1 uses another secret: its entries ['agent/1']" in hint, hint
+    assert "--secret-file" in hint and "never registered" not in hint
+    s.set("agent/1", rz.sign("agent/1", {"node": 1}))
+    s.set("stage/1", rz.sign("stage/1", {"forward": "tcp://127.0.0.1:9"}))
+    s.set("stage/2", rdzv.encode_json({"forward": "tcp://6.6.6.6:9"}))  # unsigned: a forger's
+    hint = backend._start_hint({1, 2})
+    assert "stage(s) [1] (node 1) registered at the rendezvous but never reached" in hint, hint
+    assert "node 1 uses another secret: its entries ['stage/2']" in hint, hint
+    s.delete_key("stage/2")
+    hint = backend._start_hint({1, 2})
+    assert "node 1's agent reached the rendezvous but its stage(s) [2] never registered" in hint, hint

@@ -2,7 +2,9 @@
 loopback to exactly the parameters of a single-host run.
 
 The recipes are started from a scratch directory (not the repository root), so each one's own
-``cd`` is exercised too. SLURM is faked: ``srun`` and ``scontrol`` stand-ins on PATH.
+``cd`` is exercised too. SLURM is faked: ``srun`` and ``scontrol`` stand-ins on PATH. Each recipe
+passes the job's secret its own way: local.sh a ``SECRET_FILE``, torchrun.sh ``PIPEQ_SECRET``
+(inherited by torchrun's workers), slurm.sbatch a file it makes for the job.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 import pytest
 
-from launch_util import REFERENCE_STEPS, ROOT, assert_same_state, free_ports, model_state
+from launch_util import REFERENCE_STEPS, ROOT, SECRET, assert_same_state, free_ports, model_state
 
 WORKERS = os.path.join(ROOT, "workers")
 LOCAL = os.path.join(WORKERS, "local.sh")
@@ -40,7 +42,7 @@ def _env(**extra: str) -> dict[str, str]:
     # the caller's own multi-host settings must not leak into the recipes
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "NNODES", "NPROC_PER_NODE", "NODE_RANK", "JOB", "BIND", "WORKDIR",
-              "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"):
+              "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "PIPEQ_SECRET", "SECRET_FILE"):
         env.pop(k, None)
     for k in [k for k in env if k.startswith(("SLURM_", "SRUN_"))]:
         env.pop(k)
@@ -149,17 +151,20 @@ def recipe_runs(tmp_path_factory, request) -> dict:
     procs: dict[str, list[subprocess.Popen]] = {}
     try:
         # local.sh, two nodes (node 1 first), started from a scratch directory: the script cds
-        # to the repository root itself
-        env = _env(MASTER_PORT=str(ports[0]))
+        # to the repository root itself; the secret file's path is relative to where it started
+        secret = dirs["local"] / "job.secret"
+        secret.write_text(SECRET + "\n")
+        secret.chmod(0o600)
+        env = _env(MASTER_PORT=str(ports[0]), SECRET_FILE="job.secret")
         node1 = _start([LOCAL, "1", "127.0.0.1", *ARGS, "--out", outs["local"]], env, str(dirs["local"]))
         procs["local"] = [node1]
         node0 = _start([LOCAL, "0", "127.0.0.1", *ARGS, "--out", outs["local"]], env, str(dirs["local"]))
         procs["local"] = [node0, node1]  # results in rank order
         # torchrun.sh: one torchrun, two processes (nodes) on loopback
-        env = _env(NNODES="1", NPROC_PER_NODE="2", MASTER_PORT=str(ports[1]))
+        env = _env(NNODES="1", NPROC_PER_NODE="2", MASTER_PORT=str(ports[1]), PIPEQ_SECRET=SECRET)
         procs["torchrun"] = [_start([TORCHRUN, "0", "127.0.0.1", *ARGS, "--out", outs["torchrun"]], env,
                                     str(dirs["torchrun"]))]
-        # slurm.sbatch under fake srun and scontrol on PATH
+        # slurm.sbatch under fake srun and scontrol on PATH; no secret given: it makes one for the job
         env = _env(
             PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
             FAKE_SLURM_LOG=log,
@@ -206,10 +211,12 @@ def test_slurm_sbatch_under_fake_srun_matches_single_host(recipe_runs, reference
         assert f.read().split() == ["node[01-02]"]
     with open(log + ".srun") as f:
         srun_line = f.read().strip()
+    secret = os.path.join(ROOT, ".pipeq-secret-4242")  # the job's own, in the submission directory
     assert srun_line.startswith(f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} {sys.executable} -m pipeq launch "
-                                "examples/digits.toml --threads-per-stage 1"), srun_line
+                                f"examples/digits.toml --secret-file {secret} --threads-per-stage 1"), srun_line
     assert "trained 6 steps (3 stages, 2 nodes" in results[0][1], _report(results)
     assert_same_state(model_state(out), reference, atol=1e-6)
+    assert not os.path.exists(secret)  # removed when the job ended
 
 
 @pytest.mark.timeout(30)
@@ -219,7 +226,7 @@ def test_slurm_sbatch_default_port_and_bind(tmp_path) -> None:
     bin_dir, log = _fake_slurm(tmp_path)
     env = _env(PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), FAKE_SLURM_LOG=log,
                SLURM_JOB_NODELIST="node01", SLURM_NTASKS="1", SLURM_JOB_ID="123457",
-               SLURM_SUBMIT_DIR=ROOT, BIND="eth0", PYTHON="echo")
+               SLURM_SUBMIT_DIR=ROOT, BIND="eth0", PYTHON="echo", PIPEQ_SECRET=SECRET)
     r = subprocess.run(["bash", SLURM, "--steps", "3"], env=env, cwd=str(tmp_path),
                        capture_output=True, text=True, timeout=20)
     assert r.returncode == 0, r.stderr
@@ -227,6 +234,50 @@ def test_slurm_sbatch_default_port_and_bind(tmp_path) -> None:
                                 "--steps", "3"]
     with open(log + ".srun") as f:
         assert f.read().startswith(f"MASTER_ADDR=127.0.0.1 MASTER_PORT={20000 + 123457 % 40000} ")
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# fake python: `-m pipeq secret` prints a secret; `-m pipeq launch ...` prints its arguments and
+# the mode of the --secret-file it was given
+set -euo pipefail
+if [[ "$*" == "-m pipeq secret" ]]; then echo "$FAKE_SECRET"; exit 0; fi
+echo "$@"
+while [[ $# -gt 0 ]]; do
+    if [[ $1 == --secret-file ]]; then stat -c 'mode %a' "$2"; fi
+    shift
+done
+"""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("given", ["none", "file", "env"])
+def test_slurm_sbatch_secret_per_job_or_given(tmp_path, given) -> None:
+    """No secret given: one file per job in the submission directory, mode 600, passed to every
+    task and removed at the end; a SECRET_FILE (relative to the submission directory) or an
+    exported PIPEQ_SECRET is used as it is."""
+    bin_dir, log = _fake_slurm(tmp_path)
+    python = tmp_path / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    submit = tmp_path / "submit"
+    submit.mkdir()
+    extra = {"none": {}, "file": {"SECRET_FILE": "mine.secret"}, "env": {"PIPEQ_SECRET": SECRET}}[given]
+    (submit / "mine.secret").write_text(SECRET)
+    (submit / "mine.secret").chmod(0o600)
+    env = _env(PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), FAKE_SLURM_LOG=log,
+               SLURM_JOB_NODELIST="node[01-02]", SLURM_NTASKS="2", SLURM_JOB_ID="77",
+               SLURM_SUBMIT_DIR=str(submit), WORKDIR=ROOT, PYTHON=str(python), FAKE_SECRET=SECRET, **extra)
+    r = subprocess.run(["bash", SLURM, "--steps", "3"], env=env, cwd=str(tmp_path), capture_output=True,
+                       text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    path = {"none": str(submit / ".pipeq-secret-77"), "file": str(submit / "mine.secret"), "env": None}[given]
+    flag = f"--secret-file {path} " if path else ""
+    launch = f"-m pipeq launch examples/digits.toml {flag}--steps 3"
+    assert lines.count(launch) == 2, r.stdout  # both tasks
+    assert lines.count("mode 600") == (2 if path else 0), r.stdout
+    assert os.path.exists(submit / "mine.secret")  # a given file stays
+    assert not os.path.exists(submit / ".pipeq-secret-77")  # the job's own is gone
 
 
 @pytest.mark.timeout(30)
@@ -237,12 +288,16 @@ def test_slurm_sbatch_default_port_and_bind(tmp_path) -> None:
         ([LOCAL, "0"], {}, "missing MASTER_ADDR"),
         ([LOCAL, "hostA", "0"], {}, "NODE_RANK must be a number"),
         ([LOCAL, "0", "127.0.0.1"], {"JOB": "no/such/job.toml"}, "job file 'no/such/job.toml' not found"),
+        ([LOCAL, "0", "127.0.0.1"], {}, "no job secret: set SECRET_FILE (or export PIPEQ_SECRET)"),
+        ([LOCAL, "0", "127.0.0.1"], {"SECRET_FILE": "no/such.secret"}, "no/such.secret' not found"),
         ([TORCHRUN], {}, "missing NODE_RANK"),
         ([TORCHRUN, "1"], {}, "missing MASTER_ADDR"),
+        ([TORCHRUN, "1", "127.0.0.1"], {}, "no job secret: export PIPEQ_SECRET (or set SECRET_FILE)"),
         (["bash", SLURM], {}, "submit this script with sbatch"),
     ],
-    ids=["local-no-rank", "local-no-addr", "local-swapped", "local-no-job", "torchrun-no-rank",
-         "torchrun-no-addr", "slurm-outside-allocation"],
+    ids=["local-no-rank", "local-no-addr", "local-swapped", "local-no-job", "local-no-secret",
+         "local-no-secret-file", "torchrun-no-rank", "torchrun-no-addr", "torchrun-no-secret",
+         "slurm-outside-allocation"],
 )
 def test_missing_argument_exits_nonzero_with_usage(cmd, env, message, tmp_path) -> None:
     r = subprocess.run(cmd, env=_env(PYTHON="false", **env), cwd=str(tmp_path), capture_output=True,

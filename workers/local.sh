@@ -4,22 +4,32 @@
 # Usage: workers/local.sh NODE_RANK MASTER_ADDR [extra `pipeq launch` args...]
 #
 # Start it once on every host, with that host's NODE_RANK, the same MASTER_ADDR (node 0's
-# address: node 0 runs the driver and hosts the rendezvous store there) and the same extra
-# arguments. Order does not matter. Only node 0 writes outputs (--out, relative to node 0's
-# repository root). A 2-node run of examples/digits.toml (3 stages: node 0 runs stage 0,
+# address: node 0 runs the driver and hosts the rendezvous store there), the same job secret and
+# the same extra arguments. Order does not matter. Only node 0 writes outputs (--out, relative to
+# node 0's repository root). A 2-node run of examples/digits.toml (3 stages: node 0 runs stage 0,
 # node 1 runs stages 1 and 2) on host A (node 0) and host B (node 1):
 #
-#   host A$ workers/local.sh 0 hostA --steps 200 --out runs/digits
-#   host B$ workers/local.sh 1 hostA --steps 200 --out runs/digits
+#   host A$ python -m pipeq secret --out ~/job.secret    # mode 0600; copy it to host B (scp -p)
+#   host A$ SECRET_FILE=~/job.secret workers/local.sh 0 hostA --steps 200 --out runs/digits
+#   host B$ SECRET_FILE=~/job.secret workers/local.sh 1 hostA --steps 200 --out runs/digits
 #
 # which run, from the repository root:
 #
 #   host A$ python -m pipeq launch examples/digits.toml --nnodes 2 --node-rank 0 \
-#               --master-addr hostA --master-port 29500 --steps 200 --out runs/digits
+#               --master-addr hostA --master-port 29500 --secret-file ~/job.secret \
+#               --steps 200 --out runs/digits
 #   host B$ python -m pipeq launch examples/digits.toml --nnodes 2 --node-rank 1 \
-#               --master-addr hostA --master-port 29500 --steps 200 --out runs/digits
+#               --master-addr hostA --master-port 29500 --secret-file ~/job.secret \
+#               --steps 200 --out runs/digits
 #
-# Environment (all optional):
+# Instead of SECRET_FILE, `export PIPEQ_SECRET=<the secret>` on every host (pipeq reads it).
+# Without either, the script refuses to start: nobody without the secret can join the run.
+#
+# Environment:
+#   SECRET_FILE=PATH          the job's secret (a file only its owner may read), passed as
+#                             --secret-file; required unless PIPEQ_SECRET is set
+#   PIPEQ_SECRET=SECRET       the secret itself (at least 32 characters), read by pipeq
+# and optionally:
 #   NNODES=2                  number of pipeq nodes (at most the job's number of stages)
 #   MASTER_PORT=29500         TCP port of the rendezvous store on node 0 (open it in firewalls)
 #   JOB=examples/digits.toml  the job file, relative to WORKDIR
@@ -36,6 +46,8 @@ usage() {
 usage: $prog NODE_RANK MASTER_ADDR [extra pipeq launch args...]
   host A (node 0): $prog 0 hostA --steps 200
   host B (node 1): $prog 1 hostA --steps 200
+  the job's secret, the same on every host: SECRET_FILE=job.secret (make it once with
+       \`python -m pipeq secret --out job.secret\` and copy it) or PIPEQ_SECRET exported
   env: NNODES (2), MASTER_PORT (29500), JOB (examples/digits.toml), BIND, PYTHON (python),
        WORKDIR (the repository root); see the header of $0
 USAGE
@@ -64,8 +76,17 @@ MASTER_PORT=${MASTER_PORT:-29500}
 JOB=${JOB:-examples/digits.toml}
 PYTHON=${PYTHON:-python}
 
+secret=()
+if [[ -n ${SECRET_FILE:-} ]]; then
+    [[ $SECRET_FILE == /* ]] || SECRET_FILE=$PWD/$SECRET_FILE  # before the cd below
+    [[ -f $SECRET_FILE ]] || die "SECRET_FILE '$SECRET_FILE' not found"
+    secret=(--secret-file "$SECRET_FILE")
+fi
+
 cd "${WORKDIR:-$(dirname "${BASH_SOURCE[0]}")/..}"
 [[ -f $JOB ]] || die "job file '$JOB' not found in $PWD"
+[[ ${#secret[@]} -gt 0 || -n ${PIPEQ_SECRET:-} ]] ||
+    die "no job secret: set SECRET_FILE (or export PIPEQ_SECRET), the same on every host"
 
 bind=()
 if [[ -n ${BIND:-} ]]; then
@@ -73,6 +94,7 @@ if [[ -n ${BIND:-} ]]; then
 fi
 
 cmd=("$PYTHON" -m pipeq launch "$JOB" --nnodes "$NNODES" --node-rank "$NODE_RANK"
-     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" ${bind[@]+"${bind[@]}"} "$@")
+     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" ${secret[@]+"${secret[@]}"}
+     ${bind[@]+"${bind[@]}"} "$@")
 echo "$prog: node $NODE_RANK of $NNODES in $PWD:$(printf ' %q' "${cmd[@]}")" >&2
 exec "${cmd[@]}"

@@ -10,9 +10,15 @@
 # writes the outputs; torchrun's agent on host A hosts the rendezvous store. In all there are
 # NNODES x NPROC_PER_NODE pipeq nodes: at most the job's number of stages.
 #
-# Two hosts, one pipeq node each: host A (node 0) and host B (node 1), in either order:
+# Every pipeq node needs the job's secret, the same on every host: export PIPEQ_SECRET (torchrun's
+# workers inherit its environment) or set SECRET_FILE (a file only its owner may read, passed to
+# every worker as --secret-file). Two hosts, one pipeq node each: host A (node 0) and host B
+# (node 1), in either order:
 #
+#   host A$ python -m pipeq secret --out ~/job.secret    # mode 0600; copy it to host B (scp -p)
+#   host A$ export PIPEQ_SECRET=$(cat ~/job.secret)      # (or SECRET_FILE=~/job.secret below)
 #   host A$ workers/torchrun.sh 0 hostA --steps 200 --out runs/digits
+#   host B$ export PIPEQ_SECRET=$(cat ~/job.secret)
 #   host B$ workers/torchrun.sh 1 hostA --steps 200 --out runs/digits
 #
 # which run, from the repository root:
@@ -26,9 +32,16 @@
 #
 # Two pipeq nodes on one host (two processes over loopback, splitting its CPU cores):
 #
-#   NNODES=1 NPROC_PER_NODE=2 workers/torchrun.sh 0 127.0.0.1 --steps 200
+#   PIPEQ_SECRET=$(python -m pipeq secret) NNODES=1 NPROC_PER_NODE=2 \
+#       workers/torchrun.sh 0 127.0.0.1 --steps 200
 #
-# Environment (all optional):
+# Without a secret the script refuses to start: nobody without it can join the run.
+#
+# Environment:
+#   PIPEQ_SECRET=SECRET       the job's secret (at least 32 characters), inherited by every worker;
+#                             required unless SECRET_FILE is set
+#   SECRET_FILE=PATH          the secret in a file (mode 0600), passed as --secret-file instead
+# and optionally:
 #   NNODES=2                  number of hosts (torchrun --nnodes)
 #   NPROC_PER_NODE=1          pipeq nodes (worker processes) per host
 #   MASTER_PORT=29500         TCP port of the rendezvous store on host A
@@ -46,6 +59,8 @@ usage: $prog NODE_RANK MASTER_ADDR [extra pipeq launch args...]
   host A: $prog 0 hostA --steps 200
   host B: $prog 1 hostA --steps 200
   one host, 2 processes: NNODES=1 NPROC_PER_NODE=2 $prog 0 127.0.0.1
+  the job's secret, the same on every host: PIPEQ_SECRET exported (make one with
+       \`python -m pipeq secret\`) or SECRET_FILE=job.secret (mode 0600)
   env: NNODES (2), NPROC_PER_NODE (1), MASTER_PORT (29500), JOB (examples/digits.toml), BIND,
        PYTHON (python), WORKDIR (the repository root); see the header of $0
 USAGE
@@ -75,8 +90,17 @@ MASTER_PORT=${MASTER_PORT:-29500}
 JOB=${JOB:-examples/digits.toml}
 PYTHON=${PYTHON:-python}
 
+secret=()
+if [[ -n ${SECRET_FILE:-} ]]; then
+    [[ $SECRET_FILE == /* ]] || SECRET_FILE=$PWD/$SECRET_FILE  # before the cd below
+    [[ -f $SECRET_FILE ]] || die "SECRET_FILE '$SECRET_FILE' not found"
+    secret=(--secret-file "$SECRET_FILE")
+fi
+
 cd "${WORKDIR:-$(dirname "${BASH_SOURCE[0]}")/..}"
 [[ -f $JOB ]] || die "job file '$JOB' not found in $PWD"
+[[ ${#secret[@]} -gt 0 || -n ${PIPEQ_SECRET:-} ]] ||
+    die "no job secret: export PIPEQ_SECRET (or set SECRET_FILE), the same on every host"
 
 bind=()
 if [[ -n ${BIND:-} ]]; then
@@ -85,6 +109,6 @@ fi
 
 cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
      --nproc-per-node "$NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-     -m pipeq launch "$JOB" ${bind[@]+"${bind[@]}"} "$@")
+     -m pipeq launch "$JOB" ${secret[@]+"${secret[@]}"} ${bind[@]+"${bind[@]}"} "$@")
 echo "$prog: host $NODE_RANK of $NNODES in $PWD:$(printf ' %q' "${cmd[@]}")" >&2
 exec "${cmd[@]}"
