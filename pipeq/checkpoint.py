@@ -5,29 +5,36 @@ The driver gathers one :class:`StageSnapshot` per stage (plain data, already on 
 :func:`split` cuts it into snapshots for the current run, whose number of stages may differ.
 Nothing here opens a socket or a process.
 
-A checkpoint stores everything under *global* names: those of the flat model
-``nn.Sequential(*layers)``, where a stage that is an ``nn.Sequential`` contributes each of its
-children as one layer and any other stage module contributes itself as one layer. Stage k's
-``offset`` is the number of layers of stages 0..k-1; its local ``"i.rest"`` is global
-``f"{offset + i}.rest"`` (sequential) and its local ``"rest"`` is ``f"{offset}.rest"`` (otherwise).
-The same flat model cut another way maps to the same names, so 3 stages load into 2.
+Everything is named by *global* names, those of the flat model ``nn.Sequential(*layers)``
+(:func:`flat_model`), where a stage that is an ``nn.Sequential`` contributes each of its children
+as one layer and any other stage module contributes itself as one layer. Stage k's ``offset`` is
+the number of layers of stages 0..k-1; its local ``"i.rest"`` is global ``f"{offset + i}.rest"``
+(sequential) and its local ``"rest"`` is ``f"{offset}.rest"`` (otherwise). The same flat model cut
+another way maps to the same names, so 3 stages load into 2. ``runner.state_dict()``,
+``runner.load_state_dict()``, checkpoints and ``pipeq launch``'s model.pt all use these names
+(:func:`global_state`, :func:`split_state`).
 
 On disk a checkpoint is a directory of ``stage-{k}.pt`` files (``torch.save``; read back with
 ``weights_only=True``, never by plain unpickling) and a ``manifest.json`` with every file's size
-and sha256. Each file is written to a temporary name, fsynced and renamed; the manifest is written
-the same way and last, so a directory without a manifest is an unfinished save.
+and sha256. :func:`save` never writes into a checkpoint: it writes the new one into a fresh hidden
+sibling ``.{name}.<random>.tmp`` (every file fsynced, the manifest last), then swaps it in with two
+renames (``name`` -> ``.{name}.old``, the new one -> ``name``) and deletes the old one. Killed at any
+moment, it leaves the last complete checkpoint loadable: :func:`load` reads ``.{name}.old`` when a
+kill fell between the two renames, and the next save (or :func:`prune`) puts things right. A
+directory without a manifest is an unfinished save, never loaded.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, Iterable, Mapping, Sequence, TypedDict
 
 import torch
 from torch import nn
@@ -36,6 +43,8 @@ FORMAT = "pipeq-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step-(\d+)")
+#: A step folder, or what a save into one leaves while it runs (or when killed): group 1 its name.
+_STEP_ENTRY = re.compile(r"(step-\d+)|\.(step-\d+)\.(?:old|[0-9a-f]{16}\.tmp)")
 
 
 class CheckpointError(ValueError):
@@ -55,12 +64,14 @@ class StageSnapshot(TypedDict):
 
 @dataclass
 class StageLayout:
-    """What :func:`split` needs to know of one current stage (local names)."""
+    """What :func:`split` and :func:`split_state` need to know of one current stage (local names)."""
 
     model_names: list[str]
     param_names: list[str]
     layers: int
     sequential: bool
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # model name -> shape (empty: unchecked)
+    dtypes: dict[str, str] = field(default_factory=dict)  # model name -> dtype, "float32"
 
 
 @dataclass
@@ -80,7 +91,10 @@ class Checkpoint:
 
 
 def is_sequential(module: nn.Module) -> bool:
-    return isinstance(module, nn.Sequential)
+    """Whether the stage contributes its children as layers: an ``nn.Sequential`` whose state
+    all lives in its children (one with parameters or buffers of its own is one layer)."""
+    return isinstance(module, nn.Sequential) and all(
+        name.partition(".")[0].isdigit() for name in module.state_dict())
 
 
 def layers_of(module: nn.Module) -> int:
@@ -88,13 +102,30 @@ def layers_of(module: nn.Module) -> int:
     return len(module) if is_sequential(module) else 1
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def layout_of(module: nn.Module) -> StageLayout:
+    sd = module.state_dict()
     return StageLayout(
-        model_names=list(module.state_dict().keys()),
+        model_names=list(sd.keys()),
         param_names=[name for name, _ in module.named_parameters()],
         layers=layers_of(module),
         sequential=is_sequential(module),
+        shapes={name: list(t.shape) for name, t in sd.items()},
+        dtypes={name: _dtype_name(t.dtype) for name, t in sd.items()},
     )
+
+
+def flat_model(stages: Iterable[nn.Module]) -> nn.Sequential:
+    """The flat model ``nn.Sequential(*layers)`` of these stages (sharing their modules): its
+    ``state_dict()`` keys are the names ``runner.state_dict()``, checkpoints and model.pt use, so
+    ``flat_model(stages).load_state_dict(runner.state_dict())`` loads a run into your model."""
+    layers: list[nn.Module] = []
+    for stage in stages:
+        layers += list(stage) if is_sequential(stage) else [stage]
+    return nn.Sequential(*layers)
 
 
 def layer_of(global_: str) -> int:
@@ -115,6 +146,67 @@ def to_global(local: str, offset: int, sequential: bool) -> str:
             "parameters and buffers in its children (or pass sequential=False)"
         )
     return f"{offset + int(head)}{dot}{rest}"
+
+
+def global_names(layouts: Sequence[StageLayout]) -> list[list[str]]:
+    """Each stage's model names (in order) as global names."""
+    out, offset = [], 0
+    for lay in layouts:
+        out.append([to_global(name, offset, lay.sequential) for name in lay.model_names])
+        offset += lay.layers
+    return out
+
+
+def global_state(per_stage: Sequence[tuple[Sequence[str], Sequence[torch.Tensor]]],
+                 layouts: Sequence[StageLayout]) -> "collections.OrderedDict[str, torch.Tensor]":
+    """Each stage's (local names, tensors) as one state_dict under global names, in the flat
+    model's order (what ``runner.state_dict()`` returns)."""
+    out: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+    offset = 0
+    for (names, tensors), lay in zip(per_stage, layouts):
+        for name, t in zip(names, tensors):
+            out[to_global(name, offset, lay.sequential)] = t
+        offset += lay.layers
+    return out
+
+
+def split_state(state: Mapping[str, torch.Tensor], layouts: Sequence[StageLayout]
+                ) -> list[tuple[list[str], list[torch.Tensor]]]:
+    """A state_dict under global names as each stage's (local names, tensors), every key and
+    shape checked before anything is loaded (a ``ValueError`` naming the key otherwise).
+
+    Also accepted, for state_dicts of earlier pipeq versions and of ``nn.Sequential(*stages)``:
+    stage-prefixed names ``f"{k}.{local}"``, when the keys are exactly those.
+    """
+    flat = global_names(layouts)
+    prefixed = [[f"{k}.{name}" for name in lay.model_names] for k, lay in enumerate(layouts)]
+    keys = set(state)
+    want_flat = {g for names in flat for g in names}
+    want_prefixed = {g for names in prefixed for g in names}
+    if keys == want_flat:
+        chosen = flat
+    elif keys == want_prefixed:
+        chosen = prefixed
+    else:  # report against the naming the keys are closer to
+        chosen, want = ((prefixed, want_prefixed) if len(keys & want_prefixed) > len(keys & want_flat)
+                        else (flat, want_flat))
+        raise ValueError(
+            f"state_dict does not fit these {len(layouts)} stages: missing keys {sorted(want - keys)}, "
+            f"unexpected keys {sorted(keys - want)} (keys are the flat model's names, as "
+            "runner.state_dict() and pipeq.checkpoint.flat_model(stages).state_dict() give them)")
+    per_stage = []
+    for k, (lay, keys_k) in enumerate(zip(layouts, chosen)):
+        tensors = []
+        for name, key in zip(lay.model_names, keys_k):
+            t = state[key]
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"state_dict['{key}'] is a {type(t).__name__}, not a tensor")
+            shape = lay.shapes.get(name)
+            if shape is not None and list(t.shape) != list(shape):
+                raise ValueError(f"state_dict['{key}'] has shape {tuple(t.shape)}, stage {k} expects {tuple(shape)}")
+            tensors.append(t.detach().cpu())
+        per_stage.append((list(lay.model_names), tensors))
+    return per_stage
 
 
 # ---------------------------------------------------------------------------- optimizer
@@ -211,6 +303,9 @@ def stage_snapshot(
 
 # ---------------------------------------------------------------------------- disk
 
+#: What a checkpoint directory may hold: its files, and temporary files of older pipeq versions.
+_OURS = re.compile(r"manifest\.json|stage-\d+\.pt|\..+\.tmp")
+
 
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
@@ -220,19 +315,12 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _write_atomic(directory: str, name: str, write: Any) -> None:
-    """Write ``name`` through a temporary file in ``directory``: write(f), fsync, rename."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, name))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def _write_file(path: str, write: Any) -> None:
+    """Create ``path`` (it must not exist), write(f), fsync."""
+    with open(path, "xb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(directory: str) -> None:
@@ -243,49 +331,161 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _complete_at(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _old_of(path: str) -> str:
+    """Where :func:`save` keeps the previous checkpoint while it swaps the new one in."""
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}.old")
+
+
+def _temps_of(path: str) -> list[str]:
+    """The temporary directories saves into ``path`` left behind (killed before the swap)."""
+    parent, name = os.path.split(path)
+    pattern = re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{16}}\.tmp")
+    try:
+        entries = os.listdir(parent)
+    except FileNotFoundError:
+        return []
+    return [os.path.join(parent, e) for e in entries if pattern.fullmatch(e)]
+
+
+def _foreign(path: str) -> list[str]:
+    """Entries of directory ``path`` that no checkpoint holds."""
+    return sorted(e for e in os.listdir(path) if not _OURS.fullmatch(e))
+
+
+def _remove(path: str) -> None:
+    """Delete a checkpoint directory, manifest first: a deletion cut short leaves an incomplete
+    checkpoint (never loaded), never a complete-looking one with files missing."""
+    try:
+        os.remove(os.path.join(path, MANIFEST))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def recover(directory: str) -> list[str]:
+    """Put right what interrupted saves into ``directory`` left behind; the paths deleted.
+
+    A save killed before its swap leaves a ``.{name}.<random>.tmp`` sibling: deleted. One killed
+    between the swap's two renames leaves the previous checkpoint as ``.{name}.old`` and no
+    ``name``: renamed back. One killed after them leaves ``.{name}.old`` next to the new ``name``:
+    deleted. Saves call this first; only one process may save into a directory at a time.
+    """
+    path = os.path.realpath(directory)
+    old = _old_of(path)
+    gone = []
+    if os.path.isdir(old):
+        if _complete_at(path) or not _complete_at(old):
+            _remove(old)
+            gone.append(old)
+        elif not os.path.lexists(path) or (os.path.isdir(path) and not _foreign(path)):
+            if os.path.lexists(path):  # an unfinished save of an older pipeq: the old one wins
+                _remove(path)
+                gone.append(path)
+            os.rename(old, path)
+            _fsync_dir(os.path.dirname(path))
+    for tmp in _temps_of(path):
+        shutil.rmtree(tmp, ignore_errors=True)
+        gone.append(tmp)
+    return gone
+
+
 def save(directory: str, snapshots: list[StageSnapshot], meta: dict) -> None:
-    """Write one checkpoint (``meta``: json-able, e.g. step and epoch) into ``directory``."""
+    """Write one checkpoint (``meta``: json-able, e.g. step and epoch) as ``directory``.
+
+    A checkpoint already there is replaced only once the new one is complete and fsynced (see the
+    module docstring): killed at any moment, this leaves ``directory`` loadable as the old or the
+    new checkpoint. ``directory`` must hold nothing but a checkpoint (it is replaced as a whole).
+    """
     json.dumps(meta)  # fail before touching the disk if meta is not json-able
-    os.makedirs(directory, exist_ok=True)
-    manifest_path = os.path.join(directory, MANIFEST)
-    if os.path.exists(manifest_path):  # never leave an old manifest over new files
-        os.unlink(manifest_path)
-        _fsync_dir(directory)
-    names = [f"stage-{k}.pt" for k in range(len(snapshots))]
-    for stale in os.listdir(directory):  # stages of a larger old checkpoint, crashed saves' temps
-        if re.fullmatch(r"stage-\d+\.pt|\..+\.tmp", stale) and stale not in names:
-            os.unlink(os.path.join(directory, stale))
-    files = []
-    offset = 0
-    for name, snap in zip(names, snapshots):
-        seq = snap["sequential"]
-        data = {
-            "model": {to_global(k, offset, seq): v for k, v in snap["model"].items()},
-            "optim": {to_global(k, offset, seq): v for k, v in snap["optim"].items()},
-            "sched": snap["sched"],
-            "rng": snap["rng"],
-            "layers": snap["layers"],
-            "sequential": seq,
+    path = os.path.realpath(directory)
+    parent, name = os.path.split(path)
+    cwd = os.path.realpath(os.getcwd())
+    if os.path.commonpath([path, cwd]) == path:
+        raise CheckpointError(f"cannot save a checkpoint as {path}: it is (or holds) the current directory, "
+                              "and a save replaces the whole directory; save into a directory of its own")
+    os.makedirs(parent, exist_ok=True)
+    recover(path)
+    if os.path.lexists(path):
+        if not os.path.isdir(path):
+            raise CheckpointError(f"cannot save a checkpoint as {path}: it is a file, not a directory")
+        foreign = _foreign(path)
+        if foreign:
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            raise CheckpointError(
+                f"cannot save a checkpoint as {path}: it holds files no checkpoint holds "
+                f"({', '.join(foreign[:5])}{more}), and a save replaces the whole directory; "
+                "save into a directory of its own")
+    while True:
+        tmp = os.path.join(parent, f".{name}.{secrets.token_hex(8)}.tmp")
+        try:
+            os.mkdir(tmp)
+            break
+        except FileExistsError:
+            continue
+    try:
+        files = []
+        offset = 0
+        for k, snap in enumerate(snapshots):
+            seq = snap["sequential"]
+            data = {
+                "model": {to_global(n, offset, seq): v for n, v in snap["model"].items()},
+                "optim": {to_global(n, offset, seq): v for n, v in snap["optim"].items()},
+                "sched": snap["sched"],
+                "rng": snap["rng"],
+                "layers": snap["layers"],
+                "sequential": seq,
+            }
+            file = os.path.join(tmp, f"stage-{k}.pt")
+            _write_file(file, lambda f: torch.save(data, f))
+            files.append({"name": f"stage-{k}.pt", "bytes": os.path.getsize(file), "sha256": _sha256(file)})
+            offset += snap["layers"]
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "n_stages": len(snapshots),
+            "layers": [s["layers"] for s in snapshots],
+            "files": files,
+            "meta": meta,
         }
-        _write_atomic(directory, name, lambda f: torch.save(data, f))
-        path = os.path.join(directory, name)
-        files.append({"name": name, "bytes": os.path.getsize(path), "sha256": _sha256(path)})
-        offset += snap["layers"]
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "n_stages": len(snapshots),
-        "layers": [s["layers"] for s in snapshots],
-        "files": files,
-        "meta": meta,
-    }
-    text = json.dumps(manifest, indent=1).encode()
-    _write_atomic(directory, MANIFEST, lambda f: f.write(text))
-    _fsync_dir(directory)
+        text = json.dumps(manifest, indent=1).encode()
+        _write_file(os.path.join(tmp, MANIFEST), lambda f: f.write(text))
+        _fsync_dir(tmp)
+        _swap(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap(new: str, path: str) -> None:
+    """Put the complete checkpoint ``new`` in place of ``path`` (the old one goes last)."""
+    old = _old_of(path)
+    had = os.path.lexists(path)
+    if had:
+        os.rename(path, old)
+    try:
+        os.rename(new, path)
+    except BaseException:
+        if had and not os.path.lexists(path):
+            os.rename(old, path)
+        raise
+    _fsync_dir(os.path.dirname(path))
+    if had:
+        _remove(old)
 
 
 def load(directory: str) -> Checkpoint:
-    """Read and verify a checkpoint; model and optimizer state come back under global names."""
+    """Read and verify a checkpoint; model and optimizer state come back under global names.
+
+    A save into ``directory`` that was killed between its two renames left the previous
+    checkpoint as ``.{name}.old`` and none at ``directory``: that one is read.
+    """
+    if not _complete_at(directory) and _complete_at(_old_of(os.path.realpath(directory))):
+        directory = _old_of(os.path.realpath(directory))
     manifest_path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise CheckpointError(
@@ -340,14 +540,16 @@ def checkpoint_dir(root: str, step: int) -> str:
 
 
 def _complete(root: str) -> list[tuple[int, str]]:
-    """(step, path) of the complete ``step-<n>`` checkpoints under ``root``, oldest first."""
+    """(step, path) of the complete ``step-<n>`` checkpoints under ``root``, oldest first (also
+    one that only a save killed mid-swap holds, as ``.step-<n>.old``: :func:`load` reads it)."""
     if not os.path.isdir(root):
         return []
-    found = []
+    found = set()
     for name in os.listdir(root):
-        m = _STEP_DIR.fullmatch(name)
-        if m and os.path.isfile(os.path.join(root, name, MANIFEST)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
+        m = _STEP_ENTRY.fullmatch(name)
+        if m and not name.endswith(".tmp") and _complete_at(os.path.join(root, name)):
+            step_dir = m.group(1) or m.group(2)
+            found.add((int(step_dir[5:]), os.path.join(root, step_dir)))
     return sorted(found)
 
 
@@ -358,18 +560,29 @@ def latest(root: str) -> str | None:
 
 
 def prune(root: str, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` complete checkpoints under ``root``; the deleted paths.
+    """Delete all but the newest ``keep`` complete checkpoints under ``root`` (``keep`` < 1: keep
+    them all) and every leftover of an unfinished save: temporary directories, ``step-<n>``
+    folders without a manifest (of older pipeq versions; only checkpoint files in them); a
+    checkpoint a save left as ``.step-<n>.old`` is put back. The deleted paths.
 
-    The manifest goes first, so a deletion that is cut short leaves an incomplete checkpoint
-    (ignored by :func:`latest`), never a complete-looking one with files missing.
+    Each checkpoint's manifest goes first, so a deletion that is cut short leaves an incomplete
+    checkpoint (ignored by :func:`latest`), never a complete-looking one with files missing.
     """
-    if keep < 1:
+    if not os.path.isdir(root):
         return []
     gone = []
-    for _, path in _complete(root)[:-keep]:
-        os.remove(os.path.join(path, MANIFEST))
-        shutil.rmtree(path, ignore_errors=True)
-        gone.append(path)
+    for name in sorted({m.group(1) or m.group(2) for m in map(_STEP_ENTRY.fullmatch, os.listdir(root)) if m}):
+        gone += recover(os.path.join(root, name))
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if (_STEP_DIR.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path)
+                and not _complete_at(path) and not _foreign(path)):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+    if keep >= 1:
+        for _, path in _complete(root)[:-keep]:
+            _remove(path)
+            gone.append(path)
     return gone
 
 
@@ -377,7 +590,9 @@ def prune(root: str, keep: int) -> list[str]:
 
 
 def split(ckpt: Checkpoint, layouts: list[StageLayout]) -> list[StageSnapshot]:
-    """Cut a checkpoint into one snapshot per current stage (local names).
+    """Cut a checkpoint into one snapshot per current stage (local names), checked first: a
+    name missing or left over, or a tensor whose shape or dtype is not the stage's (when the
+    layouts give them), raises a :class:`CheckpointError` naming each, before any stage changes.
 
     With as many stages as were saved, stage k gets saved stage k's scheduler state and RNG state.
     Otherwise every stage gets saved stage 0's scheduler state and ``rng=None``: RNG streams
@@ -386,6 +601,7 @@ def split(ckpt: Checkpoint, layouts: list[StageLayout]) -> list[StageSnapshot]:
     """
     have_optim = bool(ckpt.optim)
     missing: list[str] = []
+    misfit: list[str] = []
     claimed: set[str] = set()
     claimed_optim: set[str] = set()
     out: list[StageSnapshot] = []
@@ -406,6 +622,15 @@ def split(ckpt: Checkpoint, layouts: list[StageLayout]) -> list[StageSnapshot]:
 
     for k, lay in enumerate(layouts):
         model = take(lay.model_names, ckpt.model, claimed, k, "")
+        for name, t in model.items():
+            g = to_global(name, offset, lay.sequential)
+            shape, dtype = lay.shapes.get(name), lay.dtypes.get(name)
+            if not isinstance(t, torch.Tensor):
+                misfit.append(f"{g} is a {type(t).__name__} in the checkpoint, not a tensor")
+            elif shape is not None and list(t.shape) != list(shape):
+                misfit.append(f"{g} has shape {tuple(t.shape)} in the checkpoint, stage {k} expects {tuple(shape)}")
+            elif dtype is not None and _dtype_name(t.dtype) != dtype:
+                misfit.append(f"{g} is {_dtype_name(t.dtype)} in the checkpoint, stage {k} holds {dtype}")
         optim = take(lay.param_names, ckpt.optim, claimed_optim, k, "optimizer state of ") if have_optim else {}
         out.append(
             StageSnapshot(
@@ -420,14 +645,14 @@ def split(ckpt: Checkpoint, layouts: list[StageLayout]) -> list[StageSnapshot]:
         offset += lay.layers
     unexpected = [g for g in ckpt.model if g not in claimed]
     unexpected += [f"optimizer state of {g}" for g in ckpt.optim if g not in claimed_optim]
-    if missing or unexpected:
+    if missing or unexpected or misfit:
         parts = []
         saved_layers = sum(ckpt.layers)
         if saved_layers != offset:
             parts.append(f"the checkpoint has {saved_layers} layers, these stages {offset}")
-        for label, names in (("missing", missing), ("unexpected", unexpected)):
+        for label, names in (("missing ", missing), ("unexpected ", unexpected), ("", misfit)):
             if names:
                 more = f" and {len(names) - 10} more" if len(names) > 10 else ""
-                parts.append(f"{label} {', '.join(names[:10])}{more}")
+                parts.append(f"{label}{', '.join(names[:10])}{more}")
         raise CheckpointError(f"checkpoint does not fit these {len(layouts)} stages: " + "; ".join(parts))
     return out

@@ -25,7 +25,8 @@ across batches; it drains only before an evaluation, a checkpoint and the end), 
 
 Runs with auxiliary heads (interlocking) or Associated Learning cannot be checkpointed yet: such
 a job with ``checkpoint_every`` > 0 or ``--resume`` is refused, and at the end it writes model.pt
-(``runner.state_dict()``: the main path, or the AL layers) but no final/.
+(``runner.state_dict()``, under the same flat-model names: the main path, or the AL layers) but
+no final/.
 
 A failing stage ends the command with exit code 1 and that stage's traceback.
 """
@@ -326,7 +327,7 @@ class Trainer:
             model = checkpoint.load(final).model
         else:
             self.log(f"final/ is skipped for schedule {schedules.schedule_name(self.job.schedule)!r}: {refusal}; "
-                     "model.pt holds runner.state_dict() (keys as in nn.Sequential(*stages).state_dict())")
+                     "model.pt holds runner.state_dict() (the flat model's names, as a checkpoint's)")
             model = dict(runner.state_dict())
         tmp = os.path.join(self.out, "model.pt.tmp")
         torch.save(model, tmp)

@@ -57,13 +57,6 @@ class Model:
     builder: StageBuilder | None = None
     aux_loss: Callable | None = None  # with auxiliary heads: weights their losses
 
-    @property
-    def stage_shapes(self) -> list[dict[str, tuple[int, ...]]] | None:
-        """Each stage's state_dict shapes (None when the stages are built in their processes)."""
-        if not self.replicas:
-            return None
-        return [{n: tuple(t.shape) for n, t in spec.module.state_dict().items()} for spec in self.replicas[0]]
-
 
 def check_model(
     stages: Any, loss_fn: Any, optimizer: Any, lr_scheduler: Any, schedule: Any, *,
@@ -298,28 +291,3 @@ def _check_picklable(what: str, obj: Any) -> None:
             f"{what} cannot be pickled to start its stage process ({exc}); define classes and "
             "functions at module level (no lambdas or local classes), or use mode='simulated'"
         ) from exc
-
-
-def split_state(state: Mapping[str, torch.Tensor], shapes: list[dict[str, tuple[int, ...]]]
-                ) -> list[tuple[list[str], list[torch.Tensor]]]:
-    """A flat ``state_dict`` (keys ``"k.name"``) as each stage's (names, tensors), checked
-    against the stages' names and shapes before anything is loaded."""
-    expected = {f"{k}.{n}" for k, stage in enumerate(shapes) for n in stage}
-    unexpected = sorted(set(state) - expected)
-    missing = sorted(expected - set(state))
-    if unexpected or missing:
-        raise ValueError(f"state_dict does not fit these {len(shapes)} stages: missing keys {missing}, "
-                         f"unexpected keys {unexpected}")
-    per_stage = []
-    for k, stage in enumerate(shapes):
-        names, tensors = [], []
-        for name, shape in stage.items():
-            t = state[f"{k}.{name}"]
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"state_dict['{k}.{name}'] is a {type(t).__name__}, not a tensor")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"state_dict['{k}.{name}'] has shape {tuple(t.shape)}, stage {k} expects {shape}")
-            names.append(name)
-            tensors.append(t.detach().cpu())
-        per_stage.append((names, tensors))
-    return per_stage

@@ -6,7 +6,7 @@
     with runner:                          # starts one process per stage; exit stops them all
         loss = runner.step(x, target)     # one optimizer step on the whole batch -> mean loss
         out = runner.predict(x)           # forward only -> CPU tensor
-        state = runner.state_dict()       # keys as in nn.Sequential(*stages).state_dict()
+        state = runner.state_dict()       # keys as in the flat model nn.Sequential(*layers)
 
 The runner checks its arguments and the schedule (a dry run with the real stage and microbatch
 counts) before anything starts, splits each batch into microbatches, and hands the work to a
@@ -30,6 +30,7 @@ from .executors import StageBuilder
 from .processes import StageSettings
 
 if TYPE_CHECKING:
+    from . import checkpoint
     from .rendezvous import Rendezvous
 
 
@@ -90,9 +91,11 @@ class PipelineRunner:
             reads stage k's output) and their loss (default cross-entropy).
         data_parallel: R replicas of the pipeline (R x N processes), gradients all-reduced.
 
-    Checkpoints: :meth:`save` / :meth:`load` write and read every stage's parameters, optimizer
-    and scheduler state under the flat model's names (see :mod:`pipeq.checkpoint`); a
-    checkpoint loads into another split of the same layers.
+    Names: :meth:`state_dict`, :meth:`load_state_dict`, :meth:`save` / :meth:`load` and
+    ``pipeq launch``'s model.pt all name tensors as the flat model ``nn.Sequential(*layers)``
+    does (``pipeq.checkpoint.flat_model(stages)``): a stage that is an ``nn.Sequential``
+    contributes each of its children as one layer. Checkpoints hold every stage's parameters,
+    optimizer and scheduler state; one loads into another split of the same layers.
     """
 
     def __init__(
@@ -141,7 +144,7 @@ class PipelineRunner:
         self.data_parallel = data_parallel
         self._batcher = Batcher(schedule, model.n_stages, microbatches, model.loss_fn, model.aux_loss,
                                 data_parallel)
-        self._stage_shapes = model.stage_shapes
+        self._stage_layouts: list[Any] | None = None  # see _layouts
         self._aux_heads = model.aux_loss is not None  # heads given, or named by the recipe
         if mode == "simulated":
             from .simulated import SimulatedBackend
@@ -304,29 +307,45 @@ class PipelineRunner:
         return cat[0] if len(cat) == 1 else cat
 
     # -- state ---------------------------------------------------------------------------------
+    def _layouts(self) -> "list[checkpoint.StageLayout]":
+        """Every stage's names, layers, shapes and dtypes (asked once; they never change)."""
+        from . import checkpoint
+
+        if self._stage_layouts is None:
+            self._stage_layouts = [checkpoint.StageLayout(**lay) for lay in self._backend.layouts()]
+        return self._stage_layouts
+
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
-        """The model's state, keyed as ``nn.Sequential(*stages).state_dict()`` would be."""
+        """The model's parameters and buffers (CPU copies) under the flat model's names: those of
+        ``nn.Sequential(*layers)``, where a stage that is an ``nn.Sequential`` contributes each of
+        its children as one layer and any other stage itself (stage 1's ``0.weight`` after a
+        two-layer stage 0 is ``2.weight``); ``pipeq.checkpoint.flat_model(stages)`` is that model.
+        Checkpoints (:meth:`save`) and ``pipeq launch``'s model.pt use the same names."""
+        from . import checkpoint
+
         self._require_running()
-        out: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
-        for k, (names, tensors) in enumerate(self._backend.get_state()):
-            for name, t in zip(names, tensors):
-                out[f"{k}.{name}"] = t
-        return out
+        return checkpoint.global_state(self._backend.get_state(), self._layouts())
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Load a state saved by :meth:`state_dict` (or from ``nn.Sequential(*stages)``)."""
+        """Load a state under the names of :meth:`state_dict` (also one split into another number
+        of stages). Every key and shape is checked before any stage changes: a ``ValueError``
+        names what does not fit, and the runner goes on. For compatibility, stage-prefixed keys
+        (``nn.Sequential(*stages).state_dict()``, ``state_dict()`` of earlier pipeq versions) are
+        accepted too. Tensors are copied into the stages' own dtypes, as ``nn.Module`` does."""
+        from . import checkpoint
+
         self._require_running()
-        if self._stage_shapes is None:  # stages built in their own processes: ask them
-            self._stage_shapes = [{n: tuple(t.shape) for n, t in zip(names, tensors)}
-                                  for names, tensors in self._backend.get_state()]
-        self._backend.set_state(options.split_state(state, self._stage_shapes))
+        self._backend.set_state(checkpoint.split_state(state, self._layouts()))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, directory: str, meta: Mapping[str, Any] | None = None) -> None:
-        """Write a checkpoint to ``directory``: every stage's parameters, buffers, optimizer and
-        lr-scheduler state and RNG, under the flat model's global names (see
-        :mod:`pipeq.checkpoint`), each file written then renamed, the manifest last.
-        ``meta`` (plain JSON data) is stored in the manifest."""
+        """Write a checkpoint as ``directory``: every stage's parameters, buffers, optimizer and
+        lr-scheduler state and RNG, under the flat model's names (those of :meth:`state_dict`;
+        see :mod:`pipeq.checkpoint`). ``meta`` (plain JSON data) is stored in the manifest.
+
+        The new checkpoint is written beside ``directory`` and swapped in once complete, so a
+        checkpoint already there stays loadable until then, even if this process is killed; a
+        directory holding anything but a checkpoint is refused (it is replaced as a whole)."""
         from . import checkpoint
 
         self._require_running()
@@ -335,14 +354,17 @@ class PipelineRunner:
 
     def load(self, directory: str) -> dict[str, Any]:
         """Load a checkpoint written by :meth:`save`, also one saved with another number of
-        stages (the same layers split differently); returns its ``meta``."""
+        stages (the same layers split differently); returns its ``meta``.
+
+        Every name, shape and dtype is checked against the stages before anything is sent: a
+        checkpoint that does not fit raises a ``ValueError`` (``pipeq.checkpoint.CheckpointError``)
+        naming each tensor at fault, no stage changes, and the runner goes on."""
         from . import checkpoint
 
         self._require_running()
         self._check_checkpointable()
         ckpt = checkpoint.load(directory)
-        layouts = [checkpoint.StageLayout(**lay) for lay in self._backend.layouts()]
-        self._backend.restore(checkpoint.split(ckpt, layouts))
+        self._backend.restore(checkpoint.split(ckpt, self._layouts()))
         return dict(ckpt.meta)
 
     def _check_checkpointable(self) -> None:

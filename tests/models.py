@@ -46,6 +46,14 @@ class Chain(nn.Sequential):
         return x
 
 
+def flat_state(stages) -> dict[str, torch.Tensor]:
+    """The state of ``stages`` (a list, or a Chain of them) under pipeq's names: those of
+    ``runner.state_dict()`` and checkpoints, the flat model ``nn.Sequential(*layers)``'s."""
+    from pipeq.checkpoint import flat_model
+
+    return flat_model(stages).state_dict()
+
+
 def reference_train(stages, loss_fn, make_opt, batches):
     """Plain single-process training of the chained stages on full batches."""
     model = Chain(*copy.deepcopy(stages))

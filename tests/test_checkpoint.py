@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -13,16 +14,21 @@ from torch import nn
 
 from pipeq.checkpoint import (
     CheckpointError,
-    StageLayout,
+    StageSnapshot,
     checkpoint_dir,
+    flat_model,
+    global_names,
+    global_state,
     latest,
     layer_of,
     layout_of,
     load,
     load_optimizer_snapshot,
     optimizer_snapshot,
+    prune,
     save,
     split,
+    split_state,
     stage_snapshot,
     to_global,
 )
@@ -103,8 +109,33 @@ def test_a_non_sequential_stage_is_one_layer():
     names = {to_global(n, off, isinstance(s, nn.Sequential)) for s, off in zip(stages, offsets) for n in s.state_dict()}
     assert {"2.lin.weight", "2.scale", "2.shift", "3.weight"} <= names
     assert names == set(nn.Sequential(*[stages[0][0], stages[0][1], stages[1], stages[2][0]]).state_dict())
-    assert layout_of(stages[1]) == StageLayout(["scale", "shift", "lin.weight", "lin.bias"],
-                                               ["scale", "lin.weight", "lin.bias"], 1, False)
+    lay = layout_of(stages[1])
+    assert (lay.model_names, lay.param_names, lay.layers, lay.sequential) == (
+        ["scale", "shift", "lin.weight", "lin.bias"], ["scale", "lin.weight", "lin.bias"], 1, False)
+    assert lay.shapes["lin.weight"] == [8, 8] and lay.dtypes["shift"] == "float32"
+
+
+class OwnScale(nn.Sequential):
+    """An nn.Sequential with a parameter of its own: not a chain of layers, so one layer."""
+
+    def __init__(self):
+        super().__init__(nn.Linear(8, 8), nn.ReLU())
+        self.scale = nn.Parameter(torch.ones(8))
+
+
+def test_flat_model_names_are_the_global_names():
+    stages = [nn.Sequential(nn.Linear(4, 8), nn.ReLU()), OwnScale(), Block(), nn.Linear(8, 3)]
+    layouts = [layout_of(s) for s in stages]
+    assert [lay.layers for lay in layouts] == [2, 1, 1, 1] and not layouts[1].sequential
+    flat = flat_model(stages)
+    assert flat[2] is stages[1] and len(flat) == 5
+    names = [g for per in global_names(layouts) for g in per]
+    assert names == list(flat.state_dict()) and "2.scale" in names and "2.0.weight" in names
+    per_stage = [(list(s.state_dict()), list(s.state_dict().values())) for s in stages]
+    state = global_state(per_stage, layouts)
+    assert list(state) == names
+    back = split_state(state, layouts)  # the round trip gives each stage its own names
+    assert [names for names, _ in back] == [names for names, _ in per_stage]
 
 
 # ---------------------------------------------------------------------------- optimizer
@@ -287,15 +318,218 @@ def test_latest_picks_the_highest_complete_step(tmp_path):
 
 
 def test_prune_keeps_the_newest_complete_checkpoints(tmp_path) -> None:
-    from pipeq.checkpoint import checkpoint_dir, latest, prune, save, stage_snapshot
-
     root = str(tmp_path)
     snap = stage_snapshot(nn.Linear(2, 2))
     for step in (5, 10, 15, 20):
         save(checkpoint_dir(root, step), [snap], {"step": step})
     os.makedirs(checkpoint_dir(root, 25))  # an unfinished save: no manifest, never counted
     gone = prune(root, 2)
-    assert [os.path.basename(p) for p in gone] == ["step-00000005", "step-00000010"]
-    assert sorted(os.listdir(root)) == ["step-00000015", "step-00000020", "step-00000025"]
+    assert [os.path.basename(p) for p in gone] == ["step-00000025", "step-00000005", "step-00000010"]
+    assert sorted(os.listdir(root)) == ["step-00000015", "step-00000020"]
     assert latest(root) == checkpoint_dir(root, 20)
     assert prune(root, 0) == []  # 0 keeps everything
+
+
+# ---------------------------------------------------------------------------- crash safety
+#
+# A saver process re-saves into a folder that holds a checkpoint and is killed (SIGKILL: no
+# cleanup runs) at some moment; the folder must still load, as the last checkpoint whose save
+# finished or as the one whose save was being killed, never as a mix, never not at all.
+
+N_FILES = 4  # tiny tensors but several files: a save is mostly file creation and fsyncs
+
+
+def numbered(gen: int, n_files: int = N_FILES) -> list[StageSnapshot]:
+    """Snapshots whose every tensor holds ``gen``: a loaded checkpoint shows which save wrote it."""
+    return [StageSnapshot(model={"0.weight": torch.full((4,), float(gen))}, optim={}, sched=None, rng=None,
+                          layers=1, sequential=True) for _ in range(n_files)]
+
+
+def generation(directory: str) -> int:
+    """The save that wrote the checkpoint at ``directory`` (it must load, and be of one save)."""
+    ckpt = load(directory)
+    gen = ckpt.meta["gen"]
+    assert len(ckpt.model) == N_FILES and all(torch.equal(t, torch.full((4,), float(gen))) for t in ckpt.model.values())
+    return gen
+
+
+def resave_forever(directory: str, first: int, started: Any, finished: Any) -> None:
+    """Save generation first, first + 1, ... into ``directory`` until killed; ``finished`` is the
+    last generation whose save returned."""
+    started.set()
+    gen = first
+    while True:
+        save(directory, numbered(gen), {"gen": gen})
+        finished.value = gen
+        gen += 1
+
+
+def save_and_die_at(directory: str, gen: int, die_at: int) -> None:
+    """Save ``gen`` into ``directory``, SIGKILLing this process just before its ``die_at``-th
+    file-system step (a directory made, a file fsynced, a rename, a deletion)."""
+    import shutil
+    import signal
+
+    count = [0]
+
+    def step(fn: Any) -> Any:
+        def wrapped(*args: Any, **kw: Any) -> Any:
+            if count[0] == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            count[0] += 1
+            return fn(*args, **kw)
+        return wrapped
+
+    for mod, name in ((os, "mkdir"), (os, "fsync"), (os, "rename"), (os, "replace"), (os, "remove"),
+                      (os, "unlink"), (shutil, "rmtree")):
+        setattr(mod, name, step(getattr(mod, name)))
+    save(directory, numbered(gen, 2), {"gen": gen})
+    print(count[0], flush=True)
+
+
+def leftovers(parent: str, name: str = "ck") -> list[str]:
+    return sorted(e for e in os.listdir(parent) if e != name)
+
+
+@pytest.fixture()
+def ctx():
+    from pipeq.processes import process_context
+
+    return process_context("forkserver")
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_during_a_resave_never_loses_the_last_good_checkpoint(tmp_path, ctx):
+    """20 savers re-saving into a used folder, each SIGKILLed at a random moment: the folder
+    always loads, as the last finished save or the one in flight; the next save cleans up."""
+    import random
+    import time
+
+    ck = str(tmp_path / "ck")
+    save(ck, numbered(0), {"gen": 0})
+    t0 = time.perf_counter()
+    save(ck, numbered(0), {"gen": 0})
+    span = max(0.005, 2.5 * (time.perf_counter() - t0))  # kill somewhere in the first two saves
+    rng = random.Random(14)
+    last, interrupted, procs = 0, 0, []
+    try:
+        for trial in range(20):
+            started, finished = ctx.Event(), ctx.Value("q", last)
+            p = ctx.Process(target=resave_forever, args=(ck, last + 1, started, finished), daemon=True)
+            procs.append(p)
+            p.start()
+            assert started.wait(30), "the saver did not start"
+            time.sleep(rng.uniform(0, span))
+            p.kill()
+            p.join(10)
+            assert p.exitcode == -9
+            done = finished.value
+            interrupted += bool(leftovers(str(tmp_path)))  # killed mid-save (temporary dir, .old)
+            gen = generation(ck)  # loads (from .ck.old if the kill fell between the renames)
+            assert gen in (done, done + 1), (trial, gen, done)  # the last finished save, or the next
+            last = max(gen, done)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+    print(f"{interrupted} of 20 kills fell inside a save")
+    assert interrupted >= 10, f"only {interrupted} of 20 kills fell inside a save: the test tests little"
+    save(ck, numbered(last + 1), {"gen": last + 1})  # the next save puts everything right
+    assert leftovers(str(tmp_path)) == [] and generation(ck) == last + 1
+
+
+@pytest.mark.timeout(60)
+def test_a_kill_before_any_step_of_a_save_leaves_a_loadable_checkpoint(tmp_path, ctx):
+    """A saver killed just before each of its file-system steps in turn (the last run finishes):
+    the folder holds the old checkpoint until the new one is swapped in, then the new one; a
+    kill between the two renames leaves only ``.ck.old``, which load, latest and the next save
+    all take for the checkpoint."""
+    outcomes, between = [], 0
+    for die_at in range(30):
+        parent = tmp_path / str(die_at)
+        ck = str(parent / "ck")
+        save(ck, numbered(1, 2), {"gen": 1})
+        p = ctx.Process(target=save_and_die_at, args=(ck, 2, die_at), daemon=True)
+        p.start()
+        p.join(30)
+        if p.exitcode is None:
+            p.kill()
+            p.join(5)
+        assert p.exitcode in (0, -9)
+        if not os.path.exists(ck):
+            between += 1
+            assert [e for e in leftovers(str(parent)) if not e.endswith(".tmp")] == [".ck.old"]
+        gen = load(ck).meta["gen"]
+        outcomes.append(gen)
+        save(ck, numbered(3, 2), {"gen": 3})
+        assert leftovers(str(parent)) == [] and load(ck).meta["gen"] == 3
+        if p.exitcode == 0:
+            break
+    else:
+        raise AssertionError("30 steps and the save has not finished")
+    assert outcomes[-1] == 2 and outcomes[0] == 1 and outcomes == sorted(outcomes)
+    assert between == 1  # exactly one step falls between the renames
+
+
+def test_a_step_checkpoint_left_as_old_is_found_and_put_back(tmp_path):
+    root = str(tmp_path)
+    save(checkpoint_dir(root, 5), numbered(5, 2), {"gen": 5})
+    save(checkpoint_dir(root, 10), numbered(10, 2), {"gen": 10})
+    os.rename(checkpoint_dir(root, 10), os.path.join(root, ".step-00000010.old"))  # killed mid-swap
+    os.makedirs(os.path.join(root, ".step-00000015.0123456789abcdef.tmp"))  # killed before its swap
+    os.makedirs(checkpoint_dir(root, 20))  # an older pipeq's unfinished save
+    (tmp_path / "step-00000020" / "stage-0.pt").write_bytes(b"half")
+    os.makedirs(checkpoint_dir(root, 30))  # not ours to delete: it holds a file no checkpoint holds
+    (tmp_path / "step-00000030" / "notes.txt").write_text("mine")
+    assert latest(root) == checkpoint_dir(root, 10) and load(latest(root)).meta["gen"] == 10
+    gone = prune(root, 5)
+    assert sorted(os.path.basename(p) for p in gone) == [".step-00000015.0123456789abcdef.tmp", "step-00000020"]
+    assert sorted(os.listdir(root)) == ["step-00000005", "step-00000010", "step-00000030"]
+    assert load(checkpoint_dir(root, 10)).meta["gen"] == 10
+
+
+def test_save_refuses_a_folder_holding_other_files(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"holds files no checkpoint holds \(notes\.txt\)"):
+        save(str(tmp_path / "run"), numbered(1, 2), {"gen": 1})
+    assert os.listdir(tmp_path / "run") == ["notes.txt"] and leftovers(str(tmp_path), "run") == []
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        with pytest.raises(CheckpointError, match="current directory"):
+            save(".", numbered(1, 2), {"gen": 1})
+    finally:
+        os.chdir(cwd)
+
+
+def test_split_refuses_shapes_and_dtypes_that_do_not_fit(tmp_path):
+    make_checkpoint(str(tmp_path))
+    ckpt = load(str(tmp_path))
+    wide = [nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 8)), nn.Sequential(nn.BatchNorm1d(8), nn.ReLU()),
+            nn.Linear(8, 3).double()]
+    with pytest.raises(CheckpointError) as err:
+        split(ckpt, [layout_of(s) for s in wide])
+    text = str(err.value)
+    assert "0.weight has shape (8, 4) in the checkpoint, stage 0 expects (9, 4)" in text
+    assert "2.weight has shape (8, 8) in the checkpoint, stage 0 expects (8, 9)" in text
+    assert "5.weight is float32 in the checkpoint, stage 2 holds float64" in text
+    assert "3.weight" not in text  # what fits is not named
+
+
+def test_split_state_takes_flat_or_stage_prefixed_names():
+    stages = cut(flat_layers(), [3, 2, 1])
+    layouts = [layout_of(s) for s in stages]
+    flat = nn.Sequential(*flat_layers()).state_dict()
+    per_stage = split_state(flat, layouts)
+    assert per_stage[1][0] == list(stages[1].state_dict()) and torch.equal(per_stage[1][1][0], flat["3.weight"])
+    prefixed = nn.Sequential(*stages).state_dict()  # "1.0.weight" (older pipeq): mapped to the same
+    for (names_a, xs), (names_b, ys) in zip(split_state(prefixed, layouts), split_state(
+            global_state([(list(s.state_dict()), list(s.state_dict().values())) for s in stages], layouts),
+            layouts)):
+        assert names_a == names_b and all(torch.equal(a, b) for a, b in zip(xs, ys))
+    with pytest.raises(ValueError, match=r"missing keys \['5.bias'\], unexpected keys \[\]"):
+        split_state({k: v for k, v in flat.items() if k != "5.bias"}, layouts)
+    with pytest.raises(ValueError, match=r"state_dict\['3.weight'\] has shape \(2,\), stage 1 expects \(8,\)"):
+        split_state({**flat, "3.weight": torch.zeros(2)}, layouts)

@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 import pipeq
+from pipeq.checkpoint import flat_model, global_state
 from pipeq.messages import Kind
 from pipeq.errors import PipelineError
 
 from launch_util import (DIGITS_JOB, ROOT, assert_same_state, free_port, launch_cmd, metrics, model_state,
                          secret_env)
-from models import Exits, Raises, mlp_stages, reference_train
+from models import Exits, Raises, flat_state, mlp_stages, reference_train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,12 +65,8 @@ def replica_state(runner: pipeq.PipelineRunner, r: int) -> dict[str, torch.Tenso
     be = runner._backend
     procs = [r * be.n_stages + k for k in range(be.n_stages)]
     got = be._ask_each(Kind.GET_STATE, Kind.STATE, f"replica {r}'s state", procs)
-    out = {}
-    for k, g in enumerate(procs):
-        msg = got[g]
-        for name, t in zip(msg.extra["names"], msg.tensors):
-            out[f"{k}.{name}"] = t.clone()
-    return out
+    per_stage = [(got[g].extra["names"], [t.clone() for t in got[g].tensors]) for g in procs]
+    return dict(global_state(per_stage, runner._layouts()))
 
 
 def assert_close_states(a, b, atol=1e-5):
@@ -93,10 +90,10 @@ def test_two_replicas_equal_single_process_full_batch_training(schedule):
     data = batches(4, 16)
     ref, ref_losses = reference_train(stages, nn.CrossEntropyLoss(), MOMENTUM, data)
     sd, losses = train(stages, data, schedule=schedule, microbatches=2)
-    assert_close_states(sd, ref.state_dict())
+    assert_close_states(sd, flat_state(ref))
     assert losses == pytest.approx(ref_losses, abs=1e-5)  # the whole batch's loss, not a shard's
     # and training did something: the weights moved
-    assert not torch.allclose(sd["1.weight"], stages[1].weight, atol=1e-3)
+    assert not torch.allclose(sd["2.weight"], stages[1].weight, atol=1e-3)
 
 
 @pytest.mark.parametrize("security", ["encrypt", "authenticate"])
@@ -128,7 +125,7 @@ def test_uneven_batch_with_adam_equals_full_batch_training():
     data = batches(3, 25, seed=1)
     ref, ref_losses = reference_train(stages, nn.CrossEntropyLoss(), ADAM, data)
     sd, losses = train(stages, data, schedule="fill-drain", microbatches=3, make_opt=ADAM)
-    assert_close_states(sd, ref.state_dict())
+    assert_close_states(sd, flat_state(ref))
     assert losses == pytest.approx(ref_losses, abs=1e-5)
 
 
@@ -140,7 +137,7 @@ def test_sum_reduction_loss_equals_full_batch_training():
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     ref, ref_losses = reference_train(stages, loss_fn, sgd, data)
     sd, losses = train(stages, data, microbatches=2, make_opt=sgd, loss_fn=loss_fn)
-    assert_close_states(sd, ref.state_dict())
+    assert_close_states(sd, flat_state(ref))
     assert losses == pytest.approx(ref_losses, abs=1e-4)
 
 
@@ -199,7 +196,7 @@ def test_replicas_with_different_initial_weights_end_bit_identical():
 
     mixed, r1_before, r0_after, r1_after = one_step([a, b])
     # replica 1 was built from seed 1's weights, but starts from replica 0's (the broadcast) ...
-    assert_equal_states(r1_before, nn.Sequential(*a).state_dict())
+    assert_equal_states(r1_before, flat_state(a))
     # ... and after a step both replicas hold the very same bits
     assert_equal_states(r0_after, mixed)
     assert_equal_states(r1_after, mixed)
@@ -214,7 +211,7 @@ def test_replicas_with_different_initial_weights_end_bit_identical():
 def test_replicas_stay_bit_identical_and_load_state_dict_reaches_every_replica():
     stages = mlp_stages(WIDTHS, seed=0)
     data = batches(3, 14, seed=6)
-    fresh = nn.Sequential(*mlp_stages(WIDTHS, seed=9)).state_dict()
+    fresh = flat_state(mlp_stages(WIDTHS, seed=9))
     with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "fill-drain", 3, data_parallel=2,
                               **FAST) as runner:
         for x, y in data:
@@ -226,7 +223,7 @@ def test_replicas_stay_bit_identical_and_load_state_dict_reaches_every_replica()
         runner.step(*data[0])
         assert_equal_states(replica_state(runner, 1), replica_state(runner, 0))
         # predict reads replica 0 and is the plain model's output
-        model = nn.Sequential(*copy.deepcopy(stages))
+        model = flat_model(copy.deepcopy(stages))
         model.load_state_dict(runner.state_dict())
         with torch.no_grad():
             torch.testing.assert_close(runner.predict(data[1][0]), model(data[1][0]), atol=1e-6, rtol=0)
@@ -443,7 +440,7 @@ def test_a_batch_smaller_than_the_replica_count_is_refused_and_the_run_goes_on()
         with pytest.raises(ValueError, match="1 samples"):
             runner.step(torch.randn(1, 8), torch.tensor([0]))
         runner.step(*data[0])  # refused before anything was sent: the next step is the first
-        assert_close_states(runner.state_dict(), ref.state_dict())
+        assert_close_states(runner.state_dict(), flat_state(ref))
 
 
 def test_launch_refuses_a_bad_replica_count(tmp_path):

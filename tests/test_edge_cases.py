@@ -277,7 +277,7 @@ def test_submodules_in_eval_mode_stay_in_eval_mode_during_training():
         state = runner.state_dict()
     # pipeq calls stage.train(True) at every step: BN switches to batch statistics, updates
     # running stats and num_batches_tracked
-    assert int(state["0.1.num_batches_tracked"]) == 0
+    assert int(state["1.num_batches_tracked"]) == 0
     assert losses == pytest.approx(ref_losses, abs=1e-5)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import pipeq
 from pipeq import schedules
+from pipeq.checkpoint import flat_model
 from pipeq.errors import PipelineError
 from pipeq.schedules import Action, Op
 
@@ -238,7 +239,7 @@ def test_runner_matches_single_process_reference(schedule, d):
     ref_stages, _, ref_losses = reference_interlock(
         linear_stages(), linear_heads(), dist, data, MOMENTUM, nn.CrossEntropyLoss(), nn.CrossEntropyLoss())
     sd, losses, out = run(schedule, d, data=data, x_eval=data[0][0])  # 10 samples in 4 + 3 + 3
-    assert_state_equal(sd, nn.Sequential(*ref_stages).state_dict(), exact=False, atol=1e-5)
+    assert_state_equal(sd, flat_model(ref_stages).state_dict(), exact=False, atol=1e-5)
     assert losses == pytest.approx(ref_losses, abs=1e-5)  # step returns the real loss only
     with torch.no_grad():
         torch.testing.assert_close(out, Chain(*ref_stages)(data[0][0]), atol=1e-5, rtol=0)
@@ -340,7 +341,7 @@ def test_state_predict_and_loss_use_the_main_path():
                                   mode="simulated", aux_heads=linear_heads())
     with runner:
         sd0 = runner.state_dict()
-        assert list(sd0) == list(nn.Sequential(*stages).state_dict())  # no head keys
+        assert list(sd0) == list(flat_model(stages).state_dict())  # no head keys
         with torch.no_grad():
             real = nn.CrossEntropyLoss()(Chain(*stages)(data[0][0]), data[0][1]).item()
         assert runner.step(*data[0]) == pytest.approx(real, abs=1e-6)  # the real loss, no aux term
@@ -348,7 +349,7 @@ def test_state_predict_and_loss_use_the_main_path():
             runner.step(x, y)
         sd = runner.state_dict()
         model = Chain(*linear_stages())
-        nn.Sequential(*model).load_state_dict(sd)
+        flat_model(model).load_state_dict(sd)
         x = data[0][0]
         with torch.no_grad():
             torch.testing.assert_close(runner.predict(x), model(x), atol=1e-6, rtol=0)

@@ -118,8 +118,13 @@ def test_pairwise_job_with_aux_heads_learns_and_skips_final(launched) -> None:
     assert [ln["step"] for ln in metrics(out) if "eval_accuracy" in ln] == [10, 20, 30]
     assert "final/ is skipped for schedule 'pairwise'" in launched["pairwise"][1].stderr
     assert not os.path.exists(os.path.join(out, "final"))
-    state = model_state(out)  # runner.state_dict(): the main path only
-    assert sorted(state) == ["0.0.bias", "0.0.weight", "1.0.bias", "1.0.weight", "2.bias", "2.weight"]
+    state = model_state(out)  # runner.state_dict(): the main path only, under the flat model's names ...
+    assert list(state) == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    import launch_jobs
+
+    assert list(state) == list(checkpoint.flat_model(launch_jobs.mlp_stages()).state_dict())
+    # ... as in the model.pt of a job that checkpoints (written from its final/): one naming
+    assert list(state) == list(model_state(finished(launched, "async")))
 
 
 @pytest.mark.timeout(180)

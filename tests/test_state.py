@@ -11,7 +11,7 @@ from torch import nn
 
 import pipeq
 from launch_util import ROOT
-from models import Chain, reference_train
+from models import Chain, flat_state, reference_train
 
 sys.path.insert(0, ROOT)
 from examples.digits_job import stages as _stages  # noqa: E402
@@ -94,12 +94,12 @@ def test_lr_scheduler_steps_once_per_step_like_one_process(mode: str) -> None:
         for xb, yb in batches:
             runner.step(xb, yb)
         got = runner.state_dict()
-    want = {f"{k}.{n}": t for k, s in enumerate(ref) for n, t in s.state_dict().items()}
+    want = flat_state(ref)
     for k in want:
         assert torch.allclose(got[k], want[k], atol=1e-6), k
     # and without the scheduler the result differs (the test can fail)
     plain, _ = reference_train(stages, nn.CrossEntropyLoss(), sgd, batches)
-    assert not torch.allclose(plain[-1][0].weight, want["2.0.weight"])
+    assert not torch.allclose(plain[-1][0].weight, want["4.weight"])
 
 
 def test_load_of_a_checkpoint_that_does_not_fit_names_the_keys(tmp_path) -> None:
@@ -113,6 +113,85 @@ def test_load_of_a_checkpoint_that_does_not_fit_names_the_keys(tmp_path) -> None
     with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), adam, mode="simulated") as r:
         with pytest.raises(ValueError, match="no manifest.json"):
             r.load(str(tmp_path))
+
+
+def wide_digits_stages(hidden: int = 96) -> list[nn.Module]:
+    """The digits stages' names with another hidden width: a checkpoint of these does not fit."""
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(64, hidden), nn.ReLU()), nn.Sequential(nn.Linear(hidden, 64), nn.ReLU()),
+            nn.Sequential(nn.Linear(64, 10))]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_load_of_a_checkpoint_with_other_shapes_is_refused_and_the_runner_lives_on(mode: str, tmp_path) -> None:
+    """Names that fit but shapes (or dtypes) that do not: refused before any stage changes (a
+    process-mode stage used to fail loading it and take the whole pipeline down)."""
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    with pipeq.PipelineRunner(wide_digits_stages(), nn.CrossEntropyLoss(), sgd, mode="simulated") as r:
+        r.save(str(tmp_path / "wide"))
+    with pipeq.PipelineRunner([s.double() for s in digits_stages()], nn.CrossEntropyLoss(), sgd,
+                              mode="simulated") as r:
+        r.save(str(tmp_path / "double"))
+    (x, y), (x2, y2) = _batches(2)
+    with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), sgd, microbatches=4, mode=mode, **FAST) as r:
+        r.step(x, y)
+        r.save(str(tmp_path / "good"))
+        before = r.state_dict()
+        with pytest.raises(ValueError) as err:
+            r.load(str(tmp_path / "wide"))
+        text = str(err.value)
+        assert "0.weight has shape (96, 64) in the checkpoint, stage 0 expects (128, 64)" in text, text
+        assert "2.weight has shape (64, 96) in the checkpoint, stage 1 expects (64, 128)" in text, text
+        with pytest.raises(ValueError, match="0.weight is float64 in the checkpoint, stage 0 holds float32"):
+            r.load(str(tmp_path / "double"))
+        after = r.state_dict()
+        assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+        # the runner lives on, and trains exactly as if nothing had been tried
+        loss = r.step(x2, y2)
+        got = r.state_dict()
+    with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), sgd, microbatches=4, mode="simulated") as ref:
+        ref.load(str(tmp_path / "good"))
+        assert ref.step(x2, y2) == pytest.approx(loss, abs=1e-6)
+        want = ref.state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0, msg=k)
+
+
+def test_one_naming_state_dict_checkpoint_files_and_the_flat_model(tmp_path) -> None:
+    """runner.state_dict(), load_state_dict(), a checkpoint's files and the flat model
+    nn.Sequential(*layers) all name the digits model's weights 0.weight, 2.weight, 4.weight."""
+    import os
+
+    from pipeq import checkpoint
+
+    names = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    stages = digits_stages()
+    initial = flat_state(stages)
+    (x, y), = _batches(1)
+    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), sgd, microbatches=4, mode="process", **FAST) as r:
+        r.step(x, y)
+        state = r.state_dict()
+        assert list(state) == names == list(initial)
+        r.save(str(tmp_path / "ckpt"))
+        assert list(checkpoint.load(str(tmp_path / "ckpt")).model) == names
+        on_disk = [torch.load(str(tmp_path / "ckpt" / f), weights_only=True)["model"]
+                   for f in sorted(os.listdir(tmp_path / "ckpt")) if f.endswith(".pt")]
+        assert [k for part in on_disk for k in part] == names
+        assert all(torch.equal(part[k], state[k]) for part in on_disk for k in part)
+        # the user's own flat model takes the state as it is, and computes what the runner does
+        mine = checkpoint.flat_model(digits_stages())
+        mine.load_state_dict(state)
+        with torch.no_grad():
+            torch.testing.assert_close(r.predict(x), mine(x), atol=1e-6, rtol=0)
+        # load_state_dict(state_dict()) round-trips ...
+        r.load_state_dict(initial)
+        assert all(torch.equal(r.state_dict()[k], initial[k]) for k in names)
+        r.load_state_dict(state)
+        assert all(torch.equal(r.state_dict()[k], state[k]) for k in names)
+        # ... and stage-prefixed keys (nn.Sequential(*stages), earlier pipeq versions) still load
+        r.load_state_dict(nn.Sequential(*stages).state_dict())
+        assert all(torch.equal(r.state_dict()[k], initial[k]) for k in names)
 
 
 def test_lr_scheduler_must_be_a_factory() -> None:
@@ -139,7 +218,7 @@ def test_frozen_parameters_save_and_load(tmp_path) -> None:
         r.load(str(tmp_path / "ckpt"))
         r.step(x, y)
         got = r.state_dict()
-    assert torch.equal(got["0.0.weight"], stages()[0][0].weight)  # frozen: never trained
+    assert torch.equal(got["0.weight"], stages()[0][0].weight)  # frozen: never trained
     for k in want:
         assert torch.equal(got[k], want[k]), k
 
