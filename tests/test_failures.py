@@ -244,3 +244,12 @@ def test_job_file_step_timeout(tmp_path):
     path.write_text(base + 'step_timeout = "30"\n')
     with pytest.raises(ValueError, match="step_timeout must be a int or float"):
         load_job(str(path))
+
+
+@pytest.mark.timeout(60)
+def test_stage_stuck_in_its_backward_is_named():
+    # stage 1's backward sleeps 60 s (its first backward: step 1's microbatch 0)
+    stages = [nn.Linear(8, 8), SleepStage(8, forward_s=0.0, backward_s=60.0), nn.Linear(8, 3)]
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=2, step_timeout=2, **FAST)
+    expect_failure(runner, lambda r: r.step(*xy()), stage=1, within=8.0,
+                   match=r"stuck: has been in B\(step 1, microbatch 0\)")
