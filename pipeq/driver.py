@@ -61,6 +61,7 @@ class ProcessBackend:
         host: str = "127.0.0.1",
         start_method: str = "spawn",
         heartbeat_timeout: float = 15.0,
+        step_timeout: float | None = None,
         start_timeout: float = 120.0,
         stop_timeout: float = 60.0,
         rendezvous: Rendezvous | None = None,
@@ -79,6 +80,7 @@ class ProcessBackend:
         self.host = rendezvous.bind if rendezvous is not None else host
         self.start_method = start_method
         self.heartbeat_timeout = heartbeat_timeout
+        self.step_timeout = step_timeout  # None: a stage may compute one action for as long as it likes
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.rendezvous = rendezvous
@@ -117,7 +119,7 @@ class ProcessBackend:
         self.server = ControlServer(bind, auth)
         self.sup = Supervisor(self.server, self.procs, n_stages=self.n_stages, n_processes=self.n_processes,
                               n_nodes=len(self.placement), heartbeat_timeout=self.heartbeat_timeout,
-                              teardown=self._teardown)
+                              step_timeout=self.step_timeout, teardown=self._teardown)
         if rz is not None:  # tell the other nodes where to find us and what each of them runs
             self._publish(rz)
         ctx = process_context(self.start_method)

@@ -228,6 +228,7 @@ class Job:
     placement: list[list[int]] | None = None
     threads_per_stage: int | None = None
     heartbeat_timeout: float = 15.0
+    step_timeout: float | None = 300.0  # seconds one compute action may take; 0 in a job file: off
     start_timeout: float = 120.0
     trace: str | None = None
     data_parallel: int = 1
@@ -307,6 +308,7 @@ _JOB_KEYS = {
     "out": str, "checkpoint_every": int, "keep_checkpoints": int, "eval_every": int,
     "log_every": int, "placement": dict,
     "threads_per_stage": int, "heartbeat_timeout": (int, float), "start_timeout": (int, float),
+    "step_timeout": (int, float),
     "trace": str, "data_parallel": int, "tcp_security": str, "max_message_mb": int,
 }
 _REQUIRED = ("stages", "optimizer", "data")  # and loss, but with Associated Learning

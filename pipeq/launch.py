@@ -170,6 +170,7 @@ class Trainer:
             runner = PipelineRunner(
                 job.recipe, None, None, job.schedule, job.microbatches,
                 threads_per_stage=job.threads_per_stage, heartbeat_timeout=job.heartbeat_timeout,
+                step_timeout=job.step_timeout or None,  # 0 in the job file: off
                 start_timeout=job.start_timeout, rendezvous=self.rz, placement=job.placement,
                 trace=job.trace, data_parallel=job.data_parallel, start_method="forkserver",
                 tcp_security=job.tcp_security, max_message_mb=job.max_message_mb,

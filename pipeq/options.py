@@ -9,6 +9,7 @@ what each stage process is started with.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from dataclasses import dataclass, field
@@ -224,6 +225,7 @@ def check_run(
     n_stages: int, microbatches: int, *, mode: str, devices: Sequence[str] | None, threads_per_stage: Any,
     transport: str, start_method: str, queue_capacity: Any, trace: Any, heartbeat_interval: float,
     heartbeat_timeout: float, tcp_security: str = "encrypt", max_message_mb: Any = 256,
+    step_timeout: Any = None,
 ) -> None:
     """The process settings of :class:`~pipeq.PipelineRunner` (see its docstring)."""
     if type(microbatches) is not int or microbatches < 1:
@@ -262,6 +264,20 @@ def check_run(
             "worth tracing: every stage runs in this one process)")
     if heartbeat_timeout <= heartbeat_interval:
         raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
+    check_step_timeout(step_timeout, heartbeat_interval)
+
+
+def check_step_timeout(step_timeout: Any, heartbeat_interval: float = 1.0) -> None:
+    """``step_timeout``: None (off), or seconds longer than the heartbeat interval (a stage
+    reports the action it is in once per heartbeat)."""
+    if step_timeout is None:
+        return
+    if type(step_timeout) not in (int, float) or not math.isfinite(step_timeout) or step_timeout <= 0:
+        raise ValueError(f"step_timeout must be a positive number of seconds, or None (off), got {step_timeout!r}")
+    if step_timeout <= heartbeat_interval:
+        raise ValueError(
+            f"step_timeout={step_timeout!r} must be longer than heartbeat_interval={heartbeat_interval!r}: "
+            "a stage reports the action it is in once per heartbeat")
 
 
 def process_payloads(model: Model, schedule: Any) -> list["bytes | StageBuilder"]:

@@ -71,6 +71,15 @@ class PipelineRunner:
         max_message_mb: the largest tensor (MiB) one stage sends another; a larger frame is
             refused by the receiving stage before it is buffered, and the sender fails naming it.
         heartbeat_interval, heartbeat_timeout: seconds; a stage silent for longer is failed.
+        step_timeout: seconds a stage may spend in one compute action (a forward, a backward, an
+            optimizer step) before the run fails with a PipelineError naming the stage and the
+            action (a stage alive, heartbeating, but stuck in its own computation; its waiting
+            neighbours are not blamed). Judged from each stage's heartbeats, so only a stage
+            that stops making progress fails, never a step that is merely long. Default None:
+            off, as a library cannot know how long one action of a user's model may
+            legitimately take (a first CUDA compile, huge microbatches, a starved CPU);
+            ``pipeq launch`` sets 300 s. Must be longer than ``heartbeat_interval``.
+            Process mode only (a simulated run has no stage processes to watch).
         start_timeout: seconds to wait for every stage to start.
         stop_timeout: seconds ``close()`` lets the stages finish what they were sent before they
             are terminated (a failure is raised then).
@@ -117,6 +126,7 @@ class PipelineRunner:
         queue_capacity: int | None = None,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 15.0,
+        step_timeout: float | None = None,
         start_timeout: float = 120.0,
         spin: float = 0.01,
         start_method: str = "spawn",
@@ -139,7 +149,7 @@ class PipelineRunner:
                           threads_per_stage=threads_per_stage, transport=transport, start_method=start_method,
                           queue_capacity=queue_capacity, trace=trace, heartbeat_interval=heartbeat_interval,
                           heartbeat_timeout=heartbeat_timeout, tcp_security=tcp_security,
-                          max_message_mb=max_message_mb)
+                          max_message_mb=max_message_mb, step_timeout=step_timeout)
         self.n_stages, self.microbatches, self.mode = model.n_stages, microbatches, mode
         self.data_parallel = data_parallel
         self._batcher = Batcher(schedule, model.n_stages, microbatches, model.loss_fn, model.aux_loss,
@@ -160,7 +170,8 @@ class PipelineRunner:
                 loss_stages=schedules.loss_stages(schedule, model.n_stages),
                 output_stage=schedules.output_stage(schedule, model.n_stages), microbatches=microbatches,
                 transport=transport, host=host,
-                start_method=start_method, heartbeat_timeout=heartbeat_timeout, start_timeout=start_timeout,
+                start_method=start_method, heartbeat_timeout=heartbeat_timeout, step_timeout=step_timeout,
+                start_timeout=start_timeout,
                 stop_timeout=stop_timeout, rendezvous=rendezvous, placement=placement,
                 trace_path=os.fspath(trace) if trace is not None else None)
         self._queue_capacity = queue_capacity or max(64, 4 * microbatches)

@@ -6,7 +6,12 @@ stage (and replica) at fault when
 
 - a stage (or a node's agent, for a remote stage) reports an ERROR, with its traceback;
 - a local stage process has exited (os._exit, a signal, the OOM killer), noticed within ~0.1 s;
-- a stage's heartbeats stopped for ``heartbeat_timeout`` seconds (hung, or its host cut off).
+- a stage's heartbeats stopped for ``heartbeat_timeout`` seconds (hung, or its host cut off);
+- with ``step_timeout``: a stage has been in one compute action (a forward, a backward, an
+  optimizer step) for longer than that, by its own heartbeats' account. Each heartbeat says
+  which action the stage is computing and for how long; a stage waiting for a message from a
+  peer, or for a command, reports none, so the stage named is the one stuck in its own
+  computation, never its waiting neighbours, and a long step whose actions keep finishing is fine.
 
 Only time spent waiting counts against the heartbeat timeout: a caller that paused between two
 calls does not make its stages look dead. On a failure the ``teardown`` callback stops every
@@ -43,6 +48,7 @@ class Supervisor:
         n_nodes: int,
         heartbeat_timeout: float,
         teardown: Callable[[], None],
+        step_timeout: float | None = None,
     ) -> None:
         self.server = server
         self.procs = procs  # this host's stage processes, by process number g
@@ -51,7 +57,10 @@ class Supervisor:
         self.n_nodes = n_nodes
         self.replicated = n_processes > n_stages
         self.heartbeat_timeout = heartbeat_timeout
+        self.step_timeout = step_timeout
         self.teardown = teardown
+        # per process: (compute action under way, seconds in it) from its latest heartbeat
+        self.doing: dict[int, tuple[str, float]] = {}
         self.failure: PipelineError | None = None
         # heartbeats are judged once a stage is READY (see expect_heartbeats)
         self.last_beat = [float("inf")] * n_processes
@@ -125,6 +134,24 @@ class Supervisor:
                 raise self.fail(self.error(
                     f"no heartbeat for {now - self.last_beat[g]:.1f} s (heartbeat_timeout="
                     f"{self.heartbeat_timeout}); the stage is hung or unreachable", g))
+        if self.step_timeout is not None:
+            stuck = [(age, g, what) for g, (what, age) in self.doing.items()
+                     if age > self.step_timeout and g not in self._excused]
+            if stuck:
+                age, g, what = max(stuck)  # the longest stuck: any other is waiting on it
+                raise self.fail(self.error(
+                    f"stuck: has been in {what} for {age:.1f} s with no progress (step_timeout="
+                    f"{self.step_timeout} s); its neighbours are waiting for it", g))
+
+    def _beat(self, peer: Peer, msg: Message, now: float) -> None:
+        """Anything from a stage process shows it alive; its heartbeat also says what it computes."""
+        self.last_beat[peer.index] = now
+        if peer.role == HEARTBEAT and msg.kind is Kind.HEARTBEAT:
+            what, age = msg.extra.get("doing"), msg.extra.get("for")
+            if type(what) is str and type(age) in (int, float):
+                self.doing[peer.index] = (what, float(age))
+            else:
+                self.doing.pop(peer.index, None)
 
     def check_usable(self) -> None:
         if self.failure is not None:
@@ -148,7 +175,7 @@ class Supervisor:
                 continue  # not one of our workers: ignored
             assert peer is not None
             if peer.role != AGENT:
-                self.last_beat[peer.index] = time.monotonic()
+                self._beat(peer, msg, time.monotonic())
             if msg.kind is Kind.ERROR and peer.role != HEARTBEAT:
                 return peer, msg
             if peer.role == STAGE:
@@ -221,7 +248,7 @@ class Supervisor:
                 peer, msg = r
                 assert peer is not None
                 if peer.role != AGENT:
-                    self.last_beat[peer.index] = now
+                    self._beat(peer, msg, now)
                 if msg.kind is Kind.ERROR and peer.role != HEARTBEAT:
                     self._error(peer, msg)
                 elif peer.role == STAGE:

@@ -789,7 +789,9 @@ class Heartbeat:
 
     It has its own socket (ZeroMQ sockets are not thread-safe) and also watches the driver
     process (``driver_pid``, through a pidfd where Linux has one): if the driver is gone,
-    ``on_orphan`` is called (the worker exits), whoever the worker's parent is.
+    ``on_orphan`` is called (the worker exits), whoever the worker's parent is. Each beat
+    carries ``status()`` (the worker's compute action under way and for how long, or None) in
+    its ``extra``: how the driver tells a stage stuck in its computation from a waiting one.
     """
 
     def __init__(
@@ -801,10 +803,12 @@ class Heartbeat:
         driver_pid: int,
         on_orphan: Callable[[], None],
         auth: WireAuth | None = None,
+        status: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         import threading
 
         _need_auth(auth, control_addr)
+        self._status = status
         self._stop = threading.Event()
         self._auth = auth
         self._args = (ctx, control_addr, process, interval, on_orphan)
@@ -854,7 +858,12 @@ class Heartbeat:
                     return
                 beat += 1
                 try:
-                    sock.send_multipart(_frames(Message(Kind.HEARTBEAT, beat)), flags=zmq.NOBLOCK)
+                    status = self._status() if self._status is not None else None
+                except Exception:  # a report that cannot be made must not stop the beats
+                    status = None
+                try:
+                    sock.send_multipart(_frames(Message(Kind.HEARTBEAT, beat, extra=status or {})),
+                                        flags=zmq.NOBLOCK)
                 except zmq.Again:
                     pass
         finally:

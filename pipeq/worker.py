@@ -17,6 +17,11 @@ The loop waits for a command on the control channel and carries it out:
     STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
     EXIT       leave the loop
 
+While a compute action (forward, backward, optimizer step) runs, the loop notes which one and
+since when (one attribute store as it starts; cleared when the stage turns to its messages or its
+next command): the heartbeat thread reports it (:meth:`EventLoop.doing`), so that the driver can
+name a stage stuck in its own computation (``step_timeout``) rather than its waiting neighbours.
+
 Any exception is reported to the driver as ERROR (message and traceback) before the process
 exits. The event loop is the only code in a worker that touches the transport; the schedule's
 actions run in :func:`pipeq.interpreter.execute`, which asks the loop for every message.
@@ -148,6 +153,47 @@ class EventLoop:
         self.trace: collections.deque[tuple[int, ...]] | None = (
             collections.deque(maxlen=trace.MAX_ROWS) if cfg.trace else None
         )
+        # the compute action under way: (trace code, microbatch, monotonic start), None between
+        # actions (waiting for a message or a command); read by the heartbeat thread
+        self.current: tuple[int, int, float] | None = None
+        self._keys: Any = None  # the running batch's microbatch -> (step, microbatch), see run
+        self._watch(executor)
+
+    def _watch(self, ex: StageExecutor) -> None:
+        """Make ``ex``'s compute actions note themselves in :attr:`current` as they start."""
+        clock = time.monotonic
+        forward, backward, optimizer_step = ex.forward, ex.backward, ex.optimizer_step
+
+        def watched_forward(j: int, received: Any) -> Any:
+            self.current = (trace.F, j, clock())
+            return forward(j, received)
+
+        def watched_backward(j: int, grads: Any) -> Any:
+            self.current = (trace.B, j, clock())
+            return backward(j, grads)
+
+        def watched_step() -> None:
+            self.current = (trace.OPT_STEP, -1, clock())
+            optimizer_step()
+
+        ex.forward, ex.backward, ex.optimizer_step = (  # type: ignore[method-assign]
+            watched_forward, watched_backward, watched_step)
+
+    def doing(self) -> dict[str, Any] | None:
+        """The compute action under way and for how long (the heartbeat thread's report), or
+        None when the stage is not computing (waiting for input, or for a command)."""
+        cur = self.current
+        if cur is None:
+            return None
+        code, j, since = cur
+        step = self.step or 0
+        if code == trace.OPT_STEP:
+            name = f"STEP(step {step})"
+        else:
+            keys = self._keys
+            s, mb = keys.get(j, (step, j)) if keys is not None else (step, j)
+            name = f"{'F' if code == trace.F else 'B'}(step {s}, microbatch {mb})"
+        return {"doing": name, "for": round(time.monotonic() - since, 3)}
 
     def serve(self) -> None:
         transport, ex = self.transport, self.executor
@@ -223,6 +269,7 @@ class EventLoop:
         keyed (step, microbatch); in a stream, ``keys`` gives each microbatch number's key."""
         transport = self.transport
         rec = self.trace.append if self.trace is not None else None
+        self._keys = keys
         gen = execute(self.executor, actions, self.trace, keys)
         fq, bq = transport.forward_queue, transport.backward_queue
         clock = time.perf_counter_ns
@@ -230,6 +277,7 @@ class EventLoop:
         try:
             while True:
                 req = gen.send(value)
+                self.current = None  # no compute action under way: messages
                 op = req[0]
                 value = None
                 t0 = clock() if rec else 0
@@ -256,6 +304,8 @@ class EventLoop:
                         rec((trace.EMIT, s, j, t0, clock(), _nbytes(req[2])))
         except StopIteration:
             pass
+        finally:
+            self.current = None
 
 
 def _nbytes(tensors: Any) -> int:
@@ -319,7 +369,8 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
         # From here on the driver is watched: if it dies, this stage cleans up and exits.
         heartbeat = Heartbeat(
             transport.ctx, cfg.control_addr, cfg.process, cfg.heartbeat_interval,
-            cfg.driver_pid or os.getppid(), lambda: _orphaned(cfg), auth=cfg.auth
+            cfg.driver_pid or os.getppid(), lambda: _orphaned(cfg), auth=cfg.auth,
+            status=lambda: loop.doing() if loop is not None else None,
         )
         device = select_device(cfg)
         torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)

@@ -103,6 +103,22 @@ class Sleeps(nn.Module):
         return self.lin(x)
 
 
+class StallsOnce(nn.Module):
+    """Sleeps ``seconds`` in its ``call``-th forward (microbatch call-1 of the first step): a
+    stage alive and heartbeating, but stuck in its own computation."""
+
+    def __init__(self, width: int, call: int = 2, seconds: float = 60.0):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.call, self.seconds, self.calls = call, seconds, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.call:
+            time.sleep(self.seconds)
+        return self.lin(x)
+
+
 class TwoOut(nn.Module):
     """Returns a tuple: (hidden activation, an integer tensor that rides along)."""
 

@@ -272,3 +272,26 @@ def test_report_rebuilds_schedules_from_trace_labels():
     assert schedule_of(AsyncOneFOneB(warmup=3).name) == AsyncOneFOneB(warmup=3)
     assert schedule_of("async") == AsyncOneFOneB()
     assert schedule_of("tests.mine:plan") is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["1f1b", "async"])
+def test_stage_stuck_in_a_stream_names_the_batch_and_microbatch(schedule):
+    # stage 1's 7th forward (3 microbatches a batch: batch 3's microbatch 0) sleeps 60 s. With
+    # asynchronous 1F1B microbatches are numbered across batches: the report still names the
+    # batch's own step and microbatch. Stages 0 and 2 (waiting for it) are not blamed.
+    import time
+
+    from conftest import wait_no_strays
+    from models import StallsOnce
+
+    stages = [nn.Linear(8, 8), StallsOnce(8, call=7, seconds=60), nn.Linear(8, 3)]
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, schedule=schedule, microbatches=3,
+                                  step_timeout=2, **FAST)
+    with pytest.raises(pipeq.PipelineError, match=r"stuck: has been in F\(step 3, microbatch 0\)") as info:
+        with runner:
+            t0 = time.monotonic()
+            list(runner.stream(batches(6)))
+    assert info.value.stage == 1
+    assert time.monotonic() - t0 < 10
+    assert not wait_no_strays(5.0)
