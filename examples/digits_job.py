@@ -42,7 +42,11 @@ def two_stages() -> list[nn.Module]:
 @functools.lru_cache(maxsize=1)
 def _digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """sklearn's bundled 8x8 digits (offline): standardized 80/20 train/test split."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # an optional dependency: pipeq itself does not need it
+        raise ModuleNotFoundError("the digits examples load scikit-learn's bundled digits: "
+                                  "pip install -e '.[examples]' (or pip install scikit-learn)") from None
 
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32)

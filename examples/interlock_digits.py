@@ -52,7 +52,11 @@ SCHEMES = ("global", "local", "pairwise", "3-wise")
 
 def load_digits(seed: int = 0):
     """sklearn's bundled 8x8 digits (1797 images, offline): standardized train/test tensors."""
-    from sklearn.datasets import load_digits as _load
+    try:
+        from sklearn.datasets import load_digits as _load
+    except ImportError:  # an optional dependency: pipeq itself does not need it
+        raise ModuleNotFoundError("the digits examples load scikit-learn's bundled digits: "
+                                  "pip install -e '.[examples]' (or pip install scikit-learn)") from None
 
     data = _load()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0

@@ -1,12 +1,14 @@
 """Trace the same model under different schedules and draw what happened.
 
-    python examples/trace_schedules.py                 # writes docs/trace-<schedule>.{json,png}
+    python examples/trace_schedules.py                 # writes runs/traces/trace-<schedule>.{json,png}
     python examples/trace_schedules.py --out /tmp/traces --schedules 1f1b pairwise
+    python examples/trace_schedules.py --out docs      # refresh the README's pictures (tracked files)
 
-The model: 4 stages of fixed cost (pairwise interlocking adds a Linear head per stage but the last) (pipeq.testing.SleepStage: forward 10 ms, backward 20 ms), so
-the pictures show the schedule and pipeq's own overhead, not CPU contention on a small machine.
-Each run trains 3 steps of 8 microbatches with ``trace=``; the last step is drawn and the report
-(compute, send, wait, bubble against (N-1)/(m+N-1)) is printed.
+The model: 4 stages of fixed cost (pipeq.testing.SleepStage: forward 10 ms, backward 20 ms;
+pairwise interlocking adds a Linear head per stage but the last), so the pictures show the
+schedule and pipeq's own overhead, not CPU contention on a small machine. Each run trains 3
+steps of 8 microbatches with ``trace=``; the last step is drawn and the report (compute, send,
+wait, bubble against (N-1)/(m+N-1)) is printed.
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ from pipeq.plot import plot_trace
 from pipeq.testing import SleepStage
 from pipeq.trace import load_trace
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
 def trace_run(schedule: str, out: str, n: int = 4, m: int = 8) -> str:
     path = os.path.join(out, f"trace-{schedule}.json")
     stages = [SleepStage(16, 0.010, 0.020) for _ in range(n)]
@@ -41,11 +40,16 @@ def trace_run(schedule: str, out: str, n: int = 4, m: int = 8) -> str:
     return path
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "docs"))
+    p.add_argument("--out", default=os.path.join("runs", "traces"),
+                   help="output directory (default runs/traces; docs refreshes the README's pictures)")
     p.add_argument("--schedules", nargs="+", default=["fill-drain", "1f1b", "pairwise"])
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     for schedule in args.schedules:
         path = trace_run(schedule, args.out)

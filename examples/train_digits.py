@@ -22,7 +22,11 @@ import pipeq
 
 def load_digits(seed: int = 0):
     """sklearn's bundled 8x8 digits (1797 images, offline): standardized train/test tensors."""
-    from sklearn.datasets import load_digits as _load
+    try:
+        from sklearn.datasets import load_digits as _load
+    except ImportError:  # an optional dependency: pipeq itself does not need it
+        raise ModuleNotFoundError("the digits examples load scikit-learn's bundled digits: "
+                                  "pip install -e '.[examples]' (or pip install scikit-learn)") from None
 
     data = _load()
     x = torch.tensor(data.data, dtype=torch.float32)
@@ -78,7 +82,9 @@ def train(schedule: str = "1f1b", mode: str = "process", epochs: int = 8, batch:
 
 if __name__ == "__main__":  # required: stage processes re-import this file
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--schedule", default="1f1b", choices=sorted(pipeq.SCHEDULES))
+    # the schedules that train plain stages (the others need more than stages: interlock_digits.py
+    # trains local, pairwise and n-wise interlocking with heads, al_digits.py Associated Learning)
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "fill-drain", "gpipe", "global", "async"])
     p.add_argument("--mode", default="process", choices=["process", "simulated"])
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)

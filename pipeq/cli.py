@@ -24,8 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"pipeq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("schedule", help="print a schedule's planned stage x time table (dry run)")
-    p.add_argument("name", choices=sorted([*schedules.SCHEDULES, "nwise"]))
-    p.add_argument("--distance", type=int, metavar="D", help="nwise: the interlocking distance d")
+    p.add_argument("name", choices=sorted(schedules.SCHEDULES))
+    p.add_argument("--distance", type=int, metavar="D",
+                   help="nwise's distance d >= 1 (its option: Interlock('nwise', distance=d) in Python, "
+                        "schedule = { name = \"nwise\", distance = d } in a job file)")
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--backward-cost", type=int, default=2,
@@ -71,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
 def _schedule(args: argparse.Namespace) -> int:
     if args.distance is not None and args.name != "nwise":
         raise ValueError(f"--distance applies to schedule nwise only, not {args.name!r}")
+    if args.name == "nwise" and (args.distance is None or args.distance < 1):
+        got = "" if args.distance is None else f", got --distance {args.distance}"
+        raise ValueError(f"schedule nwise needs its distance: --distance D, an integer >= 1{got} "
+                         "(stage k is trained by the loss D stages up)")
     name = schedules.Interlock("nwise", args.distance) if args.name == "nwise" else schedules.resolve(args.name)
     print(schedules.format_table(name, args.stages, args.microbatches, backward_cost=args.backward_cost))
     if args.plot:

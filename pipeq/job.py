@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import importlib
 import inspect
@@ -280,13 +281,15 @@ def parse_schedule(value: "str | Mapping[str, Any]") -> "str | schedules.Schedul
     name = options.pop("name", None)
     if not isinstance(name, str) or name not in SCHEDULE_OPTIONS:
         what = "a table without a name" if name is None else f"unknown name {name!r}"
-        raise ValueError(f"schedule: {what}; choose one of {', '.join(sorted(SCHEDULE_OPTIONS))}, "
+        close = difflib.get_close_matches(name, list(SCHEDULE_OPTIONS), n=1) if isinstance(name, str) else []
+        raise ValueError(f"schedule: {what}; " + (f"did you mean {close[0]!r}? " if close else "")
+                         + f"choose one of {', '.join(sorted(SCHEDULE_OPTIONS))}, "
                          'e.g. schedule = "1f1b" or schedule = { name = "nwise", distance = 2 }')
     allowed = SCHEDULE_OPTIONS[name]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"schedule {name!r}: unknown option(s) {unknown}; "
-                         + (f"allowed: {list(allowed)}" if allowed else "it takes none"))
+                         + (did_you_mean(unknown, allowed, "allowed") if allowed else "it takes none"))
     if name == "nwise" and "distance" not in options:
         raise ValueError('schedule "nwise" needs its distance: schedule = { name = "nwise", distance = 2 }')
     if not options:
@@ -311,7 +314,18 @@ _JOB_KEYS = {
     "step_timeout": (int, float),
     "trace": str, "data_parallel": int, "tcp_security": str, "max_message_mb": int,
 }
+#: what a TOML value of each type is called, with its article
+_TOML_TYPES = {str: "a string", int: "an integer", float: "a float", dict: "a table"}
 _REQUIRED = ("stages", "optimizer", "data")  # and loss, but with Associated Learning
+
+
+def did_you_mean(wrong: Iterable[str], known: Iterable[str], what: str) -> str:
+    """``did you mean 'x'?`` for names close to a known one, else the known names."""
+    known = sorted(known)
+    close = {w: difflib.get_close_matches(w, known, n=1) for w in wrong}
+    if all(close.values()):
+        return "did you mean " + ", ".join(repr(c[0]) for c in close.values()) + "?"
+    return f"{what}: {known}"
 
 
 def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
@@ -327,11 +341,11 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     known = {**_RECIPE_KEYS, **_JOB_KEYS}
     unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise ValueError(f"job file {path}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        raise ValueError(f"job file {path}: unknown key(s) {unknown}; {did_you_mean(unknown, known, 'known keys')}")
     for key, types in known.items():
         if key in raw and (not isinstance(raw[key], types) or isinstance(raw[key], bool)):
-            want = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
-            raise ValueError(f"job file {path}: {key} must be a {want}, got {raw[key]!r}")
+            want = " or ".join(_TOML_TYPES[t] for t in (types if isinstance(types, tuple) else (types,)))
+            raise ValueError(f"job file {path}: {key} must be {want}, got {raw[key]!r}")
     try:
         raw["schedule"] = parse_schedule(raw.get("schedule", "1f1b"))
     except ValueError as exc:

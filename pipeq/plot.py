@@ -9,7 +9,7 @@
 --plot plan.png``; the traces come from :mod:`pipeq.trace`, the step selection from
 :mod:`pipeq.report`). Categories other than forward, backward, step, send and wait are drawn
 grey. matplotlib is imported when a picture is drawn, never with this module, and is needed for
-the pictures only (``pip install 'pipeq[plot]'``).
+the pictures only (``pip install matplotlib``, or ``pip install -e ".[plot]"`` in pipeq's folder).
 """
 
 from __future__ import annotations
@@ -31,45 +31,69 @@ def plot_trace(trace: Trace | dict[str, Any], path: str | os.PathLike[str], step
     """Draw a stage x time picture of a trace (PNG); return the path.
 
     Stages are rows (stage 0 on top; with several replicas one group of rows per replica,
-    "r1 s0"), time runs left to right in ms from the first event drawn. Forward boxes are light,
-    backward boxes dark and hatched, both coloured by microbatch; the optimizer step is dark
-    grey, sends thin slate boxes, unknown categories light grey; white is idle or waiting.
+    "r1 s0"), time runs left to right: in ms from the first event drawn for a traced run, in
+    the plan's time units (a forward is 1, a backward ``backward_cost``) for a schedule's plan
+    (:func:`~pipeq.trace.planned_trace`). Forward boxes are light, backward boxes dark and
+    hatched, both coloured by microbatch; the optimizer step is dark grey, sends thin slate
+    boxes, unknown categories light grey; white is idle or waiting.
     ``steps``: None (default) the last training step, "all", a step number or numbers.
     """
+    fig = draw_trace(trace, steps, title)
+    fig.savefig(path, format="png", dpi=120, bbox_inches="tight")
+    return os.fspath(path)
+
+
+def draw_trace(trace: Trace | dict[str, Any], steps: StepSelection = None, title: str | None = None) -> Any:
+    """:func:`plot_trace`'s picture as a matplotlib ``Figure`` (not saved)."""
     try:
         from matplotlib.figure import Figure  # pyplot-free: no display, the global backend is untouched
     except ImportError as exc:
-        raise RuntimeError("pip install 'pipeq[plot]' (matplotlib) to draw pipeline timelines") from exc
+        raise RuntimeError("drawing pipeline timelines needs matplotlib: pip install matplotlib (or "
+                           "pip install -e '.[plot]' in pipeq's folder)") from exc
     if isinstance(trace, dict):
         trace = trace_from_dict(trace)
     wanted = select_steps(trace, steps)
     events = [e for e in trace.events if wanted is None or e.step in wanted]
     if not events:
         raise ValueError(f"{trace.source} has no stage events in step {span_text(sorted(wanted or []))}")
+    unit_us, xlabel = time_axis(trace)
     replicas = sorted({e.replica for e in events})
     row_of = {(r, k): i * trace.n_stages + k for i, r in enumerate(replicas) for k in range(trace.n_stages)}
     t0 = min(e.start_us for e in events)
-    span_ms = max(max(e.end_us for e in events) - t0, 1e-3) / 1e3
+    span = max(max(e.end_us for e in events) - t0, 1.0) / unit_us
     n_rows = len(row_of)
     width_in = 13.0
     fig = Figure(figsize=(width_in, 1.4 + 0.55 * n_rows), dpi=120)
     ax = fig.add_subplot(1, 1, 1)
-    px_per_ms = width_in * 120 * 0.8 / span_ms
-    _draw_boxes(ax, events, row_of, t0, px_per_ms)
-    _draw_step_marks(ax, trace, wanted, events, t0)
+    px_per_unit = width_in * 120 * 0.8 / span
+    _draw_boxes(ax, events, row_of, t0, unit_us, px_per_unit)
+    _draw_step_marks(ax, trace, wanted, events, t0, unit_us)
     labels = [f"stage {k}" if len(replicas) == 1 else f"r{r} s{k}" for (r, k) in row_of]
     ax.set_yticks(range(n_rows))
     ax.set_yticklabels(labels)
     ax.set_ylim(n_rows - 0.5, -0.5)  # stage 0 on top
-    ax.set_xlim(0, span_ms * 1.01)
-    ax.set_xlabel("time (ms from the first event drawn)")
+    ax.set_xlim(0, span * 1.01)
+    ax.set_xlabel(xlabel)
+    if trace.meta.get("planned"):  # whole slots
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(axis="x", color="#e6e6e6", linewidth=0.6)
     ax.set_axisbelow(True)
     ax.set_title(title or _default_title(trace, wanted, events), loc="left", fontsize=10)
     ax.legend(handles=_legend_handles(events), loc="upper left", bbox_to_anchor=(1.005, 1.0),
               frameon=False, fontsize=8)
-    fig.savefig(path, format="png", dpi=120, bbox_inches="tight")
-    return os.fspath(path)
+    return fig
+
+
+def time_axis(trace: Trace) -> tuple[float, str]:
+    """(microseconds per unit of the time axis, its label): ms for a run, the plan's own time
+    unit (one forward) for a schedule's plan, whose times are slots of a dry run, not durations."""
+    if trace.meta.get("planned"):
+        cost = trace.meta.get("backward_cost", "?")
+        return (float(trace.meta.get("unit_us", 1000.0)),
+                f"plan time units (a forward takes 1 unit, a backward {cost}; sends take none)")
+    return 1000.0, "time (ms from the first event drawn)"
 
 
 def _colour(j: int) -> tuple[float, float, float]:
@@ -104,7 +128,7 @@ def _box_style(e: Event) -> tuple[str, Any, Any, str | None, float]:
 
 
 def _draw_boxes(ax: Any, events: list[Event], row_of: dict[tuple[int, int], int], t0: float,
-                px_per_ms: float) -> None:
+                unit_us: float, px_per_unit: float) -> None:
     from matplotlib.collections import PatchCollection
     from matplotlib.patches import Rectangle
 
@@ -114,31 +138,32 @@ def _draw_boxes(ax: Any, events: list[Event], row_of: dict[tuple[int, int], int]
         if face is None:
             continue  # waits are left white, like idle time
         y = row_of[(e.replica, e.stage)]
-        x, w = (e.start_us - t0) / 1e3, e.dur_us / 1e3
+        x, w = (e.start_us - t0) / unit_us, e.dur_us / unit_us
         top = y + 0.4 - height if kind == "send" else y - height / 2  # sends: a strip at the row's foot
         patches, faces, edges = groups.setdefault((kind, hatch), ([], [], []))
         patches.append(Rectangle((x, top), w, height))
         faces.append(face)
         edges.append(edge)
-        _label(ax, e, kind, x, w, y, px_per_ms)
+        _label(ax, e, kind, x, w, y, px_per_unit)
     for (kind, hatch), (patches, faces, edges) in groups.items():
         ax.add_collection(PatchCollection(patches, facecolors=faces, edgecolors=edges, linewidths=0.6,
                                           hatch=hatch, zorder=2))
 
 
-def _label(ax: Any, e: Event, kind: str, x: float, w: float, y: int, px_per_ms: float) -> None:
+def _label(ax: Any, e: Event, kind: str, x: float, w: float, y: int, px_per_unit: float) -> None:
     """Write "F3" / "B3" inside a forward or backward box that is wide enough."""
     if kind not in ("forward", "backward", "step"):
         return
     text = "ST" if kind == "step" else f"{'F' if kind == 'forward' else 'B'}{e.microbatch}"
-    if w * px_per_ms < 7.5 * len(text) + 4:
+    if w * px_per_unit < 7.5 * len(text) + 4:
         return
     colour = "black" if kind == "forward" else "white"
     ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=7, color=colour, zorder=3,
             fontweight="bold" if kind == "backward" else "normal", clip_on=True)
 
 
-def _draw_step_marks(ax: Any, trace: Trace, wanted: set[int] | None, events: list[Event], t0: float) -> None:
+def _draw_step_marks(ax: Any, trace: Trace, wanted: set[int] | None, events: list[Event], t0: float,
+                     unit_us: float) -> None:
     """A dotted line where each drawn step starts, when more than one is drawn."""
     starts: dict[int, float] = {}
     for e in events:
@@ -150,7 +175,7 @@ def _draw_step_marks(ax: Any, trace: Trace, wanted: set[int] | None, events: lis
             starts[step] = min(starts[step], max(start, t0))
     label = len(starts) <= 30
     for step, start in sorted(starts.items()):
-        x = (start - t0) / 1e3
+        x = (start - t0) / unit_us
         ax.axvline(x, color="#9a9a9a", linestyle=":", linewidth=0.8, zorder=1)
         if label:
             ax.annotate(f"step {step}", (x, 0), xycoords=("data", "axes fraction"), xytext=(2, 2),

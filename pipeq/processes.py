@@ -132,7 +132,8 @@ def exit_reason(code: int) -> str:
 def process_context(start_method: str) -> Any:
     """The multiprocessing context stage processes are started with. With ``"forkserver"`` the
     fork server imports torch and pipeq once (``pipeq._preload``) and each stage is a fork of it:
-    ~50 ms instead of seconds; the server lives until this process exits."""
+    ~0.1 s for a 3-stage runner once the server runs, instead of seconds; the server lives until
+    this process exits."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["pipeq._preload"])

@@ -86,9 +86,12 @@ class PipelineRunner:
         spin: seconds a stage waiting for a message busy-polls (yielding its core to anything
             else runnable) before it blocks: a blocked process wakes up 0.1-0.5 ms later on a
             virtual machine, on every hop. 0 never spins (least CPU, most latency).
-        start_method: ``"spawn"`` (default: a fresh interpreter per stage, ~2 s to start) or
-            ``"forkserver"`` (stages fork from a server that has torch imported: ~50 ms; the
-            server process lives on until this process exits).
+        start_method: ``"spawn"`` (default: every stage a fresh interpreter importing torch,
+            all at once: 4-9 s for 3 stages on 2 busy cores) or ``"forkserver"`` (stages fork
+            from a server that imports torch once: 2-4 s for the first runner of a process,
+            ~0.1 s for later ones; the server lives on until this process exits).
+            Both run the main script again in each stage: start the runner under
+            ``if __name__ == "__main__":`` (it refuses otherwise).
         rendezvous: a :class:`pipeq.rendezvous.Rendezvous` for a multi-host run (this process
             is node 0; the other nodes run ``pipeq launch ... --node-rank r``); its stages bind
             to ``rendezvous.bind`` over TCP.
@@ -192,6 +195,8 @@ class PipelineRunner:
                 "the stages' initial weights. Create a new runner (and load_state_dict the "
                 "state_dict you kept) instead"
             )
+        if self.mode == "process":  # each stage process runs the main script again
+            options.check_main_guard()
         self._used = True
         self._backend.start()
         self._running = True

@@ -35,7 +35,7 @@ from .errors import ScheduleError
 __all__ = [
     "Op", "Action", "F", "B", "STEP", "Schedule", "ScheduleFn", "COMPUTE_OPS", "lower", "lower_stage",
     "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "Interlock", "AsyncCursor", "AsyncOneFOneB",
-    "AssociatedLearning", "SCHEDULES", "INTERLOCK", "resolve", "get_schedule", "loss_stages", "output_stage",
+    "AssociatedLearning", "NeedsOptions", "SCHEDULES", "INTERLOCK", "resolve", "get_schedule", "loss_stages", "output_stage",
     "schedule_name", "options_of", "check_consistency", "dry_run", "build", "format_table",
 ]
 
@@ -348,6 +348,26 @@ class AssociatedLearning(_OptionsIdentity):
 
 
 
+class NeedsOptions:
+    """A schedule name that is no schedule until it is given its options: ``"nwise"`` needs its
+    distance. Listed in :data:`SCHEDULES` so that every name pipeq knows is there; using the bare
+    name is refused, saying how to give the option."""
+
+    def __init__(self, name: str, needs: str, example: str) -> None:
+        self.name, self.needs, self.example = name, needs, example
+
+    def refusal(self) -> ValueError:
+        return ValueError(f"schedule {self.name!r} needs its {self.needs}: schedule={self.example}")
+
+    def __call__(self, n_stages: int, n_microbatches: int) -> Schedule:
+        raise self.refusal()
+
+    def __repr__(self) -> str:
+        return self.example
+
+
+#: Every schedule name pipeq knows, and the schedule it names (``"nwise"`` needs its distance:
+#: ``Interlock("nwise", distance=d)``).
 SCHEDULES: dict[str, ScheduleFn] = {
     "al": AssociatedLearning(),
     "async": AsyncOneFOneB(),
@@ -357,6 +377,7 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "global": Interlock("global"),
     "local": Interlock("local"),
     "pairwise": Interlock("pairwise"),
+    "nwise": NeedsOptions("nwise", "distance", "pipeq.schedules.Interlock('nwise', distance=d)"),
 }
 INTERLOCK = Interlock.KINDS
 
@@ -364,10 +385,8 @@ INTERLOCK = Interlock.KINDS
 def resolve(schedule: "str | ScheduleFn") -> "str | ScheduleFn":
     """A schedule function as given; a registered name as the object it names when that is one
     of pipeq's schedule classes (the runner and the stages ask it what it needs)."""
-    if schedule == "nwise":
-        raise ValueError(
-            "schedule 'nwise' needs its distance: schedule=pipeq.schedules.Interlock('nwise', distance=d)"
-        )
+    if isinstance(schedule, str) and isinstance(SCHEDULES.get(schedule), NeedsOptions):
+        raise SCHEDULES[schedule].refusal()  # type: ignore[attr-defined]
     if isinstance(schedule, str) and isinstance(SCHEDULES.get(schedule), (Interlock, AsyncOneFOneB,
                                                                        AssociatedLearning)):
         return SCHEDULES[schedule]
@@ -378,6 +397,7 @@ def get_schedule(name: str | ScheduleFn) -> ScheduleFn:
     """The schedule function registered as ``name``, or ``name`` itself if it is a function."""
     if callable(name):
         return name
+    resolve(name)  # a name that needs its options is refused, saying how to give them
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):

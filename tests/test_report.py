@@ -354,7 +354,7 @@ def test_plot_replicas_and_plan(tmp_path):
 
 def test_plot_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(RuntimeError, match=r"pip install 'pipeq\[plot\]'"):
+    with pytest.raises(RuntimeError, match=r"needs matplotlib: pip install matplotlib"):
         P.plot_trace(T.planned_trace("1f1b", 2, 2), tmp_path / "x.png")
 
 
