@@ -378,11 +378,12 @@ LENGTH_RULE = ("a job trains for steps or for epochs, never both: set one of the
 
 
 def _check_length(path: str, raw: Mapping[str, Any], given: Mapping[str, Any]) -> None:
-    """The job's length: ``steps`` or ``epochs``, one of them (see :data:`LENGTH_RULE`)."""
+    """The job's length: ``steps`` or ``epochs``, one of them (see :data:`LENGTH_RULE`); a flag
+    replaces both of the file's keys, so only a file read as it is must not set both."""
     if "steps" in given and "epochs" in given:
         raise ValueError(f"--steps {given['steps']} and --epochs {given['epochs']}: give one of them "
                          f"({LENGTH_RULE})")
-    if "steps" in raw and "epochs" in raw:
+    if "steps" in raw and "epochs" in raw and not ("steps" in given or "epochs" in given):
         raise ValueError(f"job file {path}: sets both steps = {raw['steps']!r} and epochs = {raw['epochs']!r}; "
                          f"keep one of them ({LENGTH_RULE})")
 
