@@ -2,8 +2,9 @@
 SIGTERM checkpoint the last step and --resume continues it, and a job folder never shadows pipeq.
 
 Every launch runs a tiny job from a folder that also holds a fake ``pipeq/`` package (a source
-checkout of another version beside the job file), from that folder's parent, with this
-worktree's pipeq on PYTHONPATH. Each launch gets a session of its own: the tests check that no
+checkout of another version beside the job file), as ``cd FOLDER && pipeq launch job.toml``
+does: a script like the ``pipeq`` console script, from that folder, with this worktree's pipeq
+on PYTHONPATH. Each launch gets a session of its own: the tests check that no
 process of it (driver, fork server, stages) is left behind.
 """
 
@@ -52,6 +53,7 @@ epochs = 2
 checkpoint_every = 10
 keep_checkpoints = 2
 '''
+CONSOLE_SCRIPT = "import sys\nfrom pipeq.cli import main\nsys.exit(main())\n"  # as pip writes bin/pipeq
 FAKE_PIPEQ = '"""A source checkout of another pipeq version, beside the job file (no __version__)."""\n'
 
 
@@ -63,6 +65,7 @@ def job(tmp_path_factory) -> str:
     (folder / "pipeq" / "__init__.py").write_text(FAKE_PIPEQ)
     (folder / "safejob.py").write_text(JOB_MODULE)
     (folder / "job.toml").write_text(JOB)
+    (base / "pipeq_script.py").write_text(CONSOLE_SCRIPT)
     return str(folder / "job.toml")
 
 
@@ -72,12 +75,13 @@ def _env(delay: float = 0.0) -> dict[str, str]:
 
 
 def _cmd(job: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeq", "launch", job, "--quiet", "--threads-per-stage", "1", *args]
+    script = os.path.join(os.path.dirname(os.path.dirname(job)), "pipeq_script.py")
+    return [sys.executable, script, "launch", job, "--quiet", "--threads-per-stage", "1", *args]
 
 
 def _start(job: str, *args: str, delay: float = 0.0) -> subprocess.Popen:
-    """A launch from the job folder's parent, in a session of its own (see _session_left)."""
-    return subprocess.Popen(_cmd(job, *args), cwd=os.path.dirname(os.path.dirname(job)), env=_env(delay),
+    """A launch from the job's folder, in a session of its own (see _session_left)."""
+    return subprocess.Popen(_cmd(job, *args), cwd=os.path.dirname(job), env=_env(delay),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -186,7 +190,7 @@ def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(jo
     out = str(tmp_path / "run")
     r = _launch(job, "--steps", "25", "--out", out)
     assert r.returncode == 0, r.stderr
-    assert "cannot import" not in r.stderr
+    assert "cannot import" not in r.stderr, r.stderr  # the job folder's pipeq/ shadowed nothing
     assert "trained 25 steps" in r.stdout, r.stdout
     assert _steps(out) == list(range(1, 26))
     assert _checkpoints(out) == ["step-00000020", "step-00000025"]  # keep_checkpoints = 2
