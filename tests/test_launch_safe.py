@@ -53,7 +53,7 @@ epochs = 2
 checkpoint_every = 10
 keep_checkpoints = 2
 '''
-CONSOLE_SCRIPT = "import sys\nfrom pipeq.cli import main\nsys.exit(main())\n"  # as pip writes bin/pipeq
+CONSOLE_SCRIPT = 'import sys\nfrom pipeq.cli import main\nif __name__ == "__main__":\n    sys.exit(main())\n'  # bin/pipeq
 FAKE_PIPEQ = '"""A source checkout of another pipeq version, beside the job file (no __version__)."""\n'
 
 
