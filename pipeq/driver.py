@@ -97,6 +97,7 @@ class ProcessBackend:
         self.worker_info: list[dict[str, Any]] = []
         self._request_id = 0
         self._submitted: dict[int, tuple[int, int, int]] = {}  # step -> (sent at ns, replicas, microbatches)
+        self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -190,7 +191,9 @@ class ProcessBackend:
         then ends the processes. Stragglers get SIGTERM, then SIGKILL.
         """
         sup = self.sup
-        if self.server is None or sup is None or sup.failure is not None:
+        if self.server is None or sup is None or sup.failure is not None or self._cut_short:
+            # (a command cut short between its per-stage sends, by Ctrl-C: the stages that got it
+            # cannot finish it without the others, so STOP would wait for stop_timeout in vain)
             self._teardown()
             return
         merged = None
@@ -280,6 +283,19 @@ class ProcessBackend:
         except Exception:  # the store is gone: no hint from it
             return rdzv.MISSING
 
+    def _send_all(self, sup: Supervisor, messages: list[tuple[int, Message]]) -> None:
+        """``sup.send_all``, noting a command whose per-stage sends were cut short by
+        KeyboardInterrupt (or SystemExit) between them: see :meth:`close`. (An exception leaves
+        no such command: a message that cannot be encoded fails before the first send, a stage
+        that cannot be reached fails the run.)"""
+        self._cut_short = True
+        try:
+            sup.send_all(messages)
+        except Exception:
+            self._cut_short = False
+            raise
+        self._cut_short = False
+
     def _next_request_id(self) -> int:
         self._request_id -= 1  # control requests count down, steps count up: never equal
         return self._request_id
@@ -295,7 +311,7 @@ class ProcessBackend:
         """Send ``kind`` to each of ``processes`` and collect one ``reply`` from each."""
         sup = self._usable()
         req = self._next_request_id()
-        sup.send_all([(g, Message(kind, req)) for g in processes])
+        self._send_all(sup, [(g, Message(kind, req)) for g in processes])
         got = sup.collect(reply, dict.fromkeys(processes, 1), step=req, what=what)
         return {g: msgs[0] for g, msgs in got.items()}
 
@@ -331,7 +347,7 @@ class ProcessBackend:
                 tensors = ([x_r] if k == 0 else []) + ([target_r] if k in self.loss_stages else [])
                 msgs.append((r * self.n_stages + k, Message(Kind.TRAIN, step, 0, tensors, extra)))
         t0 = time.perf_counter_ns()
-        sup.send_all(msgs)
+        self._send_all(sup, msgs)
         sup.awaited.add((Kind.LOSS, step))
         self._submitted[step] = (t0, len(shards), len(shards[0][0]))
 
@@ -358,7 +374,7 @@ class ProcessBackend:
         sup = self._usable()
         extra = {"sizes": sizes}
         t0 = time.perf_counter_ns()
-        sup.send_all([(k, Message(Kind.PREDICT, step, 0, [x] if k == 0 else [], extra))
+        self._send_all(sup, [(k, Message(Kind.PREDICT, step, 0, [x] if k == 0 else [], extra))
                       for k in range(self.n_stages)])
         out = self.output_stage
         msgs = sup.collect(Kind.OUTPUT, {out: len(sizes)}, step=step, what=f"predict {step}")[out]
@@ -374,7 +390,7 @@ class ProcessBackend:
     def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
         sup = self._usable()
         req = self._next_request_id()
-        sup.send_all([(r * self.n_stages + k, Message(Kind.SET_STATE, req, 0, tensors, {"names": names}))
+        self._send_all(sup, [(r * self.n_stages + k, Message(Kind.SET_STATE, req, 0, tensors, {"names": names}))
                       for r in range(self.replicas) for k, (names, tensors) in enumerate(per_stage)])
         sup.collect(Kind.ACK, dict.fromkeys(range(self.n_processes), 1), step=req, what="load_state_dict")
 
@@ -397,7 +413,7 @@ class ProcessBackend:
         for k, snap in enumerate(snapshots):
             msg = tree_message(Kind.RESTORE, req, "snapshot", snap, f"stage {k}'s snapshot")
             msgs += [(r * self.n_stages + k, msg) for r in range(self.replicas)]  # every replica
-        sup.send_all(msgs)
+        self._send_all(sup, msgs)
         sup.collect(Kind.ACK, dict.fromkeys(range(self.n_processes), 1), step=req, what="load")
 
     def layouts(self) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ A job file (TOML, read with the standard library's tomllib)::
     aux_heads = "pkg.mod:heads"                  # interlocking: () -> the N-1 auxiliary heads
     aux_loss = "torch.nn:CrossEntropyLoss"       # their loss (optional, this is the default)
     microbatches = 4
-    steps = 60                                   # or epochs = 3 (steps then caps them)
+    steps = 60                                   # or epochs = 3 (one of them: see LENGTH_RULE)
     out = "runs/digits"
     checkpoint_every = 20                        # 0: only the final state
     keep_checkpoints = 3                         # the newest 3 (0: keep all)
@@ -120,9 +120,12 @@ class Recipe(StageBuilder):
     sys_path: list[str] = field(default_factory=list)
 
     def _imports(self) -> None:
-        for p in reversed(self.sys_path):
+        """Make the job's modules importable: its folders go *after* everything already on
+        sys.path, so installed packages win (a ``pipeq/`` source checkout beside the job file,
+        of another version, must not shadow the pipeq running it, here or in a stage process)."""
+        for p in self.sys_path:
             if p not in sys.path:
-                sys.path.insert(0, p)
+                sys.path.append(p)
 
     def count_stages(self) -> int:
         """N: the job's ``n_stages``, or the length of the list its stages function returns."""
@@ -337,7 +340,12 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
         raise ValueError(f"job file {path!r} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"job file {path}: {exc}") from None
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    _check_length(path, raw, given)
+    if "steps" in given or "epochs" in given:  # the command line's length replaces the file's
+        raw.pop("steps", None)
+        raw.pop("epochs", None)
+    raw.update(given)
     known = {**_RECIPE_KEYS, **_JOB_KEYS}
     unknown = sorted(set(raw) - set(known))
     if unknown:
@@ -378,6 +386,22 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
         raise ValueError(f"job file {path}: checkpoint_every = {job.checkpoint_every}, but {refusal}; set "
                          "checkpoint_every = 0 (model.pt is still written at the end)")
     return job
+
+
+#: How long a job trains, as ``pipeq launch --help`` and the README state it.
+LENGTH_RULE = ("a job trains for steps or for epochs, never both: set one of them in the job file; "
+               "--steps or --epochs on the command line replaces whichever the file sets")
+
+
+def _check_length(path: str, raw: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+    """The job's length: ``steps`` or ``epochs``, one of them (see :data:`LENGTH_RULE`); a flag
+    replaces both of the file's keys, so only a file read as it is must not set both."""
+    if "steps" in given and "epochs" in given:
+        raise ValueError(f"--steps {given['steps']} and --epochs {given['epochs']}: give one of them "
+                         f"({LENGTH_RULE})")
+    if "steps" in raw and "epochs" in raw and not ("steps" in given or "epochs" in given):
+        raise ValueError(f"job file {path}: sets both steps = {raw['steps']!r} and epochs = {raw['epochs']!r}; "
+                         f"keep one of them ({LENGTH_RULE})")
 
 
 def _check_schedule_keys(path: str, raw: Mapping[str, Any]) -> None:

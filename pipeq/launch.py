@@ -35,11 +35,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import errno
+import fcntl
 import itertools
 import json
 import math
 import os
+import re
+import shutil
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -50,9 +57,22 @@ import torch
 from . import checkpoint, schedules
 from . import rendezvous as rdzv
 from .errors import PipelineError
-from .job import Job, load_job
+from .job import LENGTH_RULE, Job, load_job
 
 METRICS = "metrics.jsonl"
+LOCK = ".lock"
+#: What a run leaves in its output directory (and the leftovers of its interrupted writes).
+RUN_FILES = re.compile(r"metrics\.jsonl(\.tmp)?|model\.pt(\.tmp)?|checkpoints|final|\.final\.(old|[0-9a-f]{16}\.tmp)")
+
+EPILOG = (
+    f"Length: {LENGTH_RULE}. "
+    "Output directory: it belongs to one run. Launching into an --out that holds another run's files "
+    "is refused (nothing in it changes) unless --resume continues that run or --overwrite deletes its "
+    "files first; a second launch into a directory in use is refused (OUT/.lock). "
+    "SIGINT (Ctrl-C) or SIGTERM: the steps already sent finish, a checkpoint of the last one is "
+    "written, every stage stops, and the command exits with 130 / 143; --resume continues from that "
+    "step. A second signal abandons the steps in flight (the last checkpoint stays)."
+)
 
 
 @dataclass
@@ -68,10 +88,12 @@ class StepDone:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = EPILOG
     p.add_argument("job", help="the job file (TOML)")
     g = p.add_argument_group("training (override the job file's keys)")
-    g.add_argument("--steps", type=int, help="optimizer steps to train (caps --epochs)")
-    g.add_argument("--epochs", type=int, help="passes over the job's data")
+    length = g.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="optimizer steps to train (replaces the file's steps or epochs)")
+    length.add_argument("--epochs", type=int, help="passes over the job's data (replaces the file's steps or epochs)")
     g.add_argument("--schedule", help="schedule name, e.g. 1f1b or pairwise (replaces the job's schedule "
                    "table; options need the table)")
     g.add_argument("--microbatches", type=int)
@@ -86,7 +108,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="PATH", help="write a Chrome trace of every stage's actions "
                    "(read it with pipeq report PATH)")
     g.add_argument("--start-timeout", type=float, help="seconds to wait for every stage (and node) to start")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    run_dir = p.add_mutually_exclusive_group()
+    run_dir.add_argument("--resume", action="store_true",
+                         help="continue the run in --out from its newest complete checkpoint")
+    run_dir.add_argument("--overwrite", action="store_true",
+                         help="delete the files of the run in --out (metrics, checkpoints, final/, model.pt) "
+                              "and start a new one there")
     p.add_argument("--quiet", action="store_true", help="plain log lines instead of a progress bar")
     m = p.add_argument_group("multi-host (default: torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, "
                              "or SLURM_PROCID/SLURM_NTASKS)")
@@ -110,6 +137,16 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    signals = StopSignals()
+    with signals.installed():
+        try:
+            return _run(args, signals)
+        except KeyboardInterrupt:
+            print(f"pipeq launch: interrupted by {signals.name()}", file=sys.stderr, flush=True)
+            return signals.exit_code()
+
+
+def _run(args: argparse.Namespace, signals: "StopSignals") -> int:
     try:
         job = load_job(args.job, _overrides(args))
         rz = rdzv.from_settings(args.nnodes, args.node_rank, args.master_addr, args.master_port,
@@ -123,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if rz is not None and rz.node_rank != 0:
         return _run_agent(job, rz)
-    return Trainer(job, rz, resume=args.resume, quiet=args.quiet).run()
+    return Trainer(job, rz, resume=args.resume, overwrite=getattr(args, "overwrite", False), quiet=args.quiet,
+                   signals=signals).run()
 
 
 def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
@@ -145,14 +183,166 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
         return 1
 
 
+def _checkpoint_step(directory: str) -> int | None:
+    """The step in a complete checkpoint's manifest (None: none there, or unreadable)."""
+    try:
+        with open(os.path.join(directory, checkpoint.MANIFEST)) as f:
+            return int(json.load(f)["meta"]["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while ``pipeq launch`` runs.
+
+    While the training loop runs (:attr:`graceful`), the first signal only asks it to stop: no
+    batch is sent after it, the ones sent finish, and the loop checkpoints the last step (see
+    :meth:`Trainer.train`). Anywhere else (start-up, or a second signal) it raises
+    KeyboardInterrupt at once. The command exits with 128 + the first signal's number."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.graceful = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["StopSignals"]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signals reach the main thread only: nothing to install
+            return
+        previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        first = self.received is None
+        if first:
+            self.received = signum
+        if not (first and self.graceful):
+            raise KeyboardInterrupt
+
+    @property
+    def stopping(self) -> bool:
+        return self.received is not None
+
+    def name(self) -> str:
+        return signal.Signals(self.received or signal.SIGINT).name
+
+    def exit_code(self) -> int:
+        return 128 + int(self.received or signal.SIGINT)
+
+
+class RunDirError(ValueError):
+    """The output directory cannot be used by this launch (exit code 2)."""
+
+
+class RunDir:
+    """The output directory, owned by one run: ``OUT/.lock`` (``fcntl.flock``, with the pid in
+    it) is held for the run's life, and another run's files there are refused unless the launch
+    resumes that run or overwrites it. A refused launch changes nothing in the directory."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.lock_path = os.path.join(out, LOCK)
+        self._fd: int | None = None
+
+    def run_files(self) -> list[str]:
+        """The names of a run's files in the directory (see :data:`RUN_FILES`)."""
+        try:
+            return sorted(e for e in os.listdir(self.out) if RUN_FILES.fullmatch(e))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def _busy(self, holder: str) -> RunDirError:
+        who = f" (pid {holder})" if holder else ""
+        return RunDirError(f"{self.out} is in use by another pipeq launch{who}, which holds {self.lock_path}; "
+                           "wait for it to end, or choose another --out")
+
+    @staticmethod
+    def _try_lock(fd: int) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+
+    def _holder(self) -> str | None:
+        """The pid a live launch wrote into the lock (None: nobody holds it). Reads only."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            if self._try_lock(fd):
+                return None
+            return os.pread(fd, 64, 0).decode(errors="replace").strip()
+        finally:
+            os.close(fd)  # closing drops a lock we took
+
+    def _refuse_other_run(self, resume: bool, overwrite: bool) -> None:
+        found = self.run_files()
+        if found and not (resume or overwrite):
+            raise RunDirError(
+                f"{self.out} holds another run ({', '.join(found)}): pass --resume to continue it, "
+                "--overwrite to delete its files and start a new run there, or choose another --out; "
+                "nothing in it was changed")
+
+    def claim(self, *, resume: bool, overwrite: bool) -> list[str]:
+        """Lock the directory for this run (made if need be); with ``overwrite`` delete the old
+        run's files. Raises :class:`RunDirError`, before any change, when another launch holds it
+        or (without ``resume`` / ``overwrite``) it holds another run. The names deleted."""
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise RunDirError(f"--out {self.out} is a file, not a directory")
+        holder = self._holder()
+        if holder is not None:
+            raise self._busy(holder)
+        self._refuse_other_run(resume, overwrite)
+        os.makedirs(self.out, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        if not self._try_lock(fd):  # another launch got here first
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise self._busy(holder)
+        self._fd = fd
+        try:
+            self._refuse_other_run(resume, overwrite)  # again, under the lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            gone = self.run_files() if overwrite else []
+            for name in gone:
+                path = os.path.join(self.out, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+        except BaseException:
+            self.release()
+            raise
+        return gone
+
+    def release(self) -> None:
+        """Unlock (the lock file stays: removing it would race with a launch opening it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class Trainer:
     """The driver side of ``pipeq launch``: the training loop, checkpoints, metrics, summary."""
 
-    def __init__(self, job: Job, rz: rdzv.Rendezvous | None, *, resume: bool = False,
-                 quiet: bool = False, stream: TextIO | None = None) -> None:
+    def __init__(self, job: Job, rz: rdzv.Rendezvous | None, *, resume: bool = False, overwrite: bool = False,
+                 quiet: bool = False, stream: TextIO | None = None, signals: StopSignals | None = None) -> None:
         self.job = job
         self.rz = rz
         self.resume = resume
+        self.overwrite = overwrite
+        self.signals = signals or StopSignals()
         self.quiet = quiet
         self.stream = stream or sys.stderr
         self.out = os.path.abspath(job.out)
@@ -163,6 +353,23 @@ class Trainer:
 
     # -- the command ---------------------------------------------------------------------
     def run(self) -> int:
+        run_dir = RunDir(self.out)
+        try:
+            gone = run_dir.claim(resume=self.resume, overwrite=self.overwrite)
+        except RunDirError as exc:
+            self.log(str(exc))
+            return 2
+        except OSError as exc:
+            self.log(f"cannot use --out {self.out}: {exc}")
+            return 2
+        try:
+            if gone:
+                self.log(f"--overwrite: deleted the previous run's {', '.join(gone)} in {self.out}")
+            return self._run()
+        finally:
+            run_dir.release()
+
+    def _run(self) -> int:
         from .runner import PipelineRunner
 
         job = self.job
@@ -183,7 +390,11 @@ class Trainer:
             with runner:
                 self.log(f"{runner.n_stages * job.data_parallel} stage processes started in "
                          f"{time.perf_counter() - t0:.1f} s")
-                self.train(runner)
+                self.signals.graceful = True
+                try:
+                    self.train(runner)
+                finally:
+                    self.signals.graceful = False
         except PipelineError as exc:
             where = f"stage {exc.stage}" if exc.stage is not None else "the pipeline"
             self.log(f"{where} failed: {exc.message}")
@@ -192,18 +403,22 @@ class Trainer:
                       file=self.stream, flush=True)
             return 1
         except KeyboardInterrupt:
-            self.log("interrupted; every stage is stopped")
-            return 130
+            self.log(f"interrupted by {self.signals.name()}; every stage is stopped (the steps in flight "
+                     "were abandoned; --resume continues from the newest checkpoint)")
+            return self.signals.exit_code()
         except (ValueError, TypeError, OSError, checkpoint.CheckpointError) as exc:
             self.log(f"{type(exc).__name__}: {exc}")
             traceback.print_exc(file=self.stream)
             return 1
+        if self.signals.stopping:
+            return self.signals.exit_code()
         return 0
 
     def train(self, runner: Any) -> None:
         job = self.job
         os.makedirs(self.out, exist_ok=True)
         step, epoch, skip = self._resume_point(runner)
+        start_step = step
         metrics_path = os.path.join(self.out, METRICS)
         self._trim_metrics(metrics_path, step)
         eval_set = job.eval_batches()
@@ -230,7 +445,7 @@ class Trainer:
                                         "samples_per_s": done.size / done.seconds if done.seconds > 0 else None}
                 final = total is not None and step >= total
                 # _stream ends a segment at these steps: the state is this step's
-                if eval_every and step % eval_every == 0 and not final:
+                if eval_every and step % eval_every == 0 and not final and not self.signals.stopping:
                     last_eval = self.evaluate(runner, eval_set, loss_fn)
                     line.update(last_eval)
                 if job.checkpoint_every and step % job.checkpoint_every == 0:
@@ -241,6 +456,11 @@ class Trainer:
                 metrics.write(json.dumps(line) + "\n")
                 metrics.flush()
                 self._report(bar, line, total)
+            if self.signals.stopping and last is None:  # stopped before the last step
+                if bar is not None:
+                    bar.close()
+                self._stopped(runner, step, pos, start_step)
+                return
             if step == 0:
                 raise ValueError(f"the job's data ({job.data}) yielded no batch")
             if eval_set is not None:
@@ -258,11 +478,35 @@ class Trainer:
         wrote_final = self._write_final(runner, step, pos, samples)
         self._summary(runner, step, first_loss, last_loss, last_eval, samples, elapsed, wrote_final)
 
+    def _stopped(self, runner: Any, step: int, pos: tuple[int, int], start_step: int) -> None:
+        """A signal stopped training after ``step`` (every step sent is done, the state is
+        consistent): checkpoint it, so that --resume continues with the next step."""
+        how = f"stopped by {self.signals.name()} after step {step}"
+        if step == start_step:
+            self.log(f"{how}, before training any step; nothing new to save")
+            return
+        refusal = self.job.checkpoint_refusal()
+        if refusal is not None:
+            model = os.path.join(self.out, "model.pt")
+            torch.save(dict(runner.state_dict()), model + ".tmp")
+            os.replace(model + ".tmp", model)
+            self.log(f"{how}; {refusal}: wrote the parameters to {model}, but the run cannot be resumed")
+            return
+        directory = checkpoint.checkpoint_dir(self.ckpt_root, step)
+        every = self.job.checkpoint_every
+        if not (every and step % every == 0):  # else just saved
+            self._save(runner, directory, step, *pos)
+        self.log(f"{how}; checkpoint {directory} written: pass --resume to continue from step {step + 1}")
+
     def _resume_point(self, runner: Any) -> tuple[int, int, int]:
-        """(step, epoch, batch index in it) to start from: 0s, or the newest checkpoint's (--resume)."""
+        """(step, epoch, batch index in it) to start from: 0s, or the newest complete checkpoint's
+        (--resume): of checkpoints/, or final/ (a finished run given more steps)."""
         if not self.resume:
             return 0, 0, 0
         found = checkpoint.latest(self.ckpt_root)
+        final = os.path.join(self.out, "final")
+        if _checkpoint_step(final) is not None and (found is None or _checkpoint_step(final) > _checkpoint_step(found)):
+            found = final
         if found is None:
             self.log(f"--resume: no complete checkpoint under {self.ckpt_root}; starting fresh")
             return 0, 0, 0
@@ -307,11 +551,16 @@ class Trainer:
         ends += [(step // every + 1) * every for every in (eval_every, self.job.checkpoint_every) if every]
         return min(ends, default=None)
 
-    @staticmethod
-    def _take(source: Iterator[tuple[int, int, Any]], count: int | None,
+    def _take(self, source: Iterator[tuple[int, int, Any]], count: int | None,
               taken: "collections.deque[tuple[int, int, int]]") -> Iterator[Any]:
-        """The next ``count`` batches of ``source`` (None: all), each noted in ``taken`` as it goes."""
-        for epoch, index, (x, y) in itertools.islice(source, count):
+        """The next ``count`` batches of ``source`` (None: all), each noted in ``taken`` as it goes;
+        none after a stop signal (the stream then finishes the ones sent, and ends)."""
+        batches = itertools.islice(source, count)
+        while not self.signals.stopping:
+            try:
+                epoch, index, (x, y) = next(batches)
+            except StopIteration:
+                return
             taken.append((epoch, index, int(x.shape[0])))
             yield x, y
 
@@ -440,7 +689,7 @@ class Trainer:
         lines = [
             f"pipeq launch: trained {steps} steps ({runner.n_stages} stages{nodes}, {job.schedule}, "
             f"{job.microbatches} microbatches) in {elapsed:.1f} s, {samples / max(elapsed, 1e-9):.0f} samples/s",
-            f"  loss {first:.4f} -> {last:.4f}"
+            (f"  loss {first:.4f} -> {last:.4f}" if samples else "  no new step (the run had trained them all)")
             + (f"; eval accuracy {ev['eval_accuracy']:.4f}" if "eval_accuracy" in ev else "")
             + (f"; eval loss {ev['eval_loss']:.4f}" if "eval_loss" in ev else ""),
             f"  state: {os.path.join(self.out, 'model.pt')}"

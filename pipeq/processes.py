@@ -137,7 +137,26 @@ def process_context(start_method: str) -> Any:
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["pipeq._preload"])
+        _start_forkserver()
     return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the fork server (once) without the current directory on its sys.path: it runs
+    ``python -c``, which would put it first, so a ``pipeq/`` folder there (a source checkout
+    beside a job file) would be preloaded instead of this pipeq, and every stage die with
+    "cannot import name ... from 'pipeq'". (Its stages then take this process's sys.path.)"""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"  # Python >= 3.11: no script directory or cwd on sys.path
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONSAFEPATH"]
+        else:
+            os.environ["PYTHONSAFEPATH"] = saved
 
 
 def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> mp.process.BaseProcess:

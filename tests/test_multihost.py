@@ -99,7 +99,7 @@ def _wait_for(pred, timeout: float, what: str) -> None:
 def training(h: TwoHosts, tmp_path, *extra: str):
     """Node 1 on host B, node 0 on host A, training "forever"; yields once steps are being made."""
     out = str(tmp_path / "multi")
-    args = ("--steps", "100000", "--epochs", "100000", *extra)
+    args = ("--steps", "100000", *extra)  # --steps replaces the job's epochs: "forever"
     node1 = _node(h, h.b, 1, str(tmp_path / "node1"), *args)
     node0 = _node(h, h.a, 0, out, *args)
     try:
