@@ -22,7 +22,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from . import rendezvous as rdzv
 from .errors import CodecError
@@ -34,6 +34,7 @@ from .rendezvous import Rendezvous
 from .transport import BindTo, DriverLink, WireAuth
 
 _TICK_MS = 100
+TERM_GRACE = 30.0  # seconds an agent told to terminate waits for the driver to end the run
 _POLL_S = 0.05  # how often the agent looks for node 0's entries in the rendezvous store
 
 
@@ -164,7 +165,11 @@ def run_agent(
     settings = StageSettings(**{**vars(settings), "trace": traced, "tcp_security": auth.mode})
     interval = settings.heartbeat_interval
     link = DriverLink(control, rz.node_rank, heartbeat_s=(interval, heartbeat_timeout), auth=auth)
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # SIGTERM (a batch system's cancel reaches node 0 too): let the driver finish the steps in
+    # flight and checkpoint; it ends the run with EXIT. Only if it does not within
+    # TERM_GRACE seconds are the stages stopped here. (Ctrl-C on this node stops them at once.)
+    terminated: list[float] = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: terminated or terminated.append(time.monotonic()))
     code = 1
     try:
         for cfg in worker_configs(mine, n_stages, replicas, schedule, settings, control_addr=control,
@@ -175,7 +180,7 @@ def run_agent(
             f"{[p.pid for p in procs.values()]}), driver at {control}")
         link.send(Message(Kind.READY, extra={"agent": rz.node_rank, "stages": mine,
                                              "pids": [procs[g].pid for g in mine]}))
-        code = _watch(rz, link, procs, interval, driver_grace, start_timeout, log)
+        code = _watch(rz, link, procs, interval, driver_grace, start_timeout, log, terminated)
     except KeyboardInterrupt:
         log(f"node {rz.node_rank}: interrupted; stopping stage(s) {mine}")
         # the driver names the node at once instead of waiting for missing heartbeats
@@ -192,9 +197,12 @@ def run_agent(
 def _watch(
     rz: Rendezvous, link: DriverLink, procs: dict[int, mp.process.BaseProcess],
     interval: float, grace: float, start_timeout: float, log: Callable[[str], None],
+    terminated: Sequence[float] = (),
 ) -> int:
-    """The agent's loop: forward stage deaths, obey EXIT, give up on a vanished driver."""
+    """The agent's loop: forward stage deaths, obey EXIT, give up on a vanished driver (or, after
+    a SIGTERM, on a driver that does not end the run within TERM_GRACE seconds)."""
     reported: set[int] = set()
+    told = False
     last_beat = 0.0
     beat = 0
     while True:
@@ -211,7 +219,16 @@ def _watch(
                 time.sleep(0.05)
             if abort:
                 log(f"node {rz.node_rank}: the driver ended the run after a failure")
-            return 1 if abort else 0
+            return 1 if abort else (143 if terminated else 0)
+        if terminated:
+            if not told:
+                told = True
+                log(f"node {rz.node_rank}: SIGTERM; waiting up to {TERM_GRACE:.0f} s for the driver to "
+                    "checkpoint and end the run")
+            if time.monotonic() - terminated[0] > TERM_GRACE:
+                log(f"node {rz.node_rank}: the driver did not end the run {TERM_GRACE:.0f} s after SIGTERM; "
+                    "stopping this node's stages")
+                return 143
         for g, p in procs.items():
             if p.exitcode is not None and g not in reported:
                 reported.add(g)

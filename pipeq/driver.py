@@ -188,7 +188,7 @@ class ProcessBackend:
 
         Two phases: STOP lets each stage finish what it was sent and answer ACK (so an error in
         the last step still reaches the caller, and no message is in flight any more); EXIT
-        then ends the processes. Stragglers get SIGTERM, then SIGKILL.
+        then ends the processes. Stragglers are killed.
         """
         sup = self.sup
         if self.server is None or sup is None or sup.failure is not None or self._cut_short:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -165,18 +164,15 @@ def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -
     return p
 
 
-def stop_processes(procs: Sequence[mp.process.BaseProcess], grace: float = 3.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds: nothing outlives this call."""
-    for p in procs:
-        if p.exitcode is None:
-            p.terminate()
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+def stop_processes(procs: Sequence[mp.process.BaseProcess]) -> None:
+    """Kill every process still running: nothing outlives this call. Stage processes ignore
+    SIGINT and SIGTERM (their driver decides when they stop: EXIT asks them, and those that
+    did not go when asked are past saving), so SIGKILL it is."""
     for p in procs:
         if p.exitcode is None:
             p.kill()
-            p.join(5.0)
+    for p in procs:
+        p.join(5.0)
     for p in procs:
         if p.exitcode is not None:
             p.close()

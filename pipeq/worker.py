@@ -352,8 +352,11 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
     if cfg.die_with_parent and not _can_watch(cfg.driver_pid):
         # No pidfd to watch the driver with: let the kernel kill us with it (no clean-up then).
         _die_with_parent()
-    # Ctrl-C reaches the whole process group: the driver decides how its stages stop.
+    # Ctrl-C, and a SIGTERM to the whole process group (kill -TERM -PGID, a batch system's
+    # cancel), reach the stages too: the driver decides how its stages stop (it finishes the
+    # steps in flight and checkpoints first), and kills what does not stop when told.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _set_name(f"pipeq-stage{cfg.stage}" + (f"r{cfg.replica}" if cfg.replicas > 1 else ""))
     tune_process_allocator()
     # Pin first: threads started later (ZeroMQ's I/O thread, torch's pool) inherit the affinity.

@@ -242,7 +242,7 @@ def test_job_file_step_timeout(tmp_path):
     path.write_text(base + "step_timeout = 30\n")
     assert load_job(str(path)).step_timeout == 30
     path.write_text(base + 'step_timeout = "30"\n')
-    with pytest.raises(ValueError, match="step_timeout must be a int or float"):
+    with pytest.raises(ValueError, match="step_timeout must be an integer or a float"):
         load_job(str(path))
 
 

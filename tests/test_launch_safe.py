@@ -279,6 +279,28 @@ def test_a_second_launch_into_a_live_run_is_refused_and_sigterm_exits_143(job, t
     assert _steps(out) == list(range(1, steps[-1] + 3))
 
 
+@pytest.mark.timeout(90)
+def test_sigterm_to_the_whole_process_group_checkpoints_too(job, tmp_path) -> None:
+    """A batch system's cancel (or kill -TERM -PGID) signals the stages as well as the driver:
+    they leave the stopping to the driver, which checkpoints the last step."""
+    out = str(tmp_path / "run")
+    p = _start(job, "--steps", "45", "--out", out, delay=0.1)
+    try:
+        _wait_for_steps(p, out, 5)
+        t0 = time.monotonic()
+        os.killpg(p.pid, signal.SIGTERM)
+        r = _finish(p, timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            _finish(p, timeout=1)
+    assert r.returncode == 143, r.stderr
+    assert took < 8, f"took {took:.1f} s to stop"
+    steps = _steps(out)
+    assert steps == list(range(1, steps[-1] + 1))
+    assert f"step-{steps[-1]:08d}" in _checkpoints(out)
+
+
 # -- Ctrl-C between the per-stage sends of a command -------------------------------------------------
 
 

@@ -193,3 +193,32 @@ def test_a_node_with_another_secret_is_refused_and_both_say_so(tmp_path) -> None
     assert ("node 1: node 0's control address ('control' at the rendezvous 127.0.0.1:" in err1
             and "different secrets" in err1), err1
     assert "started stage(s)" not in err1  # nothing was started with the wrong secret
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_every_node_checkpoints_and_each_exits_143(tmp_path) -> None:
+    """A batch system's cancel signals every process of every node at once: the agents leave the
+    stopping to the driver, which finishes the steps in flight and checkpoints the last one."""
+    port = free_port()
+    out0 = str(tmp_path / "node0")
+    argv = {r: launch_cmd("--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                          "--master-port", str(port), "--out", out0 if r == 0 else str(tmp_path / "node1"),
+                          "--steps", "100000") for r in (0, 1)}
+    nodes = {r: subprocess.Popen(argv[r], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=secret_env(), start_new_session=True) for r in (1, 0)}
+    try:
+        _wait_for(lambda: os.path.exists(os.path.join(out0, "metrics.jsonl")) and len(metrics(out0)) >= 3,
+                  90, "three steps")
+        for p in nodes.values():
+            os.killpg(p.pid, signal.SIGTERM)
+        done = {r: p.communicate(timeout=60) for r, p in nodes.items()}
+    finally:
+        for p in nodes.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    assert nodes[0].returncode == 143, done[0][1]
+    assert nodes[1].returncode == 143, done[1][1]
+    steps = [m["step"] for m in metrics(out0) if "step" in m]
+    assert steps == list(range(1, steps[-1] + 1))
+    assert os.path.isdir(os.path.join(out0, "checkpoints", f"step-{steps[-1]:08d}")), os.listdir(out0)
