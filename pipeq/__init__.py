@@ -18,10 +18,10 @@ Layers, imports pointing down only (tests/test_layers.py checks it)::
 """
 
 from . import rendezvous
-from .errors import CodecError, PipelineError, ScheduleError
+from .errors import CodecError, MainScriptError, PipelineError, ScheduleError
 from .job import Recipe
 from .runner import PipelineRunner
 from .schedules import SCHEDULES, format_table
 
-__all__ = ["PipelineRunner", "Recipe", "PipelineError", "ScheduleError", "CodecError", "SCHEDULES", "format_table"]
+__all__ = ["PipelineRunner", "Recipe", "PipelineError", "MainScriptError", "ScheduleError", "CodecError", "SCHEDULES", "format_table"]
 __version__ = "0.1.0"

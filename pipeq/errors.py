@@ -24,6 +24,12 @@ class PipelineError(RuntimeError):
         super().__init__(text)
 
 
+class MainScriptError(PipelineError, ValueError):
+    """The main script cannot start stage processes as written: the runner is started outside
+    its ``if __name__ == "__main__":`` block, or a stage uses a class or function defined under
+    that block (which a stage process never runs). Raised before any process starts."""
+
+
 class ScheduleError(ValueError):
     """A schedule is inconsistent or would deadlock with the given stage and microbatch counts."""
 

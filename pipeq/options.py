@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import schedules
-from .errors import PipelineError
+from .errors import MainScriptError
 from .executors import StageBuilder, StageSpec
 from .stage import loss_weight_mode
 from .transport import SECURITY_MODES
@@ -432,7 +432,7 @@ def _check_main_names(what: str, names: list[str]) -> None:
     package's ``__main__.py``."""
     main = sys.modules.get("__main__")
     if main is not None and getattr(main, "__file__", None) and _package_main(main):
-        raise ValueError(
+        raise MainScriptError(
             f"{what}: {names[0]} is defined in {main.__file__}; stage processes do not run a package's "
             "__main__.py again, so they cannot find it. Define it in another module of the package "
             "and import it from there")
@@ -446,7 +446,7 @@ def _check_main_names(what: str, names: list[str]) -> None:
     for name in names:
         if name in inside and name not in outside:
             script = os.path.basename(path)
-            raise ValueError(
+            raise MainScriptError(
                 f"{what}: {name} is defined under 'if __name__ == \"__main__\":' in {script}; every "
                 f"stage process runs {script} again without that block, so it cannot find {name}. Define "
                 f"{name} at module level, above the guard (or in a module of its own)")
@@ -470,34 +470,9 @@ def check_main_guard() -> None:
     if any(first <= line <= last for first, last in _guarded_lines(tree)):
         return
     script = os.path.basename(path)
-    raise PipelineError(
+    raise MainScriptError(
         f"the pipeline is started at the top level of {script} (line {line}), outside an "
         f"'if __name__ == \"__main__\":' block. Every stage process runs {script} again when it "
         "starts (with either start method, 'spawn' or 'forkserver'), so each would start the "
         "pipeline again. Put the code that builds and runs the runner under "
         f"'if __name__ == \"__main__\":' (classes and functions the stages use stay above it)")
-
-
-def split_state(state: Mapping[str, torch.Tensor], shapes: list[dict[str, tuple[int, ...]]]
-                ) -> list[tuple[list[str], list[torch.Tensor]]]:
-    """A flat ``state_dict`` (keys ``"k.name"``) as each stage's (names, tensors), checked
-    against the stages' names and shapes before anything is loaded."""
-    expected = {f"{k}.{n}" for k, stage in enumerate(shapes) for n in stage}
-    unexpected = sorted(set(state) - expected)
-    missing = sorted(expected - set(state))
-    if unexpected or missing:
-        raise ValueError(f"state_dict does not fit these {len(shapes)} stages: missing keys {missing}, "
-                         f"unexpected keys {unexpected}")
-    per_stage = []
-    for k, stage in enumerate(shapes):
-        names, tensors = [], []
-        for name, shape in stage.items():
-            t = state[f"{k}.{name}"]
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"state_dict['{k}.{name}'] is a {type(t).__name__}, not a tensor")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"state_dict['{k}.{name}'] has shape {tuple(t.shape)}, stage {k} expects {shape}")
-            names.append(name)
-            tensors.append(t.detach().cpu())
-        per_stage.append((names, tensors))
-    return per_stage

@@ -181,7 +181,7 @@ def _one_error(r: subprocess.CompletedProcess) -> str:
 def test_a_script_without_the_main_guard_gets_one_error_saying_so(tmp_path):
     r = _run_script(tmp_path, HEADER + RUN.format(first="nn.Linear(4, 4)"))
     last = _one_error(r)
-    assert last.startswith("pipeq.errors.PipelineError: the pipeline is started at the top level of script.py "
+    assert last.startswith("pipeq.errors.MainScriptError: the pipeline is started at the top level of script.py "
                            "(line 7), outside an 'if __name__ == \"__main__\":' block"), last
     assert "Put the code that builds and runs the runner under" in last
     assert "pids" not in r.stdout  # refused before any stage process started
@@ -199,7 +199,7 @@ def test_a_runner_started_by_a_function_called_without_the_guard_is_refused_too(
 def test_a_stage_class_defined_under_the_guard_is_refused_naming_it(tmp_path):
     body = 'if __name__ == "__main__":\n' + textwrap.indent(LOCAL + RUN.format(first="Local()"), "    ")
     last = _one_error(_run_script(tmp_path, HEADER + body))
-    assert last == ("ValueError: stage 0 (Local): Local is defined under 'if __name__ == \"__main__\":' in "
+    assert last == ("pipeq.errors.MainScriptError: stage 0 (Local): Local is defined under 'if __name__ == \"__main__\":' in "
                     "script.py; every stage process runs script.py again without that block, so it cannot "
                     "find Local. Define Local at module level, above the guard (or in a module of its own)")
 
@@ -210,7 +210,7 @@ def test_a_loss_function_defined_under_the_guard_is_refused_naming_it(tmp_path):
     body = ('if __name__ == "__main__":\n    class MyLoss(nn.CrossEntropyLoss):\n        pass\n'
             + textwrap.indent(run.replace("nn.CrossEntropyLoss()", "MyLoss()"), "    "))
     last = _one_error(_run_script(tmp_path, HEADER + body))
-    assert last.startswith("ValueError: loss_fn: MyLoss is defined under 'if __name__ == \"__main__\":'"), last
+    assert last.startswith("pipeq.errors.MainScriptError: loss_fn: MyLoss is defined under 'if __name__ == \"__main__\":'"), last
 
 
 @pytest.mark.timeout(100)
@@ -221,7 +221,7 @@ def test_a_stage_class_in_a_packages_main_is_refused(tmp_path):
     (pkg / "__main__.py").write_text(HEADER + LOCAL + 'if __name__ == "__main__":\n'
                                      + textwrap.indent(RUN.format(first="Local()"), "    "))
     last = _one_error(_run(tmp_path, "-m", "mypkg"))
-    assert last.startswith("ValueError: stage 0 (Local): Local is defined in ") and "__main__.py" in last, last
+    assert last.startswith("pipeq.errors.MainScriptError: stage 0 (Local): Local is defined in ") and "__main__.py" in last, last
     assert "Define it in another module of the package" in last
 
 
