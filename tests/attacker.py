@@ -138,6 +138,13 @@ def targets(runner: Any, secret: Any, mode: str) -> dict[str, Any]:
 
 def listening_ports(pids: Any) -> set[int]:
     """The TCP ports processes ``pids`` listen on (Linux /proc)."""
+    return {port for _, port in listening_addresses(pids)}
+
+
+def listening_addresses(pids: Any) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket processes ``pids`` listen on (Linux /proc)."""
+    import ipaddress
+
     inodes = set()
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -146,14 +153,17 @@ def listening_ports(pids: Any) -> set[int]:
                     link = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if link.startswith("socket:["):
                         inodes.add(link[8:-1])
-    ports = set()
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(table) as f:
             for row in f.read().splitlines()[1:]:
                 cols = row.split()
                 if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
+                    hexaddr, hexport = cols[1].rsplit(":", 1)
+                    raw = bytes.fromhex(hexaddr)  # each 32-bit word in host (little-endian) order
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.append((str(ipaddress.ip_address(raw)), int(hexport, 16)))
+    return found
 
 
 def victim(spec: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ from pipeq.errors import PipelineError
 
 from launch_util import (DIGITS_JOB, ROOT, assert_same_state, free_port, launch_cmd, metrics, model_state,
                          secret_env)
+from attacker import listening_addresses
 from models import Exits, Raises, flat_state, mlp_stages, reference_train
 
 pytestmark = pytest.mark.timeout(300)
@@ -546,33 +547,6 @@ def test_traced_data_parallel_run_has_both_replicas(tmp_path):
                 assert sum(e["cat"] == "step" for e in mine) == 1, (pid, k, step)
 
 
-def _listening(pids) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket processes ``pids`` listen on (Linux /proc)."""
-    import contextlib
-    import ipaddress
-
-    inodes = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if link.startswith("socket:["):
-                        inodes.add(link[8:-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for row in f.read().splitlines()[1:]:
-                cols = row.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
-                    hexaddr, hexport = cols[1].rsplit(":", 1)
-                    raw = bytes.fromhex(hexaddr)
-                    # /proc prints each 32-bit word in host (little-endian) order
-                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                    found.append((str(ipaddress.ip_address(raw)), int(hexport, 16)))
-    return found
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_a_single_host_run_with_replicas_listens_on_loopback_only(transport):
@@ -584,7 +558,7 @@ def test_a_single_host_run_with_replicas_listens_on_loopback_only(transport):
     with runner:
         runner.step(x, y)
         pids = [os.getpid()] + [p.pid for p in runner._backend.procs.values()]
-        ports = _listening(pids)
+        ports = listening_addresses(pids)
     if transport == "ipc":
         assert ports == []
     else:
