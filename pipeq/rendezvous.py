@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import json
 import os
 import socket
 import threading
@@ -303,14 +302,3 @@ def placement(n_stages: int, nnodes: int, nodes: Sequence[Sequence[int]] | None 
         if not node:
             raise ValueError(f"the placement gives node {r} no stage")
     return plan
-
-
-def encode_json(value: object) -> bytes:
-    return json.dumps(value).encode()
-
-
-def decode_json(raw: bytes, what: str) -> object:
-    try:
-        return json.loads(raw.decode())
-    except (UnicodeDecodeError, ValueError):
-        raise ValueError(f"the rendezvous store holds a malformed {what}: {raw[:80]!r}") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import signal
 import socket
 import sys
@@ -55,7 +56,7 @@ def forge(host: str, port: int, run_id: str, interval: float, done: threading.Ev
             for i, key in enumerate(KEYS):
                 how = (rounds + i) % 4
                 if how == 0:
-                    store.set(key, rdzv.encode_json(values[key]))
+                    store.set(key, json.dumps(values[key]).encode())
                 elif how == 1:
                     store.set(key, other.sign(prefix + key, values[key]))
                 elif how == 2:  # node 0's signed entry of another key, moved here

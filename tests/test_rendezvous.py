@@ -190,7 +190,7 @@ def test_signed_entries_verify_only_under_their_key_run_and_secret() -> None:
     assert rz.verify("control", json.dumps({**entry, "mac": "0" * 64}).encode()) == (False, None)
     forged = _rz(secret=OTHER).sign("control", "tcp://6.6.6.6:5555")
     assert rz.verify("control", forged) == (False, None)
-    for junk in (rdzv.encode_json("tcp://6.6.6.6:5555"), b"", b"\xff\xfe", b"[1, 2]", b'{"value": 1, "mac": 2}',
+    for junk in (json.dumps("tcp://6.6.6.6:5555").encode(), b"", b"\xff\xfe", b"[1, 2]", b'{"value": 1, "mac": 2}',
                  json.dumps({"value": entry["value"]}).encode()):
         assert rz.verify("control", junk) == (False, None), junk
     # every node agrees on the bytes: JSON with sorted keys, no pickles
@@ -217,7 +217,7 @@ def test_read_never_waits_and_tells_valid_from_foreign(store) -> None:
     rz = _rz(port=port)
     t0 = time.monotonic()
     assert rz.read(s, "control") == (rdzv.MISSING, None)
-    s.set("control", rdzv.encode_json("tcp://6.6.6.6:1"))
+    s.set("control", json.dumps("tcp://6.6.6.6:1").encode())
     assert rz.read(s, "control") == (rdzv.FOREIGN, None)
     s.set("control", rz.sign("control", "tcp://127.0.0.1:2"))
     assert rz.read(s, "control") == (rdzv.VALID, "tcp://127.0.0.1:2")
@@ -235,7 +235,7 @@ def test_republisher_puts_overwritten_and_deleted_entries_back(store) -> None:
     pub = rdzv.Republisher(rz, entries, interval=0.05).start()
     try:
         for attack in range(3):
-            s.set("control", rdzv.encode_json("tcp://6.6.6.6:1"))
+            s.set("control", json.dumps("tcp://6.6.6.6:1").encode())
             s.delete_key("placement")
             _until(lambda: rdzv.peek(s, "control") == entries["control"]
                    and rdzv.peek(s, "placement") == entries["placement"], 5, "the entries to come back")
@@ -266,7 +266,7 @@ def test_agent_waits_past_forged_entries_for_node_0s(store) -> None:
     rz = _rz(port=port)
     node0 = _rz(node_rank=0, port=port)
     lines: list[str] = []
-    s.set("control", rdzv.encode_json("tcp://6.6.6.6:1"))
+    s.set("control", json.dumps("tcp://6.6.6.6:1").encode())
 
     def forge_then_publish() -> None:
         for raw in (_rz(secret=OTHER, port=port).sign("control", "tcp://6.6.6.6:1"),
@@ -328,7 +328,7 @@ def test_start_hint_names_a_node_with_another_secret(store) -> None:
     assert "--secret-file" in hint and "never registered" not in hint
     s.set("agent/1", rz.sign("agent/1", {"node": 1}))
     s.set("stage/1", rz.sign("stage/1", {"forward": "tcp://127.0.0.1:9"}))
-    s.set("stage/2", rdzv.encode_json({"forward": "tcp://6.6.6.6:9"}))  # unsigned: a forger's
+    s.set("stage/2", json.dumps({"forward": "tcp://6.6.6.6:9"}).encode())  # unsigned: a forger's
     hint = backend._start_hint({1, 2})
     assert "stage(s) [1] (node 1) registered at the rendezvous but never reached" in hint, hint
     assert "node 1 uses another secret: its entries ['stage/2']" in hint, hint
