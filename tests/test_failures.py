@@ -184,17 +184,17 @@ def test_stage_stuck_in_its_forward_is_named_by_step_timeout(schedule):
     # stage 1 sleeps 60 s in microbatch 1's forward: alive and heartbeating, so only step_timeout
     # can catch it; its neighbours (waiting for its output or its gradients) are not blamed
     runner = pipeq.PipelineRunner(three_stages(StallsOnce(8, call=2, seconds=60)), nn.CrossEntropyLoss(), SGD,
-                                  schedule=schedule, microbatches=4, step_timeout=2, **FAST)
+                                  schedule=schedule, microbatches=4, step_timeout=1, heartbeat_interval=0.25, **FAST)
     err = expect_failure(runner, lambda r: r.step(*xy()), stage=1, within=8.0,
-                         match=r"stuck: has been in F\(step 1, microbatch 1\) for [2-9]\.\d s")
-    assert "step_timeout=2" in str(err)
+                         match=r"stuck: has been in F\(step 1, microbatch 1\) for [1-9]\.\d s")
+    assert "step_timeout=1 s" in str(err)
 
 
 @pytest.mark.timeout(60)
 def test_stage_stuck_in_a_later_step_names_that_step():
     # 4 forwards a step: the 6th is step 2's microbatch 1 (steps count from 1)
     runner = pipeq.PipelineRunner(three_stages(StallsOnce(8, call=6, seconds=60)), nn.CrossEntropyLoss(), SGD,
-                                  microbatches=4, step_timeout=2, **FAST)
+                                  microbatches=4, step_timeout=1, heartbeat_interval=0.25, **FAST)
 
     def work(r):
         r.step(*xy())
@@ -205,23 +205,27 @@ def test_stage_stuck_in_a_later_step_names_that_step():
 
 @pytest.mark.timeout(60)
 def test_long_step_that_keeps_progressing_is_not_failed():
-    # every action takes 0.3 s, a step ~6 s: far over step_timeout=2 in all, and stage 0 waits
-    # ~2.4 s for its first gradient, yet no action is stuck (a stage waiting for its neighbours
+    # every action takes 0.15 s, a step ~3 s: far over step_timeout=1 in all, and stage 0 waits
+    # ~1.2 s for its first gradient, yet no action is stuck (a stage waiting for its neighbours
     # is not computing): the step must finish
-    stages = [SleepStage(8, forward_s=0.3, backward_s=0.3) for _ in range(3)]
+    stages = [SleepStage(8, forward_s=0.15, backward_s=0.15) for _ in range(3)]
     with pipeq.PipelineRunner(stages, nn.MSELoss(), SGD, microbatches=8,
-                              step_timeout=2, heartbeat_interval=0.5, **FAST) as runner:
+                              step_timeout=1, heartbeat_interval=0.25, **FAST) as runner:
         t0 = time.monotonic()
         loss = runner.step(torch.randn(16, 8), torch.randn(16, 8))
         took = time.monotonic() - t0
-    assert took > 2 * 2, f"the step took {took:.1f} s: too short to prove anything"
+    assert took > 2 * 1, f"the step took {took:.1f} s: too short to prove anything"
     assert loss == loss  # a number: the run was not failed
 
 
 @pytest.mark.timeout(60)
 def test_without_step_timeout_a_stuck_stage_is_left_alone():
-    # off by default in the runner: a 5 s forward is not a failure (as before step_timeout)
-    with pipeq.PipelineRunner(three_stages(StallsOnce(8, call=2, seconds=5)), nn.CrossEntropyLoss(), SGD,
+    # off by default in the runner: a 2.5 s forward is not a failure (as before step_timeout);
+    # and whatever the stall's length, the default itself must be None (off)
+    import inspect
+
+    assert inspect.signature(pipeq.PipelineRunner).parameters["step_timeout"].default is None
+    with pipeq.PipelineRunner(three_stages(StallsOnce(8, call=2, seconds=2.5)), nn.CrossEntropyLoss(), SGD,
                               microbatches=2, **FAST) as runner:
         runner.step(*xy())
 
@@ -250,6 +254,7 @@ def test_job_file_step_timeout(tmp_path):
 def test_stage_stuck_in_its_backward_is_named():
     # stage 1's backward sleeps 60 s (its first backward: step 1's microbatch 0)
     stages = [nn.Linear(8, 8), SleepStage(8, forward_s=0.0, backward_s=60.0), nn.Linear(8, 3)]
-    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=2, step_timeout=2, **FAST)
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=2, step_timeout=1,
+                                  heartbeat_interval=0.25, **FAST)
     expect_failure(runner, lambda r: r.step(*xy()), stage=1, within=8.0,
                    match=r"stuck: has been in B\(step 1, microbatch 0\)")

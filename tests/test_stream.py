@@ -287,7 +287,7 @@ def test_stage_stuck_in_a_stream_names_the_batch_and_microbatch(schedule):
 
     stages = [nn.Linear(8, 8), StallsOnce(8, call=7, seconds=60), nn.Linear(8, 3)]
     runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, schedule=schedule, microbatches=3,
-                                  step_timeout=2, **FAST)
+                                  step_timeout=1, heartbeat_interval=0.25, **FAST)
     with pytest.raises(pipeq.PipelineError, match=r"stuck: has been in F\(step 3, microbatch 0\)") as info:
         with runner:
             t0 = time.monotonic()
