@@ -171,7 +171,7 @@ def _loopback_node(rank: int, port: int, out: str, *extra: str, env: dict[str, s
 @pytest.mark.timeout(90)
 def test_a_node_with_another_secret_is_refused_and_both_say_so(tmp_path) -> None:
     port = free_port()
-    short = ("--steps", "3", "--start-timeout", "6")
+    short = ("--steps", "3", "--start-timeout", "3")
     # node 1 first: it waits for node 0's store (up to the start timeout)
     node1 = _loopback_node(1, port, str(tmp_path / "node1"), *short,
                            env=secret_env("another secret, not the one node 0 has"))
@@ -186,7 +186,7 @@ def test_a_node_with_another_secret_is_refused_and_both_say_so(tmp_path) -> None
                 p.kill()
                 p.communicate()
     assert node0.returncode == 1, err0
-    assert "timed out after 6.0 s waiting for READY (start) from stage(s) [1, 2]" in err0, err0
+    assert "timed out after 3.0 s waiting for READY (start) from stage(s) [1, 2]" in err0, err0
     assert "node 1 uses another secret: its entries ['agent/1']" in err0, err0
     assert node1.returncode == 1, err1
     assert "ignoring the rendezvous store's 'control' entry" in err1, err1  # said at once
