@@ -17,11 +17,27 @@ Layers, imports pointing down only (tests/test_layers.py checks it)::
     codec          codec.py (bytes), messages.py (kinds, Message), errors.py, netif.py
 """
 
-from . import rendezvous
+import importlib
+from typing import Any
+
 from .errors import CodecError, MainScriptError, PipelineError, ScheduleError
-from .job import Recipe
-from .runner import PipelineRunner
 from .schedules import SCHEDULES, format_table
 
-__all__ = ["PipelineRunner", "Recipe", "PipelineError", "MainScriptError", "ScheduleError", "CodecError", "SCHEDULES", "format_table"]
+__all__ = ["PipelineRunner", "Recipe", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
+           "SCHEDULES", "format_table"]
 __version__ = "0.1.0"
+
+# Imported on first use: ``import pipeq`` stays light (no torch), so that ``pipeq launch`` can start
+# its fork server before it imports torch itself (pipeq.forkserver).
+_LAZY = {"PipelineRunner": ("runner", "PipelineRunner"), "Recipe": ("job", "Recipe"),
+         "rendezvous": ("rendezvous", None)}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'pipeq' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(f".{module}", __name__)
+    value = getattr(value, attr) if attr else value
+    globals()[name] = value
+    return value

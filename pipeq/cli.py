@@ -14,12 +14,16 @@ import os
 import secrets
 import sys
 
-from . import __version__, plot, report, schedules
+from . import __version__, schedules
 from .keys import SECRET_ENV, JobSecret
-from .trace import load_trace, planned_trace
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["launch"] and not {"-h", "--help"} & set(words):
+        from . import forkserver
+
+        forkserver.start()  # its imports (torch) run while this process imports launch's
     parser = argparse.ArgumentParser(prog="pipeq", description="pipeline-parallel training for PyTorch")
     parser.add_argument("--version", action="version", version=f"pipeq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +84,9 @@ def _schedule(args: argparse.Namespace) -> int:
     name = schedules.Interlock("nwise", args.distance) if args.name == "nwise" else schedules.resolve(args.name)
     print(schedules.format_table(name, args.stages, args.microbatches, backward_cost=args.backward_cost))
     if args.plot:
+        from . import plot
+        from .trace import planned_trace
+
         plan = planned_trace(name, args.stages, args.microbatches, backward_cost=args.backward_cost)
         print(f"plot: {plot.plot_trace(plan, args.plot, steps='all')}")
     return 0
@@ -105,6 +112,9 @@ def _secret(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from . import plot, report
+    from .trace import load_trace
+
     trace = load_trace(args.trace)
     steps = report.parse_steps(args.steps) if args.steps else None
     print(report.format_report(report.analyze(trace, args.include_predict, skip_first=args.skip_first,

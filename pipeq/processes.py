@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from . import schedules
+from . import forkserver, schedules
 from .executors import StageBuilder
 from .transport import BindTo, WireAuth
 from .worker import WorkerConfig, worker_entry
@@ -133,29 +133,9 @@ def process_context(start_method: str) -> Any:
     fork server imports torch and pipeq once (``pipeq._preload``) and each stage is a fork of it:
     ~0.1 s for a 3-stage runner once the server runs, instead of seconds; the server lives until
     this process exits."""
-    ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["pipeq._preload"])
-        _start_forkserver()
-    return ctx
-
-
-def _start_forkserver() -> None:
-    """Start the fork server (once) without the current directory on its sys.path: it runs
-    ``python -c``, which would put it first, so a ``pipeq/`` folder there (a source checkout
-    beside a job file) would be preloaded instead of this pipeq, and every stage die with
-    "cannot import name ... from 'pipeq'". (Its stages then take this process's sys.path.)"""
-    from multiprocessing import forkserver
-
-    saved = os.environ.get("PYTHONSAFEPATH")
-    os.environ["PYTHONSAFEPATH"] = "1"  # Python >= 3.11: no script directory or cwd on sys.path
-    try:
-        forkserver.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONSAFEPATH"]
-        else:
-            os.environ["PYTHONSAFEPATH"] = saved
+        forkserver.start()
+    return mp.get_context(start_method)
 
 
 def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> mp.process.BaseProcess:
