@@ -181,7 +181,7 @@ def test_length_rule_in_the_job_file_and_on_the_command_line(job, tmp_path, caps
 
 
 @pytest.mark.timeout(240)
-def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(job, tmp_path) -> None:
+def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(job, tmp_path, capsys) -> None:
     """--steps 25 over a file's epochs = 2 (20 batches) trains 25 steps (not 20); the job folder
     holds a pipeq/ package of "another version", which must not shadow the one running. Then
     the directory belongs to that run: a plain launch into it is refused and changes nothing;
@@ -196,14 +196,18 @@ def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(jo
     assert _checkpoints(out) == ["step-00000020", "step-00000025"]  # keep_checkpoints = 2
 
     before = _snapshot(out)
-    # the refused launches (and the argparse error below) are independent: started at once
-    refused = [_start(job, "--out", out, *extra) for extra in ((), ("--steps", "5"))]
-    both = _start(job, "--out", out, "--overwrite", "--resume")
-    for again in [_finish(p) for p in refused]:
-        assert again.returncode == 2, again.stderr
-        assert f"{out} holds another run" in again.stderr, again.stderr
-        assert "--resume" in again.stderr and "--overwrite" in again.stderr
+    # refused before anything starts: run in this process (a launch's interpreter costs seconds)
+    from pipeq.cli import main
+
+    for extra in ((), ("--steps", "5")):
+        assert main(["launch", job, "--quiet", "--out", out, *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{out} holds another run" in err, err
+        assert "--resume" in err and "--overwrite" in err
         assert _snapshot(out) == before  # byte-identical, nothing added or removed
+    with pytest.raises(SystemExit):  # argparse: not allowed with each other
+        main(["launch", job, "--out", out, "--overwrite", "--resume"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
     over = _launch(job, "--steps", "12", "--out", out, "--overwrite")
     assert over.returncode == 0, over.stderr
@@ -212,8 +216,6 @@ def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(jo
     # only this run's checkpoints count (the old run's step-20 and step-25 are gone)
     assert _checkpoints(out) == ["step-00000010", "step-00000012"]
 
-    both = _finish(both)
-    assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
 # -- signals, the lock, and resuming -----------------------------------------------------------------
@@ -253,18 +255,20 @@ def test_sigint_checkpoints_the_last_step_and_resume_continues_it(job, tmp_path)
 
 
 @pytest.mark.timeout(240)
-def test_a_second_launch_into_a_live_run_is_refused_and_sigterm_exits_143(job, tmp_path) -> None:
+def test_a_second_launch_into_a_live_run_is_refused_and_sigterm_exits_143(job, tmp_path, capsys) -> None:
     """A second launch into a live run is refused; SIGTERM to the driver only (``kill PID``)
     checkpoints the last step and exits 143; the lock went with it: --resume is not refused, and
     a batch system's cancel of that run (SIGTERM to the whole process group: the stages leave
     the stopping to the driver) checkpoints its last step and exits 143 too."""
     out = str(tmp_path / "run")
-    p = _start(job, "--steps", "45", "--out", out, delay=0.1)
+    p = _start(job, "--steps", "400", "--out", out, delay=0.1)  # far more than it gets to
     try:
         _wait_for_steps(p, out, 5)
-        second = _launch(job, "--steps", "3", "--out", out, "--overwrite", timeout=60)
-        assert second.returncode == 2, second.stderr
-        assert f"{out} is in use by another pipeq launch (pid {p.pid})" in second.stderr, second.stderr
+        from pipeq.cli import main  # refused before anything starts: in this process
+
+        assert main(["launch", job, "--quiet", "--steps", "3", "--out", out, "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert f"{out} is in use by another pipeq launch (pid {p.pid})" in err, err
         assert p.poll() is None  # the first run goes on
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)  # to the driver only, as `kill PID` does
@@ -283,7 +287,7 @@ def test_a_second_launch_into_a_live_run_is_refused_and_sigterm_exits_143(job, t
 
     # the lock went with the run: resuming needs no --overwrite and is not refused; then the
     # whole process group gets SIGTERM
-    p = _start(job, "--steps", "45", "--out", out, "--resume", delay=0.1)
+    p = _start(job, "--steps", "400", "--out", out, "--resume", delay=0.1)
     try:
         _wait_for_steps(p, out, last + 3)
         t0 = time.monotonic()
@@ -298,7 +302,7 @@ def test_a_second_launch_into_a_live_run_is_refused_and_sigterm_exits_143(job, t
     assert f"(step {last}, epoch" in r.stderr, r.stderr  # it did resume
     assert "stopped by SIGTERM after step" in r.stderr, r.stderr
     steps = _steps(out)
-    assert steps == list(range(1, steps[-1] + 1)) and last + 3 <= steps[-1] < 45
+    assert steps == list(range(1, steps[-1] + 1)) and last + 3 <= steps[-1] < 400
     assert f"step-{steps[-1]:08d}" in _checkpoints(out)
 
 
