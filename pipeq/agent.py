@@ -11,8 +11,10 @@ Node 0 runs the driver; every other node runs :func:`run_agent`::
 
 The agent is its stages' parent: they watch it (pidfd) and die with it. It watches the driver:
 its connection carries ZeroMQ heartbeats, and once the driver is disconnected for
-``driver_grace`` seconds (the driver process died, or its host) the agent stops its stages and
-exits non-zero. So no stage waits forever on a peer that is gone.
+``driver_grace`` seconds (default 2 s; the driver process died, or its host went silent for the
+heartbeat timeout) the agent stops its stages and exits non-zero. So no stage waits forever on a
+peer that is gone. (ZeroMQ keeps a connection through short network trouble: a disconnect means
+the driver's end closed it or stayed silent for the whole heartbeat timeout.)
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def run_agent(
     *,
     heartbeat_timeout: float = 15.0,
     start_timeout: float = 120.0,
-    driver_grace: float = 5.0,
+    driver_grace: float = 2.0,
     log: Callable[[str], None] = print,
     data_parallel: int = 1,
     start_method: str = "forkserver",

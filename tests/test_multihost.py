@@ -147,14 +147,14 @@ def test_host_cut_off_is_named_and_both_sides_clean_up(hosts: TwoHosts, tmp_path
     """Host B's link goes down (no FIN, no RST): heartbeats name its stage, and B's agent, which
     lost the driver, stops its stages on its own."""
     h = hosts
-    with training(h, tmp_path, "--heartbeat-timeout", "3") as (node0, node1):
+    with training(h, tmp_path, "--heartbeat-timeout", "2") as (node0, node1):
         subprocess.run(h.cmd(h.b, ["ip", "link", "set", h.veth_b, "down"]), check=True)
         t0 = time.monotonic()
         _, err0 = node0.communicate(timeout=60)
         took = time.monotonic() - t0
         assert node0.returncode == 1, err0
         assert "no heartbeat" in err0 and ("stage 1 failed" in err0 or "stage 2 failed" in err0), err0
-        assert took < 3 + 5, f"the driver took {took:.1f} s to notice the lost host"
+        assert took < 2 + 5, f"the driver took {took:.1f} s to notice the lost host"
         _, err1 = node1.communicate(timeout=30)
         assert node1.returncode != 0
         assert "lost the driver" in err1, err1
