@@ -6,7 +6,14 @@ import os
 import time
 
 import pytest
-import torch
+
+from pipeq import forkserver
+
+# The fork server that process-mode tests fork their stages from (start_method="forkserver")
+# imports torch while this process imports it and the test modules.
+forkserver.start()
+
+import torch  # noqa: E402
 
 # Simulated-mode tests train tiny models in this process: one thread, like each stage process
 # (two threads only contend with the stage processes and the other tests for the two cores).
