@@ -154,6 +154,15 @@ def _wait_for_steps(p: subprocess.Popen, out: str, n: int, timeout: float = 90) 
     raise AssertionError(f"no {n} steps within {timeout} s")
 
 
+@pytest.fixture(scope="module")
+def run25(job, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, dict]:
+    """A 25-step launch over the file's epochs = 2: (its --out, its result, its final model.pt
+    read at once, before any test reuses the directory). Also the reference of the SIGINT test."""
+    out = str(tmp_path_factory.mktemp("run25") / "run")
+    r = _launch(job, "--steps", "25", "--out", out)
+    return out, r, model_state(out) if r.returncode == 0 else {}
+
+
 # -- the length rule ---------------------------------------------------------------------------------
 
 
@@ -181,14 +190,13 @@ def test_length_rule_in_the_job_file_and_on_the_command_line(job, tmp_path, caps
 
 
 @pytest.mark.timeout(240)
-def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(job, tmp_path, capsys) -> None:
+def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(job, run25, capsys) -> None:
     """--steps 25 over a file's epochs = 2 (20 batches) trains 25 steps (not 20); the job folder
     holds a pipeq/ package of "another version", which must not shadow the one running. Then
     the directory belongs to that run: a plain launch into it is refused and changes nothing;
     --overwrite replaces the run, and retention keeps only the new run's checkpoints."""
     assert os.path.isfile(os.path.join(os.path.dirname(job), "pipeq", "__init__.py"))
-    out = str(tmp_path / "run")
-    r = _launch(job, "--steps", "25", "--out", out)
+    out, r, _ = run25
     assert r.returncode == 0, r.stderr
     assert "cannot import" not in r.stderr, r.stderr  # the job folder's pipeq/ shadowed nothing
     assert "trained 25 steps" in r.stdout, r.stdout
@@ -222,13 +230,14 @@ def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(jo
 
 
 @pytest.mark.timeout(240)
-def test_sigint_checkpoints_the_last_step_and_resume_continues_it(job, tmp_path) -> None:
+def test_sigint_checkpoints_the_last_step_and_resume_continues_it(job, run25, tmp_path) -> None:
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: exit 130
     within seconds, a checkpoint of the last step in metrics.jsonl; --resume then trains the
-    rest: every step exactly once, and the same parameters as a run never interrupted."""
-    out, ref = str(tmp_path / "run"), str(tmp_path / "reference")
-    reference = _start(job, "--steps", "45", "--out", ref)
-    p = _start(job, "--steps", "45", "--out", out, delay=0.1)
+    rest: every step exactly once, and the same parameters as a run never interrupted (run25)."""
+    out = str(tmp_path / "run")
+    _, ref_r, reference = run25
+    assert ref_r.returncode == 0, ref_r.stderr
+    p = _start(job, "--steps", "25", "--out", out, delay=0.1)
     try:
         _wait_for_steps(p, out, 13)  # not a checkpoint step: the stop writes its own
         t0 = time.monotonic()
@@ -236,22 +245,22 @@ def test_sigint_checkpoints_the_last_step_and_resume_continues_it(job, tmp_path)
         r = _finish(p, timeout=30)
         took = time.monotonic() - t0
     finally:
-        ref_r = _finish(reference)
-    assert ref_r.returncode == 0, ref_r.stderr
+        if p.poll() is None:
+            _finish(p, timeout=1)
     assert r.returncode == 130, r.stderr
     assert took < 8, f"took {took:.1f} s to stop"
     assert "stopped by SIGINT after step" in r.stderr, r.stderr
     steps = _steps(out)
     last = steps[-1]
-    assert steps == list(range(1, last + 1)) and 13 <= last < 45
+    assert steps == list(range(1, last + 1)) and 13 <= last < 25
     assert f"step-{last:08d}" in _checkpoints(out)
     assert not os.path.exists(os.path.join(out, "model.pt"))  # not finished: no final state
 
-    resumed = _launch(job, "--steps", "45", "--out", out, "--resume")
+    resumed = _launch(job, "--steps", "25", "--out", out, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert f"(step {last}, epoch" in resumed.stderr
-    assert _steps(out) == list(range(1, 46))  # strictly consecutive: none twice, none missing
-    assert_same_state(model_state(out), model_state(ref))
+    assert _steps(out) == list(range(1, 26))  # strictly consecutive: none twice, none missing
+    assert_same_state(model_state(out), reference)
 
 
 @pytest.mark.timeout(240)
