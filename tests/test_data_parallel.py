@@ -474,14 +474,14 @@ def digits_reference():
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Both launch runs at once (every stage process is a fresh interpreter importing torch):
-    R = 2 on one host, and R = 2 over two loopback "nodes" (node 1 runs replica 1's stages)."""
+    """``pipeq launch --data-parallel 2`` over two loopback "nodes" (node 1 runs replica 1's
+    stages), both started at once. (R = 2 on one host through the runner: the tests above; the
+    launch path is the same.)"""
     base = tmp_path_factory.mktemp("launch")
-    out = {name: str(base / name) for name in ("r2", "nodes", "node1")}
+    out = {name: str(base / name) for name in ("nodes", "node1")}
     steps = ("--steps", str(STEPS), "--data-parallel", "2")
     multi = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
     argvs = {
-        "r2": launch_cmd(*steps, "--out", out["r2"]),
         "node1": launch_cmd(*steps, *multi, "--node-rank", "1", "--out", out["node1"]),
         "nodes": launch_cmd(*steps, *multi, "--node-rank", "0", "--out", out["nodes"]),
     }
@@ -503,15 +503,6 @@ def launched(tmp_path_factory):
 
 def _losses(out: str) -> list[float]:
     return [line["loss"] for line in metrics(out) if "loss" in line]
-
-
-def test_launch_data_parallel_equals_full_batch_training(launched, digits_reference):
-    out, results = launched
-    code, _, stderr = results["r2"]
-    assert code == 0, stderr
-    ref, ref_losses = digits_reference
-    assert_same_state(model_state(out["r2"]), ref, atol=1e-5)
-    assert _losses(out["r2"]) == pytest.approx(ref_losses, abs=1e-5)
 
 
 def test_launch_data_parallel_over_two_nodes_equals_full_batch_training(launched, digits_reference):

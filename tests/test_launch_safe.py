@@ -163,6 +163,27 @@ def run25(job, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, dict
     return out, r, model_state(out) if r.returncode == 0 else {}
 
 
+def _stop(p: subprocess.Popen, out: str, send, sig: signal.Signals) -> tuple[list[int], str]:
+    """Send ``sig`` with ``send`` (to the driver, or to its process group); the launch must exit
+    128 + sig within 8 s, its metrics be consecutive and its last step checkpointed. Returns
+    the steps in metrics.jsonl and the launch's stderr."""
+    try:
+        t0 = time.monotonic()
+        send(sig)
+        r = _finish(p, timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            _finish(p, timeout=1)
+    assert r.returncode == 128 + sig, r.stderr
+    assert took < 8, f"took {took:.1f} s to stop"
+    assert f"stopped by {sig.name} after step" in r.stderr, r.stderr
+    steps = _steps(out)
+    assert steps == list(range(1, steps[-1] + 1))
+    assert f"step-{steps[-1]:08d}" in _checkpoints(out)
+    return steps, r.stderr
+
+
 # -- the length rule ---------------------------------------------------------------------------------
 
 
@@ -240,20 +261,11 @@ def test_sigint_checkpoints_the_last_step_and_resume_continues_it(job, run25, tm
     p = _start(job, "--steps", "25", "--out", out, delay=0.1)
     try:
         _wait_for_steps(p, out, 13)  # not a checkpoint step: the stop writes its own
-        t0 = time.monotonic()
-        os.killpg(p.pid, signal.SIGINT)
-        r = _finish(p, timeout=30)
-        took = time.monotonic() - t0
-    finally:
-        if p.poll() is None:
-            _finish(p, timeout=1)
-    assert r.returncode == 130, r.stderr
-    assert took < 8, f"took {took:.1f} s to stop"
-    assert "stopped by SIGINT after step" in r.stderr, r.stderr
-    steps = _steps(out)
-    last = steps[-1]
-    assert steps == list(range(1, last + 1)) and 13 <= last < 25
-    assert f"step-{last:08d}" in _checkpoints(out)
+    except BaseException:
+        _finish(p, timeout=1)
+        raise
+    last = _stop(p, out, lambda sig: os.killpg(p.pid, sig), signal.SIGINT)[0][-1]
+    assert 13 <= last < 25
     assert not os.path.exists(os.path.join(out, "model.pt"))  # not finished: no final state
 
     resumed = _launch(job, "--steps", "25", "--out", out, "--resume")
@@ -279,40 +291,22 @@ def test_a_second_launch_into_a_live_run_is_refused_and_sigterm_exits_143(job, t
         err = capsys.readouterr().err
         assert f"{out} is in use by another pipeq launch (pid {p.pid})" in err, err
         assert p.poll() is None  # the first run goes on
-        t0 = time.monotonic()
-        p.send_signal(signal.SIGTERM)  # to the driver only, as `kill PID` does
-        r = _finish(p, timeout=30)
-        took = time.monotonic() - t0
-    finally:
-        if p.poll() is None:
-            _finish(p, timeout=1)
-    assert r.returncode == 143, r.stderr
-    assert took < 8, f"took {took:.1f} s to stop"
-    assert "stopped by SIGTERM after step" in r.stderr, r.stderr
-    steps = _steps(out)
-    last = steps[-1]
-    assert steps == list(range(1, last + 1))
-    assert f"step-{last:08d}" in _checkpoints(out)
+    except BaseException:
+        _finish(p, timeout=1)
+        raise
+    last = _stop(p, out, p.send_signal, signal.SIGTERM)[0][-1]  # to the driver only, as `kill PID` does
 
     # the lock went with the run: resuming needs no --overwrite and is not refused; then the
     # whole process group gets SIGTERM
     p = _start(job, "--steps", "400", "--out", out, "--resume", delay=0.1)
     try:
         _wait_for_steps(p, out, last + 3)
-        t0 = time.monotonic()
-        os.killpg(p.pid, signal.SIGTERM)
-        r = _finish(p, timeout=30)
-        took = time.monotonic() - t0
-    finally:
-        if p.poll() is None:
-            _finish(p, timeout=1)
-    assert r.returncode == 143, r.stderr
-    assert took < 8, f"took {took:.1f} s to stop"
-    assert f"(step {last}, epoch" in r.stderr, r.stderr  # it did resume
-    assert "stopped by SIGTERM after step" in r.stderr, r.stderr
-    steps = _steps(out)
-    assert steps == list(range(1, steps[-1] + 1)) and last + 3 <= steps[-1] < 400
-    assert f"step-{steps[-1]:08d}" in _checkpoints(out)
+    except BaseException:
+        _finish(p, timeout=1)
+        raise
+    steps, err = _stop(p, out, lambda sig: os.killpg(p.pid, sig), signal.SIGTERM)
+    assert f"(step {last}, epoch" in err, err  # it did resume
+    assert last + 3 <= steps[-1] < 400
 
 
 # -- Ctrl-C between the per-stage sends of a command -------------------------------------------------
