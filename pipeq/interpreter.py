@@ -19,7 +19,7 @@ Requests (first element an :class:`~pipeq.schedules.Op`, or ``EMIT``)::
 from __future__ import annotations
 
 import time
-from typing import Any, Generator, Mapping, Sequence
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 from . import schedules
 from .schedules import Action, AsyncCursor, AsyncOneFOneB, Op, lower_stage
@@ -83,11 +83,12 @@ class StagePlan:
 
 def execute(
     ex: StageExecutor, actions: Sequence[Action], trace: Any = None,
-    keys: Mapping[int, tuple[int, int]] | None = None,
+    keys: Mapping[int, tuple[int, int]] | None = None, note: Callable[[int, int], None] | None = None,
 ) -> Generator[Request, Any, None]:
     """Run ``actions``; with ``trace`` (a list or deque), append ``(code, step, microbatch, start_ns,
     end_ns, 0)`` for each compute action (see :mod:`pipeq.trace`; ``keys`` maps a stream's
-    microbatch numbers to their (step, microbatch))."""
+    microbatch numbers to their (step, microbatch)). ``note(code, microbatch)`` is called as each
+    compute action starts (the worker's record of what it is computing, for ``step_timeout``)."""
     received: dict[int, Tensors] = {}
     grads: dict[int, Tensors] = {}
     acts_out: dict[int, Tensors] = {}
@@ -99,6 +100,8 @@ def execute(
         op = a.op
         j = a.microbatch
         if op is Op.FORWARD:
+            if note is not None:
+                note(TRACE_F, j)
             t0 = clock() if rec else 0
             out = ex.forward(j, received.pop(j, None))
             if rec:
@@ -109,6 +112,8 @@ def execute(
                 else:
                     acts_out[j] = out
         elif op is Op.BACKWARD:
+            if note is not None:
+                note(TRACE_B, j)
             t0 = clock() if rec else 0
             gin = ex.backward(j, grads.pop(j, None))
             if rec:
@@ -131,6 +136,8 @@ def execute(
             out = grads_out.pop(j, None)
             yield (op, j, ex.to_host(out if out is not None else ex.early_input_grads(j)))
         elif op is Op.STEP:
+            if note is not None:
+                note(TRACE_OPT_STEP, -1)
             t0 = clock() if rec else 0
             ex.optimizer_step()
             if rec:

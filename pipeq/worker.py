@@ -18,7 +18,7 @@ The loop waits for a command on the control channel and carries it out:
     EXIT       leave the loop
 
 While a compute action (forward, backward, optimizer step) runs, the loop notes which one and
-since when (one attribute store as it starts; cleared when the stage turns to its messages or its
+since when (the interpreter calls :meth:`EventLoop._note` as it starts one; cleared when the stage turns to its messages or its
 next command): the heartbeat thread reports it (:meth:`EventLoop.doing`), so that the driver can
 name a stage stuck in its own computation (``step_timeout``) rather than its waiting neighbours.
 
@@ -157,27 +157,10 @@ class EventLoop:
         # actions (waiting for a message or a command); read by the heartbeat thread
         self.current: tuple[int, int, float] | None = None
         self._keys: Any = None  # the running batch's microbatch -> (step, microbatch), see run
-        self._watch(executor)
 
-    def _watch(self, ex: StageExecutor) -> None:
-        """Make ``ex``'s compute actions note themselves in :attr:`current` as they start."""
-        clock = time.monotonic
-        forward, backward, optimizer_step = ex.forward, ex.backward, ex.optimizer_step
-
-        def watched_forward(j: int, received: Any) -> Any:
-            self.current = (trace.F, j, clock())
-            return forward(j, received)
-
-        def watched_backward(j: int, grads: Any) -> Any:
-            self.current = (trace.B, j, clock())
-            return backward(j, grads)
-
-        def watched_step() -> None:
-            self.current = (trace.OPT_STEP, -1, clock())
-            optimizer_step()
-
-        ex.forward, ex.backward, ex.optimizer_step = (  # type: ignore[method-assign]
-            watched_forward, watched_backward, watched_step)
+    def _note(self, code: int, j: int) -> None:
+        """The interpreter starts compute action ``code`` on microbatch ``j``."""
+        self.current = (code, j, time.monotonic())
 
     def doing(self) -> dict[str, Any] | None:
         """The compute action under way and for how long (the heartbeat thread's report), or
@@ -270,7 +253,7 @@ class EventLoop:
         transport = self.transport
         rec = self.trace.append if self.trace is not None else None
         self._keys = keys
-        gen = execute(self.executor, actions, self.trace, keys)
+        gen = execute(self.executor, actions, self.trace, keys, self._note)
         fq, bq = transport.forward_queue, transport.backward_queue
         clock = time.perf_counter_ns
         value: Any = None
