@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import logging
 import os
 import shutil
 import stat
@@ -291,20 +292,14 @@ class _Gatekeeper:
             def callback(self, domain: str, key: bytes) -> bool:
                 return hmac.compare_digest(key, client_key)
 
-        self._auth = ThreadAuthenticator(ctx, log=_quiet_log())
+        # pyzmq logs each denial at DEBUG only: an attacker cannot flood the logs
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("pipeq.zap"))
         self._auth.start()
         self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_Keys())
         self._auth.configure_plain(ZAP_DOMAIN, {"pipeq": auth.plain_password().decode()})
 
     def stop(self) -> None:
         self._auth.stop()
-
-
-def _quiet_log() -> Any:
-    import logging
-
-    log = logging.getLogger("pipeq.zap")  # denials at DEBUG: an attacker cannot flood the logs
-    return log
 
 
 class _FrameMac:
