@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import schedules
+from . import microbatch, schedules
 from .stage import microbatch_weights
 
 #: One replica's part of a step: microbatch sizes, loss weights, auxiliary heads' loss weights.
@@ -31,13 +31,10 @@ def split_sizes(batch: int, microbatches: int) -> list[int]:
     return [base + 1] * rem + [base] * (m - rem)
 
 
-def check_batch(name: str, t: Any) -> torch.Tensor:
-    """``t`` as a CPU tensor with a non-empty batch dimension (ValueError otherwise)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() == 0 or t.shape[0] == 0:
-        raise ValueError(f"{name} must have a non-empty batch dimension, got shape {tuple(t.shape)}")
-    return t.detach().cpu()
+def check_batch(name: str, value: Any) -> tuple[Any, int]:
+    """``value`` (a tensor, or a tuple / list / dict of tensors and constants) as CPU tensors,
+    and its batch size (ValueError naming the part at fault otherwise)."""
+    return microbatch.check(name, value)
 
 
 class Batcher:
@@ -65,24 +62,35 @@ class Batcher:
             self._checked.add(len(sizes))
         return sizes
 
-    def training_pair(self, x: Any, target: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        x = check_batch("x", x)
-        target = check_batch("target", target)
-        if x.shape[0] != target.shape[0]:
-            raise ValueError(f"x has {x.shape[0]} samples (shape {tuple(x.shape)}) but target has "
-                             f"{target.shape[0]} (shape {tuple(target.shape)})")
-        if isinstance(self.schedule, schedules.AssociatedLearning) and (
-                target.is_floating_point() or target.is_complex() or target.dim() != 1):
+    def training_pair(self, x: Any, target: Any) -> tuple[Any, Any, int]:
+        """``x`` and ``target`` checked (see :mod:`pipeq.microbatch`), and their batch size."""
+        x, n = check_batch("x", x)
+        target, n_target = check_batch("target", target)
+        if n != n_target:
+            raise ValueError(f"x has {n} samples but target has {n_target}: they must split alike on dim 0")
+        self.check_input(x)
+        if isinstance(self.schedule, schedules.AssociatedLearning) and not (
+                isinstance(target, torch.Tensor) and target.dim() == 1
+                and not (target.is_floating_point() or target.is_complex())):
+            what = (f"{tuple(target.shape)} {target.dtype}" if isinstance(target, torch.Tensor)
+                    else type(target).__name__)
             raise ValueError(f"schedule 'al' encodes class indices as one-hot labels: target must be a "
-                             f"1-d integer tensor, got {tuple(target.shape)} {target.dtype}")
-        if x.shape[0] < self.replicas:
-            raise ValueError(f"a batch of {x.shape[0]} samples cannot be split over "
+                             f"1-d integer tensor, got {what}")
+        if n < self.replicas:
+            raise ValueError(f"a batch of {n} samples cannot be split over "
                              f"data_parallel={self.replicas} replicas")
-        return x, target
+        return x, target, n
 
-    def shards(self, target: torch.Tensor) -> list[Shard]:
+    def check_input(self, x: Any) -> None:
+        """Only fill-drain, 1F1B and your own schedules take x that is not one tensor."""
+        if not isinstance(x, torch.Tensor) and schedules.is_research(self.schedule):
+            raise ValueError(
+                f"schedule {schedules.schedule_name(self.schedule)!r} takes x as one tensor, got a "
+                f"{type(x).__name__}: tuples and dicts of inputs run with fill-drain, 1F1B and your own schedules")
+
+    def shards(self, target: Any, batch: int) -> list[Shard]:
         """Replica r's microbatch sizes and loss weights, relative to the whole batch."""
-        per = [self.sizes(n) for n in split_sizes(target.shape[0], self.replicas)]
+        per = [self.sizes(n) for n in split_sizes(batch, self.replicas)]
         flat = [s for sizes in per for s in sizes]
         weights = microbatch_weights(self.loss_fn, target, flat)
         aux = microbatch_weights(self.aux_loss, target, flat) if self.aux_loss is not None else None

@@ -34,7 +34,7 @@ import re
 import secrets
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence, TypedDict
+from typing import Any, Iterable, Mapping, NotRequired, Sequence, TypedDict
 
 import torch
 from torch import nn
@@ -60,6 +60,7 @@ class StageSnapshot(TypedDict):
     rng: torch.Tensor | None  # torch.get_rng_state() of the stage process
     layers: int
     sequential: bool
+    scaler: NotRequired[dict | None]  # fp16's loss scale (the same on every stage)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Checkpoint:
     n_stages: int
     layers: list[int]
     meta: dict = field(default_factory=dict)
+    scaler: dict | None = None  # fp16's loss-scaler state (pipeq.numerics.LossScaler)
 
 
 # ---------------------------------------------------------------------------- names
@@ -439,6 +441,7 @@ def save(directory: str, snapshots: list[StageSnapshot], meta: dict) -> None:
                 "rng": snap["rng"],
                 "layers": snap["layers"],
                 "sequential": seq,
+                "scaler": snap.get("scaler"),
             }
             file = os.path.join(tmp, f"stage-{k}.pt")
             _write_file(file, lambda f: torch.save(data, f))
@@ -532,6 +535,8 @@ def load(directory: str) -> Checkpoint:
             target.update(data[part])
         ckpt.sched.append(data["sched"])
         ckpt.rng.append(data["rng"])
+        if k == 0 and isinstance(data.get("scaler"), dict):
+            ckpt.scaler = data["scaler"]
     return ckpt
 
 
@@ -640,6 +645,7 @@ def split(ckpt: Checkpoint, layouts: list[StageLayout]) -> list[StageSnapshot]:
                 rng=ckpt.rng[k] if same else None,
                 layers=lay.layers,
                 sequential=lay.sequential,
+                scaler=ckpt.scaler,
             )
         )
         offset += lay.layers

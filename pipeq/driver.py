@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import microbatch
 from . import rendezvous as rdzv
 from .batching import Shard
 from .errors import PipelineError
@@ -321,8 +322,7 @@ class ProcessBackend:
         """A stage has failed in a step still ahead of the caller (see Supervisor.deferred)."""
         return self.sup is not None and self.sup.deferred is not None
 
-    def submit(self, step: int, shards: list[Shard], x: torch.Tensor, target: torch.Tensor,
-               stream: bool = False) -> None:
+    def submit(self, step: int, shards: list[Shard], x: Any, target: Any, stream: bool = False) -> None:
         """Send one training step: replica r trains on the r-th shard of the batch. It does not
         wait: each stage starts the step as soon as it is done with the ones sent before. With
         ``stream``, a schedule that need not drain between batches (asynchronous 1F1B) does not;
@@ -336,7 +336,8 @@ class ProcessBackend:
         offset = 0
         for r, (sizes, weights, aux_weights) in enumerate(shards):
             n = sum(sizes)
-            x_r, target_r = x[offset:offset + n], target[offset:offset + n]
+            xs, x_tree = microbatch.pack(microbatch.narrow(x, offset, n))
+            ts, t_tree = microbatch.pack(microbatch.narrow(target, offset, n))
             offset += n
             extra: dict[str, Any] = {"sizes": sizes, "weights": weights}
             if aux_weights is not None:
@@ -344,8 +345,9 @@ class ProcessBackend:
             if stream:
                 extra["stream"] = True
             for k in range(self.n_stages):
-                tensors = ([x_r] if k == 0 else []) + ([target_r] if k in self.loss_stages else [])
-                msgs.append((r * self.n_stages + k, Message(Kind.TRAIN, step, 0, tensors, extra)))
+                tensors, more = _batch_part(xs if k == 0 else None, x_tree,
+                                            ts if k in self.loss_stages else None, t_tree)
+                msgs.append((r * self.n_stages + k, Message(Kind.TRAIN, step, 0, tensors, {**extra, **more})))
         t0 = time.perf_counter_ns()
         self._send_all(sup, msgs)
         sup.awaited.add((Kind.LOSS, step))
@@ -362,7 +364,7 @@ class ProcessBackend:
         # each replica's loss is already weighted by its share of the batch: they add up
         return sum(float(replies[g][0].extra["loss"]) for g in lasts)
 
-    def train(self, step: int, shards: list[Shard], x: torch.Tensor, target: torch.Tensor) -> float:
+    def train(self, step: int, shards: list[Shard], x: Any, target: Any) -> float:
         self.submit(step, shards, x, target)
         return self.result(step)
 
@@ -372,16 +374,28 @@ class ProcessBackend:
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
         sup = self._usable()
-        extra = {"sizes": sizes}
+        xs, x_tree = microbatch.pack(x)
         t0 = time.perf_counter_ns()
-        self._send_all(sup, [(k, Message(Kind.PREDICT, step, 0, [x] if k == 0 else [], extra))
-                      for k in range(self.n_stages)])
+        msgs = []
+        for k in range(self.n_stages):
+            tensors, more = _batch_part(xs if k == 0 else None, x_tree, None, None)
+            msgs.append((k, Message(Kind.PREDICT, step, 0, tensors, {"sizes": sizes, **more})))
+        self._send_all(sup, msgs)
         out = self.output_stage
         msgs = sup.collect(Kind.OUTPUT, {out: len(sizes)}, step=step, what=f"predict {step}")[out]
         if self.recorder is not None:
             self.recorder.span(step, False, t0, len(sizes))
         msgs.sort(key=lambda m: m.microbatch)
-        return [tuple(m.tensors) for m in msgs]
+        return [microbatch.Packed.of(m.tensors, m.extra.get("tree")) for m in msgs]
+
+    def stats(self, reset: bool = False) -> list[dict[str, Any]]:
+        """Every stage's :meth:`~pipeq.stage.StageExecutor.stats` (replica 0's)."""
+        sup = self._usable()
+        req = self._next_request_id()
+        stages = range(self.n_stages)
+        self._send_all(sup, [(k, Message(Kind.GET_STATS, req, extra={"reset": reset})) for k in stages])
+        got = sup.collect(Kind.STATS, dict.fromkeys(stages, 1), step=req, what="stats")
+        return [dict(got[k][0].extra) for k in stages]
 
     def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
         got = self._ask_each(Kind.GET_STATE, Kind.STATE, "state_dict", range(self.n_stages))
@@ -418,3 +432,23 @@ class ProcessBackend:
 
     def layouts(self) -> list[dict[str, Any]]:
         return [info["layout"] for info in self.worker_info[:self.n_stages]]
+
+
+def _batch_part(xs: list[torch.Tensor] | None, x_tree: Any, ts: list[torch.Tensor] | None,
+                t_tree: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """What one stage's TRAIN / PREDICT carries of a batch: x's tensors (stage 0), the target's
+    (the stages that compute a loss), and their trees when they are not a lone tensor."""
+    tensors: list[torch.Tensor] = []
+    extra: dict[str, Any] = {}
+    if xs is not None:
+        tensors += xs
+        if x_tree is not None:
+            extra["x"] = x_tree
+            extra["nx"] = len(xs)
+    else:
+        extra["nx"] = 0
+    if ts is not None:
+        tensors += ts
+        if t_tree is not None:
+            extra["target"] = t_tree
+    return tensors, extra

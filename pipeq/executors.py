@@ -22,6 +22,7 @@ import torch
 from .al import ALExecutor
 from .asyncpipe import AsyncExecutor
 from .interlock import InterlockExecutor
+from .numerics import Numerics
 from .schedules import AssociatedLearning, AsyncOneFOneB, Interlock
 from .stage import StageExecutor, StageSpec
 
@@ -43,9 +44,17 @@ class StageBuilder:
         return {}
 
 
-def make_executor(schedule: Any, index: int, n_stages: int, spec: StageSpec, device: torch.device) -> StageExecutor:
+def make_executor(schedule: Any, index: int, n_stages: int, spec: StageSpec, device: torch.device,
+                  numerics: Numerics | None = None) -> StageExecutor:
+    """Stage ``index``'s executor; ``numerics`` (precision, clipping...) apply to plain backprop's
+    (the runner refuses them with the other schedules)."""
+    ex: StageExecutor | None = None
     for kind, executor in ((Interlock, InterlockExecutor), (AssociatedLearning, ALExecutor),
                            (AsyncOneFOneB, AsyncExecutor)):
         if isinstance(schedule, kind):
-            return executor(index, n_stages, spec, device, schedule)
-    return StageExecutor(index, n_stages, spec, device)
+            ex = executor(index, n_stages, spec, device, schedule)
+    if ex is None:
+        ex = StageExecutor(index, n_stages, spec, device)
+        if numerics is not None:
+            ex.set_numerics(numerics)
+    return ex

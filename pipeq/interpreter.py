@@ -14,6 +14,16 @@ Requests (first element an :class:`~pipeq.schedules.Op`, or ``EMIT``)::
     (Op.SEND_GRAD, j, tensors)  -> caller sends them to the previous stage
     (EMIT, j, tensors)          -> a forward-only result (the last stage's output, or the end
                                    of a decode path on stage 0): the caller returns it
+
+Tensors that belong to a tree (a stage output that is not a tensor or a tuple of tensors) come
+as a :class:`pipeq.microbatch.Packed`, whose ``tree`` the caller sends with them.
+
+When the stages must agree before an optimizer step (clipping by the global norm, fp16's
+found-inf, ``check_finite``: see :mod:`pipeq.numerics`), ``STEP`` first combines the stages'
+statistics along the pipeline, as microbatch :data:`STATS` on the same channels: received from
+stage k-1 (``RECV_ACT``), combined and sent on (``SEND_ACT``); the total comes back from the last
+stage (``RECV_GRAD``) and is passed down (``SEND_GRAD``). Every stage reaches its ``STEP`` only
+after its last send of the step, so this cannot deadlock a validated schedule.
 """
 
 from __future__ import annotations
@@ -23,12 +33,14 @@ from typing import Any, Callable, Generator, Mapping, Sequence
 
 from . import schedules
 from .schedules import Action, AsyncCursor, AsyncOneFOneB, Op, lower_stage
+from .numerics import StepStats, combine
 from .stage import StageExecutor, Tensors
 from .trace import B as TRACE_B
 from .trace import F as TRACE_F
 from .trace import OPT_STEP as TRACE_OPT_STEP
 
 EMIT = "emit"
+STATS = -2  # the microbatch number of the step statistics' messages (never a real microbatch)
 
 Request = tuple[Any, ...]
 
@@ -139,8 +151,25 @@ def execute(
             if note is not None:
                 note(TRACE_OPT_STEP, -1)
             t0 = clock() if rec else 0
-            ex.optimizer_step()
+            if ex.numerics.combines:
+                ex.apply_step((yield from _combined(ex, ex.step_stats())))
+            else:
+                ex.optimizer_step()
             if rec:
                 rec((TRACE_OPT_STEP, step, -1, t0, clock(), 0))
         else:  # pragma: no cover - schedules are validated before they reach here
             raise ValueError(f"stage {ex.index}: cannot execute action {a}")
+
+
+def _combined(ex: StageExecutor, own: StepStats) -> Generator[Request, Any, StepStats]:
+    """Every stage's statistics combined (see the module docstring): the chain 0 -> N-1 and back."""
+    k, n, p = ex.index, ex.n_stages, ex.numerics.clip_norm_type
+    acc = own
+    if k > 0:
+        acc = combine(StepStats.from_tensors((yield (Op.RECV_ACT, STATS)), f"stage {k - 1}"), acc, p)
+    if k < n - 1:
+        yield (Op.SEND_ACT, STATS, (acc.to_tensor(),))
+        acc = StepStats.from_tensors((yield (Op.RECV_GRAD, STATS)), f"stage {k + 1}")
+    if k > 0:
+        yield (Op.SEND_GRAD, STATS, (acc.to_tensor(),))
+    return acc

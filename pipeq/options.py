@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import schedules
+from . import numerics, schedules
 from .errors import MainScriptError
 from .executors import StageBuilder, StageSpec
+from .numerics import Numerics
 from .stage import loss_weight_mode
 from .transport import SECURITY_MODES
 
@@ -285,6 +286,22 @@ def check_run(
     if heartbeat_timeout <= heartbeat_interval:
         raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
     check_step_timeout(step_timeout, heartbeat_interval)
+
+
+def check_numerics(schedule: Any, n_stages: int, devices: Sequence[str] | None, **given: Any) -> Numerics:
+    """precision, clip_grad_norm, clip_norm_type, check_finite and recompute, checked (see
+    :class:`~pipeq.PipelineRunner`): plain backprop's schedules only."""
+    nm = numerics.check(given["precision"], given["clip_grad_norm"], given["clip_norm_type"],
+                        given["check_finite"], given["recompute"], n_stages)
+    if schedules.is_research(schedule) and nm != numerics.Numerics():
+        used = [k for k, v in given.items() if v != getattr(numerics.Numerics(), k, None)
+                and not (k == "recompute" and v is False)]
+        raise ValueError(
+            f"{', '.join(used)}: schedule {schedules.schedule_name(schedule)!r} computes its own way (its "
+            "own losses, updates or recomputation); these options run with fill-drain, 1F1B and your own "
+            "schedule functions")
+    numerics.check_device(nm, devices or (["cuda"] if torch.cuda.is_available() else ["cpu"]))
+    return nm
 
 
 def check_step_timeout(step_timeout: Any, heartbeat_interval: float = 1.0) -> None:

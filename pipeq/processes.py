@@ -18,6 +18,7 @@ import torch
 
 from . import forkserver, schedules
 from .executors import StageBuilder
+from .numerics import Numerics
 from .transport import BindTo, WireAuth
 from .worker import WorkerConfig, worker_entry
 
@@ -37,6 +38,7 @@ class StageSettings:
     trace: bool = False
     tcp_security: str = "encrypt"  # see pipeq.transport.WireAuth
     max_message_mb: int = 256  # the largest tensor frame a stage accepts from a peer
+    numerics: Numerics = Numerics()  # precision, clipping, checks, recomputation (pipeq.numerics)
 
 
 def plan_devices(
@@ -101,7 +103,7 @@ def worker_configs(
             heartbeat_interval=settings.heartbeat_interval, spin_s=settings.spin_s,
             die_with_parent=die_with_parent, driver_pid=os.getpid(), seed=seed_of(g),
             store=rendezvous.store_address() if rendezvous is not None else None,
-            trace=settings.trace, replica=g // n_stages, replicas=replicas,
+            trace=settings.trace, replica=g // n_stages, replicas=replicas, numerics=settings.numerics,
         )
         for g, (dev, cores, threads) in zip(processes, plan)
     ]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Se
 import torch
 from torch import nn
 
-from . import options, schedules
+from . import microbatch, options, schedules
 from .batching import Batcher, check_batch
 from .errors import PipelineError
 from .executors import StageBuilder
@@ -102,6 +102,24 @@ class PipelineRunner:
         aux_heads, aux_loss: interlocking schedules: one head per stage but the last (stage k's
             reads stage k's output) and their loss (default cross-entropy).
         data_parallel: R replicas of the pipeline (R x N processes), gradients all-reduced.
+        precision: ``"fp32"`` (default), ``"bf16"`` (autocast to bfloat16 on CPU and CUDA: the
+            forward and the loss run under ``torch.autocast``; parameters, gradients and the
+            optimizer stay float32) or ``"fp16"`` (autocast to float16 with dynamic loss scaling,
+            torch.amp.GradScaler's: the found-inf check is combined over every stage and replica,
+            so all of them step or skip together, as one GradScaler on the whole model would).
+        clip_grad_norm: clip the gradients by their global norm over every stage (after the
+            replicas' all-reduce, after fp16's unscaling), as ``torch.nn.utils.clip_grad_norm_``
+            on the whole model does; ``clip_norm_type`` is its p (2.0, or ``float('inf')``).
+        check_finite: ``"raise"`` (or True): check the input, every stage's outputs, the losses and
+            the gradients, and fail with a PipelineError naming the stage and microbatch where the
+            first NaN or Inf appeared, before any optimizer step changes a weight. ``"skip"``:
+            skip the optimizer step on every stage when any gradient is not finite (the step's loss
+            is then NaN or Inf; ``runner.skipped_steps`` counts them). Default False: no checks.
+        recompute: True, or one boolean per stage: the stage keeps only its inputs between a
+            microbatch's forward and backward and recomputes the forward in the backward (the same
+            RNG state, so the same dropout masks): the same numbers, less activation memory.
+        Precision, clipping, check_finite and recompute run with fill-drain, 1F1B and your own
+        schedules (interlocking, async and AL compute their own way).
 
     Names: :meth:`state_dict`, :meth:`load_state_dict`, :meth:`save` / :meth:`load` and
     ``pipeq launch``'s model.pt all name tensors as the flat model ``nn.Sequential(*layers)``
@@ -140,6 +158,11 @@ class PipelineRunner:
         aux_heads: Sequence[nn.Module] | None = None,
         aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         data_parallel: int = 1,
+        precision: str = "fp32",
+        clip_grad_norm: float | None = None,
+        clip_norm_type: float = 2.0,
+        check_finite: "bool | str" = False,
+        recompute: "bool | Sequence[bool]" = False,
         **moved: Any,
     ) -> None:
         options.refuse_moved(moved)
@@ -153,6 +176,9 @@ class PipelineRunner:
                           queue_capacity=queue_capacity, trace=trace, heartbeat_interval=heartbeat_interval,
                           heartbeat_timeout=heartbeat_timeout, tcp_security=tcp_security,
                           max_message_mb=max_message_mb, step_timeout=step_timeout)
+        self.numerics = options.check_numerics(schedule, model.n_stages, devices, precision=precision,
+                                               clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
+                                               check_finite=check_finite, recompute=recompute)
         self.n_stages, self.microbatches, self.mode = model.n_stages, microbatches, mode
         self.data_parallel = data_parallel
         self._batcher = Batcher(schedule, model.n_stages, microbatches, model.loss_fn, model.aux_loss,
@@ -162,12 +188,14 @@ class PipelineRunner:
         if mode == "simulated":
             from .simulated import SimulatedBackend
 
-            self._backend: Any = SimulatedBackend(model.replicas[0], schedule, devices[0] if devices else "cpu")
+            self._backend: Any = SimulatedBackend(model.replicas[0], schedule, devices[0] if devices else "cpu",
+                                                  self.numerics)
         else:
             from .driver import ProcessBackend
 
             settings = StageSettings(devices, threads_per_stage, queue_capacity or max(64, 4 * microbatches),
-                                     heartbeat_interval, spin, trace is not None, tcp_security, max_message_mb)
+                                     heartbeat_interval, spin, trace is not None, tcp_security, max_message_mb,
+                                     self.numerics)
             self._backend = ProcessBackend(
                 options.process_payloads(model, schedule), schedule, settings, replicas=data_parallel,
                 loss_stages=schedules.loss_stages(schedule, model.n_stages),
@@ -288,8 +316,8 @@ class PipelineRunner:
         self._settle()  # the end of the batches: drained once
 
     def _submit(self, x: Any, target: Any, stream: bool = False) -> int:
-        x, target = self._batcher.training_pair(x, target)
-        shards = self._batcher.shards(target)
+        x, target, n = self._batcher.training_pair(x, target)
+        shards = self._batcher.shards(target, n)
         self._step += 1
         self._backend.submit(self._step, shards, x, target, stream)
         self._submitted.append(self._step)
@@ -312,15 +340,29 @@ class PipelineRunner:
             self._undrained = False
             self._backend.drain()
 
-    def predict(self, x: torch.Tensor) -> Any:
-        """Forward only (eval mode, no grad), microbatched; returns the output on the CPU."""
+    def predict(self, x: Any) -> Any:
+        """Forward only (eval mode, no grad), microbatched; returns the output on the CPU, shaped
+        as the last stage returns it (a tensor, or a tuple / list / dict: tensors are joined
+        again on dim 0)."""
         self._require_running()
-        x = check_batch("x", x)
-        sizes = self._batcher.sizes(x.shape[0])
+        x, n = check_batch("x", x)
+        self._batcher.check_input(x)
+        sizes = self._batcher.sizes(n)
         self._step += 1
-        outs = self._backend.predict(self._step, sizes, x)
-        cat = tuple(torch.cat([o[i] for o in outs]) for i in range(len(outs[0])))
-        return cat[0] if len(cat) == 1 else cat
+        outs = [microbatch.unpack(microbatch.tree_of(o), o) for o in self._backend.predict(self._step, sizes, x)]
+        # a stage that returns one tensor (or a 1-tuple) gives that tensor
+        outs = [o[0] if isinstance(o, tuple) and len(o) == 1 and isinstance(o[0], torch.Tensor) else o
+                for o in outs]
+        return microbatch.cat(outs)
+
+    def stats(self, reset_peak: bool = False) -> list[dict[str, Any]]:
+        """One dict per stage: ``peak_bytes``, the stage's peak memory since the start or the
+        last ``reset_peak=True`` (CUDA: allocated bytes; CPU: the stage process's peak resident
+        set; ``memory`` says which), ``skipped_steps`` (steps skipped for non-finite gradients:
+        ``precision="fp16"``, ``check_finite="skip"``) and ``recompute``. In simulated mode the
+        peak is this process's."""
+        self._require_running()
+        return self._backend.stats(reset_peak)
 
     # -- state ---------------------------------------------------------------------------------
     def _layouts(self) -> "list[checkpoint.StageLayout]":

@@ -420,6 +420,12 @@ def output_stage(schedule: "str | ScheduleFn", n_stages: int) -> int:
     return 0 if isinstance(schedule, AssociatedLearning) else n_stages - 1
 
 
+def is_research(schedule: "str | ScheduleFn") -> bool:
+    """Interlocking, asynchronous 1F1B or Associated Learning: schedules whose stages compute
+    their own way (pipeq's executors for them), not plain backprop's forward and backward."""
+    return isinstance(resolve(schedule), (Interlock, AsyncOneFOneB, AssociatedLearning))
+
+
 def schedule_name(schedule: str | ScheduleFn) -> str:
     if isinstance(schedule, str):
         return schedule

@@ -18,6 +18,8 @@ import torch
 from .errors import PipelineError
 from .executors import StageSpec, make_executor
 from .interpreter import EMIT, StagePlan, execute
+from .microbatch import rewrap
+from .numerics import Numerics
 from .schedules import Op, ScheduleFn
 from .stage import Tensors
 
@@ -25,11 +27,13 @@ from .stage import Tensors
 class SimulatedBackend:
     """Every stage's executor in this process, each built from a private copy of its spec."""
 
-    def __init__(self, specs: Sequence[StageSpec], schedule: "str | ScheduleFn", device: str = "cpu") -> None:
+    def __init__(self, specs: Sequence[StageSpec], schedule: "str | ScheduleFn", device: str = "cpu",
+                 numerics: Numerics | None = None) -> None:
         self.schedule = schedule
         n = len(specs)
         dev = torch.device(device)
-        self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev) for k, spec in enumerate(specs)]
+        self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev, numerics)
+                          for k, spec in enumerate(specs)]
         self.plans = [StagePlan(schedule, k, n) for k in range(n)]
         # messages sent and not yet received: (destination, kind, microbatch); a stream's outlive a batch
         self.mailbox: dict[tuple[int, str, int], Tensors] = {}
@@ -42,7 +46,7 @@ class SimulatedBackend:
         pass
 
     def _run(
-        self, step: int, sizes: list[int], x: torch.Tensor | None, target: torch.Tensor | None, training: bool,
+        self, step: int, sizes: list[int], x: Any, target: Any, training: bool,
         weights: list[float] | None = None, aux_weights: list[float] | None = None, stream: bool = False,
     ) -> list[Tensors]:
         gens = []
@@ -83,7 +87,7 @@ class SimulatedBackend:
                     if op is Op.RECV_ACT or op is Op.RECV_GRAD:
                         pending[k] = req
                     elif op is Op.SEND_ACT:
-                        mailbox[(k + 1, "act", req[1])] = tuple(t.clone() for t in req[2])
+                        mailbox[(k + 1, "act", req[1])] = rewrap(req[2], [t.clone() for t in req[2]])
                     elif op is Op.SEND_GRAD:
                         mailbox[(k - 1, "grad", req[1])] = tuple(t.clone() for t in req[2])
                     elif op is EMIT:
@@ -132,6 +136,10 @@ class SimulatedBackend:
 
     def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
         return self._run(step, sizes, x, None, training=False)
+
+    def stats(self, reset: bool = False) -> list[dict[str, Any]]:
+        """Every stage's stats (their peak memory is this one process's)."""
+        return [ex.stats(reset) for ex in self.executors]
 
     def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
         out = []

@@ -13,11 +13,16 @@ sum-reduced one, so microbatches of unequal size are weighted correctly.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+
+from . import microbatch
+from .numerics import (LossScaler, Numerics, StepStats, all_finite, clip_, norm_term, peak_memory,
+                       total_norm)
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -40,7 +45,7 @@ def loss_weight_mode(loss_fn: Callable) -> str:
     return reduction
 
 
-def microbatch_weights(loss_fn: Callable, target: torch.Tensor, sizes: Sequence[int]) -> list[float]:
+def microbatch_weights(loss_fn: Callable, target: Any, sizes: Sequence[int]) -> list[float]:
     """What each microbatch's loss is multiplied by so that their sum is the full-batch loss.
 
     A mean-reduced loss divides by its own denominator: the number of samples for most losses,
@@ -51,7 +56,7 @@ def microbatch_weights(loss_fn: Callable, target: torch.Tensor, sizes: Sequence[
     if loss_weight_mode(loss_fn) == "sum":
         return [1.0] * len(sizes)
     dens: list[float]
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and not (
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and isinstance(target, torch.Tensor) and not (
         target.is_floating_point() or target.is_complex()
     ):
         dens = []
@@ -108,15 +113,26 @@ class StageExecutor:
         # train() would switch on submodules the user put in eval mode (frozen BatchNorm...):
         # training restores the modes the module came with instead.
         self._train_modes = [(m, m.training) for m in self.module.modules()]
+        self.skipped_steps = 0  # steps skipped for non-finite gradients (fp16, check_finite='skip')
+        self.set_numerics(Numerics())
         # per step
         self.step_index = 0
         self.training = True
         self.weights: list[float] = []
         self.aux_weights: list[float] = []
-        self.inputs: list[torch.Tensor] = []  # stage 0: microbatches of x
-        self.targets: list[torch.Tensor] = []  # last stage: microbatches of the target
-        self.stash: dict[int, tuple[Tensors, Any]] = {}  # microbatch -> (input leaves, outputs/loss)
+        self.inputs: list[Any] = []  # stage 0: microbatches of x
+        self.targets: list[Any] = []  # last stage: microbatches of the target
+        # microbatch -> (input leaves, outputs / scaled loss, what a recompute needs or None)
+        self.stash: dict[int, tuple[Tensors, Any, Any]] = {}
         self.loss_sum: torch.Tensor | None = None
+
+    def set_numerics(self, numerics: Numerics) -> None:
+        """Precision, loss scaling, clipping, checks and recomputation (see :mod:`pipeq.numerics`)."""
+        self.numerics = numerics
+        self.autocast = lambda: numerics.autocast(self.device)
+        self.recompute = numerics.recomputes(self.index)
+        self.scaler = LossScaler(self.device) if numerics.scales_loss else None
+        self._check = numerics.check_finite == "raise"
 
     @staticmethod
     def make_optimizer(spec: StageSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
@@ -132,13 +148,14 @@ class StageExecutor:
         step: int,
         sizes: Sequence[int],
         training: bool,
-        x: torch.Tensor | None = None,
-        target: torch.Tensor | None = None,
+        x: Any = None,
+        target: Any = None,
         weights: Sequence[float] | None = None,
         aux_weights: Sequence[float] | None = None,
     ) -> None:
         """Start a step: ``weights`` scale the microbatch losses (see :func:`microbatch_weights`),
-        ``aux_weights`` the auxiliary heads' losses (interlocking)."""
+        ``aux_weights`` the auxiliary heads' losses (interlocking). ``x`` and ``target`` are
+        trees (see :mod:`pipeq.microbatch`), split into microbatches here."""
         self.step_index = step
         self.training = training
         if weights is None:
@@ -149,9 +166,9 @@ class StageExecutor:
         self.weights = list(weights)
         self.aux_weights = list(aux_weights) if aux_weights is not None else []
         if x is not None:
-            self.inputs = list(x.to(self.device, non_blocking=True).split(list(sizes)))
+            self.inputs = microbatch.split(microbatch.to_device(x, self.device), sizes)
         if target is not None:
-            self.targets = list(target.to(self.device, non_blocking=True).split(list(sizes)))
+            self.targets = microbatch.split(microbatch.to_device(target, self.device), sizes)
         self.stash.clear()
         self.loss_sum = None
         if training:
@@ -167,69 +184,114 @@ class StageExecutor:
         return float(self.loss_sum) if self.loss_sum is not None else float("nan")
 
     # -- compute -----------------------------------------------------------------------------
-    def forward(self, j: int, received: Tensors | None) -> Tensors | None:
-        """Forward of microbatch ``j``; returns the tensors to send on (None on the last stage)."""
+    def _inputs(self, j: int, received: Tensors | None) -> tuple[Tensors, Tensors, Any]:
+        """Microbatch ``j``'s (input leaves, the tensors the module gets, their tree)."""
         if self.is_first:
-            args: Tensors = (self.inputs[j],)
-            leaves: Tensors = ()
-        else:
-            assert received is not None
-            args = tuple(t.to(self.device, non_blocking=True) for t in received)
-            if self.training:
-                leaves = tuple(
-                    t.requires_grad_() if t.is_floating_point() or t.is_complex() else t for t in args
-                )
-                # The module gets a non-leaf copy: an in-place first op (ReLU(inplace=True)) is
-                # then fine, as it is in one process; the gradient collects on the leaf.
-                args = tuple(t.clone() if t.requires_grad else t for t in leaves)
-            else:
-                leaves = args
+            return (), (), None
+        assert received is not None
+        tree = microbatch.tree_of(received)
+        args = tuple(t.to(self.device, non_blocking=True) for t in received)
+        if not self.training:
+            return args, args, tree
+        leaves = tuple(t.requires_grad_() if t.is_floating_point() or t.is_complex() else t for t in args)
+        # The module gets a non-leaf copy: an in-place first op (ReLU(inplace=True)) is then
+        # fine, as it is in one process; the gradient collects on the leaf.
+        return leaves, tuple(t.clone() if t.requires_grad else t for t in leaves), tree
+
+    def _call(self, j: int, args: Tensors, tree: Any, grad: bool,
+              buffers: dict[str, torch.Tensor] | None = None) -> Any:
+        """The module on microbatch ``j`` (stage 0: its x; else ``args`` shaped by ``tree``);
+        ``buffers``: used instead of the module's own (a recompute's scratch copies)."""
+        value = self.inputs[j] if self.is_first else microbatch.unpack(tree, args)
+        call = microbatch.as_args(value)
         try:
-            if self.training:
-                out = self.module(*args)
-            else:
-                with torch.no_grad():
-                    out = self.module(*args)
+            with self.autocast(), torch.set_grad_enabled(grad):
+                if buffers:
+                    return torch.func.functional_call(self.module, buffers, call, strict=False)
+                return self.module(*call)
         except Exception as exc:
+            shapes = describe(microbatch.tensors_of(value))
             raise RuntimeError(
                 f"forward of microbatch {j} (step {self.step_index}) failed "
-                f"on input of shape {describe(args)}: {exc}"
+                f"on input of shape {shapes}: {exc}"
             ) from exc
-        outs = as_tuple(out)
-        for t in outs:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(
-                    f"the stage returned a {type(t).__name__}; a stage must return a "
-                    "tensor or a tuple of tensors"
-                )
+
+    def _loss(self, j: int, out: Any) -> torch.Tensor | None:
+        """The last stage's weighted loss of microbatch ``j`` (None: it weighs nothing)."""
+        target = self.targets[j]
+        try:
+            with self.autocast():
+                loss = self.loss_fn(out, target)  # type: ignore[misc]
+        except Exception as exc:
+            raise RuntimeError(
+                f"loss_fn failed on output {describe(microbatch.tensors_of(out))} and target "
+                f"{describe(microbatch.tensors_of(target))} (microbatch {j}, step {self.step_index}): {exc}"
+            ) from exc
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got "
+                f"{describe((loss,)) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+            )
+        w = self.weights[j]
+        if w == 0.0:  # nothing counts in this microbatch (all targets ignored): no gradient
+            return None
+        return loss.reshape(()) * w
+
+    def _nonfinite(self, what: str, j: int, tensors: Sequence[torch.Tensor]) -> None:
+        if self._check and not all_finite(tensors):
+            raise FloatingPointError(
+                f"stage {self.index}: {what} of microbatch {j} (step {self.step_index}) holds NaN or Inf "
+                f"({describe(tensors)}); check_finite='raise' stopped the run before any optimizer step")
+
+    def forward(self, j: int, received: Tensors | None) -> Tensors | None:
+        """Forward of microbatch ``j``; returns the tensors to send on (None on the last stage)."""
+        leaves, args, tree = self._inputs(j, received)
+        if self._check and self.training and self.is_first:
+            self._nonfinite("the input x", j, microbatch.tensors_of(self.inputs[j]))
+        redo = self.training and self.recompute
+        keep = (tree, self._rng_state()) if redo else None  # what the recompute needs
+        out = self._call(j, args, tree, grad=self.training and not redo)
+        outs, out_tree = microbatch.pack_output(out)
         if self.is_last:
             if not self.training:
-                return outs
-            target = self.targets[j]
-            try:
-                loss = self.loss_fn(out, target)  # type: ignore[misc]
-            except Exception as exc:
-                raise RuntimeError(
-                    f"loss_fn failed on output {describe(outs)} and target "
-                    f"{describe((target,))} (microbatch {j}, step {self.step_index}): {exc}"
-                ) from exc
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(
-                    f"loss_fn must return a scalar tensor, got "
-                    f"{describe((loss,)) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
-                )
-            w = self.weights[j]
-            if w == 0.0:  # nothing counts in this microbatch (all targets ignored): no gradient
-                self.stash[j] = (leaves, None)
+                return microbatch.Packed.of(outs, out_tree)
+            self._nonfinite("the output", j, outs)
+            scaled = self._loss(j, out)
+            if scaled is None:
+                self.stash[j] = (leaves, None, None)
                 return None
-            scaled = loss.reshape(()) * w
             d = scaled.detach()
+            self._nonfinite("the loss", j, (d,))
             self.loss_sum = d if self.loss_sum is None else self.loss_sum + d
-            self.stash[j] = (leaves, scaled)
+            self.stash[j] = (leaves, None if redo else self._scaled(scaled), keep)
             return None
         if self.training:
-            self.stash[j] = (leaves, outs)
-        return tuple(t.detach() for t in outs)
+            self._nonfinite("the output", j, outs)
+            self.stash[j] = (leaves, None if redo else outs, keep)
+        return microbatch.Packed.of(tuple(t.detach() for t in outs), out_tree)
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self._cuda else None
+
+    def _recompute(self, j: int, leaves: Tensors, keep: Any) -> Any:
+        """Microbatch ``j``'s forward again, with grad, under the RNG state of its first forward
+        (the same dropout masks) and without touching the module's buffers twice (BatchNorm's
+        running statistics are updated once, by the first forward): its outputs, or the scaled
+        loss on the last stage."""
+        tree, (cpu_rng, cuda_rng) = keep
+        args = tuple(t.clone() if t.requires_grad else t for t in leaves)
+        scratch = {n: b.clone() for n, b in self.module.named_buffers()}
+        with torch.random.fork_rng(devices=[self.device] if self._cuda else [], device_type=self.device.type):
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+            out = self._call(j, args, tree, grad=True, buffers=scratch)
+        if self.is_last:
+            return self._scaled(self._loss(j, out))  # type: ignore[arg-type]
+        return microbatch.pack_output(out)[0]
 
     def early_input_grads(self, j: int) -> Tensors:
         """Input gradients computed in the forward (interlocking); plain backprop has none."""
@@ -237,7 +299,9 @@ class StageExecutor:
 
     def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
         """Backward of microbatch ``j``; returns the input gradients to send back (None on stage 0)."""
-        leaves, outs = self.stash.pop(j)
+        leaves, outs, keep = self.stash.pop(j)
+        if keep is not None:
+            outs = self._recompute(j, leaves, keep)
         if self.is_last:
             if outs is not None:
                 outs.backward()
@@ -263,11 +327,14 @@ class StageExecutor:
                 )
         if self.is_first:
             return None
-        return tuple(
+        out = tuple(
             (t.grad if t.grad is not None else torch.zeros_like(t)).detach()
             for t in leaves
             if t.requires_grad
         )
+        if self.scaler is None:
+            self._nonfinite("the input gradient", j, out)
+        return out
 
     def backward_done(self) -> None:
         """Called after each backward: after the step's last one, the gradients' all-reduce starts."""
@@ -278,13 +345,67 @@ class StageExecutor:
     def optimizer_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer else []
 
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.optimizer_params() if p.grad is not None]
+
     def optimizer_step(self) -> None:
+        """The step of a run whose stages need not agree first (see :meth:`step_stats`)."""
         if self.grad_sync is not None:
             self.grad_sync.finish()
+        self._update()
+
+    def _update(self) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
+
+    # -- steps the stages agree on (clipping, fp16, check_finite; see pipeq.numerics) ----------
+    def step_stats(self) -> StepStats:
+        """This stage's part of the step's global statistics, once its gradients are final (and
+        all-reduced over the replicas); fp16 gradients are unscaled here."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        grads = self._grads()
+        if self.scaler is not None:
+            bad = self.scaler.unscale_(grads)
+        elif self.numerics.check_finite:
+            bad = not all_finite(grads)
+        else:
+            bad = False
+        p = self.numerics.clip_norm_type
+        term = norm_term(grads, p) if self.numerics.clip_grad_norm is not None and not bad else 0.0
+        return StepStats(term, float(self.index) if bad else math.inf)
+
+    def apply_step(self, total: StepStats) -> None:
+        """The optimizer step (or its skip) that every stage decides alike from ``total``."""
+        nm = self.numerics
+        bad = total.first_bad != math.inf
+        if self.scaler is not None:
+            self.scaler.update(bad)
+        elif bad and nm.check_finite == "raise":
+            if total.first_bad == self.index:
+                names = [n for n, p in self.module.named_parameters() if p.grad is not None
+                         and not all_finite((p.grad,))]
+                raise FloatingPointError(
+                    f"stage {self.index}: the gradient of {', '.join(names) or 'a parameter'} holds NaN or "
+                    f"Inf after the backwards of step {self.step_index}; check_finite='raise' stopped the "
+                    "run before any optimizer step")
+            return  # that stage reports it; nobody steps
+        if bad:
+            self.skipped_steps += 1
+            if self.scheduler is not None:  # a skipped step still counts for the schedule
+                self.scheduler.step()
+            return
+        if nm.clip_grad_norm is not None:
+            clip_(self._grads(), nm.clip_grad_norm, total_norm(total, nm.clip_norm_type))
+        self._update()
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        """Peak memory since the last reset (see :func:`pipeq.numerics.peak_memory`) and the
+        optimizer steps skipped for non-finite gradients."""
+        return {**peak_memory(self.device, reset), "skipped_steps": self.skipped_steps,
+                "recompute": self.recompute}
 
     # -- transfer to the CPU ---------------------------------------------------------------
     def to_host(self, tensors: Tensors) -> Tensors:
@@ -292,12 +413,12 @@ class StageExecutor:
         if not self._cuda:
             return tensors
         host = []
-        for t in tensors:
+        for t in tensors:  # (a tree's description stays with them: see rewrap below)
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # pinned: async D2H copy
             buf.copy_(t, non_blocking=True)
             host.append(buf)
         torch.cuda.current_stream(self.device).synchronize()
-        return tuple(host)
+        return microbatch.rewrap(tensors, host)
 
     # -- state -----------------------------------------------------------------------------
     def state_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
@@ -319,7 +440,9 @@ class StageExecutor:
         """Parameters and buffers, optimizer and scheduler state and the RNG, as CPU copies."""
         from .checkpoint import stage_snapshot
 
-        return dict(stage_snapshot(self.module, self.optimizer, self.scheduler))
+        snap = dict(stage_snapshot(self.module, self.optimizer, self.scheduler))
+        snap["scaler"] = self.scaler.state_dict() if self.scaler is not None else None
+        return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
         """Load a :meth:`snapshot` (possibly re-split from another stage count)."""
@@ -333,3 +456,5 @@ class StageExecutor:
             load_optimizer_snapshot(self.module, self.optimizer, snap["optim"], self.device)
         if snap.get("rng") is not None:
             torch.set_rng_state(snap["rng"])
+        if self.scaler is not None and isinstance(snap.get("scaler"), dict):
+            self.scaler.load_state_dict(snap["scaler"])

@@ -448,8 +448,8 @@ class StageTransport:
         return sum(m.dropped for m in self._mac_in.values())
 
     def _data_frames(self, kind: Kind, step: int, mb: int, tensors: Sequence[torch.Tensor],
-                     mac: "_FrameMac | None") -> list[Any]:
-        frames = codec.encode(kind, step, mb, tensors)
+                     mac: "_FrameMac | None", extra: dict[str, Any] | None = None) -> list[Any]:
+        frames = codec.encode(kind, step, mb, tensors, extra)
         for i, f in enumerate(frames[1:]):
             if f.nbytes > self.max_frame_bytes:
                 t = tensors[i]
@@ -463,9 +463,13 @@ class StageTransport:
     # -- sending -------------------------------------------------------------------------------
     # Sends block only past the high-water mark, which the bounded queues keep far away; a stage
     # stuck in one because its peer died is ended by the driver, which watches every process.
-    def send_activation(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
+    def send_activation(self, step: int, mb: int, tensors: Sequence[torch.Tensor], tree: Any = None) -> None:
+        """``tree``: the description of a stage output that is not a tuple of tensors
+        (:mod:`pipeq.microbatch`), sent in the header."""
         assert self.fwd_out is not None, "stage has no next stage"
-        self.fwd_out.send_multipart(self._data_frames(Kind.ACTIVATION, step, mb, tensors, self._mac_fwd), copy=False)
+        extra = {"tree": tree} if tree is not None else None
+        self.fwd_out.send_multipart(self._data_frames(Kind.ACTIVATION, step, mb, tensors, self._mac_fwd, extra),
+                                    copy=False)
 
     def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         assert self.bwd_out is not None, "stage has no previous stage"

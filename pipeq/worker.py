@@ -14,6 +14,7 @@ The loop waits for a command on the control channel and carries it out:
     RESTORE    load a snapshot, reply ACK
     CLOCK      reply TIME with this process's clock (aligning traces)
     GET_TRACE  reply TRACE: the actions recorded since the last GET_TRACE (pipeq.trace)
+    GET_STATS  reply STATS: peak memory (extra "reset": start a new peak), skipped steps
     STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
     EXIT       leave the loop
 
@@ -42,10 +43,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import schedules, trace
+from . import microbatch, schedules, trace
 from .dataparallel import Replicas
 from .executors import StageBuilder, StageSpec, make_executor
 from .interpreter import EMIT, StagePlan, execute
+from .numerics import Numerics
 from .messages import Kind, Message, tree_message, tree_of
 from .schedules import Op
 from .stage import StageExecutor
@@ -81,6 +83,7 @@ class WorkerConfig:
     # data parallelism: this process is replica ``replica`` of ``replicas`` of its stage
     replica: int = 0
     replicas: int = 1
+    numerics: Numerics = field(default_factory=Numerics)  # precision, clipping, checks (pipeq.numerics)
 
 
 def _die_with_parent() -> None:
@@ -203,6 +206,8 @@ class EventLoop:
             elif kind is Kind.RESTORE:
                 ex.restore(tree_of(msg, "snapshot"))
                 reply(Message(Kind.ACK, msg.step))
+            elif kind is Kind.GET_STATS:
+                reply(Message(Kind.STATS, msg.step, extra=ex.stats(reset=msg.extra.get("reset") is True)))
             elif kind is Kind.CLOCK:
                 reply(Message(Kind.TIME, msg.step, extra={"ns": time.perf_counter_ns()}))
             elif kind is Kind.GET_TRACE:
@@ -236,9 +241,7 @@ class EventLoop:
         sizes = msg.extra.get("sizes")
         if type(sizes) is not list or not sizes or any(type(n) is not int or n < 1 for n in sizes):
             raise ValueError(f"stage {self.cfg.stage}: bad microbatch sizes {sizes!r} in command")
-        tensors = msg.tensors
-        x = tensors[0] if ex.is_first else None
-        target = tensors[-1] if (ex.needs_target and training) else None
+        x, target = self._batch(msg, ex.is_first, ex.needs_target and training)
         actions, keys = self.plan.begin(ex, step, sizes, training, x, target,
                                         self._weights(msg, "weights", len(sizes)),
                                         self._weights(msg, "aux_weights", len(sizes)),
@@ -246,6 +249,17 @@ class EventLoop:
         self.run(actions, step, keys)
         if ex.is_last and training:
             transport.send_control(Message(Kind.LOSS, step, extra={"loss": ex.mean_loss()}))
+
+    def _batch(self, msg: Message, wants_x: bool, wants_target: bool) -> tuple[Any, Any]:
+        """The x and target a TRAIN / PREDICT command carries: their tensors (x's first, ``nx`` of
+        them) and, for anything but a lone tensor, their trees (pipeq.microbatch)."""
+        tensors, extra = msg.tensors, msg.extra
+        nx = extra.get("nx", 1 if wants_x else 0)
+        if type(nx) is not int or not 0 <= nx <= len(tensors):
+            raise ValueError(f"stage {self.cfg.stage}: bad tensor count {nx!r} in command")
+        x = microbatch.unpack_input(extra.get("x"), tensors[:nx]) if wants_x else None
+        target = microbatch.unpack_input(extra.get("target"), tensors[nx:]) if wants_target else None
+        return x, target
 
     def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:
         """Run ``actions``, answering the interpreter's requests with the transport. Messages are
@@ -266,7 +280,8 @@ class EventLoop:
                 t0 = clock() if rec else 0
                 s, j = keys[req[1]] if keys is not None else (step, req[1])
                 if op is Op.RECV_ACT:
-                    value = transport.wait_data(fq, s, j).tensors
+                    got = transport.wait_data(fq, s, j)
+                    value = microbatch.Packed.of(got.tensors, got.extra.get("tree")) if got.extra else got.tensors
                     if rec:
                         rec((trace.WAIT_ACT, s, j, t0, clock(), _nbytes(value)))
                 elif op is Op.RECV_GRAD:
@@ -274,7 +289,7 @@ class EventLoop:
                     if rec:
                         rec((trace.WAIT_GRAD, s, j, t0, clock(), _nbytes(value)))
                 elif op is Op.SEND_ACT:
-                    transport.send_activation(s, j, req[2])
+                    transport.send_activation(s, j, req[2], microbatch.tree_of(req[2]))
                     if rec:
                         rec((trace.SEND_ACT, s, j, t0, clock(), _nbytes(req[2])))
                 elif op is Op.SEND_GRAD:
@@ -282,7 +297,8 @@ class EventLoop:
                     if rec:
                         rec((trace.SEND_GRAD, s, j, t0, clock(), _nbytes(req[2])))
                 elif op is EMIT:
-                    transport.send_control(Message(Kind.OUTPUT, s, j, req[2]))
+                    tree = microbatch.tree_of(req[2])
+                    transport.send_control(Message(Kind.OUTPUT, s, j, req[2], {"tree": tree} if tree else {}))
                     if rec:
                         rec((trace.EMIT, s, j, t0, clock(), _nbytes(req[2])))
         except StopIteration:
@@ -360,7 +376,8 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
         )
         device = select_device(cfg)
         torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
-        executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, _build(cfg, payload), device)
+        executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, _build(cfg, payload), device,
+                                 cfg.numerics)
         if cfg.replicas > 1:  # a link to the stage's replicas: replica 0's weights, summed gradients
             replicas = Replicas(transport, cfg.bind, stage=cfg.stage, replica=cfg.replica, replicas=cfg.replicas,
                                 params=executor.optimizer_params(), buffers=list(executor.module.buffers()))

@@ -23,7 +23,7 @@ LAYERS: dict[str, list[str]] = {
                       "batching", "driver", "supervisor", "tracing", "processes", "forkserver", "rendezvous", "report",
                       "plot"],
     "event loop": ["_preload", "worker", "simulated", "interpreter"],
-    "compute": ["schedules", "actions", "dryrun", "bounds", "executors", "stage", "interlock", "asyncpipe", "al", "checkpoint",
+    "compute": ["schedules", "actions", "dryrun", "bounds", "executors", "stage", "microbatch", "numerics", "interlock", "asyncpipe", "al", "checkpoint",
                 "dataparallel", "trace", "testing"],
     "transport": ["transport"],
     "codec": ["codec", "messages", "errors", "netif", "keys"],

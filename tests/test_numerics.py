@@ -1,0 +1,230 @@
+"""Mixed precision, loss scaling, clipping by the global norm, finiteness checks, recomputation.
+
+Each is held against what one process does with the whole model: torch.autocast,
+torch.amp.GradScaler, torch.nn.utils.clip_grad_norm_, or the same run without recomputation.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+from pipeq import numerics
+from pipeq.errors import PipelineError
+from models import Chain, flat_state
+
+SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.5)
+
+
+def mlp(seed: int = 0, width: int = 16) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(6, width), nn.Tanh()), nn.Sequential(nn.Linear(width, width), nn.Tanh()),
+            nn.Linear(width, 4)]
+
+
+def data(steps: int, n: int = 12, scale: float = 3.0):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(n, 6, generator=g) * scale, torch.randint(0, 4, (n,), generator=g)) for _ in range(steps)]
+
+
+def reference(stages, batches, *, clip=None, norm_type=2.0, autocast=None, scaler=None):
+    """Single-process training of the whole model, as a user writes it."""
+    model = Chain(*copy.deepcopy(stages))
+    opt = SGD(model.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False):
+            loss = nn.functional.cross_entropy(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=norm_type)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    return flat_state(model)
+
+
+def run(stages, batches, mode="simulated", **kw):
+    runner = pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD, kw.pop("schedule", "1f1b"),
+                                  kw.pop("microbatches", 3), mode=mode, **kw)
+    with runner:
+        losses = [runner.step(x, y) for x, y in batches]
+        return runner.state_dict(), losses, runner.stats()
+
+
+def assert_close(got, want, atol):
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=atol, rtol=0, msg=k)
+
+
+# -- clipping ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("schedule", ["fill-drain", "1f1b"])
+def test_clipping_equals_clip_grad_norm_on_the_whole_model(schedule, norm_type):
+    batches = data(3)
+    want = reference(mlp(), batches, clip=0.05, norm_type=norm_type)
+    got, _, _ = run(mlp(), batches, schedule=schedule, clip_grad_norm=0.05, clip_norm_type=norm_type)
+    assert_close(got, want, atol=1e-6)
+    unclipped = reference(mlp(), batches)
+    assert (got["0.weight"] - unclipped["0.weight"]).abs().max() > 1e-3  # it did clip
+
+
+@pytest.mark.timeout(120)
+def test_clipping_with_replicas_equals_clip_grad_norm_on_the_whole_batch():
+    """Two replicas of three stage processes: the norm is taken after the all-reduce."""
+    batches = data(2)
+    want = reference(mlp(), batches, clip=0.05)
+    got, _, stats = run(mlp(), batches, mode="process", data_parallel=2, clip_grad_norm=0.05,
+                        start_method="forkserver")
+    assert_close(got, want, atol=1e-6)
+    assert [s["memory"] for s in stats] == ["process peak RSS"] * 3 and all(s["peak_bytes"] > 0 for s in stats)
+
+
+# -- mixed precision -------------------------------------------------------------------------------
+def test_bf16_equals_single_process_autocast_to_bf16_tolerance():
+    batches = data(3)
+    want = reference(mlp(), batches, autocast=torch.bfloat16)
+    got, losses, _ = run(mlp(), batches, precision="bf16")
+    assert_close(got, want, atol=2e-2)
+    fp32 = reference(mlp(), batches)
+    assert all(v.dtype == torch.float32 for v in got.values())  # master weights stay fp32
+    assert max((got[k] - fp32[k]).abs().max() for k in got) > 1e-5  # bf16 did run
+
+
+def test_fp16_scales_and_skips_together_as_one_grad_scaler():
+    """A batch that overflows float16 is skipped on every stage, and the scale halves on all."""
+    batches = data(4)
+    batches[1] = (batches[1][0] * 1e5, batches[1][1])  # inf in the forward: every gradient NaN
+    scaler = torch.amp.GradScaler("cpu")
+    want = reference(mlp(), batches, autocast=torch.float16, scaler=scaler)
+    got, losses, stats = run(mlp(), batches, precision="fp16")
+    assert_close(got, want, atol=1e-4)
+    assert not math.isfinite(losses[1]) and all(math.isfinite(v) for v in losses[:1] + losses[2:])
+    assert [s["skipped_steps"] for s in stats] == [1, 1, 1]
+    assert scaler.get_scale() == 32768.0
+
+
+def test_loss_scaler_matches_grad_scaler_update_rule():
+    s = numerics.LossScaler(torch.device("cpu"), init_scale=8.0, growth_interval=2)
+    ref = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for found in (False, False, True, False, False, False):
+        g = torch.full((3,), math.inf if found else 1.0)
+        p.grad = ref.scale(g.clone())
+        ref.step(opt)
+        ref.update()
+        assert s.unscale_([g.clone() * float(s.scale)]) is found
+        s.update(found)
+        assert float(s.scale) == ref.get_scale()
+
+
+# -- finiteness ---------------------------------------------------------------------------------------
+class Blows(nn.Module):
+    """Multiplies by 1e60 (Inf in float32) the samples whose first feature is over 100."""
+
+    def forward(self, x):
+        scale = torch.where(x[:, :1] > 100, 1e30, 1.0)
+        return x * scale * scale
+
+
+def test_check_finite_names_the_stage_and_microbatch_of_a_nan_input_before_any_step():
+    batches = data(1)
+    x, y = batches[0]
+    x = x.clone()
+    x[10, 2] = math.nan  # microbatch 2 of [4, 4, 4]
+    stages = mlp()
+    runner = pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD, microbatches=3,
+                                  mode="simulated", check_finite="raise")
+    with runner:
+        with pytest.raises(PipelineError, match=r"stage 0: the input x of microbatch 2 \(step 1\) holds NaN"):
+            runner.step(x, y)
+        assert_close(runner.state_dict(), flat_state(stages), atol=0)  # no weight changed
+
+
+@pytest.mark.timeout(120)
+def test_check_finite_names_the_stage_whose_output_is_not_finite():
+    x, y = data(1)[0]
+    x = x.clone()
+    x[5, 0] = 1000.0  # microbatch 1: stage 1's Blows turns it into Inf
+    first = nn.Linear(6, 6)
+    with torch.no_grad():  # the identity: the large feature reaches stage 1 as it is
+        first.weight.copy_(torch.eye(6))
+        first.bias.zero_()
+    stages = [first, nn.Sequential(Blows(), nn.Linear(6, 4))]
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=3, check_finite=True,
+                                  start_method="forkserver")
+    with runner, pytest.raises(PipelineError, match=r"stage 1.*the output of microbatch 1 \(step 1\) holds NaN or Inf"):
+        runner.step(x, y)
+
+
+def test_check_finite_skip_skips_the_step_on_every_stage():
+    batches = data(3)
+    bad = (batches[1][0].clone(), batches[1][1])
+    bad[0][3, 1] = math.inf
+    want = reference(mlp(), [batches[0], batches[2]])
+    got, losses, stats = run(mlp(), [batches[0], bad, batches[2]], check_finite="skip")
+    assert_close(got, want, atol=1e-6)
+    # the loss looks fine (tanh saturates at Inf) but the first layer's gradient is NaN (0 x Inf)
+    assert math.isfinite(losses[1]) and [s["skipped_steps"] for s in stats] == [1, 1, 1]
+
+
+# -- recomputation ----------------------------------------------------------------------------------------
+def dropout_bn(seed: int = 3) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.BatchNorm1d(16), nn.ReLU()),
+            nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 4))]
+
+
+@pytest.mark.parametrize("recompute", [True, [False, True]])
+@pytest.mark.parametrize("schedule", ["fill-drain", "1f1b"])
+def test_recompute_equals_no_recompute_exactly(schedule, recompute):
+    batches = data(3)
+    states = []
+    for rc in (False, recompute):
+        torch.manual_seed(11)  # the stages' dropout streams
+        state, losses, _ = run(dropout_bn(), batches, schedule=schedule, recompute=rc)
+        states.append((state, losses))
+    (a, la), (b, lb) = states
+    assert la == lb
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class Wide(nn.Sequential):
+    """Eight Linear(256, 256) + ReLU layers: activations dominate the memory at large batches."""
+
+    def __init__(self) -> None:
+        super().__init__(*[m for _ in range(8) for m in (nn.Linear(256, 256), nn.ReLU())])
+
+
+@pytest.mark.timeout(180)
+def test_recompute_lowers_the_measured_peak_memory():
+    """Fill-drain holds all 8 microbatches' activations until the backwards; with recompute
+    only their inputs: 16 saved tensors of 1 MiB a microbatch against 1."""
+    torch.manual_seed(0)
+    stages = [Wide(), nn.Sequential(Wide(), nn.Linear(256, 4))]
+    x, y = torch.randn(8192, 256), torch.randint(0, 4, (8192,))
+    peaks = {}
+    for rc in (False, True):
+        runner = pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD, "fill-drain", 8,
+                                      recompute=rc, start_method="forkserver")
+        with runner:
+            runner.step(x, y)  # allocator and optimizer state warmed up
+            runner.stats(reset_peak=True)
+            runner.step(x, y)
+            peaks[rc] = runner.stats()[0]["peak_bytes"]
+    saved = peaks[False] - peaks[True]
+    assert saved > 64 << 20, peaks  # ~ 8 microbatches x 15 MiB of activations
