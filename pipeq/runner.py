@@ -57,6 +57,11 @@ class PipelineRunner:
             ``partial(torch.optim.lr_scheduler.StepLR, step_size=10)``; stepped with the
             optimizer on every stage: once per training step (once per microbatch with
             ``"async"`` and ``"al"``, which update after every microbatch).
+        lr_scheduler_interval: ``"step"`` (default: as above) or ``"epoch"``: the stages never
+            step the scheduler themselves, :meth:`scheduler_step` steps every stage's (every
+            replica's) once, e.g. at the end of each epoch, with the metric a
+            ``ReduceLROnPlateau`` monitors (which needs ``"epoch"``). With a recipe, the recipe
+            sets it.
         mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
         devices: one device string per stage; default ``cuda:k`` round-robin when CUDA is
             available, else ``cpu`` with each stage pinned to its share of the CPU cores.
@@ -108,6 +113,9 @@ class PipelineRunner:
     does (``pipeq.checkpoint.flat_model(stages)``): a stage that is an ``nn.Sequential``
     contributes each of its children as one layer. Checkpoints hold every stage's parameters,
     optimizer and scheduler state; one loads into another split of the same layers.
+
+    ``runner.lr_schedule`` (a :class:`pipeq.lr_schedulers.LRSchedule`) says how the lr schedulers
+    are stepped: its ``interval``, and whether they take a metric (ReduceLROnPlateau).
     """
 
     def __init__(
@@ -119,6 +127,7 @@ class PipelineRunner:
         microbatches: int = 8,
         *,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        lr_scheduler_interval: str | None = None,
         mode: str = "process",
         devices: Sequence[str] | None = None,
         threads_per_stage: int | None = None,
@@ -147,7 +156,9 @@ class PipelineRunner:
         schedules.get_schedule(schedule)  # an unknown name is refused with the list of names
         model = options.check_model(stages, loss_fn, optimizer, lr_scheduler, schedule, aux_heads=aux_heads,
                                     aux_loss=aux_loss, data_parallel=data_parallel, mode=mode,
-                                    rendezvous=rendezvous)
+                                    rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval)
+        self.lr_schedule = model.lr_schedule  # who steps the lr schedulers (pipeq.lr_schedulers)
+        self._last_step_lr: float | None = None
         options.check_run(model.n_stages, microbatches, mode=mode, devices=devices,
                           threads_per_stage=threads_per_stage, transport=transport, start_method=start_method,
                           queue_capacity=queue_capacity, trace=trace, heartbeat_interval=heartbeat_interval,
@@ -236,7 +247,7 @@ class PipelineRunner:
     def step(self, x: torch.Tensor, target: torch.Tensor) -> float:
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss."""
         self._require_running()
-        return self._result(self._submit(x, target))
+        return self._hand_out(self._submit(x, target))
 
     def stream(self, batches: Iterable[tuple[Any, Any]], *, in_flight: int | None = None) -> Iterator[float]:
         """Train on every ``(x, target)`` of ``batches`` (any iterable; a DataLoader works) and
@@ -277,7 +288,7 @@ class PipelineRunner:
                     mine.append(self._submit(x, target, stream=True))
                 if not mine:
                     break
-                yield self._result(mine.popleft())
+                yield self._hand_out(mine.popleft())
         except BaseException as exc:
             # closed early (break), or the data raised: the batches already sent are finished, so
             # the runner is consistent again. A pipeline failure has already stopped everything;
@@ -302,6 +313,12 @@ class PipelineRunner:
         self._submitted.remove(step)
         return self._backend.result(step)
 
+    def _hand_out(self, step: int) -> float:
+        """Step ``step``'s loss, noting the learning rate it trained with (:attr:`last_step_lr`)."""
+        loss = self._result(step)
+        self._last_step_lr = self._backend.step_lrs.pop(step, None)
+        return loss
+
     def _settle(self) -> None:
         """Wait until every step sent so far is done (their losses are kept for their stream),
         and drain what a stream left (asynchronous 1F1B's last backwards)."""
@@ -321,6 +338,31 @@ class PipelineRunner:
         outs = self._backend.predict(self._step, sizes, x)
         cat = tuple(torch.cat([o[i] for o in outs]) for i in range(len(outs[0])))
         return cat[0] if len(cat) == 1 else cat
+
+    # -- learning-rate schedule ------------------------------------------------------------------
+    def scheduler_step(self, metric: float | None = None) -> None:
+        """Step every stage's lr scheduler once (every replica's), with ``lr_scheduler_interval=
+        "epoch"``: e.g. at the end of each epoch. ``metric`` is what a ``ReduceLROnPlateau``
+        monitors (e.g. the evaluation's loss) and is required for it; other schedulers take none.
+        Anything else is refused with a ``ValueError`` before any stage is told."""
+        from . import lr_schedulers
+
+        value = lr_schedulers.check_metric(self.lr_schedule, metric)
+        self._require_running()
+        self._backend.scheduler_step(value)
+
+    def learning_rates(self) -> list[list[float]]:
+        """Every stage's current learning rates, one per parameter group of its optimizer (AL
+        layers: f and b's groups, then g and h's); ``[]`` for a stage without parameters."""
+        self._require_running()
+        return self._backend.learning_rates()
+
+    @property
+    def last_step_lr(self) -> float | None:
+        """The learning rate the last step handed back (by :meth:`step` or :meth:`stream`)
+        trained with: the last stage's first parameter group's, as that step began. None before
+        any step, or when the last stage has no optimizer."""
+        return self._last_step_lr
 
     # -- state ---------------------------------------------------------------------------------
     def _layouts(self) -> "list[checkpoint.StageLayout]":

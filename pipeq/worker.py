@@ -14,6 +14,8 @@ The loop waits for a command on the control channel and carries it out:
     RESTORE    load a snapshot, reply ACK
     CLOCK      reply TIME with this process's clock (aligning traces)
     GET_TRACE  reply TRACE: the actions recorded since the last GET_TRACE (pipeq.trace)
+    STEP_SCHEDULER  step the lr schedulers once (with the metric it carries), reply ACK
+    GET_LR     reply LR (the learning rate of every parameter group)
     STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
     EXIT       leave the loop
 
@@ -203,6 +205,11 @@ class EventLoop:
             elif kind is Kind.RESTORE:
                 ex.restore(tree_of(msg, "snapshot"))
                 reply(Message(Kind.ACK, msg.step))
+            elif kind is Kind.STEP_SCHEDULER:
+                ex.scheduler_step(self._metric(msg))
+                reply(Message(Kind.ACK, msg.step))
+            elif kind is Kind.GET_LR:
+                reply(Message(Kind.LR, msg.step, extra={"lrs": ex.learning_rates()}))
             elif kind is Kind.CLOCK:
                 reply(Message(Kind.TIME, msg.step, extra={"ns": time.perf_counter_ns()}))
             elif kind is Kind.GET_TRACE:
@@ -222,6 +229,13 @@ class EventLoop:
                 return
             else:
                 raise RuntimeError(f"stage {self.cfg.stage}: unexpected command {kind.name}")
+
+    def _metric(self, msg: Message) -> float | None:
+        """STEP_SCHEDULER's metric: a float, or None (a scheduler that takes none)."""
+        metric = msg.extra.get("metric")
+        if metric is not None and type(metric) is not float:
+            raise ValueError(f"stage {self.cfg.stage}: bad scheduler metric {metric!r} in command")
+        return metric
 
     def _weights(self, msg: Message, key: str, n: int) -> list[float] | None:
         w = msg.extra.get(key)
@@ -243,9 +257,10 @@ class EventLoop:
                                         self._weights(msg, "weights", len(sizes)),
                                         self._weights(msg, "aux_weights", len(sizes)),
                                         stream=msg.extra.get("stream") is True)
+        lr = ex.learning_rate() if ex.is_last and training else None  # the one this batch trains with
         self.run(actions, step, keys)
         if ex.is_last and training:
-            transport.send_control(Message(Kind.LOSS, step, extra={"loss": ex.mean_loss()}))
+            transport.send_control(Message(Kind.LOSS, step, extra={"loss": ex.mean_loss(), "lr": lr}))
 
     def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:
         """Run ``actions``, answering the interpreter's requests with the transport. Messages are
