@@ -339,6 +339,28 @@ class PipelineRunner:
         cat = tuple(torch.cat([o[i] for o in outs]) for i in range(len(outs[0])))
         return cat[0] if len(cat) == 1 else cat
 
+    def evaluate(self, batches: Iterable[tuple[Any, Any]],
+                 metrics: Mapping[str, Callable[[Any, torch.Tensor], Any]] | None = None,
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+        """Forward only over ``batches`` (an iterable of ``(x, target)``, or one such pair) and
+        each metric's sample mean over them: ``{"loss": ..., "accuracy": ..., name: ...}``.
+
+        ``metrics``: names to callables ``(output, target) -> float`` (the batch's mean), e.g.
+        ``{"top3": top3}``; each batch's value is weighted by its samples, so the result is the
+        mean over every sample of the set. ``loss`` is ``loss_fn``'s (default: the runner's;
+        the cross-entropy of the class scores with Associated Learning), ``accuracy`` the argmax
+        accuracy when every batch is a classification one (2-d float output, 1-d integer
+        target); a metric of the same name replaces either. See :mod:`pipeq.evaluation`."""
+        from . import evaluation
+
+        self._require_running()
+        if loss_fn is None:
+            al = isinstance(self.schedule, schedules.AssociatedLearning)
+            loss_fn = nn.CrossEntropyLoss() if al else self._batcher.loss_fn
+        elif not callable(loss_fn):
+            raise ValueError("loss_fn must be callable as loss_fn(output, target)")
+        return evaluation.evaluate(self.predict, batches, metrics, loss_fn)
+
     # -- learning-rate schedule ------------------------------------------------------------------
     def scheduler_step(self, metric: float | None = None) -> None:
         """Step every stage's lr scheduler once (every replica's), with ``lr_scheduler_interval=
