@@ -3,6 +3,7 @@
     pipeq launch examples/digits.toml                  # 3 stages, one host
     pipeq launch examples/digits.toml --steps 200 --checkpoint-every 50 --out runs/digits
     pipeq launch examples/digits_pairwise.toml         # pairwise interlocking, with heads()
+    pipeq launch examples/digits_plateau.toml          # ReduceLROnPlateau per epoch, top3 metric
 
 A job file names these functions as ``examples.digits_job:NAME``; every stage process imports
 this module and builds its own stage (the same weights on every host: the launcher seeds it).
@@ -69,3 +70,8 @@ def train_batches(epoch: int, batch: int = 64) -> list[tuple[torch.Tensor, torch
 def heldout() -> tuple[torch.Tensor, torch.Tensor]:
     _, _, x, y = _digits()
     return x, y
+
+
+def top3(output: torch.Tensor, target: torch.Tensor) -> float:
+    """An evaluation metric: the share of samples whose class is among their 3 highest scores."""
+    return float((output.topk(3, dim=1).indices == target[:, None]).any(1).float().mean())

@@ -174,8 +174,16 @@ class ALExecutor(StageExecutor):
         super().optimizer_step()
         if self.label_optimizer is not None:
             self.label_optimizer.step()
-            if self.label_scheduler is not None:
+            if self.label_scheduler is not None and self.scheduler_interval == "step":
                 self.label_scheduler.step()
         for opt in (self.optimizer, self.label_optimizer):
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
+
+    def schedulers(self) -> list[Any]:
+        """Both paths' schedulers: f and b's, then g and h's."""
+        return super().schedulers() + ([self.label_scheduler] if self.label_scheduler is not None else [])
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Both paths' optimizers: f and b's, then g and h's."""
+        return super().optimizers() + ([self.label_optimizer] if self.label_optimizer is not None else [])

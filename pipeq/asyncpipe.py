@@ -27,7 +27,8 @@ microbatch j's backward may come after updates made since its forward. Two rules
     backpropagated.
 
 Every microbatch is its own update: its loss is not scaled by a share of the batch. The lr
-scheduler, if any, steps with the optimizer (once per microbatch).
+scheduler, if any, steps with the optimizer (once per microbatch; with
+``lr_scheduler_interval="epoch"`` only when ``runner.scheduler_step`` says so).
 
 Training microbatches are numbered across batches (0, 1, ... over a whole ``runner.stream``):
 :meth:`AsyncExecutor.extend` adds a batch's microbatches, and a backward may belong to an

@@ -99,6 +99,7 @@ class ProcessBackend:
         self._request_id = 0
         self._submitted: dict[int, tuple[int, int, int]] = {}  # step -> (sent at ns, replicas, microbatches)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
+        self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -361,6 +362,8 @@ class ProcessBackend:
         replies = sup.collect(Kind.LOSS, lasts, step=step, what=f"step {step}")
         if self.recorder is not None:
             self.recorder.span(step, True, t0, microbatches)
+        lr = replies[self.n_stages - 1][0].extra.get("lr")  # replica 0's: every replica's is the same
+        self.step_lrs[step] = lr if type(lr) is float else None
         # each replica's loss is already weighted by its share of the batch: they add up
         return sum(float(replies[g][0].extra["loss"]) for g in lasts)
 
@@ -433,6 +436,25 @@ class ProcessBackend:
     def layouts(self) -> list[dict[str, Any]]:
         return [info["layout"] for info in self.worker_info[:self.n_stages]]
 
+    def scheduler_step(self, metric: float | None) -> None:
+        """Step every process's lr schedulers once (every replica's: they stay alike)."""
+        sup = self._usable()
+        req = self._next_request_id()
+        self._send_all(sup, [(g, Message(Kind.STEP_SCHEDULER, req, extra={"metric": metric}))
+                             for g in range(self.n_processes)])
+        sup.collect(Kind.ACK, dict.fromkeys(range(self.n_processes), 1), step=req, what="scheduler_step")
+
+    def learning_rates(self) -> list[list[float]]:
+        """Each stage's learning rates (replica 0's), per parameter group."""
+        got = self._ask_each(Kind.GET_LR, Kind.LR, "learning_rates", range(self.n_stages))
+        out = []
+        for k in range(self.n_stages):
+            lrs = got[k].extra.get("lrs")
+            if type(lrs) is not list or any(type(v) is not float for v in lrs):
+                sup = self._usable()
+                raise sup.fail(sup.error(f"malformed learning rates: {lrs!r}", k))
+            out.append(lrs)
+        return out
 
 def _batch_part(xs: list[torch.Tensor] | None, x_tree: Any, ts: list[torch.Tensor] | None,
                 t_tree: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:

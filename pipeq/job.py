@@ -9,8 +9,13 @@ A job file (TOML, read with the standard library's tomllib)::
     optimizer_args = { lr = 0.1, momentum = 0.9 }
     lr_scheduler = "torch.optim.lr_scheduler:StepLR"   # optional, called with the optimizer
     lr_scheduler_args = { step_size = 20, gamma = 0.5 }
+    lr_scheduler_interval = "step"               # or "epoch": stepped between epochs (see below)
+    lr_scheduler_monitor = "eval_loss"           # ReduceLROnPlateau's metric (default: eval_loss,
+                                                 # or train_loss without eval_data)
     data = "examples.digits_job:train_batches"   # (epoch) -> iterable of (x, target) batches
+    data_args = { batch = 32 }                   # keyword arguments of data (optional)
     eval_data = "examples.digits_job:heldout"    # optional: () -> (x, target) or batches
+    metrics = { top3 = "examples.digits_job:top3" }   # eval metrics: (output, target) -> float
     schedule = "1f1b"                            # or a table with the schedule's options:
                                                  # { name = "nwise", distance = 2 }
                                                  # { name = "async", warmup = 3, weight_stashing = false }
@@ -26,6 +31,13 @@ A job file (TOML, read with the standard library's tomllib)::
     data_parallel = 1                            # R replicas of the pipeline (R x N processes)
     [placement]                                  # optional, multi-host: processes per node
     nodes = [[0], [1, 2]]                        # (process r * n_stages + k: replica r's stage k)
+
+Every factory the job names takes keyword arguments from its ``*_args`` table: ``stages_args``,
+``loss_args``, ``optimizer_args``, ``lr_scheduler_args``, ``data_args``, ``eval_data_args``,
+``aux_heads_args``, ``aux_loss_args`` (plain TOML tables; an argument the factory does not take
+is refused, naming both). With ``lr_scheduler_interval = "epoch"``, ``pipeq launch`` steps the
+schedulers between two epochs (an epoch is one pass over the iterable ``data(epoch)`` returns,
+also when the job counts ``steps``), a ReduceLROnPlateau with its ``lr_scheduler_monitor``.
 
 Stage processes build their stage from these names themselves (``Recipe.build``), on whichever
 host they run: nothing but plain data crosses hosts, and every host builds the same weights
@@ -73,13 +85,35 @@ def resolve(spec: str, key: str) -> Any:
     return obj
 
 
-def _required_positional(fn: Callable) -> int:
+def _required_positional(fn: Callable, given: Iterable[str] = ()) -> int:
+    """How many positional arguments ``fn`` needs beyond the keywords ``given`` (its job's
+    ``*_args``); -1 when it has no signature to read."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return -1
-    return sum(1 for p in params if p.default is p.empty
+    given = set(given)
+    return sum(1 for p in params if p.default is p.empty and p.name not in given
                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def check_args(fn: Callable, args: Mapping[str, Any], key: str, spec: str) -> None:
+    """The job's ``{key}_args`` are keyword arguments ``fn`` (named ``{key} = spec``) accepts: a
+    ``ValueError`` names the key, the factory and the arguments it does not take. (A callable
+    without a readable signature, or one taking ``**kwargs``, is left to the call.)"""
+    if not args:
+        return
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    takes = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [a for a in args if a not in takes]
+    if unknown:
+        close = did_you_mean(unknown, takes, "it takes") if takes else "it takes no keyword arguments"
+        raise ValueError(f"{key}_args: {key} = {spec!r} does not take the argument(s) {unknown}; {close}")
 
 
 @contextlib.contextmanager
@@ -91,16 +125,28 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def _make_loss(spec: str, key: str) -> Callable:
-    """A loss named by ``spec``: a class (instantiated), a zero-argument factory, or the loss."""
+def _make_loss(spec: str, key: str, args: Mapping[str, Any] | None = None) -> Callable:
+    """A loss named by ``spec``: a class (instantiated with ``args``), a factory taking no
+    positional argument (called with ``args``), or the loss itself (a loss function with
+    ``args`` bound as keywords, as ``functools.partial`` does)."""
     obj = resolve(spec, key)
-    if isinstance(obj, type):
-        return obj()
-    if not isinstance(obj, nn.Module) and callable(obj) and _required_positional(obj) == 0:
-        return obj()  # a factory
+    args = dict(args or {})
+    if isinstance(obj, type) or (not isinstance(obj, nn.Module) and callable(obj)
+                                 and _required_positional(obj, args) == 0):
+        check_args(obj, args, key, spec)
+        return obj(**args)  # a class, or a factory
     if not callable(obj):
         raise ValueError(f"{key} = {spec!r} is not callable")
-    return obj
+    if not args:
+        return obj
+    if isinstance(obj, nn.Module):
+        raise ValueError(f"{key}_args: {key} = {spec!r} is a loss module already built; name its class "
+                         "(e.g. 'torch.nn:CrossEntropyLoss') to pass it arguments")
+    check_args(obj, args, key, spec)
+    bound = functools.partial(obj, **args)
+    if "reduction" in args:  # how pipeq weights the microbatches' losses (pipeq.stage.loss_weight_mode)
+        bound.reduction = args["reduction"]  # type: ignore[attr-defined]
+    return bound
 
 
 @dataclass
@@ -117,6 +163,12 @@ class Recipe(StageBuilder):
     seed: int = 0
     aux_heads: str | None = None  # interlocking: () or (n_stages) -> the N-1 auxiliary heads
     aux_loss: str | None = None  # their loss (None: the executors' default, cross-entropy)
+    # keyword arguments of the named factories (plain TOML tables), and who steps the scheduler
+    stages_args: dict[str, Any] = field(default_factory=dict)
+    loss_args: dict[str, Any] = field(default_factory=dict)
+    aux_heads_args: dict[str, Any] = field(default_factory=dict)
+    aux_loss_args: dict[str, Any] = field(default_factory=dict)
+    lr_scheduler_interval: str | None = None  # None: "step" (pipeq.lr_schedulers)
     sys_path: list[str] = field(default_factory=list)
 
     def _imports(self) -> None:
@@ -129,9 +181,8 @@ class Recipe(StageBuilder):
 
     def count_stages(self) -> int:
         """N: the job's ``n_stages``, or the length of the list its stages function returns."""
-        self._imports()
-        fn = resolve(self.stages, "stages")
-        if _required_positional(fn) == 2:
+        fn = self._stages_fn()
+        if _required_positional(fn, self.stages_args) == 2:
             if self.n_stages is None:
                 raise ValueError(f"stages = {self.stages!r} builds stage k of n: the job must set n_stages")
             return self.n_stages
@@ -140,19 +191,26 @@ class Recipe(StageBuilder):
             raise ValueError(f"n_stages = {self.n_stages}, but {self.stages} returns {n} stages")
         return n
 
+    def _stages_fn(self) -> Callable:
+        """The stages function, its ``stages_args`` checked."""
+        self._imports()
+        fn = resolve(self.stages, "stages")
+        check_args(fn, self.stages_args, "stages", self.stages)
+        return fn
+
     def _all_stages(self, fn: Callable) -> list[nn.Module]:
+        args = self.stages_args
         with _seeded(self.seed):
-            stages = fn() if _required_positional(fn) == 0 else fn(self.n_stages)
+            stages = fn(**args) if _required_positional(fn, args) == 0 else fn(self.n_stages, **args)
         if not isinstance(stages, (list, tuple)) or not all(isinstance(s, nn.Module) for s in stages):
             raise ValueError(f"stages = {self.stages!r} must return a list of nn.Module")
         return list(stages)
 
     def build_stage(self, k: int, n: int) -> nn.Module:
-        self._imports()
-        fn = resolve(self.stages, "stages")
-        if _required_positional(fn) == 2:
+        fn = self._stages_fn()
+        if _required_positional(fn, self.stages_args) == 2:
             with _seeded(self.seed + k):
-                module = fn(k, n)
+                module = fn(k, n, **self.stages_args)
         else:
             stages = self._all_stages(fn)
             if len(stages) != n:
@@ -169,8 +227,10 @@ class Recipe(StageBuilder):
             return None
         self._imports()
         fn = resolve(self.aux_heads, "aux_heads")
+        args = self.aux_heads_args
+        check_args(fn, args, "aux_heads", self.aux_heads)
         with _seeded(self.seed):
-            heads = fn() if _required_positional(fn) == 0 else fn(n_stages)
+            heads = fn(**args) if _required_positional(fn, args) == 0 else fn(n_stages, **args)
         if (not isinstance(heads, (list, tuple)) or len(heads) != n_stages - 1
                 or not all(isinstance(h, nn.Module) for h in heads)):
             raise ValueError(f"aux_heads = {self.aux_heads!r} must return a list of {n_stages - 1} nn.Module "
@@ -179,15 +239,16 @@ class Recipe(StageBuilder):
 
     def loss_fn(self) -> Callable | None:
         self._imports()
-        return _make_loss(self.loss, "loss") if self.loss is not None else None
+        return _make_loss(self.loss, "loss", self.loss_args) if self.loss is not None else None
 
     def aux_loss_fn(self) -> Callable | None:
         self._imports()
-        return _make_loss(self.aux_loss, "aux_loss") if self.aux_loss is not None else None
+        return _make_loss(self.aux_loss, "aux_loss", self.aux_loss_args) if self.aux_loss is not None else None
 
     def optimizer_factory(self) -> Callable:
         self._imports()
         fn = resolve(self.optimizer, "optimizer")
+        check_args(fn, self.optimizer_args, "optimizer", self.optimizer)
         return functools.partial(fn, **self.optimizer_args) if self.optimizer_args else fn
 
     def scheduler_factory(self) -> Callable | None:
@@ -195,6 +256,7 @@ class Recipe(StageBuilder):
             return None
         self._imports()
         fn = resolve(self.lr_scheduler, "lr_scheduler")
+        check_args(fn, self.lr_scheduler_args, "lr_scheduler", self.lr_scheduler)
         return functools.partial(fn, **self.lr_scheduler_args) if self.lr_scheduler_args else fn
 
     def build(self, stage: int, n_stages: int) -> StageSpec:
@@ -206,7 +268,8 @@ class Recipe(StageBuilder):
         heads = self.heads(n_stages)
         head = heads[stage] if heads is not None and stage < n_stages - 1 else None
         aux_loss = self.aux_loss_fn() if heads is not None else None
-        return StageSpec(module, self.optimizer_factory(), loss, self.scheduler_factory(), head, aux_loss)
+        return StageSpec(module, self.optimizer_factory(), loss, self.scheduler_factory(), head, aux_loss,
+                         self.lr_scheduler_interval or "step")
 
     def seed_for(self, stage: int) -> int:
         return self.seed * 1009 + stage + 1
@@ -238,25 +301,70 @@ class Job:
     data_parallel: int = 1
     tcp_security: str = "encrypt"  # multi-host: "encrypt" or "authenticate" (pipeq.transport)
     max_message_mb: int = 256
+    data_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of data(epoch)
+    eval_data_args: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, str] = field(default_factory=dict)  # name -> "pkg.mod:fn", (output, target) -> float
+    lr_scheduler_monitor: str | None = None  # what a ReduceLROnPlateau is fed (see monitor())
     path: str = ""
 
     def data_fn(self) -> Callable[..., Iterable]:
         self.recipe._imports()
-        return resolve(self.data, "data")
+        fn = resolve(self.data, "data")
+        check_args(fn, self.data_args, "data", self.data)
+        return fn
 
     def batches(self, epoch: int) -> Iterable:
         fn = self.data_fn()
-        return fn(epoch) if _required_positional(fn) >= 1 else fn()
+        args = self.data_args
+        return fn(epoch, **args) if _required_positional(fn, args) >= 1 else fn(**args)
 
-    def eval_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def _eval_source(self) -> Any:
+        """What eval_data names, its eval_data_args checked (None without eval_data)."""
         if self.eval_data is None:
             return None
         self.recipe._imports()
         got = resolve(self.eval_data, "eval_data")
-        got = got() if callable(got) else got
+        if not callable(got) and self.eval_data_args:
+            raise ValueError(f"eval_data_args: eval_data = {self.eval_data!r} is data, not a function to call "
+                             "with them; name a function, or drop eval_data_args")
+        if callable(got):
+            check_args(got, self.eval_data_args, "eval_data", self.eval_data)
+        return got
+
+    def eval_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        got = self._eval_source()
+        if got is None:
+            return None
+        got = got(**self.eval_data_args) if callable(got) else got
         if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor):
             return [got]
         return list(got)
+
+    def metric_fns(self) -> dict[str, Callable]:
+        """The job's evaluation metrics, by name (see :mod:`pipeq.evaluation`)."""
+        self.recipe._imports()
+        out = {}
+        for name, spec in self.metrics.items():
+            fn = resolve(spec, f"metrics.{name}")
+            if not callable(fn):
+                raise ValueError(f"metrics.{name} = {spec!r} is not callable as fn(output, target) -> float")
+            out[name] = fn
+        return out
+
+    def monitor(self) -> str:
+        """What ``pipeq launch`` feeds a ReduceLROnPlateau at the end of each epoch: the job's
+        ``lr_scheduler_monitor``, by default ``eval_loss`` with eval data and ``train_loss`` (the
+        mean of the epoch's step losses) without."""
+        if self.lr_scheduler_monitor is not None:
+            return self.lr_scheduler_monitor
+        return "eval_loss" if self.eval_data is not None else "train_loss"
+
+    def check(self) -> None:
+        """Resolve what the driver calls (data, eval_data, metrics) and check their arguments,
+        before any stage process starts: a ``ValueError`` names the key."""
+        self.data_fn()
+        self._eval_source()
+        self.metric_fns()
 
     def checkpoint_refusal(self) -> str | None:
         """Why this job's state cannot be checkpointed yet (None: it can; see ``runner.save``)."""
@@ -308,6 +416,8 @@ def parse_schedule(value: "str | Mapping[str, Any]") -> "str | schedules.Schedul
 _RECIPE_KEYS = {
     "stages": str, "loss": str, "optimizer": str, "optimizer_args": dict, "lr_scheduler": str,
     "lr_scheduler_args": dict, "n_stages": int, "seed": int, "aux_heads": str, "aux_loss": str,
+    "stages_args": dict, "loss_args": dict, "aux_heads_args": dict, "aux_loss_args": dict,
+    "lr_scheduler_interval": str,
 }
 _JOB_KEYS = {
     "data": str, "eval_data": str, "schedule": (str, dict), "microbatches": int, "steps": int, "epochs": int,
@@ -316,7 +426,11 @@ _JOB_KEYS = {
     "threads_per_stage": int, "heartbeat_timeout": (int, float), "start_timeout": (int, float),
     "step_timeout": (int, float),
     "trace": str, "data_parallel": int, "tcp_security": str, "max_message_mb": int,
+    "data_args": dict, "eval_data_args": dict, "metrics": dict, "lr_scheduler_monitor": str,
 }
+#: a factory's arguments -> the key naming the factory
+_ARGS_OF = {f"{key}_args": key for key in ("stages", "loss", "optimizer", "lr_scheduler", "aux_heads",
+                                           "aux_loss", "data", "eval_data")}
 #: what a TOML value of each type is called, with its article
 _TOML_TYPES = {str: "a string", int: "an integer", float: "a float", dict: "a table"}
 _REQUIRED = ("stages", "optimizer", "data")  # and loss, but with Associated Learning
@@ -359,6 +473,7 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     except ValueError as exc:
         raise ValueError(f"job file {path}: {exc}") from None
     _check_schedule_keys(path, raw)
+    _check_factory_keys(path, raw)
     for key in ("microbatches", "steps", "epochs", "n_stages", "threads_per_stage", "data_parallel"):
         if key in raw and raw[key] < 1:
             raise ValueError(f"job file {path}: {key} must be at least 1, got {raw[key]}")
@@ -416,3 +531,59 @@ def _check_schedule_keys(path: str, raw: Mapping[str, Any]) -> None:
         if key in raw and not isinstance(schedule, schedules.Interlock):
             raise ValueError(f"job file {path}: {key} trains with the interlocking schedules "
                              f"({', '.join(schedules.INTERLOCK)}), not with {schedules.schedule_name(schedule)!r}")
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """A TOML value that is plain data (strings, numbers, booleans, arrays, tables): what a
+    recipe may carry to other hosts. TOML's dates and times are refused."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_plain(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]")
+    elif not isinstance(value, (str, int, float, bool)):
+        raise ValueError(f"{where} = {value!r}: a factory's arguments are strings, numbers, booleans, arrays "
+                         f"and tables, not a {type(value).__name__}")
+
+
+def _check_factory_keys(path: str, raw: Mapping[str, Any]) -> None:
+    """The keys that go with a factory key: its ``*_args`` (plain data), the scheduler's interval
+    and monitor, the evaluation's metrics; each refused without what it belongs to."""
+    for args_key, key in _ARGS_OF.items():
+        if args_key in raw:
+            if key not in raw:
+                raise ValueError(f"job file {path}: {args_key} is given, but {key} is not: {args_key} are the "
+                                 f"keyword arguments of the factory {key} names; set {key} or drop {args_key}")
+            _check_plain(raw[args_key], args_key)
+    for key in ("lr_scheduler_interval", "lr_scheduler_monitor"):
+        if key in raw and "lr_scheduler" not in raw:
+            raise ValueError(f"job file {path}: {key} is given, but there is no lr_scheduler to step; set "
+                             f"lr_scheduler or drop {key}")
+    from .lr_schedulers import INTERVALS
+
+    interval = raw.get("lr_scheduler_interval")
+    if interval is not None and interval not in INTERVALS:
+        raise ValueError(f"job file {path}: lr_scheduler_interval = {interval!r}; use \"step\" (the stages step "
+                         'the scheduler after every optimizer step) or "epoch" (pipeq launch steps it after each '
+                         "pass over the data)")
+    metrics = raw.get("metrics", {})
+    for name, spec in metrics.items():
+        if not isinstance(spec, str) or spec.count(":") != 1:
+            raise ValueError(f"job file {path}: metrics.{name} = {spec!r}: expected 'package.module:name' of a "
+                             "function (output, target) -> float, e.g. metrics = { top3 = \"mymod:top3\" }")
+    if metrics and "eval_data" not in raw:
+        raise ValueError(f"job file {path}: metrics are computed on the evaluation data, but eval_data is not "
+                         "set; set eval_data or drop metrics")
+    monitor = raw.get("lr_scheduler_monitor")
+    if monitor is not None:
+        if interval != "epoch":
+            raise ValueError(f"job file {path}: lr_scheduler_monitor = {monitor!r} feeds a ReduceLROnPlateau at "
+                             'the end of each epoch: set lr_scheduler_interval = "epoch"')
+        evals = ["eval_loss", "eval_accuracy"] + [f"eval_{name}" for name in metrics]
+        known = ["train_loss"] + (evals if "eval_data" in raw else [])
+        if monitor not in known:
+            hint = ("; the eval_* values need eval_data" if monitor.startswith("eval_") and "eval_data" not in raw
+                    else "")
+            raise ValueError(f"job file {path}: lr_scheduler_monitor = {monitor!r} is not a value the run "
+                             f"measures{hint}; {did_you_mean([monitor], known, 'choose one of')}")

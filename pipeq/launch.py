@@ -20,8 +20,16 @@ across batches; it drains only before an evaluation, a checkpoint and the end), 
     final/                       the same, for the final state
     model.pt                     the final parameters and buffers, a plain state_dict of the
                                  flat model nn.Sequential(*layers) (global names)
-    metrics.jsonl                one JSON line per step: step, epoch, loss, samples_per_s, and
-                                 eval_accuracy / eval_loss where evaluated
+    metrics.jsonl                one JSON line per step: step, epoch, loss, samples_per_s, lr (the
+                                 learning rate the step trained with), and eval_loss /
+                                 eval_accuracy / eval_NAME (the job's metrics) where evaluated
+
+With ``lr_scheduler_interval = "epoch"`` the stream also drains at the end of each epoch that
+another follows, and the schedulers step there (``runner.scheduler_step``), before the next
+epoch's first batch: a ReduceLROnPlateau with the job's ``lr_scheduler_monitor`` (evaluated then,
+or the mean of the epoch's step losses). An epoch is one pass over ``data(epoch)``, also in a job
+that counts steps. A checkpoint at an epoch's last step holds the state before that step of the
+schedulers; a run resumed from it takes it first (:class:`EpochEnd`).
 
 Runs with auxiliary heads (interlocking) or Associated Learning cannot be checkpointed yet: such
 a job with ``checkpoint_every`` > 0 or ``--resume`` is refused, and at the end it writes model.pt
@@ -85,6 +93,72 @@ class StepDone:
     size: int  # samples
     loss: float
     seconds: float  # wall time since the previous loss (see Trainer._stream)
+    lr: float | None = None  # the learning rate it trained with (runner.last_step_lr)
+    # lr_scheduler_interval "epoch": the last step of an epoch that another follows (that epoch's
+    # number); the schedulers step after it, before the next epoch's first batch
+    next_epoch: int | None = None
+
+
+@dataclass
+class EpochEnd:
+    """A resumed run starts at the end of ``epoch`` (its checkpoint was written before the
+    schedulers stepped for it): they step before ``next_epoch``'s first batch."""
+
+    epoch: int
+    next_epoch: int
+
+
+class Batches:
+    """The job's batches in order, as (epoch, index in it, batch) triples, with a look at the next
+    one: an epoch ends where the next triple belongs to another epoch."""
+
+    def __init__(self, items: Iterator[tuple[int, int, Any]], epoch: int) -> None:
+        self._items = items
+        self._next: tuple[int, int, Any] | None = None
+        self._peeked = False
+        self.epoch = epoch  # the epoch under way: the last triple's (at first, the resumed one)
+
+    def peek(self) -> tuple[int, int, Any] | None:
+        if not self._peeked:
+            self._next = next(self._items, None)
+            self._peeked = True
+        return self._next
+
+    def take(self) -> tuple[int, int, Any] | None:
+        item = self.peek()
+        self._next, self._peeked = None, False
+        if item is not None:
+            self.epoch = item[0]
+        return item
+
+    def next_epoch(self) -> int | None:
+        """The epoch whose first batch comes next, when the one under way is done (None: it goes
+        on, or the data is done)."""
+        item = self.peek()
+        return item[0] if item is not None and item[0] != self.epoch else None
+
+    def enter(self, epoch: int) -> None:
+        """The schedulers stepped for the epoch under way: ``epoch`` is under way now."""
+        self.epoch = epoch
+
+
+class EpochLosses:
+    """The step losses of the epoch under way: its ``train_loss`` (their mean), which a
+    ReduceLROnPlateau may monitor. A resumed run starts from the ones metrics.jsonl holds."""
+
+    def __init__(self, epoch: int, losses: list[float]) -> None:
+        self.epoch = epoch
+        self.losses = list(losses)
+
+    def add(self, epoch: int, loss: float) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.losses = epoch, []
+        self.losses.append(loss)
+
+    def mean(self, epoch: int) -> float:
+        if epoch != self.epoch or not self.losses:
+            raise ValueError(f"lr_scheduler_monitor = 'train_loss': no step loss of epoch {epoch} to average")
+        return sum(self.losses) / len(self.losses)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -374,6 +448,7 @@ class Trainer:
 
         job = self.job
         try:
+            job.check()  # data, eval_data, metrics and their arguments, before any process starts
             runner = PipelineRunner(
                 job.recipe, None, None, job.schedule, job.microbatches,
                 threads_per_stage=job.threads_per_stage, heartbeat_timeout=job.heartbeat_timeout,
@@ -382,6 +457,9 @@ class Trainer:
                 trace=job.trace, data_parallel=job.data_parallel, start_method="forkserver",
                 tcp_security=job.tcp_security, max_message_mb=job.max_message_mb,
             )
+            if job.lr_scheduler_monitor is not None and not runner.lr_schedule.takes_metric:
+                raise ValueError(f"lr_scheduler_monitor = {job.lr_scheduler_monitor!r}, but {job.recipe.lr_scheduler} "
+                                 "takes no metric (only a ReduceLROnPlateau does): drop lr_scheduler_monitor")
         except ValueError as exc:
             self.log(str(exc))
             return 2
@@ -423,7 +501,9 @@ class Trainer:
         self._trim_metrics(metrics_path, step)
         eval_set = job.eval_batches()
         eval_every = job.eval_every if eval_set is not None else 0
-        loss_fn = self._eval_loss_fn()
+        metric_fns = job.metric_fns()
+        by_epoch = runner.lr_schedule.interval == "epoch"  # the schedulers step between epochs
+        epoch_losses = EpochLosses(epoch, self._logged_losses(metrics_path, epoch))
         total = self._total_steps()
         first_loss = last_loss = float("nan")
         samples = 0
@@ -435,20 +515,38 @@ class Trainer:
         with open(metrics_path, "a") as metrics:
             if total is not None and step >= total:
                 self.log(f"already trained {step} of {total} steps; writing the final state")
-            for done in self._stream(runner, self._batches(epoch, skip), step, total, eval_every):
+            source = Batches(self._batches(epoch, skip), epoch)
+            for done in self._stream(runner, source, step, total, eval_every, by_epoch):
+                if isinstance(done, EpochEnd):  # resumed at the end of an epoch: its step first
+                    metric, _ = self._epoch_metric(runner, done.epoch, eval_set, metric_fns, None, epoch_losses)
+                    runner.scheduler_step(metric)
+                    pos = (done.next_epoch, 0)
+                    continue
                 step, pos = done.step, (done.epoch, done.batch + 1)
                 samples += done.size
+                epoch_losses.add(done.epoch, done.loss)
                 if math.isnan(first_loss):
                     first_loss = done.loss
                 last_loss = done.loss
                 line: dict[str, Any] = {"step": step, "epoch": done.epoch, "loss": done.loss,
                                         "samples_per_s": done.size / done.seconds if done.seconds > 0 else None}
+                if done.lr is not None:
+                    line["lr"] = done.lr
                 final = total is not None and step >= total
+                evaluated = None
                 # _stream ends a segment at these steps: the state is this step's
                 if eval_every and step % eval_every == 0 and not final and not self.signals.stopping:
-                    last_eval = self.evaluate(runner, eval_set, loss_fn)
+                    last_eval = evaluated = self.evaluate(runner, eval_set, metric_fns)
                     line.update(last_eval)
+                metric = None
+                if done.next_epoch is not None:  # (a segment's end too) the metric the schedulers get
+                    metric, evaluated = self._epoch_metric(runner, done.epoch, eval_set, metric_fns, evaluated,
+                                                           epoch_losses)
+                    if evaluated is not None:
+                        last_eval = evaluated
+                        line.update(evaluated)
                 if job.checkpoint_every and step % job.checkpoint_every == 0:
+                    # at an epoch's end: before its schedulers' step (a resumed run takes it, see EpochEnd)
                     self._save(runner, checkpoint.checkpoint_dir(self.ckpt_root, step), step, *pos)
                 if final:  # its line is written below, with the final evaluation
                     last = line
@@ -456,6 +554,9 @@ class Trainer:
                 metrics.write(json.dumps(line) + "\n")
                 metrics.flush()
                 self._report(bar, line, total)
+                if done.next_epoch is not None:
+                    runner.scheduler_step(metric)
+                    pos = (done.next_epoch, 0)  # a checkpoint from here on holds the step taken
             if self.signals.stopping and last is None:  # stopped before the last step
                 if bar is not None:
                     bar.close()
@@ -464,7 +565,7 @@ class Trainer:
             if step == 0:
                 raise ValueError(f"the job's data ({job.data}) yielded no batch")
             if eval_set is not None:
-                last_eval = self.evaluate(runner, eval_set, loss_fn)
+                last_eval = self.evaluate(runner, eval_set, metric_fns)
                 if last is None and samples:  # data ran out before a step count: a line of its own
                     last = {"step": step, "epoch": pos[0]}
             if last is not None:
@@ -515,34 +616,44 @@ class Trainer:
         self.log(f"resumed from {found} (step {step}, epoch {epoch})")
         return step, epoch, skip
 
-    def _stream(self, runner: Any, source: Iterator[tuple[int, int, Any]], step: int, total: int | None,
-                eval_every: int) -> Iterator[StepDone]:
-        """Train on ``source`` ((epoch, index, batch) triples) from step ``step`` on with
-        ``runner.stream``: the pipeline stays full across batches, and is drained only at the
-        end of each segment, which ends exactly at the next evaluation, checkpoint or last step.
-        A segment's last step is yielded once that stream is done, so what the caller does then
-        (evaluate, save) sees the state of that step."""
+    def _stream(self, runner: Any, source: Batches, step: int, total: int | None, eval_every: int,
+                by_epoch: bool) -> Iterator[StepDone | EpochEnd]:
+        """Train on ``source`` from step ``step`` on with ``runner.stream``: the pipeline stays
+        full across batches, and is drained only at the end of each segment, which ends exactly
+        at the next evaluation, checkpoint or last step, and (``by_epoch``) at the end of each
+        epoch that another follows. A segment's last step is yielded once that stream is done,
+        so what the caller does then (evaluate, save, step the schedulers) sees the state of that
+        step; with ``by_epoch`` it says which epoch follows (:attr:`StepDone.next_epoch`)."""
         while total is None or step < total:
+            following = source.next_epoch() if by_epoch and not self.signals.stopping else None
+            if following is not None:  # resumed where an epoch ended
+                yield EpochEnd(source.epoch, following)
+                source.enter(following)
             end = self._segment_end(step, total, eval_every)
             taken: collections.deque[tuple[int, int, int]] = collections.deque()
-            held: StepDone | None = None
+            last: StepDone | None = None
             t = time.perf_counter()
-            for loss in runner.stream(self._take(source, None if end is None else end - step, taken)):
+            for loss in runner.stream(self._take(source, None if end is None else end - step, taken, by_epoch)):
                 now = time.perf_counter()
                 epoch, index, size = taken.popleft()  # losses come back in the order batches went
                 step += 1
                 # The stages work on several batches at once, so a batch has no time of its own:
                 # its time is the wall time since the previous loss (a segment's first also covers
                 # filling the pipeline), hence samples_per_s = its samples / that time.
-                done = StepDone(step, epoch, index, size, loss, now - t)
+                done = StepDone(step, epoch, index, size, loss, now - t, runner.last_step_lr)
                 t = now
-                if step == end:
-                    held = done
-                else:
-                    yield done
-            if held is None:  # the data ran out before the segment's end
+                if last is not None:
+                    yield last
+                last = done
+            if last is None:  # no batch: the data ran out, or a signal stopped the run
                 return
-            yield held
+            if by_epoch and step != total and not self.signals.stopping:
+                last.next_epoch = source.next_epoch()
+            yield last
+            if last.next_epoch is not None:
+                source.enter(last.next_epoch)
+            elif step != end:  # the data ran out, or a signal stopped the run
+                return
 
     def _segment_end(self, step: int, total: int | None, eval_every: int) -> int | None:
         """The first step after ``step`` that needs a consistent state (an evaluation, a
@@ -551,17 +662,21 @@ class Trainer:
         ends += [(step // every + 1) * every for every in (eval_every, self.job.checkpoint_every) if every]
         return min(ends, default=None)
 
-    def _take(self, source: Iterator[tuple[int, int, Any]], count: int | None,
-              taken: "collections.deque[tuple[int, int, int]]") -> Iterator[Any]:
+    def _take(self, source: Batches, count: int | None, taken: "collections.deque[tuple[int, int, int]]",
+              by_epoch: bool = False) -> Iterator[Any]:
         """The next ``count`` batches of ``source`` (None: all), each noted in ``taken`` as it goes;
-        none after a stop signal (the stream then finishes the ones sent, and ends)."""
-        batches = itertools.islice(source, count)
-        while not self.signals.stopping:
-            try:
-                epoch, index, (x, y) = next(batches)
-            except StopIteration:
+        none after a stop signal (the stream then finishes the ones sent, and ends), and
+        (``by_epoch``) none of the next epoch."""
+        sent = 0
+        while not self.signals.stopping and (count is None or sent < count):
+            if by_epoch and source.next_epoch() is not None:
                 return
+            item = source.take()
+            if item is None:
+                return
+            epoch, index, (x, y) = item
             taken.append((epoch, index, int(x.shape[0])))
+            sent += 1
             yield x, y
 
     def _write_final(self, runner: Any, step: int, pos: tuple[int, int], samples: int) -> bool:
@@ -612,30 +727,38 @@ class Trainer:
             if empty:
                 return
 
-    def _eval_loss_fn(self) -> Any:
-        """The evaluation's loss: the job's; with Associated Learning (whose loss compares the
-        layers' representations) the cross-entropy of predict's class scores."""
-        if isinstance(schedules.resolve(self.job.schedule), schedules.AssociatedLearning):
-            return torch.nn.CrossEntropyLoss()
-        return self.job.recipe.loss_fn()
+    @staticmethod
+    def evaluate(runner: Any, batches: list, metric_fns: dict[str, Any]) -> dict[str, float]:
+        """``runner.evaluate`` over the eval set, as metrics.jsonl names the values: eval_loss (the
+        job's loss; with Associated Learning the cross-entropy of predict's class scores),
+        eval_accuracy (classification) and eval_NAME for each of the job's metrics."""
+        return {f"eval_{name}": value for name, value in runner.evaluate(batches, metric_fns).items()}
 
-    def evaluate(self, runner: Any, batches: list, loss_fn: Any) -> dict[str, float]:
-        correct = count = 0
-        loss_sum = 0.0
-        classify = True
-        for x, y in batches:
-            out = runner.predict(x)
-            out = out[0] if isinstance(out, tuple) else out
-            loss_sum += float(loss_fn(out, y)) * len(y)
-            if classify and out.dim() == 2 and not (y.is_floating_point() or y.is_complex()):
-                correct += int((out.argmax(1) == y).sum())
-            else:
-                classify = False
-            count += len(y)
-        res = {"eval_loss": loss_sum / max(count, 1)}
-        if classify:
-            res["eval_accuracy"] = correct / max(count, 1)
-        return res
+    def _epoch_metric(self, runner: Any, epoch: int, eval_set: list | None, metric_fns: dict[str, Any],
+                      evaluated: dict[str, float] | None, losses: EpochLosses) -> tuple[float | None, dict | None]:
+        """At the end of ``epoch``: what the schedulers are stepped with (None unless they take a
+        metric: a ReduceLROnPlateau gets the job's monitor), and the evaluation this took (the
+        one ``evaluated`` at this step already, or a new one; None without)."""
+        if not runner.lr_schedule.takes_metric:
+            return None, evaluated
+        monitor = self.job.monitor()
+        if monitor == "train_loss":
+            return losses.mean(epoch), evaluated
+        if evaluated is None and eval_set is not None:
+            evaluated = self.evaluate(runner, eval_set, metric_fns)
+        if evaluated is None or monitor not in evaluated:
+            measured = sorted(evaluated or {}) + ["train_loss"]
+            raise ValueError(f"lr_scheduler_monitor = {monitor!r}, but the run measures {measured}")
+        return evaluated[monitor], evaluated
+
+    @staticmethod
+    def _logged_losses(path: str, epoch: int) -> list[float]:
+        """The step losses of ``epoch`` in metrics.jsonl (a resumed run's, trimmed to its step)."""
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            lines = [json.loads(ln) for ln in f if ln.strip()]
+        return [float(ln["loss"]) for ln in lines if ln.get("epoch") == epoch and "loss" in ln]
 
     def _save(self, runner: Any, directory: str, step: int, epoch: int, batch: int) -> None:
         schedule = self.job.schedule
@@ -669,18 +792,25 @@ class Trainer:
 
     def _report(self, bar: Any, line: dict[str, Any], total: int | None) -> None:
         sps = line["samples_per_s"]
+        # the job's own metrics beside the accuracy (eval_loss stays in metrics.jsonl)
+        extra = {k: v for k, v in line.items() if k.startswith("eval_") and k not in ("eval_loss", "eval_accuracy")}
         if bar is not None:
             post = {"loss": f"{line['loss']:.4f}", "samples/s": f"{sps:.0f}" if sps else "-"}
+            if "lr" in line:
+                post["lr"] = f"{line['lr']:.3g}"
             if "eval_accuracy" in line:
                 post["eval acc"] = f"{line['eval_accuracy']:.3f}"
+            post.update({k[len("eval_"):]: f"{v:.4g}" for k, v in extra.items()})
             bar.set_postfix(post, refresh=False)
             bar.update(1)
             return
         step = line["step"]
         if step % max(1, self.job.log_every) == 0 or step == total or "eval_loss" in line:
             of = f"/{total}" if total else ""
+            lr = f" lr {line['lr']:.4g}" if "lr" in line else ""
             ev = f" eval_accuracy {line['eval_accuracy']:.4f}" if "eval_accuracy" in line else ""
-            self.log(f"step {step}{of} loss {line['loss']:.4f} {sps or 0:.0f} samples/s{ev}")
+            ev += "".join(f" {k} {v:.4f}" for k, v in extra.items())
+            self.log(f"step {step}{of} loss {line['loss']:.4f} {sps or 0:.0f} samples/s{lr}{ev}")
 
     def _summary(self, runner: Any, steps: int, first: float, last: float, ev: dict[str, float],
                  samples: int, elapsed: float, wrote_final: bool) -> None:
@@ -691,7 +821,9 @@ class Trainer:
             f"{job.microbatches} microbatches) in {elapsed:.1f} s, {samples / max(elapsed, 1e-9):.0f} samples/s",
             (f"  loss {first:.4f} -> {last:.4f}" if samples else "  no new step (the run had trained them all)")
             + (f"; eval accuracy {ev['eval_accuracy']:.4f}" if "eval_accuracy" in ev else "")
-            + (f"; eval loss {ev['eval_loss']:.4f}" if "eval_loss" in ev else ""),
+            + (f"; eval loss {ev['eval_loss']:.4f}" if "eval_loss" in ev else "")
+            + "".join(f"; {k.replace('_', ' ')} {v:.4f}" for k, v in ev.items()
+                      if k not in ("eval_loss", "eval_accuracy")),
             f"  state: {os.path.join(self.out, 'model.pt')}"
             + (f" and {os.path.join(self.out, 'final')}" if wrote_final else " (no final/ checkpoint: not supported "
                "for this schedule yet)"),

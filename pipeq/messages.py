@@ -8,9 +8,9 @@ Kinds by channel::
 
     data     ACTIVATION (stage k -> k+1)   GRADIENT (stage k+1 -> k)
              REPLICA (stage k of replica r -> stage k of replica r': gradient buckets, start-up weights)
-    command  PEERS TRAIN DRAIN PREDICT GET_STATE SET_STATE GET_SNAPSHOT RESTORE CLOCK GET_TRACE GET_STATS
-             STOP EXIT
-    reply    READY LOSS OUTPUT STATE SNAPSHOT TIME TRACE STATS ACK ERROR HEARTBEAT
+    command  PEERS TRAIN DRAIN PREDICT GET_STATE SET_STATE GET_SNAPSHOT RESTORE CLOCK GET_TRACE
+             STEP_SCHEDULER GET_LR GET_STATS STOP EXIT
+    reply    READY LOSS OUTPUT STATE SNAPSHOT TIME TRACE LR STATS ACK ERROR HEARTBEAT
 
 ``TRAIN`` is the command "train on one batch" (a schedule's optimizer step is the action
 ``schedules.STEP``); ``OUTPUT`` is the reply that carries a forward-only microbatch's result.
@@ -48,6 +48,11 @@ class Kind(enum.IntEnum):
     DRAIN = 31  # finish a stream's leftover work (asynchronous 1F1B's last backwards), reply ACK
     # data plane, data parallelism
     REPLICA = 32  # stage k of one replica -> stage k of another (gradient buckets, replica 0's weights)
+    # driver -> worker, learning-rate schedule
+    STEP_SCHEDULER = 33  # step the lr schedulers once (extra "metric": a float or None), reply ACK
+    GET_LR = 34  # reply LR: the learning rate of every parameter group
+    # worker -> driver
+    LR = 35  # extra "lrs": the stage's learning rates (StageExecutor.learning_rates)
     GET_STATS = 40  # reply STATS: peak memory, skipped steps (extra "reset": start a new peak)
     STATS = 41
     # worker (or agent) -> driver
@@ -66,7 +71,7 @@ class Kind(enum.IntEnum):
 #: Replies to a driver's command: one that nobody waits for any more (the caller was
 #: interrupted, e.g. by Ctrl-C) is stale and dropped.
 REPLIES = frozenset({Kind.LOSS, Kind.OUTPUT, Kind.STATE, Kind.SNAPSHOT, Kind.ACK, Kind.TIME, Kind.TRACE,
-                     Kind.STATS})
+                     Kind.LR, Kind.STATS})
 
 
 @dataclass

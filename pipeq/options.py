@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import numerics, schedules
+from . import lr_schedulers, numerics, schedules
 from .errors import MainScriptError
 from .executors import StageBuilder, StageSpec
+from .lr_schedulers import LRSchedule
 from .numerics import Numerics
 from .stage import loss_weight_mode
 from .transport import SECURITY_MODES
@@ -78,12 +79,13 @@ class Model:
     replicas: list[list[StageSpec]] = field(default_factory=list)  # empty when built remotely
     builder: StageBuilder | None = None
     aux_loss: Callable | None = None  # with auxiliary heads: weights their losses
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)  # who steps the lr schedulers, and how
 
 
 def check_model(
     stages: Any, loss_fn: Any, optimizer: Any, lr_scheduler: Any, schedule: Any, *,
     aux_heads: Sequence[nn.Module] | None, aux_loss: Any, data_parallel: int, mode: str,
-    rendezvous: "Rendezvous | None",
+    rendezvous: "Rendezvous | None", lr_scheduler_interval: str | None = None,
 ) -> Model:
     """The model arguments of :class:`~pipeq.PipelineRunner`, checked (see its docstring)."""
     name = schedules.schedule_name(schedule)
@@ -101,6 +103,9 @@ def check_model(
         if aux_heads is not None or aux_loss is not None:
             raise ValueError("with a stage recipe, the auxiliary heads come from it: name them in the "
                              "recipe (aux_heads, aux_loss) and pass aux_heads=None")
+        if lr_scheduler_interval is not None:
+            raise ValueError("with a stage recipe, the scheduler and its interval come from it: set "
+                             "lr_scheduler_interval in the recipe (job file) and pass lr_scheduler_interval=None")
         return _check_recipe(stages, loss_fn, optimizer, lr_scheduler, schedule, mode, data_parallel)
     if rendezvous is not None:
         raise ValueError(
@@ -121,16 +126,18 @@ def check_model(
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise ValueError("lr_scheduler must be a factory called with one stage's optimizer, e.g. "
                          "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)")
+    lr_schedule = lr_schedulers.check(lr_scheduler_interval, lr_scheduler, optimizer)
     _check_heads(schedule, n, aux_heads, aux_loss)
     if is_al:
         _check_al_layers(schedule, stages)
     _check_untied(stages)
     heads = list(aux_heads) + [None] if aux_heads is not None else [None] * n
     replicas = [[StageSpec(module, optimizer, loss_fn if is_al or k == n - 1 else None, lr_scheduler,
-                           heads[k], aux_loss if aux_heads is not None else None)
+                           heads[k], aux_loss if aux_heads is not None else None, lr_schedule.interval)
                  for k, module in enumerate(copy)] for copy in copies]
     return Model(n, data_parallel, loss_fn, replicas, None,
-                 (aux_loss if aux_loss is not None else nn.CrossEntropyLoss()) if aux_heads is not None else None)
+                 (aux_loss if aux_loss is not None else nn.CrossEntropyLoss()) if aux_heads is not None else None,
+                 lr_schedule)
 
 
 def _check_recipe(builder: StageBuilder, loss_fn: Any, optimizer: Any, lr_scheduler: Any, schedule: Any,
@@ -154,10 +161,14 @@ def _check_recipe(builder: StageBuilder, loss_fn: Any, optimizer: Any, lr_schedu
         raise ValueError(f"the recipe names no loss; schedule {schedules.schedule_name(schedule)!r} needs "
                          "one (only Associated Learning's layers do without)")
     loss_weight_mode(loss)
+    lr_schedule = lr_schedulers.check(getattr(builder, "lr_scheduler_interval", None),
+                                      builder.scheduler_factory(),  # type: ignore[attr-defined]
+                                      builder.optimizer_factory())  # type: ignore[attr-defined]
     weigh_aux = (aux_loss if aux_loss is not None else nn.CrossEntropyLoss()) if heads is not None else None
     if mode == "simulated":  # build them here, as the stage processes would
-        return Model(n, 1, loss, [[builder.build(k, n) for k in range(n)]], aux_loss=weigh_aux)
-    return Model(n, data_parallel, loss, [], builder, weigh_aux)
+        return Model(n, 1, loss, [[builder.build(k, n) for k in range(n)]], aux_loss=weigh_aux,
+                     lr_schedule=lr_schedule)
+    return Model(n, data_parallel, loss, [], builder, weigh_aux, lr_schedule)
 
 
 def _replica_lists(stages: Any, data_parallel: int) -> list[list[nn.Module]]:

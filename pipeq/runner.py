@@ -57,6 +57,11 @@ class PipelineRunner:
             ``partial(torch.optim.lr_scheduler.StepLR, step_size=10)``; stepped with the
             optimizer on every stage: once per training step (once per microbatch with
             ``"async"`` and ``"al"``, which update after every microbatch).
+        lr_scheduler_interval: ``"step"`` (default: as above) or ``"epoch"``: the stages never
+            step the scheduler themselves, :meth:`scheduler_step` steps every stage's (every
+            replica's) once, e.g. at the end of each epoch, with the metric a
+            ``ReduceLROnPlateau`` monitors (which needs ``"epoch"``). With a recipe, the recipe
+            sets it.
         mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
         devices: one device string per stage; default ``cuda:k`` round-robin when CUDA is
             available, else ``cpu`` with each stage pinned to its share of the CPU cores.
@@ -126,6 +131,9 @@ class PipelineRunner:
     does (``pipeq.checkpoint.flat_model(stages)``): a stage that is an ``nn.Sequential``
     contributes each of its children as one layer. Checkpoints hold every stage's parameters,
     optimizer and scheduler state; one loads into another split of the same layers.
+
+    ``runner.lr_schedule`` (a :class:`pipeq.lr_schedulers.LRSchedule`) says how the lr schedulers
+    are stepped: its ``interval``, and whether they take a metric (ReduceLROnPlateau).
     """
 
     def __init__(
@@ -137,6 +145,7 @@ class PipelineRunner:
         microbatches: int = 8,
         *,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        lr_scheduler_interval: str | None = None,
         mode: str = "process",
         devices: Sequence[str] | None = None,
         threads_per_stage: int | None = None,
@@ -170,7 +179,9 @@ class PipelineRunner:
         schedules.get_schedule(schedule)  # an unknown name is refused with the list of names
         model = options.check_model(stages, loss_fn, optimizer, lr_scheduler, schedule, aux_heads=aux_heads,
                                     aux_loss=aux_loss, data_parallel=data_parallel, mode=mode,
-                                    rendezvous=rendezvous)
+                                    rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval)
+        self.lr_schedule = model.lr_schedule  # who steps the lr schedulers (pipeq.lr_schedulers)
+        self._last_step_lr: float | None = None
         options.check_run(model.n_stages, microbatches, mode=mode, devices=devices,
                           threads_per_stage=threads_per_stage, transport=transport, start_method=start_method,
                           queue_capacity=queue_capacity, trace=trace, heartbeat_interval=heartbeat_interval,
@@ -264,7 +275,7 @@ class PipelineRunner:
     def step(self, x: torch.Tensor, target: torch.Tensor) -> float:
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss."""
         self._require_running()
-        return self._result(self._submit(x, target))
+        return self._hand_out(self._submit(x, target))
 
     def stream(self, batches: Iterable[tuple[Any, Any]], *, in_flight: int | None = None) -> Iterator[float]:
         """Train on every ``(x, target)`` of ``batches`` (any iterable; a DataLoader works) and
@@ -305,7 +316,7 @@ class PipelineRunner:
                     mine.append(self._submit(x, target, stream=True))
                 if not mine:
                     break
-                yield self._result(mine.popleft())
+                yield self._hand_out(mine.popleft())
         except BaseException as exc:
             # closed early (break), or the data raised: the batches already sent are finished, so
             # the runner is consistent again. A pipeline failure has already stopped everything;
@@ -329,6 +340,12 @@ class PipelineRunner:
             return self._losses.pop(step)
         self._submitted.remove(step)
         return self._backend.result(step)
+
+    def _hand_out(self, step: int) -> float:
+        """Step ``step``'s loss, noting the learning rate it trained with (:attr:`last_step_lr`)."""
+        loss = self._result(step)
+        self._last_step_lr = self._backend.step_lrs.pop(step, None)
+        return loss
 
     def _settle(self) -> None:
         """Wait until every step sent so far is done (their losses are kept for their stream),
@@ -363,6 +380,53 @@ class PipelineRunner:
         peak is this process's."""
         self._require_running()
         return self._backend.stats(reset_peak)
+
+    def evaluate(self, batches: Iterable[tuple[Any, Any]],
+                 metrics: Mapping[str, Callable[[Any, torch.Tensor], Any]] | None = None,
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+        """Forward only over ``batches`` (an iterable of ``(x, target)``, or one such pair) and
+        each metric's sample mean over them: ``{"loss": ..., "accuracy": ..., name: ...}``.
+
+        ``metrics``: names to callables ``(output, target) -> float`` (the batch's mean), e.g.
+        ``{"top3": top3}``; each batch's value is weighted by its samples, so the result is the
+        mean over every sample of the set. ``loss`` is ``loss_fn``'s (default: the runner's;
+        the cross-entropy of the class scores with Associated Learning), ``accuracy`` the argmax
+        accuracy when every batch is a classification one (2-d float output, 1-d integer
+        target); a metric of the same name replaces either. See :mod:`pipeq.evaluation`."""
+        from . import evaluation
+
+        self._require_running()
+        if loss_fn is None:
+            al = isinstance(self.schedule, schedules.AssociatedLearning)
+            loss_fn = nn.CrossEntropyLoss() if al else self._batcher.loss_fn
+        elif not callable(loss_fn):
+            raise ValueError("loss_fn must be callable as loss_fn(output, target)")
+        return evaluation.evaluate(self.predict, batches, metrics, loss_fn)
+
+    # -- learning-rate schedule ------------------------------------------------------------------
+    def scheduler_step(self, metric: float | None = None) -> None:
+        """Step every stage's lr scheduler once (every replica's), with ``lr_scheduler_interval=
+        "epoch"``: e.g. at the end of each epoch. ``metric`` is what a ``ReduceLROnPlateau``
+        monitors (e.g. the evaluation's loss) and is required for it; other schedulers take none.
+        Anything else is refused with a ``ValueError`` before any stage is told."""
+        from . import lr_schedulers
+
+        value = lr_schedulers.check_metric(self.lr_schedule, metric)
+        self._require_running()
+        self._backend.scheduler_step(value)
+
+    def learning_rates(self) -> list[list[float]]:
+        """Every stage's current learning rates, one per parameter group of its optimizer (AL
+        layers: f and b's groups, then g and h's); ``[]`` for a stage without parameters."""
+        self._require_running()
+        return self._backend.learning_rates()
+
+    @property
+    def last_step_lr(self) -> float | None:
+        """The learning rate the last step handed back (by :meth:`step` or :meth:`stream`)
+        trained with: the last stage's first parameter group's, as that step began. None before
+        any step, or when the last stage has no optimizer."""
+        return self._last_step_lr
 
     # -- state ---------------------------------------------------------------------------------
     def _layouts(self) -> "list[checkpoint.StageLayout]":

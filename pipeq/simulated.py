@@ -38,6 +38,7 @@ class SimulatedBackend:
         # messages sent and not yet received: (destination, kind, microbatch); a stream's outlive a batch
         self.mailbox: dict[tuple[int, str, int], Tensors] = {}
         self._results: dict[int, float | PipelineError] = {}  # submitted steps, not yet handed out
+        self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
 
     def start(self) -> None:
         pass
@@ -119,6 +120,7 @@ class SimulatedBackend:
                x: torch.Tensor, target: torch.Tensor, stream: bool = False) -> None:
         """In one process a step runs when it is submitted: ``result`` hands its loss (or its
         failure) back, so a stream fails at the batch where it happened, as in process mode."""
+        self.step_lrs[step] = self.executors[-1].learning_rate()  # the one this batch trains with
         try:
             self._results[step] = self.train(step, shards, x, target, stream)
         except PipelineError as exc:
@@ -161,3 +163,10 @@ class SimulatedBackend:
 
     def layouts(self) -> list[dict[str, Any]]:
         return [ex.layout() for ex in self.executors]
+
+    def scheduler_step(self, metric: float | None) -> None:
+        for k, ex in enumerate(self.executors):
+            self._guard(k, ex.scheduler_step, metric)
+
+    def learning_rates(self) -> list[list[float]]:
+        return [ex.learning_rates() for ex in self.executors]

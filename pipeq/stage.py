@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import microbatch
+from . import lr_schedulers, microbatch
 from .numerics import (LossScaler, Numerics, StepStats, all_finite, clip_, norm_term, peak_memory,
                        total_norm)
 
@@ -84,6 +84,7 @@ class StageSpec:
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     aux_head: nn.Module | None = None  # interlocking: the head reading this stage's output
     aux_loss: Callable | None = None
+    lr_scheduler_interval: str = "step"  # "epoch": stepped by scheduler_step only (pipeq.lr_schedulers)
 
 
 class StageExecutor:
@@ -106,8 +107,10 @@ class StageExecutor:
         self.grad_sync: Any = None  # data parallelism: a pipeq.dataparallel.GradSync
         self._backwards = 0
         self.optimizer = self.make_optimizer(spec, params)
-        # stepped once per training step, right after the optimizer (every stage alike)
+        # stepped once per training step, right after the optimizer (every stage alike), or
+        # (interval "epoch") by scheduler_step only
         self.scheduler = self.make_scheduler(spec, self.optimizer)
+        self.scheduler_interval = spec.lr_scheduler_interval
         self.loss_fn = spec.loss_fn
         self._cuda = device.type == "cuda"
         # train() would switch on submodules the user put in eval mode (frozen BatchNorm...):
@@ -140,7 +143,12 @@ class StageExecutor:
 
     @staticmethod
     def make_scheduler(spec: StageSpec, optimizer: torch.optim.Optimizer | None) -> Any:
-        return spec.lr_scheduler(optimizer) if spec.lr_scheduler is not None and optimizer is not None else None
+        if spec.lr_scheduler is None or optimizer is None:
+            return None
+        scheduler = spec.lr_scheduler(optimizer)
+        if spec.lr_scheduler_interval == "step" and lr_schedulers.takes_metric(scheduler):
+            raise ValueError(f"lr_scheduler built a ReduceLROnPlateau: {lr_schedulers.NEEDS_METRIC}")
+        return scheduler
 
     # -- step boundaries -------------------------------------------------------------------
     def begin(
@@ -357,7 +365,7 @@ class StageExecutor:
     def _update(self) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
-            if self.scheduler is not None:
+            if self.scheduler is not None and self.scheduler_interval == "step":
                 self.scheduler.step()
 
     # -- steps the stages agree on (clipping, fp16, check_finite; see pipeq.numerics) ----------
@@ -394,8 +402,8 @@ class StageExecutor:
             return  # that stage reports it; nobody steps
         if bad:
             self.skipped_steps += 1
-            if self.scheduler is not None:  # a skipped step still counts for the schedule
-                self.scheduler.step()
+            if self.scheduler is not None and self.scheduler_interval == "step":
+                self.scheduler.step()  # a skipped step still counts for the schedule, as in a torch loop
             return
         if nm.clip_grad_norm is not None:
             clip_(self._grads(), nm.clip_grad_norm, total_norm(total, nm.clip_norm_type))
@@ -458,3 +466,28 @@ class StageExecutor:
             torch.set_rng_state(snap["rng"])
         if self.scaler is not None and isinstance(snap.get("scaler"), dict):
             self.scaler.load_state_dict(snap["scaler"])
+
+    # -- learning-rate schedule ------------------------------------------------------------------
+    def schedulers(self) -> list[Any]:
+        """This stage's lr schedulers (one per optimizer that has one)."""
+        return [self.scheduler] if self.scheduler is not None else []
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """This stage's optimizers (none for a stage without trainable parameters)."""
+        return [self.optimizer] if self.optimizer is not None else []
+
+    def scheduler_step(self, metric: float | None) -> None:
+        """Step every scheduler of this stage once (``runner.scheduler_step``), with ``metric``
+        when it takes one (see :func:`pipeq.lr_schedulers.step`)."""
+        for scheduler in self.schedulers():
+            lr_schedulers.step(scheduler, metric)
+
+    def learning_rates(self) -> list[float]:
+        """The learning rate of every parameter group of every optimizer of this stage, in order."""
+        return [lr for opt in self.optimizers() for lr in lr_schedulers.group_rates(opt)]
+
+    def learning_rate(self) -> float | None:
+        """The first parameter group's learning rate (reported with each step's loss), None
+        for a stage without an optimizer."""
+        rates = self.learning_rates()
+        return rates[0] if rates else None

@@ -15,6 +15,8 @@ The loop waits for a command on the control channel and carries it out:
     CLOCK      reply TIME with this process's clock (aligning traces)
     GET_TRACE  reply TRACE: the actions recorded since the last GET_TRACE (pipeq.trace)
     GET_STATS  reply STATS: peak memory (extra "reset": start a new peak), skipped steps
+    STEP_SCHEDULER  step the lr schedulers once (with the metric it carries), reply ACK
+    GET_LR     reply LR (the learning rate of every parameter group)
     STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
     EXIT       leave the loop
 
@@ -208,6 +210,11 @@ class EventLoop:
                 reply(Message(Kind.ACK, msg.step))
             elif kind is Kind.GET_STATS:
                 reply(Message(Kind.STATS, msg.step, extra=ex.stats(reset=msg.extra.get("reset") is True)))
+            elif kind is Kind.STEP_SCHEDULER:
+                ex.scheduler_step(self._metric(msg))
+                reply(Message(Kind.ACK, msg.step))
+            elif kind is Kind.GET_LR:
+                reply(Message(Kind.LR, msg.step, extra={"lrs": ex.learning_rates()}))
             elif kind is Kind.CLOCK:
                 reply(Message(Kind.TIME, msg.step, extra={"ns": time.perf_counter_ns()}))
             elif kind is Kind.GET_TRACE:
@@ -228,6 +235,13 @@ class EventLoop:
             else:
                 raise RuntimeError(f"stage {self.cfg.stage}: unexpected command {kind.name}")
 
+    def _metric(self, msg: Message) -> float | None:
+        """STEP_SCHEDULER's metric: a float, or None (a scheduler that takes none)."""
+        metric = msg.extra.get("metric")
+        if metric is not None and type(metric) is not float:
+            raise ValueError(f"stage {self.cfg.stage}: bad scheduler metric {metric!r} in command")
+        return metric
+
     def _weights(self, msg: Message, key: str, n: int) -> list[float] | None:
         w = msg.extra.get(key)
         if w is not None and (type(w) is not list or len(w) != n or any(type(v) is not float for v in w)):
@@ -246,9 +260,10 @@ class EventLoop:
                                         self._weights(msg, "weights", len(sizes)),
                                         self._weights(msg, "aux_weights", len(sizes)),
                                         stream=msg.extra.get("stream") is True)
+        lr = ex.learning_rate() if ex.is_last and training else None  # the one this batch trains with
         self.run(actions, step, keys)
         if ex.is_last and training:
-            transport.send_control(Message(Kind.LOSS, step, extra={"loss": ex.mean_loss()}))
+            transport.send_control(Message(Kind.LOSS, step, extra={"loss": ex.mean_loss(), "lr": lr}))
 
     def _batch(self, msg: Message, wants_x: bool, wants_target: bool) -> tuple[Any, Any]:
         """The x and target a TRAIN / PREDICT command carries: their tensors (x's first, ``nx`` of

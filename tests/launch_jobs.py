@@ -25,11 +25,17 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def train_batches(epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One epoch of shuffled batches (10); the shuffle depends on the epoch only."""
+def train_batches(epoch: int, batches: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of shuffled batches (10, or its first ``batches``); the shuffle depends on the
+    epoch only."""
     x, y = _data()
     perm = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(100 + epoch))
-    return [(x[i], y[i]) for i in perm.split(BATCH)]
+    return [(x[i], y[i]) for i in perm.split(BATCH)][:batches]
+
+
+def top2(output: torch.Tensor, target: torch.Tensor) -> float:
+    """The share of samples whose target is among their two highest scores (an eval metric)."""
+    return float((output.topk(2, dim=1).indices == target[:, None]).any(1).float().mean())
 
 
 def heldout() -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,10 +21,10 @@ PACKAGE = os.path.dirname(pipeq.__file__)
 LAYERS: dict[str, list[str]] = {
     "control plane": ["__init__", "__main__", "cli", "launch", "agent", "job", "runner", "options",
                       "batching", "driver", "supervisor", "tracing", "processes", "forkserver", "rendezvous", "report",
-                      "plot"],
+                      "plot", "evaluation"],
     "event loop": ["_preload", "worker", "simulated", "interpreter"],
-    "compute": ["schedules", "actions", "dryrun", "bounds", "executors", "stage", "microbatch", "numerics", "interlock", "asyncpipe", "al", "checkpoint",
-                "dataparallel", "trace", "testing"],
+    "compute": ["schedules", "actions", "dryrun", "bounds", "executors", "stage", "microbatch", "numerics", "interlock",
+                "asyncpipe", "al", "checkpoint", "dataparallel", "trace", "testing", "lr_schedulers"],
     "transport": ["transport"],
     "codec": ["codec", "messages", "errors", "netif", "keys"],
 }
