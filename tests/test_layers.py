@@ -24,7 +24,7 @@ LAYERS: dict[str, list[str]] = {
                       "plot"],
     "event loop": ["_preload", "worker", "simulated", "interpreter"],
     "compute": ["schedules", "actions", "dryrun", "bounds", "executors", "stage", "interlock", "asyncpipe", "al", "checkpoint",
-                "dataparallel", "trace", "testing"],
+                "dataparallel", "trace", "testing", "balance"],
     "transport": ["transport"],
     "codec": ["codec", "messages", "errors", "netif", "keys"],
 }
