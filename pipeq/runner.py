@@ -102,6 +102,10 @@ class PipelineRunner:
         aux_heads, aux_loss: interlocking schedules: one head per stage but the last (stage k's
             reads stage k's output) and their loss (default cross-entropy).
         data_parallel: R replicas of the pipeline (R x N processes), gradients all-reduced.
+        balance: layer counts per stage (``[3, 2, 1]``, or ``pipeq.balance(model, n_stages,
+            sample)``, which measures them) when ``stages`` is the whole model as one
+            ``nn.Sequential``: its children are split into stages of that many layers each
+            (``pipeq.balance.split``; every replica gets the same split).
 
     Names: :meth:`state_dict`, :meth:`load_state_dict`, :meth:`save` / :meth:`load` and
     ``pipeq launch``'s model.pt all name tensors as the flat model ``nn.Sequential(*layers)``
@@ -140,9 +144,14 @@ class PipelineRunner:
         aux_heads: Sequence[nn.Module] | None = None,
         aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         data_parallel: int = 1,
+        balance: Sequence[int] | None = None,
         **moved: Any,
     ) -> None:
         options.refuse_moved(moved)
+        if balance is not None:  # the whole model, split here (pipeq.balance)
+            from .balance import stages_for
+
+            stages = stages_for(stages, balance)
         self.schedule = schedule = schedules.resolve(schedule)
         schedules.get_schedule(schedule)  # an unknown name is refused with the list of names
         model = options.check_model(stages, loss_fn, optimizer, lr_scheduler, schedule, aux_heads=aux_heads,
