@@ -120,14 +120,17 @@ def _forked_rng(device: torch.device) -> Any:
 
 # -- measuring ----------------------------------------------------------------------------------
 
-def profile_times(model: nn.Sequential, sample: Any, *, repeats: int = 5, warmup: int = 1,
+def profile_times(model: nn.Sequential, sample: Any, *, repeats: int = 8, warmup: int = 1,
                   device: "torch.device | str | None" = None) -> list[float]:
-    """Seconds of forward + backward of each layer of ``model`` on ``sample``: the median of
-    ``repeats`` timed passes after ``warmup`` untimed ones (allocations, lazy initialisation).
+    """Seconds of forward + backward of each layer of ``model`` on ``sample``: the lower quartile
+    of ``repeats`` timed passes after ``warmup`` untimed ones (allocations, lazy initialisation).
 
-    Each layer is timed on its own (its input cut from the previous layer's graph), so the figure
-    is the work that layer adds to a stage. Threads: torch runs with ``torch.get_num_threads()``;
-    set it as the stages will (``threads_per_stage``) for the most faithful figures."""
+    The lower quartile, not the median: on a busy machine a pass is often descheduled, which only
+    ever makes it slower, and the quartile holds while up to three quarters of the passes are (the
+    median, half). The passes go through all layers in turn, so a busy spell slows every layer
+    alike. Each layer is timed on its own (its input cut from the previous layer's graph), so
+    the figure is the work that layer adds to a stage. Threads: torch runs with
+    ``torch.get_num_threads()``; set it as the stages will (``threads_per_stage``)."""
     if type(repeats) is not int or repeats < 1 or type(warmup) is not int or warmup < 0:
         raise ValueError(f"repeats must be a positive integer and warmup 0 or more, got {repeats!r}, {warmup!r}")
     _check_sample(sample)
@@ -147,7 +150,11 @@ def profile_times(model: nn.Sequential, sample: Any, *, repeats: int = 5, warmup
                     runs[k].append(time.perf_counter() - t0)
                 for p in layer.parameters():
                     p.grad = None
-    return [statistics.median(ts) for ts in runs]
+    return [_lower_quartile(ts) for ts in runs]
+
+
+def _lower_quartile(values: list[float]) -> float:
+    return statistics.quantiles(values, n=4, method="inclusive")[0] if len(values) > 1 else values[0]
 
 
 def profile_sizes(model: nn.Sequential, sample: Any, *, param_scale: float = 2.0,
@@ -285,7 +292,7 @@ def _most_even(prefix: list[float], n_stages: int, limit: float) -> list[int]:
 
 # -- the public entry points --------------------------------------------------------------------
 
-def balance(model: nn.Sequential, n_stages: int, sample: Any, by: str = "time", *, repeats: int = 5,
+def balance(model: nn.Sequential, n_stages: int, sample: Any, by: str = "time", *, repeats: int = 8,
             param_scale: float = 2.0, device: "torch.device | str | None" = None) -> list[int]:
     """Layer counts per stage that balance ``model``'s layers over ``n_stages`` stages by measured
     forward + backward time (``by="time"``, :func:`profile_times`) or by parameter + activation

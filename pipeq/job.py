@@ -204,7 +204,9 @@ class Recipe(StageBuilder):
     def _counts(self) -> list[int]:
         if isinstance(self.balance, str):
             raise ValueError(_MEASURED_ON_ONE_NODE.format(by=self.balance))
-        return list(self.balance or [])
+        if not self.balance:
+            raise ValueError(f"model = {self.model!r} needs balance: layer counts per stage, or 'time' / 'memory'")
+        return list(self.balance)
 
     def _model(self) -> nn.Sequential:
         """The job's model, built under its seed (the same weights in every process)."""
