@@ -97,14 +97,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _sandbox(model: nn.Sequential, device: "torch.device | str | None") -> tuple[list[nn.Module], torch.device]:
-    """Private copies of the layers, in training mode, on ``device`` (default: where the model's
-    first parameter is, else the CPU)."""
+    """Private copies of the layers (in the modes they are in: the runner keeps a submodule put
+    in eval mode in eval mode) on ``device`` (default: where the model's first parameter is,
+    else the CPU)."""
     layers = layers_of(model)
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
-    copies = [copy.deepcopy(layer).to(device).train() for layer in layers]
+    copies = [copy.deepcopy(layer).to(device) for layer in layers]
     for layer in copies:
         for p in layer.parameters():
             p.grad = None
