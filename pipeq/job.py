@@ -511,6 +511,10 @@ def _check_model_keys(path: str, raw: Mapping[str, Any]) -> None:
                              "model = 'pkg.mod:fn' (a function returning it) instead of stages")
     if "model" not in raw:
         return
+    if isinstance(schedules.resolve(raw["schedule"]), schedules.AssociatedLearning):
+        raise ValueError(f"job file {path}: schedule 'al' trains pipeq.al.ALLayer stages, and model + balance "
+                         "splits an nn.Sequential into plain ones: name the AL layers with stages = 'pkg.mod:fn' "
+                         "(pipeq.al.build_al)")
     balance = raw.get("balance")
     if balance is None:
         raise ValueError(f"job file {path}: model needs balance: layer counts per stage (balance = [3, 2, 1]), or "
