@@ -12,7 +12,8 @@ Layers, imports pointing down only (tests/test_layers.py checks it)::
     event loop     worker.py (one per stage process) -> interpreter.py (runs a stage's actions)
     compute        schedules.py, actions.py, dryrun.py (pure: actions as data, lowering, dry run),
                    executors.py -> stage.py, interlock.py, asyncpipe.py, al.py (forward, backward,
-                   step), checkpoint.py (global names), dataparallel.py, trace.py (the trace format)
+                   step), checkpoint.py (global names), dataparallel.py, trace.py (the trace format),
+                   balance.py (pipeq.balance: per-layer costs measured, an optimal split into stages)
     transport      transport.py (ZeroMQ sockets, keyed queues; the only user of the codec)
     codec          codec.py (bytes), messages.py (kinds, Message), errors.py, netif.py
 """
@@ -23,14 +24,15 @@ from typing import Any
 from .errors import CodecError, MainScriptError, PipelineError, ScheduleError
 from .schedules import SCHEDULES, format_table
 
-__all__ = ["PipelineRunner", "Recipe", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
+__all__ = ["PipelineRunner", "Recipe", "balance", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
            "SCHEDULES", "format_table"]
 __version__ = "0.1.0"
 
 # Imported on first use: ``import pipeq`` stays light (no torch), so that ``pipeq launch`` can start
 # its fork server before it imports torch itself (pipeq.forkserver).
+# ``balance`` is the module pipeq.balance, callable as its function balance() (see there).
 _LAZY = {"PipelineRunner": ("runner", "PipelineRunner"), "Recipe": ("job", "Recipe"),
-         "rendezvous": ("rendezvous", None)}
+         "rendezvous": ("rendezvous", None), "balance": ("balance", None)}
 
 
 def __getattr__(name: str) -> Any:

@@ -35,6 +35,12 @@ class StageBuilder:
     def build(self, stage: int, n_stages: int) -> StageSpec:
         raise NotImplementedError
 
+    def prepared(self, multi_host: bool = False) -> "StageBuilder":
+        """This builder with what must be decided once, in the launching process, decided (a
+        job's measured balance): the stage processes are sent the result. ``multi_host``: other
+        nodes build from their own copy of the job, so nothing may be decided here alone."""
+        return self
+
     def seed_for(self, stage: int) -> int:
         """The seed of stage ``stage``'s torch RNG (dropout...), the same on every host."""
         return stage

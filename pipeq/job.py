@@ -4,6 +4,11 @@ A job file (TOML, read with the standard library's tomllib)::
 
     stages = "examples.digits_job:stages"        # () -> [stage modules], or (k, n) -> stage k
     n_stages = 3                                 # needed with the (k, n) form
+    # or, instead of stages: one nn.Sequential split into stages (pipeq.balance)
+    # model = "pkg.mod:model"                    # () -> nn.Sequential
+    # balance = [3, 2, 1]                        # layers per stage; or "time" / "memory",
+    # balance_sample = "pkg.mod:sample"          # measured on () -> the model's input, into
+    #                                            # n_stages stages, once, when the run starts
     loss = "torch.nn:CrossEntropyLoss"           # a class, a zero-argument factory, or the loss
     optimizer = "torch.optim:SGD"                # called with a stage's parameters (+ the args)
     optimizer_args = { lr = 0.1, momentum = 0.9 }
@@ -44,6 +49,11 @@ host they run: nothing but plain data crosses hosts, and every host builds the s
 (the stages and heads functions run under ``torch.manual_seed(seed)``). With Associated
 Learning (``schedule = "al"``) the stages function returns ``pipeq.al.ALLayer`` s (e.g. from
 ``pipeq.al.build_al``) and ``loss`` (optional, MSE by default) is the layers' local criterion.
+
+With ``model`` and ``balance``, stage k is ``pipeq.balance.split(model(), counts)[k]``, the model
+built under the job's seed. A measured balance (``"time"``, ``"memory"``) is measured once, in
+the launching process (:meth:`Recipe.prepared`): the stage processes receive the counts as plain
+data in the recipe, and :meth:`Recipe.describe` shows them.
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from . import balance as balancing
 from . import schedules
 from .al import ALLayer
 from .executors import StageBuilder, StageSpec
@@ -153,7 +164,7 @@ def _make_loss(spec: str, key: str, args: Mapping[str, Any] | None = None) -> Ca
 class Recipe(StageBuilder):
     """How a stage process builds its part of a job (plain strings: picklable, host-independent)."""
 
-    stages: str
+    stages: str | None  # None: the stages are model split by balance
     loss: str | None  # None: no end-to-end loss (Associated Learning's layers default to MSE)
     optimizer: str
     optimizer_args: dict[str, Any] = field(default_factory=dict)
@@ -169,6 +180,9 @@ class Recipe(StageBuilder):
     aux_heads_args: dict[str, Any] = field(default_factory=dict)
     aux_loss_args: dict[str, Any] = field(default_factory=dict)
     lr_scheduler_interval: str | None = None  # None: "step" (pipeq.lr_schedulers)
+    model: str | None = None  # () -> an nn.Sequential, split into stages by balance
+    balance: list[int] | str | None = None  # layers per stage; "time" / "memory": measured (prepared)
+    balance_sample: str | None = None  # () -> the model's input, to measure on
     sys_path: list[str] = field(default_factory=list)
 
     def _imports(self) -> None:
@@ -180,7 +194,13 @@ class Recipe(StageBuilder):
                 sys.path.append(p)
 
     def count_stages(self) -> int:
-        """N: the job's ``n_stages``, or the length of the list its stages function returns."""
+        """N: the job's ``n_stages``, or the length of the list its stages function returns (or
+        of its balance)."""
+        if self.model is not None:
+            counts = self._counts()
+            if self.n_stages is not None and self.n_stages != len(counts):
+                raise ValueError(f"n_stages = {self.n_stages}, but balance = {counts} makes {len(counts)} stages")
+            return len(counts)
         fn = self._stages_fn()
         if _required_positional(fn, self.stages_args) == 2:
             if self.n_stages is None:
@@ -207,6 +227,11 @@ class Recipe(StageBuilder):
         return list(stages)
 
     def build_stage(self, k: int, n: int) -> nn.Module:
+        if self.model is not None:
+            counts = self._counts()
+            if len(counts) != n:
+                raise ValueError(f"balance = {counts} makes {len(counts)} stages, the run has {n}")
+            return balancing.split(self._model(), counts)[k]
         fn = self._stages_fn()
         if _required_positional(fn, self.stages_args) == 2:
             with _seeded(self.seed + k):
@@ -219,6 +244,53 @@ class Recipe(StageBuilder):
         if not isinstance(module, nn.Module):
             raise ValueError(f"stages = {self.stages!r} gave stage {k} as a {type(module).__name__}")
         return module
+
+    # -- one nn.Sequential split into stages (model + balance) ------------------------------
+    def prepared(self, multi_host: bool = False) -> "Recipe":
+        """This recipe with its balance as layer counts, checked against the model: measured
+        here (``balance = "time"`` / ``"memory"``), once, so every stage process gets the same
+        counts. Without ``model`` it is this recipe."""
+        if self.model is None:
+            return self
+        if isinstance(self.balance, str):
+            if multi_host:
+                raise ValueError(_MEASURED_ON_ONE_NODE.format(by=self.balance))
+            return dataclasses.replace(self, balance=self._measure(self.balance))
+        balancing.check_counts(self._counts(), len(self._model()))  # here, not in a stage process
+        return self
+
+    def _counts(self) -> list[int]:
+        if isinstance(self.balance, str):
+            raise ValueError(_MEASURED_ON_ONE_NODE.format(by=self.balance))
+        if not self.balance:
+            raise ValueError(f"model = {self.model!r} needs balance: layer counts per stage, or 'time' / 'memory'")
+        return list(self.balance)
+
+    def _model(self) -> nn.Sequential:
+        """The job's model, built under its seed (the same weights in every process)."""
+        self._imports()
+        fn = resolve(self.model, "model")
+        if not callable(fn) or _required_positional(fn) > 0:
+            raise ValueError(f"model = {self.model!r} must be a function of no arguments returning an nn.Sequential")
+        with _seeded(self.seed):
+            model = fn()
+        balancing.layers_of(model, f"the model of model = {self.model!r}")
+        return model
+
+    def _measure(self, by: str) -> list[int]:
+        """Layer counts balanced by ``by`` over ``n_stages`` stages, measured on the sample."""
+        if self.n_stages is None or self.balance_sample is None:
+            raise ValueError(f"balance = {by!r} measures the layers on balance_sample and splits them into "
+                             "n_stages stages: set both")
+        self._imports()
+        got = resolve(self.balance_sample, "balance_sample")
+        with _seeded(self.seed):
+            sample = got() if callable(got) else got
+        if not (isinstance(sample, torch.Tensor)
+                or isinstance(sample, tuple) and sample and all(isinstance(t, torch.Tensor) for t in sample)):
+            raise ValueError(f"balance_sample = {self.balance_sample!r} must give the model's input (a tensor or a "
+                             f"tuple of tensors; not an (x, target) pair of a batch), got {type(sample).__name__}")
+        return balancing.balance(self._model(), self.n_stages, sample, by=by)
 
     def heads(self, n_stages: int) -> list[nn.Module] | None:
         """The auxiliary heads (one per stage but the last), or None when the job has none. Built
@@ -276,6 +348,12 @@ class Recipe(StageBuilder):
 
     def describe(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "sys_path"}
+
+
+_MEASURED_ON_ONE_NODE = (
+    "balance = {by!r} is measured once, by the launching process (node 0), when the run starts, and "
+    "the other nodes of a multi-host run build from their own job file: write the counts into the job "
+    "instead (balance = [3, 2, 1]; pipeq.balance(model, n_stages, sample, by={by!r}) measures them)")
 
 
 @dataclass
@@ -418,6 +496,7 @@ _RECIPE_KEYS = {
     "lr_scheduler_args": dict, "n_stages": int, "seed": int, "aux_heads": str, "aux_loss": str,
     "stages_args": dict, "loss_args": dict, "aux_heads_args": dict, "aux_loss_args": dict,
     "lr_scheduler_interval": str,
+    "model": str, "balance": (list, str), "balance_sample": str,
 }
 _JOB_KEYS = {
     "data": str, "eval_data": str, "schedule": (str, dict), "microbatches": int, "steps": int, "epochs": int,
@@ -432,7 +511,7 @@ _JOB_KEYS = {
 _ARGS_OF = {f"{key}_args": key for key in ("stages", "loss", "optimizer", "lr_scheduler", "aux_heads",
                                            "aux_loss", "data", "eval_data")}
 #: what a TOML value of each type is called, with its article
-_TOML_TYPES = {str: "a string", int: "an integer", float: "a float", dict: "a table"}
+_TOML_TYPES = {str: "a string", int: "an integer", float: "a float", dict: "a table", list: "an array"}
 _REQUIRED = ("stages", "optimizer", "data")  # and loss, but with Associated Learning
 
 
@@ -472,6 +551,7 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
         raw["schedule"] = parse_schedule(raw.get("schedule", "1f1b"))
     except ValueError as exc:
         raise ValueError(f"job file {path}: {exc}") from None
+    _check_model_keys(path, raw)
     _check_schedule_keys(path, raw)
     _check_factory_keys(path, raw)
     for key in ("microbatches", "steps", "epochs", "n_stages", "threads_per_stage", "data_parallel"):
@@ -493,7 +573,7 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     base = os.path.dirname(os.path.abspath(path))
     # the job's own directory and the current one: "examples.digits_job:stages" from the repo root
     sys_path = [os.getcwd(), base] + ([os.path.dirname(base)] if base != os.getcwd() else [])
-    recipe = Recipe(**{"loss": None, **{k: raw.pop(k) for k in list(raw) if k in _RECIPE_KEYS}},
+    recipe = Recipe(**{"loss": None, "stages": None, **{k: raw.pop(k) for k in list(raw) if k in _RECIPE_KEYS}},
                     sys_path=sys_path)
     job = Job(recipe=recipe, placement=nodes, path=os.path.abspath(path), **raw)
     refusal = job.checkpoint_refusal()
@@ -524,7 +604,8 @@ def _check_schedule_keys(path: str, raw: Mapping[str, Any]) -> None:
     auxiliary heads only with an interlocking schedule."""
     schedule = schedules.resolve(raw["schedule"])
     al = isinstance(schedule, schedules.AssociatedLearning)
-    missing = [k for k in _REQUIRED if k not in raw] + (["loss"] if "loss" not in raw and not al else [])
+    missing = [k for k in _REQUIRED if k not in raw and not (k == "stages" and "model" in raw)]
+    missing += ["loss"] if "loss" not in raw and not al else []
     if missing:
         raise ValueError(f"job file {path}: missing required key(s) {missing}")
     for key in ("aux_heads", "aux_loss"):
@@ -587,3 +668,46 @@ def _check_factory_keys(path: str, raw: Mapping[str, Any]) -> None:
                     else "")
             raise ValueError(f"job file {path}: lr_scheduler_monitor = {monitor!r} is not a value the run "
                              f"measures{hint}; {did_you_mean([monitor], known, 'choose one of')}")
+def _check_model_keys(path: str, raw: Mapping[str, Any]) -> None:
+    """``model`` + ``balance`` (counts; or ``"time"`` / ``"memory"`` with ``balance_sample`` and
+    ``n_stages``) instead of ``stages``."""
+    if "model" in raw and "stages" in raw:
+        raise ValueError(f"job file {path}: stages and model both name the stages: keep one (stages = 'pkg.mod:fn' "
+                         "returns the stages; model = 'pkg.mod:fn' returns an nn.Sequential that balance splits)")
+    for key in ("balance", "balance_sample"):
+        if key in raw and "model" not in raw:
+            raise ValueError(f"job file {path}: {key} splits the nn.Sequential that model names: set "
+                             "model = 'pkg.mod:fn' (a function returning it) instead of stages")
+    if "model" not in raw:
+        return
+    if isinstance(schedules.resolve(raw["schedule"]), schedules.AssociatedLearning):
+        raise ValueError(f"job file {path}: schedule 'al' trains pipeq.al.ALLayer stages, and model + balance "
+                         "splits an nn.Sequential into plain ones: name the AL layers with stages = 'pkg.mod:fn' "
+                         "(pipeq.al.build_al)")
+    balance = raw.get("balance")
+    if balance is None:
+        raise ValueError(f"job file {path}: model needs balance: layer counts per stage (balance = [3, 2, 1]), or "
+                         'balance = "time" or "memory" with balance_sample and n_stages (measured when the run starts)')
+    if isinstance(balance, str):
+        _check_measured_balance(path, raw, balance)
+        return
+    if not balance or not all(type(c) is int and c >= 1 for c in balance):
+        raise ValueError(f"job file {path}: balance must be an array of layer counts per stage, each at least 1 "
+                         f"(or \"time\" / \"memory\"), got {balance!r}")
+    if "balance_sample" in raw:
+        raise ValueError(f"job file {path}: balance_sample is read only to measure (balance = \"time\" or "
+                         "\"memory\"); balance gives the counts already: remove balance_sample")
+    if "n_stages" in raw and raw["n_stages"] != len(balance):
+        raise ValueError(f"job file {path}: n_stages = {raw['n_stages']}, but balance = {balance} makes "
+                         f"{len(balance)} stages; drop n_stages or make them agree")
+
+
+def _check_measured_balance(path: str, raw: Mapping[str, Any], by: str) -> None:
+    if by not in balancing.BY:
+        raise ValueError(f"job file {path}: balance = {by!r}; {did_you_mean([by], balancing.BY, 'choose one of')}, "
+                         "or give layer counts per stage (balance = [3, 2, 1])")
+    missing = [k for k in ("balance_sample", "n_stages") if k not in raw]
+    if missing:
+        raise ValueError(f"job file {path}: balance = {by!r} measures the layers on a sample when the run starts: "
+                         f"set {' and '.join(missing)} (balance_sample = 'pkg.mod:fn' returns the model's input, "
+                         "n_stages the number of stages)")

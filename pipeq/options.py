@@ -106,7 +106,8 @@ def check_model(
         if lr_scheduler_interval is not None:
             raise ValueError("with a stage recipe, the scheduler and its interval come from it: set "
                              "lr_scheduler_interval in the recipe (job file) and pass lr_scheduler_interval=None")
-        return _check_recipe(stages, loss_fn, optimizer, lr_scheduler, schedule, mode, data_parallel)
+        return _check_recipe(stages, loss_fn, optimizer, lr_scheduler, schedule, mode, data_parallel,
+                             multi_host=rendezvous is not None)
     if rendezvous is not None:
         raise ValueError(
             "a multi-host run builds each stage on its own host from importable names: pass a job "
@@ -141,12 +142,14 @@ def check_model(
 
 
 def _check_recipe(builder: StageBuilder, loss_fn: Any, optimizer: Any, lr_scheduler: Any, schedule: Any,
-                  mode: str, data_parallel: int) -> Model:
+                  mode: str, data_parallel: int, multi_host: bool = False) -> Model:
     """A job's recipe (pipeq launch, multi-host): the stage processes build the stages (and
-    heads); the heads are built here too, to be checked."""
+    heads); the heads are built here too, to be checked. What the recipe leaves to the
+    launching process (a measured balance) is decided here, once."""
     if loss_fn is not None or optimizer is not None or lr_scheduler is not None:
         raise ValueError("with a stage recipe, the loss, optimizer and scheduler come from it: "
                          "pass loss_fn=None, optimizer=None")
+    builder = builder.prepared(multi_host)
     n = builder.count_stages()  # type: ignore[attr-defined]
     heads = builder.heads(n)  # type: ignore[attr-defined]
     aux_loss = builder.aux_loss_fn()  # type: ignore[attr-defined]
@@ -181,7 +184,11 @@ def _replica_lists(stages: Any, data_parallel: int) -> list[list[nn.Module]]:
     else:
         copies = [stages] * data_parallel
     first = copies[0]
-    if isinstance(first, nn.Module) or not isinstance(first, (list, tuple)) or not first:
+    if isinstance(first, nn.Module):
+        raise ValueError(f"stages is one {type(first).__name__}: pass a list of nn.Module, one per pipeline "
+                         "stage, or the whole nn.Sequential with balance=[layers per stage] (measured by "
+                         "pipeq.balance(model, n_stages, sample))")
+    if not isinstance(first, (list, tuple)) or not first:
         raise ValueError("stages must be a non-empty list of nn.Module, one per pipeline stage")
     for k, s in enumerate(first):
         if not isinstance(s, nn.Module):

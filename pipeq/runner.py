@@ -125,6 +125,10 @@ class PipelineRunner:
             RNG state, so the same dropout masks): the same numbers, less activation memory.
         Precision, clipping, check_finite and recompute run with fill-drain, 1F1B and your own
         schedules (interlocking, async and AL compute their own way).
+        balance: layer counts per stage (``[3, 2, 1]``, or ``pipeq.balance(model, n_stages,
+            sample)``, which measures them) when ``stages`` is the whole model as one
+            ``nn.Sequential``: its children are split into stages of that many layers each
+            (``pipeq.balance.split``; every replica gets the same split).
 
     Names: :meth:`state_dict`, :meth:`load_state_dict`, :meth:`save` / :meth:`load` and
     ``pipeq launch``'s model.pt all name tensors as the flat model ``nn.Sequential(*layers)``
@@ -172,9 +176,14 @@ class PipelineRunner:
         clip_norm_type: float = 2.0,
         check_finite: "bool | str" = False,
         recompute: "bool | Sequence[bool]" = False,
+        balance: Sequence[int] | None = None,
         **moved: Any,
     ) -> None:
         options.refuse_moved(moved)
+        if balance is not None:  # the whole model, split here (pipeq.balance)
+            from .balance import stages_for
+
+            stages = stages_for(stages, balance)
         self.schedule = schedule = schedules.resolve(schedule)
         schedules.get_schedule(schedule)  # an unknown name is refused with the list of names
         model = options.check_model(stages, loss_fn, optimizer, lr_scheduler, schedule, aux_heads=aux_heads,
