@@ -34,6 +34,10 @@ A job file (TOML, read with the standard library's tomllib)::
     keep_checkpoints = 3                         # the newest 3 (0: keep all)
     seed = 0
     data_parallel = 1                            # R replicas of the pipeline (R x N processes)
+    precision = "bf16"                           # optional: "fp32" (default), "bf16", "fp16"
+    clip_grad_norm = 1.0                         # optional: clip by the global norm (clip_norm_type = 2.0)
+    check_finite = "raise"                       # optional: false (default), "raise" (or true), "skip"
+    recompute = true                             # optional: or one boolean per stage
     [placement]                                  # optional, multi-host: processes per node
     nodes = [[0], [1, 2]]                        # (process r * n_stages + k: replica r's stage k)
 
@@ -183,6 +187,8 @@ class Recipe(StageBuilder):
     model: str | None = None  # () -> an nn.Sequential, split into stages by balance
     balance: list[int] | str | None = None  # layers per stage; "time" / "memory": measured (prepared)
     balance_sample: str | None = None  # () -> the model's input, to measure on
+    model_args: dict[str, Any] = field(default_factory=dict)
+    balance_sample_args: dict[str, Any] = field(default_factory=dict)
     sys_path: list[str] = field(default_factory=list)
 
     def _imports(self) -> None:
@@ -270,10 +276,12 @@ class Recipe(StageBuilder):
         """The job's model, built under its seed (the same weights in every process)."""
         self._imports()
         fn = resolve(self.model, "model")
-        if not callable(fn) or _required_positional(fn) > 0:
-            raise ValueError(f"model = {self.model!r} must be a function of no arguments returning an nn.Sequential")
+        if not callable(fn) or _required_positional(fn, self.model_args) > 0:
+            raise ValueError(f"model = {self.model!r} must be a function returning an nn.Sequential, called with "
+                             "model_args (none by default)")
+        check_args(fn, self.model_args, "model", self.model)
         with _seeded(self.seed):
-            model = fn()
+            model = fn(**self.model_args)
         balancing.layers_of(model, f"the model of model = {self.model!r}")
         return model
 
@@ -284,8 +292,10 @@ class Recipe(StageBuilder):
                              "n_stages stages: set both")
         self._imports()
         got = resolve(self.balance_sample, "balance_sample")
+        if callable(got):
+            check_args(got, self.balance_sample_args, "balance_sample", self.balance_sample)
         with _seeded(self.seed):
-            sample = got() if callable(got) else got
+            sample = got(**self.balance_sample_args) if callable(got) else got
         if not (isinstance(sample, torch.Tensor)
                 or isinstance(sample, tuple) and sample and all(isinstance(t, torch.Tensor) for t in sample)):
             raise ValueError(f"balance_sample = {self.balance_sample!r} must give the model's input (a tensor or a "
@@ -383,6 +393,12 @@ class Job:
     eval_data_args: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)  # name -> "pkg.mod:fn", (output, target) -> float
     lr_scheduler_monitor: str | None = None  # what a ReduceLROnPlateau is fed (see monitor())
+    # how the stages compute (pipeq.numerics; PipelineRunner's arguments of the same names)
+    precision: str = "fp32"
+    clip_grad_norm: float | None = None
+    clip_norm_type: float = 2.0
+    check_finite: bool | str = False
+    recompute: bool | list[bool] = False
     path: str = ""
 
     def data_fn(self) -> Callable[..., Iterable]:
@@ -436,6 +452,12 @@ class Job:
         if self.lr_scheduler_monitor is not None:
             return self.lr_scheduler_monitor
         return "eval_loss" if self.eval_data is not None else "train_loss"
+
+    def numerics_args(self) -> dict[str, Any]:
+        """The runner's precision, clipping, check_finite and recompute arguments."""
+        return {"precision": self.precision, "clip_grad_norm": self.clip_grad_norm,
+                "clip_norm_type": self.clip_norm_type, "check_finite": self.check_finite,
+                "recompute": self.recompute}
 
     def check(self) -> None:
         """Resolve what the driver calls (data, eval_data, metrics) and check their arguments,
@@ -496,7 +518,7 @@ _RECIPE_KEYS = {
     "lr_scheduler_args": dict, "n_stages": int, "seed": int, "aux_heads": str, "aux_loss": str,
     "stages_args": dict, "loss_args": dict, "aux_heads_args": dict, "aux_loss_args": dict,
     "lr_scheduler_interval": str,
-    "model": str, "balance": (list, str), "balance_sample": str,
+    "model": str, "balance": (list, str), "balance_sample": str, "model_args": dict, "balance_sample_args": dict,
 }
 _JOB_KEYS = {
     "data": str, "eval_data": str, "schedule": (str, dict), "microbatches": int, "steps": int, "epochs": int,
@@ -506,12 +528,15 @@ _JOB_KEYS = {
     "step_timeout": (int, float),
     "trace": str, "data_parallel": int, "tcp_security": str, "max_message_mb": int,
     "data_args": dict, "eval_data_args": dict, "metrics": dict, "lr_scheduler_monitor": str,
+    "precision": str, "clip_grad_norm": (int, float), "clip_norm_type": (int, float), "check_finite": (bool, str),
+    "recompute": (bool, list),
 }
 #: a factory's arguments -> the key naming the factory
 _ARGS_OF = {f"{key}_args": key for key in ("stages", "loss", "optimizer", "lr_scheduler", "aux_heads",
-                                           "aux_loss", "data", "eval_data")}
+                                           "aux_loss", "data", "eval_data", "model", "balance_sample")}
 #: what a TOML value of each type is called, with its article
-_TOML_TYPES = {str: "a string", int: "an integer", float: "a float", dict: "a table", list: "an array"}
+_TOML_TYPES = {str: "a string", int: "an integer", float: "a float", dict: "a table", list: "an array",
+               bool: "a boolean"}
 _REQUIRED = ("stages", "optimizer", "data")  # and loss, but with Associated Learning
 
 
@@ -544,7 +569,8 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     if unknown:
         raise ValueError(f"job file {path}: unknown key(s) {unknown}; {did_you_mean(unknown, known, 'known keys')}")
     for key, types in known.items():
-        if key in raw and (not isinstance(raw[key], types) or isinstance(raw[key], bool)):
+        takes_bool = bool in (types if isinstance(types, tuple) else (types,))
+        if key in raw and (not isinstance(raw[key], types) or isinstance(raw[key], bool) and not takes_bool):
             want = " or ".join(_TOML_TYPES[t] for t in (types if isinstance(types, tuple) else (types,)))
             raise ValueError(f"job file {path}: {key} must be {want}, got {raw[key]!r}")
     try:

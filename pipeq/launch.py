@@ -62,7 +62,7 @@ from typing import Any, Iterator, TextIO
 
 import torch
 
-from . import checkpoint, schedules
+from . import checkpoint, options, schedules
 from . import rendezvous as rdzv
 from .errors import PipelineError
 from .job import LENGTH_RULE, Job, load_job
@@ -249,7 +249,8 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
         n = job.recipe.count_stages()
         settings = StageSettings(threads_per_stage=job.threads_per_stage,
                                  queue_capacity=max(64, 4 * job.microbatches),
-                                 max_message_mb=job.max_message_mb)
+                                 max_message_mb=job.max_message_mb,
+                                 numerics=options.check_numerics(job.schedule, n, None, **job.numerics_args()))
         return run_agent(rz, job.recipe, n, job.schedule, settings, heartbeat_timeout=job.heartbeat_timeout,
                          start_timeout=job.start_timeout, log=log, data_parallel=job.data_parallel)
     except (AgentError, RuntimeError, ValueError) as exc:
@@ -455,7 +456,7 @@ class Trainer:
                 step_timeout=job.step_timeout or None,  # 0 in the job file: off
                 start_timeout=job.start_timeout, rendezvous=self.rz, placement=job.placement,
                 trace=job.trace, data_parallel=job.data_parallel, start_method="forkserver",
-                tcp_security=job.tcp_security, max_message_mb=job.max_message_mb,
+                tcp_security=job.tcp_security, max_message_mb=job.max_message_mb, **job.numerics_args(),
             )
             if job.lr_scheduler_monitor is not None and not runner.lr_schedule.takes_metric:
                 raise ValueError(f"lr_scheduler_monitor = {job.lr_scheduler_monitor!r}, but {job.recipe.lr_scheduler} "

@@ -228,3 +228,50 @@ def test_recompute_lowers_the_measured_peak_memory():
             peaks[rc] = runner.stats()[0]["peak_bytes"]
     saved = peaks[False] - peaks[True]
     assert saved > 40 << 20, peaks
+
+
+# -- job files and pipeq launch --------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_launched_job_trains_with_the_numerics_it_names(tmp_path):
+    """The job's precision, clipping, check_finite and recompute reach every stage: the launched
+    run's weights equal a simulated runner's with the same options (launch_jobs' MLP, seed 0)."""
+    from launch_util import model_state
+    from test_schedulers import MLP, launch, write
+
+    import launch_jobs
+
+    options = 'precision = "bf16"\nclip_grad_norm = 0.5\nclip_norm_type = inf\ncheck_finite = "skip"\nrecompute = [true, false, true]\n'
+    out = tmp_path / "out"
+    launch(write(tmp_path, MLP + options + f'steps = 2\nseed = 0\nout = "{out}"\n'))
+    torch.manual_seed(0)
+    stages = launch_jobs.mlp_stages()
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), "1f1b", 2,
+                                  mode="simulated", precision="bf16", clip_grad_norm=0.5, clip_norm_type=math.inf,
+                                  check_finite="skip", recompute=[True, False, True])
+    with runner:
+        for x, y in list(launch_jobs.train_batches(0))[:2]:
+            runner.step(x, y)
+        want = runner.state_dict()
+    assert_close(model_state(str(out)), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('precision = "fp8"', "precision must be one of"),
+    ("clip_grad_norm = -1.0", "clip_grad_norm must be a positive number"),
+    ('check_finite = "warn"', "check_finite must be False"),
+    ("recompute = [true]", "recompute must be True, False or a list of 3 booleans"),
+    ('recompute = "yes"', "recompute must be a boolean or an array"),
+])
+def test_a_job_with_bad_numerics_is_refused_naming_the_setting(tmp_path, capsys, line, message):
+    from test_schedulers import MLP, TESTS, write
+    from pipeq.cli import main as pipeq_main
+    import os
+
+    path = write(tmp_path, MLP + line + f'\nsteps = 1\nout = "{tmp_path / "out"}"\n')
+    cwd = os.getcwd()
+    os.chdir(TESTS)
+    try:
+        assert pipeq_main(["launch", path, "--quiet"]) == 2
+    finally:
+        os.chdir(cwd)
+    assert message in capsys.readouterr().err
