@@ -263,15 +263,7 @@ def test_a_launched_job_trains_with_the_numerics_it_names(tmp_path):
     ('recompute = "yes"', "recompute must be a boolean or an array"),
 ])
 def test_a_job_with_bad_numerics_is_refused_naming_the_setting(tmp_path, capsys, line, message):
-    from test_schedulers import MLP, TESTS, write
-    from pipeq.cli import main as pipeq_main
-    import os
+    from test_schedulers import MLP, launch_code, write
 
-    path = write(tmp_path, MLP + line + f'\nsteps = 1\nout = "{tmp_path / "out"}"\n')
-    cwd = os.getcwd()
-    os.chdir(TESTS)
-    try:
-        assert pipeq_main(["launch", path, "--quiet"]) == 2
-    finally:
-        os.chdir(cwd)
+    assert launch_code(write(tmp_path, MLP + line + f'\nsteps = 1\nout = "{tmp_path / "out"}"\n')) == 2
     assert message in capsys.readouterr().err

@@ -400,12 +400,7 @@ def test_launch_refuses_a_monitor_for_a_scheduler_without_metric(tmp_path, capsy
     path = write(tmp_path, MLP + 'lr_scheduler = "torch.optim.lr_scheduler:StepLR"\nlr_scheduler_args = '
                  '{ step_size = 2 }\nlr_scheduler_interval = "epoch"\nlr_scheduler_monitor = "train_loss"\n'
                  f'steps = 1\nout = "{tmp_path / "out"}"\n')
-    cwd = os.getcwd()
-    os.chdir(TESTS)
-    try:
-        assert pipeq_main(["launch", path, "--quiet"]) == 2
-    finally:
-        os.chdir(cwd)
+    assert launch_code(path) == 2
     assert "takes no metric (only a ReduceLROnPlateau does): drop lr_scheduler_monitor" in capsys.readouterr().err
 
 
@@ -423,14 +418,18 @@ checkpoint_every = 6
 """
 
 
-def launch(job: str, *args: str) -> None:
+def launch_code(job: str, *args: str) -> int:
+    """``pipeq launch job`` in this process, from tests/; its exit code."""
     cwd = os.getcwd()
     os.chdir(TESTS)  # launch_jobs.py is found through the job's search path (the current folder)
     try:
-        code = pipeq_main(["launch", job, "--quiet", "--threads-per-stage", "1", *args])
+        return pipeq_main(["launch", job, "--quiet", "--threads-per-stage", "1", *args])
     finally:
         os.chdir(cwd)
-    assert code == 0
+
+
+def launch(job: str, *args: str) -> None:
+    assert launch_code(job, *args) == 0
 
 
 @pytest.fixture(scope="module")
