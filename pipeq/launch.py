@@ -258,6 +258,15 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
         return 1
 
 
+def _samples(x: Any) -> int:
+    """The samples of a batch's x: dim 0 of a tensor, or of the first tensor of a tuple / dict
+    (a batch that is not one the runner checks and refuses, naming what is wrong)."""
+    from .microbatch import tensors_of
+
+    tensors = [x] if isinstance(x, torch.Tensor) else tensors_of(x) if isinstance(x, (tuple, list, dict)) else []
+    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 0
+
+
 def _checkpoint_step(directory: str) -> int | None:
     """The step in a complete checkpoint's manifest (None: none there, or unreadable)."""
     try:
@@ -676,7 +685,7 @@ class Trainer:
             if item is None:
                 return
             epoch, index, (x, y) = item
-            taken.append((epoch, index, int(x.shape[0])))
+            taken.append((epoch, index, _samples(x)))
             sent += 1
             yield x, y
 

@@ -38,8 +38,10 @@ class PipelineRunner:
     """Train ``stages`` (one ``nn.Module`` per pipeline stage) with a pipeline schedule.
 
     Args:
-        stages: the model, split into stages; stage k's output is stage k+1's input (a tensor
-            or a tuple of tensors). In process mode they must be picklable. Or a
+        stages: the model, split into stages; stage k's output is stage k+1's input: a tuple is
+            spread over its arguments, anything else (a tensor, a list, a dict of tensors and
+            constants) is its one argument. ``step``, ``stream`` and ``predict`` take ``x`` and
+            ``target`` the same ways (see :mod:`pipeq.microbatch`). In process mode they must be picklable. Or a
             :class:`pipeq.Recipe` (importable names, as in a job file) from which each stage
             process builds its own stage; then ``loss_fn`` and ``optimizer`` are None (the
             recipe names them). Multi-host runs need a recipe.
@@ -281,8 +283,9 @@ class PipelineRunner:
         self._settle()
 
     # -- training and inference --------------------------------------------------------------
-    def step(self, x: torch.Tensor, target: torch.Tensor) -> float:
-        """One optimizer step on the whole batch ``(x, target)``; returns the mean loss."""
+    def step(self, x: Any, target: Any) -> float:
+        """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
+        ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0)."""
         self._require_running()
         return self._hand_out(self._submit(x, target))
 

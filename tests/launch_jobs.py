@@ -57,3 +57,24 @@ def al_layers() -> list[nn.Module]:
     blocks = [nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU()), nn.Sequential(nn.Linear(16, 12), nn.ReLU()),
               nn.Sequential(nn.Linear(12, 8), nn.Tanh())]
     return build_al(blocks, [16, 12, 8], CLASSES, label_widths=[8, 6, 6])
+
+
+class SplitInput(nn.Module):
+    """Stage 0 of pair_stages: takes x as (first half of the features, {"rest": second half})."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(FEATURES // 2, 16)
+        self.b = nn.Linear(FEATURES - FEATURES // 2, 16)
+
+    def forward(self, first: torch.Tensor, extra: dict) -> torch.Tensor:
+        return torch.relu(self.a(first) + self.b(extra["rest"]))
+
+
+def pair_stages() -> list[nn.Module]:
+    return [SplitInput(), nn.Linear(16, CLASSES)]
+
+
+def pair_batches(epoch: int) -> list[tuple[tuple, torch.Tensor]]:
+    """train_batches with x as a tuple (features[:4], {"rest": features[4:]})."""
+    return [((x[:, :FEATURES // 2], {"rest": x[:, FEATURES // 2:]}), y) for x, y in train_batches(epoch)]

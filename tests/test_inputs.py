@@ -222,3 +222,25 @@ def test_an_unsendable_stage_output_names_itself():
     runner = pipeq.PipelineRunner([Bad(), nn.Linear(2, 2)], nn.MSELoss(), SGD, mode="simulated")
     with runner, pytest.raises(PipelineError, match="stage 0.*is a object"):
         runner.step(torch.zeros(4, 2), torch.zeros(4, 2))
+
+
+@pytest.mark.timeout(120)
+def test_a_launched_job_trains_on_tuple_batches(tmp_path):
+    """A job's data may give x as a tuple / dict: the launched run equals a runner's steps."""
+    from launch_util import model_state
+    from test_schedulers import launch, write
+
+    import launch_jobs
+
+    out = tmp_path / "out"
+    launch(write(tmp_path, 'stages = "launch_jobs:pair_stages"\nloss = "torch.nn:CrossEntropyLoss"\n'
+                 'optimizer = "torch.optim:SGD"\noptimizer_args = { lr = 0.1 }\ndata = "launch_jobs:pair_batches"\n'
+                 f'microbatches = 3\nsteps = 3\nseed = 0\nout = "{out}"\n'))
+    torch.manual_seed(0)
+    runner = pipeq.PipelineRunner(launch_jobs.pair_stages(), nn.CrossEntropyLoss(),
+                                  functools.partial(torch.optim.SGD, lr=0.1), "1f1b", 3, mode="simulated")
+    with runner:
+        for x, y in launch_jobs.pair_batches(0)[:3]:
+            runner.step(x, y)
+        want = runner.state_dict()
+    assert_states_close(model_state(str(out)), want, atol=1e-6)
