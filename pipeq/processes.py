@@ -8,6 +8,7 @@ are numbered ``g = replica * n_stages + stage``; :func:`worker_configs` is the o
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -109,15 +110,20 @@ def worker_configs(
     ]
 
 
-def job_identity(payload: "bytes | StageBuilder", schedule: Any) -> dict[str, Any]:
-    """What every node of a multi-host run must agree on (compared by the agents)."""
+def job_identity(payload: "bytes | StageBuilder", schedule: Any, numerics: Numerics | None = None) -> dict[str, Any]:
+    """What every node of a multi-host run must agree on (compared by the agents): the schedule
+    and its options, the recipe, and how the stages compute (precision, clipping...)."""
+    import dataclasses
+
     from .trace import schedule_label
 
     recipe = payload.describe() if isinstance(payload, StageBuilder) else {}
     schedule = schedules.resolve(schedule)
     # the options too: "async" with and without weight stashing share a name, not a plan
+    plain = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v  # inf: JSON has none
+             for k, v in dataclasses.asdict(numerics or Numerics()).items()}
     return {"schedule": schedule_label(schedule), "schedule_options": schedules.options_of(schedule),
-            "recipe": recipe}
+            "recipe": recipe, "numerics": plain}
 
 
 def exit_reason(code: int) -> str:
