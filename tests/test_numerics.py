@@ -267,3 +267,23 @@ def test_a_job_with_bad_numerics_is_refused_naming_the_setting(tmp_path, capsys,
 
     assert launch_code(write(tmp_path, MLP + line + f'\nsteps = 1\nout = "{tmp_path / "out"}"\n')) == 2
     assert message in capsys.readouterr().err
+
+
+def test_nodes_compare_how_their_stages_compute():
+    """A node whose job file says another precision (or clipping...) is refused by the agent's
+    comparison of the job identities, naming the setting: it would train apart."""
+    import json
+
+    from pipeq.agent import _differences
+    from pipeq.processes import job_identity
+
+    def identity(**kw):  # as it comes through the signed JSON store entry
+        return json.loads(json.dumps(job_identity(b"", "1f1b", numerics.check(**{
+            "precision": "fp32", "clip_grad_norm": None, "clip_norm_type": 2.0, "check_finite": False,
+            "recompute": False, "n_stages": 2, **kw})), allow_nan=False))
+
+    assert _differences(identity(), identity()) == []
+    assert _differences(identity(precision="bf16"), identity()) == [
+        "numerics.precision is 'bf16' on node 0 but 'fp32' here"]
+    assert _differences(identity(clip_grad_norm=1.0, clip_norm_type=math.inf), identity(clip_grad_norm=1.0)) == [
+        "numerics.clip_norm_type is 'inf' on node 0 but 2.0 here"]
