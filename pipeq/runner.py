@@ -121,7 +121,7 @@ class PipelineRunner:
             the gradients, and fail with a PipelineError naming the stage and microbatch where the
             first NaN or Inf appeared, before any optimizer step changes a weight. ``"skip"``:
             skip the optimizer step on every stage when any gradient is not finite (the step's loss
-            is then NaN or Inf; ``runner.skipped_steps`` counts them). Default False: no checks.
+            may be anything; :meth:`stats` counts the skipped steps). Default False: no checks.
         recompute: True, or one boolean per stage: the stage keeps only its inputs between a
             microbatch's forward and backward and recomputes the forward in the backward (the same
             RNG state, so the same dropout masks): the same numbers, less activation memory.

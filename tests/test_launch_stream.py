@@ -282,7 +282,10 @@ def test_nodes_compare_schedule_options() -> None:
     assert job_identity(b"", stash) != job_identity(b"", no_stash)
     assert job_identity(b"", "async") == job_identity(b"", stash)
     assert job_identity(b"", Interlock("nwise", distance=2))["schedule_options"] == {"distance": 2}
-    assert job_identity(b"", "1f1b") == {"schedule": "1f1b", "schedule_options": {}, "recipe": {}}
+    plain = job_identity(b"", "1f1b")
+    assert {k: plain[k] for k in ("schedule", "schedule_options", "recipe")} == {
+        "schedule": "1f1b", "schedule_options": {}, "recipe": {}}
+    assert plain["numerics"]["precision"] == "fp32" and plain["numerics"]["clip_grad_norm"] is None
 
 
 def test_pairwise_example_job_names_its_heads() -> None:
