@@ -462,13 +462,11 @@ def _batch_part(xs: list[torch.Tensor] | None, x_tree: Any, ts: list[torch.Tenso
     (the stages that compute a loss), and their trees when they are not a lone tensor."""
     tensors: list[torch.Tensor] = []
     extra: dict[str, Any] = {}
-    if xs is not None:
+    if xs is not None:  # (without x the stage reads no x tensors: nx defaults to 0, 1 with a lone x)
         tensors += xs
         if x_tree is not None:
             extra["x"] = x_tree
             extra["nx"] = len(xs)
-    else:
-        extra["nx"] = 0
     if ts is not None:
         tensors += ts
         if t_tree is not None:

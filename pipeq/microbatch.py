@@ -164,20 +164,27 @@ def pack(value: Any) -> tuple[list[torch.Tensor], Any]:
         return [value], None
     tensors: list[torch.Tensor] = []
 
-    def node(v: Any) -> Any:
+    def node(v: Any, path: str, depth: int) -> Any:  # one walk: described and checked at once
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{path} is nested more than {MAX_DEPTH} levels deep")
         if isinstance(v, torch.Tensor):
             tensors.append(v)
             return ["T", len(tensors) - 1]
-        if isinstance(v, tuple):
-            return ["t", [node(e) for e in v]]
-        if isinstance(v, list):
-            return ["l", [node(e) for e in v]]
+        if isinstance(v, (tuple, list)):
+            return ["t" if isinstance(v, tuple) else "l",
+                    [node(e, f"{path}[{i}]", depth + 1) for i, e in enumerate(v)]]
         if isinstance(v, dict):
-            return ["d", [[k, node(e)] for k, e in v.items()]]
+            for k in v:
+                if not isinstance(k, str):
+                    raise ValueError(f"{path} has the key {k!r}: pipeq passes dicts with string keys only")
+            return ["d", [[k, node(e, f"{path}[{k!r}]", depth + 1)] for k, e in v.items()]]
+        if not isinstance(v, CONSTANTS):
+            raise ValueError(
+                f"{path} is a {type(v).__name__}: pipeq passes tensors, tuples, lists and dicts of them, "
+                "and constants (None, bool, int, float, str)")
         return ["c", v]
 
-    _walk(value, "value", lambda _, t: None)  # refuses what cannot travel, naming it
-    return tensors, node(value)
+    return tensors, node(value, "value", 0)
 
 
 def pack_output(out: Any) -> tuple[tuple[torch.Tensor, ...], Any]:

@@ -10,6 +10,7 @@ what each stage process is started with.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import math
 import os
@@ -312,8 +313,7 @@ def check_numerics(schedule: Any, n_stages: int, devices: Sequence[str] | None, 
     nm = numerics.check(given["precision"], given["clip_grad_norm"], given["clip_norm_type"],
                         given["check_finite"], given["recompute"], n_stages)
     if schedules.is_research(schedule) and nm != numerics.Numerics():
-        used = [k for k, v in given.items() if v != getattr(numerics.Numerics(), k, None)
-                and not (k == "recompute" and v is False)]
+        used = [f.name for f in dataclasses.fields(nm) if getattr(nm, f.name) != getattr(numerics.Numerics(), f.name)]
         raise ValueError(
             f"{', '.join(used)}: schedule {schedules.schedule_name(schedule)!r} computes its own way (its "
             "own losses, updates or recomputation); these options run with fill-drain, 1F1B and your own "

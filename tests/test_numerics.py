@@ -287,3 +287,10 @@ def test_nodes_compare_how_their_stages_compute():
         "numerics.precision is 'bf16' on node 0 but 'fp32' here"]
     assert _differences(identity(clip_grad_norm=1.0, clip_norm_type=math.inf), identity(clip_grad_norm=1.0)) == [
         "numerics.clip_norm_type is 'inf' on node 0 but 2.0 here"]
+
+
+@pytest.mark.parametrize("schedule", ["async", "global"])
+def test_schedules_that_compute_their_own_way_refuse_the_options_naming_them(schedule):
+    with pytest.raises(ValueError, match=rf"^clip_grad_norm, recompute: schedule '{schedule}' computes its own way"):
+        pipeq.PipelineRunner(mlp(), nn.CrossEntropyLoss(), SGD, schedule, mode="simulated", clip_grad_norm=1.0,
+                             recompute=True)
