@@ -8,6 +8,12 @@ Everything pipeq sends between processes goes through :func:`encode` and comes b
                  extra   = dict of small plain values (str keys) or nil
     frame 1.. the raw bytes of tensor 0, tensor 1, ... (C-contiguous, native little-endian)
 
+On one host, a message's large tensors may travel through a shared-memory slot instead
+(:mod:`pipeq.shm`): their entries get a fourth element ``1`` (``[dtype_code, shape, nbytes, 1]``),
+they have no frame, and ``extra["@slot"] = [slot, generation]`` names the slot, whose reader
+(``take``) the receiving transport hands to :func:`decode`; their offsets in the slot follow from
+the validated sizes alone, never from the header.
+
 Sending is zero-copy: a frame is a view over the tensor's own memory (the transport passes it to
 ZeroMQ with ``copy=False``). Receiving is zero-copy too: a tensor is rebuilt over the received
 frame's buffer. Every field is validated before any tensor is built; a bad message raises a
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import torch
@@ -33,6 +39,7 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 1 << 16  # a stage's whole state_dict travels in one message
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 40
+SLOT_KEY = "@slot"  # extra's key naming a message's shared-memory slot (see the module docstring)
 
 
 class VersionError(CodecError):
@@ -83,8 +90,8 @@ if sys.byteorder != "little":  # pragma: no cover - every platform torch ships f
     raise ImportError("pipeq's wire format is little-endian; this host is big-endian")
 
 
-def tensor_frame(t: torch.Tensor) -> Any:
-    """A buffer over ``t``'s memory (no copy when ``t`` is a contiguous CPU tensor)."""
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor (a view when ``t`` is a contiguous CPU tensor)."""
     if t.layout is not torch.strided:
         raise CodecError(f"only dense tensors can be sent, got layout {t.layout}")
     if t.device.type != "cpu":
@@ -93,8 +100,19 @@ def tensor_frame(t: torch.Tensor) -> Any:
         t = t.detach()
     if not t.is_contiguous() or t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg().contiguous()
-    # uint8 view works for every dtype (bool, bfloat16 included) and numpy exports the buffer.
-    return t.reshape(-1).view(torch.uint8).numpy()
+    # uint8 view works for every dtype (bool, bfloat16 included)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def tensor_frame(t: torch.Tensor) -> Any:
+    """A buffer over ``t``'s memory (no copy when ``t`` is a contiguous CPU tensor)."""
+    return _flat(t).numpy()
+
+
+#: ``place(buffers) -> [slot, generation]``: copies flat uint8 tensors into a shared-memory slot
+Place = Callable[[list[torch.Tensor]], "tuple[int, int] | list[int]"]
+#: ``take(slot_ref, sizes) -> buffers``: the tensors' bytes out of the slot a header names
+Take = Callable[[Any, list[int]], Sequence[Any]]
 
 
 def encode(
@@ -103,19 +121,31 @@ def encode(
     microbatch: int = 0,
     tensors: Sequence[torch.Tensor] = (),
     extra: dict[str, Any] | None = None,
+    place: Place | None = None,
+    min_bytes: int = 0,
 ) -> list[Any]:
-    """Encode one message into frames: ``[header, tensor buffers...]``."""
+    """Encode one message into frames: ``[header, tensor buffers...]``. With ``place``, the
+    tensors of at least ``min_bytes`` bytes go into one shared-memory slot instead of frames."""
     if len(tensors) > MAX_TENSORS:
         raise CodecError(f"a message carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
-    metas = []
+    metas: list[Any] = []
     frames: list[Any] = [b""]
+    slotted: list[torch.Tensor] = []
     for t in tensors:
         code = _CODE_OF.get(t.dtype)
         if code is None:
             raise DtypeError(f"dtype {t.dtype} cannot be sent; supported: {list(_CODE_OF)}")
-        buf = tensor_frame(t)
-        metas.append((code, tuple(t.shape), buf.nbytes))
-        frames.append(buf)
+        flat = _flat(t)
+        n = flat.numel()
+        if place is not None and n >= min_bytes and n:
+            metas.append((code, tuple(t.shape), n, 1))
+            slotted.append(flat)
+        else:
+            metas.append((code, tuple(t.shape), n))
+            frames.append(flat.numpy())
+    if slotted:
+        assert place is not None
+        extra = {**(extra or {}), SLOT_KEY: list(place(slotted))}
     frames[0] = msgpack.packb((FORMAT_VERSION, int(kind), step, microbatch, metas, extra))
     return frames
 
@@ -133,8 +163,10 @@ def _check_int(name: str, value: Any) -> int:
     return value
 
 
-def decode(frames: Sequence[Any]) -> Message:
-    """Validate and decode frames into a :class:`Message`; raises a :class:`CodecError` subclass."""
+def decode(frames: Sequence[Any], take: Take | None = None) -> Message:
+    """Validate and decode frames into a :class:`Message`; raises a :class:`CodecError` subclass.
+    ``take`` reads tensors out of the shared-memory slot a header names (without it, a header
+    naming one is refused)."""
     if not frames:
         raise FrameCountError("empty message: no header frame")
     head = _buffer(frames[0])
@@ -159,19 +191,17 @@ def decode(frames: Sequence[Any]) -> Message:
         extra = {}
     elif type(extra) is not dict:
         raise HeaderError("header field 'extra' must be a map or nil")
+    slot = extra.pop(SLOT_KEY, None)
     if type(metas) is not list:
         raise HeaderError("header field 'tensors' must be an array")
     if len(metas) > MAX_TENSORS:
         raise FrameCountError(f"{len(metas)} tensors is over the limit of {MAX_TENSORS}")
-    if len(frames) != len(metas) + 1:
-        raise FrameCountError(
-            f"header announces {len(metas)} tensor frame(s) but {len(frames) - 1} arrived"
-        )
-    tensors = []
+    checked = []
     for i, meta in enumerate(metas):
-        if type(meta) is not list or len(meta) != 3:
-            raise HeaderError(f"tensor {i}: entry must be [dtype, shape, nbytes]")
-        code, shape, nbytes = meta
+        if type(meta) is not list or not (len(meta) == 3 or (len(meta) == 4 and meta[3] == 1 and type(meta[3]) is int)):
+            raise HeaderError(f"tensor {i}: entry must be [dtype, shape, nbytes] (or [dtype, shape, nbytes, 1] "
+                              "for one in shared memory)")
+        code, shape, nbytes = meta[:3]
         if type(code) is not int or not 0 <= code < len(_DTYPES):
             raise DtypeError(f"tensor {i}: unknown dtype code {code!r}")
         if type(shape) is not list or len(shape) > MAX_NDIM:
@@ -183,15 +213,39 @@ def decode(frames: Sequence[Any]) -> Message:
         if math.prod(max(d, 1) for d in shape) * _ITEMSIZE[code] > MAX_TENSOR_BYTES:
             raise ShapeError(f"tensor {i}: shape {shape} is absurdly large")
         expected = math.prod(shape) * _ITEMSIZE[code]
-        buf = _buffer(frames[i + 1])
-        if nbytes != expected or len(buf) != expected:
-            raise FrameLengthError(
-                f"tensor {i}: shape {shape} x {_ITEMSIZE[code]} bytes = {expected} bytes, "
-                f"header says {nbytes!r}, frame has {len(buf)}"
-            )
+        if nbytes != expected or (len(meta) == 4 and expected == 0):
+            raise FrameLengthError(f"tensor {i}: shape {shape} x {_ITEMSIZE[code]} bytes = {expected} bytes, "
+                                   f"header says {nbytes!r}")
+        checked.append((code, shape, expected, len(meta) == 4))
+    in_slot = [c[2] for c in checked if c[3]]
+    if len(frames) != len(checked) - len(in_slot) + 1:
+        raise FrameCountError(
+            f"header announces {len(checked) - len(in_slot)} tensor frame(s) but {len(frames) - 1} arrived"
+        )
+    slot_bufs: Sequence[Any] = ()
+    if in_slot or slot is not None:
+        if not in_slot or slot is None:
+            raise HeaderError("a shared-memory slot and the tensors in it must come together")
+        if take is None:
+            raise HeaderError("the message names a shared-memory slot, which this channel does not take")
+        slot_bufs = take(slot, in_slot)
+    tensors = []
+    f = s = 0
+    for i, (code, shape, expected, shared) in enumerate(checked):
+        if shared:
+            buf = slot_bufs[s]
+            s += 1
+        else:
+            f += 1
+            buf = _buffer(frames[f])
+            if len(buf) != expected:
+                raise FrameLengthError(f"tensor {i}: shape {shape} x {_ITEMSIZE[code]} bytes = {expected} bytes, "
+                                       f"frame has {len(buf)}")
         dtype = _DTYPES[code]
         if expected == 0:
             t = torch.empty(shape, dtype=dtype)
+        elif isinstance(buf, torch.Tensor):
+            t = buf.view(dtype).view(shape)
         else:
             if buf.readonly:  # bytes from a file or a test; ZeroMQ frames are writable
                 buf = memoryview(bytearray(buf))

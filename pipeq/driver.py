@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import microbatch
+from . import microbatch, shm
 from . import rendezvous as rdzv
 from .batching import Shard
 from .errors import PipelineError
@@ -231,6 +231,8 @@ class ProcessBackend:
         if self.server is not None:
             self.server.close(linger_ms=500 if self.rendezvous is not None else 0)
             self.server = None
+        if self.ipc_dir is not None:  # segments no stage got to unlink (a stage killed early)
+            shm.remove_segments(shm.run_prefix(self.ipc_dir))
         remove_ipc_dir(self.ipc_dir)
         self.ipc_dir = None
 

@@ -389,6 +389,7 @@ class Job:
     data_parallel: int = 1
     tcp_security: str = "encrypt"  # multi-host: "encrypt" or "authenticate" (pipeq.transport)
     max_message_mb: int = 256
+    shm_slots: int = 4  # one host: shared-memory slots per data channel (PipelineRunner's shm_slots)
     data_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of data(epoch)
     eval_data_args: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)  # name -> "pkg.mod:fn", (output, target) -> float
@@ -526,7 +527,7 @@ _JOB_KEYS = {
     "log_every": int, "placement": dict,
     "threads_per_stage": int, "heartbeat_timeout": (int, float), "start_timeout": (int, float),
     "step_timeout": (int, float),
-    "trace": str, "data_parallel": int, "tcp_security": str, "max_message_mb": int,
+    "trace": str, "data_parallel": int, "tcp_security": str, "max_message_mb": int, "shm_slots": int,
     "data_args": dict, "eval_data_args": dict, "metrics": dict, "lr_scheduler_monitor": str,
     "precision": str, "clip_grad_norm": (int, float), "clip_norm_type": (int, float), "check_finite": (bool, str),
     "recompute": (bool, list),

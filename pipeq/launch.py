@@ -465,7 +465,8 @@ class Trainer:
                 step_timeout=job.step_timeout or None,  # 0 in the job file: off
                 start_timeout=job.start_timeout, rendezvous=self.rz, placement=job.placement,
                 trace=job.trace, data_parallel=job.data_parallel, start_method="forkserver",
-                tcp_security=job.tcp_security, max_message_mb=job.max_message_mb, **job.numerics_args(),
+                tcp_security=job.tcp_security, max_message_mb=job.max_message_mb, shm_slots=job.shm_slots,
+                **job.numerics_args(),
             )
             if job.lr_scheduler_monitor is not None and not runner.lr_schedule.takes_metric:
                 raise ValueError(f"lr_scheduler_monitor = {job.lr_scheduler_monitor!r}, but {job.recipe.lr_scheduler} "

@@ -265,7 +265,7 @@ def check_run(
     n_stages: int, microbatches: int, *, mode: str, devices: Sequence[str] | None, threads_per_stage: Any,
     transport: str, start_method: str, queue_capacity: Any, trace: Any, heartbeat_interval: float,
     heartbeat_timeout: float, tcp_security: str = "encrypt", max_message_mb: Any = 256,
-    step_timeout: Any = None,
+    step_timeout: Any = None, shm_slots: Any = 4,
 ) -> None:
     """The process settings of :class:`~pipeq.PipelineRunner` (see its docstring)."""
     if type(microbatches) is not int or microbatches < 1:
@@ -278,6 +278,8 @@ def check_run(
         raise ValueError(f"tcp_security must be one of {SECURITY_MODES}, got {tcp_security!r}")
     if type(max_message_mb) is not int or not 1 <= max_message_mb <= 1 << 20:
         raise ValueError(f"max_message_mb must be a whole number of MiB from 1 to 1048576, got {max_message_mb!r}")
+    if type(shm_slots) is not int or not 0 <= shm_slots <= 64:
+        raise ValueError(f"shm_slots must be a whole number from 0 (no shared memory) to 64, got {shm_slots!r}")
     if threads_per_stage is not None and (type(threads_per_stage) is not int or threads_per_stage < 1):
         raise ValueError(f"threads_per_stage must be a positive integer, got {threads_per_stage!r}")
     if start_method not in START_METHODS:

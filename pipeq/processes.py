@@ -40,6 +40,7 @@ class StageSettings:
     tcp_security: str = "encrypt"  # see pipeq.transport.WireAuth
     max_message_mb: int = 256  # the largest tensor frame a stage accepts from a peer
     numerics: Numerics = Numerics()  # precision, clipping, checks, recomputation (pipeq.numerics)
+    shm_slots: int = 4  # shared-memory slots per data channel on one host (pipeq.shm); 0: none
 
 
 def plan_devices(
@@ -105,6 +106,7 @@ def worker_configs(
             die_with_parent=die_with_parent, driver_pid=os.getpid(), seed=seed_of(g),
             store=rendezvous.store_address() if rendezvous is not None else None,
             trace=settings.trace, replica=g // n_stages, replicas=replicas, numerics=settings.numerics,
+            shm_slots=settings.shm_slots,
         )
         for g, (dev, cores, threads) in zip(processes, plan)
     ]

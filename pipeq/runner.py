@@ -77,6 +77,10 @@ class PipelineRunner:
             this runner makes one, a multi-host run takes it from ``rendezvous.secret``.
         max_message_mb: the largest tensor (MiB) one stage sends another; a larger frame is
             refused by the receiving stage before it is buffered, and the sender fails naming it.
+        shm_slots: with ``transport="ipc"``, a message's tensors of 64 KiB or more cross to the
+            next (previous) stage through shared memory: each channel has this many reusable
+            slots (a sender waits while all are in use), 0 sends everything in ZeroMQ frames
+            (:mod:`pipeq.shm`). Other transports ignore it.
         heartbeat_interval, heartbeat_timeout: seconds; a stage silent for longer is failed.
         step_timeout: seconds a stage may spend in one compute action (a forward, a backward, an
             optimizer step) before the run fails with a PipelineError naming the stage and the
@@ -159,6 +163,7 @@ class PipelineRunner:
         host: str = "127.0.0.1",
         tcp_security: str = "encrypt",
         max_message_mb: int = 256,
+        shm_slots: int = 4,
         queue_capacity: int | None = None,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 15.0,
@@ -197,7 +202,7 @@ class PipelineRunner:
                           threads_per_stage=threads_per_stage, transport=transport, start_method=start_method,
                           queue_capacity=queue_capacity, trace=trace, heartbeat_interval=heartbeat_interval,
                           heartbeat_timeout=heartbeat_timeout, tcp_security=tcp_security,
-                          max_message_mb=max_message_mb, step_timeout=step_timeout)
+                          max_message_mb=max_message_mb, step_timeout=step_timeout, shm_slots=shm_slots)
         self.numerics = options.check_numerics(schedule, model.n_stages, devices, precision=precision,
                                                clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
                                                check_finite=check_finite, recompute=recompute)
@@ -217,7 +222,7 @@ class PipelineRunner:
 
             settings = StageSettings(devices, threads_per_stage, queue_capacity or max(64, 4 * microbatches),
                                      heartbeat_interval, spin, trace is not None, tcp_security, max_message_mb,
-                                     self.numerics)
+                                     self.numerics, shm_slots)
             self._backend = ProcessBackend(
                 options.process_payloads(model, schedule), schedule, settings, replicas=data_parallel,
                 loss_stages=schedules.loss_stages(schedule, model.n_stages),

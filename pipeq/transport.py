@@ -63,6 +63,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import codec
 from .keys import JobSecret
+from .shm import ShmConfig, SlotReader, SlotWriter
 from .messages import Kind, Message
 
 #: Socket-level buffering. ZeroMQ's high-water marks stay far above what the keyed queues allow,
@@ -353,7 +354,7 @@ class _FrameMac:
         return frames[1:]
 
 
-def _decode(frames: Sequence[Any]) -> Message:
+def _decode(frames: Sequence[Any], take: codec.Take | None = None) -> Message:
     """:func:`codec.decode`, with every small tensor at torch's alignment.
 
     ZeroMQ hands over a small frame where it lies in its 8 KiB receive buffer, at an address that
@@ -363,7 +364,7 @@ def _decode(frames: Sequence[Any]) -> Message:
     copied (under 64 KiB: microseconds). A larger frame has a ZeroMQ allocation of its own, always at the
     same offset from malloc's 16-byte alignment, and is used in place (zero copy).
     """
-    msg = codec.decode(frames)
+    msg = codec.decode(frames, take)
     if any(t.data_ptr() % _ALIGN and t.nbytes < _COPY_BELOW for t in msg.tensors):
         msg.tensors = [t.clone() if t.data_ptr() % _ALIGN and t.nbytes < _COPY_BELOW else t
                        for t in msg.tensors]
@@ -387,8 +388,10 @@ class StageTransport:
 
     def __init__(
         self, process: int, control_addr: str, *, bind: BindTo, queue_capacity: int, spin_s: float = 0.0,
-        auth: WireAuth | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME,
+        auth: WireAuth | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME, shm: ShmConfig | None = None,
     ) -> None:
+        """``shm``: large tensors to and from this stage's neighbours travel through shared
+        memory (:mod:`pipeq.shm`; ipc only: every neighbour is on this host)."""
         self.process = process
         self.auth = auth
         self.max_frame_bytes = max_frame_bytes
@@ -421,6 +424,15 @@ class StageTransport:
         self._mac_bwd = _FrameMac(auth, f"B{process}") if macs else None
         self.fwd_out: zmq.Socket | None = None
         self.bwd_out: zmq.Socket | None = None
+        if shm is not None and tcp:
+            raise ValueError("shared-memory payloads are for one host (ipc); a tcp stage sends frames")
+        self.shm = shm
+        where = f"stage process {process}"
+        # a message on fwd_in comes from process - 1's forward output, on bwd_in from process + 1's backward
+        self._readers = {self.fwd_in: SlotReader(shm, f"F{process - 1}", where),
+                         self.bwd_in: SlotReader(shm, f"B{process + 1}", where)} if shm is not None else {}
+        self._slots_fwd: SlotWriter | None = None
+        self._slots_bwd: SlotWriter | None = None
         self.forward_queue = KeyedQueue(f"stage process {process} forward", queue_capacity)
         self.backward_queue = KeyedQueue(f"stage process {process} backward", queue_capacity)
         self.control_queue: collections.deque[Message] = collections.deque()
@@ -436,11 +448,27 @@ class StageTransport:
             tune_socket(self.fwd_out)
             secure_client(self.fwd_out, self.auth, next_forward, data=True)
             self.fwd_out.connect(next_forward)
+            if self.shm is not None:
+                self._slots_fwd = SlotWriter(self.shm, f"F{self.process}", self._idle)
         if prev_backward:
             self.bwd_out = self.ctx.socket(zmq.PUSH)
             tune_socket(self.bwd_out)
             secure_client(self.bwd_out, self.auth, prev_backward, data=True)
             self.bwd_out.connect(prev_backward)
+            if self.shm is not None:
+                self._slots_bwd = SlotWriter(self.shm, f"B{self.process}", self._idle)
+
+    def _idle(self) -> None:
+        """Every shared-memory slot of a channel is busy: file what has arrived meanwhile (its
+        slots are freed, so two stages sending to each other never wait on each other) and give
+        up on the driver's EXIT."""
+        self.pump(1)
+        self._check_exit()
+
+    @property
+    def shm_waits(self) -> int:
+        """How often a send found every shared-memory slot of its channel busy."""
+        return sum(w.waits for w in (self._slots_fwd, self._slots_bwd) if w is not None)
 
     @property
     def dropped(self) -> int:
@@ -448,11 +476,18 @@ class StageTransport:
         return sum(m.dropped for m in self._mac_in.values())
 
     def _data_frames(self, kind: Kind, step: int, mb: int, tensors: Sequence[torch.Tensor],
-                     mac: "_FrameMac | None", extra: dict[str, Any] | None = None) -> list[Any]:
-        frames = codec.encode(kind, step, mb, tensors, extra)
-        for i, f in enumerate(frames[1:]):
+                     mac: "_FrameMac | None", extra: dict[str, Any] | None = None,
+                     slots: SlotWriter | None = None) -> list[Any]:
+        place = None
+        if slots is not None:
+            low = slots.cfg.min_bytes
+            big = sum(n for n in (t.numel() * t.element_size() for t in tensors) if n >= low)
+            if big and slots.fits(big):
+                place = slots.put
+        frames = codec.encode(kind, step, mb, tensors, extra, place, slots.cfg.min_bytes if place else 0)
+        for f in frames[1:]:
             if f.nbytes > self.max_frame_bytes:
-                t = tensors[i]
+                t = next(t for t in tensors if t.numel() * t.element_size() == f.nbytes)
                 raise ValueError(
                     f"stage process {self.process}: the {kind.name.lower()} of step {step} microbatch {mb} "
                     f"holds a tensor of {f.nbytes / 2**20:.1f} MiB (shape {list(t.shape)}, {t.dtype}), over "
@@ -468,12 +503,13 @@ class StageTransport:
         (:mod:`pipeq.microbatch`), sent in the header."""
         assert self.fwd_out is not None, "stage has no next stage"
         extra = {"tree": tree} if tree is not None else None
-        self.fwd_out.send_multipart(self._data_frames(Kind.ACTIVATION, step, mb, tensors, self._mac_fwd, extra),
-                                    copy=False)
+        self.fwd_out.send_multipart(self._data_frames(Kind.ACTIVATION, step, mb, tensors, self._mac_fwd, extra,
+                                                      self._slots_fwd), copy=False)
 
     def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         assert self.bwd_out is not None, "stage has no previous stage"
-        self.bwd_out.send_multipart(self._data_frames(Kind.GRADIENT, step, mb, tensors, self._mac_bwd), copy=False)
+        self.bwd_out.send_multipart(self._data_frames(Kind.GRADIENT, step, mb, tensors, self._mac_bwd, None,
+                                                      self._slots_bwd), copy=False)
 
     def send_control(self, msg: Message) -> None:
         """Send ``msg`` to the driver (replies, errors)."""
@@ -492,7 +528,8 @@ class StageTransport:
                 frames = mac.open(frames)
                 if frames is None:
                     continue  # forged, replayed or garbage: dropped (counted in ``dropped``)
-            msg = _decode(frames)
+            reader = self._readers.get(sock)
+            msg = _decode(frames, reader.take if reader is not None else None)
             if sock is self.ctrl:
                 self.control_queue.append(msg)
             elif sock is self.fwd_in:
@@ -548,6 +585,11 @@ class StageTransport:
         for s in (self.ctrl, self.fwd_in, self.bwd_in, self.fwd_out, self.bwd_out):
             if s is not None:
                 s.close(linger=linger_ms)
+        for w in (self._slots_fwd, self._slots_bwd):
+            if w is not None:
+                w.close()
+        for reader in self._readers.values():
+            reader.close()
         if self._gate is not None:
             self._gate.stop()
         self.ctx.term()

@@ -45,13 +45,14 @@ from typing import Any, Callable
 
 import torch
 
-from . import microbatch, schedules, trace
+from . import microbatch, schedules, shm, trace
 from .dataparallel import Replicas
 from .executors import StageBuilder, StageSpec, make_executor
 from .interpreter import EMIT, StagePlan, execute
 from .numerics import Numerics
 from .messages import Kind, Message, tree_message, tree_of
 from .schedules import Op
+from .shm import ShmConfig
 from .stage import StageExecutor
 from .transport import (BindTo, Heartbeat, StageTransport, Stopped, WireAuth, remove_ipc_dir,
                         tune_process_allocator)
@@ -86,6 +87,13 @@ class WorkerConfig:
     replica: int = 0
     replicas: int = 1
     numerics: Numerics = field(default_factory=Numerics)  # precision, clipping, checks (pipeq.numerics)
+    shm_slots: int = 4  # ipc: shared-memory slots per data channel (pipeq.shm); 0: ZeroMQ frames only
+
+    def shm(self) -> ShmConfig | None:
+        """This process's shared-memory payloads: on one host (ipc), where the host has them."""
+        if self.bind.scheme != "ipc" or self.shm_slots < 1 or not shm.available():
+            return None
+        return ShmConfig(shm.run_prefix(self.bind.ipc_dir), self.shm_slots, max_bytes=self.max_frame_bytes)
 
 
 def _die_with_parent() -> None:
@@ -116,6 +124,8 @@ def _can_watch(pid: int) -> bool:
 
 def _orphaned(cfg: WorkerConfig) -> None:
     """The driver is gone (killed, most likely): clean up what it cannot any more, and exit."""
+    if cfg.bind.scheme == "ipc":
+        shm.remove_segments(shm.run_prefix(cfg.bind.ipc_dir))
     remove_ipc_dir(cfg.bind.ipc_dir)
     os._exit(3)
 
@@ -377,7 +387,7 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
     pin_cpu(cfg)
     transport = StageTransport(cfg.process, cfg.control_addr, bind=cfg.bind,
                                queue_capacity=cfg.queue_capacity, spin_s=cfg.spin_s, auth=cfg.auth,
-                               max_frame_bytes=cfg.max_frame_bytes)
+                               max_frame_bytes=cfg.max_frame_bytes, shm=cfg.shm())
     heartbeat = None
     loop: EventLoop | None = None
     replicas: Replicas | None = None
