@@ -12,7 +12,8 @@ On one host, a message's large tensors may travel through a shared-memory slot i
 (:mod:`pipeq.shm`): their entries get a fourth element ``1`` (``[dtype_code, shape, nbytes, 1]``),
 they have no frame, and ``extra["@slot"] = [slot, generation]`` names the slot, whose reader
 (``take``) the receiving transport hands to :func:`decode`; their offsets in the slot follow from
-the validated sizes alone, never from the header.
+the validated sizes alone, never from the header. CUDA tensors between GPUs of one host likewise:
+fourth element ``2``, ``extra["@cuda"]`` (the slot and its CUDA IPC handles), ``take_device``.
 
 Sending is zero-copy: a frame is a view over the tensor's own memory (the transport passes it to
 ZeroMQ with ``copy=False``). Receiving is zero-copy too: a tensor is rebuilt over the received
@@ -40,6 +41,8 @@ MAX_TENSORS = 1 << 16  # a stage's whole state_dict travels in one message
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 40
 SLOT_KEY = "@slot"  # extra's key naming a message's shared-memory slot (see the module docstring)
+CUDA_KEY = "@cuda"  # extra's key naming a message's CUDA slot (same host, CUDA IPC)
+_IN_SLOT, _IN_CUDA = 1, 2  # a tensor entry's fourth element: where its bytes are
 
 
 class VersionError(CodecError):
@@ -94,8 +97,6 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a flat uint8 tensor (a view when ``t`` is a contiguous CPU tensor)."""
     if t.layout is not torch.strided:
         raise CodecError(f"only dense tensors can be sent, got layout {t.layout}")
-    if t.device.type != "cpu":
-        raise CodecError(f"tensor on {t.device} must be moved to the CPU before encoding")
     if t.requires_grad:
         t = t.detach()
     if not t.is_contiguous() or t.is_conj() or t.is_neg():
@@ -106,6 +107,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_frame(t: torch.Tensor) -> Any:
     """A buffer over ``t``'s memory (no copy when ``t`` is a contiguous CPU tensor)."""
+    if t.device.type != "cpu":
+        raise CodecError(f"tensor on {t.device} must be moved to the CPU before encoding")
     return _flat(t).numpy()
 
 
@@ -123,29 +126,44 @@ def encode(
     extra: dict[str, Any] | None = None,
     place: Place | None = None,
     min_bytes: int = 0,
+    place_device: Place | None = None,
 ) -> list[Any]:
     """Encode one message into frames: ``[header, tensor buffers...]``. With ``place``, the
-    tensors of at least ``min_bytes`` bytes go into one shared-memory slot instead of frames."""
+    tensors of at least ``min_bytes`` bytes go into one shared-memory slot instead of frames;
+    with ``place_device``, CUDA tensors go into a CUDA slot (else they are refused)."""
     if len(tensors) > MAX_TENSORS:
         raise CodecError(f"a message carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
     metas: list[Any] = []
     frames: list[Any] = [b""]
     slotted: list[torch.Tensor] = []
+    on_device: list[torch.Tensor] = []
     for t in tensors:
         code = _CODE_OF.get(t.dtype)
         if code is None:
             raise DtypeError(f"dtype {t.dtype} cannot be sent; supported: {list(_CODE_OF)}")
+        if t.device.type != "cpu":
+            if place_device is None or t.device.type != "cuda":
+                raise CodecError(f"tensor on {t.device} must be moved to the CPU before encoding")
+            flat = _flat(t)
+            metas.append((code, tuple(t.shape), flat.numel(), _IN_CUDA))
+            on_device.append(flat)
+            continue
         flat = _flat(t)
         n = flat.numel()
         if place is not None and n >= min_bytes and n:
-            metas.append((code, tuple(t.shape), n, 1))
+            metas.append((code, tuple(t.shape), n, _IN_SLOT))
             slotted.append(flat)
         else:
             metas.append((code, tuple(t.shape), n))
             frames.append(flat.numpy())
-    if slotted:
-        assert place is not None
-        extra = {**(extra or {}), SLOT_KEY: list(place(slotted))}
+    if slotted or on_device:
+        extra = dict(extra or {})
+        if slotted:
+            assert place is not None
+            extra[SLOT_KEY] = list(place(slotted))
+        if on_device:
+            assert place_device is not None
+            extra[CUDA_KEY] = list(place_device(on_device))
     frames[0] = msgpack.packb((FORMAT_VERSION, int(kind), step, microbatch, metas, extra))
     return frames
 
@@ -163,10 +181,24 @@ def _check_int(name: str, value: Any) -> int:
     return value
 
 
-def decode(frames: Sequence[Any], take: Take | None = None) -> Message:
+def _take(take: Take | None, ref: Any, sizes: list[int], what: str) -> Sequence[Any]:
+    """The buffers of the tensors in one slot (none when the header names none)."""
+    if not sizes and ref is None:
+        return ()
+    if not sizes or ref is None:
+        raise HeaderError(f"{what} and the tensors in it must come together")
+    if take is None:
+        raise HeaderError(f"the message names {what}, which this channel does not take")
+    bufs = take(ref, sizes)
+    if len(bufs) != len(sizes):  # pragma: no cover - a reader's bug, not a peer's
+        raise HeaderError(f"{what} gave {len(bufs)} buffers for {len(sizes)} tensors")
+    return bufs
+
+
+def decode(frames: Sequence[Any], take: Take | None = None, take_device: Take | None = None) -> Message:
     """Validate and decode frames into a :class:`Message`; raises a :class:`CodecError` subclass.
-    ``take`` reads tensors out of the shared-memory slot a header names (without it, a header
-    naming one is refused)."""
+    ``take`` reads tensors out of the shared-memory slot a header names, ``take_device`` out of
+    a CUDA slot (without them, a header naming one is refused)."""
     if not frames:
         raise FrameCountError("empty message: no header frame")
     head = _buffer(frames[0])
@@ -192,15 +224,17 @@ def decode(frames: Sequence[Any], take: Take | None = None) -> Message:
     elif type(extra) is not dict:
         raise HeaderError("header field 'extra' must be a map or nil")
     slot = extra.pop(SLOT_KEY, None)
+    cuda = extra.pop(CUDA_KEY, None)
     if type(metas) is not list:
         raise HeaderError("header field 'tensors' must be an array")
     if len(metas) > MAX_TENSORS:
         raise FrameCountError(f"{len(metas)} tensors is over the limit of {MAX_TENSORS}")
     checked = []
     for i, meta in enumerate(metas):
-        if type(meta) is not list or not (len(meta) == 3 or (len(meta) == 4 and meta[3] == 1 and type(meta[3]) is int)):
-            raise HeaderError(f"tensor {i}: entry must be [dtype, shape, nbytes] (or [dtype, shape, nbytes, 1] "
-                              "for one in shared memory)")
+        if type(meta) is not list or not (len(meta) == 3 or (len(meta) == 4 and type(meta[3]) is int
+                                                             and meta[3] in (_IN_SLOT, _IN_CUDA))):
+            raise HeaderError(f"tensor {i}: entry must be [dtype, shape, nbytes] (or [dtype, shape, nbytes, 1 or 2] "
+                              "for one in shared memory or a CUDA slot)")
         code, shape, nbytes = meta[:3]
         if type(code) is not int or not 0 <= code < len(_DTYPES):
             raise DtypeError(f"tensor {i}: unknown dtype code {code!r}")
@@ -216,25 +250,19 @@ def decode(frames: Sequence[Any], take: Take | None = None) -> Message:
         if nbytes != expected or (len(meta) == 4 and expected == 0):
             raise FrameLengthError(f"tensor {i}: shape {shape} x {_ITEMSIZE[code]} bytes = {expected} bytes, "
                                    f"header says {nbytes!r}")
-        checked.append((code, shape, expected, len(meta) == 4))
-    in_slot = [c[2] for c in checked if c[3]]
-    if len(frames) != len(checked) - len(in_slot) + 1:
-        raise FrameCountError(
-            f"header announces {len(checked) - len(in_slot)} tensor frame(s) but {len(frames) - 1} arrived"
-        )
-    slot_bufs: Sequence[Any] = ()
-    if in_slot or slot is not None:
-        if not in_slot or slot is None:
-            raise HeaderError("a shared-memory slot and the tensors in it must come together")
-        if take is None:
-            raise HeaderError("the message names a shared-memory slot, which this channel does not take")
-        slot_bufs = take(slot, in_slot)
+        checked.append((code, shape, expected, meta[3] if len(meta) == 4 else 0))
+    in_slot = [c[2] for c in checked if c[3] == _IN_SLOT]
+    in_cuda = [c[2] for c in checked if c[3] == _IN_CUDA]
+    inline = len(checked) - len(in_slot) - len(in_cuda)
+    if len(frames) != inline + 1:
+        raise FrameCountError(f"header announces {inline} tensor frame(s) but {len(frames) - 1} arrived")
+    taken = {_IN_SLOT: iter(_take(take, slot, in_slot, "a shared-memory slot")),
+             _IN_CUDA: iter(_take(take_device, cuda, in_cuda, "a CUDA slot"))}
     tensors = []
-    f = s = 0
-    for i, (code, shape, expected, shared) in enumerate(checked):
-        if shared:
-            buf = slot_bufs[s]
-            s += 1
+    f = 0
+    for i, (code, shape, expected, where) in enumerate(checked):
+        if where:
+            buf = next(taken[where])
         else:
             f += 1
             buf = _buffer(frames[f])

@@ -142,11 +142,11 @@ def execute(
         elif op is Op.RECV_GRAD:
             grads[j] = yield (op, j)
         elif op is Op.SEND_ACT:
-            yield (op, j, ex.to_host(acts_out.pop(j)))
+            yield (op, j, ex.for_peer(acts_out.pop(j)))
         elif op is Op.SEND_GRAD:
             # after its backward; or (interlocking) right after its forward: the head's gradient
             out = grads_out.pop(j, None)
-            yield (op, j, ex.to_host(out if out is not None else ex.early_input_grads(j)))
+            yield (op, j, ex.for_peer(out if out is not None else ex.early_input_grads(j)))
         elif op is Op.STEP:
             if note is not None:
                 note(TRACE_OPT_STEP, -1)

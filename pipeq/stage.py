@@ -416,6 +416,14 @@ class StageExecutor:
                 "recompute": self.recompute}
 
     # -- transfer to the CPU ---------------------------------------------------------------
+    #: the transport takes device tensors as they are (CUDA IPC on one host: pipeq.shm)
+    keep_on_device = False
+
+    def for_peer(self, tensors: Tensors) -> Tensors:
+        """What goes to a neighbour stage: the tensors themselves when the transport moves
+        device tensors (:attr:`keep_on_device`), else CPU copies (:meth:`to_host`)."""
+        return tensors if self.keep_on_device else self.to_host(tensors)
+
     def to_host(self, tensors: Tensors) -> Tensors:
         """CPU copies for sending (the same tensors when already on the CPU)."""
         if not self._cuda:

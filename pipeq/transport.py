@@ -63,7 +63,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import codec
 from .keys import JobSecret
-from .shm import ShmConfig, SlotReader, SlotWriter
+from .shm import CudaSlotReader, CudaSlotWriter, ShmConfig, SlotReader, SlotWriter
 from .messages import Kind, Message
 
 #: Socket-level buffering. ZeroMQ's high-water marks stay far above what the keyed queues allow,
@@ -354,7 +354,7 @@ class _FrameMac:
         return frames[1:]
 
 
-def _decode(frames: Sequence[Any], take: codec.Take | None = None) -> Message:
+def _decode(frames: Sequence[Any], take: codec.Take | None = None, take_device: codec.Take | None = None) -> Message:
     """:func:`codec.decode`, with every small tensor at torch's alignment.
 
     ZeroMQ hands over a small frame where it lies in its 8 KiB receive buffer, at an address that
@@ -364,7 +364,7 @@ def _decode(frames: Sequence[Any], take: codec.Take | None = None) -> Message:
     copied (under 64 KiB: microseconds). A larger frame has a ZeroMQ allocation of its own, always at the
     same offset from malloc's 16-byte alignment, and is used in place (zero copy).
     """
-    msg = codec.decode(frames, take)
+    msg = codec.decode(frames, take, take_device)
     if any(t.data_ptr() % _ALIGN and t.nbytes < _COPY_BELOW for t in msg.tensors):
         msg.tensors = [t.clone() if t.data_ptr() % _ALIGN and t.nbytes < _COPY_BELOW else t
                        for t in msg.tensors]
@@ -389,9 +389,11 @@ class StageTransport:
     def __init__(
         self, process: int, control_addr: str, *, bind: BindTo, queue_capacity: int, spin_s: float = 0.0,
         auth: WireAuth | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME, shm: ShmConfig | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``shm``: large tensors to and from this stage's neighbours travel through shared
-        memory (:mod:`pipeq.shm`; ipc only: every neighbour is on this host)."""
+        memory (:mod:`pipeq.shm`; ipc only: every neighbour is on this host); with a CUDA
+        ``device`` as well, device tensors travel through CUDA IPC (:attr:`device_payloads`)."""
         self.process = process
         self.auth = auth
         self.max_frame_bytes = max_frame_bytes
@@ -433,6 +435,14 @@ class StageTransport:
                          self.bwd_in: SlotReader(shm, f"B{process + 1}", where)} if shm is not None else {}
         self._slots_fwd: SlotWriter | None = None
         self._slots_bwd: SlotWriter | None = None
+        #: CUDA tensors cross to the neighbours as they are (CUDA IPC), not through host memory
+        self.device_payloads = shm is not None and device is not None and device.type == "cuda"
+        self.device = device
+        self._dev_readers = {self.fwd_in: CudaSlotReader(shm, f"F{process - 1}", device, where),
+                             self.bwd_in: CudaSlotReader(shm, f"B{process + 1}", device, where)
+                             } if self.device_payloads and shm is not None and device is not None else {}
+        self._dev_fwd: CudaSlotWriter | None = None
+        self._dev_bwd: CudaSlotWriter | None = None
         self.forward_queue = KeyedQueue(f"stage process {process} forward", queue_capacity)
         self.backward_queue = KeyedQueue(f"stage process {process} backward", queue_capacity)
         self.control_queue: collections.deque[Message] = collections.deque()
@@ -450,6 +460,8 @@ class StageTransport:
             self.fwd_out.connect(next_forward)
             if self.shm is not None:
                 self._slots_fwd = SlotWriter(self.shm, f"F{self.process}", self._idle)
+                if self.device_payloads:
+                    self._dev_fwd = CudaSlotWriter(self.shm, f"F{self.process}", self.device, self._idle)
         if prev_backward:
             self.bwd_out = self.ctx.socket(zmq.PUSH)
             tune_socket(self.bwd_out)
@@ -457,6 +469,8 @@ class StageTransport:
             self.bwd_out.connect(prev_backward)
             if self.shm is not None:
                 self._slots_bwd = SlotWriter(self.shm, f"B{self.process}", self._idle)
+                if self.device_payloads:
+                    self._dev_bwd = CudaSlotWriter(self.shm, f"B{self.process}", self.device, self._idle)
 
     def _idle(self) -> None:
         """Every shared-memory slot of a channel is busy: file what has arrived meanwhile (its
@@ -468,7 +482,7 @@ class StageTransport:
     @property
     def shm_waits(self) -> int:
         """How often a send found every shared-memory slot of its channel busy."""
-        return sum(w.waits for w in (self._slots_fwd, self._slots_bwd) if w is not None)
+        return sum(w.waits for w in (self._slots_fwd, self._slots_bwd, self._dev_fwd, self._dev_bwd) if w is not None)
 
     @property
     def dropped(self) -> int:
@@ -477,14 +491,15 @@ class StageTransport:
 
     def _data_frames(self, kind: Kind, step: int, mb: int, tensors: Sequence[torch.Tensor],
                      mac: "_FrameMac | None", extra: dict[str, Any] | None = None,
-                     slots: SlotWriter | None = None) -> list[Any]:
+                     slots: SlotWriter | None = None, dev: CudaSlotWriter | None = None) -> list[Any]:
         place = None
         if slots is not None:
             low = slots.cfg.min_bytes
-            big = sum(n for n in (t.numel() * t.element_size() for t in tensors) if n >= low)
+            big = sum(n for n in (t.numel() * t.element_size() for t in tensors if not t.is_cuda) if n >= low)
             if big and slots.fits(big):
                 place = slots.put
-        frames = codec.encode(kind, step, mb, tensors, extra, place, slots.cfg.min_bytes if place else 0)
+        frames = codec.encode(kind, step, mb, tensors, extra, place, slots.cfg.min_bytes if place else 0,
+                              dev.put if dev is not None else None)
         for f in frames[1:]:
             if f.nbytes > self.max_frame_bytes:
                 t = next(t for t in tensors if t.numel() * t.element_size() == f.nbytes)
@@ -504,12 +519,12 @@ class StageTransport:
         assert self.fwd_out is not None, "stage has no next stage"
         extra = {"tree": tree} if tree is not None else None
         self.fwd_out.send_multipart(self._data_frames(Kind.ACTIVATION, step, mb, tensors, self._mac_fwd, extra,
-                                                      self._slots_fwd), copy=False)
+                                                      self._slots_fwd, self._dev_fwd), copy=False)
 
     def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         assert self.bwd_out is not None, "stage has no previous stage"
         self.bwd_out.send_multipart(self._data_frames(Kind.GRADIENT, step, mb, tensors, self._mac_bwd, None,
-                                                      self._slots_bwd), copy=False)
+                                                      self._slots_bwd, self._dev_bwd), copy=False)
 
     def send_control(self, msg: Message) -> None:
         """Send ``msg`` to the driver (replies, errors)."""
@@ -528,8 +543,8 @@ class StageTransport:
                 frames = mac.open(frames)
                 if frames is None:
                     continue  # forged, replayed or garbage: dropped (counted in ``dropped``)
-            reader = self._readers.get(sock)
-            msg = _decode(frames, reader.take if reader is not None else None)
+            reader, dev = self._readers.get(sock), self._dev_readers.get(sock)
+            msg = _decode(frames, reader.take if reader is not None else None, dev.take if dev is not None else None)
             if sock is self.ctrl:
                 self.control_queue.append(msg)
             elif sock is self.fwd_in:
@@ -585,10 +600,10 @@ class StageTransport:
         for s in (self.ctrl, self.fwd_in, self.bwd_in, self.fwd_out, self.bwd_out):
             if s is not None:
                 s.close(linger=linger_ms)
-        for w in (self._slots_fwd, self._slots_bwd):
+        for w in (self._slots_fwd, self._slots_bwd, self._dev_fwd, self._dev_bwd):
             if w is not None:
                 w.close()
-        for reader in self._readers.values():
+        for reader in (*self._readers.values(), *self._dev_readers.values()):
             reader.close()
         if self._gate is not None:
             self._gate.stop()
@@ -650,6 +665,10 @@ class ReplicaLink:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(transport.ctrl, zmq.POLLIN)
+        # data keeps being filed while this replica waits: a neighbour waiting for one of this
+        # stage's shared-memory slots to come free must not wait on the all-reduce
+        self.poller.register(transport.fwd_in, zmq.POLLIN)
+        self.poller.register(transport.bwd_in, zmq.POLLIN)
 
     def _label(self, sender: int, receiver: int) -> str:
         return f"R{self.stage}:{sender}>{receiver}"
@@ -745,8 +764,9 @@ class ReplicaLink:
             events = dict(self.poller.poll(_SLICE_MS))
             if self.sock in events:
                 self._drain()
-            if ctrl in events:
-                self.transport._drain(ctrl)  # control messages queue up for the event loop
+            for s in (ctrl, self.transport.fwd_in, self.transport.bwd_in):
+                if s in events:
+                    self.transport._drain(s)  # commands and data queue up for the event loop
             got = self._inbox.pop(key, None)
             if got is None:
                 self.transport._check_exit()

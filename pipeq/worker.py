@@ -387,7 +387,8 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
     pin_cpu(cfg)
     transport = StageTransport(cfg.process, cfg.control_addr, bind=cfg.bind,
                                queue_capacity=cfg.queue_capacity, spin_s=cfg.spin_s, auth=cfg.auth,
-                               max_frame_bytes=cfg.max_frame_bytes, shm=cfg.shm())
+                               max_frame_bytes=cfg.max_frame_bytes, shm=cfg.shm(),
+                               device=torch.device(cfg.device))
     heartbeat = None
     loop: EventLoop | None = None
     replicas: Replicas | None = None
@@ -403,6 +404,7 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
         torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
         executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, _build(cfg, payload), device,
                                  cfg.numerics)
+        executor.keep_on_device = transport.device_payloads  # CUDA IPC to the neighbours
         if cfg.replicas > 1:  # a link to the stage's replicas: replica 0's weights, summed gradients
             replicas = Replicas(transport, cfg.bind, stage=cfg.stage, replica=cfg.replica, replicas=cfg.replicas,
                                 params=executor.optimizer_params(), buffers=list(executor.module.buffers()))
