@@ -63,6 +63,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import codec
 from .keys import JobSecret
+from .lanes import Lane, LaneInbox, lane_path
 from .shm import CudaSlotReader, CudaSlotWriter, ShmConfig, SlotReader, SlotWriter
 from .messages import Kind, Message
 
@@ -450,6 +451,18 @@ class StageTransport:
         for s in (self.ctrl, self.fwd_in, self.bwd_in):
             self.poller.register(s, zmq.POLLIN)
         self.spin_s = spin_s
+        # one host, shared memory on: the data hops take lanes (pipeq.lanes), ZeroMQ stays for
+        # whatever does not fit a lane's datagram
+        self._inboxes: dict[zmq.Socket, LaneInbox] = {}
+        if shm is not None:
+            for sock, key in ((self.fwd_in, "forward"), (self.bwd_in, "backward")):
+                path = lane_path(self.addresses[key])
+                if path is not None:
+                    self._inboxes[sock] = LaneInbox(path, f"stage process {process} {key} lane")
+        self._lane_fds: dict[int, zmq.Socket] = {}  # a lane's fd -> the ZeroMQ socket it stands beside
+        self._register_lanes()
+        self._lane_fwd: Lane | None = None
+        self._lane_bwd: Lane | None = None
 
     # -- wiring --------------------------------------------------------------------------------
     def connect(self, next_forward: str | None, prev_backward: str | None) -> None:
@@ -458,6 +471,7 @@ class StageTransport:
             tune_socket(self.fwd_out)
             secure_client(self.fwd_out, self.auth, next_forward, data=True)
             self.fwd_out.connect(next_forward)
+            self._lane_fwd = self._connect_lane(next_forward)
             if self.shm is not None:
                 self._slots_fwd = SlotWriter(self.shm, f"F{self.process}", self._idle)
                 if self.device_payloads:
@@ -467,10 +481,30 @@ class StageTransport:
             tune_socket(self.bwd_out)
             secure_client(self.bwd_out, self.auth, prev_backward, data=True)
             self.bwd_out.connect(prev_backward)
+            self._lane_bwd = self._connect_lane(prev_backward)
             if self.shm is not None:
                 self._slots_bwd = SlotWriter(self.shm, f"B{self.process}", self._idle)
                 if self.device_payloads:
                     self._dev_bwd = CudaSlotWriter(self.shm, f"B{self.process}", self.device, self._idle)
+
+    def _register_lanes(self) -> None:
+        """(Re)register every lane socket with the poller (after a connection came or went)."""
+        for fd in self._lane_fds:
+            self.poller.unregister(fd)
+        self._lane_fds = {fd: sock for sock, box in self._inboxes.items() for fd in box.fds()}
+        for fd in self._lane_fds:
+            self.poller.register(fd, zmq.POLLIN)
+        for box in self._inboxes.values():
+            box.changed = False
+
+    def _connect_lane(self, address: str) -> Lane | None:
+        path = lane_path(address) if self.shm is not None else None
+        if path is None:
+            return None
+        try:
+            return Lane(path)
+        except OSError:  # the neighbour has no lane (shared memory off there): ZeroMQ only
+            return None
 
     def _idle(self) -> None:
         """Every shared-memory slot of a channel is busy: file what has arrived meanwhile (its
@@ -518,13 +552,22 @@ class StageTransport:
         (:mod:`pipeq.microbatch`), sent in the header."""
         assert self.fwd_out is not None, "stage has no next stage"
         extra = {"tree": tree} if tree is not None else None
-        self.fwd_out.send_multipart(self._data_frames(Kind.ACTIVATION, step, mb, tensors, self._mac_fwd, extra,
-                                                      self._slots_fwd, self._dev_fwd), copy=False)
+        self._send(self.fwd_out, self._lane_fwd, self._data_frames(Kind.ACTIVATION, step, mb, tensors, self._mac_fwd,
+                                                                   extra, self._slots_fwd, self._dev_fwd))
 
     def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         assert self.bwd_out is not None, "stage has no previous stage"
-        self.bwd_out.send_multipart(self._data_frames(Kind.GRADIENT, step, mb, tensors, self._mac_bwd, None,
-                                                      self._slots_bwd, self._dev_bwd), copy=False)
+        self._send(self.bwd_out, self._lane_bwd, self._data_frames(Kind.GRADIENT, step, mb, tensors, self._mac_bwd,
+                                                                   None, self._slots_bwd, self._dev_bwd))
+
+    def _send(self, sock: zmq.Socket, lane: Lane | None, frames: list[Any]) -> None:
+        """Through the lane when there is one and the message fits a datagram, else ZeroMQ. A
+        full lane is waited out filing this stage's own arrivals (see :meth:`_idle`)."""
+        if lane is not None and lane.message_bytes(frames) <= lane.max_bytes:
+            while not lane.send(frames):
+                self._idle()
+            return
+        sock.send_multipart(frames, copy=False)
 
     def send_control(self, msg: Message) -> None:
         """Send ``msg`` to the driver (replies, errors)."""
@@ -543,24 +586,49 @@ class StageTransport:
                 frames = mac.open(frames)
                 if frames is None:
                     continue  # forged, replayed or garbage: dropped (counted in ``dropped``)
-            reader, dev = self._readers.get(sock), self._dev_readers.get(sock)
-            msg = _decode(frames, reader.take if reader is not None else None, dev.take if dev is not None else None)
-            if sock is self.ctrl:
-                self.control_queue.append(msg)
-            elif sock is self.fwd_in:
-                if msg.kind is not Kind.ACTIVATION:
-                    raise ProtocolError(f"stage process {self.process}: {msg.kind.name} on the forward channel")
-                self.forward_queue.put(msg)
-            else:
-                if msg.kind is not Kind.GRADIENT:
-                    raise ProtocolError(f"stage process {self.process}: {msg.kind.name} on the backward channel")
-                self.backward_queue.put(msg)
+            self._file(sock, frames)
+
+    def _file(self, sock: zmq.Socket, frames: Sequence[Any]) -> None:
+        """Decode a message that arrived on ``sock`` (or its lane) and queue it."""
+        reader, dev = self._readers.get(sock), self._dev_readers.get(sock)
+        msg = _decode(frames, reader.take if reader is not None else None, dev.take if dev is not None else None)
+        if sock is self.ctrl:
+            self.control_queue.append(msg)
+        elif sock is self.fwd_in:
+            if msg.kind is not Kind.ACTIVATION:
+                raise ProtocolError(f"stage process {self.process}: {msg.kind.name} on the forward channel")
+            self.forward_queue.put(msg)
+        else:
+            if msg.kind is not Kind.GRADIENT:
+                raise ProtocolError(f"stage process {self.process}: {msg.kind.name} on the backward channel")
+            self.backward_queue.put(msg)
+
+    def _drain_lane(self, sock: zmq.Socket, accept: bool = False) -> bool:
+        """File every message waiting on the lane beside ``sock``; True if any came. New
+        connections are taken when ``accept`` (the poller saw one) or while there is none."""
+        box = self._inboxes[sock]
+        if accept or not box.conns:
+            box.accept()
+        got = False
+        for conn in list(box.conns):
+            while True:
+                frames = box.receive(conn)
+                if frames is None:
+                    break
+                got = True
+                self._file(sock, frames)
+        if box.changed:
+            self._register_lanes()
+        return got
 
     def pump(self, timeout_ms: int) -> bool:
         """Wait up to ``timeout_ms`` for traffic and file it; True if anything arrived."""
         events = self.poller.poll(timeout_ms)
         for sock, _ in events:
-            self._drain(sock)
+            if type(sock) is int:
+                self._drain_lane(self._lane_fds[sock], accept=True)
+            else:
+                self._drain(sock)
         return bool(events)
 
     def _check_exit(self) -> None:
@@ -575,14 +643,19 @@ class StageTransport:
             return msg
         sock = self.fwd_in if queue is self.forward_queue else self.bwd_in
         if self.spin_s > 0:  # busy-poll briefly: saves a wake-up on the latency-bound path
+            lane = sock in self._inboxes
             end = time.perf_counter() + self.spin_s
+            spins = 0
             while time.perf_counter() < end:
-                if sock.poll(0):
+                # a lane is read with one non-blocking syscall; ZeroMQ (what does not fit a
+                # lane) is looked at every 16th turn
+                if (lane and self._drain_lane(sock)) or ((not lane or spins & 15 == 0) and sock.poll(0)):
                     self._drain(sock)
                     msg = queue.pop(step, mb)
                     if msg is not None:
                         return msg
-                os.sched_yield()  # let ZeroMQ's I/O thread (and other stages) have the core
+                spins += 1
+                os.sched_yield()  # let other stages (and ZeroMQ's I/O thread) have the core
         while True:
             self.pump(_SLICE_MS)
             msg = queue.pop(step, mb)
@@ -600,7 +673,8 @@ class StageTransport:
         for s in (self.ctrl, self.fwd_in, self.bwd_in, self.fwd_out, self.bwd_out):
             if s is not None:
                 s.close(linger=linger_ms)
-        for w in (self._slots_fwd, self._slots_bwd, self._dev_fwd, self._dev_bwd):
+        for w in (self._slots_fwd, self._slots_bwd, self._dev_fwd, self._dev_bwd, self._lane_fwd, self._lane_bwd,
+                  *self._inboxes.values()):
             if w is not None:
                 w.close()
         for reader in (*self._readers.values(), *self._dev_readers.values()):
@@ -760,13 +834,16 @@ class ReplicaLink:
         key = (sender, step, index)
         got = self._inbox.pop(key, None)
         ctrl = self.transport.ctrl
+        slice_ms = 5 if self.transport._inboxes else _SLICE_MS  # lanes are not in this poller: look often
         while got is None:
-            events = dict(self.poller.poll(_SLICE_MS))
+            events = dict(self.poller.poll(slice_ms))
             if self.sock in events:
                 self._drain()
             for s in (ctrl, self.transport.fwd_in, self.transport.bwd_in):
                 if s in events:
                     self.transport._drain(s)  # commands and data queue up for the event loop
+            for s in self.transport._inboxes:
+                self.transport._drain_lane(s)
             got = self._inbox.pop(key, None)
             if got is None:
                 self.transport._check_exit()

@@ -25,7 +25,7 @@ LAYERS: dict[str, list[str]] = {
     "event loop": ["_preload", "worker", "simulated", "interpreter"],
     "compute": ["schedules", "actions", "dryrun", "bounds", "executors", "stage", "microbatch", "numerics", "interlock",
                 "asyncpipe", "al", "checkpoint", "dataparallel", "trace", "testing", "lr_schedulers", "balance"],
-    "transport": ["transport", "shm"],
+    "transport": ["transport", "shm", "lanes"],
     "codec": ["codec", "messages", "errors", "netif", "keys"],
 }
 RANK = {m: i for i, mods in enumerate(LAYERS.values()) for m in mods}
