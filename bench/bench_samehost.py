@@ -22,7 +22,7 @@ marked "disturbed".
                        from ``make_ipc_dir``): process 0 ``send_activation``s, process 1
                        ``wait_data(forward_queue, step, i)``s each message in order. When this
                        checkout's StageTransport takes ``shm=`` (and ``pipeq.shm`` imports) the
-                       column passes ``shm=ShmConfig(prefix="pipeq-bench-<pid>-<random>-<rank>")``
+                       column passes ``shm=ShmConfig(prefix="pipeq-bench-<pid>-<random>")``
                        and a second column, "pipeq ipc, zmq frames", runs the same without it
                        (the before/after in one run); otherwise it is labelled "(no shm)".
       tcp encrypt      the same StageTransports bound on tcp 127.0.0.1 with
@@ -177,7 +177,7 @@ def _wire(rank: int, side: Any, mode: str, ipc_dir: str, secret: Any, shm_prefix
         shm_cls = shm_config_class()
         if shm_cls is None:
             raise RuntimeError("shm requested, but StageTransport takes no shm= here")
-        kw["shm"] = shm_cls(prefix=f"{shm_prefix}-{rank}")
+        kw["shm"] = shm_cls(prefix=shm_prefix)  # one run: both ends name the same segments
     ctrl = None
     if rank == 1:
         ctrl = ControlServer(bind, auth)

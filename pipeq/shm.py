@@ -39,6 +39,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -143,10 +144,20 @@ class _Segment:
             self.map.close()
         except BufferError:  # a view still lives somewhere: the mapping goes with it
             pass
+        fd, self.fd = self.fd, -1  # a late release (a lent view dying after close) must not write
         try:
-            os.close(self.fd)
+            os.close(fd)
         except OSError:
             pass
+
+    def release(self) -> None:
+        """Hand the slot back to its sender: state 0, through a syscall, so ordered after every
+        read of the data before it."""
+        if self.fd >= 0:
+            try:
+                os.pwrite(self.fd, b"\0", 0)
+            except OSError:
+                pass
 
 
 class SlotWriter:
@@ -193,8 +204,8 @@ class SlotWriter:
             if spins == 0:
                 self.waits += 1
             spins += 1
-            self.idle()
-            if spins > 64:
+            self.idle()  # files this stage's own arrivals, yields the core
+            if spins > 4096:  # a receiver that keeps its slots long: stop burning the core
                 time.sleep(0.0002)
 
     def _grow(self, i: int, need: int) -> _Segment:
@@ -230,11 +241,19 @@ class SlotWriter:
 
 class SlotReader:
     """The receiving end of one channel's pool: turns a header's ``(slot, generation)`` and its
-    tensors' sizes into buffers of this process's own, and frees the slot."""
+    tensors' sizes into tensors of this process's own, and hands the slot back.
+
+    While fewer than ``slots - 1`` of the channel's slots are lent out, the tensors are *lent*:
+    views of the slot itself (no copy), and the slot goes back to the sender when the last of
+    them is garbage (a ``weakref.finalize`` on the array under them). Otherwise they are copied
+    out and the slot goes back at once. So at least one slot always circulates, whatever the
+    receiver keeps (an activation saved for a backward holds its slot until then)."""
 
     def __init__(self, cfg: ShmConfig, channel: str, where: str) -> None:
         self.cfg, self.channel, self.where = cfg, channel, where
         self._maps: dict[int, _Segment] = {}
+        self.lent = 0  # slots whose tensors are views still alive somewhere
+        self.lend = cfg.slots > 1
 
     def _fail(self, slot: object, gen: object, why: str) -> SlotError:
         return SlotError(f"{self.where}: a message names shared-memory slot {slot!r} (generation {gen!r}) of "
@@ -286,14 +305,27 @@ class SlotReader:
         offsets, need = layout(sizes)
         if need > seg.capacity:
             raise self._fail(slot, gen, f"which holds {seg.capacity} bytes, not the {need} the header announces")
+        if self.lend and self.lent < self.cfg.slots - 1:
+            import numpy as np
+
+            under = np.frombuffer(seg.map, dtype=np.uint8, count=need, offset=_HEAD)
+            weakref.finalize(under, self._returned, seg)
+            self.lent += 1
+            base = torch.from_numpy(under)  # keeps ``under`` alive as long as any view of it
+            return [base[off:off + n] for n, off in zip(sizes, offsets)]
         data = seg.data
         out = []
         for n, off in zip(sizes, offsets):
             buf = torch.empty(n, dtype=torch.uint8)
             buf.copy_(data[off:off + n])
             out.append(buf)
-        os.pwrite(seg.fd, b"\0", 0)  # FREE: a syscall, so every read above is done before it
+        seg.release()
         return out
+
+    def _returned(self, seg: _Segment) -> None:
+        """The last view of a lent slot is gone (in whichever thread dropped it)."""
+        self.lent -= 1
+        seg.release()
 
     def close(self) -> None:
         for seg in self._maps.values():
@@ -361,7 +393,7 @@ class CudaSlotWriter:
             self.waits += spins == 0
             spins += 1
             self.idle()
-            if spins > 64:
+            if spins > 4096:
                 time.sleep(0.0002)
         buf = self._bufs[i]
         if buf is None or buf.numel() < need:

@@ -509,9 +509,10 @@ class StageTransport:
     def _idle(self) -> None:
         """Every shared-memory slot of a channel is busy: file what has arrived meanwhile (its
         slots are freed, so two stages sending to each other never wait on each other) and give
-        up on the driver's EXIT."""
-        self.pump(1)
+        up on the driver's EXIT. Does not block: the caller comes back at once to look again."""
+        self.pump(0)
         self._check_exit()
+        os.sched_yield()
 
     @property
     def shm_waits(self) -> int:
