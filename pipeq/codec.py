@@ -277,6 +277,9 @@ def decode(frames: Sequence[Any], take: Take | None = None, take_device: Take | 
         else:
             if buf.readonly:  # bytes from a file or a test; ZeroMQ frames are writable
                 buf = memoryview(bytearray(buf))
-            t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+            raw = torch.frombuffer(buf, dtype=torch.uint8)
+            if _ITEMSIZE[code] == 16 and raw.data_ptr() % 16:
+                raw = raw.clone()  # complex128 kernels need 16-byte alignment; ZeroMQ's frames are 8 mod 16
+            t = raw.view(dtype).view(shape)
         tensors.append(t)
     return Message(Kind(kind), step, microbatch, tensors, extra)

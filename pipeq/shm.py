@@ -51,7 +51,7 @@ SHM_DIR = "/dev/shm"
 _HEAD = 64  # bytes before a slot's data: byte 0 is the state, the data is 64-byte aligned
 _ALIGN = 64
 _MIN_SLOT = 1 << 20
-FREE, FULL = 0, 1
+FREE, FULL, LENT = 0, 1, 2  # a slot's state byte: the sender fills a FREE one, the receiver lends or frees it
 
 
 class SlotError(CodecError):
@@ -170,8 +170,9 @@ class SlotWriter:
         self._gens = [0] * cfg.slots
         self.waits = 0  # how often a send found every slot busy (back-pressure)
 
-    def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.cfg.max_bytes
+    def fits(self, sizes: Sequence[int]) -> bool:
+        """Whether tensors of these byte sizes fit one slot (laid out 64-byte aligned)."""
+        return layout(sizes)[1] <= self.cfg.max_bytes
 
     def put(self, buffers: Sequence[torch.Tensor]) -> tuple[int, int]:
         """Copy ``buffers`` (flat uint8 tensors) into a free slot; returns ``(slot, generation)``
@@ -308,6 +309,7 @@ class SlotReader:
         if self.lend and self.lent < self.cfg.slots - 1:
             import numpy as np
 
+            os.pwrite(seg.fd, bytes([LENT]), 0)  # no longer FULL: a replayed header is refused
             under = np.frombuffer(seg.map, dtype=np.uint8, count=need, offset=_HEAD)
             weakref.finalize(under, self._returned, seg)
             self.lent += 1

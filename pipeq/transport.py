@@ -530,7 +530,7 @@ class StageTransport:
         place = None
         if slots is not None:
             low = slots.cfg.min_bytes
-            big = sum(n for n in (t.numel() * t.element_size() for t in tensors if not t.is_cuda) if n >= low)
+            big = [n for n in (t.numel() * t.element_size() for t in tensors if not t.is_cuda) if n >= low]
             if big and slots.fits(big):
                 place = slots.put
         frames = codec.encode(kind, step, mb, tensors, extra, place, slots.cfg.min_bytes if place else 0,
