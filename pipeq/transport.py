@@ -665,7 +665,15 @@ class StageTransport:
             self._check_exit()
 
     def next_control(self, timeout_ms: int) -> Message | None:
-        """The next control message, waiting up to ``timeout_ms``; None on time-out."""
+        """The next control message, waiting up to ``timeout_ms``; None on time-out. Like data,
+        a command is busy-polled for ``spin_s`` first (the next step's TRAIN follows the last
+        one's LOSS within microseconds when the caller loops)."""
+        if not self.control_queue and self.spin_s > 0:
+            end = time.perf_counter() + min(self.spin_s, timeout_ms / 1000)
+            while not self.control_queue and time.perf_counter() < end:
+                self._drain(self.ctrl)
+                if not self.control_queue:
+                    os.sched_yield()
         if not self.control_queue:
             self.pump(timeout_ms)
         return self.control_queue.popleft() if self.control_queue else None
