@@ -72,6 +72,7 @@ from .messages import Kind, Message
 _HWM = 10_000
 _KERNEL_BUF = 4 << 20
 _SLICE_MS = 200  # how often a blocked wait looks for an EXIT from the driver
+_COMMAND_SPIN_S = 0.001  # the longest busy-poll for the next command (see next_control)
 
 STAGE, HEARTBEAT, AGENT = "s", "h", "a"  # roles on the control channel (identity prefixes)
 SECURITY_MODES = ("encrypt", "authenticate")
@@ -666,10 +667,11 @@ class StageTransport:
 
     def next_control(self, timeout_ms: int) -> Message | None:
         """The next control message, waiting up to ``timeout_ms``; None on time-out. Like data,
-        a command is busy-polled for ``spin_s`` first (the next step's TRAIN follows the last
-        one's LOSS within microseconds when the caller loops)."""
+        a command is busy-polled first, for at most 1 ms (``spin_s`` if shorter): the next
+        step's TRAIN follows the last one's LOSS within a driver's round trip when the caller
+        loops, and an idle stage must not keep a core busy."""
         if not self.control_queue and self.spin_s > 0:
-            end = time.perf_counter() + min(self.spin_s, timeout_ms / 1000)
+            end = time.perf_counter() + min(self.spin_s, _COMMAND_SPIN_S, timeout_ms / 1000)
             while not self.control_queue and time.perf_counter() < end:
                 self._drain(self.ctrl)
                 if not self.control_queue:
