@@ -393,8 +393,9 @@ class PipelineRunner:
         """One dict per stage: ``peak_bytes``, the stage's peak memory since the start or the
         last ``reset_peak=True`` (CUDA: allocated bytes; CPU: the stage process's peak resident
         set; ``memory`` says which), ``skipped_steps`` (steps skipped for non-finite gradients:
-        ``precision="fp16"``, ``check_finite="skip"``) and ``recompute``. In simulated mode the
-        peak is this process's."""
+        ``precision="fp16"``, ``check_finite="skip"``), ``recompute`` and ``shm_waits`` (how often
+        one of the stage's sends found every shared-memory slot of its channel in use: raise
+        ``shm_slots`` if it grows). In simulated mode the peak is this process's."""
         self._require_running()
         return self._backend.stats(reset_peak)
 

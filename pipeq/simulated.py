@@ -141,7 +141,7 @@ class SimulatedBackend:
 
     def stats(self, reset: bool = False) -> list[dict[str, Any]]:
         """Every stage's stats (their peak memory is this one process's)."""
-        return [ex.stats(reset) for ex in self.executors]
+        return [{**ex.stats(reset), "shm_waits": 0} for ex in self.executors]  # no transport: nothing waits
 
     def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
         out = []

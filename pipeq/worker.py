@@ -228,7 +228,8 @@ class EventLoop:
                 ex.restore(tree_of(msg, "snapshot"))
                 reply(Message(Kind.ACK, msg.step))
             elif kind is Kind.GET_STATS:
-                reply(Message(Kind.STATS, msg.step, extra=ex.stats(reset=msg.extra.get("reset") is True)))
+                reply(Message(Kind.STATS, msg.step, extra={**ex.stats(reset=msg.extra.get("reset") is True),
+                                                           "shm_waits": transport.shm_waits}))
             elif kind is Kind.STEP_SCHEDULER:
                 ex.scheduler_step(self._metric(msg))
                 reply(Message(Kind.ACK, msg.step))

@@ -644,3 +644,29 @@ def test_sigkilled_driver_leaves_no_segment_behind():
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+class Slow(nn.Module):
+    """Sleeps in its forward: its stage drains its inbound channel only between microbatches."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return x
+
+
+@pytest.mark.timeout(60)
+def test_stats_count_sends_that_waited_for_a_slot():
+    # one slot: stage 0's third activation of a step finds it still full while stage 1 sleeps
+    torch.manual_seed(0)
+    stages = [nn.Linear(256, 256), nn.Sequential(Slow(), nn.Linear(256, 4))]
+    x, y = torch.randn(8 * 128, 256), torch.randn(8 * 128, 4)  # 128 KiB activations per microbatch
+    with pipeq.PipelineRunner(stages, nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                              schedule="fill-drain", microbatches=8, shm_slots=1, **FAST) as r:
+        r.step(x, y)
+        stats = r.stats()
+    assert stats[0]["shm_waits"] >= 1, stats
+    assert all(type(s["shm_waits"]) is int for s in stats)
+    sim = pipeq.PipelineRunner(stages, nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                               schedule="fill-drain", microbatches=8, mode="simulated")
+    with sim:
+        assert [s["shm_waits"] for s in sim.stats()] == [0, 0]
