@@ -256,13 +256,15 @@ def decode(frames: Sequence[Any], take: Take | None = None, take_device: Take | 
     inline = len(checked) - len(in_slot) - len(in_cuda)
     if len(frames) != inline + 1:
         raise FrameCountError(f"header announces {inline} tensor frame(s) but {len(frames) - 1} arrived")
-    taken = {_IN_SLOT: iter(_take(take, slot, in_slot, "a shared-memory slot")),
-             _IN_CUDA: iter(_take(take_device, cuda, in_cuda, "a CUDA slot"))}
+    taken = None
+    if in_slot or in_cuda or slot is not None or cuda is not None:
+        taken = {_IN_SLOT: iter(_take(take, slot, in_slot, "a shared-memory slot")),
+                 _IN_CUDA: iter(_take(take_device, cuda, in_cuda, "a CUDA slot"))}
     tensors = []
     f = 0
     for i, (code, shape, expected, where) in enumerate(checked):
         if where:
-            buf = next(taken[where])
+            buf = next(taken[where])  # type: ignore[index]
         else:
             f += 1
             buf = _buffer(frames[f])

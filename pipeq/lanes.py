@@ -77,14 +77,9 @@ class Lane:
         self.max_bytes = min(256 << 10, self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2 - 4096)
         self.broken = False
 
-    def message_bytes(self, frames: Sequence[Any]) -> int:
-        return 4 * (len(frames) + 1) + sum(memoryview(f).nbytes for f in frames) + _ALIGN * (len(frames) - 1)
-
-    def send(self, frames: Sequence[Any]) -> bool:
-        """Send one message without blocking; False when the peer's buffer is full (try again
-        after filing this stage's own arrivals). A peer gone is not an error here."""
-        if self.broken:
-            return True
+    def datagram(self, frames: Sequence[Any]) -> list[Any] | None:
+        """The parts of the datagram carrying ``frames`` (prefix, frames, padding), or None when
+        it would not fit :attr:`max_bytes` (the message then goes through ZeroMQ)."""
         lengths = [memoryview(f).nbytes for f in frames]
         parts: list[Any] = [_COUNT.pack(len(frames)) + struct.pack(f"<{len(frames)}I", *lengths)]
         pos = 4 * (len(frames) + 1)
@@ -94,6 +89,13 @@ class Lane:
                 pos += _ALIGN - pos % _ALIGN
             parts.append(f)
             pos += n
+        return parts if pos <= self.max_bytes else None
+
+    def send(self, parts: Sequence[Any]) -> bool:
+        """Send one :meth:`datagram` without blocking; False when the peer's buffer is full (try
+        again after filing this stage's own arrivals). A peer gone is not an error here."""
+        if self.broken:
+            return True
         try:
             self.sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
         except BlockingIOError:

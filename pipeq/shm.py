@@ -43,6 +43,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from .errors import CodecError
@@ -160,6 +161,18 @@ class _Segment:
                 pass
 
 
+def _create(name: str, size: int, gen: int) -> _Segment:
+    """A new segment ``name`` of ``size`` bytes, this user's only (mode 0600), mapped."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return _Segment(name, gen, fd, size)
+    except BaseException:
+        os.close(fd)
+        _unlink(name)
+        raise
+
+
 class SlotWriter:
     """The sending end of one channel's pool (``channel`` names it, e.g. ``F3``: process 3's
     forward output). ``idle()`` is called while every slot is busy (it may raise to give up)."""
@@ -219,17 +232,7 @@ class SlotWriter:
         size = max(_MIN_SLOT, 1 << max(0, (need + _HEAD - 1).bit_length()))
         size = min(size, self.cfg.max_bytes + _HEAD)
         self._gens[i] += 1
-        name = self.cfg.name(self.channel, i, self._gens[i])
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            os.ftruncate(fd, size)
-            seg = _Segment(name, self._gens[i], fd, size)
-        except BaseException:
-            os.close(fd)
-            _unlink(name)
-            raise
-        self._slots[i] = seg
+        seg = self._slots[i] = _create(self.cfg.name(self.channel, i, self._gens[i]), size, self._gens[i])
         return seg
 
     def close(self) -> None:
@@ -307,8 +310,6 @@ class SlotReader:
         if need > seg.capacity:
             raise self._fail(slot, gen, f"which holds {seg.capacity} bytes, not the {need} the header announces")
         if self.lend and self.lent < self.cfg.slots - 1:
-            import numpy as np
-
             os.pwrite(seg.fd, bytes([LENT]), 0)  # no longer FULL: a replayed header is refused
             under = np.frombuffer(seg.map, dtype=np.uint8, count=need, offset=_HEAD)
             weakref.finalize(under, self._returned, seg)
@@ -375,11 +376,7 @@ class CudaSlotWriter:
 
     def _flag_segment(self) -> _Segment:
         if self._flags is None:
-            name = self.cfg.name(self.channel + "-cuda", 0, 1)
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
-            os.ftruncate(fd, _FLAGS_BYTES)
-            self._flags = _Segment(name, 1, fd, _FLAGS_BYTES)
+            self._flags = _create(self.cfg.name(self.channel + "-cuda", 0, 1), _FLAGS_BYTES, 1)
         return self._flags
 
     def put(self, buffers: Sequence[torch.Tensor]) -> list:

@@ -565,8 +565,9 @@ class StageTransport:
     def _send(self, sock: zmq.Socket, lane: Lane | None, frames: list[Any]) -> None:
         """Through the lane when there is one and the message fits a datagram, else ZeroMQ. A
         full lane is waited out filing this stage's own arrivals (see :meth:`_idle`)."""
-        if lane is not None and lane.message_bytes(frames) <= lane.max_bytes:
-            while not lane.send(frames):
+        parts = lane.datagram(frames) if lane is not None else None
+        if parts is not None:
+            while not lane.send(parts):  # type: ignore[union-attr]
                 self._idle()
             return
         sock.send_multipart(frames, copy=False)
