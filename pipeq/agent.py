@@ -33,7 +33,7 @@ from .messages import Kind, Message
 from .processes import (StageSettings, exit_reason, job_identity, process_context, start_worker, stop_processes,
                         worker_configs)
 from .rendezvous import Rendezvous
-from .transport import BindTo, DriverLink, WireAuth
+from .transport import BindTo, DriverLink, WireAuth, make_ipc_dir, remove_ipc_dir
 
 _TICK_MS = 100
 TERM_GRACE = 30.0  # seconds an agent told to terminate waits for the driver to end the run
@@ -139,6 +139,7 @@ def run_agent(
     options = fetch("options", "run options")
     traced = bool(options.get("trace")) if isinstance(options, dict) else False
     replicas = options.get("replicas", 1) if isinstance(options, dict) else 1
+    shards = options.get("shards", 1) if isinstance(options, dict) else 1
     security = options.get("tcp_security", "encrypt") if isinstance(options, dict) else "encrypt"
     auth = WireAuth(_auth(rz).secret, str(security))
     if replicas != data_parallel:
@@ -146,12 +147,19 @@ def run_agent(
                    f"{replicas}; pass the same job file and flags on every node")
         _tell_driver(control, rz, message)
         raise AgentError(message)
-    # the placement names processes: g = replica * n_stages + stage
+    if shards != settings.tensor_parallel:
+        message = (f"node {rz.node_rank} was started with tensor_parallel={settings.tensor_parallel}, node 0 "
+                   f"with {shards}; pass the same job file and flags on every node")
+        _tell_driver(control, rz, message)
+        raise AgentError(message)
+    # the placement names processes (pipeq.processes.Numbering): g = replica * n_stages + stage
+    # for shard 0 of each stage, the other shards after them
     if (not isinstance(control, str) or not isinstance(plan, list) or len(plan) != rz.nnodes
-            or sorted(k for node in plan for k in node) != list(range(n_stages * replicas))):
+            or sorted(k for node in plan for k in node) != list(range(n_stages * replicas * shards))):
         raise AgentError(
             f"node {rz.node_rank}: the driver runs a different job (placement {plan!r} for "
-            f"{rz.nnodes} nodes, this node's job file has {n_stages} stages x {replicas} replicas)"
+            f"{rz.nnodes} nodes, this node's job file has {n_stages} stages x {replicas} replicas x "
+            f"{shards} shards)"
         )
     theirs = fetch("job", "job description")
     ours = json.loads(json.dumps(job_identity(builder, schedule, settings.numerics)))  # as it came through JSON
@@ -173,10 +181,11 @@ def run_agent(
     terminated: list[float] = []
     previous = signal.signal(signal.SIGTERM, lambda *_: terminated or terminated.append(time.monotonic()))
     code = 1
+    tp_dir = make_ipc_dir() if shards > 1 else None  # where this node's stages' shards meet
     try:
         for cfg in worker_configs(mine, n_stages, replicas, schedule, settings, control_addr=control,
                                   bind=BindTo.tcp(rz.bind), seed_of=lambda g: builder.seed_for(g % n_stages),
-                                  rendezvous=rz, auth=auth):
+                                  rendezvous=rz, auth=auth, tp_dir=tp_dir):
             procs[cfg.process] = start_worker(ctx, cfg, builder)
         log(f"node {rz.node_rank}: started stage(s) {mine} (pids "
             f"{[p.pid for p in procs.values()]}), driver at {control}")
@@ -192,6 +201,7 @@ def run_agent(
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_processes(list(procs.values()))
+        remove_ipc_dir(tp_dir)
         link.close()
     return code
 

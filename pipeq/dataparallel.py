@@ -32,6 +32,12 @@ import torch
 from .transport import BindTo, ReplicaLink, StageTransport
 
 BUCKET_BYTES = 25 << 20
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel shard's own piece of ``t`` (a DTensor; pipeq.tensorpar), else ``t``:
+    each shard sums its piece with the same shard of the other replicas."""
+    return t.to_local() if hasattr(t, "device_mesh") and hasattr(t, "to_local") else t
 WEIGHTS_STEP = 0  # the message "step" of replica 0's weights at start; GradSync's rounds count from 1
 
 
@@ -142,7 +148,9 @@ class GradSync:
     def __init__(self, params: Sequence[torch.Tensor], link: ReplicaLink, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.params = list(params)
         self.link = link
-        self.layout = FlatLayout(self.params, bucket_bytes)
+        # a tensor-parallel shard sums its own pieces (pipeq.tensorpar); else the tensors as they are
+        self.local = _local if any(hasattr(p, "device_mesh") for p in self.params) else (lambda t: t)
+        self.layout = FlatLayout([self.local(p) for p in self.params], bucket_bytes)
         self.round = 0
         self.started = False
         self.pending: list[torch.Tensor] = []  # this replica's buckets of the round (host), as sent
@@ -155,7 +163,7 @@ class GradSync:
         for p in self.params:  # a parameter this replica did not use still takes part (zeros)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+            grads.append(self.local(p.grad))
         for b in range(len(self.layout)):
             flat = to_host(self.layout.gather(b, grads))
             self.link.send(self.round, b, [flat])
@@ -166,8 +174,8 @@ class GradSync:
         if not self.started:
             self.start()  # no backward ran (nothing to learn in this step): still take part
         link, layout = self.link, self.layout
-        grads = [p.grad for p in self.params]
         with torch.no_grad():
+            grads = [self.local(p.grad) for p in self.params]
             for b, mine in enumerate(self.pending):
                 got = [mine if r == link.replica else layout.check(b, link.wait(r, self.round, b), r, "gradient")
                        for r in range(link.replicas)]
@@ -179,7 +187,8 @@ class GradSync:
 def broadcast_from_replica_0(link: ReplicaLink, tensors: Sequence[torch.Tensor],
                              bucket_bytes: int = BUCKET_BYTES) -> None:
     """Replica 0 sends ``tensors`` (its parameters and buffers); the others load them, in place."""
-    tensors = [t.detach() for t in tensors]
+    with torch.no_grad():
+        tensors = [_local(t.detach()) for t in tensors]
     layout = FlatLayout(tensors, bucket_bytes)
     with torch.no_grad():
         for b in range(len(layout)):
@@ -199,16 +208,16 @@ class Replicas:
     """
 
     def __init__(self, transport: StageTransport, bind: BindTo, *, stage: int, replica: int, replicas: int,
-                 params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+                 params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], shard: int = 0) -> None:
         # a bucket is one data frame: never over the frame cap
         self.bucket_bytes = min(BUCKET_BYTES, transport.max_frame_bytes)
         self.params = list(params)
         self.weights = self.params + list(buffers)
-        n_grads = len(FlatLayout(self.params, self.bucket_bytes))
-        n_weights = len(FlatLayout(self.weights, self.bucket_bytes))
+        n_grads = len(FlatLayout([_local(p) for p in self.params], self.bucket_bytes))
+        n_weights = len(FlatLayout([_local(w) for w in self.weights], self.bucket_bytes))
         # what may wait, per sibling: its weights and a round of buckets, or two rounds (a replica
         # is never more than one round ahead of another: each round waits for everyone's buckets)
-        self.link = ReplicaLink(transport, bind, stage=stage, replica=replica, replicas=replicas,
+        self.link = ReplicaLink(transport, bind, stage=stage, replica=replica, replicas=replicas, shard=shard,
                                 capacity=(replicas - 1) * (n_weights + 2 * n_grads + 1))
         self.sync = GradSync(self.params, self.link, self.bucket_bytes)
 

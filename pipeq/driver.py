@@ -30,8 +30,8 @@ from .batching import Shard
 from .errors import PipelineError
 from .executors import StageBuilder
 from .messages import Kind, Message, tree_message, tree_of
-from .processes import (StageSettings, job_identity, process_context, start_worker, stop_processes,
-                        worker_configs)
+from .processes import (Numbering, StageSettings, job_identity, process_context, start_worker,
+                        stop_processes, worker_configs)
 from .rendezvous import Rendezvous
 from .stage import Tensors
 from .supervisor import Supervisor
@@ -46,6 +46,10 @@ class ProcessBackend:
     :class:`~pipeq.executors.StageSpec`, or a :class:`~pipeq.executors.StageBuilder` (required
     for stages on other nodes, which their node's agent starts and which never receive pickles).
     ``loss_stages`` get the batch's target; ``output_stage`` returns predict's output.
+
+    With ``settings.tensor_parallel = T > 1`` each stage runs on T processes (see
+    :class:`~pipeq.processes.Numbering`): the driver commands shard 0 of each stage, which shares
+    every command with its other shards (:mod:`pipeq.shardlink`); it starts and watches them all.
     """
 
     def __init__(
@@ -73,8 +77,10 @@ class ProcessBackend:
         self.schedule = schedule
         self.settings = settings
         self.replicas = replicas
-        self.n_processes = len(payloads)
+        self.n_processes = len(payloads)  # the processes the driver commands: each stage's shard 0
         self.n_stages = self.n_processes // replicas
+        self.numbering = Numbering(self.n_stages, replicas, settings.tensor_parallel)
+        self.n_all = self.numbering.total  # every process, the other shards included
         self.loss_stages = set(loss_stages)
         self.output_stage = output_stage
         self.transport = "tcp" if rendezvous is not None else transport
@@ -85,8 +91,9 @@ class ProcessBackend:
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.rendezvous = rendezvous
-        self.placement = (rdzv.placement(self.n_processes, rendezvous.nnodes, placement)
-                          if rendezvous is not None else [list(range(self.n_processes))])
+        self.placement = ([self._with_shards(node) for node in rdzv.placement(self.n_processes, rendezvous.nnodes,
+                                                                                placement)]
+                          if rendezvous is not None else [list(range(self.n_all))])
         self.recorder = (TraceRecorder(trace_path, schedule, self.n_stages, microbatches, replicas)
                          if trace_path is not None else None)
         self.store: Any = None
@@ -95,11 +102,16 @@ class ProcessBackend:
         self.server: ControlServer | None = None
         self.sup: Supervisor | None = None
         self.ipc_dir: str | None = None
+        self.tp_dir: str | None = None  # where each stage's shards meet (tensor parallelism over tcp)
         self.worker_info: list[dict[str, Any]] = []
         self._request_id = 0
         self._submitted: dict[int, tuple[int, int, int]] = {}  # step -> (sent at ns, replicas, microbatches)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
+
+    def _with_shards(self, leads: Sequence[int]) -> list[int]:
+        """A node's processes: its leads and their other shards (a stage's shards share a host)."""
+        return sorted(g for lead in leads for g in self.numbering.group(lead))
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -119,8 +131,11 @@ class ProcessBackend:
         else:  # tcp: the job's secret (multi-host), or one of our own (one host)
             secret = rz.secret if rz is not None and rz.secret is not None else JobSecret.generate()
             bind, auth = BindTo.tcp(self.host), WireAuth(secret, self.settings.tcp_security)
+        if self.numbering.shards > 1:
+            self.tp_dir = self.ipc_dir if self.ipc_dir is not None else make_ipc_dir()
         self.server = ControlServer(bind, auth)
-        self.sup = Supervisor(self.server, self.procs, n_stages=self.n_stages, n_processes=self.n_processes,
+        self.sup = Supervisor(self.server, self.procs, n_stages=self.n_stages, n_processes=self.n_all,
+                              numbering=self.numbering,
                               n_nodes=len(self.placement), heartbeat_timeout=self.heartbeat_timeout,
                               step_timeout=self.step_timeout, teardown=self._teardown)
         if rz is not None:  # tell the other nodes where to find us and what each of them runs
@@ -137,10 +152,11 @@ class ProcessBackend:
             self.placement[0], self.n_stages, self.replicas, self.schedule, self.settings,
             control_addr=self.server.address, bind=bind, seed_of=seed_of, rendezvous=rz,
             die_with_parent=threading.current_thread() is threading.main_thread(), auth=auth,
+            tp_dir=self.tp_dir,
         )
         for cfg in configs:
-            self.procs[cfg.process] = start_worker(ctx, cfg, self.payloads[cfg.process])
-        replies = self.sup.collect(Kind.READY, dict.fromkeys(range(self.n_processes), 1),
+            self.procs[cfg.process] = start_worker(ctx, cfg, self.payloads[self.numbering.lead(cfg.process)])
+        replies = self.sup.collect(Kind.READY, dict.fromkeys(range(self.n_all), 1),
                                    timeout=self.start_timeout, what="start", on_timeout=self._start_hint)
         self._stop_republishing()  # every node has read our entries: nothing reads them any more
         self.sup.expect_heartbeats()
@@ -154,14 +170,18 @@ class ProcessBackend:
                 extra["next_forward"] = ready[g + 1]["forward"]
             if k > 0:
                 extra["prev_backward"] = ready[g - 1]["backward"]
-            if self.replicas > 1:  # the same stage's replicas, by replica (gradients, start-up weights)
+            if self.replicas > 1 and self.numbering.shards > 1:  # every shard's replicas, by shard
+                groups = [self.numbering.group(r * self.n_stages + k) for r in range(self.replicas)]
+                extra["replica_shards"] = [[ready[group[s]]["replica_link"] for group in groups]
+                                           for s in range(self.numbering.shards)]
+            elif self.replicas > 1:  # the same stage's replicas, by replica (gradients, start-up weights)
                 extra["replicas"] = [ready[r * self.n_stages + k]["replica_link"] for r in range(self.replicas)]
             peers.append((g, Message(Kind.PEERS, joined, extra=extra)))
         self.server.send_many(peers)
         if self.replicas > 1:  # every replica has replica 0's weights (ACK) before the first step
             self.sup.collect(Kind.ACK, dict.fromkeys(range(self.n_processes), 1), step=joined,
                              timeout=self.start_timeout, what="replicas' start", on_timeout=self._replicas_hint)
-        self.worker_info = [ready[g] for g in range(self.n_processes)]
+        self.worker_info = [ready[g] for g in range(self.n_all)]  # the leads first (Numbering)
         if self.recorder is not None:
             self.recorder.measure_clocks(self.sup, self._next_request_id)
 
@@ -172,7 +192,7 @@ class ProcessBackend:
             "placement": self.placement,
             "job": job_identity(self.payloads[0], self.schedule, self.settings.numerics),
             "options": {"trace": self.recorder is not None, "replicas": self.replicas,
-                        "tcp_security": self.settings.tcp_security},
+                        "tcp_security": self.settings.tcp_security, "shards": self.numbering.shards},
             "control": self.server.address if self.server is not None else None,
         }
         signed = {key: rz.sign(key, value) for key, value in entries.items()}
@@ -206,7 +226,8 @@ class ProcessBackend:
             sup.collect(Kind.ACK, dict.fromkeys(everyone, 1), step=req, timeout=self.stop_timeout, what="stop")
             if self.recorder is not None:
                 merged = self.recorder.fetch(sup, self._next_request_id,
-                                             [str(info.get("host", "")) for info in self.worker_info])
+                                             [str(info.get("host", "")) for info in
+                                              self.worker_info[:self.n_processes]])
             sup.send_all([(g, Message(Kind.EXIT, req)) for g in everyone])
             deadline = time.monotonic() + 5.0
             for p in self.procs.values():
@@ -221,7 +242,7 @@ class ProcessBackend:
         if self.server is not None and self.rendezvous is not None:
             # Remote stages and agents: tell them to go (their agents also see us vanish).
             abort = Message(Kind.EXIT, extra={"abort": self.sup is not None and self.sup.failure is not None})
-            for g in range(self.n_processes):
+            for g in range(self.n_all):
                 if g not in self.procs:
                     self.server.send_best_effort(STAGE, g, abort)
             for node in range(1, len(self.placement)):
@@ -234,7 +255,9 @@ class ProcessBackend:
         if self.ipc_dir is not None:  # segments no stage got to unlink (a stage killed early)
             shm.remove_segments(shm.run_prefix(self.ipc_dir))
         remove_ipc_dir(self.ipc_dir)
-        self.ipc_dir = None
+        if self.tp_dir is not None and self.tp_dir != self.ipc_dir:
+            remove_ipc_dir(self.tp_dir)
+        self.ipc_dir = self.tp_dir = None
 
     def _start_hint(self, missing: set[int]) -> str:
         """Multi-host start-up: which missing stages reached the rendezvous, and where they run.

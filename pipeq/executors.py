@@ -6,6 +6,7 @@ itself from importable names (a :class:`StageBuilder`, e.g. a job file's recipe;
 plain data crosses hosts). :func:`make_executor` picks the executor the schedule needs:
 
     fill-drain, 1F1B, your own     StageExecutor      (pipeq.stage)
+      ... with tensor_parallel     ShardedStageExecutor (pipeq.tensorpar)
     Interlock(...)                 InterlockExecutor  (auxiliary heads, its own gradient routing)
     AsyncOneFOneB(...)             AsyncExecutor      (a step per microbatch, weight stashing)
     AssociatedLearning(...)        ALExecutor         (local losses only)
@@ -51,9 +52,14 @@ class StageBuilder:
 
 
 def make_executor(schedule: Any, index: int, n_stages: int, spec: StageSpec, device: torch.device,
-                  numerics: Numerics | None = None) -> StageExecutor:
+                  numerics: Numerics | None = None, sharded: bool = False) -> StageExecutor:
     """Stage ``index``'s executor; ``numerics`` (precision, clipping...) apply to plain backprop's
-    (the runner refuses them with the other schedules)."""
+    (the runner refuses them with the other schedules). ``sharded``: the module is split over
+    its tensor-parallel shards (plain backprop only: pipeq.tensorpar)."""
+    if sharded:
+        from .tensorpar import ShardedStageExecutor
+
+        return ShardedStageExecutor(index, n_stages, spec, device)
     ex: StageExecutor | None = None
     for kind, executor in ((Interlock, InterlockExecutor), (AssociatedLearning, ALExecutor),
                            (AsyncOneFOneB, AsyncExecutor)):

@@ -34,6 +34,8 @@ A job file (TOML, read with the standard library's tomllib)::
     keep_checkpoints = 3                         # the newest 3 (0: keep all)
     seed = 0
     data_parallel = 1                            # R replicas of the pipeline (R x N processes)
+    tensor_parallel = 1                          # optional: T processes per stage (R x N x T), with
+    tp_plan = [{ "0" = "colwise", "2" = "rowwise" }, {}]   # one table per stage (pipeq.tensorpar)
     precision = "bf16"                           # optional: "fp32" (default), "bf16", "fp16"
     clip_grad_norm = 1.0                         # optional: clip by the global norm (clip_norm_type = 2.0)
     check_finite = "raise"                       # optional: false (default), "raise" (or true), "skip"
@@ -387,6 +389,8 @@ class Job:
     start_timeout: float = 120.0
     trace: str | None = None
     data_parallel: int = 1
+    tensor_parallel: int = 1  # shards per stage (PipelineRunner's tensor_parallel, pipeq.tensorpar)
+    tp_plan: list[dict[str, str]] | None = None  # one table per stage: submodule -> "colwise" / "rowwise"
     tcp_security: str = "encrypt"  # multi-host: "encrypt" or "authenticate" (pipeq.transport)
     max_message_mb: int = 256
     shm_slots: int = 4  # one host: shared-memory slots per data channel (PipelineRunner's shm_slots)
@@ -527,7 +531,7 @@ _JOB_KEYS = {
     "log_every": int, "placement": dict,
     "threads_per_stage": int, "heartbeat_timeout": (int, float), "start_timeout": (int, float),
     "step_timeout": (int, float),
-    "trace": str, "data_parallel": int, "tcp_security": str, "max_message_mb": int, "shm_slots": int,
+    "trace": str, "data_parallel": int, "tensor_parallel": int, "tp_plan": list, "tcp_security": str, "max_message_mb": int, "shm_slots": int,
     "data_args": dict, "eval_data_args": dict, "metrics": dict, "lr_scheduler_monitor": str,
     "precision": str, "clip_grad_norm": (int, float), "clip_norm_type": (int, float), "check_finite": (bool, str),
     "recompute": (bool, list),
@@ -581,7 +585,9 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     _check_model_keys(path, raw)
     _check_schedule_keys(path, raw)
     _check_factory_keys(path, raw)
-    for key in ("microbatches", "steps", "epochs", "n_stages", "threads_per_stage", "data_parallel"):
+    _check_tp_plan(path, raw)
+    for key in ("microbatches", "steps", "epochs", "n_stages", "threads_per_stage", "data_parallel",
+                "tensor_parallel"):
         if key in raw and raw[key] < 1:
             raise ValueError(f"job file {path}: {key} must be at least 1, got {raw[key]}")
     for key in ("checkpoint_every", "keep_checkpoints", "eval_every", "log_every"):
@@ -613,6 +619,18 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
 #: How long a job trains, as ``pipeq launch --help`` and the README state it.
 LENGTH_RULE = ("a job trains for steps or for epochs, never both: set one of them in the job file; "
                "--steps or --epochs on the command line replaces whichever the file sets")
+
+
+def _check_tp_plan(path: str, raw: Mapping[str, Any]) -> None:
+    """``tp_plan``: an array of one table per stage, submodule names to "colwise" / "rowwise"."""
+    plan = raw.get("tp_plan")
+    if plan is None:
+        return
+    for k, stage in enumerate(plan):
+        if not isinstance(stage, dict) or not all(isinstance(v, str) for v in stage.values()):
+            raise ValueError(f"job file {path}: tp_plan[{k}] must be a table of submodule names to "
+                             f"\"colwise\" or \"rowwise\" (e.g. {{ \"0\" = \"colwise\", \"2\" = \"rowwise\" }}), "
+                             f"got {stage!r}")
 
 
 def _check_length(path: str, raw: Mapping[str, Any], given: Mapping[str, Any]) -> None:

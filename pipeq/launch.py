@@ -178,6 +178,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, metavar="N", help="evaluate every N steps (0: at the end)")
     g.add_argument("--threads-per-stage", type=int)
     g.add_argument("--data-parallel", type=int, metavar="R", help="R replicas of the pipeline, gradients all-reduced")
+    g.add_argument("--tensor-parallel", type=int, metavar="T",
+                   help="each stage split over T processes of one host, as the job's tp_plan says")
     g.add_argument("--heartbeat-timeout", type=float, help="seconds of silence before a stage is failed")
     g.add_argument("--trace", metavar="PATH", help="write a Chrome trace of every stage's actions "
                    "(read it with pipeq report PATH)")
@@ -206,7 +208,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("steps", "epochs", "schedule", "microbatches", "out", "seed", "checkpoint_every",
-            "keep_checkpoints", "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout", "trace", "data_parallel")
+            "keep_checkpoints", "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout", "trace", "data_parallel",
+            "tensor_parallel")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -239,6 +242,7 @@ def _run(args: argparse.Namespace, signals: "StopSignals") -> int:
 
 
 def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
+    from . import tensorpar
     from .agent import AgentError, run_agent
     from .processes import StageSettings
 
@@ -247,10 +251,13 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
 
     try:
         n = job.recipe.count_stages()
+        tp_plans = (tensorpar.check_plans(None, job.tp_plan, job.tensor_parallel, n)
+                    if job.tensor_parallel > 1 else None)
         settings = StageSettings(threads_per_stage=job.threads_per_stage,
                                  queue_capacity=max(64, 4 * job.microbatches),
                                  max_message_mb=job.max_message_mb,
-                                 numerics=options.check_numerics(job.schedule, n, None, **job.numerics_args()))
+                                 numerics=options.check_numerics(job.schedule, n, None, **job.numerics_args()),
+                                 tensor_parallel=job.tensor_parallel, tp_plans=tp_plans)
         return run_agent(rz, job.recipe, n, job.schedule, settings, heartbeat_timeout=job.heartbeat_timeout,
                          start_timeout=job.start_timeout, log=log, data_parallel=job.data_parallel)
     except (AgentError, RuntimeError, ValueError) as exc:
@@ -465,6 +472,8 @@ class Trainer:
                 step_timeout=job.step_timeout or None,  # 0 in the job file: off
                 start_timeout=job.start_timeout, rendezvous=self.rz, placement=job.placement,
                 trace=job.trace, data_parallel=job.data_parallel, start_method="forkserver",
+                tensor_parallel=job.tensor_parallel,  # (--tensor-parallel 1: the plan is not used)
+                tp_plan=job.tp_plan if job.tensor_parallel > 1 else None,
                 tcp_security=job.tcp_security, max_message_mb=job.max_message_mb, shm_slots=job.shm_slots,
                 **job.numerics_args(),
             )
@@ -477,7 +486,7 @@ class Trainer:
         try:
             t0 = time.perf_counter()
             with runner:
-                self.log(f"{runner.n_stages * job.data_parallel} stage processes started in "
+                self.log(f"{runner.n_stages * job.data_parallel * job.tensor_parallel} stage processes started in "
                          f"{time.perf_counter() - t0:.1f} s")
                 self.signals.graceful = True
                 try:

@@ -337,6 +337,44 @@ def check_step_timeout(step_timeout: Any, heartbeat_interval: float = 1.0) -> No
             "a stage reports the action it is in once per heartbeat")
 
 
+def check_tensor_parallel(model: Model, schedule: Any, tensor_parallel: Any, tp_plan: Any, *, mode: str,
+                          numerics: Numerics) -> list[Any] | None:
+    """``tensor_parallel`` and ``tp_plan`` (see :mod:`pipeq.tensorpar`): each stage's plan, or
+    None without tensor parallelism. Checked against the stages' modules when this process has
+    them; a recipe's stages are built on the meta device to be checked (no memory, no data)."""
+    if tensor_parallel == 1 and tp_plan is None:
+        return None
+    if type(tensor_parallel) is not int or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be a positive integer, got {tensor_parallel!r}")
+    if tensor_parallel == 1:
+        raise ValueError("tp_plan is given but tensor_parallel=1: pass tensor_parallel=T (the shards per "
+                         "stage), or drop tp_plan")
+    if mode != "process":
+        raise ValueError(f"tensor_parallel={tensor_parallel} runs each stage on {tensor_parallel} processes: "
+                         "use mode='process'")
+    if isinstance(schedule, (schedules.Interlock, schedules.AsyncOneFOneB, schedules.AssociatedLearning)):
+        raise ValueError(f"tensor_parallel is supported with fill-drain, 1f1b and your own schedules of F, B "
+                         f"and STEP, not with {schedules.schedule_name(schedule)!r}")
+    if numerics != Numerics(recompute=numerics.recompute) or any(numerics.recompute):
+        raise ValueError("tensor_parallel does not support precision, clip_grad_norm, check_finite or "
+                         "recompute yet: leave them at their defaults")
+    from . import tensorpar
+
+    stages: list[nn.Module] | None = None
+    if model.replicas:
+        stages = [spec.module for spec in model.replicas[0]]
+    elif model.builder is not None:
+        try:
+            with torch.device("meta"):
+                stages = [model.builder.build(k, model.n_stages).module for k in range(model.n_stages)]
+        except Exception:  # a recipe that cannot build on meta: each stage process checks its own
+            stages = None
+    plans = tensorpar.check_plans(stages, tp_plan, tensor_parallel, model.n_stages)
+    for k, plan in enumerate(plans):
+        _check_picklable(f"tp_plan[{k}]", plan)
+    return plans
+
+
 def process_payloads(model: Model, schedule: Any) -> list["bytes | StageBuilder"]:
     """What each stage process (replica r's stage k is process r * N + k) is started with: its
     pickled :class:`StageSpec`, or the recipe. Checks that everything pickles and that the stage

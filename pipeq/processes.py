@@ -2,7 +2,8 @@
 
 Used by both halves of the control plane that start stages: the driver (every stage on one host,
 or node 0's in a multi-host run) and a node's agent (the stages of node r > 0). A run's processes
-are numbered ``g = replica * n_stages + stage``; :func:`worker_configs` is the one place a
+are numbered by :class:`Numbering` (``g = replica * n_stages + stage`` for shard 0 of each stage,
+the other shards of tensor-parallel stages after them); :func:`worker_configs` is the one place a
 :class:`~pipeq.worker.WorkerConfig` is made.
 """
 
@@ -28,6 +29,54 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Numbering:
+    """How a run's processes are numbered. Shard 0 of replica r's stage k, the stage's *lead*,
+    is ``g = r * n_stages + k``, as without tensor parallelism (the driver commands only leads);
+    with ``shards = T > 1`` the other shards follow all the leads, T - 1 per lead, in lead order::
+
+        g:  0 .. R*N-1                     R*N + lead*(T-1) + (s-1)
+            leads (shard 0)                shard s >= 1 of lead ``lead``
+    """
+
+    n_stages: int
+    replicas: int = 1
+    shards: int = 1
+
+    @property
+    def leads(self) -> int:
+        return self.n_stages * self.replicas
+
+    @property
+    def total(self) -> int:
+        return self.leads * self.shards
+
+    def lead(self, g: int) -> int:
+        return g if g < self.leads else (g - self.leads) // (self.shards - 1)
+
+    def shard(self, g: int) -> int:
+        return 0 if g < self.leads else (g - self.leads) % (self.shards - 1) + 1
+
+    def stage(self, g: int) -> int:
+        return self.lead(g) % self.n_stages
+
+    def replica(self, g: int) -> int:
+        return self.lead(g) // self.n_stages
+
+    def group(self, lead: int) -> list[int]:
+        """Every process of lead ``lead``'s stage, by shard."""
+        first = self.leads + lead * (self.shards - 1)
+        return [lead, *range(first, first + self.shards - 1)]
+
+    def where(self, g: int) -> str:
+        """``replica r, stage k, shard s`` (only what the run has)."""
+        parts = [f"replica {self.replica(g)}"] if self.replicas > 1 else []
+        parts.append(f"stage {self.stage(g)}")
+        if self.shards > 1:
+            parts.append(f"shard {self.shard(g)}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
 class StageSettings:
     """How every stage process of a run is set up (the runner's and the job file's knobs)."""
 
@@ -41,6 +90,8 @@ class StageSettings:
     max_message_mb: int = 256  # the largest tensor frame a stage accepts from a peer
     numerics: Numerics = Numerics()  # precision, clipping, checks, recomputation (pipeq.numerics)
     shm_slots: int = 4  # shared-memory slots per data channel on one host (pipeq.shm); 0: none
+    tensor_parallel: int = 1  # shards per stage (pipeq.tensorpar)
+    tp_plans: Sequence[Any] | None = None  # with tensor_parallel > 1: each stage's plan
 
 
 def plan_devices(
@@ -64,7 +115,13 @@ def plan_devices(
         if devices is not None:
             dev = devices[i]
         elif torch.cuda.is_available():
-            dev = f"cuda:{(local_rank if local_rank is not None else i) % torch.cuda.device_count()}"
+            # under torchrun/srun this node's share of the host's GPUs (one each when there are as
+            # many as nodes), a GPU per process within it: a tensor-parallel stage's shards never
+            # share one (NCCL refuses two ranks on a device)
+            count = torch.cuda.device_count()
+            share = max(1, count // local_size) if local_rank is not None and local_size else count
+            first = local_rank * share if local_rank is not None and local_size else 0
+            dev = f"cuda:{(first + i % share) % count}"
         else:
             dev = "cpu"
         start = (i * per) % len(cores)
@@ -85,28 +142,36 @@ def worker_configs(
     rendezvous: "Rendezvous | None" = None,
     die_with_parent: bool = True,
     auth: WireAuth | None = None,
+    tp_dir: str | None = None,
 ) -> list[WorkerConfig]:
     """The start-up configuration of each of this host's ``processes`` (numbers g).
 
     ``auth`` carries the job secret to stages on tcp. ``seed_of(g)`` seeds process g's torch
     RNG. The workers watch this process (``driver_pid``) and exit when it is gone;
     ``die_with_parent`` adds the kernel's PDEATHSIG, which is only safe when this is the main
-    thread (it fires when the *thread* that started them exits).
+    thread (it fires when the *thread* that started them exits). ``tp_dir``: with tensor
+    parallelism, this host's private directory where each stage's shards meet (pipeq.tensorpar).
+    Every shard of a stage gets its lead's seed (the same dropout masks outside split layers).
     """
     schedule = schedules.resolve(schedule)
-    devices = [settings.devices[g % n_stages] for g in processes] if settings.devices is not None else None
+    num = Numbering(n_stages, replicas, settings.tensor_parallel)
+    if num.shards > 1 and tp_dir is None:
+        raise ValueError("tensor-parallel stages need a private directory to meet in (tp_dir)")
+    devices = [settings.devices[num.stage(g)] for g in processes] if settings.devices is not None else None
     plan = plan_devices(len(processes), devices, rendezvous)
     return [
         WorkerConfig(
-            stage=g % n_stages, n_stages=n_stages, schedule=schedule, control_addr=control_addr,
+            stage=num.stage(g), n_stages=n_stages, schedule=schedule, control_addr=control_addr,
             bind=bind, process=g, device=dev, cores=cores,
             threads=settings.threads_per_stage or threads, queue_capacity=settings.queue_capacity,
             max_frame_bytes=settings.max_message_mb << 20, auth=auth,
             heartbeat_interval=settings.heartbeat_interval, spin_s=settings.spin_s,
-            die_with_parent=die_with_parent, driver_pid=os.getpid(), seed=seed_of(g),
+            die_with_parent=die_with_parent, driver_pid=os.getpid(), seed=seed_of(num.lead(g)),
             store=rendezvous.store_address() if rendezvous is not None else None,
-            trace=settings.trace, replica=g // n_stages, replicas=replicas, numerics=settings.numerics,
-            shm_slots=settings.shm_slots,
+            trace=settings.trace, replica=num.replica(g), replicas=replicas, numerics=settings.numerics,
+            shm_slots=settings.shm_slots, shard=num.shard(g), shards=num.shards,
+            tp_store=os.path.join(tp_dir, f"tp-{num.lead(g)}") if num.shards > 1 and tp_dir else None,
+            tp_plan=settings.tp_plans[num.stage(g)] if num.shards > 1 and settings.tp_plans else None,
         )
         for g, (dev, cores, threads) in zip(processes, plan)
     ]

@@ -113,6 +113,17 @@ class PipelineRunner:
         aux_heads, aux_loss: interlocking schedules: one head per stage but the last (stage k's
             reads stage k's output) and their loss (default cross-entropy).
         data_parallel: R replicas of the pipeline (R x N processes), gradients all-reduced.
+        tensor_parallel, tp_plan: each stage split over T processes of one host (R x N x T
+            processes), on torch's DTensor (:mod:`pipeq.tensorpar`). ``tp_plan`` has one plan per
+            stage: a dict mapping submodule names (``stage.get_submodule(name)``; ``""`` is the
+            stage itself) to ``"colwise"``
+            or ``"rowwise"`` (torch's ``ColwiseParallel`` / ``RowwiseParallel``, or such objects),
+            ``{}`` for a stage left whole, or a callable ``(stage_module, mesh) -> module``. A
+            "colwise" entry with no "rowwise" after it gathers its output: a stage always hands
+            on whole tensors, from its shard 0, once. With ``data_parallel``, each shard's
+            gradients are summed with the same shard of the other replicas. States and
+            checkpoints hold whole tensors (they load at any T). Fill-drain, 1F1B and your own
+            schedules; not yet with precision, clipping, check_finite or recompute.
         precision: ``"fp32"`` (default), ``"bf16"`` (autocast to bfloat16 on CPU and CUDA: the
             forward and the loss run under ``torch.autocast``; parameters, gradients and the
             optimizer stay float32) or ``"fp16"`` (autocast to float16 with dynamic loss scaling,
@@ -178,6 +189,8 @@ class PipelineRunner:
         aux_heads: Sequence[nn.Module] | None = None,
         aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         data_parallel: int = 1,
+        tensor_parallel: int = 1,
+        tp_plan: Sequence[Any] | None = None,
         precision: str = "fp32",
         clip_grad_norm: float | None = None,
         clip_norm_type: float = 2.0,
@@ -206,6 +219,9 @@ class PipelineRunner:
         self.numerics = options.check_numerics(schedule, model.n_stages, devices, precision=precision,
                                                clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
                                                check_finite=check_finite, recompute=recompute)
+        tp_plans = options.check_tensor_parallel(model, schedule, tensor_parallel, tp_plan, mode=mode,
+                                                 numerics=self.numerics)
+        self.tensor_parallel = tensor_parallel
         self.n_stages, self.microbatches, self.mode = model.n_stages, microbatches, mode
         self.data_parallel = data_parallel
         self._batcher = Batcher(schedule, model.n_stages, microbatches, model.loss_fn, model.aux_loss,
@@ -222,7 +238,7 @@ class PipelineRunner:
 
             settings = StageSettings(devices, threads_per_stage, queue_capacity or max(64, 4 * microbatches),
                                      heartbeat_interval, spin, trace is not None, tcp_security, max_message_mb,
-                                     self.numerics, shm_slots)
+                                     self.numerics, shm_slots, tensor_parallel, tp_plans)
             self._backend = ProcessBackend(
                 options.process_payloads(model, schedule), schedule, settings, replicas=data_parallel,
                 loss_stages=schedules.loss_stages(schedule, model.n_stages),
@@ -395,7 +411,8 @@ class PipelineRunner:
         set; ``memory`` says which), ``skipped_steps`` (steps skipped for non-finite gradients:
         ``precision="fp16"``, ``check_finite="skip"``), ``recompute`` and ``shm_waits`` (how often
         one of the stage's sends found every shared-memory slot of its channel in use: raise
-        ``shm_slots`` if it grows). In simulated mode the peak is this process's."""
+        ``shm_slots`` if it grows). In simulated mode the peak is this process's; with
+        ``tensor_parallel``, shard 0's (each shard holds its own part of the stage)."""
         self._require_running()
         return self._backend.stats(reset_peak)
 

@@ -31,10 +31,16 @@ from typing import Callable
 
 from .errors import CodecError, PipelineError
 from .messages import REPLIES, Kind, Message
-from .processes import exit_reason
+from .processes import Numbering, exit_reason
 from .transport import AGENT, HEARTBEAT, STAGE, ControlServer, Peer, PeerUnreachable
 
 _POLL_MS = 100
+
+
+def _raised_at(msg: Message) -> float:
+    """When a stage's ERROR was raised (its host's monotonic clock), if it says."""
+    at = msg.extra.get("at")
+    return float(at) if type(at) in (int, float) else float("inf")
 
 
 class Supervisor:
@@ -49,13 +55,15 @@ class Supervisor:
         heartbeat_timeout: float,
         teardown: Callable[[], None],
         step_timeout: float | None = None,
+        numbering: Numbering | None = None,
     ) -> None:
+        """``numbering`` names a process's replica, stage and shard (default: one shard each)."""
         self.server = server
         self.procs = procs  # this host's stage processes, by process number g
         self.n_stages = n_stages
         self.n_processes = n_processes
         self.n_nodes = n_nodes
-        self.replicated = n_processes > n_stages
+        self.numbering = numbering if numbering is not None else Numbering(n_stages, max(1, n_processes // n_stages))
         self.heartbeat_timeout = heartbeat_timeout
         self.step_timeout = step_timeout
         self.teardown = teardown
@@ -83,11 +91,14 @@ class Supervisor:
         return peer.index < self.n_processes
 
     def error(self, message: str, g: int | None, traceback: str | None = None) -> PipelineError:
-        """A PipelineError naming process g's stage (and its replica, with data parallelism)."""
+        """A PipelineError naming process g's stage (and its replica with data parallelism, its
+        shard with tensor parallelism)."""
         if g is None:
             return PipelineError(message, None, traceback)
-        return PipelineError(message, g % self.n_stages, traceback,
-                             replica=g // self.n_stages if self.replicated else None)
+        num = self.numbering
+        return PipelineError(message, num.stage(g), traceback,
+                             replica=num.replica(g) if num.replicas > 1 else None,
+                             shard=num.shard(g) if num.shards > 1 else None)
 
     def error_of(self, peer: Peer, msg: Message) -> PipelineError:
         extra = msg.extra
@@ -196,9 +207,34 @@ class Supervisor:
             steps.append(self._collecting)
         return min(steps, default=None)
 
+    def _origin_shard(self, g: int, msg: Message, err: PipelineError) -> PipelineError:
+        """Tensor parallelism: the shards of a stage compute together, so one shard's failure
+        makes the others fail too (their collective's peer is gone). Of the errors and deaths of
+        process g's stage within half a second, the first is the one named: a shard killed by a
+        signal (it reports nothing), else the ERROR raised first (``at``: the shards share a host,
+        hence a monotonic clock)."""
+        num = self.numbering
+        if num.shards == 1 or g >= num.total:
+            return err
+        group = set(num.group(num.lead(g)))
+        first = {g: (_raised_at(msg), err)}
+        end = time.monotonic() + 0.5  # a killed process's sockets close a moment before it is reaped
+        while time.monotonic() < end and len(first) < len(group):
+            for other in sorted(group - set(first)):
+                p = self.procs.get(other)
+                if p is not None and p.exitcode is not None and p.exitcode < 0:
+                    return self.error(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}; then "
+                                      f"{num.where(g)} failed: {err.message}", other)
+            got = self._read(20)
+            if got is not None and got[0].role == STAGE and got[0].index in group:
+                first.setdefault(got[0].index, (_raised_at(got[1]), self.error_of(*got)))
+        return min(first.values(), key=lambda pair: pair[0])[1]
+
     def _error(self, peer: Peer, msg: Message) -> None:
         """An ERROR: raised now, or deferred while an earlier step than its own is outstanding."""
         err = self.error_of(peer, msg)
+        if peer.role == STAGE:
+            err = self._origin_shard(peer.index, msg, err)
         step, oldest = msg.extra.get("step"), self._oldest_outstanding()
         if (peer.role == STAGE and type(step) is int and oldest is not None and step > oldest
                 and ((Kind.LOSS, step) in self.awaited or step == self._collecting)):

@@ -722,7 +722,8 @@ class ReplicaLink:
     """
 
     def __init__(self, transport: StageTransport, bind: BindTo, *, stage: int, replica: int, replicas: int,
-                 capacity: int) -> None:
+                 capacity: int, shard: int = 0) -> None:
+        """``shard``: with tensor parallelism, the stage's shard this link sums (its MACs name it)."""
         if not 0 <= replica < replicas:
             raise ValueError(f"replica {replica} of {replicas}")
         tcp = bind.scheme == "tcp"
@@ -730,6 +731,7 @@ class ReplicaLink:
             raise ValueError("a replica link bound on tcp needs the job's secret (WireAuth)")
         self.transport = transport
         self.stage = stage
+        self.shard = shard
         self.replica = replica
         self.replicas = replicas
         self.capacity = capacity
@@ -757,7 +759,7 @@ class ReplicaLink:
         self.poller.register(transport.bwd_in, zmq.POLLIN)
 
     def _label(self, sender: int, receiver: int) -> str:
-        return f"R{self.stage}:{sender}>{receiver}"
+        return f"R{self.stage}" + (f".{self.shard}" if self.shard else "") + f":{sender}>{receiver}"
 
     def connect(self, addresses: Sequence[str]) -> None:
         """Connect to every other replica; ``addresses[r]`` is replica r's bound address."""

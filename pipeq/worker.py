@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import os
 import pickle
 import signal
@@ -67,7 +68,7 @@ class WorkerConfig:
     schedule: str | Callable[[int, int], list]  # a registered name or a schedule function/object
     control_addr: str
     bind: BindTo  # where this process binds its inbound sockets
-    process: int  # its number among the run's processes: replica * n_stages + stage
+    process: int  # its number among the run's processes (pipeq.processes.Numbering)
     device: str = "cpu"
     cores: list[int] = field(default_factory=list)
     threads: int = 1
@@ -88,6 +89,12 @@ class WorkerConfig:
     replicas: int = 1
     numerics: Numerics = field(default_factory=Numerics)  # precision, clipping, checks (pipeq.numerics)
     shm_slots: int = 4  # ipc: shared-memory slots per data channel (pipeq.shm); 0: ZeroMQ frames only
+    # tensor parallelism: this process is shard ``shard`` of its stage's ``shards``; they meet in
+    # the FileStore ``tp_store`` (in a private directory of this host; pipeq.tensorpar)
+    shard: int = 0
+    shards: int = 1
+    tp_store: str | None = None
+    tp_plan: Any = None  # how the stage's module is split over its shards (pipeq.tensorpar)
 
     def shm(self) -> ShmConfig | None:
         """This process's shared-memory payloads: on one host (ipc), where the host has them."""
@@ -246,7 +253,7 @@ class EventLoop:
             elif kind is Kind.PEERS:
                 transport.connect(msg.extra.get("next_forward"), msg.extra.get("prev_backward"))
                 if self.replicas is not None:  # before any step: replicas never start apart
-                    self.replicas.join(msg.extra.get("replicas") or [])
+                    self.replicas.join(self._replica_addresses(msg))
                     reply(Message(Kind.ACK, msg.step))
             elif kind is Kind.STOP:
                 reply(Message(Kind.ACK, msg.step))
@@ -254,6 +261,17 @@ class EventLoop:
                 return
             else:
                 raise RuntimeError(f"stage {self.cfg.stage}: unexpected command {kind.name}")
+
+    def _replica_addresses(self, msg: Message) -> list[str]:
+        """The same stage's (and shard's) other replicas, from PEERS: with tensor parallelism,
+        ``replica_shards[s]`` lists shard s's, as the lead's PEERS reaches every shard."""
+        if self.cfg.shards == 1:
+            return msg.extra.get("replicas") or []
+        by_shard = msg.extra.get("replica_shards")
+        if type(by_shard) is not list or len(by_shard) != self.cfg.shards:
+            raise ValueError(f"stage {self.cfg.stage}, shard {self.cfg.shard}: bad replica_shards "
+                             f"{by_shard!r} in PEERS")
+        return by_shard[self.cfg.shard]
 
     def _metric(self, msg: Message) -> float | None:
         """STEP_SCHEDULER's metric: a float, or None (a scheduler that takes none)."""
@@ -355,6 +373,25 @@ def _build(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> StageSpec:
     return spec
 
 
+def _shard(cfg: WorkerConfig, spec: StageSpec, transport: StageTransport,
+           device: torch.device) -> tuple[StageSpec, Any]:
+    """Tensor parallelism: join the stage's other shards (pipeq.tensorpar), split the module as
+    the stage's plan says, and wrap the transport: shard 0 shares what it receives, the others
+    follow it (pipeq.shardlink)."""
+    from . import tensorpar
+    from .shardlink import MAX_FRAMES, FollowerTransport, LeadTransport, ShardLink
+
+    if cfg.tp_store is None:
+        raise RuntimeError(f"stage {cfg.stage}, shard {cfg.shard}: no tp_store to meet the other shards in")
+    mesh, group = tensorpar.join(cfg.tp_store, cfg.shard, cfg.shards, device)
+    tensorpar.check_stage(cfg.stage, spec.module, cfg.tp_plan, cfg.shards)
+    module = tensorpar.parallelize(spec.module.to(device), cfg.tp_plan, mesh)
+    spec = dataclasses.replace(spec, module=module)
+    link = ShardLink(group, cfg.shard, cfg.shards, f"stage {cfg.stage}, shard {cfg.shard}",
+                     max_bytes=MAX_FRAMES * cfg.max_frame_bytes)
+    return spec, (LeadTransport(transport, link) if cfg.shard == 0 else FollowerTransport(transport, link))
+
+
 def _publish(cfg: WorkerConfig, info: dict[str, Any]) -> None:
     """Multi-host: publish this process's endpoints in the rendezvous store as ``stage/<g>``
     (JSON, signed with the job's secret under the entry's full key, as pipeq.rendezvous reads it;
@@ -391,7 +428,8 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
     # steps in flight and checkpoints first), and kills what does not stop when told.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _set_name(f"pipeq-stage{cfg.stage}" + (f"r{cfg.replica}" if cfg.replicas > 1 else ""))
+    _set_name(f"pipeq-stage{cfg.stage}" + (f"r{cfg.replica}" if cfg.replicas > 1 else "")
+              + (f"t{cfg.shard}" if cfg.shards > 1 else ""))
     _tight_timers()
     tune_process_allocator()
     # Pin first: threads started later (ZeroMQ's I/O thread, torch's pool) inherit the affinity.
@@ -413,21 +451,27 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
         )
         device = select_device(cfg)
         torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
-        executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, _build(cfg, payload), device,
-                                 cfg.numerics)
+        spec = _build(cfg, payload)
+        serving: Any = transport  # what the event loop reads and sends through
+        if cfg.shards > 1:  # the stage's shards meet, split the module, and shard 0 leads
+            spec, serving = _shard(cfg, spec, transport, device)
+        executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, spec, device,
+                                 cfg.numerics, sharded=cfg.shards > 1)
         executor.keep_on_device = transport.device_payloads  # CUDA IPC to the neighbours
         if cfg.replicas > 1:  # a link to the stage's replicas: replica 0's weights, summed gradients
             replicas = Replicas(transport, cfg.bind, stage=cfg.stage, replica=cfg.replica, replicas=cfg.replicas,
-                                params=executor.optimizer_params(), buffers=list(executor.module.buffers()))
+                                params=executor.optimizer_params(), buffers=list(executor.module.buffers()),
+                                shard=cfg.shard)
             executor.grad_sync = replicas.sync
         info = {**transport.addresses, "pid": os.getpid(), "device": str(device), "replica": cfg.replica,
+                "stage": cfg.stage, "shard": cfg.shard,
                 "threads": torch.get_num_threads(), "host": os.uname().nodename,
                 "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
         if replicas is not None:
             info["replica_link"] = replicas.address  # the driver's PEERS hands it to the other replicas
         _publish(cfg, info)
         transport.send_control(Message(Kind.READY, extra={**info, "layout": executor.layout()}))
-        loop = EventLoop(cfg, transport, executor, replicas)
+        loop = EventLoop(cfg, serving, executor, replicas)
         loop.serve()
         clean = True
     except Stopped:
@@ -436,7 +480,8 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
         try:
             transport.send_control(Message(Kind.ERROR, extra={
                 "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-                "step": loop.step if loop is not None else None}))
+                "step": loop.step if loop is not None else None,
+                "at": time.monotonic()}))  # which of a stage's shards failed first (pipeq.supervisor)
         except Exception:
             pass
     finally:

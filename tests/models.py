@@ -215,3 +215,83 @@ class TutorialStage1(nn.Module):
 
     def forward(self, x):
         return torch.sigmoid(self.w2(x))
+
+
+class UpDown(nn.Module):
+    """``down(relu(up(x)))`` with named children (not an nn.Sequential: one layer of the flat
+    model, so its state is ``"{k}.up.weight"``...): tensor-parallel plans name ``"up"``, ``"down"``."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int):
+        super().__init__()
+        self.up = nn.Linear(d_in, hidden)
+        self.down = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class ShardedLinear(nn.Linear):
+    """An nn.Linear that, in a process of a tensor-parallel run (torch.distributed initialized),
+    checks in every forward that its weight really is a DTensor split along ``dim`` (0: "colwise",
+    1: "rowwise"), each process holding a part; elsewhere (a reference in the test process) it is
+    a plain nn.Linear. Its state has nn.Linear's names."""
+
+    def __init__(self, d_in: int, d_out: int, dim: int):
+        super().__init__(d_in, d_out)
+        self.dim = dim
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from torch.distributed.tensor import DTensor, Shard
+
+            w = self.weight
+            if not (isinstance(w, DTensor) and Shard(self.dim) in w.placements
+                    and w.to_local().shape[self.dim] < w.shape[self.dim]):
+                raise RuntimeError(f"weight not split along dim {self.dim}: {type(w).__name__} "
+                                   f"{getattr(w, 'placements', None)} {tuple(w.shape)}")
+        return super().forward(x)
+
+
+def tp_stages(seed: int = 0, d: int = 8, hidden: int = 16, classes: int = 4, probe: bool = False) -> list[nn.Module]:
+    """Two stages for tensor parallelism: an MLP block (d -> hidden -> d), then an MLP block and a
+    classifier (d -> hidden -> d -> classes). With ``TP_PLAN`` every Linear is sharded; every
+    size divides by 4. ``probe``: ShardedLinear layers, which fail unless TP_PLAN split them."""
+    torch.manual_seed(seed)
+    if probe:
+        def col(a, b):
+            return ShardedLinear(a, b, 0)
+
+        def row(a, b):
+            return ShardedLinear(a, b, 1)
+    else:
+        col = row = nn.Linear
+    return [
+        nn.Sequential(col(d, hidden), nn.ReLU(), row(hidden, d)),
+        nn.Sequential(col(d, hidden), nn.ReLU(), row(hidden, d), nn.Tanh(), col(d, classes)),
+    ]
+
+
+#: tp_stages' plan: colwise + rowwise pairs, and stage 1's classifier colwise (its output gathered).
+TP_PLAN = [{"0": "colwise", "2": "rowwise"}, {"0": "colwise", "2": "rowwise", "4": "colwise"}]
+
+
+class RaisesOnShard(nn.Linear):
+    """An nn.Linear (to be split by a plan) whose forward raises on shard ``shard`` of its stage
+    (every shard when None): the shard is its place in the weight's device mesh. Unsplit (no
+    DTensor weight) it never raises."""
+
+    def __init__(self, d_in: int, d_out: int, shard: int | None):
+        super().__init__(d_in, d_out)
+        self.shard = shard
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor
+
+        w = self.weight
+        if isinstance(w, DTensor):
+            mine = w.device_mesh.get_local_rank()
+            if self.shard is None or mine == self.shard:
+                raise ValueError(f"boom from shard {mine}")
+        return super().forward(x)

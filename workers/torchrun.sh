@@ -35,6 +35,11 @@
 #   PIPEQ_SECRET=$(python -m pipeq secret) NNODES=1 NPROC_PER_NODE=2 \
 #       workers/torchrun.sh 0 127.0.0.1 --steps 200
 #
+# Tensor parallelism (tensor_parallel = T and tp_plan in the job, or --tensor-parallel T after the
+# script's arguments): each pipeq node runs its stages' T shards on its own host, a GPU each out of
+# its share of the host's (GPUs / NPROC_PER_NODE; so NPROC_PER_NODE x T x stages per node <= the
+# host's GPUs), or its share of the CPU cores.
+#
 # Without a secret the script refuses to start: nobody without it can join the run.
 #
 # Environment:
