@@ -154,7 +154,10 @@ def join(store_path: str, shard: int, shards: int, device: torch.device) -> tupl
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # the shards share a host: nothing of theirs listens beyond loopback (whatever the environment says)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if device.type == "cuda":
+        os.environ["NCCL_SOCKET_IFNAME"] = "lo"  # NCCL's bootstrap sockets (its data takes NVLink / PCIe)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     store = dist.FileStore(store_path, shards)
     dist.init_process_group(backend, store=store, rank=shard, world_size=shards, timeout=GROUP_TIMEOUT)

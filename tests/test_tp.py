@@ -15,6 +15,7 @@ import functools
 import os
 import re
 import signal
+import socket
 import time
 from types import SimpleNamespace
 
@@ -385,3 +386,63 @@ def test_a_raising_shard_is_named_with_its_error(shard):
     assert err.remote_traceback and "models.py" in err.remote_traceback, str(err)
     assert not wait_no_strays(5.0), "processes outlived the failure"
     assert not [p for p in pids if alive(p)], "a stage or shard process is still there"
+
+
+# -- 7. the shards' own sockets: loopback only, and a stranger's bytes change nothing ------------------
+def test_the_shards_group_listens_on_loopback_whatever_the_environment(monkeypatch, tmp_path):
+    """gloo, which DTensor computes with, has no authentication: a shard's sockets listen on
+    loopback only, even when the user's environment names another interface for gloo (here:
+    a one-shard group in this process, whose new listening sockets are looked at)."""
+    from attacker import listening_addresses
+    from pipeq import tensorpar
+
+    from pipeq.netif import interface_address
+
+    def routable(name: str) -> bool:
+        try:
+            return not (interface_address(name) or "127.").startswith("127.")
+        except ValueError:  # no IPv4 address
+            return False
+
+    # an interface of this machine with an address that is not loopback (else the check is moot)
+    ifaces = [name for _, name in socket.if_nameindex() if routable(name)]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", ifaces[0] if ifaces else "lo")
+    before = set(listening_addresses([os.getpid()]))
+    tensorpar.join(str(tmp_path / "store"), 0, 1, torch.device("cpu"))
+    try:
+        new = set(listening_addresses([os.getpid()])) - before
+    finally:
+        tensorpar.leave()
+    assert new and {addr for addr, _ in new} == {"127.0.0.1"}, new
+
+
+def test_shards_listen_on_loopback_only_and_survive_strangers():
+    """A local process that connects to the shards' listening sockets and writes garbage must
+    neither break nor change the run."""
+    from attacker import listening_addresses
+
+    stages = tp_stages(seed=0)
+    data = batches(4, 10, seed=3)
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, "1f1b", 2, tensor_parallel=2,
+                                  tp_plan=TP_PLAN, **FAST)
+    strangers = []
+    try:
+        with runner:
+            losses = [runner.step(*data[0])]
+            pids = [w["pid"] for w in runner._backend.worker_info]
+            listening = listening_addresses(pids)
+            assert listening, "no listening socket found: is /proc/net/tcp readable?"
+            assert {addr for addr, _ in listening} == {"127.0.0.1"}, listening
+            for _, port in listening:
+                for garbage in (b"\x00" * 64, os.urandom(4096), b"\xff" * 16):
+                    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                    s.sendall(garbage)
+                    strangers.append(s)
+            losses += [runner.step(x, y) for x, y in data[1:]]
+            state = runner.state_dict()
+    finally:
+        for s in strangers:
+            s.close()
+    model, _, ref_losses = reference(stages, MOMENTUM, data)
+    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+    assert_close_states(state, model.state_dict())
