@@ -162,7 +162,7 @@ def run_agent(
             f"{shards} shards)"
         )
     theirs = fetch("job", "job description")
-    ours = json.loads(json.dumps(job_identity(builder, schedule, settings.numerics)))  # as it came through JSON
+    ours = json.loads(json.dumps(job_identity(builder, schedule, settings.numerics, settings.tp_plans)))  # as it came through JSON
     if theirs != ours:
         differ = _differences(theirs, ours) if isinstance(theirs, dict) else ["everything"]
         message = (f"node {rz.node_rank} was started with another job than node 0: "

@@ -190,7 +190,7 @@ class ProcessBackend:
         there until every stage is READY (see :class:`pipeq.rendezvous.Republisher`)."""
         entries: dict[str, object] = {
             "placement": self.placement,
-            "job": job_identity(self.payloads[0], self.schedule, self.settings.numerics),
+            "job": job_identity(self.payloads[0], self.schedule, self.settings.numerics, self.settings.tp_plans),
             "options": {"trace": self.recorder is not None, "replicas": self.replicas,
                         "tcp_security": self.settings.tcp_security, "shards": self.numbering.shards},
             "control": self.server.address if self.server is not None else None,

@@ -177,9 +177,11 @@ def worker_configs(
     ]
 
 
-def job_identity(payload: "bytes | StageBuilder", schedule: Any, numerics: Numerics | None = None) -> dict[str, Any]:
+def job_identity(payload: "bytes | StageBuilder", schedule: Any, numerics: Numerics | None = None,
+                 tp_plans: Sequence[Any] | None = None) -> dict[str, Any]:
     """What every node of a multi-host run must agree on (compared by the agents): the schedule
-    and its options, the recipe, and how the stages compute (precision, clipping...)."""
+    and its options, the recipe, how the stages compute (precision, clipping...) and, with
+    tensor parallelism, how each stage is split (``tp_plans``)."""
     import dataclasses
 
     from .trace import schedule_label
@@ -189,8 +191,13 @@ def job_identity(payload: "bytes | StageBuilder", schedule: Any, numerics: Numer
     # the options too: "async" with and without weight stashing share a name, not a plan
     plain = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v  # inf: JSON has none
              for k, v in dataclasses.asdict(numerics or Numerics()).items()}
-    return {"schedule": schedule_label(schedule), "schedule_options": schedules.options_of(schedule),
-            "recipe": recipe, "numerics": plain}
+    identity = {"schedule": schedule_label(schedule), "schedule_options": schedules.options_of(schedule),
+                "recipe": recipe, "numerics": plain}
+    if tp_plans:  # (a style object or a callable by its type's name: job files give strings)
+        identity["tp_plan"] = [{n: v if isinstance(v, str) else type(v).__name__ for n, v in plan.items()}
+                               if isinstance(plan, dict) else getattr(plan, "__qualname__", type(plan).__name__)
+                               for plan in tp_plans]
+    return identity
 
 
 def exit_reason(code: int) -> str:

@@ -102,3 +102,16 @@ def test_job_file_bad_plan_refused_before_start(tmp_path, capfd, plan, message) 
     assert _in_tests(_launch(str(job), str(tmp_path / "out"))) == 2
     assert message in capfd.readouterr().err
     assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")
+
+
+def test_nodes_must_agree_on_the_plan() -> None:
+    """A node's agent compares node 0's job identity with its own: a plan that differs (or a
+    plan on one side only) makes them differ, so the node is refused, naming ``tp_plan``."""
+    from pipeq.processes import job_identity
+
+    plan = [{"0": "colwise"}, {"0": "rowwise"}, {}]
+    same = job_identity(b"", "1f1b", None, [dict(p) for p in plan])
+    assert job_identity(b"", "1f1b", None, plan) == same
+    assert job_identity(b"", "1f1b", None, [{"0": "rowwise"}, {"0": "rowwise"}, {}]) != same
+    assert job_identity(b"", "1f1b", None, None) != same
+    assert "tp_plan" not in job_identity(b"", "1f1b")  # identities of runs without it are unchanged
