@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -43,11 +43,11 @@ from .stage import StageExecutor, Tensors
 
 STYLES = ("colwise", "rowwise")
 #: how long one shard waits for another in a collective: a follower waits for its lead's next
-#: command for as long as the caller pauses, so no time-out of torch's may end it (the driver
-#: watches every process and ends a run whose shard died)
+#: command for as long as the caller pauses between calls (up to this long: a runner left idle
+#: longer fails), so torch's default of 30 minutes would end idle runs; a shard that dies is
+#: noticed by the driver, which watches every process and ends the run
 GROUP_TIMEOUT = datetime.timedelta(days=30)
 
-Plan = "Mapping[str, Any] | Callable[[nn.Module, Any], nn.Module]"
 
 
 def _divides(module: nn.Module, style: str, t: int) -> tuple[str, int] | None:
