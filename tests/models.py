@@ -295,3 +295,13 @@ class RaisesOnShard(nn.Linear):
             if self.shard is None or mine == self.shard:
                 raise ValueError(f"boom from shard {mine}")
         return super().forward(x)
+
+
+def split_by_hand(module, mesh):
+    """A callable tensor-parallel plan, ``(stage_module, mesh) -> module``: what TP_PLAN[1] says,
+    written with torch's own styles (the classifier's output gathered)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(module, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                                             "4": ColwiseParallel(output_layouts=Replicate())})

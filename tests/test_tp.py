@@ -446,3 +446,24 @@ def test_shards_listen_on_loopback_only_and_survive_strangers():
     model, _, ref_losses = reference(stages, MOMENTUM, data)
     assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
     assert_close_states(state, model.state_dict())
+
+
+# -- 8. a plan of torch's style objects, and a callable plan --------------------------------------------
+def test_style_objects_and_a_callable_plan_equal_full_batch_training():
+    """tp_plan also takes torch's ParallelStyle objects (stage 0) and a callable
+    ``(stage_module, mesh) -> module`` (stage 1), with the probe layers proving the split."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from models import split_by_hand
+
+    stages = tp_stages(seed=4, probe=True)
+    data = batches(3, 10, seed=5)
+    plan = [{"0": ColwiseParallel(), "2": RowwiseParallel()}, split_by_hand]
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, "1f1b", 3, tensor_parallel=2,
+                                  tp_plan=plan, **FAST)
+    with runner:
+        losses = [runner.step(x, y) for x, y in data]
+        state = runner.state_dict()
+    model, _, ref_losses = reference(stages, MOMENTUM, data)
+    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+    assert_close_states(state, model.state_dict())
