@@ -92,30 +92,24 @@ import copy
 import functools
 import time
 
+import os
+import sys
+
 import torch
 from torch import nn
 
-import pipeq
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DATASET = 320
+import pipeq  # noqa: E402
+from examples import dp_mlp  # noqa: E402  (the tutorial's model and data, drawn in its order)
+from examples.dp_mlp import MLP  # noqa: E402
+
 BATCH = 64        # the tutorial's "split_model_batch_size = 2 * batch_size"
 LR = 1.0          # the tutorial's "2 * lr" for the doubled batch
 PLAN = {"0": "colwise", "2": "rowwise"}
 SHARDS = 2
 # the tutorial's printed losses of its tensor-parallel loop (float32, iteration: loss)
 TUTORIAL = {0: 0.693, 1000: 0.510, 2000: 0.367, 3000: 0.315, 4000: 0.298, 5000: 0.285}
-
-
-class MLP(nn.Module):
-    """The tutorial's model (only to draw its initial weights in the tutorial's order)."""
-
-    def __init__(self, layer_1_in: int = 16, layer_1_out: int = 8, layer_2_out: int = 1) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(layer_1_in, layer_1_out)
-        self.w2 = nn.Linear(layer_1_out, layer_2_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.w2(torch.relu(self.w1(x))))
 
 
 def as_sequential(mlp: MLP) -> nn.Sequential:
@@ -128,12 +122,10 @@ def as_sequential(mlp: MLP) -> nn.Sequential:
 
 def tutorial_data(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor, nn.Sequential]:
     """The tutorial's inputs, targets and the initial weights of its tensor-parallel section."""
-    torch.manual_seed(40)
-    x = torch.rand([DATASET, 16])
-    target = torch.randint(0, 2, [DATASET, 1], dtype=torch.float32)
-    MLP(), MLP()  # the models of its single-process and data-parallel sections
+    x, target, _ = dp_mlp.tutorial_data(dtype)  # seed 40, the data, its single-process section's MLP
+    MLP()  # its data-parallel section's
     model = as_sequential(MLP())  # "model = MLP(layer_1_in, layer_1_out, layer_2_out)" again
-    return x.to(dtype), target.to(dtype), model.to(dtype)
+    return x, target, model.to(dtype)
 
 
 def batches(x: torch.Tensor, target: torch.Tensor, steps: int, size: int = BATCH):

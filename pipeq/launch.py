@@ -242,7 +242,6 @@ def _run(args: argparse.Namespace, signals: "StopSignals") -> int:
 
 
 def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
-    from . import tensorpar
     from .agent import AgentError, run_agent
     from .processes import StageSettings
 
@@ -251,8 +250,11 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
 
     try:
         n = job.recipe.count_stages()
-        tp_plans = (tensorpar.check_plans(None, job.tp_plan, job.tensor_parallel, n)
-                    if job.tensor_parallel > 1 else None)
+        tp_plans = None
+        if job.tensor_parallel > 1:
+            from . import tensorpar
+
+            tp_plans = tensorpar.check_plans(None, job.tp_plan, job.tensor_parallel, n)
         settings = StageSettings(threads_per_stage=job.threads_per_stage,
                                  queue_capacity=max(64, 4 * job.microbatches),
                                  max_message_mb=job.max_message_mb,

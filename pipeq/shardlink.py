@@ -106,9 +106,16 @@ class LeadTransport:
         self.link = link
         self.forward_queue = transport.forward_queue
         self.backward_queue = transport.backward_queue
+        # sends, replies and wiring: the stage's own, bound once (the event loop calls them per action)
+        self.send_activation = transport.send_activation
+        self.send_gradient = transport.send_gradient
+        self.send_control = transport.send_control
+        self.connect = transport.connect
+        self.device_payloads = transport.device_payloads
 
-    def __getattr__(self, name: str) -> Any:  # sends, replies, connect, stats: the stage's own
-        return getattr(self._inner, name)
+    @property
+    def shm_waits(self) -> int:
+        return self._inner.shm_waits
 
     def next_control(self, timeout_ms: int) -> Message | None:
         msg = self._inner.next_control(timeout_ms)

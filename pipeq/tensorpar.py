@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .stage import StageExecutor, Tensors
 
@@ -194,17 +195,11 @@ def parallelize(module: nn.Module, plan: Any, mesh: Any) -> nn.Module:
 
 # ------------------------------------------------------------------------- whole <-> sharded
 
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def whole(value: Any) -> Any:
     """``value`` (a tensor, or dicts / lists / tuples of them) with every DTensor gathered whole
     (differentiably). A collective: every shard calls it on the same structure, in the same order."""
     if isinstance(value, torch.Tensor):
-        return value.full_tensor() if _is_dtensor(value) else value
+        return value.full_tensor() if isinstance(value, DTensor) else value
     if isinstance(value, dict):
         return {k: whole(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -216,17 +211,10 @@ def whole(value: Any) -> Any:
 def like(full: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
     """``full`` laid out as ``current`` is: this shard's piece of it when ``current`` is a
     DTensor (cut locally: every shard holds the whole), else ``full`` itself."""
-    if not _is_dtensor(current) or _is_dtensor(full):
+    if not isinstance(current, DTensor) or isinstance(full, DTensor):
         return full
-    from torch.distributed.tensor import distribute_tensor
-
     return distribute_tensor(full.to(current.device_mesh.device_type), current.device_mesh, current.placements,
                              src_data_rank=None)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This shard's own tensor of ``t`` (``t`` itself when not a DTensor)."""
-    return t.to_local() if _is_dtensor(t) else t
 
 
 class ShardedStageExecutor(StageExecutor):
