@@ -16,58 +16,30 @@ Inference (``predict``): ``s`` through every f, then the last layer's ``b``, the
 h_1`` back toward stage 0 (over the backward channel); stage 0 returns class scores. A shortcut
 through layer l (``AssociatedLearning(inference_layer=l)``: f_1..f_l, b_l, h_l..h_1) is selectable.
 
-:func:`build_al` makes an AL model from plain blocks and widths.
+:func:`build_al` makes an AL model from plain blocks and widths, :func:`build_al_lstm` and
+:func:`build_al_transformer` text classifiers whose ``s`` is a tree (the padding mask, an LSTM's
+``(h, c)``: see :mod:`pipeq.al_models`); :class:`ALModel` is the inference path in one process.
+A layer's messages are ``(s, t)`` packed as one tree (:mod:`pipeq.microbatch`): a pair of
+tensors travels as two bare tensors, anything else with its description.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import microbatch
+from .al_models import (ALLayer, ALModel, LabelEmbedding, LastHiddenBridge, LSTMLayer, PooledBridge, TokenEmbedding,
+                        TransformerLayer, build_al, build_al_lstm, build_al_transformer, call, code, label_dtype,
+                        label_input)
 from .schedules import AssociatedLearning
 from .stage import StageExecutor, StageSpec, Tensors, describe
 
-
-class ALLayer(nn.Module):
-    """One AL layer: ``f`` (x side), ``b`` (bridge to the label side), ``g`` (label encoder), ``h``
-    (label decoder). As a plain module it runs ``f`` (the inference path's x side)."""
-
-    def __init__(self, f: nn.Module, b: nn.Module, g: nn.Module, h: nn.Module) -> None:
-        super().__init__()
-        self.f, self.b, self.g, self.h = f, b, g, h
-
-    def forward(self, s: torch.Tensor) -> torch.Tensor:
-        return self.f(s)
-
-
-def build_al(
-    blocks: Sequence[nn.Module], widths: Sequence[int], n_classes: int, label_widths: Sequence[int] | None = None,
-) -> list[ALLayer]:
-    """AL layers from plain blocks: ``blocks[i]`` maps to ``widths[i]`` features (flattened).
-
-    Layer i's label side is ``g_i: label_widths[i-1] -> label_widths[i]`` (``label_widths[-1]`` =
-    ``n_classes`` for t_0) with ``b_i: widths[i] -> label_widths[i]`` and ``h_i`` its inverse
-    (Linear + Tanh bridges and encoders; ``h_1`` ends in plain class scores). Default label widths:
-    ``widths``.
-    """
-    if len(blocks) != len(widths):
-        raise ValueError(f"{len(blocks)} blocks but {len(widths)} widths: give one width per block")
-    label_widths = list(label_widths or widths)
-    if len(label_widths) != len(blocks):
-        raise ValueError(f"label_widths has {len(label_widths)} entries for {len(blocks)} blocks")
-    layers = []
-    prev = n_classes
-    for i, (blk, w, lw) in enumerate(zip(blocks, widths, label_widths)):
-        f = nn.Sequential(blk, nn.Flatten())
-        b = nn.Sequential(nn.Linear(w, lw), nn.Tanh())
-        g = nn.Sequential(nn.Linear(prev, lw), nn.Tanh())
-        h = nn.Linear(lw, prev) if i == 0 else nn.Sequential(nn.Linear(lw, prev), nn.Tanh())
-        layers.append(ALLayer(f, b, g, h))
-        prev = lw
-    return layers
+__all__ = ["ALExecutor", "ALLayer", "ALModel", "LabelEmbedding", "LastHiddenBridge", "LSTMLayer", "PooledBridge",
+           "TokenEmbedding", "TransformerLayer", "build_al", "build_al_lstm", "build_al_transformer"]
 
 
 class ALExecutor(StageExecutor):
@@ -93,16 +65,11 @@ class ALExecutor(StageExecutor):
         self.first_loss = first_loss
         self.inference_layer = n_stages - 1 if inference_layer is None else inference_layer
         self.needs_target = index == 0
-        self.n_classes = self._classes(layer) if index == 0 else 0
+        if index == 0:
+            self.label_reads, self.n_classes = label_input(layer.g)
+            self.label_dtype = label_dtype(layer.g)
         self.assoc_sum = 0.0
         self.count = 0
-
-    @staticmethod
-    def _classes(layer: ALLayer) -> int:
-        first = next((m for m in layer.g.modules() if isinstance(m, nn.Linear)), None)
-        if first is None:
-            raise ValueError("stage 0's g must start with an nn.Linear over the one-hot classes")
-        return first.in_features
 
     def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
               weights: Any = None, aux_weights: Any = None) -> None:
@@ -116,44 +83,64 @@ class ALExecutor(StageExecutor):
         """The mean associated loss of this layer over the step's microbatches."""
         return self.assoc_sum / self.count if self.count else float("nan")
 
+    def _received(self, received: Tensors, training: bool) -> Any:
+        """The value the previous layer sent: ``(s, t)`` in training, ``s`` in inference."""
+        tensors = [t.to(self.device, non_blocking=True) for t in received]
+        tree = microbatch.tree_of(received)
+        if tree is not None:
+            value = microbatch.unpack(tree, tensors)
+        else:
+            value = tensors[0] if len(tensors) == 1 and not training else tuple(tensors)
+        if training and not (isinstance(value, tuple) and len(value) == 2):
+            raise ValueError(f"stage {self.index}: AL stages pass (s, t), received {describe(received)}")
+        return value
+
+    @staticmethod
+    def _message(value: Any) -> Tensors:
+        """``value`` (detached) as the tensors of one message, with their description if needed."""
+        tensors, tree = microbatch.pack_output(microbatch.map_tensors(value, torch.Tensor.detach))
+        return microbatch.Packed.of(tensors, tree)
+
+    def _labels(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 0's (what g_1 reads, the one-hot the first autoencoder loss compares with)."""
+        y = self.targets[j]
+        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.is_complex():
+            got = describe((y,)) if isinstance(y, torch.Tensor) else describe(microbatch.tensors_of(y)) or repr(y)
+            raise ValueError(f"stage 0: AL needs class indices as targets, got {got}")
+        onehot = F.one_hot(y.long(), self.n_classes).to(self.label_dtype)
+        return (y.long() if self.label_reads == "index" else onehot), onehot
+
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:
         layer: ALLayer = self.module  # type: ignore[assignment]
+        if not self.training:
+            s_in = self.inputs[j] if self.is_first else self._received(received, False)  # type: ignore[arg-type]
+            with torch.no_grad():
+                s = call(layer.f, s_in)
+            if self.index == self.inference_layer:  # the decode starts here: keep s for b
+                self.stash[j] = (s, None)
+                return None
+            return self._message(s)
         if self.is_first:
             s_in = self.inputs[j]
+            t_in, t_target = self._labels(j)
         else:
-            assert received is not None
-            s_in = received[0].to(self.device, non_blocking=True)
-        if not self.training:
-            with torch.no_grad():
-                s = layer.f(s_in)
-            if self.index == self.inference_layer:  # the decode starts here: keep s for b
-                self.stash[j] = ((s,), None)
-                return None
-            return (s,)
-        if self.is_first:
-            y = self.targets[j]
-            if y.is_floating_point():
-                raise ValueError(f"stage 0: AL needs class indices as targets, got {describe((y,))}")
-            t_in = F.one_hot(y.long(), self.n_classes).to(s_in.dtype)
-        else:
-            if len(received) != 2:  # type: ignore[arg-type]
-                raise ValueError(f"stage {self.index}: AL stages pass (s, t), received {describe(received)}")
-            t_in = received[1].to(self.device, non_blocking=True)  # type: ignore[index]
-        s = layer.f(s_in)
-        t = layer.g(t_in)
-        assoc = self.criterion(layer.b(s), t.detach())
+            s_in, t_in = self._received(received, True)  # type: ignore[arg-type]
+            t_target = code(t_in)
+        s = call(layer.f, s_in)
+        t = call(layer.g, t_in)
+        assoc = self.criterion(call(layer.b, s), code(t).detach())
         if self.is_first and self.first_loss == "ce":
-            ae = F.cross_entropy(torch.tanh(layer.h(t)), self.targets[j].long())
+            ae = F.cross_entropy(torch.tanh(call(layer.h, t)), self.targets[j].long())
         else:
-            ae = self.criterion(layer.h(t), t_in)
-        self.stash[j] = ((s, t), (assoc, ae))
+            ae = self.criterion(call(layer.h, t), t_target)
+        self.stash[j] = (None, (assoc, ae))
         self.assoc_sum += float(assoc.detach())
         self.count += 1
-        return None if self.is_last else (s.detach(), t.detach())
+        return None if self.is_last else self._message((s, t))
 
     def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
         layer: ALLayer = self.module  # type: ignore[assignment]
-        outs, losses = self.stash.pop(j, ((), None))
+        s, losses = self.stash.pop(j, (None, None))
         if self.training:  # the two local losses; nothing crosses the layer
             assoc, ae = losses
             (assoc + ae).backward()
@@ -161,7 +148,7 @@ class ALExecutor(StageExecutor):
         # inference, decoding toward stage 0: b then h on the shortcut layer, h below it
         with torch.no_grad():
             if self.index == self.inference_layer:
-                t_hat = layer.b(outs[0])
+                t_hat = call(layer.b, s)
             else:
                 assert grads is not None
                 t_hat = grads[0].to(self.device, non_blocking=True)
