@@ -14,6 +14,12 @@ another way maps to the same names, so 3 stages load into 2. ``runner.state_dict
 ``runner.load_state_dict()``, checkpoints and ``pipeq launch``'s model.pt all use these names
 (:func:`global_state`, :func:`split_state`).
 
+An interlocking run's auxiliary heads are no layers of the flat model: stage k's head is saved
+under ``aux_heads.{k}.{local}`` (parameters, buffers and their optimizer state), and loads only
+into a run of as many stages (a head belongs to its stage's boundary). A stage with several
+optimizers (Associated Learning's f+b and g+h) saves each parameter's state under its own name,
+and its schedulers' states as ``{"pipeq_schedulers": [...]}``.
+
 On disk a checkpoint is a directory of ``stage-{k}.pt`` files (``torch.save``; read back with
 ``weights_only=True``, never by plain unpickling) and a ``manifest.json`` with every file's size
 and sha256. :func:`save` never writes into a checkpoint: it writes the new one into a fresh hidden
@@ -61,6 +67,8 @@ class StageSnapshot(TypedDict):
     layers: int
     sequential: bool
     scaler: NotRequired[dict | None]  # fp16's loss scale (the same on every stage)
+    # interlocking: the stage's auxiliary head, {"model": state_dict, "optim": like optim}
+    aux: NotRequired[dict | None]
 
 
 @dataclass
@@ -73,6 +81,7 @@ class StageLayout:
     sequential: bool
     shapes: dict[str, list[int]] = field(default_factory=dict)  # model name -> shape (empty: unchecked)
     dtypes: dict[str, str] = field(default_factory=dict)  # model name -> dtype, "float32"
+    aux: dict[str, Any] | None = None  # the auxiliary head's layout (these fields of it), if any
 
 
 @dataclass
@@ -87,6 +96,8 @@ class Checkpoint:
     layers: list[int]
     meta: dict = field(default_factory=dict)
     scaler: dict | None = None  # fp16's loss-scaler state (pipeq.numerics.LossScaler)
+    aux_model: dict[str, torch.Tensor] = field(default_factory=dict)  # "aux_heads.{k}.{local}" -> tensor
+    aux_optim: dict[str, dict] = field(default_factory=dict)  # the heads' optimizer state, by those names
 
 
 # ---------------------------------------------------------------------------- names
@@ -148,6 +159,15 @@ def to_global(local: str, offset: int, sequential: bool) -> str:
             "parameters and buffers in its children (or pass sequential=False)"
         )
     return f"{offset + int(head)}{dot}{rest}"
+
+
+#: The first part of an auxiliary head's names in a checkpoint (see the module docstring).
+AUX_PREFIX = "aux_heads"
+
+
+def aux_name(stage: int, local: str) -> str:
+    """Stage ``stage``'s auxiliary head's ``local`` name as a checkpoint holds it."""
+    return f"{AUX_PREFIX}.{stage}.{local}"
 
 
 def global_names(layouts: Sequence[StageLayout]) -> list[list[str]]:
@@ -284,6 +304,39 @@ def load_optimizer_snapshot(
                     for k, v in entry.items()
                 }
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def optimizers_snapshot(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, dict]:
+    """The ``optim`` field of a stage whose ``optimizers`` hold disjoint parameters of ``module``
+    (AL's f+b and g+h): each parameter's entry from the optimizer that holds it."""
+    out: dict[str, dict] = {name: {"state": {}, "group": {}} for name, _ in module.named_parameters()}
+    for optimizer in optimizers:
+        snap = optimizer_snapshot(module, optimizer)
+        out.update((name, snap[name]) for name in _param_names(module, optimizer))
+    return out
+
+
+_SCHEDULERS = "pipeq_schedulers"
+
+
+def schedulers_snapshot(schedulers: Sequence[Any]) -> dict | None:
+    """The ``sched`` field: one scheduler's state, or ``{"pipeq_schedulers": [...]}`` of several."""
+    if not schedulers:
+        return None
+    states = [_plain(s.state_dict()) for s in schedulers]
+    return states[0] if len(states) == 1 else {_SCHEDULERS: states}
+
+
+def load_schedulers_snapshot(schedulers: Sequence[Any], sched: dict | None, stage: int) -> None:
+    """Load a ``sched`` field into these schedulers (nothing when either side has none)."""
+    if not schedulers or sched is None:
+        return
+    states = sched[_SCHEDULERS] if isinstance(sched, dict) and _SCHEDULERS in sched else [sched]
+    if len(states) != len(schedulers):
+        raise CheckpointError(f"stage {stage} has {len(schedulers)} lr scheduler(s) but the checkpoint holds the "
+                              f"state of {len(states)}: load it into a run of the same schedule and lr_scheduler")
+    for scheduler, state in zip(schedulers, states):
+        scheduler.load_state_dict(state)
 
 
 def stage_snapshot(
@@ -443,6 +496,9 @@ def save(directory: str, snapshots: list[StageSnapshot], meta: dict) -> None:
                 "sequential": seq,
                 "scaler": snap.get("scaler"),
             }
+            aux = snap.get("aux")
+            if aux is not None:
+                data["aux"] = {part: {aux_name(k, n): v for n, v in aux[part].items()} for part in ("model", "optim")}
             file = os.path.join(tmp, f"stage-{k}.pt")
             _write_file(file, lambda f: torch.save(data, f))
             files.append({"name": f"stage-{k}.pt", "bytes": os.path.getsize(file), "sha256": _sha256(file)})
@@ -533,6 +589,12 @@ def load(directory: str) -> Checkpoint:
             if dup:
                 raise CheckpointError(f"{path} repeats {part} names of earlier stages: {', '.join(dup[:10])}")
             target.update(data[part])
+        aux = data.get("aux")
+        if aux is not None:
+            if not (isinstance(aux, dict) and isinstance(aux.get("model"), dict) and isinstance(aux.get("optim"), dict)):
+                raise CheckpointError(f"{path} has a malformed auxiliary head entry")
+            ckpt.aux_model.update(aux["model"])
+            ckpt.aux_optim.update(aux["optim"])
         ckpt.sched.append(data["sched"])
         ckpt.rng.append(data["rng"])
         if k == 0 and isinstance(data.get("scaler"), dict):
@@ -605,13 +667,21 @@ def split(ckpt: Checkpoint, layouts: list[StageLayout]) -> list[StageSnapshot]:
     optimizer state gives ``optim={}`` everywhere; the caller then skips loading it.
     """
     have_optim = bool(ckpt.optim)
+    same = ckpt.n_stages == len(layouts)
+    heads = [k for k, lay in enumerate(layouts) if lay.aux]
+    if (heads or ckpt.aux_model) and not same:
+        raise CheckpointError(
+            f"the checkpoint was saved from {ckpt.n_stages} stages and "
+            f"{'holds' if ckpt.aux_model else 'these stages have'} auxiliary heads: a head belongs to its stage's "
+            f"boundary, so it loads only into {ckpt.n_stages} stages cut as when saved (runner.load_state_dict "
+            "loads the main path alone into any cut)")
     missing: list[str] = []
     misfit: list[str] = []
     claimed: set[str] = set()
     claimed_optim: set[str] = set()
+    claimed_aux: set[str] = set()
     out: list[StageSnapshot] = []
     offset = 0
-    same = ckpt.n_stages == len(layouts)
 
     def take(names: list[str], table: dict[str, Any], taken: set[str], k: int, what: str) -> dict[str, Any]:
         """This stage's entries of a global-name ``table``, under their local names."""
@@ -625,18 +695,37 @@ def split(ckpt: Checkpoint, layouts: list[StageLayout]) -> list[StageSnapshot]:
                 missing.append(f"{what}{g} (stage {k})")
         return mine
 
+    def fits(k: int, g: str, t: Any, shape: Any, dtype: Any) -> None:
+        if not isinstance(t, torch.Tensor):
+            misfit.append(f"{g} is a {type(t).__name__} in the checkpoint, not a tensor")
+        elif shape is not None and list(t.shape) != list(shape):
+            misfit.append(f"{g} has shape {tuple(t.shape)} in the checkpoint, stage {k} expects {tuple(shape)}")
+        elif dtype is not None and _dtype_name(t.dtype) != dtype:
+            misfit.append(f"{g} is {_dtype_name(t.dtype)} in the checkpoint, stage {k} holds {dtype}")
+
+    def take_aux(k: int, names: list[str], table: dict[str, Any], what: str) -> dict[str, Any]:
+        mine = {}
+        for name in names:
+            g = aux_name(k, name)
+            if g in table:
+                mine[name] = table[g]
+                claimed_aux.add(what + g)
+            else:
+                missing.append(f"{what}{g} (stage {k})")
+        return mine
+
     for k, lay in enumerate(layouts):
         model = take(lay.model_names, ckpt.model, claimed, k, "")
         for name, t in model.items():
-            g = to_global(name, offset, lay.sequential)
-            shape, dtype = lay.shapes.get(name), lay.dtypes.get(name)
-            if not isinstance(t, torch.Tensor):
-                misfit.append(f"{g} is a {type(t).__name__} in the checkpoint, not a tensor")
-            elif shape is not None and list(t.shape) != list(shape):
-                misfit.append(f"{g} has shape {tuple(t.shape)} in the checkpoint, stage {k} expects {tuple(shape)}")
-            elif dtype is not None and _dtype_name(t.dtype) != dtype:
-                misfit.append(f"{g} is {_dtype_name(t.dtype)} in the checkpoint, stage {k} holds {dtype}")
+            fits(k, to_global(name, offset, lay.sequential), t, lay.shapes.get(name), lay.dtypes.get(name))
         optim = take(lay.param_names, ckpt.optim, claimed_optim, k, "optimizer state of ") if have_optim else {}
+        aux = None
+        if lay.aux:
+            aux = {"model": take_aux(k, lay.aux["model_names"], ckpt.aux_model, ""),
+                   "optim": take_aux(k, lay.aux["param_names"], ckpt.aux_optim, "optimizer state of ")
+                   if have_optim else {}}
+            for name, t in aux["model"].items():
+                fits(k, aux_name(k, name), t, lay.aux["shapes"].get(name), lay.aux["dtypes"].get(name))
         out.append(
             StageSnapshot(
                 model=model,
@@ -646,11 +735,15 @@ def split(ckpt: Checkpoint, layouts: list[StageLayout]) -> list[StageSnapshot]:
                 layers=lay.layers,
                 sequential=lay.sequential,
                 scaler=ckpt.scaler,
+                aux=aux,
             )
         )
         offset += lay.layers
     unexpected = [g for g in ckpt.model if g not in claimed]
     unexpected += [f"optimizer state of {g}" for g in ckpt.optim if g not in claimed_optim]
+    unexpected += [g for g in ckpt.aux_model if g not in claimed_aux]
+    unexpected += [f"optimizer state of {g}" for g in ckpt.aux_optim
+                   if have_optim and f"optimizer state of {g}" not in claimed_aux]
     if missing or unexpected or misfit:
         parts = []
         saved_layers = sum(ckpt.layers)

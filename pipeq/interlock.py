@@ -16,16 +16,19 @@ is the stage's output, and the last stage has the real loss ``L_{N-1}``. With di
 Each microbatch's losses are weighted by its share of the batch, like the real loss, so the
 gradients accumulated over a step are those of the whole batch. :class:`InterlockExecutor` runs
 the same F/B/STEP actions as :class:`~pipeq.stage.StageExecutor` and replaces its forward and
-backward; ``predict`` uses the main path only.
+backward; ``predict`` uses the main path only. A checkpoint holds stage k's head beside the
+stage, under ``aux_heads.{k}.*`` with its optimizer state (see :mod:`pipeq.checkpoint`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import checkpoint as ckpt
 from .schedules import Interlock, receives, sends_down, sends_early, trained_by
 from .stage import StageExecutor, StageSpec, Tensors, describe
 
@@ -162,3 +165,44 @@ class InterlockExecutor(StageExecutor):
         if not wanted:
             return None
         return tuple(send[i].detach() for i in wanted)
+
+    # -- checkpoints: the head beside the stage --------------------------------------------------
+    def _both(self) -> nn.ModuleDict:
+        """The stage and its head under one roof: the names of everything the optimizer holds."""
+        return nn.ModuleDict({"main": self.module, "head": self.head})
+
+    def layout(self) -> dict[str, Any]:
+        lay = super().layout()
+        if self.head is not None:
+            lay["aux"] = dataclasses.asdict(ckpt.layout_of(self.head))
+        return lay
+
+    def snapshot(self) -> dict[str, Any]:
+        if self.head is None:
+            return super().snapshot()
+        snap = dict(ckpt.stage_snapshot(self.module))
+        both = ckpt.optimizers_snapshot(self._both(), self.optimizers())
+        part = {p: {n.removeprefix(p): v for n, v in both.items() if n.startswith(p)} for p in ("main.", "head.")}
+        snap["optim"] = part["main."]
+        snap["sched"] = ckpt.schedulers_snapshot(self.schedulers())
+        snap["scaler"] = None
+        snap["aux"] = {"model": {n: t.detach().to("cpu", copy=True) for n, t in self.head.state_dict().items()},
+                       "optim": part["head."]}
+        return snap
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        if self.head is None:
+            return super().restore(snap)
+        aux = snap.get("aux")
+        if not isinstance(aux, dict):
+            raise ckpt.CheckpointError(f"stage {self.index} has an auxiliary head, the checkpoint has none for it")
+        self.module.load_state_dict(snap["model"], strict=True)
+        self.head.load_state_dict(aux["model"], strict=True)
+        ckpt.load_schedulers_snapshot(self.schedulers(), snap.get("sched"), self.index)
+        if snap.get("optim"):
+            both = {**{f"main.{n}": v for n, v in snap["optim"].items()},
+                    **{f"head.{n}": v for n, v in aux["optim"].items()}}
+            for optimizer in self.optimizers():
+                ckpt.load_optimizer_snapshot(self._both(), optimizer, both, self.device)
+        if snap.get("rng") is not None:
+            torch.set_rng_state(snap["rng"])

@@ -471,14 +471,6 @@ class Job:
         self._eval_source()
         self.metric_fns()
 
-    def checkpoint_refusal(self) -> str | None:
-        """Why this job's state cannot be checkpointed yet (None: it can; see ``runner.save``)."""
-        if isinstance(schedules.resolve(self.schedule), schedules.AssociatedLearning):
-            return "checkpoints of Associated Learning runs are not supported yet (two optimizers per layer)"
-        if self.recipe.aux_heads is not None:
-            return ("checkpoints of runs with auxiliary heads are not supported yet (the heads have no "
-                    "place among the flat model's names)")
-        return None
 
 
 #: The options a job file's schedule table may set, per schedule name (the others take none).
@@ -609,10 +601,6 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     recipe = Recipe(**{"loss": None, "stages": None, **{k: raw.pop(k) for k in list(raw) if k in _RECIPE_KEYS}},
                     sys_path=sys_path)
     job = Job(recipe=recipe, placement=nodes, path=os.path.abspath(path), **raw)
-    refusal = job.checkpoint_refusal()
-    if refusal and job.checkpoint_every:
-        raise ValueError(f"job file {path}: checkpoint_every = {job.checkpoint_every}, but {refusal}; set "
-                         "checkpoint_every = 0 (model.pt is still written at the end)")
     return job
 
 

@@ -231,10 +231,6 @@ def _run(args: argparse.Namespace, signals: "StopSignals") -> int:
     except ValueError as exc:
         print(f"pipeq launch: {exc}", file=sys.stderr)
         return 2
-    refusal = job.checkpoint_refusal()
-    if args.resume and refusal:
-        print(f"pipeq launch: --resume continues from a checkpoint, but {refusal}", file=sys.stderr)
-        return 2
     if rz is not None and rz.node_rank != 0:
         return _run_agent(job, rz)
     return Trainer(job, rz, resume=args.resume, overwrite=getattr(args, "overwrite", False), quiet=args.quiet,
@@ -598,8 +594,8 @@ class Trainer:
         if bar is not None:
             bar.close()
         elapsed = time.perf_counter() - started
-        wrote_final = self._write_final(runner, step, pos, samples)
-        self._summary(runner, step, first_loss, last_loss, last_eval, samples, elapsed, wrote_final)
+        self._write_final(runner, step, pos, samples)
+        self._summary(runner, step, first_loss, last_loss, last_eval, samples, elapsed)
 
     def _stopped(self, runner: Any, step: int, pos: tuple[int, int], start_step: int) -> None:
         """A signal stopped training after ``step`` (every step sent is done, the state is
@@ -607,13 +603,6 @@ class Trainer:
         how = f"stopped by {self.signals.name()} after step {step}"
         if step == start_step:
             self.log(f"{how}, before training any step; nothing new to save")
-            return
-        refusal = self.job.checkpoint_refusal()
-        if refusal is not None:
-            model = os.path.join(self.out, "model.pt")
-            torch.save(dict(runner.state_dict()), model + ".tmp")
-            os.replace(model + ".tmp", model)
-            self.log(f"{how}; {refusal}: wrote the parameters to {model}, but the run cannot be resumed")
             return
         directory = checkpoint.checkpoint_dir(self.ckpt_root, step)
         every = self.job.checkpoint_every
@@ -701,25 +690,16 @@ class Trainer:
             sent += 1
             yield x, y
 
-    def _write_final(self, runner: Any, step: int, pos: tuple[int, int], samples: int) -> bool:
-        """model.pt, and final/ (plus the last checkpoint) when the schedule can be checkpointed;
-        whether final/ was written."""
-        refusal = self.job.checkpoint_refusal()
-        if refusal is None:
-            final = os.path.join(self.out, "final")
-            self._save(runner, final, step, *pos)
-            every = self.job.checkpoint_every
-            if every and samples and step % every:  # else just saved
-                self._save(runner, checkpoint.checkpoint_dir(self.ckpt_root, step), step, *pos)
-            model = checkpoint.load(final).model
-        else:
-            self.log(f"final/ is skipped for schedule {schedules.schedule_name(self.job.schedule)!r}: {refusal}; "
-                     "model.pt holds runner.state_dict() (the flat model's names, as a checkpoint's)")
-            model = dict(runner.state_dict())
+    def _write_final(self, runner: Any, step: int, pos: tuple[int, int], samples: int) -> None:
+        """final/ (plus the last checkpoint), and model.pt: final/'s model state."""
+        final = os.path.join(self.out, "final")
+        self._save(runner, final, step, *pos)
+        every = self.job.checkpoint_every
+        if every and samples and step % every:  # else just saved
+            self._save(runner, checkpoint.checkpoint_dir(self.ckpt_root, step), step, *pos)
         tmp = os.path.join(self.out, "model.pt.tmp")
-        torch.save(model, tmp)
+        torch.save(checkpoint.load(final).model, tmp)
         os.replace(tmp, os.path.join(self.out, "model.pt"))
-        return refusal is None
 
     # -- pieces ----------------------------------------------------------------------------
     def _total_steps(self) -> int | None:
@@ -835,7 +815,7 @@ class Trainer:
             self.log(f"step {step}{of} loss {line['loss']:.4f} {sps or 0:.0f} samples/s{lr}{ev}")
 
     def _summary(self, runner: Any, steps: int, first: float, last: float, ev: dict[str, float],
-                 samples: int, elapsed: float, wrote_final: bool) -> None:
+                 samples: int, elapsed: float) -> None:
         job = self.job
         nodes = f", {self.rz.nnodes} nodes" if self.rz is not None else ""
         lines = [
@@ -846,9 +826,7 @@ class Trainer:
             + (f"; eval loss {ev['eval_loss']:.4f}" if "eval_loss" in ev else "")
             + "".join(f"; {k.replace('_', ' ')} {v:.4f}" for k, v in ev.items()
                       if k not in ("eval_loss", "eval_accuracy")),
-            f"  state: {os.path.join(self.out, 'model.pt')}"
-            + (f" and {os.path.join(self.out, 'final')}" if wrote_final else " (no final/ checkpoint: not supported "
-               "for this schedule yet)"),
+            f"  state: {os.path.join(self.out, 'model.pt')} and {os.path.join(self.out, 'final')}",
             f"  metrics: {os.path.join(self.out, METRICS)}",
         ] + ([f"  trace: {self.job.trace} (pipeq report {self.job.trace})"] if self.job.trace else [])
         print("\n".join(lines), flush=True)

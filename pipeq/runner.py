@@ -506,7 +506,6 @@ class PipelineRunner:
         from . import checkpoint
 
         self._require_running()
-        self._check_checkpointable()
         checkpoint.save(directory, self._backend.get_snapshots(), dict(meta or {}))
 
     def load(self, directory: str) -> dict[str, Any]:
@@ -519,17 +518,6 @@ class PipelineRunner:
         from . import checkpoint
 
         self._require_running()
-        self._check_checkpointable()
         ckpt = checkpoint.load(directory)
         self._backend.restore(checkpoint.split(ckpt, self._layouts()))
         return dict(ckpt.meta)
-
-    def _check_checkpointable(self) -> None:
-        if isinstance(self.schedule, schedules.AssociatedLearning):
-            raise ValueError("checkpoints of Associated Learning runs are not supported yet (two "
-                             "optimizers per layer); use state_dict() for the parameters")
-        if self._aux_heads:
-            raise ValueError(
-                "checkpoints of runs with aux_heads are not supported yet: the auxiliary heads have no "
-                "place among the flat model's names; use state_dict() for the main path"
-            )

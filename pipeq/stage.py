@@ -453,23 +453,25 @@ class StageExecutor:
         return dataclasses.asdict(layout_of(self.module))
 
     def snapshot(self) -> dict[str, Any]:
-        """Parameters and buffers, optimizer and scheduler state and the RNG, as CPU copies."""
-        from .checkpoint import stage_snapshot
+        """Parameters and buffers, every optimizer's and scheduler's state and the RNG, as CPU copies."""
+        from .checkpoint import optimizers_snapshot, schedulers_snapshot, stage_snapshot
 
-        snap = dict(stage_snapshot(self.module, self.optimizer, self.scheduler))
+        snap = dict(stage_snapshot(self.module))
+        snap["optim"] = optimizers_snapshot(self.module, self.optimizers())
+        snap["sched"] = schedulers_snapshot(self.schedulers())
         snap["scaler"] = self.scaler.state_dict() if self.scaler is not None else None
         return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
         """Load a :meth:`snapshot` (possibly re-split from another stage count)."""
-        from .checkpoint import load_optimizer_snapshot
+        from .checkpoint import load_optimizer_snapshot, load_schedulers_snapshot
 
         self.module.load_state_dict(snap["model"], strict=True)
-        # the scheduler first: the optimizer's saved hyperparameters (the scheduled lr) win
-        if self.scheduler is not None and snap.get("sched") is not None:
-            self.scheduler.load_state_dict(snap["sched"])
-        if self.optimizer is not None and snap.get("optim"):
-            load_optimizer_snapshot(self.module, self.optimizer, snap["optim"], self.device)
+        # the schedulers first: the optimizers' saved hyperparameters (the scheduled lr) win
+        load_schedulers_snapshot(self.schedulers(), snap.get("sched"), self.index)
+        if snap.get("optim"):
+            for optimizer in self.optimizers():
+                load_optimizer_snapshot(self.module, optimizer, snap["optim"], self.device)
         if snap.get("rng") is not None:
             torch.set_rng_state(snap["rng"])
         if self.scaler is not None and isinstance(snap.get("scaler"), dict):

@@ -392,14 +392,6 @@ def test_float_targets_are_refused_with_a_clear_error(mode):
             r.step(x, y.float())
 
 
-@pytest.mark.parametrize("what", ["save", "load"])
-def test_checkpoints_are_refused(what, tmp_path):
-    with runner(make_layers()) as r:
-        with pytest.raises(ValueError, match="Associated Learning"):
-            getattr(r, what)(str(tmp_path / "ckpt"))
-        r.state_dict()  # still usable
-
-
 def test_a_custom_criterion_is_used_by_every_layer():
     layers = make_layers()
     x, y = make_data(16)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import tempfile
 
 import pytest
 import torch
@@ -540,14 +539,3 @@ def test_aux_loss_weights_follow_its_own_reduction():
             runner.step(torch.tensor([[1.0], [-2.0]]), torch.tensor([[0.5], [1.0]]))
             got.append([float(v) for v in runner.state_dict().values()])
     assert got[0] == pytest.approx(got[1])
-
-
-# -- checkpoints ---------------------------------------------------------------------------------
-def test_checkpoints_refuse_aux_heads_clearly():
-    """save/load do not support auxiliary heads yet: refused with a message, before any I/O."""
-    runner = make("pairwise")
-    with runner, tempfile.TemporaryDirectory() as tmp:
-        runner.step(*batches(1)[0])
-        for call in (runner.save, runner.load):
-            with pytest.raises(ValueError, match="aux_heads are not supported yet.*state_dict"):
-                call(tmp)

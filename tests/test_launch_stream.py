@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ from torch import nn
 import pipeq
 from launch_util import ROOT, metrics, model_state
 from pipeq import checkpoint
-from pipeq.al import ALLayer
+from pipeq.al import ALLayer, ALModel
 from pipeq.cli import main as pipeq_main
 from pipeq.job import load_job
 from pipeq.processes import job_identity
@@ -44,10 +45,11 @@ eval_data = "launch_jobs:heldout"
 microbatches = 4
 """
 JOBS = {  # name -> job file text (out is added)
-    "pairwise": MLP + 'schedule = "pairwise"\naux_heads = "launch_jobs:heads"\nsteps = 30\neval_every = 10\n',
+    "pairwise": MLP + 'schedule = "pairwise"\naux_heads = "launch_jobs:heads"\nsteps = 30\neval_every = 10\n'
+    'checkpoint_every = 15\n',
     "async": MLP.replace("lr = 0.1, momentum = 0.9", "lr = 0.05")
     + 'schedule = { name = "async", warmup = 3 }\nsteps = 30\ncheckpoint_every = 15\n',
-    "al": AL + 'schedule = "al"\nsteps = 30\neval_every = 10\n',
+    "al": AL + 'schedule = "al"\nsteps = 30\neval_every = 10\ncheckpoint_every = 15\n',
 }
 # 14 steps over two epochs of 10 batches: streamed in segments that end at 3, 4, 6, 8, 9, 12 and 14
 STREAMED = MLP + 'schedule = "1f1b"\nsteps = 14\neval_every = 4\ncheckpoint_every = 3\n'
@@ -111,14 +113,15 @@ def losses(out: str) -> list[float]:
 # -- the three schedules that job files could not name before ----------------------------------------
 
 @pytest.mark.timeout(180)
-def test_pairwise_job_with_aux_heads_learns_and_skips_final(launched) -> None:
+def test_pairwise_job_with_aux_heads_learns_and_checkpoints_its_heads(launched) -> None:
     out = finished(launched, "pairwise")
     loss = losses(out)
     assert len(loss) == 30 and mean(loss[-5:]) < 0.5 * mean(loss[:5]), loss
     assert [ln["step"] for ln in metrics(out) if "eval_accuracy" in ln] == [10, 20, 30]
-    assert "final/ is skipped for schedule 'pairwise'" in launched["pairwise"][1].stderr
-    assert not os.path.exists(os.path.join(out, "final"))
-    state = model_state(out)  # runner.state_dict(): the main path only, under the flat model's names ...
+    final = checkpoint.load(os.path.join(out, "final"))
+    assert sorted(final.aux_model) == ["aux_heads.0.bias", "aux_heads.0.weight", "aux_heads.1.bias",
+                                       "aux_heads.1.weight"]
+    state = model_state(out)  # the main path only, under the flat model's names ...
     assert list(state) == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
     import launch_jobs
 
@@ -146,9 +149,46 @@ def test_al_job_learns_and_writes_its_layers(launched) -> None:
     # AL's loss is layer 1's associated loss, whose targets move as g learns: judge it by accuracy
     accuracy = [ln["eval_accuracy"] for ln in metrics(out) if "eval_accuracy" in ln]
     assert len(accuracy) == 3 and accuracy[-1] > max(0.8, accuracy[0]), accuracy
-    assert "final/ is skipped for schedule 'al'" in launched["al"][1].stderr
     state = model_state(out)
     assert {k.split(".")[1] for k in state} == {"f", "b", "g", "h"}
+    import launch_jobs
+
+    model = ALModel(launch_jobs.al_layers())  # model.pt serves AL's inference path in one process
+    model.load_state_dict(state)
+    x, y = launch_jobs.heldout()
+    with torch.no_grad():
+        assert float((model.eval()(x).argmax(1) == y).float().mean()) == pytest.approx(accuracy[-1])
+
+
+@pytest.mark.timeout(180)
+def test_pairwise_and_al_jobs_resume_to_the_uninterrupted_state(launched, tmp_path) -> None:
+    """Each run again from its step-15 checkpoint (copies, the step-30 state removed): --resume
+    ends exactly where the uninterrupted launch did, heads, both AL optimizers and all."""
+    procs = {}
+    for name in ("pairwise", "al"):
+        out = str(tmp_path / name)
+        shutil.copytree(finished(launched, name), out)
+        for gone in ("final", os.path.join("checkpoints", "step-00000030")):
+            shutil.rmtree(os.path.join(out, gone))
+        os.remove(os.path.join(out, "model.pt"))
+        job = write_job(tmp_path, JOBS[name] + f'out = "{out}"\n', name)
+        procs[name] = subprocess.Popen(launch_cmd(job, "--resume"), cwd=TESTS, env=launch_env(), text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for name, p in procs.items():
+            _, err = p.communicate(timeout=150)
+            assert p.returncode == 0, err
+            want = checkpoint.load(os.path.join(finished(launched, name), "final"))
+            got = checkpoint.load(os.path.join(str(tmp_path / name), "final"))
+            for part in ("model", "aux_model"):
+                a, b = getattr(got, part), getattr(want, part)
+                assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), (name, part)
+            assert [ln["loss"] for ln in metrics(str(tmp_path / name))] == losses(finished(launched, name))
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 # -- streaming changes nothing: the numbers of a runner.step loop ------------------------------------
@@ -241,20 +281,6 @@ def test_job_keys_the_schedule_needs_or_refuses(tmp_path, capsys) -> None:
     assert load_job(write_job(tmp_path, AL + 'schedule = "al"\nsteps = 1\n', "c")).recipe.loss is None
 
 
-def test_checkpoints_of_interlocking_and_al_jobs_are_refused_at_start(tmp_path, capsys) -> None:
-    pairwise = write_job(tmp_path, MLP + 'schedule = "pairwise"\naux_heads = "launch_jobs:heads"\nsteps = 1\n'
-                         "checkpoint_every = 5\n", "p")
-    al = write_job(tmp_path, AL + 'schedule = "al"\nsteps = 1\n', "al")
-    assert pipeq_main(["launch", pairwise]) == 2
-    err = capsys.readouterr().err
-    assert "checkpoint_every = 5, but checkpoints of runs with auxiliary heads are not supported yet" in err, err
-    assert pipeq_main(["launch", pairwise, "--checkpoint-every", "0", "--resume"]) == 2
-    err = capsys.readouterr().err
-    assert "--resume continues from a checkpoint, but checkpoints of runs with auxiliary heads" in err, err
-    assert pipeq_main(["launch", al, "--checkpoint-every", "2"]) == 2
-    assert "checkpoints of Associated Learning runs are not supported yet" in capsys.readouterr().err
-
-
 # -- what a recipe builds, and what two nodes compare ------------------------------------------------
 
 def test_recipe_builds_heads_and_al_losses(tmp_path) -> None:
@@ -290,5 +316,5 @@ def test_nodes_compare_schedule_options() -> None:
 
 def test_pairwise_example_job_names_its_heads() -> None:
     job = load_job(os.path.join(ROOT, "examples", "digits_pairwise.toml"))
-    assert job.schedule == "pairwise" and job.checkpoint_refusal() is not None
+    assert job.schedule == "pairwise"
     assert [h.in_features for h in job.recipe.heads(job.recipe.count_stages())] == [128, 64]

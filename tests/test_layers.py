@@ -24,7 +24,7 @@ LAYERS: dict[str, list[str]] = {
                       "plot", "evaluation"],
     "event loop": ["_preload", "worker", "simulated", "interpreter"],
     "compute": ["schedules", "actions", "dryrun", "bounds", "executors", "stage", "microbatch", "numerics", "interlock",
-                "asyncpipe", "al", "checkpoint", "dataparallel", "tensorpar", "trace", "testing", "lr_schedulers",
+                "asyncpipe", "al", "al_models", "resnet", "checkpoint", "dataparallel", "tensorpar", "trace", "testing", "lr_schedulers",
                 "balance"],
     "transport": ["transport", "shm", "lanes", "shardlink"],
     "codec": ["codec", "messages", "errors", "netif", "keys"],

@@ -221,12 +221,3 @@ def test_frozen_parameters_save_and_load(tmp_path) -> None:
     assert torch.equal(got["0.weight"], stages()[0][0].weight)  # frozen: never trained
     for k in want:
         assert torch.equal(got[k], want[k]), k
-
-
-def test_checkpoints_refuse_auxiliary_heads_clearly(tmp_path) -> None:
-    sgd = functools.partial(torch.optim.SGD, lr=0.1)
-    heads = [nn.Linear(128, 10), nn.Linear(64, 10)]
-    with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), sgd, "pairwise", mode="simulated",
-                              aux_heads=heads) as r:
-        with pytest.raises(ValueError, match="aux_heads are not supported yet"):
-            r.save(str(tmp_path / "ckpt"))
