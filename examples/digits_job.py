@@ -3,6 +3,9 @@
     pipeq launch examples/digits.toml                  # 3 stages, one host
     pipeq launch examples/digits.toml --steps 200 --checkpoint-every 50 --out runs/digits
     pipeq launch examples/digits_pairwise.toml         # pairwise interlocking, with heads()
+    pipeq launch examples/digits_nwise.toml            # 3-wise interlocking, four_stages + four_heads
+    pipeq launch examples/digits_async.toml            # asynchronous 1F1B (PipeDream)
+    pipeq launch examples/digits_al.toml               # Associated Learning, al_stages
     pipeq launch examples/digits_plateau.toml          # ReduceLROnPlateau per epoch, top3 metric
 
 A job file names these functions as ``examples.digits_job:NAME``; every stage process imports
@@ -32,6 +35,30 @@ def heads() -> list[nn.Module]:
     """Auxiliary heads for the interlocking schedules (examples/digits_pairwise.toml): stage k's
     reads stage k's output (128 and 64 features) and predicts the digit."""
     return [nn.Linear(128, 10), nn.Linear(64, 10)]
+
+
+def four_stages() -> list[nn.Module]:
+    """Four stages of a slightly deeper MLP (64-128-128-64-10), for interlocking schedules whose
+    distance needs a fourth stage to differ from plain backprop: with N stages, n-wise
+    interlocking of distance d < N-1 (examples/digits_nwise.toml: 3-wise, d = 2) is not global."""
+    return [nn.Sequential(nn.Linear(64, 128), nn.ReLU()), nn.Sequential(nn.Linear(128, 128), nn.ReLU()),
+            nn.Sequential(nn.Linear(128, 64), nn.ReLU()), nn.Linear(64, 10)]
+
+
+def four_heads() -> list[nn.Module]:
+    """The auxiliary heads of four_stages' first three stages (128, 128 and 64 features in)."""
+    return [nn.Linear(128, 10), nn.Linear(128, 10), nn.Linear(64, 10)]
+
+
+def al_stages(width: int = 128, n_layers: int = 3) -> list[nn.Module]:
+    """Associated Learning layers (examples/digits_al.toml): ``pipeq.al.build_al`` over MLP
+    blocks on the 64 pixels (Linear 64->width + ReLU, then Linear width->width + ReLU), each
+    block the ``f`` of one layer, with Linear+Tanh bridges ``b``, label encoders ``g`` and
+    decoders ``h`` of ``width`` features. One layer per stage."""
+    from pipeq.al import build_al
+
+    blocks = [nn.Sequential(nn.Linear(64 if i == 0 else width, width), nn.ReLU()) for i in range(n_layers)]
+    return build_al(blocks, [width] * n_layers, 10)
 
 
 def two_stages() -> list[nn.Module]:

@@ -14,7 +14,8 @@ stages work on the same microbatch and it receives the next one (schedule ``"al"
 
 Inference (``predict``): ``s`` through every f, then the last layer's ``b``, then ``h_L, ...,
 h_1`` back toward stage 0 (over the backward channel); stage 0 returns class scores. A shortcut
-through layer l (``AssociatedLearning(inference_layer=l)``: f_1..f_l, b_l, h_l..h_1) is selectable.
+through stage k (``AssociatedLearning(inference_layer=k)``, a 0-based stage index: the f's of stages
+0..k, b of stage k, the h's of stages k..0) is selectable.
 
 :func:`build_al` makes an AL model from plain blocks and widths, :func:`build_al_lstm` and
 :func:`build_al_transformer` text classifiers whose ``s`` is a tree (the padding mask, an LSTM's

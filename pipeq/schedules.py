@@ -310,7 +310,7 @@ class AssociatedLearning(_OptionsIdentity):
 
     def __init__(self, *, first_loss: str = "ce", inference_layer: int | None = None) -> None:
         """``first_loss``: layer 1's label-path loss, cross-entropy on the one-hot labels ("ce")
-        or mean squared error ("mse"); ``inference_layer``: the layer whose b and h start the
+        or mean squared error ("mse"); ``inference_layer``: the stage (0-based) whose b and h start the
         decode in ``predict`` (default: the last; a lower one is the shortcut)."""
         if first_loss not in self.FIRST_LOSSES:
             raise ValueError(f"AssociatedLearning(first_loss=...) must be 'ce' or 'mse', got {first_loss!r}")

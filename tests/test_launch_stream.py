@@ -1,16 +1,12 @@
 """``pipeq launch`` streams, and job files name every schedule with its options.
 
-The launches of the three schedules run concurrently (one module fixture) from tests/, whose
-launch_jobs.py holds the tiny job modules; everything else runs in this process.
+Everything runs in this process, from tests/, whose launch_jobs.py holds the tiny job modules
+(the example job files of the research schedules launch in tests/test_research_jobs.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,13 +15,12 @@ from torch import nn
 import pipeq
 from launch_util import ROOT, metrics, model_state
 from pipeq import checkpoint
-from pipeq.al import ALLayer, ALModel
+from pipeq.al import ALLayer
 from pipeq.cli import main as pipeq_main
 from pipeq.job import load_job
 from pipeq.processes import job_identity
 from pipeq.schedules import AssociatedLearning, AsyncOneFOneB, Interlock
 
-TESTS = os.path.join(ROOT, "tests")
 
 MLP = """\
 stages = "launch_jobs:mlp_stages"
@@ -44,13 +39,6 @@ data = "launch_jobs:train_batches"
 eval_data = "launch_jobs:heldout"
 microbatches = 4
 """
-JOBS = {  # name -> job file text (out is added)
-    "pairwise": MLP + 'schedule = "pairwise"\naux_heads = "launch_jobs:heads"\nsteps = 30\neval_every = 10\n'
-    'checkpoint_every = 15\n',
-    "async": MLP.replace("lr = 0.1, momentum = 0.9", "lr = 0.05")
-    + 'schedule = { name = "async", warmup = 3 }\nsteps = 30\ncheckpoint_every = 15\n',
-    "al": AL + 'schedule = "al"\nsteps = 30\neval_every = 10\ncheckpoint_every = 15\n',
-}
 # 14 steps over two epochs of 10 batches: streamed in segments that end at 3, 4, 6, 8, 9, 12 and 14
 STREAMED = MLP + 'schedule = "1f1b"\nsteps = 14\neval_every = 4\ncheckpoint_every = 3\n'
 
@@ -60,135 +48,6 @@ def write_job(directory, text: str, name: str = "job") -> str:
     with open(path, "w") as f:
         f.write(text)
     return path
-
-
-def launch_cmd(job: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeq", "launch", job, "--quiet", "--threads-per-stage", "1", *args]
-
-
-def launch_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict[str, tuple[str, subprocess.CompletedProcess]]:
-    """Every job of JOBS launched at once: name -> (out directory, the finished command)."""
-    base = tmp_path_factory.mktemp("launches")
-    procs = {}
-    for name, text in JOBS.items():
-        out = str(base / f"out-{name}")
-        job = write_job(base, text + f'out = "{out}"\n', name)
-        procs[name] = (out, subprocess.Popen(launch_cmd(job), cwd=TESTS, env=launch_env(), text=True,
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    done = {}
-    try:
-        for name, (out, p) in procs.items():
-            stdout, stderr = p.communicate(timeout=150)
-            done[name] = (out, subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    finally:
-        for _, p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return done
-
-
-def finished(launched, name: str) -> str:
-    out, r = launched[name]
-    assert r.returncode == 0, r.stderr
-    return out
-
-
-def mean(xs) -> float:
-    return sum(xs) / len(xs)
-
-
-def losses(out: str) -> list[float]:
-    lines = metrics(out)
-    assert [ln["step"] for ln in lines] == list(range(1, len(lines) + 1))
-    assert all(ln["samples_per_s"] > 0 for ln in lines)
-    return [ln["loss"] for ln in lines]
-
-
-# -- the three schedules that job files could not name before ----------------------------------------
-
-@pytest.mark.timeout(180)
-def test_pairwise_job_with_aux_heads_learns_and_checkpoints_its_heads(launched) -> None:
-    out = finished(launched, "pairwise")
-    loss = losses(out)
-    assert len(loss) == 30 and mean(loss[-5:]) < 0.5 * mean(loss[:5]), loss
-    assert [ln["step"] for ln in metrics(out) if "eval_accuracy" in ln] == [10, 20, 30]
-    final = checkpoint.load(os.path.join(out, "final"))
-    assert sorted(final.aux_model) == ["aux_heads.0.bias", "aux_heads.0.weight", "aux_heads.1.bias",
-                                       "aux_heads.1.weight"]
-    state = model_state(out)  # the main path only, under the flat model's names ...
-    assert list(state) == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
-    import launch_jobs
-
-    assert list(state) == list(checkpoint.flat_model(launch_jobs.mlp_stages()).state_dict())
-    # ... as in the model.pt of a job that checkpoints (written from its final/): one naming
-    assert list(state) == list(model_state(finished(launched, "async")))
-
-
-@pytest.mark.timeout(180)
-def test_async_job_with_warmup_learns_and_checkpoints(launched) -> None:
-    out = finished(launched, "async")
-    loss = losses(out)
-    assert len(loss) == 30 and mean(loss[-5:]) < 0.85 * mean(loss[:5]), loss
-    assert "AsyncOneFOneB(warmup=3, weight_stashing=True)" in launched["async"][1].stdout
-    with open(os.path.join(out, "checkpoints", "step-00000015", "manifest.json")) as f:
-        meta = json.load(f)["meta"]
-    assert meta["schedule"] == "async(warmup=3)" and meta["schedule_options"] == {"warmup": 3, "weight_stashing": True}
-    assert sorted(model_state(out)) == sorted(checkpoint.load(os.path.join(out, "final")).model)
-
-
-@pytest.mark.timeout(180)
-def test_al_job_learns_and_writes_its_layers(launched) -> None:
-    out = finished(launched, "al")
-    assert len(losses(out)) == 30
-    # AL's loss is layer 1's associated loss, whose targets move as g learns: judge it by accuracy
-    accuracy = [ln["eval_accuracy"] for ln in metrics(out) if "eval_accuracy" in ln]
-    assert len(accuracy) == 3 and accuracy[-1] > max(0.8, accuracy[0]), accuracy
-    state = model_state(out)
-    assert {k.split(".")[1] for k in state} == {"f", "b", "g", "h"}
-    import launch_jobs
-
-    model = ALModel(launch_jobs.al_layers())  # model.pt serves AL's inference path in one process
-    model.load_state_dict(state)
-    x, y = launch_jobs.heldout()
-    with torch.no_grad():
-        assert float((model.eval()(x).argmax(1) == y).float().mean()) == pytest.approx(accuracy[-1])
-
-
-@pytest.mark.timeout(180)
-def test_pairwise_and_al_jobs_resume_to_the_uninterrupted_state(launched, tmp_path) -> None:
-    """Each run again from its step-15 checkpoint (copies, the step-30 state removed): --resume
-    ends exactly where the uninterrupted launch did, heads, both AL optimizers and all."""
-    procs = {}
-    for name in ("pairwise", "al"):
-        out = str(tmp_path / name)
-        shutil.copytree(finished(launched, name), out)
-        for gone in ("final", os.path.join("checkpoints", "step-00000030")):
-            shutil.rmtree(os.path.join(out, gone))
-        os.remove(os.path.join(out, "model.pt"))
-        job = write_job(tmp_path, JOBS[name] + f'out = "{out}"\n', name)
-        procs[name] = subprocess.Popen(launch_cmd(job, "--resume"), cwd=TESTS, env=launch_env(), text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        for name, p in procs.items():
-            _, err = p.communicate(timeout=150)
-            assert p.returncode == 0, err
-            want = checkpoint.load(os.path.join(finished(launched, name), "final"))
-            got = checkpoint.load(os.path.join(str(tmp_path / name), "final"))
-            for part in ("model", "aux_model"):
-                a, b = getattr(got, part), getattr(want, part)
-                assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), (name, part)
-            assert [ln["loss"] for ln in metrics(str(tmp_path / name))] == losses(finished(launched, name))
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
 
 
 # -- streaming changes nothing: the numbers of a runner.step loop ------------------------------------
