@@ -7,11 +7,12 @@ import os
 import sys
 
 import pytest
+import torch
 
 import pipeq
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # stage processes unpickle examples.interlock_digits' classes
+sys.path.insert(0, ROOT)  # the example imports as examples.interlock_digits (stage processes re-import it)
 from examples import interlock_digits  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,14 +27,47 @@ def _bench():
 
 
 def test_example_trains_two_schemes_in_stage_processes(capsys):
-    rows = interlock_digits.compare(["global", "pairwise"], mode="process", epochs=1, verbose=False)
+    rows = interlock_digits.compare(["global", "pairwise"], mode="process", epochs=1, verbose=False,
+                                    steps_per_epoch=10)
     out = capsys.readouterr().out
     assert [r[0] for r in rows] == ["global", "pairwise"]
     for scheme, acc, secs in rows:
-        assert acc > 0.5, f"{scheme}: held-out accuracy {acc:.1%} after one epoch (chance: 10%)"
+        assert acc > 0.5, f"{scheme}: held-out accuracy {acc:.1%} after 10 steps (chance: 10%)"
         assert secs > 0
         assert scheme in out
     assert "held-out accuracy" in out
+    assert "(359 held-out images, 1 epoch of 10 steps, process mode)" in out
+
+
+def test_example_model_comes_from_pipeq_resnet():
+    stages, heads = interlock_digits.make_model(0)
+    again = interlock_digits.make_model(0)[0]
+    for a, b in zip(stages, again):  # the same weights for the same seed
+        assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    assert len(stages) == interlock_digits.N_STAGES and len(heads) == interlock_digits.N_STAGES - 1
+    x = torch.randn(3, 1, 8, 8)
+    for k, stage in enumerate(stages):
+        x = stage(x)
+        if k < len(heads):
+            assert heads[k](x).shape == (3, 10)
+    assert x.shape == (3, 10)
+    # another architecture and head spec: the heads follow the channels of their stage
+    stages, heads = interlock_digits.make_model(0, arch="8,2/16,1", head="gbpl_fc")
+    assert [h[-1].in_features for h in heads] == [16, 8, 8]
+
+
+def test_example_command_line_takes_arch_and_head(capsys):
+    rows = interlock_digits.main(["--quick", "--mode", "simulated", "--schemes", "local",
+                                  "--arch", "8,1/16,1", "--head", "gbpl_fc"])
+    assert [r[0] for r in rows] == ["local"]
+    assert "(359 held-out images, 1 epoch, simulated mode)" in capsys.readouterr().out
+    for argv, message in [(["--head", "conv32_fc"], "head spec 'conv32_fc': fc comes before gbpl"),
+                          (["--arch", "16,1"], "4 components, but the network has 3 blocks"),
+                          (["--schemes", "5-wise"], "unknown scheme '5-wise'")]:
+        with pytest.raises(SystemExit) as exit:
+            interlock_digits.main(argv)
+        assert exit.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_example_scheme_names():
