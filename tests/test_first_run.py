@@ -143,15 +143,60 @@ class Local(nn.Module):
 """
 
 
-def _run(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=100)
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def _run_script(tmp_path, source: str) -> subprocess.CompletedProcess:
-    (tmp_path / "script.py").write_text(source)
-    return _run(tmp_path, "script.py")
+def _script(source: str) -> tuple[dict[str, str], list[str]]:
+    """A script.py of ``source``, run as ``python script.py``: (files, arguments)."""
+    return {"script.py": source}, ["script.py"]
+
+
+def _scripts() -> dict[str, tuple[dict[str, str], list[str]]]:
+    """The first-run scripts the tests below judge: name -> (files to write, python arguments)."""
+    run = RUN.format(first="nn.Linear(4, 4)")
+    in_function = HEADER + "def main():\n" + textwrap.indent(run, "    ") + "\nmain()\n"
+    loss_under_guard = ('if __name__ == "__main__":\n    class MyLoss(nn.CrossEntropyLoss):\n        pass\n'
+                        + textwrap.indent(run.replace("nn.CrossEntropyLoss()", "MyLoss()"), "    "))
+    guarded = (LOCAL + "Other = None\n\n\ndef main():\n" + textwrap.indent(RUN.format(first="Local()"), "    ")
+               + '\n\nif __name__ == "__main__":\n    Other = Local\n    main()\n')
+    package = HEADER + LOCAL + 'if __name__ == "__main__":\n' + textwrap.indent(RUN.format(first="Local()"), "    ")
+    return {
+        "no_guard": _script(HEADER + run),
+        "in_function": _script(in_function),
+        "stage_under_guard": _script(HEADER + 'if __name__ == "__main__":\n'
+                                     + textwrap.indent(LOCAL + RUN.format(first="Local()"), "    ")),
+        "loss_under_guard": _script(HEADER + loss_under_guard),
+        "package_main": ({"mypkg/__init__.py": "", "mypkg/__main__.py": package}, ["-m", "mypkg"]),
+        "guarded": _script(HEADER + guarded),
+    }
+
+
+@pytest.fixture(scope="module")
+def first_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every script of _scripts, each in a directory of its own, run at once (each is a fresh
+    interpreter importing torch: one after another they would leave a core idle)."""
+    procs: dict[str, subprocess.Popen] = {}
+    sources = {}
+    try:
+        for name, (files, args) in _scripts().items():
+            where = tmp_path_factory.mktemp(name)
+            for rel, text in files.items():
+                (where / rel).parent.mkdir(parents=True, exist_ok=True)
+                (where / rel).write_text(text)
+            sources[name] = files
+            procs[name] = subprocess.Popen([sys.executable, *args], cwd=where, env=_env(), stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+        done = {}
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=100)
+            done[name] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        return done
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
@@ -177,9 +222,9 @@ def _one_error(r: subprocess.CompletedProcess) -> str:
     return r.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.timeout(100)
-def test_a_script_without_the_main_guard_gets_one_error_saying_so(tmp_path):
-    r = _run_script(tmp_path, HEADER + RUN.format(first="nn.Linear(4, 4)"))
+@pytest.mark.timeout(120)
+def test_a_script_without_the_main_guard_gets_one_error_saying_so(first_runs):
+    r = first_runs["no_guard"]
     last = _one_error(r)
     assert last.startswith("pipeq.errors.MainScriptError: the pipeline is started at the top level of script.py "
                            "(line 7), outside an 'if __name__ == \"__main__\":' block"), last
@@ -188,50 +233,39 @@ def test_a_script_without_the_main_guard_gets_one_error_saying_so(tmp_path):
     assert wait_no_strays() == []
 
 
-@pytest.mark.timeout(100)
-def test_a_runner_started_by_a_function_called_without_the_guard_is_refused_too(tmp_path):
-    source = HEADER + "def main():\n" + textwrap.indent(RUN.format(first="nn.Linear(4, 4)"), "    ") + "\nmain()\n"
-    last = _one_error(_run_script(tmp_path, source))
+@pytest.mark.timeout(120)
+def test_a_runner_started_by_a_function_called_without_the_guard_is_refused_too(first_runs):
+    source = _scripts()["in_function"][0]["script.py"]
+    last = _one_error(first_runs["in_function"])
     assert f"started at the top level of script.py (line {source.splitlines().index('main()') + 1})" in last, last
 
 
-@pytest.mark.timeout(100)
-def test_a_stage_class_defined_under_the_guard_is_refused_naming_it(tmp_path):
-    body = 'if __name__ == "__main__":\n' + textwrap.indent(LOCAL + RUN.format(first="Local()"), "    ")
-    last = _one_error(_run_script(tmp_path, HEADER + body))
+@pytest.mark.timeout(120)
+def test_a_stage_class_defined_under_the_guard_is_refused_naming_it(first_runs):
+    last = _one_error(first_runs["stage_under_guard"])
     assert last == ("pipeq.errors.MainScriptError: stage 0 (Local): Local is defined under 'if __name__ == \"__main__\":' in "
                     "script.py; every stage process runs script.py again without that block, so it cannot "
                     "find Local. Define Local at module level, above the guard (or in a module of its own)")
 
 
-@pytest.mark.timeout(100)
-def test_a_loss_function_defined_under_the_guard_is_refused_naming_it(tmp_path):
-    run = RUN.format(first="nn.Linear(4, 4)")
-    body = ('if __name__ == "__main__":\n    class MyLoss(nn.CrossEntropyLoss):\n        pass\n'
-            + textwrap.indent(run.replace("nn.CrossEntropyLoss()", "MyLoss()"), "    "))
-    last = _one_error(_run_script(tmp_path, HEADER + body))
+@pytest.mark.timeout(120)
+def test_a_loss_function_defined_under_the_guard_is_refused_naming_it(first_runs):
+    last = _one_error(first_runs["loss_under_guard"])
     assert last.startswith("pipeq.errors.MainScriptError: loss_fn: MyLoss is defined under 'if __name__ == \"__main__\":'"), last
 
 
-@pytest.mark.timeout(100)
-def test_a_stage_class_in_a_packages_main_is_refused(tmp_path):
-    pkg = tmp_path / "mypkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "__main__.py").write_text(HEADER + LOCAL + 'if __name__ == "__main__":\n'
-                                     + textwrap.indent(RUN.format(first="Local()"), "    "))
-    last = _one_error(_run(tmp_path, "-m", "mypkg"))
+@pytest.mark.timeout(120)
+def test_a_stage_class_in_a_packages_main_is_refused(first_runs):
+    last = _one_error(first_runs["package_main"])
     assert last.startswith("pipeq.errors.MainScriptError: stage 0 (Local): Local is defined in ") and "__main__.py" in last, last
     assert "Define it in another module of the package" in last
 
 
 @pytest.mark.timeout(120)
-def test_a_guarded_script_with_module_level_classes_runs(tmp_path):
+def test_a_guarded_script_with_module_level_classes_runs(first_runs):
     """The guard check refuses nothing that works: a class above the guard, the run under it in
     a function, a name bound both above and under the guard."""
-    body = (LOCAL + "Other = None\n\n\ndef main():\n" + textwrap.indent(RUN.format(first="Local()"), "    ")
-            + '\n\nif __name__ == "__main__":\n    Other = Local\n    main()\n')
-    r = _run_script(tmp_path, HEADER + body)
+    r = first_runs["guarded"]
     assert r.returncode == 0, r.stderr
     assert "loss" in r.stdout
     pids = [int(p) for p in r.stdout.split("pids", 1)[1].split()]
