@@ -195,8 +195,10 @@ def cleanup_children() -> None:
 
 
 def run_group(label: str, fn: Callable, world: int, rank_args: Callable[[int], tuple], timeout: float) -> list:
-    """Run fn(rank, world, *rank_args(rank)) in `world` fresh spawned processes; their results."""
-    ctx = mp.get_context("spawn")
+    """Run fn(rank, world, *rank_args(rank)) in `world` fresh spawned processes; their results.
+    (PIPEQ_BENCH_START=forkserver forks them from a warm fork server instead: the benches' smoke
+    tests use it to skip an interpreter start and a torch import per child.)"""
+    ctx = mp.get_context(os.environ.get("PIPEQ_BENCH_START", "spawn"))
     procs, pending = [], {}
     try:
         for r in range(world):

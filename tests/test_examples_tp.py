@@ -53,7 +53,8 @@ def test_tutorial_weights_and_batches():
     assert f"{ref[800]:.3f}" == "0.510" and f"{ref[1600]:.3f}" == "0.367"  # iterations 1000, 2000
 
 
-def test_bench_prints_the_accounting(capsys):
+def test_bench_prints_the_accounting(capsys, monkeypatch):
+    monkeypatch.setenv("PIPEQ_BENCH_START", "forkserver")  # its children fork from the warm fork server
     result = bench_tp.main(["--quick", "--width", "64", "--batch", "16", "--microbatches", "2", "--stages", "1",
                             "--steps", "2", "--comm-iters", "5"])
     printed = capsys.readouterr().out
