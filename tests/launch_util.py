@@ -37,6 +37,26 @@ def run_launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(launch_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def launch_here(*args: str, job: str = DIGITS_JOB) -> subprocess.CompletedProcess:
+    """``pipeq launch job --quiet --threads-per-stage 1 *args`` in this process, from the
+    repository root: its stages fork from the test session's fork server (no driver interpreter
+    and torch import to pay for). Its exit code, stdout and stderr, as a finished command's."""
+    import contextlib
+    import io
+
+    from pipeq.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    argv = ["launch", job, "--quiet", "--threads-per-stage", "1", *args]
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def run_at_once(argvs: dict[str, list[str]], timeout: float = 240) -> dict[str, subprocess.CompletedProcess]:
     """Run independent commands (from the repository root) at the same time; their results by name.
 

@@ -9,10 +9,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from launch_util import (ROOT, assert_same_state, digits_model, launch_cmd, metrics, model_state, run_at_once,
-                         run_launch)
+from launch_util import ROOT, assert_same_state, digits_model, launch_here, metrics, model_state
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,7 +35,8 @@ def _bad_job(directory) -> str:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict[str, tuple[str, subprocess.CompletedProcess]]:
-    """Three independent runs, started at once; each one's output directory and result.
+    """Three independent runs; each one's output directory and result. ``bad`` runs as the
+    command a user types (a subprocess) while the other two run in this process.
 
     ``full``: 40 steps in one go, checkpointing every 20 (the reference of the resume test).
     ``fresh``: 20 steps with --resume in an empty directory: it starts fresh (one test) and is the
@@ -46,13 +45,20 @@ def launched(tmp_path_factory) -> dict[str, tuple[str, subprocess.CompletedProce
     """
     outs = {name: str(tmp_path_factory.mktemp(name) / "run") for name in ("full", "fresh", "bad")}
     bad = tmp_path_factory.mktemp("bad-job")
-    results = run_at_once({
-        "full": launch_cmd("--steps", "40", "--checkpoint-every", "20", "--eval-every", "20",
-                           "--out", outs["full"], "--trace", os.path.join(outs["full"], "trace.json")),
-        "fresh": launch_cmd("--steps", "20", "--checkpoint-every", "20", "--out", outs["fresh"], "--resume"),
-        "bad": [sys.executable, "-m", "pipeq", "launch", _bad_job(bad), "--quiet", "--steps", "3",
-                "--out", outs["bad"]],
-    })
+    p = subprocess.Popen([sys.executable, "-m", "pipeq", "launch", _bad_job(bad), "--quiet", "--steps", "3",
+                          "--out", outs["bad"]], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        results = {
+            "full": launch_here("--steps", "40", "--checkpoint-every", "20", "--eval-every", "20",
+                                "--out", outs["full"], "--trace", os.path.join(outs["full"], "trace.json")),
+            "fresh": launch_here("--steps", "20", "--checkpoint-every", "20", "--out", outs["fresh"], "--resume"),
+        }
+        stdout, stderr = p.communicate(timeout=200)
+        results["bad"] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
     return {name: (outs[name], results[name]) for name in outs}
 
 
@@ -96,7 +102,7 @@ def test_resume_continues_to_the_same_parameters(uninterrupted: str, launched, t
     first_out, first = launched["fresh"]  # 20 steps, checkpointed at 20
     assert first.returncode == 0, first.stderr
     shutil.copytree(first_out, out)  # resume a copy: the fixture's run stays as it was
-    resumed = run_launch("--steps", "40", "--checkpoint-every", "20", "--out", out, "--resume")
+    resumed = launch_here("--steps", "40", "--checkpoint-every", "20", "--out", out, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr and "step 20" in resumed.stderr
     # the same parameters as 40 steps in one go: weights, momentum, lr schedule and data order
@@ -121,20 +127,15 @@ def test_failing_stage_exits_nonzero_with_its_traceback(launched) -> None:
 def test_bad_job_file_is_refused_with_the_key(tmp_path) -> None:
     job = tmp_path / "typo.toml"
     job.write_text(open(os.path.join(ROOT, "examples", "digits.toml")).read() + "\nmicrobatchs = 4\n")
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "pipeq", "launch", str(job)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = launch_here(job=str(job))
     assert r.returncode == 2
     assert "unknown key(s) ['microbatchs']" in r.stderr
 
 
-def test_nodes_started_with_different_jobs_are_refused(tmp_path) -> None:
-    """A node with another schedule or seed would deadlock or train apart: both nodes say so."""
-    import subprocess
-
-    from launch_util import free_port, launch_cmd, secret_env
+def test_nodes_started_with_different_jobs_are_refused(tmp_path, monkeypatch) -> None:
+    """A node with another schedule or seed would deadlock or train apart: both nodes say so.
+    (Node 0 runs in this process, node 1 as the command.)"""
+    from launch_util import SECRET, free_port, launch_cmd, secret_env
 
     port = str(free_port())
     common = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--steps", "3")
@@ -142,8 +143,8 @@ def test_nodes_started_with_different_jobs_are_refused(tmp_path) -> None:
                                         "--schedule", "fill-drain"),
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=secret_env())
     try:
-        node0 = subprocess.run(launch_cmd(*common, "--node-rank", "0", "--out", str(tmp_path / "n0")),
-                               cwd=ROOT, capture_output=True, text=True, timeout=120, env=secret_env())
+        monkeypatch.setenv("PIPEQ_SECRET", SECRET)
+        node0 = launch_here(*common, "--node-rank", "0", "--out", str(tmp_path / "n0"))
         _, err1 = node1.communicate(timeout=60)
     finally:
         if node1.poll() is None:
