@@ -76,11 +76,12 @@ def wait_no_strays(timeout: float = 5.0) -> list[tuple[int, str, str]]:
 def single_host_digits(tmp_path_factory) -> str:
     """The output directory of ``pipeq launch`` of the digits job on one host for
     ``launch_util.REFERENCE_STEPS`` steps: what every multi-host run must reproduce. One launch
-    (every stage a fresh interpreter: seconds) serves test_workers.py and test_multihost.py."""
-    from launch_util import REFERENCE_STEPS, run_launch
+    (in this process: its stages fork from the session's fork server) serves test_workers.py and
+    test_multihost.py."""
+    from launch_util import REFERENCE_STEPS, launch_here
 
     out = str(tmp_path_factory.mktemp("single-host"))
-    r = run_launch("--steps", str(REFERENCE_STEPS), "--out", out)  # adds --quiet --threads-per-stage 1
+    r = launch_here("--steps", str(REFERENCE_STEPS), "--out", out)  # adds --quiet --threads-per-stage 1
     assert r.returncode == 0, r.stderr
     return out
 

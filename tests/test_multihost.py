@@ -19,8 +19,8 @@ import time
 import pytest
 
 import store_forger
-from launch_util import (REFERENCE_STEPS, ROOT, assert_same_state, free_port, launch_cmd, metrics, model_state,
-                         secret_env)
+from launch_util import (REFERENCE_STEPS, ROOT, SECRET, assert_same_state, free_port, launch_cmd, launch_here,
+                         metrics, model_state, secret_env)
 from netns import TwoHosts, netns_available
 
 pytestmark = pytest.mark.timeout(240)
@@ -171,22 +171,22 @@ def _loopback_node(rank: int, port: int, out: str, *extra: str, env: dict[str, s
 
 
 @pytest.mark.timeout(90)
-def test_a_node_with_another_secret_is_refused_and_both_say_so(tmp_path) -> None:
+def test_a_node_with_another_secret_is_refused_and_both_say_so(tmp_path, monkeypatch) -> None:
     port = free_port()
     short = ("--steps", "3", "--start-timeout", "3")
-    # node 1 first: it waits for node 0's store (up to the start timeout)
+    # node 1 first: it waits for node 0's store (up to the start timeout); node 0 runs in this process
     node1 = _loopback_node(1, port, str(tmp_path / "node1"), *short,
                            env=secret_env("another secret, not the one node 0 has"))
-    node0 = None
     try:
-        node0 = _loopback_node(0, port, str(tmp_path / "node0"), *short, env=secret_env())
-        _, err0 = node0.communicate(timeout=60)
+        monkeypatch.setenv("PIPEQ_SECRET", SECRET)
+        node0 = launch_here("--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                            "--master-port", str(port), "--out", str(tmp_path / "node0"), *short)
+        err0 = node0.stderr
         _, err1 = node1.communicate(timeout=30)
     finally:
-        for p in (node0, node1):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.communicate()
+        if node1.poll() is None:
+            node1.kill()
+            node1.communicate()
     assert node0.returncode == 1, err0
     assert "timed out after 3.0 s waiting for READY (start) from stage(s) [1, 2]" in err0, err0
     assert "node 1 uses another secret: its entries ['agent/1']" in err0, err0
