@@ -23,14 +23,6 @@ VOCAB, CLASSES, LENGTH = 17, 3, 7
 ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tokens(n: int = 24, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded token ids (0 = padding) of lengths 2..LENGTH, and class labels."""
     g = torch.Generator().manual_seed(seed)

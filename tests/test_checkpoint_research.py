@@ -23,14 +23,6 @@ ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
 STEP_LR = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def assert_same(got: dict, want: dict, what: str) -> None:
     """Every entry equal, bit for bit (tensors nested in dicts and lists too)."""
     assert list(got) == list(want), f"{what}: names differ"
