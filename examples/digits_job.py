@@ -102,3 +102,13 @@ def heldout() -> tuple[torch.Tensor, torch.Tensor]:
 def top3(output: torch.Tensor, target: torch.Tensor) -> float:
     """An evaluation metric: the share of samples whose class is among their 3 highest scores."""
     return float((output.topk(3, dim=1).indices == target[:, None]).any(1).float().mean())
+
+
+def image_batches(epoch: int, batch: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`train_batches` as 1x8x8 images, for convolutional stages (pipeq.resnet)."""
+    return [(x.view(-1, 1, 8, 8), y) for x, y in train_batches(epoch, batch)]
+
+
+def heldout_images() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = heldout()
+    return x.view(-1, 1, 8, 8), y

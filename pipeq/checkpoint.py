@@ -234,14 +234,33 @@ def split_state(state: Mapping[str, torch.Tensor], layouts: Sequence[StageLayout
 # ---------------------------------------------------------------------------- optimizer
 
 
+#: How a dict with keys other than strings travels (the wire takes string keys only): its items.
+_KEYED = "pipeq_keyed_items"
+
+
 def _plain(value: Any) -> Any:
-    """A detached CPU copy of tensors, tuples as lists, everything else as is."""
+    """A detached CPU copy of tensors, tuples as lists, a dict whose keys are not all strings
+    (MultiStepLR's milestones, a Counter of ints) as ``{"pipeq_keyed_items": [[key, value], ...]}``,
+    everything else as is (:func:`_unplain` undoes it)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        if all(isinstance(k, str) for k in value):
+            return {k: _plain(v) for k, v in value.items()}
+        return {_KEYED: [[_plain(k), _plain(v)] for k, v in value.items()]}
+    return value
+
+
+def _unplain(value: Any) -> Any:
+    """:func:`_plain`'s keyed items back as a dict (list keys as tuples, to be hashable)."""
+    if isinstance(value, list):
+        return [_unplain(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {_KEYED} and isinstance(value[_KEYED], list):
+            return {tuple(k) if isinstance(k, list) else k: _unplain(v) for k, v in value[_KEYED]}
+        return {k: _unplain(v) for k, v in value.items()}
     return value
 
 
@@ -336,7 +355,7 @@ def load_schedulers_snapshot(schedulers: Sequence[Any], sched: dict | None, stag
         raise CheckpointError(f"stage {stage} has {len(schedulers)} lr scheduler(s) but the checkpoint holds the "
                               f"state of {len(states)}: load it into a run of the same schedule and lr_scheduler")
     for scheduler, state in zip(schedulers, states):
-        scheduler.load_state_dict(state)
+        scheduler.load_state_dict(_unplain(state))
 
 
 def stage_snapshot(

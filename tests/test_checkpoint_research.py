@@ -185,3 +185,18 @@ def test_an_al_checkpoint_loads_into_a_run_without_lr_schedulers(tmp_path):
     bare = pipeq.PipelineRunner(al_layers(), None, ADAM, schedules.AssociatedLearning(), 2, mode="simulated")
     with bare:  # no scheduler here: the saved schedules are not needed, the rest loads
         bare.load(str(tmp_path / "c"))
+
+
+# -- a scheduler state that is no plain dict of strings ---------------------------------------------
+def test_a_multisteplr_run_resumes_exactly(tmp_path):
+    """MultiStepLR keeps its milestones in a Counter of ints (keys the wire refuses): they travel
+    as items and come back as a dict the scheduler steps by, at the same milestones."""
+    multistep = functools.partial(torch.optim.lr_scheduler.MultiStepLR, milestones=[2, 3], gamma=0.1)
+    make = lambda: pipeq.PipelineRunner(stages(), nn.CrossEntropyLoss(), ADAM, "pairwise", 3, mode="process",  # noqa: E731
+                                        aux_heads=heads(), lr_scheduler=multistep, **FAST)
+    resumed_equals_uninterrupted(make, batches(4), tmp_path, split=1)
+    with make() as r:
+        r.load(str(tmp_path / "half"))
+        assert r.learning_rates()[0][0] == pytest.approx(1e-2)
+        r.step(*batches(1)[0])
+        assert r.learning_rates()[0][0] == pytest.approx(1e-3)  # the milestone at step 2 still counts

@@ -17,17 +17,18 @@ from launch_util import ROOT, metrics, model_state
 from pipeq import checkpoint
 from pipeq.al import ALModel
 from pipeq.cli import main as pipeq_main
-from pipeq.job import load_job
+from pipeq.job import load_job, resolve
 from pipeq.schedules import AssociatedLearning, AsyncOneFOneB, Interlock
 
 EXAMPLES = os.path.join(ROOT, "examples")
-JOBS = ("pairwise", "nwise", "async", "al")
+JOBS = ("pairwise", "nwise", "async", "al", "resnet")
 # What each file's schedule is (its options as the runner gets them), and its stage count.
 SCHEDULES = {
     "pairwise": ("pairwise", 3),
     "nwise": (Interlock("nwise", distance=2), 4),
     "async": (AsyncOneFOneB(warmup=3, weight_stashing=True), 3),
     "al": (AssociatedLearning(first_loss="ce", inference_layer=2), 3),
+    "resnet": ("pairwise", 4),
 }
 # How the launch's summary names the schedule: the object the runner was given, options included.
 SUMMARY = {
@@ -35,6 +36,7 @@ SUMMARY = {
     "nwise": "4 stages, Interlock('nwise(d=2)'), 4 microbatches",
     "async": "3 stages, AsyncOneFOneB(warmup=3, weight_stashing=True), 4 microbatches",
     "al": "3 stages, AssociatedLearning(first_loss='ce', inference_layer=2), 4 microbatches",
+    "resnet": "4 stages, pairwise, 4 microbatches",
 }
 
 # A bit over two epochs of the files' 6 (23 batches of 64 each). With the files' seed the runs
@@ -104,11 +106,9 @@ def test_job_file_learns(name: str, tmp_path, monkeypatch, capsys) -> None:
     # and it scores what the run's evaluation said: the main path (interlocking: without the heads),
     # or AL's inference path with the file's options
     model.load_state_dict(model_state(out))
-    from examples.digits_job import heldout  # (the job put the repository root on sys.path)
-
-    x, y = heldout()
-    with torch.no_grad():
-        scored = float((model(x).argmax(1) == y).float().mean())
+    x, y = resolve(load(name).eval_data, "eval_data")()  # (the job put the repository root on sys.path)
+    with torch.no_grad():  # in eval mode, as predict runs it (the ResNet's BatchNorm)
+        scored = float((model.eval()(x).argmax(1) == y).float().mean())
     assert scored == pytest.approx(accuracy, abs=1e-6)
 
 
@@ -119,7 +119,7 @@ def test_job_file_schedule_and_options(name: str) -> None:
     assert job.schedule == schedule
     assert job.recipe.count_stages() == n_stages
     heads = job.recipe.heads(n_stages)
-    if name in ("pairwise", "nwise"):  # one auxiliary head per stage but the last
+    if name in ("pairwise", "nwise", "resnet"):  # one auxiliary head per stage but the last
         assert heads is not None and len(heads) == n_stages - 1
     else:
         assert heads is None
@@ -138,6 +138,7 @@ REFUSED = {
     "async": [("weight_stashing = true", "weight_stash = true",
                "schedule 'async': unknown option(s) ['weight_stash']; did you mean 'weight_stashing'?"),
               ("warmup = 3", "warmup = 1", "AsyncOneFOneB(warmup=1) with 3 stages would deadlock")],
+    "resnet": [('schedule = "pairwise"', 'schedule = "pairwize"', "did you mean 'pairwise'?")],
     "al": [("inference_layer = 2", "inference_layers = 2",
             "schedule 'al': unknown option(s) ['inference_layers']; did you mean 'inference_layer'?"),
            ("inference_layer = 2", "inference_layer = 3", "AssociatedLearning(inference_layer=3)")],
