@@ -28,8 +28,8 @@ from pipeq.checkpoint import flat_model, global_state
 from pipeq.messages import Kind
 from pipeq.errors import PipelineError
 
-from launch_util import (DIGITS_JOB, ROOT, assert_same_state, free_port, launch_cmd, metrics, model_state,
-                         secret_env)
+from launch_util import (DIGITS_JOB, ROOT, SECRET, assert_same_state, free_port, launch_cmd, launch_here, metrics,
+                         model_state, secret_env)
 from attacker import listening_addresses
 from models import Exits, Raises, flat_state, mlp_stages, reference_train
 
@@ -475,29 +475,31 @@ def digits_reference():
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """``pipeq launch --data-parallel 2`` over two loopback "nodes" (node 1 runs replica 1's
-    stages), both started at once. (R = 2 on one host through the runner: the tests above; the
+    stages; node 0 runs in this process), both at once. (R = 2 on one host through the runner: the tests above; the
     launch path is the same.)"""
     base = tmp_path_factory.mktemp("launch")
     out = {name: str(base / name) for name in ("nodes", "node1")}
     steps = ("--steps", str(STEPS), "--data-parallel", "2")
     multi = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
-    argvs = {
-        "node1": launch_cmd(*steps, *multi, "--node-rank", "1", "--out", out["node1"]),
-        "nodes": launch_cmd(*steps, *multi, "--node-rank", "0", "--out", out["nodes"]),
-    }
-    procs = {name: subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env=secret_env())  # the multi-host nodes need the job's secret
-             for name, argv in argvs.items()}
+    node1 = subprocess.Popen(launch_cmd(*steps, *multi, "--node-rank", "1", "--out", out["node1"]), cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=secret_env())  # the multi-host nodes need the job's secret
     results = {}
-    try:
-        for name, p in procs.items():
-            stdout, stderr = p.communicate(timeout=240)
-            results[name] = (p.returncode, stdout, stderr)
+    before = os.environ.get("PIPEQ_SECRET")
+    try:  # node 0 in this process (its stages fork from the session's fork server)
+        os.environ["PIPEQ_SECRET"] = SECRET
+        r = launch_here(*steps, *multi, "--node-rank", "0", "--out", out["nodes"])
+        results["nodes"] = (r.returncode, r.stdout, r.stderr)
+        stdout, stderr = node1.communicate(timeout=240)
+        results["node1"] = (node1.returncode, stdout, stderr)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        if before is None:
+            os.environ.pop("PIPEQ_SECRET", None)
+        else:
+            os.environ["PIPEQ_SECRET"] = before
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
     return out, results
 
 
