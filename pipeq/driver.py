@@ -258,6 +258,9 @@ class ProcessBackend:
         if self.tp_dir is not None and self.tp_dir != self.ipc_dir:
             remove_ipc_dir(self.tp_dir)
         self.ipc_dir = self.tp_dir = None
+        # node 0 hosts the rendezvous store: its port closes with the last reference (TCPStore has
+        # no close), here rather than whenever the garbage collector reaches this driver
+        self.store = None
 
     def _start_hint(self, missing: set[int]) -> str:
         """Multi-host start-up: which missing stages reached the rendezvous, and where they run.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import json
 import os
 import signal
@@ -488,11 +489,15 @@ def launched(tmp_path_factory):
     before = os.environ.get("PIPEQ_SECRET")
     try:  # node 0 in this process (its stages fork from the session's fork server)
         os.environ["PIPEQ_SECRET"] = SECRET
+        gc.disable()  # what still listens after the run must not depend on when the collector runs
         r = launch_here(*steps, *multi, "--node-rank", "0", "--out", out["nodes"])
+        results["listening"] = listening_addresses([os.getpid()])
+        gc.enable()
         results["nodes"] = (r.returncode, r.stdout, r.stderr)
         stdout, stderr = node1.communicate(timeout=240)
         results["node1"] = (node1.returncode, stdout, stderr)
     finally:
+        gc.enable()
         if before is None:
             os.environ.pop("PIPEQ_SECRET", None)
         else:
@@ -512,6 +517,8 @@ def test_launch_data_parallel_over_two_nodes_equals_full_batch_training(launched
     for name in ("nodes", "node1"):
         assert results[name][0] == 0, results[name][2]
     assert "started stage(s) [3, 4, 5]" in results["node1"][2]  # replica 1's three stages: node 1's
+    # node 0 ran in this process and hosted the rendezvous store: its port closed with the run
+    assert results["listening"] == []
     ref, ref_losses = digits_reference
     assert_same_state(model_state(out["nodes"]), ref, atol=1e-5)
     assert _losses(out["nodes"]) == pytest.approx(ref_losses, abs=1e-5)
