@@ -54,8 +54,19 @@ def _fetch(store: Any, key: str, what: str, rz: Rendezvous, deadline: float, tim
     (time.monotonic()) instead of giving up on a forged entry. The first foreign one is logged at
     once; if one is still there at the deadline, the secrets most likely differ."""
     warned = False
+    where = f"{key!r} at the rendezvous {rz.master_addr}:{rz.master_port}"
     while True:
-        state, value = rz.read(store, key)
+        try:
+            state, value = rz.read(store, key)
+        except RuntimeError as exc:  # the store went away (node 0, its host, ended: torch's DistNetworkError)
+            lost = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            if warned:
+                raise AgentError(
+                    f"node {rz.node_rank}: node 0's {what} ({where}) was not signed with this node's job "
+                    f"secret, and then the store went away ({lost}): the nodes were most likely started with "
+                    "different secrets; pass the same --secret-file (or PIPEQ_SECRET) on every node") from None
+            raise AgentError(f"node {rz.node_rank}: lost the rendezvous store ({where}) while waiting for node 0's "
+                             f"{what} ({lost}): node 0 ended, or its host became unreachable") from None
         if state == rdzv.VALID:
             return value
         if state == rdzv.FOREIGN and not warned:
@@ -68,8 +79,8 @@ def _fetch(store: Any, key: str, what: str, rz: Rendezvous, deadline: float, tim
         time.sleep(_POLL_S)
     if state == rdzv.FOREIGN:
         raise AgentError(
-            f"node {rz.node_rank}: node 0's {what} ({key!r} at the rendezvous {rz.master_addr}:"
-            f"{rz.master_port}) is not signed with this node's job secret after {timeout:.0f} s: the "
+            f"node {rz.node_rank}: node 0's {what} ({where}) is not signed with this node's job secret "
+            f"after {timeout:.0f} s: the "
             "nodes were most likely started with different secrets; pass the same --secret-file (or "
             "PIPEQ_SECRET) on every node"
         )

@@ -307,6 +307,48 @@ def test_agent_with_another_secret_says_so_after_the_start_timeout(store) -> Non
         _fetch(s, "options", "run options", _rz(port=port), time.monotonic() + 0.2, 0.2, lines.append)
 
 
+class _GoneStore:
+    """A store whose server went away: every request fails as torch's TCPStore client does."""
+
+    def compare_set(self, *args: object) -> bytes:
+        raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+
+def test_agent_that_loses_the_store_says_so_and_keeps_the_secret_diagnosis() -> None:
+    from pipeq.agent import AgentError, _fetch
+
+    rz = _rz(port=7)
+    with pytest.raises(AgentError, match=r"node 1: lost the rendezvous store \('control' at the rendezvous "
+                                         r"127.0.0.1:7\) while waiting for node 0's control address \(Failed to "
+                                         r"recv, got 0 bytes.*node 0 ended"):
+        _fetch(_GoneStore(), "control", "control address", rz, time.monotonic() + 5, 5, print)
+
+
+@pytest.mark.timeout(30)
+def test_an_agent_that_saw_another_secret_and_then_lost_the_store_names_the_secret(store) -> None:
+    """Node 0 (another secret) gives up first and takes its store with it: node 1 still says why."""
+    from pipeq.agent import AgentError, _fetch
+
+    port, s = store
+    s.set("control", _rz(node_rank=0, port=port).sign("control", "tcp://127.0.0.1:7"))
+
+    class Vanishing:
+        calls = 0
+
+        def compare_set(self, *args: object) -> bytes:
+            self.calls += 1
+            if self.calls > 1:
+                return _GoneStore().compare_set()
+            return s.compare_set(*args)
+
+    lines: list[str] = []
+    with pytest.raises(AgentError, match=r"not signed with this node's job secret, and then the store went away.*"
+                                         r"different secrets"):
+        _fetch(Vanishing(), "control", "control address", _rz(secret=OTHER, port=port), time.monotonic() + 5, 5,
+               lines.append)
+    assert len(lines) == 1 and "another secret" in lines[0]
+
+
 @pytest.mark.timeout(30)
 def test_start_hint_names_a_node_with_another_secret(store) -> None:
     """Node 0's start time-out says which node's entries are there but signed with another
