@@ -21,6 +21,8 @@ pytestmark = pytest.mark.timeout(120)
 FAST = dict(start_method="forkserver")
 ADAM = functools.partial(torch.optim.Adam, lr=1e-2)
 STEP_LR = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5)
+# its milestones are a Counter of ints, keys the wire refuses: they travel as items
+MULTISTEP = functools.partial(torch.optim.lr_scheduler.MultiStepLR, milestones=[2, 3], gamma=0.1)
 
 
 def assert_same(got: dict, want: dict, what: str) -> None:
@@ -84,14 +86,18 @@ def batches(steps: int, size: int = 12, seed: int = 2):
 
 
 def interlocking(schedule, mode: str, seed: int = 0):
+    # in process mode (the snapshots cross the wire) a MultiStepLR, StepLR otherwise
+    scheduler = MULTISTEP if mode == "process" else STEP_LR
     return lambda: pipeq.PipelineRunner(stages(seed), nn.CrossEntropyLoss(), ADAM, schedule, 3, mode=mode,
-                                        aux_heads=heads(seed + 1), lr_scheduler=STEP_LR, **FAST)
+                                        aux_heads=heads(seed + 1), lr_scheduler=scheduler, **FAST)
 
 
 @pytest.mark.parametrize("schedule,mode", [("pairwise", "process"), (schedules.Interlock("nwise", distance=2),
                                                                        "simulated"), ("local", "simulated")])
 def test_an_interlocking_run_with_heads_resumes_exactly(schedule, mode, tmp_path):
-    """Dropout (the RNG), BatchNorm (buffers) in stages and heads, Adam, a StepLR: all of it resumes."""
+    """Dropout (the RNG), BatchNorm (buffers) in stages and heads, Adam, a StepLR or MultiStepLR
+    (resumed between its milestones: the lr it reaches must be the uninterrupted run's): all of it
+    resumes."""
     resumed_equals_uninterrupted(interlocking(schedule, mode), batches(4), tmp_path)
 
 
@@ -185,18 +191,3 @@ def test_an_al_checkpoint_loads_into_a_run_without_lr_schedulers(tmp_path):
     bare = pipeq.PipelineRunner(al_layers(), None, ADAM, schedules.AssociatedLearning(), 2, mode="simulated")
     with bare:  # no scheduler here: the saved schedules are not needed, the rest loads
         bare.load(str(tmp_path / "c"))
-
-
-# -- a scheduler state that is no plain dict of strings ---------------------------------------------
-def test_a_multisteplr_run_resumes_exactly(tmp_path):
-    """MultiStepLR keeps its milestones in a Counter of ints (keys the wire refuses): they travel
-    as items and come back as a dict the scheduler steps by, at the same milestones."""
-    multistep = functools.partial(torch.optim.lr_scheduler.MultiStepLR, milestones=[2, 3], gamma=0.1)
-    make = lambda: pipeq.PipelineRunner(stages(), nn.CrossEntropyLoss(), ADAM, "pairwise", 3, mode="process",  # noqa: E731
-                                        aux_heads=heads(), lr_scheduler=multistep, **FAST)
-    resumed_equals_uninterrupted(make, batches(4), tmp_path, split=1)
-    with make() as r:
-        r.load(str(tmp_path / "half"))
-        assert r.learning_rates()[0][0] == pytest.approx(1e-2)
-        r.step(*batches(1)[0])
-        assert r.learning_rates()[0][0] == pytest.approx(1e-3)  # the milestone at step 2 still counts
