@@ -28,10 +28,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .microbatch import as_args
+
 
 def call(module: nn.Module, value: Any) -> Any:
-    """``module`` called pipeq's way: a tuple is spread over its arguments."""
-    return module(*value) if isinstance(value, tuple) else module(value)
+    """``module`` called pipeq's way: a tuple is spread over its arguments (as a stage is)."""
+    return module(*as_args(value))
 
 
 def code(t: Any) -> torch.Tensor:

@@ -37,10 +37,11 @@ def run_launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(launch_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def launch_here(*args: str, job: str = DIGITS_JOB) -> subprocess.CompletedProcess:
-    """``pipeq launch job --quiet --threads-per-stage 1 *args`` in this process, from the
-    repository root: its stages fork from the test session's fork server (no driver interpreter
-    and torch import to pay for). Its exit code, stdout and stderr, as a finished command's."""
+def launch_here(*args: str, job: str = DIGITS_JOB, cwd: str = ROOT) -> subprocess.CompletedProcess:
+    """``pipeq launch job --quiet --threads-per-stage 1 *args`` in this process, from ``cwd``
+    (the repository root by default): its stages fork from the test session's fork server (no
+    driver interpreter and torch import to pay for). Its exit code, stdout and stderr, as a
+    finished command's."""
     import contextlib
     import io
 
@@ -48,7 +49,7 @@ def launch_here(*args: str, job: str = DIGITS_JOB) -> subprocess.CompletedProces
 
     out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
     argv = ["launch", job, "--quiet", "--threads-per-stage", "1", *args]
-    os.chdir(ROOT)
+    os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv)
@@ -57,8 +58,10 @@ def launch_here(*args: str, job: str = DIGITS_JOB) -> subprocess.CompletedProces
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
-def run_at_once(argvs: dict[str, list[str]], timeout: float = 240) -> dict[str, subprocess.CompletedProcess]:
-    """Run independent commands (from the repository root) at the same time; their results by name.
+def run_at_once(argvs: dict[str, list[str]], timeout: float = 240, cwd: dict[str, str] | None = None,
+                env: dict[str, str] | None = None) -> dict[str, subprocess.CompletedProcess]:
+    """Run independent commands at the same time; their results by name. Each runs from
+    ``cwd[name]`` (default: the repository root), all with ``env`` (default: this process's).
 
     Every ``pipeq launch`` starts its driver and then its stages as fresh interpreters that
     import torch: one run at a time leaves a core idle much of the time, a few at once do not.
@@ -67,8 +70,8 @@ def run_at_once(argvs: dict[str, list[str]], timeout: float = 240) -> dict[str, 
     procs: dict[str, subprocess.Popen] = {}
     try:
         for name, argv in argvs.items():
-            procs[name] = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                           text=True)
+            procs[name] = subprocess.Popen(argv, cwd=(cwd or {}).get(name, ROOT), env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout
         results = {}
         for name, p in procs.items():

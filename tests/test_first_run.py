@@ -20,6 +20,7 @@ import pipeq
 from pipeq import options, schedules
 
 from conftest import wait_no_strays
+from launch_util import run_at_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: import name -> distribution name, where they differ
@@ -176,27 +177,14 @@ def _scripts() -> dict[str, tuple[dict[str, str], list[str]]]:
 def first_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """Every script of _scripts, each in a directory of its own, run at once (each is a fresh
     interpreter importing torch: one after another they would leave a core idle)."""
-    procs: dict[str, subprocess.Popen] = {}
-    sources = {}
-    try:
-        for name, (files, args) in _scripts().items():
-            where = tmp_path_factory.mktemp(name)
-            for rel, text in files.items():
-                (where / rel).parent.mkdir(parents=True, exist_ok=True)
-                (where / rel).write_text(text)
-            sources[name] = files
-            procs[name] = subprocess.Popen([sys.executable, *args], cwd=where, env=_env(), stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True)
-        done = {}
-        for name, p in procs.items():
-            out, err = p.communicate(timeout=100)
-            done[name] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-        return done
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    argvs, where = {}, {}
+    for name, (files, args) in _scripts().items():
+        here = tmp_path_factory.mktemp(name)
+        for rel, text in files.items():
+            (here / rel).parent.mkdir(parents=True, exist_ok=True)
+            (here / rel).write_text(text)
+        argvs[name], where[name] = [sys.executable, *args], str(here)
+    return run_at_once(argvs, timeout=100, cwd=where, env=_env())
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from launch_util import ROOT, assert_same_state, metrics, model_state
+from launch_util import ROOT, assert_same_state, launch_here, metrics, model_state
 
 JOB_MODULE = '''\
 """A tiny 3-stage job; PIPEQ_TEST_DELAY seconds per batch make it slow enough to signal."""
@@ -121,20 +121,6 @@ def _finish(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedPr
 
 def _launch(job: str, *args: str, delay: float = 0.0, timeout: float = 120) -> subprocess.CompletedProcess:
     return _finish(_start(job, *args, delay=delay), timeout)
-
-
-def _launch_here(job: str, capsys, *args: str) -> tuple[int, str]:
-    """A launch in this process (its stages fork from the session's fork server: no interpreter
-    and torch import to pay for), from the job's folder; (exit code, stderr)."""
-    from pipeq.cli import main
-
-    here = os.getcwd()
-    os.chdir(os.path.dirname(job))
-    try:
-        code = main(["launch", job, "--quiet", "--threads-per-stage", "1", *args])
-    finally:
-        os.chdir(here)
-    return code, capsys.readouterr().err
 
 
 def _snapshot(directory: str) -> dict[str, bytes | None]:
@@ -252,9 +238,9 @@ def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(jo
         main(["launch", job, "--out", out, "--overwrite", "--resume"])
     assert "not allowed with argument" in capsys.readouterr().err
 
-    code, err = _launch_here(job, capsys, "--steps", "12", "--out", out, "--overwrite")
-    assert code == 0, err
-    assert "--overwrite: deleted the previous run's" in err
+    over = launch_here("--steps", "12", "--out", out, "--overwrite", job=job, cwd=os.path.dirname(job))
+    assert over.returncode == 0, over.stderr
+    assert "--overwrite: deleted the previous run's" in over.stderr
     assert _steps(out) == list(range(1, 13))
     # only this run's checkpoints count (the old run's step-20 and step-25 are gone)
     assert _checkpoints(out) == ["step-00000010", "step-00000012"]
@@ -265,7 +251,7 @@ def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(jo
 
 
 @pytest.mark.timeout(240)
-def test_sigint_checkpoints_the_last_step_and_resume_continues_it(job, run25, tmp_path, capsys) -> None:
+def test_sigint_checkpoints_the_last_step_and_resume_continues_it(job, run25, tmp_path) -> None:
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: exit 130
     within seconds, a checkpoint of the last step in metrics.jsonl; --resume then trains the
     rest: every step exactly once, and the same parameters as a run never interrupted (run25)."""
@@ -282,9 +268,9 @@ def test_sigint_checkpoints_the_last_step_and_resume_continues_it(job, run25, tm
     assert 13 <= last < 25
     assert not os.path.exists(os.path.join(out, "model.pt"))  # not finished: no final state
 
-    code, err = _launch_here(job, capsys, "--steps", "25", "--out", out, "--resume")
-    assert code == 0, err
-    assert f"(step {last}, epoch" in err
+    resumed = launch_here("--steps", "25", "--out", out, "--resume", job=job, cwd=os.path.dirname(job))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"(step {last}, epoch" in resumed.stderr
     assert _steps(out) == list(range(1, 26))  # strictly consecutive: none twice, none missing
     assert_same_state(model_state(out), reference)
 

@@ -13,10 +13,9 @@ import os
 import pytest
 import torch
 
-from launch_util import ROOT, metrics, model_state
+from launch_util import ROOT, launch_here, metrics, model_state
 from pipeq import checkpoint
 from pipeq.al import ALModel
-from pipeq.cli import main as pipeq_main
 from pipeq.job import load_job, resolve
 from pipeq.schedules import AssociatedLearning, AsyncOneFOneB, Interlock
 
@@ -57,12 +56,6 @@ def load(name: str):
     return load_job(job_path(name))
 
 
-def launch_args(name: str, out: str) -> list[str]:
-    # the file's own settings but its length (its eval_every and checkpoint_every are 50: one
-    # evaluation and one checkpoint, at the last step)
-    return ["launch", job_path(name), "--quiet", "--threads-per-stage", "1", "--steps", str(STEPS), "--out", out]
-
-
 def initial_model(name: str) -> torch.nn.Module:
     """The job's model before training: its stages as every stage process builds them (under the
     job's seed), as the flat model whose names model.pt uses; AL layers as pipeq.al.ALModel, their
@@ -77,13 +70,13 @@ def initial_model(name: str) -> torch.nn.Module:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", JOBS)
-def test_job_file_learns(name: str, tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.chdir(ROOT)  # as a user runs it: the job's modules (examples.digits_job) from the root
+def test_job_file_learns(name: str, tmp_path) -> None:
+    # from the repository root, as a user runs it; the file's own settings but its length (its
+    # eval_every and checkpoint_every are 50: one evaluation and one checkpoint, at the last step)
     out = str(tmp_path / "out")
-    code = pipeq_main(launch_args(name, out))
-    printed = capsys.readouterr()
-    assert code == 0, printed.err
-    assert SUMMARY[name] in printed.out, printed.out  # the schedule, with its options, that trained
+    printed = launch_here("--steps", str(STEPS), "--out", out, job=job_path(name))
+    assert printed.returncode == 0, printed.stderr
+    assert SUMMARY[name] in printed.stdout, printed.stdout  # the schedule, with its options, that trained
     lines = metrics(out)
     assert [ln["step"] for ln in lines] == list(range(1, STEPS + 1))
     accuracy = lines[-1]["eval_accuracy"]
@@ -147,8 +140,7 @@ REFUSED = {
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name,case", [(name, i) for name in JOBS for i in range(len(REFUSED[name]))])
-def test_wrong_schedule_option_in_a_copied_job_file_is_refused(name: str, case: int, tmp_path, monkeypatch,
-                                                                capsys) -> None:
+def test_wrong_schedule_option_in_a_copied_job_file_is_refused(name: str, case: int, tmp_path) -> None:
     old, new, expected = REFUSED[name][case]
     lines = open(job_path(name)).read().splitlines(keepends=True)
     at = [i for i, line in enumerate(lines) if line.startswith("schedule =")]
@@ -156,26 +148,24 @@ def test_wrong_schedule_option_in_a_copied_job_file_is_refused(name: str, case: 
     lines[at[0]] = lines[at[0]].replace(old, new)
     job = tmp_path / f"digits_{name}.toml"
     job.write_text("".join(lines))
-    monkeypatch.chdir(ROOT)  # the job's modules (examples.digits_job) import from the repository root
-    out = tmp_path / "out"
-    assert pipeq_main(["launch", str(job), "--quiet", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert expected in err, err
+    out = tmp_path / "out"  # (from the repository root: the job's modules are examples.digits_job)
+    refused = launch_here("--out", str(out), job=str(job))
+    assert refused.returncode == 2
+    assert expected in refused.stderr, refused.stderr
     assert not os.path.exists(out / "metrics.jsonl") and not os.path.exists(out / "model.pt")
 
 
 def launch_in(name: str, out: str, steps: int, *more: str) -> None:
-    code = pipeq_main(["launch", job_path(name), "--quiet", "--threads-per-stage", "1", "--steps", str(steps),
-                       "--checkpoint-every", "3", "--eval-every", "3", "--out", out, *more])
-    assert code == 0
+    r = launch_here("--steps", str(steps), "--checkpoint-every", "3", "--eval-every", "3", "--out", out, *more,
+                    job=job_path(name))
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["nwise", "al"])
-def test_job_file_resumes_to_the_uninterrupted_state(name: str, tmp_path, monkeypatch) -> None:
+def test_job_file_resumes_to_the_uninterrupted_state(name: str, tmp_path) -> None:
     """Six steps in one launch; and three, then --resume to six: the same final checkpoint, bit for
     bit (the heads and their optimizer state; AL's four parts, two optimizers), and the same losses."""
-    monkeypatch.chdir(ROOT)
     straight, halves = str(tmp_path / "straight"), str(tmp_path / "halves")
     launch_in(name, straight, 6)
     launch_in(name, halves, 3)
