@@ -71,7 +71,7 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq.al import ALLayer
+from pipeq.research.al.executor import ALLayer
 from pipeq.testing import SleepStage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq import report, trace
+from pipeq.trace import report
+from pipeq.trace import format as trace
 
 WIDTHS = (1024, 1024, 1024, 1024, 256, 256, 256, 256, 256)
 BATCH, MICROBATCHES, WARMUP = 256, 8, 5

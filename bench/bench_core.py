@@ -412,7 +412,8 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
     data sockets are (CURVE; or PLAIN + a per-message HMAC, sealed and checked here)."""
     import zmq
 
-    from pipeq import codec, transport
+    from pipeq.wire import codec
+    from pipeq.wire import transport
 
     transport.tune_process_allocator()  # as every pipeq stage process does at start
     _pin(rank)
@@ -806,7 +807,7 @@ def section_transport(a: argparse.Namespace) -> None:
     print("\n=== [3] Transport: one-way float32 tensor stream between two processes (GB/s = 1e9 B/s, "
           f"median of {repeats} rounds after 1 warm-up round) ===")
     print("    pipeq wire: codec.encode -> PUSH send_multipart(copy=False) -> PULL recv_multipart(copy=False) -> "
-          "codec.decode, sockets tuned by pipeq.transport.tune_socket")
+          "codec.decode, sockets tuned by pipeq.wire.transport.tune_socket")
     print(f"    gloo blk: blocking dist.send / dist.recv into a reused buffer; gloo w{GLOO_WINDOW}: isend/irecv with up to "
           f"{GLOO_WINDOW} in flight (rotating reused buffers)")
     print("    memcpy: dst.copy_(src) into a reused tensor, 1 thread, one process")
@@ -814,7 +815,7 @@ def section_transport(a: argparse.Namespace) -> None:
     print(f"    {_background()}\n", flush=True)
     res: dict[str, dict | None] = {}
     ctx = mp.get_context("spawn")
-    from pipeq.keys import JobSecret
+    from pipeq.wire.keys import JobSecret
 
     secret = JobSecret.generate()
     for proto, security in (("ipc", None), ("tcp", None), ("tcp", "encrypt"), ("tcp", "authenticate")):

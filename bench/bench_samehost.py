@@ -127,12 +127,12 @@ SUMMARY: list[list[str]] = []  # [probe, measured, target, verdict]
 # ==================================================================================================
 def shm_config_class() -> Any:
     """``pipeq.shm.ShmConfig`` if StageTransport takes ``shm=`` and pipeq.shm imports, else None."""
-    from pipeq.transport import StageTransport
+    from pipeq.wire.transport import StageTransport
 
     if "shm" not in inspect.signature(StageTransport).parameters:
         return None
     try:
-        from pipeq.shm import ShmConfig
+        from pipeq.wire.shm import ShmConfig
     except ImportError:
         return None
     return ShmConfig
@@ -163,7 +163,7 @@ def _wire(rank: int, side: Any, mode: str, ipc_dir: str, secret: Any, shm_prefix
     """Process ``rank``'s StageTransport, wired to the other one: 0 sends activations to 1, 1
     sends gradients to 0. Rank 1 also hosts the control server (nothing is ever sent on it).
     ``mode``: "ipc", or the tcp security mode ("encrypt" / "authenticate")."""
-    from pipeq.transport import BindTo, ControlServer, StageTransport, WireAuth, tune_process_allocator
+    from pipeq.wire.transport import BindTo, ControlServer, StageTransport, WireAuth, tune_process_allocator
 
     tune_process_allocator()  # as a stage process does, before any of ZeroMQ's threads exist
     _pin(rank)  # pinned first: ZeroMQ's I/O thread inherits the affinity
@@ -315,7 +315,7 @@ def child_rtt_zmq(rank: int, world: int, side: Any, ipc_dir: str, count: int) ->
     receiving as wait_data does (spin on a non-blocking recv for SPIN_S, yielding; then block)."""
     import zmq
 
-    from pipeq.transport import tune_process_allocator, tune_socket
+    from pipeq.wire.transport import tune_process_allocator, tune_socket
 
     tune_process_allocator()
     _pin(rank)
@@ -482,8 +482,8 @@ def _shm_prefix() -> str:
 
 
 def section_throughput(a: argparse.Namespace, shm: bool) -> None:
-    from pipeq.keys import JobSecret
-    from pipeq.transport import make_ipc_dir, remove_ipc_dir
+    from pipeq.wire.keys import JobSecret
+    from pipeq.wire.transport import make_ipc_dir, remove_ipc_dir
 
     repeats = a.repeats or (3 if a.quick else 5)
     plan = [p for p in bc.transport_plan(a.quick, repeats) if p[0] in SIZES]
@@ -559,7 +559,7 @@ def section_throughput(a: argparse.Namespace, shm: bool) -> None:
 
 
 def section_rtt(a: argparse.Namespace, shm: bool) -> None:
-    from pipeq.transport import make_ipc_dir, remove_ipc_dir
+    from pipeq.wire.transport import make_ipc_dir, remove_ipc_dir
 
     count = a.round_trips or (2000 if a.quick else 5000)
     label = "pipeq ipc (shm)" if shm else "pipeq ipc (no shm)"

@@ -54,7 +54,7 @@ from torch import nn
 
 import pipeq
 from pipeq import schedules
-from pipeq.bounds import StreamBound, stream_bound
+from pipeq.schedules.bounds import StreamBound, stream_bound
 from pipeq.schedules import Op
 from pipeq.testing import SleepStage
 

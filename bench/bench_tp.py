@@ -227,7 +227,7 @@ def child_comp(rank: int, world: int, width: int, shards: int, stages: tuple, n_
     """Stage ``stages[rank]``'s shard, pinned to core ``rank``. With ``world`` > 1 the processes
     line up at a barrier before every iteration and alternate: every process computes ("beside"),
     then one alone (each in turn), so that both figures come from the same minutes."""
-    from pipeq.transport import tune_process_allocator
+    from pipeq.wire.transport import tune_process_allocator
 
     tune_process_allocator()  # as every stage process does: freed large blocks are reused, not unmapped
     _pin(rank)
@@ -298,7 +298,7 @@ def child_comm(rank: int, world: int, port: int, width: int, batch: int, mbs: in
 
     import torch.distributed as dist
 
-    from pipeq.transport import tune_process_allocator
+    from pipeq.wire.transport import tune_process_allocator
 
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     tune_process_allocator()

@@ -67,7 +67,7 @@ def recording_cost_ns(n: int = 200_000) -> float:
 
 def direct(width: int, depth: int, batch: int, steps: int, tmp: str) -> tuple[float, float, float]:
     """(actions per stage per step, recording us per stage-step, % of the step time)."""
-    from pipeq import trace
+    from pipeq.trace import format as trace
 
     path = os.path.join(tmp, "direct.json")
     step_s = run(width, depth, batch, steps, path)

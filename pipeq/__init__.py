@@ -19,10 +19,13 @@ Layers, imports pointing down only (tests/test_layers.py checks it)::
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import Any
 
-from .errors import CodecError, MainScriptError, PipelineError, ScheduleError
-from .schedules import SCHEDULES, format_table
+from pipeq.errors import CodecError, MainScriptError, PipelineError, ScheduleError
+from pipeq.schedules import SCHEDULES, format_table
 
 __all__ = ["PipelineRunner", "Recipe", "balance", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
            "SCHEDULES", "format_table"]
@@ -31,15 +34,46 @@ __version__ = "0.1.0"
 # Imported on first use: ``import pipeq`` stays light (no torch), so that ``pipeq launch`` can start
 # its fork server before it imports torch itself (pipeq.forkserver).
 # ``balance`` is the module pipeq.balance, callable as its function balance() (see there).
-_LAZY = {"PipelineRunner": ("runner", "PipelineRunner"), "Recipe": ("job", "Recipe"),
-         "rendezvous": ("rendezvous", None), "balance": ("balance", None)}
+_LAZY = {"PipelineRunner": ("control.runner", "PipelineRunner"), "Recipe": ("launch.job", "Recipe"),
+         "rendezvous": ("control.rendezvous", None), "balance": ("balance", None)}
 
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'pipeq' has no attribute {name!r}")
     module, attr = _LAZY[name]
-    value = importlib.import_module(f".{module}", __name__)
+    value = importlib.import_module(f"pipeq.{module}")
     value = getattr(value, attr) if attr else value
     globals()[name] = value
     return value
+
+
+#: Modules that moved into the packages, by their earlier names: ``import pipeq.al`` (and job
+#: files naming ``pipeq.resnet:stages``) get the module where it lives now.
+MOVED = {
+    "al": "research.al", "al_models": "research.al.models", "interlock": "research.interlock.executor",
+    "asyncpipe": "research.async1f1b.executor", "resnet": "models.resnet", "rendezvous": "control.rendezvous",
+    "evaluation": "control.evaluation", "job": "launch.job", "report": "trace.report", "plot": "trace.plot",
+    "lr_schedulers": "stage.lr_schedulers", "microbatch": "stage.microbatch", "numerics": "stage.numerics",
+    "dataparallel": "parallel.data", "tensorpar": "parallel.tensor", "actions": "schedules.actions",
+    "dryrun": "schedules.dryrun", "bounds": "schedules.bounds", "shm": "wire.shm", "keys": "wire.keys",
+}
+
+
+class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``pipeq.<earlier name>`` as the module it names now (the same module object)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name.startswith("pipeq.") and name[6:] in MOVED:
+            return importlib.util.spec_from_loader(name, self)
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return importlib.import_module("pipeq." + MOVED[spec.name[6:]])
+
+    def exec_module(self, module: Any) -> None:
+        pass
+
+
+if not any(isinstance(f, _Moved) for f in sys.meta_path):
+    sys.meta_path.append(_Moved())

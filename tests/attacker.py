@@ -95,7 +95,7 @@ def make_runner(mode: str, schedule: str, host: str = "127.0.0.1") -> Any:
 @contextlib.contextmanager
 def recorded_secret() -> Iterator[list[Any]]:
     """The secret the runner started in this block makes for itself (appended to the list)."""
-    import pipeq.driver as driver
+    import pipeq.control.driver as driver
 
     real, got = driver.JobSecret, []
 
@@ -117,7 +117,7 @@ def targets(runner: Any, secret: Any, mode: str) -> dict[str, Any]:
     """What an attacker can know of a running ``runner``: its ports, its CURVE server public key
     (never secret in CURVE), and in "authenticate" mode the PLAIN password its data channels
     send in the clear. Never the secret, the client key or the MAC key."""
-    from pipeq.transport import WireAuth
+    from pipeq.wire.transport import WireAuth
 
     backend = runner._backend
     auth = WireAuth(secret, mode)
@@ -208,8 +208,8 @@ def pickle_payload(path: str) -> bytes:
 def other_secret() -> dict[str, str]:
     """The keys of another run's secret (``WireAuth(JobSecret.generate())``), as the attacker
     uses them: the CURVE server public key, a client key pair, the PLAIN password."""
-    from pipeq.keys import JobSecret
-    from pipeq.transport import WireAuth
+    from pipeq.wire.keys import JobSecret
+    from pipeq.wire.transport import WireAuth
 
     other = WireAuth(JobSecret.generate(), "authenticate")
     public, secret = other.curve("client")
@@ -226,8 +226,8 @@ def menu(marker: str) -> list[tuple[str, list[bytes]]]:
     kind (encoded by pipeq's own codec: perfectly valid), duplicates, and malformed ones."""
     import torch
 
-    from pipeq import codec
-    from pipeq.messages import Kind
+    from pipeq.wire import codec
+    from pipeq.wire.messages import Kind
 
     big = torch.full((BATCH // MICROBATCHES, 16), 1e6)  # a microbatch's activation, poisoned
     items: list[tuple[str, list[bytes]]] = []

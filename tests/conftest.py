@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pipeq import forkserver
+from pipeq.control import forkserver
 
 # The fork server that process-mode tests fork their stages from (start_method="forkserver")
 # imports torch while this process imports it and the test modules.

@@ -45,7 +45,7 @@ def launch_here(*args: str, job: str = DIGITS_JOB, cwd: str = ROOT) -> subproces
     import contextlib
     import io
 
-    from pipeq.cli import main
+    from pipeq.launch.cli import main
 
     out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
     argv = ["launch", job, "--quiet", "--threads-per-stage", "1", *args]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-from pipeq import shm
-from pipeq.shm import ShmConfig
-from pipeq.transport import BindTo, StageTransport, make_ipc_dir, remove_ipc_dir
+from pipeq.wire import shm
+from pipeq.wire.shm import ShmConfig
+from pipeq.wire.transport import BindTo, StageTransport, make_ipc_dir, remove_ipc_dir
 
 
 def segment_names(prefix: str) -> list[str]:
@@ -79,9 +79,9 @@ def orphaning_driver(conn) -> None:
     from torch import nn
 
     import pipeq
-    import pipeq.forkserver
+    import pipeq.control.forkserver
 
-    pipeq.forkserver.start = lambda: None
+    pipeq.control.forkserver.start = lambda: None
     mp_forkserver._forkserver.ensure_running = lambda: None  # type: ignore[method-assign]
 
     torch.manual_seed(0)

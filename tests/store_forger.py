@@ -34,8 +34,8 @@ def forge(host: str, port: int, run_id: str, interval: float, done: threading.Ev
     """Forge until ``done`` or until the store is gone; the number of full rounds."""
     from torch.distributed import PrefixStore, TCPStore
 
-    from pipeq import rendezvous as rdzv
-    from pipeq.keys import JobSecret
+    from pipeq.control import rendezvous as rdzv
+    from pipeq.wire.keys import JobSecret
 
     deadline = time.monotonic() + 60
     while True:  # quietly: TCPStore's own retries log a C++ stack per attempt

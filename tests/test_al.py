@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 import pipeq
 from pipeq import schedules
-from pipeq.al import ALLayer, build_al
+from pipeq.research.al.executor import ALLayer, build_al
 from pipeq.errors import PipelineError, ScheduleError
 from pipeq.schedules import Op
 

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 import pipeq
 from pipeq import schedules
-from pipeq.al import (ALLayer, ALModel, LSTMLayer, TokenEmbedding, build_al, build_al_lstm,
+from pipeq.research.al.executor import (ALLayer, ALModel, LSTMLayer, TokenEmbedding, build_al, build_al_lstm,
                       build_al_transformer)
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ from balance_jobs import train_batches, uneven_model
 from launch_util import metrics, model_state
 from models import TwoIn, TwoOut, reference_train
 from pipeq import checkpoint
-from pipeq.job import load_job
+from pipeq.launch.job import load_job
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -275,7 +275,7 @@ def test_job_counts_that_do_not_fit_the_model_fail_before_any_stage_starts(tmp_p
 def test_launch_measures_once_and_trains_data_parallel(tmp_path, capsys) -> None:
     """pipeq launch of a job with a measured balance, two replicas of two stages (4 processes)."""
     from conftest import wait_no_strays
-    from pipeq.cli import main
+    from pipeq.launch.cli import main
 
     out = tmp_path / "out"
     job = job_file(tmp_path, f'balance = "time"\nbalance_sample = "balance_jobs:sample"\nn_stages = 2\n'

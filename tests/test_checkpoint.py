@@ -393,7 +393,7 @@ def leftovers(parent: str, name: str = "ck") -> list[str]:
 
 @pytest.fixture()
 def ctx():
-    from pipeq.processes import process_context
+    from pipeq.control.processes import process_context
 
     return process_context("forkserver")
 

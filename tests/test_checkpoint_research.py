@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq import checkpoint, schedules
-from pipeq.al import ALModel, build_al_lstm
+from pipeq import checkpoint
+from pipeq import schedules
+from pipeq.research.al.executor import ALModel, build_al_lstm
 from pipeq.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.timeout(120)

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from pipeq.cli import main
+from pipeq.launch.cli import main
 
 
 def test_schedule_table(capsys):
@@ -20,7 +20,7 @@ def test_bad_counts_exit_2(capsys):
 
 
 def test_console_script_installed():
-    out = subprocess.run([sys.executable, "-m", "pipeq.cli", "--version"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "pipeq.launch.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("pipeq ")
 
 
@@ -39,7 +39,7 @@ def test_secret_out_is_a_new_file_only_its_owner_may_read(tmp_path, capsys):
     import os
     import stat
 
-    from pipeq.keys import JobSecret
+    from pipeq.wire.keys import JobSecret
 
     path = tmp_path / "job.secret"
     old = os.umask(0o022)  # the usual umask: a plain `> file` would be readable by others

@@ -13,8 +13,8 @@ import torch
 import zmq
 
 import pipeq
-from pipeq import codec
-from pipeq.codec import (
+from pipeq.wire import codec
+from pipeq.wire.codec import (
     FORMAT_VERSION,
     MAX_HEADER_BYTES,
     MAX_NDIM,

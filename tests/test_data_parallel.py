@@ -26,7 +26,7 @@ from torch import nn
 
 import pipeq
 from pipeq.checkpoint import flat_model, global_state
-from pipeq.messages import Kind
+from pipeq.wire.messages import Kind
 from pipeq.errors import PipelineError
 
 from launch_util import (DIGITS_JOB, ROOT, SECRET, assert_same_state, free_port, launch_cmd, launch_here, metrics,
@@ -144,7 +144,7 @@ def test_sum_reduction_loss_equals_full_batch_training():
 
 
 def test_flat_layout_cuts_by_dtype_and_size_and_puts_back_in_place():
-    from pipeq.dataparallel import FlatLayout
+    from pipeq.parallel.data import FlatLayout
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(5, 7, generator=g), torch.arange(6, dtype=torch.int64),
@@ -168,7 +168,7 @@ def test_flat_layout_cuts_by_dtype_and_size_and_puts_back_in_place():
 
 
 def test_the_sum_is_added_in_replica_order_and_never_into_ones_own_bucket():
-    from pipeq.dataparallel import sum_in_order
+    from pipeq.parallel.data import sum_in_order
 
     g = torch.Generator().manual_seed(1)
     buckets = [torch.randn(1000, generator=g) * 10 ** e for e in (0, 7, -7)]
@@ -241,9 +241,9 @@ def test_nobody_outside_the_run_can_join_the_gradient_exchange(security, monkeyp
     import struct
 
     import zmq
-    from pipeq.codec import encode
-    from pipeq.keys import JobSecret
-    from pipeq.transport import WireAuth, secure_client
+    from pipeq.wire.codec import encode
+    from pipeq.wire.keys import JobSecret
+    from pipeq.wire.transport import WireAuth, secure_client
 
     secret = JobSecret.generate()
     monkeypatch.setattr(JobSecret, "generate", classmethod(lambda cls: secret))  # the run's, known here
@@ -446,7 +446,7 @@ def test_a_batch_smaller_than_the_replica_count_is_refused_and_the_run_goes_on()
 
 
 def test_launch_refuses_a_bad_replica_count(tmp_path):
-    from pipeq.cli import main
+    from pipeq.launch.cli import main
 
     assert main(["launch", DIGITS_JOB, "--quiet", "--data-parallel", "0",
                  "--out", str(tmp_path)]) != 0
@@ -459,7 +459,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def digits_reference():
     """The digits job trained in this process on full batches (what its R = 1 launch gives)."""
-    from pipeq.job import load_job
+    from pipeq.launch.job import load_job
 
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)

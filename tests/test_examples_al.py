@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq.al import ALLayer
+from pipeq.research.al.executor import ALLayer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

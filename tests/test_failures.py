@@ -237,7 +237,7 @@ def test_bad_step_timeout_is_refused(bad):
 
 
 def test_job_file_step_timeout(tmp_path):
-    from pipeq.job import load_job
+    from pipeq.launch.job import load_job
 
     base = 'stages = "m:s"\nloss = "m:l"\noptimizer = "m:o"\ndata = "m:d"\nsteps = 1\n'
     path = tmp_path / "job.toml"

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq import options, schedules
+from pipeq.control import options
+from pipeq import schedules
 
 from conftest import wait_no_strays
 from launch_util import run_at_once
@@ -296,7 +297,7 @@ def _job(tmp_path, extra: str) -> str:
 
 
 def test_a_typod_job_key_gets_a_did_you_mean(tmp_path):
-    from pipeq.job import load_job
+    from pipeq.launch.job import load_job
 
     with pytest.raises(ValueError) as info:
         load_job(_job(tmp_path, "microbatchs = 4\n"))
@@ -316,7 +317,7 @@ def test_a_typod_job_key_gets_a_did_you_mean(tmp_path):
      "schedule 'nwise': unknown option(s) ['distanse']; did you mean 'distance'?"),
 ])
 def test_job_value_errors_read_as_english(tmp_path, extra, want):
-    from pipeq.job import load_job
+    from pipeq.launch.job import load_job
 
     with pytest.raises(ValueError) as info:
         load_job(_job(tmp_path, extra))
@@ -353,7 +354,7 @@ def test_a_schedules_option_given_to_the_runner_says_where_it_belongs():
 
 
 def test_cli_nwise_names_its_distance_flag(capsys):
-    from pipeq.cli import main
+    from pipeq.launch.cli import main
 
     assert main(["schedule", "nwise", "--stages", "3", "--microbatches", "2"]) == 2
     assert "schedule nwise needs its distance: --distance D, an integer >= 1" in capsys.readouterr().err
@@ -370,7 +371,8 @@ def test_cli_nwise_names_its_distance_flag(capsys):
 
 def test_a_plans_picture_is_in_plan_units_not_ms():
     pytest.importorskip("matplotlib")
-    from pipeq import plot, trace
+    from pipeq.trace import plot
+    from pipeq.trace import format as trace
 
     fig = plot.draw_trace(trace.planned_trace("1f1b", 3, 4, backward_cost=2), steps="all")
     ax = fig.axes[0]

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq import microbatch
+from pipeq.stage import microbatch
 from pipeq.errors import PipelineError
-from pipeq.messages import TreeError
+from pipeq.wire.messages import TreeError
 from models import Chain, flat_state
 
 SGD = functools.partial(torch.optim.SGD, lr=0.2, momentum=0.5)

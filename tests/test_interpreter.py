@@ -1,4 +1,4 @@
-"""pipeq.interpreter.execute driven by hand: each stage's generator is advanced by a small loop that
+"""pipeq.runtime.interpreter.execute driven by hand: each stage's generator is advanced by a small loop that
 plays the transport (a dict mailbox), so what is tested is the interpreter and the executor alone,
 with no engine, process or socket in between."""
 
@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from pipeq import schedules, trace
-from pipeq.batching import split_sizes
-from pipeq.executors import StageSpec, make_executor
-from pipeq.interpreter import EMIT, execute
+from pipeq import schedules
+from pipeq.trace import format as trace
+from pipeq.control.batching import split_sizes
+from pipeq.runtime.executors import StageSpec, make_executor
+from pipeq.runtime.interpreter import EMIT, execute
 from pipeq.schedules import Op
-from pipeq.stage import microbatch_weights
+from pipeq.stage.executor import microbatch_weights
 
 from models import float64_data, float64_stages3
 

@@ -162,7 +162,7 @@ def test_embedded_runner_as_node_0_of_a_two_node_run(tmp_path) -> None:
 
     import pipeq
     from launch_util import DIGITS_JOB, SECRET, free_port, launch_cmd, secret_env
-    from pipeq.job import load_job
+    from pipeq.launch.job import load_job
 
     sys.path.insert(0, ROOT)
     from examples.digits_job import train_batches
@@ -197,7 +197,7 @@ def test_embedded_runner_as_node_0_of_a_two_node_run(tmp_path) -> None:
 def test_multi_host_without_a_usable_secret_refuses_to_start(tmp_path, monkeypatch, capsys, given) -> None:
     """Refused before anything starts, saying what to do (exit code 2)."""
     from launch_util import DIGITS_JOB, SECRET
-    from pipeq.cli import main
+    from pipeq.launch.cli import main
 
     monkeypatch.delenv("PIPEQ_SECRET", raising=False)
     loose = tmp_path / "loose.secret"

@@ -53,7 +53,7 @@ epochs = 2
 checkpoint_every = 10
 keep_checkpoints = 2
 '''
-CONSOLE_SCRIPT = 'import sys\nfrom pipeq.cli import main\nif __name__ == "__main__":\n    sys.exit(main())\n'  # bin/pipeq
+CONSOLE_SCRIPT = 'import sys\nfrom pipeq.launch.cli import main\nif __name__ == "__main__":\n    sys.exit(main())\n'  # bin/pipeq
 FAKE_PIPEQ = '"""A source checkout of another pipeq version, beside the job file (no __version__)."""\n'
 
 
@@ -189,8 +189,8 @@ def _stop(p: subprocess.Popen, out: str, send, sig: signal.Signals) -> tuple[lis
 
 @pytest.mark.timeout(60)
 def test_length_rule_in_the_job_file_and_on_the_command_line(job, tmp_path, capsys) -> None:
-    from pipeq.cli import main
-    from pipeq.job import load_job
+    from pipeq.launch.cli import main
+    from pipeq.launch.job import load_job
 
     assert (load_job(job).steps, load_job(job).epochs) == (None, 2)
     assert (load_job(job, {"steps": 25}).steps, load_job(job, {"steps": 25}).epochs) == (25, None)
@@ -226,7 +226,7 @@ def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(jo
 
     before = _snapshot(out)
     # refused before anything starts: run in this process (a launch's interpreter costs seconds)
-    from pipeq.cli import main
+    from pipeq.launch.cli import main
 
     for extra in ((), ("--steps", "5")):
         assert main(["launch", job, "--quiet", "--out", out, *extra]) == 2
@@ -285,7 +285,7 @@ def test_a_second_launch_into_a_live_run_is_refused_and_sigterm_exits_143(job, t
     p = _start(job, "--steps", "400", "--out", out, delay=0.1)  # far more than it gets to
     try:
         _wait_for_steps(p, out, 5)
-        from pipeq.cli import main  # refused before anything starts: in this process
+        from pipeq.launch.cli import main  # refused before anything starts: in this process
 
         assert main(["launch", job, "--quiet", "--steps", "3", "--out", out, "--overwrite"]) == 2
         err = capsys.readouterr().err
@@ -319,8 +319,8 @@ def test_interrupt_between_the_sends_of_a_step_closes_at_once(monkeypatch) -> No
     from torch import nn
 
     import pipeq
-    from pipeq.messages import Kind
-    from pipeq.transport import ControlServer
+    from pipeq.wire.messages import Kind
+    from pipeq.wire.transport import ControlServer
 
     stages = [nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)]
     runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), "1f1b", 2,

@@ -15,10 +15,10 @@ from torch import nn
 import pipeq
 from launch_util import ROOT, metrics, model_state
 from pipeq import checkpoint
-from pipeq.al import ALLayer
-from pipeq.cli import main as pipeq_main
-from pipeq.job import load_job
-from pipeq.processes import job_identity
+from pipeq.research.al.executor import ALLayer
+from pipeq.launch.cli import main as pipeq_main
+from pipeq.launch.job import load_job
+from pipeq.control.processes import job_identity
 from pipeq.schedules import AssociatedLearning, AsyncOneFOneB, Interlock
 
 

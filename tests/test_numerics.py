@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq import numerics
+from pipeq.stage import numerics
 from pipeq.errors import PipelineError
 from models import Chain, flat_state
 
@@ -274,8 +274,8 @@ def test_nodes_compare_how_their_stages_compute():
     comparison of the job identities, naming the setting: it would train apart."""
     import json
 
-    from pipeq.agent import _differences
-    from pipeq.processes import job_identity
+    from pipeq.launch.agent import _differences
+    from pipeq.control.processes import job_identity
 
     def identity(**kw):  # as it comes through the signed JSON store entry
         return json.loads(json.dumps(job_identity(b"", "1f1b", numerics.check(**{

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from launch_util import DIGITS_JOB, SECRET
-from pipeq import rendezvous as rdzv
-from pipeq.job import load_job
-from pipeq.keys import HOW_TO_MAKE, JobSecret, SecretError
+from pipeq.control import rendezvous as rdzv
+from pipeq.launch.job import load_job
+from pipeq.wire.keys import HOW_TO_MAKE, JobSecret, SecretError
 
 OTHER = "another secret, of at least 32 characters"
 
@@ -260,7 +260,7 @@ def test_agent_waits_past_forged_entries_for_node_0s(store) -> None:
     until a signed one is there, however long it takes within the start timeout."""
     import threading
 
-    from pipeq.agent import _fetch
+    from pipeq.launch.agent import _fetch
 
     port, s = store
     rz = _rz(port=port)
@@ -288,7 +288,7 @@ def test_agent_waits_past_forged_entries_for_node_0s(store) -> None:
 
 @pytest.mark.timeout(30)
 def test_agent_with_another_secret_says_so_after_the_start_timeout(store) -> None:
-    from pipeq.agent import AgentError, _fetch
+    from pipeq.launch.agent import AgentError, _fetch
 
     port, s = store
     s.set("control", _rz(node_rank=0, port=port).sign("control", "tcp://127.0.0.1:7"))
@@ -315,7 +315,7 @@ class _GoneStore:
 
 
 def test_agent_that_loses_the_store_says_so_and_keeps_the_secret_diagnosis() -> None:
-    from pipeq.agent import AgentError, _fetch
+    from pipeq.launch.agent import AgentError, _fetch
 
     rz = _rz(port=7)
     with pytest.raises(AgentError, match=r"node 1: lost the rendezvous store \('control' at the rendezvous "
@@ -327,7 +327,7 @@ def test_agent_that_loses_the_store_says_so_and_keeps_the_secret_diagnosis() -> 
 @pytest.mark.timeout(30)
 def test_an_agent_that_saw_another_secret_and_then_lost_the_store_names_the_secret(store) -> None:
     """Node 0 (another secret) gives up first and takes its store with it: node 1 still says why."""
-    from pipeq.agent import AgentError, _fetch
+    from pipeq.launch.agent import AgentError, _fetch
 
     port, s = store
     s.set("control", _rz(node_rank=0, port=port).sign("control", "tcp://127.0.0.1:7"))
@@ -353,8 +353,8 @@ def test_an_agent_that_saw_another_secret_and_then_lost_the_store_names_the_secr
 def test_start_hint_names_a_node_with_another_secret(store) -> None:
     """Node 0's start time-out says which node's entries are there but signed with another
     secret, which registered, and which never came."""
-    from pipeq.driver import ProcessBackend
-    from pipeq.processes import StageSettings
+    from pipeq.control.driver import ProcessBackend
+    from pipeq.control.processes import StageSettings
 
     port, s = store
     rz = _rz(node_rank=0, port=port)

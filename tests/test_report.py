@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from pipeq import plot as P
-from pipeq import report as R
+from pipeq.trace import plot as P
+from pipeq.trace import report as R
 from pipeq import schedules as S
-from pipeq import trace as T
-from pipeq.cli import main
+from pipeq.trace import format as T
+from pipeq.launch.cli import main
 from pipeq.schedules import Op
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,8 +15,8 @@ import torch
 
 from launch_util import ROOT, launch_here, metrics, model_state
 from pipeq import checkpoint
-from pipeq.al import ALModel
-from pipeq.job import load_job, resolve
+from pipeq.research.al.executor import ALModel
+from pipeq.launch.job import load_job, resolve
 from pipeq.schedules import AssociatedLearning, AsyncOneFOneB, Interlock
 
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeq import resnet as R
-from pipeq.job import load_job
+from pipeq.models import resnet as R
+from pipeq.launch.job import load_job
 
 ResNet34 = dict(block="basic", architecture="64,3/128,4/256,6/512,3", head="conv128_bn_conv64_bn_gbpl_fc",
                 blocks_per_component="1,1,1,rest", n_classes=10)

@@ -19,8 +19,8 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 import pipeq
 from launch_util import ROOT, metrics, model_state
 from pipeq import checkpoint
-from pipeq.cli import main as pipeq_main
-from pipeq.job import load_job
+from pipeq.launch.cli import main as pipeq_main
+from pipeq.launch.job import load_job
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,7 +122,7 @@ def test_plateau_with_data_parallel_processes_equals_the_loop_and_checkpoints(tm
         for x, y in data[0]:
             runner.step(x, y)
             assert runner.last_step_lr == 0.05
-        from pipeq.messages import Kind
+        from pipeq.wire.messages import Kind
 
         every = runner._backend._ask_each(Kind.GET_LR, Kind.LR, "learning_rates", range(4))  # replica 1's too
         assert [every[g].extra["lrs"] for g in range(4)] == [[0.05]] * 4

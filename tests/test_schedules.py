@@ -8,7 +8,7 @@ import pytest
 import pipeq
 from pipeq import schedules as S
 from pipeq.errors import ScheduleError
-from pipeq.bounds import stream_bound, stream_plan
+from pipeq.schedules.bounds import stream_bound, stream_plan
 from pipeq.schedules import STEP, Action, B, F, Op
 
 pytestmark = pytest.mark.timeout(30)

@@ -25,11 +25,12 @@ from torch import nn
 import pipeq
 from conftest import wait_no_strays
 from models import flat_state, reference_train
-from pipeq import codec, shm
-from pipeq.codec import HeaderError
-from pipeq.messages import Kind, Message
-from pipeq.shm import ShmConfig, SlotError, SlotReader, SlotWriter
-from pipeq.transport import BindTo, ControlServer, StageTransport, Stopped, make_ipc_dir, remove_ipc_dir
+from pipeq.wire import codec
+from pipeq.wire import shm
+from pipeq.wire.codec import HeaderError
+from pipeq.wire.messages import Kind, Message
+from pipeq.wire.shm import ShmConfig, SlotError, SlotReader, SlotWriter
+from pipeq.wire.transport import BindTo, ControlServer, StageTransport, Stopped, make_ipc_dir, remove_ipc_dir
 from shm_helpers import segment_names, transport_pair
 
 FAST = dict(start_method="forkserver")

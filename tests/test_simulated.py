@@ -1,4 +1,4 @@
-"""pipeq.simulated.SimulatedBackend used directly (no PipelineRunner in between): every stage in
+"""pipeq.runtime.simulated.SimulatedBackend used directly (no PipelineRunner in between): every stage in
 this process, one interpreter per stage, messages in a dictionary."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from torch import nn
 
 import pipeq
 from models import float64_data, float64_stages3, FailingStepSGD, Raises
-from pipeq.batching import split_sizes
-from pipeq.executors import StageSpec
-from pipeq.simulated import SimulatedBackend
-from pipeq.stage import microbatch_weights
+from pipeq.control.batching import split_sizes
+from pipeq.runtime.executors import StageSpec
+from pipeq.runtime.simulated import SimulatedBackend
+from pipeq.stage.executor import microbatch_weights
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq.al import build_al
+from pipeq.research.al.executor import build_al
 from models import Raises, TutorialStage0, TutorialStage1, mlp_stages
 
 FAST = dict(start_method="forkserver")
@@ -235,9 +235,9 @@ def test_async_warmup_plans():
 def test_report_gives_a_streamed_runs_throughput_against_its_bound(tmp_path):
     """A traced stream is recognised as one (steps sent before the previous loss came back) and
     compared with the schedule's streamed bound; a step loop with the step-loop bound."""
-    from pipeq import report
+    from pipeq.trace import report
     from pipeq.testing import SleepStage
-    from pipeq.trace import load_trace
+    from pipeq.trace.format import load_trace
 
     found = {}
     for how in ("stream", "step"):
@@ -264,7 +264,7 @@ def test_report_gives_a_streamed_runs_throughput_against_its_bound(tmp_path):
 
 
 def test_report_rebuilds_schedules_from_trace_labels():
-    from pipeq.report import schedule_of
+    from pipeq.trace.report import schedule_of
 
     AsyncOneFOneB = pipeq.schedules.AsyncOneFOneB
     assert schedule_of("1f1b") == "1f1b"

@@ -303,7 +303,7 @@ def test_other_schedules_are_refused(schedule):
     """Each runner is fine without tensor parallelism (so the refusal is tensor parallelism's)."""
     kw: dict = {}
     if schedule == "al":
-        from pipeq.al import build_al
+        from pipeq.research.al.executor import build_al
 
         torch.manual_seed(0)
         stages = build_al([nn.Linear(8, 8), nn.Linear(8, 8)], [8, 8], CLASSES)
@@ -394,9 +394,9 @@ def test_the_shards_group_listens_on_loopback_whatever_the_environment(monkeypat
     loopback only, even when the user's environment names another interface for gloo (here:
     a one-shard group in this process, whose new listening sockets are looked at)."""
     from attacker import listening_addresses
-    from pipeq import tensorpar
+    from pipeq.parallel import tensor as tensorpar
 
-    from pipeq.netif import interface_address
+    from pipeq.wire.netif import interface_address
 
     def routable(name: str) -> bool:
         try:

@@ -41,7 +41,7 @@ def _launch(job: str, out: str, *args: str) -> list[str]:
 
 def _in_tests(argv: list[str]) -> int:
     """``pipeq launch`` in this process, from tests/ (where the job's modules are)."""
-    from pipeq.cli import main
+    from pipeq.launch.cli import main
 
     cwd = os.getcwd()
     os.chdir(TESTS)
@@ -107,7 +107,7 @@ def test_job_file_bad_plan_refused_before_start(tmp_path, capfd, plan, message) 
 def test_nodes_must_agree_on_the_plan() -> None:
     """A node's agent compares node 0's job identity with its own: a plan that differs (or a
     plan on one side only) makes them differ, so the node is refused, naming ``tp_plan``."""
-    from pipeq.processes import job_identity
+    from pipeq.control.processes import job_identity
 
     plan = [{"0": "colwise"}, {"0": "rowwise"}, {}]
     same = job_identity(b"", "1f1b", None, [dict(p) for p in plan])

@@ -11,7 +11,8 @@ from torch import nn
 
 import pipeq
 from models import mlp_stages
-from pipeq import schedules, trace
+from pipeq import schedules
+from pipeq.trace import format as trace
 from pipeq.schedules import Op
 from pipeq.testing import SleepStage
 
@@ -68,7 +69,7 @@ def test_traced_1f1b_run_has_every_action_in_schedule_order(tmp_path) -> None:
 
 
 def test_sleep_stages_bubble_is_the_ideal_formula(tmp_path) -> None:
-    from pipeq import report
+    from pipeq.trace import report
 
     n, m, cost = 3, 4, 0.04  # long enough that wake-up delays of a loaded machine stay small
     path = tmp_path / "run.json"
@@ -110,7 +111,7 @@ def test_clock_offsets_are_aligned_even_days_apart() -> None:
 
 
 def test_pipeq_report_and_plot_on_a_real_trace(tmp_path, capsys) -> None:
-    from pipeq import cli
+    from pipeq.launch import cli
 
     path = tmp_path / "run.json"
     sgd = functools.partial(torch.optim.SGD, lr=0.1)

@@ -1,0 +1,241 @@
+"""Stage processes: where each one runs, what it is told at start, and how it is stopped.
+
+Used by both halves of the control plane that start stages: the driver (every stage on one host,
+or node 0's in a multi-host run) and a node's agent (the stages of node r > 0). A run's processes
+are numbered by :class:`Numbering` (``g = replica * n_stages + stage`` for shard 0 of each stage,
+the other shards of tensor-parallel stages after them); :func:`worker_configs` is the one place a
+:class:`~pipeq.worker.WorkerConfig` is made.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from pipeq.control import forkserver
+from pipeq import schedules
+from pipeq.runtime.executors import StageBuilder
+from pipeq.stage.numerics import Numerics
+from pipeq.wire.transport import BindTo, WireAuth
+from pipeq.runtime.worker import WorkerConfig, worker_entry
+
+if TYPE_CHECKING:
+    from pipeq.control.rendezvous import Rendezvous
+
+
+@dataclass(frozen=True)
+class Numbering:
+    """How a run's processes are numbered. Shard 0 of replica r's stage k, the stage's *lead*,
+    is ``g = r * n_stages + k``, as without tensor parallelism (the driver commands only leads);
+    with ``shards = T > 1`` the other shards follow all the leads, T - 1 per lead, in lead order::
+
+        g:  0 .. R*N-1                     R*N + lead*(T-1) + (s-1)
+            leads (shard 0)                shard s >= 1 of lead ``lead``
+    """
+
+    n_stages: int
+    replicas: int = 1
+    shards: int = 1
+
+    @property
+    def leads(self) -> int:
+        return self.n_stages * self.replicas
+
+    @property
+    def total(self) -> int:
+        return self.leads * self.shards
+
+    def lead(self, g: int) -> int:
+        return g if g < self.leads else (g - self.leads) // (self.shards - 1)
+
+    def shard(self, g: int) -> int:
+        return 0 if g < self.leads else (g - self.leads) % (self.shards - 1) + 1
+
+    def stage(self, g: int) -> int:
+        return self.lead(g) % self.n_stages
+
+    def replica(self, g: int) -> int:
+        return self.lead(g) // self.n_stages
+
+    def group(self, lead: int) -> list[int]:
+        """Every process of lead ``lead``'s stage, by shard."""
+        first = self.leads + lead * (self.shards - 1)
+        return [lead, *range(first, first + self.shards - 1)]
+
+    def where(self, g: int) -> str:
+        """``replica r, stage k, shard s`` (only what the run has)."""
+        parts = [f"replica {self.replica(g)}"] if self.replicas > 1 else []
+        parts.append(f"stage {self.stage(g)}")
+        if self.shards > 1:
+            parts.append(f"shard {self.shard(g)}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """How every stage process of a run is set up (the runner's and the job file's knobs)."""
+
+    devices: Sequence[str] | None = None  # one per stage index; None: CUDA round-robin, else CPU
+    threads_per_stage: int | None = None  # None: this host's cores / its stages, at least 1
+    queue_capacity: int = 64
+    heartbeat_interval: float = 1.0
+    spin_s: float = 0.01
+    trace: bool = False
+    tcp_security: str = "encrypt"  # see pipeq.transport.WireAuth
+    max_message_mb: int = 256  # the largest tensor frame a stage accepts from a peer
+    numerics: Numerics = Numerics()  # precision, clipping, checks, recomputation (pipeq.numerics)
+    shm_slots: int = 4  # shared-memory slots per data channel on one host (pipeq.shm); 0: none
+    tensor_parallel: int = 1  # shards per stage (pipeq.tensorpar)
+    tp_plans: Sequence[Any] | None = None  # with tensor_parallel > 1: each stage's plan
+
+
+def plan_devices(
+    n_local: int, devices: Sequence[str] | None, rendezvous: "Rendezvous | None" = None
+) -> list[tuple[str, list[int], int]]:
+    """(device, cpu cores, threads) for each of this host's ``n_local`` stage processes: the
+    given devices, else CUDA round-robin when present, else ``cpu``, each with its share of cores.
+
+    Under torchrun/srun several pipeq nodes may share a host: LOCAL_RANK / LOCAL_WORLD_SIZE then
+    give this node its GPU (cuda:LOCAL_RANK) or its slice of the host's cores.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    local_rank = rendezvous.local_rank if rendezvous is not None else None
+    local_size = rendezvous.local_world_size if rendezvous is not None else None
+    if local_rank is not None and local_size and local_size > 1 and len(cores) >= local_size:
+        share = len(cores) // local_size
+        cores = cores[local_rank * share:(local_rank + 1) * share]
+    per = max(1, len(cores) // n_local)
+    plan = []
+    for i in range(n_local):
+        if devices is not None:
+            dev = devices[i]
+        elif torch.cuda.is_available():
+            # under torchrun/srun this node's share of the host's GPUs (one each when there are as
+            # many as nodes), a GPU per process within it: a tensor-parallel stage's shards never
+            # share one (NCCL refuses two ranks on a device)
+            count = torch.cuda.device_count()
+            share = max(1, count // local_size) if local_rank is not None and local_size else count
+            first = local_rank * share if local_rank is not None and local_size else 0
+            dev = f"cuda:{(first + i % share) % count}"
+        else:
+            dev = "cpu"
+        start = (i * per) % len(cores)
+        plan.append((dev, [cores[(start + c) % len(cores)] for c in range(per)], per))
+    return plan
+
+
+def worker_configs(
+    processes: Sequence[int],
+    n_stages: int,
+    replicas: int,
+    schedule: Any,
+    settings: StageSettings,
+    *,
+    control_addr: str,
+    bind: BindTo,
+    seed_of: Callable[[int], int],
+    rendezvous: "Rendezvous | None" = None,
+    die_with_parent: bool = True,
+    auth: WireAuth | None = None,
+    tp_dir: str | None = None,
+) -> list[WorkerConfig]:
+    """The start-up configuration of each of this host's ``processes`` (numbers g).
+
+    ``auth`` carries the job secret to stages on tcp. ``seed_of(g)`` seeds process g's torch
+    RNG. The workers watch this process (``driver_pid``) and exit when it is gone;
+    ``die_with_parent`` adds the kernel's PDEATHSIG, which is only safe when this is the main
+    thread (it fires when the *thread* that started them exits). ``tp_dir``: with tensor
+    parallelism, this host's private directory where each stage's shards meet (pipeq.tensorpar).
+    Every shard of a stage gets its lead's seed (the same dropout masks outside split layers).
+    """
+    schedule = schedules.resolve(schedule)
+    num = Numbering(n_stages, replicas, settings.tensor_parallel)
+    if num.shards > 1 and tp_dir is None:
+        raise ValueError("tensor-parallel stages need a private directory to meet in (tp_dir)")
+    devices = [settings.devices[num.stage(g)] for g in processes] if settings.devices is not None else None
+    plan = plan_devices(len(processes), devices, rendezvous)
+    return [
+        WorkerConfig(
+            stage=num.stage(g), n_stages=n_stages, schedule=schedule, control_addr=control_addr,
+            bind=bind, process=g, device=dev, cores=cores,
+            threads=settings.threads_per_stage or threads, queue_capacity=settings.queue_capacity,
+            max_frame_bytes=settings.max_message_mb << 20, auth=auth,
+            heartbeat_interval=settings.heartbeat_interval, spin_s=settings.spin_s,
+            die_with_parent=die_with_parent, driver_pid=os.getpid(), seed=seed_of(num.lead(g)),
+            store=rendezvous.store_address() if rendezvous is not None else None,
+            trace=settings.trace, replica=num.replica(g), replicas=replicas, numerics=settings.numerics,
+            shm_slots=settings.shm_slots, shard=num.shard(g), shards=num.shards,
+            tp_store=os.path.join(tp_dir, f"tp-{num.lead(g)}") if num.shards > 1 and tp_dir else None,
+            tp_plan=settings.tp_plans[num.stage(g)] if num.shards > 1 and settings.tp_plans else None,
+        )
+        for g, (dev, cores, threads) in zip(processes, plan)
+    ]
+
+
+def job_identity(payload: "bytes | StageBuilder", schedule: Any, numerics: Numerics | None = None,
+                 tp_plans: Sequence[Any] | None = None) -> dict[str, Any]:
+    """What every node of a multi-host run must agree on (compared by the agents): the schedule
+    and its options, the recipe, how the stages compute (precision, clipping...) and, with
+    tensor parallelism, how each stage is split (``tp_plans``)."""
+    import dataclasses
+
+    from pipeq.trace.format import schedule_label
+
+    recipe = payload.describe() if isinstance(payload, StageBuilder) else {}
+    schedule = schedules.resolve(schedule)
+    # the options too: "async" with and without weight stashing share a name, not a plan
+    plain = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v  # inf: JSON has none
+             for k, v in dataclasses.asdict(numerics or Numerics()).items()}
+    identity = {"schedule": schedule_label(schedule), "schedule_options": schedules.options_of(schedule),
+                "recipe": recipe, "numerics": plain}
+    if tp_plans:  # (a style object or a callable by its type's name: job files give strings)
+        identity["tp_plan"] = [{n: v if isinstance(v, str) else type(v).__name__ for n, v in plan.items()}
+                               if isinstance(plan, dict) else getattr(plan, "__qualname__", type(plan).__name__)
+                               for plan in tp_plans]
+    return identity
+
+
+def exit_reason(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"was killed by {name}"
+
+
+def process_context(start_method: str) -> Any:
+    """The multiprocessing context stage processes are started with. With ``"forkserver"`` the
+    fork server imports torch and pipeq once (``pipeq._preload``) and each stage is a fork of it:
+    ~0.1 s for a 3-stage runner once the server runs, instead of seconds; the server lives until
+    this process exits."""
+    if start_method == "forkserver":
+        forkserver.start()
+    return mp.get_context(start_method)
+
+
+def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> mp.process.BaseProcess:
+    p = ctx.Process(target=worker_entry, args=(cfg, payload), name=f"pipeq-stage{cfg.stage}", daemon=True)
+    p.start()
+    return p
+
+
+def stop_processes(procs: Sequence[mp.process.BaseProcess]) -> None:
+    """Kill every process still running: nothing outlives this call. Stage processes ignore
+    SIGINT and SIGTERM (their driver decides when they stop: EXIT asks them, and those that
+    did not go when asked are past saving), so SIGKILL it is."""
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(5.0)
+    for p in procs:
+        if p.exitcode is not None:
+            p.close()

@@ -1,0 +1,321 @@
+"""Watching a run's processes while the driver waits on them: replies, errors, deaths, silence.
+
+Every wait of the driver goes through :meth:`Supervisor.collect`, which files the replies it
+waits for and, on the way, ends the run with a :class:`~pipeq.errors.PipelineError` naming the
+stage (and replica) at fault when
+
+- a stage (or a node's agent, for a remote stage) reports an ERROR, with its traceback;
+- a local stage process has exited (os._exit, a signal, the OOM killer), noticed within ~0.1 s;
+- a stage's heartbeats stopped for ``heartbeat_timeout`` seconds (hung, or its host cut off);
+- with ``step_timeout``: a stage has been in one compute action (a forward, a backward, an
+  optimizer step) for longer than that, by its own heartbeats' account. Each heartbeat says
+  which action the stage is computing and for how long; a stage waiting for a message from a
+  peer, or for a command, reports none, so the stage named is the one stuck in its own
+  computation, never its waiting neighbours, and a long step whose actions keep finishing is fine.
+
+Only time spent waiting counts against the heartbeat timeout: a caller that paused between two
+calls does not make its stages look dead. On a failure the ``teardown`` callback stops every
+process before the error is raised.
+
+With several training steps in flight (``runner.stream``), a stage that fails in step s has done
+its part of every earlier step (a stage runs its steps in order), so those can still finish: the
+failure is *deferred* until the caller waits for step s, then raised. Every message read on the
+way is filed, never dropped: a reply someone will wait for is kept until then.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Callable
+
+from pipeq.errors import CodecError, PipelineError
+from pipeq.wire.messages import REPLIES, Kind, Message
+from pipeq.control.processes import Numbering, exit_reason
+from pipeq.wire.transport import AGENT, HEARTBEAT, STAGE, ControlServer, Peer, PeerUnreachable
+
+_POLL_MS = 100
+
+
+def _raised_at(msg: Message) -> float:
+    """When a stage's ERROR was raised (its host's monotonic clock), if it says."""
+    at = msg.extra.get("at")
+    return float(at) if type(at) in (int, float) else float("inf")
+
+
+class Supervisor:
+    def __init__(
+        self,
+        server: ControlServer,
+        procs: dict[int, mp.process.BaseProcess],
+        *,
+        n_stages: int,
+        n_processes: int,
+        n_nodes: int,
+        heartbeat_timeout: float,
+        teardown: Callable[[], None],
+        step_timeout: float | None = None,
+        numbering: Numbering | None = None,
+    ) -> None:
+        """``numbering`` names a process's replica, stage and shard (default: one shard each)."""
+        self.server = server
+        self.procs = procs  # this host's stage processes, by process number g
+        self.n_stages = n_stages
+        self.n_processes = n_processes
+        self.n_nodes = n_nodes
+        self.numbering = numbering if numbering is not None else Numbering(n_stages, max(1, n_processes // n_stages))
+        self.heartbeat_timeout = heartbeat_timeout
+        self.step_timeout = step_timeout
+        self.teardown = teardown
+        # per process: (compute action under way, seconds in it) from its latest heartbeat
+        self.doing: dict[int, tuple[str, float]] = {}
+        self.failure: PipelineError | None = None
+        # heartbeats are judged once a stage is READY (see expect_heartbeats)
+        self.last_beat = [float("inf")] * n_processes
+        self._last_health = 0.0
+        # replies that will be collected later (a stream's later batches): kept when they come early
+        self.awaited: set[tuple[Kind, int]] = set()
+        self._early: dict[tuple[Kind, int], list[tuple[int, Message]]] = {}
+        # a failure in a later step than the one being waited for: (step, error), raised then
+        self.deferred: tuple[int, PipelineError] | None = None
+        self._excused: set[int] = set()  # processes that failed with a deferred error
+        self._collecting: int | None = None  # the training step whose loss collect() waits for
+
+    # -- naming the culprit ------------------------------------------------------------------
+    def known(self, peer: Peer | None) -> bool:
+        """Whether ``peer`` is one of this run's stage processes (or their heartbeats) or agents."""
+        if peer is None:
+            return False
+        if peer.role == AGENT:
+            return 0 < peer.index < self.n_nodes
+        return peer.index < self.n_processes
+
+    def error(self, message: str, g: int | None, traceback: str | None = None) -> PipelineError:
+        """A PipelineError naming process g's stage (and its replica with data parallelism, its
+        shard with tensor parallelism)."""
+        if g is None:
+            return PipelineError(message, None, traceback)
+        num = self.numbering
+        return PipelineError(message, num.stage(g), traceback,
+                             replica=num.replica(g) if num.replicas > 1 else None,
+                             shard=num.shard(g) if num.shards > 1 else None)
+
+    def error_of(self, peer: Peer, msg: Message) -> PipelineError:
+        extra = msg.extra
+        if peer.role == AGENT:  # an agent reports one of its processes (or itself)
+            g = extra.get("stage") if type(extra.get("stage")) is int else None
+            return self.error(str(extra.get("message", "failed")) + f" (on node {peer.index})", g,
+                              extra.get("traceback"))
+        return self.error(str(extra.get("message", "failed")), peer.index, extra.get("traceback"))
+
+    def fail(self, err: PipelineError) -> PipelineError:
+        """Record the run's failure, stop every process; returns ``err`` for the caller to raise."""
+        self.failure = err
+        self.teardown()
+        return err
+
+    # -- health --------------------------------------------------------------------------------
+    def expect_heartbeats(self) -> None:
+        """Every stage is READY: from now on a silent one is failed."""
+        self.last_beat = [time.monotonic()] * self.n_processes
+
+    def begin_wait(self) -> float:
+        """Heartbeats are judged from now on: silence while nobody waited is not a failure."""
+        now = time.monotonic()
+        self.last_beat = [max(b, now) for b in self.last_beat]
+        self._last_health = now
+        return now
+
+    def check_health(self) -> None:
+        now = time.monotonic()
+        self._last_health = now
+        for g, p in self.procs.items():
+            code = p.exitcode
+            if code is not None and g not in self._excused:
+                # An ERROR may still be in flight from a stage that raised and exited: prefer it.
+                end = time.monotonic() + 0.5
+                while time.monotonic() < end and g not in self._excused:
+                    got = self._read(50)
+                    if got is not None:
+                        self._error(*got)  # raised, or deferred (which excuses its process)
+                if g not in self._excused:
+                    raise self.fail(self.error(f"stage process (pid {p.pid}) {exit_reason(code)}", g))
+        for g in range(self.n_processes):
+            if now - self.last_beat[g] > self.heartbeat_timeout and g not in self._excused:
+                raise self.fail(self.error(
+                    f"no heartbeat for {now - self.last_beat[g]:.1f} s (heartbeat_timeout="
+                    f"{self.heartbeat_timeout}); the stage is hung or unreachable", g))
+        if self.step_timeout is not None:
+            stuck = [(age, g, what) for g, (what, age) in self.doing.items()
+                     if age > self.step_timeout and g not in self._excused]
+            if stuck:
+                age, g, what = max(stuck)  # the longest stuck: any other is waiting on it
+                raise self.fail(self.error(
+                    f"stuck: has been in {what} for {age:.1f} s with no progress (step_timeout="
+                    f"{self.step_timeout} s); its neighbours are waiting for it", g))
+
+    def _beat(self, peer: Peer, msg: Message, now: float) -> None:
+        """Anything from a stage process shows it alive; its heartbeat also says what it computes."""
+        self.last_beat[peer.index] = now
+        if peer.role == HEARTBEAT and msg.kind is Kind.HEARTBEAT:
+            what, age = msg.extra.get("doing"), msg.extra.get("for")
+            if type(what) is str and type(age) in (int, float):
+                self.doing[peer.index] = (what, float(age))
+            else:
+                self.doing.pop(peer.index, None)
+
+    def check_usable(self) -> None:
+        if self.failure is not None:
+            raise PipelineError(f"the pipeline has failed and is closed: {self.failure}")
+
+    def _recv(self, timeout_ms: int) -> tuple[Peer | None, Message] | None:
+        try:
+            return self.server.recv(timeout_ms)
+        except CodecError as exc:
+            raise self.fail(PipelineError(f"malformed message on the control channel: {exc}"))
+
+    def _read(self, timeout_ms: int) -> tuple[Peer, Message] | None:
+        """The next ERROR from one of ours, filing everything else that arrives (heartbeats,
+        replies someone will wait for); None when nothing more came within ``timeout_ms``."""
+        while True:
+            r = self._recv(timeout_ms)
+            if r is None:
+                return None
+            peer, msg = r
+            if not self.known(peer):
+                continue  # not one of our workers: ignored
+            assert peer is not None
+            if peer.role != AGENT:
+                self._beat(peer, msg, time.monotonic())
+            if msg.kind is Kind.ERROR and peer.role != HEARTBEAT:
+                return peer, msg
+            if peer.role == STAGE:
+                self._keep(peer.index, msg)
+
+    def _keep(self, g: int, msg: Message) -> None:
+        """A stage's reply that is not the one being waited for: kept for whoever awaits it."""
+        if (msg.kind, msg.step) in self.awaited:
+            self._early.setdefault((msg.kind, msg.step), []).append((g, msg))
+        elif msg.kind not in REPLIES:
+            raise self.fail(self.error(f"protocol error: unexpected {msg.kind.name}", g))
+        # else: a stale reply to a command whose caller was interrupted (e.g. by Ctrl-C)
+
+    def _oldest_outstanding(self) -> int | None:
+        """The earliest training step whose loss is still to come (being or to be collected)."""
+        steps = [s for kind, s in self.awaited if kind is Kind.LOSS]
+        if self._collecting is not None:
+            steps.append(self._collecting)
+        return min(steps, default=None)
+
+    def _origin_shard(self, g: int, msg: Message, err: PipelineError) -> PipelineError:
+        """Tensor parallelism: the shards of a stage compute together, so one shard's failure
+        makes the others fail too (their collective's peer is gone). Of the errors and deaths of
+        process g's stage within half a second, the first is the one named: a shard killed by a
+        signal (it reports nothing), else the ERROR raised first (``at``: the shards share a host,
+        hence a monotonic clock)."""
+        num = self.numbering
+        if num.shards == 1 or g >= num.total:
+            return err
+        group = set(num.group(num.lead(g)))
+        first = {g: (_raised_at(msg), err)}
+        end = time.monotonic() + 0.5  # a killed process's sockets close a moment before it is reaped
+        while time.monotonic() < end and len(first) < len(group):
+            for other in sorted(group - set(first)):
+                p = self.procs.get(other)
+                if p is not None and p.exitcode is not None and p.exitcode < 0:
+                    return self.error(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}; then "
+                                      f"{num.where(g)} failed: {err.message}", other)
+            got = self._read(20)
+            if got is not None and got[0].role == STAGE and got[0].index in group:
+                first.setdefault(got[0].index, (_raised_at(got[1]), self.error_of(*got)))
+        return min(first.values(), key=lambda pair: pair[0])[1]
+
+    def _error(self, peer: Peer, msg: Message) -> None:
+        """An ERROR: raised now, or deferred while an earlier step than its own is outstanding."""
+        err = self.error_of(peer, msg)
+        if peer.role == STAGE:
+            err = self._origin_shard(peer.index, msg, err)
+        step, oldest = msg.extra.get("step"), self._oldest_outstanding()
+        if (peer.role == STAGE and type(step) is int and oldest is not None and step > oldest
+                and ((Kind.LOSS, step) in self.awaited or step == self._collecting)):
+            if self.deferred is None or step < self.deferred[0]:
+                self.deferred = (step, err)
+            self._excused.add(peer.index)
+            return
+        raise self.fail(err)
+
+    # -- waiting and sending -----------------------------------------------------------------------
+    def collect(
+        self, kind: Kind, counts: dict[int, int], *, step: int = 0, timeout: float | None = None,
+        what: str = "reply", on_timeout: Callable[[set[int]], str] | None = None,
+    ) -> dict[int, list[Message]]:
+        """Wait for ``counts[g]`` replies ``(kind, step)`` from each process g, watching every
+        process; ``on_timeout(missing)`` may add a hint to the time-out's message. Replies for an
+        ``awaited`` (kind, step) that arrive meanwhile are kept for their own collect; any other
+        reply is stale (its caller was interrupted) and dropped."""
+        training = kind is Kind.LOSS
+        if self.deferred is not None and (not training or step >= self.deferred[0]):
+            raise self.fail(self.deferred[1])
+        self._collecting = step if training else None
+        try:
+            return self._collect(kind, counts, step, timeout, what, on_timeout)
+        finally:
+            self._collecting = None
+
+    def _collect(self, kind: Kind, counts: dict[int, int], step: int, timeout: float | None, what: str,
+                 on_timeout: Callable[[set[int]], str] | None) -> dict[int, list[Message]]:
+        start = self.begin_wait()
+        got: dict[int, list[Message]] = {g: [] for g in counts}
+        missing = {g for g, c in counts.items() if c > 0}
+        self.awaited.discard((kind, step))
+
+        def take(g: int, msg: Message) -> None:
+            got[g].append(msg)
+            if len(got[g]) == counts[g]:
+                missing.discard(g)
+
+        for g, msg in self._early.pop((kind, step), []):
+            take(g, msg)
+        deadline = None if timeout is None else start + timeout
+        while missing:
+            r = self._recv(_POLL_MS)
+            now = time.monotonic()
+            if r is not None and self.known(r[0]):  # anything else is not one of ours: ignored
+                peer, msg = r
+                assert peer is not None
+                if peer.role != AGENT:
+                    self._beat(peer, msg, now)
+                if msg.kind is Kind.ERROR and peer.role != HEARTBEAT:
+                    self._error(peer, msg)
+                elif peer.role == STAGE:
+                    if msg.kind is kind and msg.step == step and peer.index in missing:
+                        take(peer.index, msg)
+                    else:
+                        self._keep(peer.index, msg)
+            if r is None or now - self._last_health > _POLL_MS / 1000:
+                self.check_health()
+            if deadline is not None and now > deadline:
+                hint = on_timeout(missing) if on_timeout is not None else ""
+                raise self.fail(PipelineError(
+                    f"timed out after {timeout} s waiting for {kind.name} ({what}) from stage(s) "
+                    f"{sorted(missing)}" + (f"; {hint}" if hint else "")))
+        return got
+
+    def drain_pending(self) -> None:
+        """Handle what arrived while no call was waiting (an ERROR above all), without blocking."""
+        while (got := self._read(0)) is not None:
+            self._error(*got)
+
+    def send_all(self, messages: list[tuple[int, Message]]) -> None:
+        """Send ``(process, message)`` pairs after checking that every process is alive. All are
+        encoded before any is sent: a bad input leaves no stage half-commanded."""
+        if self.deferred is not None:  # a stage has failed: nothing new can run
+            raise self.fail(self.deferred[1])
+        self.drain_pending()
+        self.begin_wait()
+        self.check_health()
+        try:
+            self.server.send_many(messages)
+        except PeerUnreachable as exc:
+            self.check_health()  # names the stage and its own error if it died
+            raise self.fail(self.error("its control socket is gone", exc.process))

@@ -1,0 +1,276 @@
+"""The node agent: starts this node's stages in a multi-host run and watches them.
+
+Node 0 runs the driver; every other node runs :func:`run_agent`::
+
+    node r agent                              node 0 driver (ROUTER)
+      | read "control", "placement", ... from the rendezvous store (signed: pipeq.rendezvous)
+      | start its stages (each builds itself from the job's importable names)
+      |--- READY {agent: r, stages, pids} -------------------->|
+      |--- ERROR {stage: k, message} when a stage dies ------->|   (named within ~0.1 s)
+      |<-- EXIT {abort} ---------------------------------------|   (the run is over)
+
+The agent is its stages' parent: they watch it (pidfd) and die with it. It watches the driver:
+its connection carries ZeroMQ heartbeats, and once the driver is disconnected for
+``driver_grace`` seconds (default 2 s; the driver process died, or its host went silent for the
+heartbeat timeout) the agent stops its stages and exits non-zero. So no stage waits forever on a
+peer that is gone. (ZeroMQ keeps a connection through short network trouble: a disconnect means
+the driver's end closed it or stayed silent for the whole heartbeat timeout.)
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any, Callable, Sequence
+
+from pipeq.control import rendezvous as rdzv
+from pipeq.errors import CodecError
+from pipeq.runtime.executors import StageBuilder
+from pipeq.wire.messages import Kind, Message
+from pipeq.control.processes import (StageSettings, exit_reason, job_identity, process_context, start_worker, stop_processes,
+                        worker_configs)
+from pipeq.control.rendezvous import Rendezvous
+from pipeq.wire.transport import BindTo, DriverLink, WireAuth, make_ipc_dir, remove_ipc_dir
+
+_TICK_MS = 100
+TERM_GRACE = 30.0  # seconds an agent told to terminate waits for the driver to end the run
+_POLL_S = 0.05  # how often the agent looks for node 0's entries in the rendezvous store
+
+
+class AgentError(RuntimeError):
+    """The agent could not start its stages or lost the driver."""
+
+
+def _fetch(store: Any, key: str, what: str, rz: Rendezvous, deadline: float, timeout: float,
+           log: Callable[[str], None]) -> Any:
+    """Node 0's entry ``key`` (its ``what``), once one signed with this node's secret is there.
+
+    Anything else under the key (unsigned, signed with another secret, moved from another key)
+    is ignored, whoever wrote it: anyone who reaches the store's port can write it, and node 0
+    writes its entries again every half second, so this keeps polling until ``deadline``
+    (time.monotonic()) instead of giving up on a forged entry. The first foreign one is logged at
+    once; if one is still there at the deadline, the secrets most likely differ."""
+    warned = False
+    where = f"{key!r} at the rendezvous {rz.master_addr}:{rz.master_port}"
+    while True:
+        try:
+            state, value = rz.read(store, key)
+        except RuntimeError as exc:  # the store went away (node 0, its host, ended: torch's DistNetworkError)
+            lost = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            if warned:
+                raise AgentError(
+                    f"node {rz.node_rank}: node 0's {what} ({where}) was not signed with this node's job "
+                    f"secret, and then the store went away ({lost}): the nodes were most likely started with "
+                    "different secrets; pass the same --secret-file (or PIPEQ_SECRET) on every node") from None
+            raise AgentError(f"node {rz.node_rank}: lost the rendezvous store ({where}) while waiting for node 0's "
+                             f"{what} ({lost}): node 0 ended, or its host became unreachable") from None
+        if state == rdzv.VALID:
+            return value
+        if state == rdzv.FOREIGN and not warned:
+            warned = True
+            log(f"node {rz.node_rank}: ignoring the rendezvous store's {key!r} entry: it is not signed "
+                f"with this node's job secret; waiting up to {max(0.0, deadline - time.monotonic()):.0f} s "
+                "for node 0's (if this lasts, node 0 was started with another secret)")
+        if time.monotonic() > deadline:
+            break
+        time.sleep(_POLL_S)
+    if state == rdzv.FOREIGN:
+        raise AgentError(
+            f"node {rz.node_rank}: node 0's {what} ({where}) is not signed with this node's job secret "
+            f"after {timeout:.0f} s: the "
+            "nodes were most likely started with different secrets; pass the same --secret-file (or "
+            "PIPEQ_SECRET) on every node"
+        )
+    raise AgentError(
+        f"node {rz.node_rank}: node 0 did not publish its {what} at the rendezvous "
+        f"{rz.master_addr}:{rz.master_port} within {timeout:.0f} s; is node 0 started with the "
+        "same --master-addr/--master-port and run id?"
+    )
+
+
+def _differences(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(theirs) | set(ours)):
+        a, b = theirs.get(key), ours.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} is {a!r} on node 0 but {b!r} here")
+    return out
+
+
+def _auth(rz: Rendezvous, mode: str = "encrypt") -> WireAuth:
+    if rz.secret is None:
+        raise AgentError(f"node {rz.node_rank}: a multi-host run needs the job's secret")
+    return WireAuth(rz.secret, mode)
+
+
+def _tell_driver(control: str, rz: Rendezvous, message: str) -> None:
+    """Send one ERROR to the driver (so it fails at once, naming this node), then hang up."""
+    link = DriverLink(control, rz.node_rank, linger_ms=2000, auth=_auth(rz))
+    try:
+        link.send(Message(Kind.ERROR, extra={"message": message}))
+    finally:
+        link.close()
+
+
+def run_agent(
+    rz: Rendezvous,
+    builder: StageBuilder,
+    n_stages: int,
+    schedule: Any,
+    settings: StageSettings,
+    *,
+    heartbeat_timeout: float = 15.0,
+    start_timeout: float = 120.0,
+    driver_grace: float = 2.0,
+    log: Callable[[str], None] = print,
+    data_parallel: int = 1,
+    start_method: str = "forkserver",
+) -> int:
+    """Run node ``rz.node_rank``'s stages until the driver ends the run; the exit code (0 = ok).
+
+    ``settings.trace`` is taken from node 0 (the driver decides whether the run is traced).
+    ``start_method``: how the stages start (see :func:`pipeq.processes.process_context`)."""
+    _auth(rz)  # no secret: refused before the store is touched
+    store = rz.store(start_timeout)
+    deadline = time.monotonic() + start_timeout
+    # signed: node 0 names this node if its secret is another (ProcessBackend._start_hint)
+    me = f"agent/{rz.node_rank}"
+    store.set(me, rz.sign(me, {"node": rz.node_rank, "host": os.uname().nodename, "pid": os.getpid()}))
+
+    def fetch(key: str, what: str) -> Any:
+        return _fetch(store, key, what, rz, deadline, start_timeout, log)
+
+    control = fetch("control", "control address")
+    plan = fetch("placement", "stage placement")
+    options = fetch("options", "run options")
+    traced = bool(options.get("trace")) if isinstance(options, dict) else False
+    replicas = options.get("replicas", 1) if isinstance(options, dict) else 1
+    shards = options.get("shards", 1) if isinstance(options, dict) else 1
+    security = options.get("tcp_security", "encrypt") if isinstance(options, dict) else "encrypt"
+    auth = WireAuth(_auth(rz).secret, str(security))
+    if replicas != data_parallel:
+        message = (f"node {rz.node_rank} was started with data_parallel={data_parallel}, node 0 with "
+                   f"{replicas}; pass the same job file and flags on every node")
+        _tell_driver(control, rz, message)
+        raise AgentError(message)
+    if shards != settings.tensor_parallel:
+        message = (f"node {rz.node_rank} was started with tensor_parallel={settings.tensor_parallel}, node 0 "
+                   f"with {shards}; pass the same job file and flags on every node")
+        _tell_driver(control, rz, message)
+        raise AgentError(message)
+    # the placement names processes (pipeq.processes.Numbering): g = replica * n_stages + stage
+    # for shard 0 of each stage, the other shards after them
+    if (not isinstance(control, str) or not isinstance(plan, list) or len(plan) != rz.nnodes
+            or sorted(k for node in plan for k in node) != list(range(n_stages * replicas * shards))):
+        raise AgentError(
+            f"node {rz.node_rank}: the driver runs a different job (placement {plan!r} for "
+            f"{rz.nnodes} nodes, this node's job file has {n_stages} stages x {replicas} replicas x "
+            f"{shards} shards)"
+        )
+    theirs = fetch("job", "job description")
+    ours = json.loads(json.dumps(job_identity(builder, schedule, settings.numerics, settings.tp_plans)))  # as it came through JSON
+    if theirs != ours:
+        differ = _differences(theirs, ours) if isinstance(theirs, dict) else ["everything"]
+        message = (f"node {rz.node_rank} was started with another job than node 0: "
+                   f"{'; '.join(differ)}; pass the same job file and flags on every node")
+        _tell_driver(control, rz, message)
+        raise AgentError(message)
+    mine: list[int] = plan[rz.node_rank]
+    ctx = process_context(start_method)
+    procs: dict[int, mp.process.BaseProcess] = {}
+    settings = StageSettings(**{**vars(settings), "trace": traced, "tcp_security": auth.mode})
+    interval = settings.heartbeat_interval
+    link = DriverLink(control, rz.node_rank, heartbeat_s=(interval, heartbeat_timeout), auth=auth)
+    # SIGTERM (a batch system's cancel reaches node 0 too): let the driver finish the steps in
+    # flight and checkpoint; it ends the run with EXIT. Only if it does not within
+    # TERM_GRACE seconds are the stages stopped here. (Ctrl-C on this node stops them at once.)
+    terminated: list[float] = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: terminated or terminated.append(time.monotonic()))
+    code = 1
+    tp_dir = make_ipc_dir() if shards > 1 else None  # where this node's stages' shards meet
+    try:
+        for cfg in worker_configs(mine, n_stages, replicas, schedule, settings, control_addr=control,
+                                  bind=BindTo.tcp(rz.bind), seed_of=lambda g: builder.seed_for(g % n_stages),
+                                  rendezvous=rz, auth=auth, tp_dir=tp_dir):
+            procs[cfg.process] = start_worker(ctx, cfg, builder)
+        log(f"node {rz.node_rank}: started stage(s) {mine} (pids "
+            f"{[p.pid for p in procs.values()]}), driver at {control}")
+        link.send(Message(Kind.READY, extra={"agent": rz.node_rank, "stages": mine,
+                                             "pids": [procs[g].pid for g in mine]}))
+        code = _watch(rz, link, procs, interval, driver_grace, start_timeout, log, terminated)
+    except KeyboardInterrupt:
+        log(f"node {rz.node_rank}: interrupted; stopping stage(s) {mine}")
+        # the driver names the node at once instead of waiting for missing heartbeats
+        link.send(Message(Kind.ERROR, extra={"stage": mine[0], "message": f"node {rz.node_rank}'s agent "
+                                             "was interrupted"}), block=False)
+        code = 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_processes(list(procs.values()))
+        remove_ipc_dir(tp_dir)
+        link.close()
+    return code
+
+
+def _watch(
+    rz: Rendezvous, link: DriverLink, procs: dict[int, mp.process.BaseProcess],
+    interval: float, grace: float, start_timeout: float, log: Callable[[str], None],
+    terminated: Sequence[float] = (),
+) -> int:
+    """The agent's loop: forward stage deaths, obey EXIT, give up on a vanished driver (or, after
+    a SIGTERM, on a driver that does not end the run within TERM_GRACE seconds)."""
+    reported: set[int] = set()
+    told = False
+    last_beat = 0.0
+    beat = 0
+    while True:
+        try:
+            msg = link.recv(_TICK_MS)
+        except CodecError as exc:
+            log(f"node {rz.node_rank}: ignoring a malformed message from the driver ({exc})")
+            msg = None
+        if msg is not None and msg.kind is Kind.EXIT:
+            abort = bool(msg.extra.get("abort"))
+            # the driver has stopped (or is stopping) the stages; give them a moment to exit
+            end = time.monotonic() + (2.0 if abort else 10.0)
+            while time.monotonic() < end and any(p.exitcode is None for p in procs.values()):
+                time.sleep(0.05)
+            if abort:
+                log(f"node {rz.node_rank}: the driver ended the run after a failure")
+            return 1 if abort else (143 if terminated else 0)
+        if terminated:
+            if not told:
+                told = True
+                log(f"node {rz.node_rank}: SIGTERM; waiting up to {TERM_GRACE:.0f} s for the driver to "
+                    "checkpoint and end the run")
+            if time.monotonic() - terminated[0] > TERM_GRACE:
+                log(f"node {rz.node_rank}: the driver did not end the run {TERM_GRACE:.0f} s after SIGTERM; "
+                    "stopping this node's stages")
+                return 143
+        for g, p in procs.items():
+            if p.exitcode is not None and g not in reported:
+                reported.add(g)
+                if p.exitcode == 0:  # only after the driver told it to exit: not a failure
+                    continue
+                log(f"node {rz.node_rank}: stage {g} (pid {p.pid}) {exit_reason(p.exitcode)}")
+                # A stage that raised has already sent its own ERROR with the traceback; this
+                # names the ones that could not (killed, OOM, os._exit).
+                link.send(Message(Kind.ERROR, extra={
+                    "stage": g, "message": f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}"}))
+        now = time.monotonic()
+        if link.connected is not True:
+            limit = grace if link.connected is False else start_timeout
+            if now - link.lost_since > limit:
+                what = "lost the driver" if link.connected is False else "could not reach the driver"
+                log(f"node {rz.node_rank}: {what} at {rz.master_addr} for {now - link.lost_since:.1f} s; "
+                    "stopping this node's stages")
+                return 1
+        if now - last_beat > interval:
+            beat += 1
+            last_beat = now
+            link.send(Message(Kind.HEARTBEAT, beat), block=False)

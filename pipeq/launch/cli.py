@@ -1,0 +1,130 @@
+"""The ``pipeq`` command.
+
+    pipeq schedule 1f1b --stages 4 --microbatches 8   # print a schedule's stage x time table
+    pipeq schedule 1f1b --stages 4 --microbatches 8 --plot plan.png   # ... and draw it
+    pipeq launch examples/digits.toml                 # train a job file (see pipeq.launch)
+    pipeq report run.json --skip-first 1 --plot run.png   # where a traced run's time went
+    pipeq secret --out job.secret                     # a fresh job secret for a multi-host run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+
+from pipeq import __version__
+from pipeq import schedules
+from pipeq.wire.keys import SECRET_ENV, JobSecret
+
+
+def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["launch"] and not {"-h", "--help"} & set(words):
+        from pipeq.control import forkserver
+
+        forkserver.start()  # its imports (torch) run while this process imports launch's
+    parser = argparse.ArgumentParser(prog="pipeq", description="pipeline-parallel training for PyTorch")
+    parser.add_argument("--version", action="version", version=f"pipeq {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("schedule", help="print a schedule's planned stage x time table (dry run)")
+    p.add_argument("name", choices=sorted(schedules.SCHEDULES))
+    p.add_argument("--distance", type=int, metavar="D",
+                   help="nwise's distance d >= 1 (its option: Interlock('nwise', distance=d) in Python, "
+                        "schedule = { name = \"nwise\", distance = d } in a job file)")
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--backward-cost", type=int, default=2,
+                   help="time units of a backward relative to a forward's 1 (default 2)")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw the planned timeline (needs matplotlib)")
+    p = sub.add_parser("report", help="where a traced run's time went: per stage, per step, the bubble",
+                       description="Read a trace (PipelineRunner(trace=...) or pipeq launch --trace) and "
+                                   "print each stage's compute, send, wait and idle time and the bubble.")
+    p.add_argument("trace", help="the trace file (JSON)")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw a stage x time picture (needs matplotlib)")
+    p.add_argument("--steps", metavar="all|N|N-M",
+                   help="the steps to cover (report and picture); default: every step in the report, "
+                        "the last training step in the picture")
+    p.add_argument("--skip-first", type=int, default=0, metavar="K",
+                   help="leave the first K steps out of the report (the first includes lazy set-up)")
+    p.add_argument("--include-predict", action="store_true", help="also cover forward-only (predict) steps")
+    p = sub.add_parser("secret", help="print a fresh job secret (64 hex characters) for a multi-host run",
+                       description="Print a fresh random job secret. Every node of a multi-host run needs "
+                                   f"the same one: as `pipeq launch --secret-file FILE` or in ${SECRET_ENV}.")
+    p.add_argument("--out", metavar="FILE", help="write it to FILE instead, readable by its owner only "
+                   "(mode 0600; an existing FILE is never overwritten)")
+    from pipeq.launch import trainer as launch
+
+    p = sub.add_parser("launch", help="train a job file (TOML), on one host or several",
+                       description=launch.__doc__.split("\n\n")[0] if launch.__doc__ else None)
+    launch.add_arguments(p)
+    args = parser.parse_args(argv)
+    if args.command == "launch":
+        return launch.run(args)
+    try:
+        if args.command == "schedule":
+            return _schedule(args)
+        if args.command == "report":
+            return _report(args)
+        if args.command == "secret":
+            return _secret(args)
+    except (ValueError, OSError, RuntimeError) as exc:  # ScheduleError is a ValueError; RuntimeError: no matplotlib
+        print(f"pipeq: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    if args.distance is not None and args.name != "nwise":
+        raise ValueError(f"--distance applies to schedule nwise only, not {args.name!r}")
+    if args.name == "nwise" and (args.distance is None or args.distance < 1):
+        got = "" if args.distance is None else f", got --distance {args.distance}"
+        raise ValueError(f"schedule nwise needs its distance: --distance D, an integer >= 1{got} "
+                         "(stage k is trained by the loss D stages up)")
+    name = schedules.Interlock("nwise", args.distance) if args.name == "nwise" else schedules.resolve(args.name)
+    print(schedules.format_table(name, args.stages, args.microbatches, backward_cost=args.backward_cost))
+    if args.plot:
+        from pipeq.trace import plot
+        from pipeq.trace.format import planned_trace
+
+        plan = planned_trace(name, args.stages, args.microbatches, backward_cost=args.backward_cost)
+        print(f"plot: {plot.plot_trace(plan, args.plot, steps='all')}")
+    return 0
+
+
+def _secret(args: argparse.Namespace) -> int:
+    """A fresh secret (as :meth:`JobSecret.generate` makes one), on stdout or in a new 0600 file."""
+    text = secrets.token_hex(32)
+    JobSecret.from_text(text)  # what every node will check it against
+    if args.out is None:
+        print(text)
+        return 0
+    try:  # created with its final mode: never readable by others, not even for a moment
+        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise OSError(f"{args.out} already exists; remove it first (a run's nodes must share one secret)") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.chmod(args.out, 0o600)  # whatever the umask
+    print(f"wrote a job secret to {args.out}; give every node the same file (--secret-file) "
+          f"or its content (${SECRET_ENV})", file=sys.stderr)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pipeq.trace import plot
+    from pipeq.trace import report
+    from pipeq.trace.format import load_trace
+
+    trace = load_trace(args.trace)
+    steps = report.parse_steps(args.steps) if args.steps else None
+    print(report.format_report(report.analyze(trace, args.include_predict, skip_first=args.skip_first,
+                                              steps="all" if steps is None else steps)))
+    if args.plot:
+        print(f"plot: {plot.plot_trace(trace, args.plot, steps=steps)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

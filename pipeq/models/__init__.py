@@ -1,0 +1,1 @@
+"""Ready-made models cut into pipeline stages (ResNets with auxiliary heads)."""

@@ -1,0 +1,1 @@
+"""Parallelism beside and inside the pipeline: data-parallel replicas and tensor-parallel shards."""

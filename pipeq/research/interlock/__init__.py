@@ -1,0 +1,1 @@
+"""Interlocking backpropagation (Gomez et al., arXiv 2010.04116): auxiliary heads and exact gradient routing."""

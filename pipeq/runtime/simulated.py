@@ -1,0 +1,172 @@
+"""Simulated mode: every stage in this process, the same schedules and actions as process mode.
+
+The engine keeps one :func:`~pipeq.interpreter.execute` generator per stage and advances them in
+turn: a stage runs until it needs a message that has not been sent yet, then the next stage runs.
+Messages are cloned tensors in a dictionary, so nothing is shared between stages that process
+mode would not share either. Use it to debug a model or a schedule, for research and for fast
+tests; process mode gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+
+from pipeq.errors import PipelineError
+from pipeq.runtime.executors import StageSpec, make_executor
+from pipeq.runtime.interpreter import EMIT, StagePlan, execute
+from pipeq.stage.microbatch import rewrap
+from pipeq.stage.numerics import Numerics
+from pipeq.schedules import Op, ScheduleFn
+from pipeq.stage.executor import Tensors
+
+
+class SimulatedBackend:
+    """Every stage's executor in this process, each built from a private copy of its spec."""
+
+    def __init__(self, specs: Sequence[StageSpec], schedule: "str | ScheduleFn", device: str = "cpu",
+                 numerics: Numerics | None = None) -> None:
+        self.schedule = schedule
+        n = len(specs)
+        dev = torch.device(device)
+        self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev, numerics)
+                          for k, spec in enumerate(specs)]
+        self.plans = [StagePlan(schedule, k, n) for k in range(n)]
+        # messages sent and not yet received: (destination, kind, microbatch); a stream's outlive a batch
+        self.mailbox: dict[tuple[int, str, int], Tensors] = {}
+        self._results: dict[int, float | PipelineError] = {}  # submitted steps, not yet handed out
+        self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _run(
+        self, step: int, sizes: list[int], x: Any, target: Any, training: bool,
+        weights: list[float] | None = None, aux_weights: list[float] | None = None, stream: bool = False,
+    ) -> list[Tensors]:
+        gens = []
+        for k, (ex, plan) in enumerate(zip(self.executors, self.plans)):
+            actions, _ = self._guard(k, plan.begin, ex, step, sizes, training, x if k == 0 else None,
+                                     target if ex.needs_target else None, weights, aux_weights, stream)
+            gens.append(execute(ex, actions))
+        return self._advance(gens)
+
+    def _advance(self, gens: list[Any]) -> list[Tensors]:
+        """Advance every stage's interpreter in turn until all are done; the EMITted outputs."""
+        n = len(gens)
+        mailbox = self.mailbox
+        outputs: dict[int, Tensors] = {}
+        pending: list[Any] = [None] * n  # request a stage is blocked on
+        values: list[Any] = [None] * n
+        done = [False] * n
+        while not all(done):
+            progressed = False
+            for k in range(n):
+                while not done[k]:
+                    req = pending[k]
+                    if req is not None:  # blocked on a receive: is the message there yet?
+                        key = (k, "act" if req[0] is Op.RECV_ACT else "grad", req[1])
+                        if key not in mailbox:
+                            break
+                        values[k] = mailbox.pop(key)
+                        pending[k] = None
+                    try:
+                        req = self._guard(k, gens[k].send, values[k])
+                    except StopIteration:
+                        done[k] = True
+                        progressed = True
+                        break
+                    progressed = True
+                    values[k] = None
+                    op = req[0]
+                    if op is Op.RECV_ACT or op is Op.RECV_GRAD:
+                        pending[k] = req
+                    elif op is Op.SEND_ACT:
+                        mailbox[(k + 1, "act", req[1])] = rewrap(req[2], [t.clone() for t in req[2]])
+                    elif op is Op.SEND_GRAD:
+                        mailbox[(k - 1, "grad", req[1])] = tuple(t.clone() for t in req[2])
+                    elif op is EMIT:
+                        outputs[req[1]] = req[2]
+            if not progressed:  # cannot happen for a validated schedule
+                raise PipelineError(f"simulated pipeline stalled on {pending}")
+        return [outputs[j] for j in sorted(outputs)]
+
+    def drain(self) -> None:
+        """Finish a stream's leftover work (asynchronous 1F1B's last backwards)."""
+        self._advance([execute(ex, plan.drain()) for ex, plan in zip(self.executors, self.plans)])
+
+    def _guard(self, k: int, fn: Callable, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            raise PipelineError(f"{type(exc).__name__}: {exc}", k, traceback.format_exc()) from exc
+
+    def train(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
+              x: torch.Tensor, target: torch.Tensor, stream: bool = False) -> float:
+        """One step on one shard (the whole batch: there are no replicas in one process)."""
+        ((sizes, weights, aux_weights),) = shards
+        self._run(step, sizes, x, target, True, weights, aux_weights, stream)
+        return self.executors[-1].mean_loss()
+
+    def submit(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
+               x: torch.Tensor, target: torch.Tensor, stream: bool = False) -> None:
+        """In one process a step runs when it is submitted: ``result`` hands its loss (or its
+        failure) back, so a stream fails at the batch where it happened, as in process mode."""
+        self.step_lrs[step] = self.executors[-1].learning_rate()  # the one this batch trains with
+        try:
+            self._results[step] = self.train(step, shards, x, target, stream)
+        except PipelineError as exc:
+            self._results[step] = exc
+
+    @property
+    def failing(self) -> bool:
+        return any(isinstance(r, PipelineError) for r in self._results.values())
+
+    def result(self, step: int) -> float:
+        got = self._results.pop(step)
+        if isinstance(got, PipelineError):
+            raise got
+        return got
+
+    def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
+        return self._run(step, sizes, x, None, training=False)
+
+    def stats(self, reset: bool = False) -> list[dict[str, Any]]:
+        """Every stage's stats (their peak memory is this one process's)."""
+        return [{**ex.stats(reset), "shm_waits": 0} for ex in self.executors]  # no transport: nothing waits
+
+    def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
+        out = []
+        for ex in self.executors:
+            names, tensors = ex.state_tensors()
+            out.append((names, [t.clone() for t in tensors]))  # process mode returns copies too
+        return out
+
+    def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
+        for ex, (names, tensors) in zip(self.executors, per_stage):
+            ex.load_state(names, tensors)
+
+    def get_snapshots(self) -> list[dict[str, Any]]:
+        return [ex.snapshot() for ex in self.executors]
+
+    def restore(self, snapshots: list[dict[str, Any]]) -> None:
+        for k, (ex, snap) in enumerate(zip(self.executors, snapshots)):
+            self._guard(k, ex.restore, snap)
+
+    def layouts(self) -> list[dict[str, Any]]:
+        return [ex.layout() for ex in self.executors]
+
+    def scheduler_step(self, metric: float | None) -> None:
+        for k, ex in enumerate(self.executors):
+            self._guard(k, ex.scheduler_step, metric)
+
+    def learning_rates(self) -> list[list[float]]:
+        return [ex.learning_rates() for ex in self.executors]

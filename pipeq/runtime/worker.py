@@ -1,0 +1,499 @@
+"""The stage worker: one process per stage, pinned to its device, running an event loop.
+
+The loop waits for a command on the control channel and carries it out:
+
+    PEERS      connect the forward/backward channels to the neighbours' addresses (with replicas:
+               connect to the same stage's other replicas, start from replica 0's weights, reply ACK)
+    TRAIN      run the schedule's actions for one batch (x rides along to stage 0, the target
+               to the stages that compute a loss); the last stage replies LOSS
+    DRAIN      finish a stream's leftover work (asynchronous 1F1B's last backwards), reply ACK
+    PREDICT    run forward-only actions; the output stage replies OUTPUT per microbatch
+    GET_STATE  reply STATE (the stage module's state_dict tensors)
+    SET_STATE  load them, reply ACK
+    GET_SNAPSHOT  reply SNAPSHOT (parameters, optimizer and scheduler state, RNG: checkpoints)
+    RESTORE    load a snapshot, reply ACK
+    CLOCK      reply TIME with this process's clock (aligning traces)
+    GET_TRACE  reply TRACE: the actions recorded since the last GET_TRACE (pipeq.trace)
+    GET_STATS  reply STATS: peak memory (extra "reset": start a new peak), skipped steps
+    STEP_SCHEDULER  step the lr schedulers once (with the metric it carries), reply ACK
+    GET_LR     reply LR (the learning rate of every parameter group)
+    STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
+    EXIT       leave the loop
+
+While a compute action (forward, backward, optimizer step) runs, the loop notes which one and
+since when (the interpreter calls :meth:`EventLoop._note` as it starts one; cleared when the stage turns to its messages or its
+next command): the heartbeat thread reports it (:meth:`EventLoop.doing`), so that the driver can
+name a stage stuck in its own computation (``step_timeout``) rather than its waiting neighbours.
+
+Any exception is reported to the driver as ERROR (message and traceback) before the process
+exits. The event loop is the only code in a worker that touches the transport; the schedule's
+actions run in :func:`pipeq.interpreter.execute`, which asks the loop for every message.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from pipeq.stage import microbatch
+from pipeq import schedules
+from pipeq.wire import shm
+from pipeq.trace import format as trace
+from pipeq.parallel.data import Replicas
+from pipeq.runtime.executors import StageBuilder, StageSpec, make_executor
+from pipeq.runtime.interpreter import EMIT, StagePlan, execute
+from pipeq.stage.numerics import Numerics
+from pipeq.wire.messages import Kind, Message, tree_message, tree_of
+from pipeq.schedules import Op
+from pipeq.wire.shm import ShmConfig
+from pipeq.stage.executor import StageExecutor
+from pipeq.wire.transport import (BindTo, Heartbeat, StageTransport, Stopped, WireAuth, remove_ipc_dir,
+                        tune_process_allocator)
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a stage process needs to know to start (plain data, see pipeq.processes)."""
+
+    stage: int
+    n_stages: int
+    schedule: str | Callable[[int, int], list]  # a registered name or a schedule function/object
+    control_addr: str
+    bind: BindTo  # where this process binds its inbound sockets
+    process: int  # its number among the run's processes (pipeq.processes.Numbering)
+    device: str = "cpu"
+    cores: list[int] = field(default_factory=list)
+    threads: int = 1
+    queue_capacity: int = 64
+    max_frame_bytes: int = 256 << 20  # inbound data frames above this are refused
+    auth: WireAuth | None = None  # tcp: the job's secret (handed over at start, never sent)
+    heartbeat_interval: float = 1.0
+    spin_s: float = 0.0
+    die_with_parent: bool = True
+    driver_pid: int = 0  # the process this one dies with: the driver, or its node's agent
+    seed: int = 0
+    # multi-host: the rendezvous store (host, port, key prefix) where this stage publishes its
+    # endpoints; None on one host
+    store: tuple[str, int, str] | None = None
+    trace: bool = False  # record every action (pipeq.trace)
+    # data parallelism: this process is replica ``replica`` of ``replicas`` of its stage
+    replica: int = 0
+    replicas: int = 1
+    numerics: Numerics = field(default_factory=Numerics)  # precision, clipping, checks (pipeq.numerics)
+    shm_slots: int = 4  # ipc: shared-memory slots per data channel (pipeq.shm); 0: ZeroMQ frames only
+    # tensor parallelism: this process is shard ``shard`` of its stage's ``shards``; they meet in
+    # the FileStore ``tp_store`` (in a private directory of this host; pipeq.tensorpar)
+    shard: int = 0
+    shards: int = 1
+    tp_store: str | None = None
+    tp_plan: Any = None  # how the stage's module is split over its shards (pipeq.tensorpar)
+
+    def shm(self) -> ShmConfig | None:
+        """This process's shared-memory payloads: on one host (ipc), where the host has them."""
+        if self.bind.scheme != "ipc" or self.shm_slots < 1 or not shm.available():
+            return None
+        return ShmConfig(shm.run_prefix(self.bind.ipc_dir), self.shm_slots, max_bytes=self.max_frame_bytes)
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the process that started us exits (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not glibc/Linux: the heartbeat thread's parent watch still applies
+        pass
+
+
+def _tight_timers() -> None:
+    """Linux: wake this process's timed waits (a stage's sleeps, poll time-outs) on time, not up
+    to 50 us late (the default timer slack, which lets the kernel batch wake-ups)."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK: 1 ns
+    except OSError:
+        pass
+
+
+def _set_name(name: str) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME: shows in ps -o comm, top
+    except OSError:
+        pass
+
+
+def _can_watch(pid: int) -> bool:
+    """Whether this kernel gives pidfds, with which the heartbeat thread sees the driver exit."""
+    try:
+        os.close(os.pidfd_open(pid or os.getppid()))  # type: ignore[attr-defined]
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def _orphaned(cfg: WorkerConfig) -> None:
+    """The driver is gone (killed, most likely): clean up what it cannot any more, and exit."""
+    if cfg.bind.scheme == "ipc":
+        shm.remove_segments(shm.run_prefix(cfg.bind.ipc_dir))
+    remove_ipc_dir(cfg.bind.ipc_dir)
+    os._exit(3)
+
+
+def pin_cpu(cfg: WorkerConfig) -> None:
+    """Pin this process to its share of the CPU cores and set its torch thread count."""
+    if cfg.cores and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, cfg.cores)
+        except OSError:
+            pass
+    torch.set_num_threads(max(1, cfg.threads))
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set (e.g. torch used before we got here)
+        pass
+
+
+def select_device(cfg: WorkerConfig) -> torch.device:
+    """This stage's device; a CUDA device becomes the process's current one."""
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+class EventLoop:
+    """Serves the driver's commands on one stage process until EXIT."""
+
+    def __init__(self, cfg: WorkerConfig, transport: StageTransport, executor: StageExecutor,
+                 replicas: "Replicas | None" = None) -> None:
+        self.cfg = cfg
+        self.transport = transport
+        self.executor = executor
+        self.replicas = replicas  # data parallelism: this stage's link to its replicas
+        self.step: int | None = None  # the TRAIN/PREDICT step being run (named in an ERROR)
+        self.plan = StagePlan(cfg.schedule, cfg.stage, cfg.n_stages)
+        self.trace: collections.deque[tuple[int, ...]] | None = (
+            collections.deque(maxlen=trace.MAX_ROWS) if cfg.trace else None
+        )
+        # the compute action under way: (trace code, microbatch, monotonic start), None between
+        # actions (waiting for a message or a command); read by the heartbeat thread
+        self.current: tuple[int, int, float] | None = None
+        self._keys: Any = None  # the running batch's microbatch -> (step, microbatch), see run
+
+    def _note(self, code: int, j: int) -> None:
+        """The interpreter starts compute action ``code`` on microbatch ``j``."""
+        self.current = (code, j, time.monotonic())
+
+    def doing(self) -> dict[str, Any] | None:
+        """The compute action under way and for how long (the heartbeat thread's report), or
+        None when the stage is not computing (waiting for input, or for a command)."""
+        cur = self.current
+        if cur is None:
+            return None
+        code, j, since = cur
+        step = self.step or 0
+        if code == trace.OPT_STEP:
+            name = f"STEP(step {step})"
+        else:
+            keys = self._keys
+            s, mb = keys.get(j, (step, j)) if keys is not None else (step, j)
+            name = f"{'F' if code == trace.F else 'B'}(step {s}, microbatch {mb})"
+        return {"doing": name, "for": round(time.monotonic() - since, 3)}
+
+    def serve(self) -> None:
+        transport, ex = self.transport, self.executor
+        reply = transport.send_control
+        while True:
+            msg = transport.next_control(1000)
+            if msg is None:
+                continue
+            kind = msg.kind
+            if kind is Kind.TRAIN or kind is Kind.PREDICT:
+                self.run_batch(msg, training=kind is Kind.TRAIN)
+            elif kind is Kind.DRAIN:
+                self.run(self.plan.drain(), self.step or 0, self.plan.keys)
+                reply(Message(Kind.ACK, msg.step))
+            elif kind is Kind.GET_STATE:
+                names, tensors = ex.state_tensors()
+                reply(Message(Kind.STATE, msg.step, 0, tensors, {"names": names}))
+            elif kind is Kind.SET_STATE:
+                ex.load_state(msg.extra["names"], msg.tensors)
+                reply(Message(Kind.ACK, msg.step))
+            elif kind is Kind.GET_SNAPSHOT:
+                reply(tree_message(Kind.SNAPSHOT, msg.step, "snapshot", ex.snapshot(),
+                                   f"stage {self.cfg.stage}'s snapshot"))
+            elif kind is Kind.RESTORE:
+                ex.restore(tree_of(msg, "snapshot"))
+                reply(Message(Kind.ACK, msg.step))
+            elif kind is Kind.GET_STATS:
+                reply(Message(Kind.STATS, msg.step, extra={**ex.stats(reset=msg.extra.get("reset") is True),
+                                                           "shm_waits": transport.shm_waits}))
+            elif kind is Kind.STEP_SCHEDULER:
+                ex.scheduler_step(self._metric(msg))
+                reply(Message(Kind.ACK, msg.step))
+            elif kind is Kind.GET_LR:
+                reply(Message(Kind.LR, msg.step, extra={"lrs": ex.learning_rates()}))
+            elif kind is Kind.CLOCK:
+                reply(Message(Kind.TIME, msg.step, extra={"ns": time.perf_counter_ns()}))
+            elif kind is Kind.GET_TRACE:
+                rows = list(self.trace or ())
+                if self.trace is not None:
+                    self.trace.clear()
+                reply(Message(Kind.TRACE, msg.step, 0, [trace.rows_to_tensor(rows)],
+                              {"truncated": len(rows) == trace.MAX_ROWS}))
+            elif kind is Kind.PEERS:
+                transport.connect(msg.extra.get("next_forward"), msg.extra.get("prev_backward"))
+                if self.replicas is not None:  # before any step: replicas never start apart
+                    self.replicas.join(self._replica_addresses(msg))
+                    reply(Message(Kind.ACK, msg.step))
+            elif kind is Kind.STOP:
+                reply(Message(Kind.ACK, msg.step))
+            elif kind is Kind.EXIT:
+                return
+            else:
+                raise RuntimeError(f"stage {self.cfg.stage}: unexpected command {kind.name}")
+
+    def _replica_addresses(self, msg: Message) -> list[str]:
+        """The same stage's (and shard's) other replicas, from PEERS: with tensor parallelism,
+        ``replica_shards[s]`` lists shard s's, as the lead's PEERS reaches every shard."""
+        if self.cfg.shards == 1:
+            return msg.extra.get("replicas") or []
+        by_shard = msg.extra.get("replica_shards")
+        if type(by_shard) is not list or len(by_shard) != self.cfg.shards:
+            raise ValueError(f"stage {self.cfg.stage}, shard {self.cfg.shard}: bad replica_shards "
+                             f"{by_shard!r} in PEERS")
+        return by_shard[self.cfg.shard]
+
+    def _metric(self, msg: Message) -> float | None:
+        """STEP_SCHEDULER's metric: a float, or None (a scheduler that takes none)."""
+        metric = msg.extra.get("metric")
+        if metric is not None and type(metric) is not float:
+            raise ValueError(f"stage {self.cfg.stage}: bad scheduler metric {metric!r} in command")
+        return metric
+
+    def _weights(self, msg: Message, key: str, n: int) -> list[float] | None:
+        w = msg.extra.get(key)
+        if w is not None and (type(w) is not list or len(w) != n or any(type(v) is not float for v in w)):
+            raise ValueError(f"stage {self.cfg.stage}: bad {key} {w!r} in command")
+        return w
+
+    def run_batch(self, msg: Message, training: bool) -> None:
+        """Run the schedule's actions for one batch, answering the interpreter's requests."""
+        ex, transport = self.executor, self.transport
+        step = self.step = msg.step
+        sizes = msg.extra.get("sizes")
+        if type(sizes) is not list or not sizes or any(type(n) is not int or n < 1 for n in sizes):
+            raise ValueError(f"stage {self.cfg.stage}: bad microbatch sizes {sizes!r} in command")
+        x, target = self._batch(msg, ex.is_first, ex.needs_target and training)
+        actions, keys = self.plan.begin(ex, step, sizes, training, x, target,
+                                        self._weights(msg, "weights", len(sizes)),
+                                        self._weights(msg, "aux_weights", len(sizes)),
+                                        stream=msg.extra.get("stream") is True)
+        lr = ex.learning_rate() if ex.is_last and training else None  # the one this batch trains with
+        self.run(actions, step, keys)
+        if ex.is_last and training:
+            transport.send_control(Message(Kind.LOSS, step, extra={"loss": ex.mean_loss(), "lr": lr}))
+
+    def _batch(self, msg: Message, wants_x: bool, wants_target: bool) -> tuple[Any, Any]:
+        """The x and target a TRAIN / PREDICT command carries: their tensors (x's first, ``nx`` of
+        them) and, for anything but a lone tensor, their trees (pipeq.microbatch)."""
+        tensors, extra = msg.tensors, msg.extra
+        nx = extra.get("nx", 1 if wants_x else 0)
+        if type(nx) is not int or not 0 <= nx <= len(tensors):
+            raise ValueError(f"stage {self.cfg.stage}: bad tensor count {nx!r} in command")
+        x = microbatch.unpack_input(extra.get("x"), tensors[:nx]) if wants_x else None
+        target = microbatch.unpack_input(extra.get("target"), tensors[nx:]) if wants_target else None
+        return x, target
+
+    def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:
+        """Run ``actions``, answering the interpreter's requests with the transport. Messages are
+        keyed (step, microbatch); in a stream, ``keys`` gives each microbatch number's key."""
+        transport = self.transport
+        rec = self.trace.append if self.trace is not None else None
+        self._keys = keys
+        gen = execute(self.executor, actions, self.trace, keys, self._note)
+        fq, bq = transport.forward_queue, transport.backward_queue
+        clock = time.perf_counter_ns
+        value: Any = None
+        try:
+            while True:
+                req = gen.send(value)
+                self.current = None  # no compute action under way: messages
+                op = req[0]
+                value = None
+                t0 = clock() if rec else 0
+                s, j = keys[req[1]] if keys is not None else (step, req[1])
+                if op is Op.RECV_ACT:
+                    got = transport.wait_data(fq, s, j)
+                    value = microbatch.Packed.of(got.tensors, got.extra.get("tree")) if got.extra else got.tensors
+                    if rec:
+                        rec((trace.WAIT_ACT, s, j, t0, clock(), _nbytes(value)))
+                elif op is Op.RECV_GRAD:
+                    value = transport.wait_data(bq, s, j).tensors
+                    if rec:
+                        rec((trace.WAIT_GRAD, s, j, t0, clock(), _nbytes(value)))
+                elif op is Op.SEND_ACT:
+                    transport.send_activation(s, j, req[2], microbatch.tree_of(req[2]))
+                    if rec:
+                        rec((trace.SEND_ACT, s, j, t0, clock(), _nbytes(req[2])))
+                elif op is Op.SEND_GRAD:
+                    transport.send_gradient(s, j, req[2])
+                    if rec:
+                        rec((trace.SEND_GRAD, s, j, t0, clock(), _nbytes(req[2])))
+                elif op is EMIT:
+                    tree = microbatch.tree_of(req[2])
+                    transport.send_control(Message(Kind.OUTPUT, s, j, req[2], {"tree": tree} if tree else {}))
+                    if rec:
+                        rec((trace.EMIT, s, j, t0, clock(), _nbytes(req[2])))
+        except StopIteration:
+            pass
+        finally:
+            self.current = None
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _build(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> StageSpec:
+    """The stage's spec: unpickled from the bytes the driver handed this process at start (never
+    from a socket), or built here by a recipe."""
+    spec = pickle.loads(payload) if isinstance(payload, bytes) else payload.build(cfg.stage, cfg.n_stages)
+    if not isinstance(spec, StageSpec):
+        raise TypeError(f"stage {cfg.stage} was handed a {type(spec).__name__}, not a StageSpec")
+    return spec
+
+
+def _shard(cfg: WorkerConfig, spec: StageSpec, transport: StageTransport,
+           device: torch.device) -> tuple[StageSpec, Any]:
+    """Tensor parallelism: join the stage's other shards (pipeq.tensorpar), split the module as
+    the stage's plan says, and wrap the transport: shard 0 shares what it receives, the others
+    follow it (pipeq.shardlink)."""
+    from pipeq.parallel import tensor as tensorpar
+    from pipeq.wire.shard_link import MAX_FRAMES, FollowerTransport, LeadTransport, ShardLink
+
+    if cfg.tp_store is None:
+        raise RuntimeError(f"stage {cfg.stage}, shard {cfg.shard}: no tp_store to meet the other shards in")
+    mesh, group = tensorpar.join(cfg.tp_store, cfg.shard, cfg.shards, device)
+    tensorpar.check_stage(cfg.stage, spec.module, cfg.tp_plan, cfg.shards)
+    module = tensorpar.parallelize(spec.module.to(device), cfg.tp_plan, mesh)
+    spec = dataclasses.replace(spec, module=module)
+    link = ShardLink(group, cfg.shard, cfg.shards, f"stage {cfg.stage}, shard {cfg.shard}",
+                     max_bytes=MAX_FRAMES * cfg.max_frame_bytes)
+    return spec, (LeadTransport(transport, link) if cfg.shard == 0 else FollowerTransport(transport, link))
+
+
+def _publish(cfg: WorkerConfig, info: dict[str, Any]) -> None:
+    """Multi-host: publish this process's endpoints in the rendezvous store as ``stage/<g>``
+    (JSON, signed with the job's secret under the entry's full key, as pipeq.rendezvous reads it;
+    no pickles). Node 0 only reads it for its start-up hints."""
+    if cfg.store is None:
+        return
+    if cfg.auth is None:
+        raise RuntimeError(f"stage {cfg.stage}: a multi-host stage needs the job's secret")
+    import datetime
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    host, port, prefix = cfg.store
+    key = f"stage/{cfg.process}"
+    store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60),
+                     wait_for_workers=False)
+    PrefixStore(prefix, store).set(key, cfg.auth.secret.sign(prefix + key, info))
+
+
+def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
+    """Entry point of a stage process (started by the runner, or by a node agent).
+
+    ``payload`` is either a pickled :class:`~pipeq.executors.StageSpec` that the runner handed
+    to this process at start, or a :class:`~pipeq.executors.StageBuilder` that builds it here
+    from importable names (multi-host: nothing but plain data crosses hosts). Never anything
+    received over a socket. It is built only once the control channel is up, so that a failure
+    to build the stage is reported with its reason.
+    """
+    if cfg.die_with_parent and not _can_watch(cfg.driver_pid):
+        # No pidfd to watch the driver with: let the kernel kill us with it (no clean-up then).
+        _die_with_parent()
+    # Ctrl-C, and a SIGTERM to the whole process group (kill -TERM -PGID, a batch system's
+    # cancel), reach the stages too: the driver decides how its stages stop (it finishes the
+    # steps in flight and checkpoints first), and kills what does not stop when told.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _set_name(f"pipeq-stage{cfg.stage}" + (f"r{cfg.replica}" if cfg.replicas > 1 else "")
+              + (f"t{cfg.shard}" if cfg.shards > 1 else ""))
+    _tight_timers()
+    tune_process_allocator()
+    # Pin first: threads started later (ZeroMQ's I/O thread, torch's pool) inherit the affinity.
+    pin_cpu(cfg)
+    transport = StageTransport(cfg.process, cfg.control_addr, bind=cfg.bind,
+                               queue_capacity=cfg.queue_capacity, spin_s=cfg.spin_s, auth=cfg.auth,
+                               max_frame_bytes=cfg.max_frame_bytes, shm=cfg.shm(),
+                               device=torch.device(cfg.device))
+    heartbeat = None
+    loop: EventLoop | None = None
+    replicas: Replicas | None = None
+    clean = False
+    try:
+        # From here on the driver is watched: if it dies, this stage cleans up and exits.
+        heartbeat = Heartbeat(
+            transport.ctx, cfg.control_addr, cfg.process, cfg.heartbeat_interval,
+            cfg.driver_pid or os.getppid(), lambda: _orphaned(cfg), auth=cfg.auth,
+            status=lambda: loop.doing() if loop is not None else None,
+        )
+        device = select_device(cfg)
+        torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
+        spec = _build(cfg, payload)
+        serving: Any = transport  # what the event loop reads and sends through
+        if cfg.shards > 1:  # the stage's shards meet, split the module, and shard 0 leads
+            spec, serving = _shard(cfg, spec, transport, device)
+        executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, spec, device,
+                                 cfg.numerics, sharded=cfg.shards > 1)
+        executor.keep_on_device = transport.device_payloads  # CUDA IPC to the neighbours
+        if cfg.replicas > 1:  # a link to the stage's replicas: replica 0's weights, summed gradients
+            replicas = Replicas(transport, cfg.bind, stage=cfg.stage, replica=cfg.replica, replicas=cfg.replicas,
+                                params=executor.optimizer_params(), buffers=list(executor.module.buffers()),
+                                shard=cfg.shard)
+            executor.grad_sync = replicas.sync
+        info = {**transport.addresses, "pid": os.getpid(), "device": str(device), "replica": cfg.replica,
+                "stage": cfg.stage, "shard": cfg.shard,
+                "threads": torch.get_num_threads(), "host": os.uname().nodename,
+                "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
+        if replicas is not None:
+            info["replica_link"] = replicas.address  # the driver's PEERS hands it to the other replicas
+        _publish(cfg, info)
+        transport.send_control(Message(Kind.READY, extra={**info, "layout": executor.layout()}))
+        loop = EventLoop(cfg, serving, executor, replicas)
+        loop.serve()
+        clean = True
+    except Stopped:
+        clean = True
+    except BaseException as exc:  # report everything, KeyboardInterrupt included
+        try:
+            transport.send_control(Message(Kind.ERROR, extra={
+                "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                "step": loop.step if loop is not None else None,
+                "at": time.monotonic()}))  # which of a stage's shards failed first (pipeq.supervisor)
+        except Exception:
+            pass
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        if replicas is not None:
+            replicas.close(linger_ms=200)  # its sockets share the transport's context: first
+        transport.close(linger_ms=200)
+    # Skip the interpreter's teardown (a second or more with torch loaded): sockets are closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if clean else 1)

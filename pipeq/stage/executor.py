@@ -1,0 +1,504 @@
+"""One stage's compute: forward, backward, gradient accumulation and the optimizer step.
+
+A :class:`StageExecutor` knows nothing of sockets or processes. The worker event loop (process mode)
+and the simulated engine (one process) both drive it with the same actions, so both give the same
+numbers. Boundaries detach: stage k+1 receives stage k's output as fresh leaves that require grad,
+and sends their gradients back.
+
+Gradient accumulation makes one step equal to one full-batch step: the loss of microbatch j is
+scaled by n_j / n (its share of the batch's samples) for a mean-reduced loss, by 1 for a
+sum-reduced one, so microbatches of unequal size are weighted correctly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from pipeq.stage import lr_schedulers
+from pipeq.stage import microbatch
+from pipeq.stage.numerics import (LossScaler, Numerics, StepStats, all_finite, clip_, norm_term, peak_memory,
+                       total_norm)
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def as_tuple(value: Any) -> Tensors:
+    return value if isinstance(value, tuple) else tuple(value) if isinstance(value, list) else (value,)
+
+
+def describe(tensors: Sequence[torch.Tensor]) -> str:
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors)
+
+
+def loss_weight_mode(loss_fn: Callable) -> str:
+    """'mean' or 'sum': how microbatch losses combine into the batch loss."""
+    reduction = getattr(loss_fn, "reduction", "mean")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"loss_fn has reduction={reduction!r}; pipeq needs a scalar loss: use 'mean' or 'sum'"
+        )
+    return reduction
+
+
+def microbatch_weights(loss_fn: Callable, target: Any, sizes: Sequence[int]) -> list[float]:
+    """What each microbatch's loss is multiplied by so that their sum is the full-batch loss.
+
+    A mean-reduced loss divides by its own denominator: the number of samples for most losses,
+    but for class-index targets of CrossEntropyLoss / NLLLoss the number of targets that are not
+    ``ignore_index``, each counted with its class weight. Each microbatch gets its share of the
+    batch's denominator (a microbatch with none gets 0). A sum-reduced loss needs weight 1.
+    """
+    if loss_weight_mode(loss_fn) == "sum":
+        return [1.0] * len(sizes)
+    dens: list[float]
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and isinstance(target, torch.Tensor) and not (
+        target.is_floating_point() or target.is_complex()
+    ):
+        dens = []
+        for chunk in target.split(list(sizes)):
+            valid = chunk[chunk != loss_fn.ignore_index]
+            if loss_fn.weight is not None:
+                dens.append(float(loss_fn.weight.detach().cpu()[valid].sum()))
+            else:
+                dens.append(float(valid.numel()))
+    else:
+        dens = [float(n) for n in sizes]
+    total = sum(dens)
+    if total == 0:  # nothing to learn from (every target ignored): the loss is NaN, as in one process
+        return [1.0 / len(sizes)] * len(sizes)
+    return [d / total for d in dens]
+
+
+@dataclass
+class StageSpec:
+    """Everything stage k's executor is made of (see :mod:`pipeq.executors`)."""
+
+    module: nn.Module
+    optimizer: Callable[..., torch.optim.Optimizer]  # called with the stage's parameters
+    loss_fn: Callable | None = None  # the last stage's; every stage's local criterion with AL
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    aux_head: nn.Module | None = None  # interlocking: the head reading this stage's output
+    aux_loss: Callable | None = None
+    lr_scheduler_interval: str = "step"  # "epoch": stepped by scheduler_step only (pipeq.lr_schedulers)
+
+
+class StageExecutor:
+    """Runs stage ``index`` of ``n_stages``: the module, its optimizer and (last stage) the loss.
+
+    Subclasses for other schedules take the same arguments plus the schedule object they run.
+    """
+
+    def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device, *,
+                 trains: nn.Module | None = None) -> None:
+        """``trains``: what the optimizer covers (default: the module)."""
+        self.index = index
+        self.n_stages = n_stages
+        self.is_first = index == 0
+        self.is_last = index == n_stages - 1
+        self.device = device
+        self.module = spec.module.to(device)
+        params = [p for p in (trains or self.module).parameters() if p.requires_grad]
+        self.needs_target = self.is_last  # which stages get the batch's target
+        self.grad_sync: Any = None  # data parallelism: a pipeq.dataparallel.GradSync
+        self._backwards = 0
+        self.optimizer = self.make_optimizer(spec, params)
+        # stepped once per training step, right after the optimizer (every stage alike), or
+        # (interval "epoch") by scheduler_step only
+        self.scheduler = self.make_scheduler(spec, self.optimizer)
+        self.scheduler_interval = spec.lr_scheduler_interval
+        self.loss_fn = spec.loss_fn
+        self._cuda = device.type == "cuda"
+        # train() would switch on submodules the user put in eval mode (frozen BatchNorm...):
+        # training restores the modes the module came with instead.
+        self._train_modes = [(m, m.training) for m in self.module.modules()]
+        self.skipped_steps = 0  # steps skipped for non-finite gradients (fp16, check_finite='skip')
+        self.set_numerics(Numerics())
+        # per step
+        self.step_index = 0
+        self.training = True
+        self.weights: list[float] = []
+        self.aux_weights: list[float] = []
+        self.inputs: list[Any] = []  # stage 0: microbatches of x
+        self.targets: list[Any] = []  # last stage: microbatches of the target
+        # microbatch -> (input leaves, outputs / scaled loss, what a recompute needs or None)
+        self.stash: dict[int, tuple[Tensors, Any, Any]] = {}
+        self.loss_sum: torch.Tensor | None = None
+
+    def set_numerics(self, numerics: Numerics) -> None:
+        """Precision, loss scaling, clipping, checks and recomputation (see :mod:`pipeq.numerics`)."""
+        self.numerics = numerics
+        self.autocast = lambda: numerics.autocast(self.device)
+        self.recompute = numerics.recomputes(self.index)
+        self.scaler = LossScaler(self.device) if numerics.scales_loss else None
+        self._check = numerics.check_finite == "raise"
+
+    @staticmethod
+    def make_optimizer(spec: StageSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+        return spec.optimizer(params) if params else None
+
+    @staticmethod
+    def make_scheduler(spec: StageSpec, optimizer: torch.optim.Optimizer | None) -> Any:
+        if spec.lr_scheduler is None or optimizer is None:
+            return None
+        scheduler = spec.lr_scheduler(optimizer)
+        if spec.lr_scheduler_interval == "step" and lr_schedulers.takes_metric(scheduler):
+            raise ValueError(f"lr_scheduler built a ReduceLROnPlateau: {lr_schedulers.NEEDS_METRIC}")
+        return scheduler
+
+    # -- step boundaries -------------------------------------------------------------------
+    def begin(
+        self,
+        step: int,
+        sizes: Sequence[int],
+        training: bool,
+        x: Any = None,
+        target: Any = None,
+        weights: Sequence[float] | None = None,
+        aux_weights: Sequence[float] | None = None,
+    ) -> None:
+        """Start a step: ``weights`` scale the microbatch losses (see :func:`microbatch_weights`),
+        ``aux_weights`` the auxiliary heads' losses (interlocking). ``x`` and ``target`` are
+        trees (see :mod:`pipeq.microbatch`), split into microbatches here."""
+        self.step_index = step
+        self.training = training
+        if weights is None:
+            total = sum(sizes)
+            weights = [n / total for n in sizes]
+        elif len(weights) != len(sizes):
+            raise ValueError(f"{len(weights)} loss weights for {len(sizes)} microbatches")
+        self.weights = list(weights)
+        self.aux_weights = list(aux_weights) if aux_weights is not None else []
+        if x is not None:
+            self.inputs = microbatch.split(microbatch.to_device(x, self.device), sizes)
+        if target is not None:
+            self.targets = microbatch.split(microbatch.to_device(target, self.device), sizes)
+        self.stash.clear()
+        self.loss_sum = None
+        if training:
+            for m, mode in self._train_modes:
+                m.training = mode
+        else:
+            self.module.eval()
+        if training and self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self._backwards = 0
+
+    def mean_loss(self) -> float:
+        return float(self.loss_sum) if self.loss_sum is not None else float("nan")
+
+    # -- compute -----------------------------------------------------------------------------
+    def _inputs(self, j: int, received: Tensors | None) -> tuple[Tensors, Tensors, Any]:
+        """Microbatch ``j``'s (input leaves, the tensors the module gets, their tree)."""
+        if self.is_first:
+            return (), (), None
+        assert received is not None
+        tree = microbatch.tree_of(received)
+        args = tuple(t.to(self.device, non_blocking=True) for t in received)
+        if not self.training:
+            return args, args, tree
+        leaves = tuple(t.requires_grad_() if t.is_floating_point() or t.is_complex() else t for t in args)
+        # The module gets a non-leaf copy: an in-place first op (ReLU(inplace=True)) is then
+        # fine, as it is in one process; the gradient collects on the leaf.
+        return leaves, tuple(t.clone() if t.requires_grad else t for t in leaves), tree
+
+    def _call(self, j: int, args: Tensors, tree: Any, grad: bool,
+              buffers: dict[str, torch.Tensor] | None = None) -> Any:
+        """The module on microbatch ``j`` (stage 0: its x; else ``args`` shaped by ``tree``);
+        ``buffers``: used instead of the module's own (a recompute's scratch copies)."""
+        value = self.inputs[j] if self.is_first else microbatch.unpack(tree, args)
+        call = microbatch.as_args(value)
+        try:
+            with self.autocast(), torch.set_grad_enabled(grad):
+                if buffers:
+                    return torch.func.functional_call(self.module, buffers, call, strict=False)
+                return self.module(*call)
+        except Exception as exc:
+            shapes = describe(microbatch.tensors_of(value))
+            raise RuntimeError(
+                f"forward of microbatch {j} (step {self.step_index}) failed "
+                f"on input of shape {shapes}: {exc}"
+            ) from exc
+
+    def _loss(self, j: int, out: Any) -> torch.Tensor | None:
+        """The last stage's weighted loss of microbatch ``j`` (None: it weighs nothing)."""
+        target = self.targets[j]
+        try:
+            with self.autocast():
+                loss = self.loss_fn(out, target)  # type: ignore[misc]
+        except Exception as exc:
+            raise RuntimeError(
+                f"loss_fn failed on output {describe(microbatch.tensors_of(out))} and target "
+                f"{describe(microbatch.tensors_of(target))} (microbatch {j}, step {self.step_index}): {exc}"
+            ) from exc
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got "
+                f"{describe((loss,)) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+            )
+        w = self.weights[j]
+        if w == 0.0:  # nothing counts in this microbatch (all targets ignored): no gradient
+            return None
+        return loss.reshape(()) * w
+
+    def _nonfinite(self, what: str, j: int, tensors: Sequence[torch.Tensor]) -> None:
+        if self._check and not all_finite(tensors):
+            raise FloatingPointError(
+                f"stage {self.index}: {what} of microbatch {j} (step {self.step_index}) holds NaN or Inf "
+                f"({describe(tensors)}); check_finite='raise' stopped the run before any optimizer step")
+
+    def forward(self, j: int, received: Tensors | None) -> Tensors | None:
+        """Forward of microbatch ``j``; returns the tensors to send on (None on the last stage)."""
+        leaves, args, tree = self._inputs(j, received)
+        if self._check and self.training and self.is_first:
+            self._nonfinite("the input x", j, microbatch.tensors_of(self.inputs[j]))
+        redo = self.training and self.recompute
+        keep = (tree, self._rng_state()) if redo else None  # what the recompute needs
+        out = self._call(j, args, tree, grad=self.training and not redo)
+        outs, out_tree = microbatch.pack_output(out)
+        if self.is_last:
+            if not self.training:
+                return microbatch.Packed.of(outs, out_tree)
+            self._nonfinite("the output", j, outs)
+            scaled = self._loss(j, out)
+            if scaled is None:
+                self.stash[j] = (leaves, None, None)
+                return None
+            d = scaled.detach()
+            self._nonfinite("the loss", j, (d,))
+            self.loss_sum = d if self.loss_sum is None else self.loss_sum + d
+            self.stash[j] = (leaves, None if redo else self._scaled(scaled), keep)
+            return None
+        if self.training:
+            self._nonfinite("the output", j, outs)
+            self.stash[j] = (leaves, None if redo else outs, keep)
+        return microbatch.Packed.of(tuple(t.detach() for t in outs), out_tree)
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self._cuda else None
+
+    def _recompute(self, j: int, leaves: Tensors, keep: Any) -> Any:
+        """Microbatch ``j``'s forward again, with grad, under the RNG state of its first forward
+        (the same dropout masks) and without touching the module's buffers twice (BatchNorm's
+        running statistics are updated once, by the first forward): its outputs, or the scaled
+        loss on the last stage."""
+        tree, (cpu_rng, cuda_rng) = keep
+        args = tuple(t.clone() if t.requires_grad else t for t in leaves)
+        scratch = {n: b.clone() for n, b in self.module.named_buffers()}
+        with torch.random.fork_rng(devices=[self.device] if self._cuda else [], device_type=self.device.type):
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+            out = self._call(j, args, tree, grad=True, buffers=scratch)
+        if self.is_last:
+            return self._scaled(self._loss(j, out))  # type: ignore[arg-type]
+        return microbatch.pack_output(out)[0]
+
+    def early_input_grads(self, j: int) -> Tensors:
+        """Input gradients computed in the forward (interlocking); plain backprop has none."""
+        raise RuntimeError(f"stage {self.index}: the schedule sends a gradient after a forward")
+
+    def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
+        """Backward of microbatch ``j``; returns the input gradients to send back (None on stage 0)."""
+        leaves, outs, keep = self.stash.pop(j)
+        if keep is not None:
+            outs = self._recompute(j, leaves, keep)
+        if self.is_last:
+            if outs is not None:
+                outs.backward()
+        else:
+            assert grads is not None
+            # the next stage sent one gradient per floating-point output, in order
+            diff_outs = [o for o in outs if o.is_floating_point() or o.is_complex()]
+            if len(grads) != len(diff_outs):
+                raise ValueError(
+                    f"got {len(grads)} gradient(s) for outputs "
+                    f"{describe(outs)} of microbatch {j}"
+                )
+            pairs = [(o, g) for o, g in zip(diff_outs, grads) if o.requires_grad]
+            for o, g in pairs:
+                if o.shape != g.shape:
+                    raise ValueError(
+                        f"gradient of shape {tuple(g.shape)} for output of "
+                        f"shape {tuple(o.shape)} (microbatch {j})"
+                    )
+            if pairs:
+                torch.autograd.backward(
+                    [o for o, _ in pairs], [g.to(self.device, non_blocking=True) for _, g in pairs]
+                )
+        if self.is_first:
+            return None
+        out = tuple(
+            (t.grad if t.grad is not None else torch.zeros_like(t)).detach()
+            for t in leaves
+            if t.requires_grad
+        )
+        if self.scaler is None:
+            self._nonfinite("the input gradient", j, out)
+        return out
+
+    def backward_done(self) -> None:
+        """Called after each backward: after the step's last one, the gradients' all-reduce starts."""
+        self._backwards += 1
+        if self.grad_sync is not None and self._backwards == len(self.weights):
+            self.grad_sync.start()
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer else []
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.optimizer_params() if p.grad is not None]
+
+    def optimizer_step(self) -> None:
+        """The step of a run whose stages need not agree first (see :meth:`step_stats`)."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        self._update()
+
+    def _update(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+            if self.scheduler is not None and self.scheduler_interval == "step":
+                self.scheduler.step()
+
+    # -- steps the stages agree on (clipping, fp16, check_finite; see pipeq.numerics) ----------
+    def step_stats(self) -> StepStats:
+        """This stage's part of the step's global statistics, once its gradients are final (and
+        all-reduced over the replicas); fp16 gradients are unscaled here."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        grads = self._grads()
+        if self.scaler is not None:
+            bad = self.scaler.unscale_(grads)
+        elif self.numerics.check_finite:
+            bad = not all_finite(grads)
+        else:
+            bad = False
+        p = self.numerics.clip_norm_type
+        term = norm_term(grads, p) if self.numerics.clip_grad_norm is not None and not bad else 0.0
+        return StepStats(term, float(self.index) if bad else math.inf)
+
+    def apply_step(self, total: StepStats) -> None:
+        """The optimizer step (or its skip) that every stage decides alike from ``total``."""
+        nm = self.numerics
+        bad = total.first_bad != math.inf
+        if self.scaler is not None:
+            self.scaler.update(bad)
+        elif bad and nm.check_finite == "raise":
+            if total.first_bad == self.index:
+                names = [n for n, p in self.module.named_parameters() if p.grad is not None
+                         and not all_finite((p.grad,))]
+                raise FloatingPointError(
+                    f"stage {self.index}: the gradient of {', '.join(names) or 'a parameter'} holds NaN or "
+                    f"Inf after the backwards of step {self.step_index}; check_finite='raise' stopped the "
+                    "run before any optimizer step")
+            return  # that stage reports it; nobody steps
+        if bad:
+            self.skipped_steps += 1
+            if self.scheduler is not None and self.scheduler_interval == "step":
+                self.scheduler.step()  # a skipped step still counts for the schedule, as in a torch loop
+            return
+        if nm.clip_grad_norm is not None:
+            clip_(self._grads(), nm.clip_grad_norm, total_norm(total, nm.clip_norm_type))
+        self._update()
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        """Peak memory since the last reset (see :func:`pipeq.numerics.peak_memory`) and the
+        optimizer steps skipped for non-finite gradients."""
+        return {**peak_memory(self.device, reset), "skipped_steps": self.skipped_steps,
+                "recompute": self.recompute}
+
+    # -- transfer to the CPU ---------------------------------------------------------------
+    #: the transport takes device tensors as they are (CUDA IPC on one host: pipeq.shm)
+    keep_on_device = False
+
+    def for_peer(self, tensors: Tensors) -> Tensors:
+        """What goes to a neighbour stage: the tensors themselves when the transport moves
+        device tensors (:attr:`keep_on_device`), else CPU copies (:meth:`to_host`)."""
+        return tensors if self.keep_on_device else self.to_host(tensors)
+
+    def to_host(self, tensors: Tensors) -> Tensors:
+        """CPU copies for sending (the same tensors when already on the CPU)."""
+        if not self._cuda:
+            return tensors
+        host = []
+        for t in tensors:  # (a tree's description stays with them: see rewrap below)
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # pinned: async D2H copy
+            buf.copy_(t, non_blocking=True)
+            host.append(buf)
+        torch.cuda.current_stream(self.device).synchronize()
+        return microbatch.rewrap(tensors, host)
+
+    # -- state -----------------------------------------------------------------------------
+    def state_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+        sd = self.module.state_dict()
+        names = list(sd)
+        return names, [sd[n].detach().to("cpu") for n in names]
+
+    def load_state(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+        self.module.load_state_dict(dict(zip(names, tensors)), strict=True)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint needs to know of this stage to hand it its part (local names)."""
+        from pipeq.checkpoint import layout_of
+
+        return dataclasses.asdict(layout_of(self.module))
+
+    def snapshot(self) -> dict[str, Any]:
+        """Parameters and buffers, every optimizer's and scheduler's state and the RNG, as CPU copies."""
+        from pipeq.checkpoint import optimizers_snapshot, schedulers_snapshot, stage_snapshot
+
+        snap = dict(stage_snapshot(self.module))
+        snap["optim"] = optimizers_snapshot(self.module, self.optimizers())
+        snap["sched"] = schedulers_snapshot(self.schedulers())
+        snap["scaler"] = self.scaler.state_dict() if self.scaler is not None else None
+        return snap
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Load a :meth:`snapshot` (possibly re-split from another stage count)."""
+        from pipeq.checkpoint import load_optimizer_snapshot, load_schedulers_snapshot
+
+        self.module.load_state_dict(snap["model"], strict=True)
+        # the schedulers first: the optimizers' saved hyperparameters (the scheduled lr) win
+        load_schedulers_snapshot(self.schedulers(), snap.get("sched"), self.index)
+        if snap.get("optim"):
+            for optimizer in self.optimizers():
+                load_optimizer_snapshot(self.module, optimizer, snap["optim"], self.device)
+        if snap.get("rng") is not None:
+            torch.set_rng_state(snap["rng"])
+        if self.scaler is not None and isinstance(snap.get("scaler"), dict):
+            self.scaler.load_state_dict(snap["scaler"])
+
+    # -- learning-rate schedule ------------------------------------------------------------------
+    def schedulers(self) -> list[Any]:
+        """This stage's lr schedulers (one per optimizer that has one)."""
+        return [self.scheduler] if self.scheduler is not None else []
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """This stage's optimizers (none for a stage without trainable parameters)."""
+        return [self.optimizer] if self.optimizer is not None else []
+
+    def scheduler_step(self, metric: float | None) -> None:
+        """Step every scheduler of this stage once (``runner.scheduler_step``), with ``metric``
+        when it takes one (see :func:`pipeq.lr_schedulers.step`)."""
+        for scheduler in self.schedulers():
+            lr_schedulers.step(scheduler, metric)
+
+    def learning_rates(self) -> list[float]:
+        """The learning rate of every parameter group of every optimizer of this stage, in order."""
+        return [lr for opt in self.optimizers() for lr in lr_schedulers.group_rates(opt)]
+
+    def learning_rate(self) -> float | None:
+        """The first parameter group's learning rate (reported with each step's loss), None
+        for a stage without an optimizer."""
+        rates = self.learning_rates()
+        return rates[0] if rates else None

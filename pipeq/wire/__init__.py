@@ -1,0 +1,1 @@
+"""The wire: the codec, message kinds, keys, sockets and links between pipeq's processes."""

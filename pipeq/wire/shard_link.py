@@ -1,0 +1,166 @@
+"""A tensor-parallel stage's shards: shard 0 talks to the pipeline, the others follow it.
+
+With ``tensor_parallel=T`` every stage runs on T processes (shards) that compute together
+(torch's DTensor over a mesh of the T, see :mod:`pipeq.tensorpar`). Only shard 0, the *lead*,
+is wired into the pipeline: it gets the driver's commands and the neighbours' activations and
+gradients, and sends its own. Activations cross stages once per stage, not T times::
+
+    stage k-1 lead ──F──▶ stage k lead ──F──▶ stage k+1 lead
+                            │  share (gloo broadcast, one host)
+                            ▼
+                         stage k shard 1..T-1   (same actions, same order, sends dropped)
+
+Every message the lead's event loop consumes (a command, an activation, a gradient) is shared
+with the followers in the order it was consumed, as the wire codec's frames (msgpack header plus
+raw tensor bytes, validated on arrival like any other message: no pickles). The followers run the
+very same event loop on what they are shared, so they take every action, and every collective
+inside the stage's forward and backward, in the lead's order. What a follower would send (its
+outputs, replies) is dropped: after the plan's all-reduce its outputs are the lead's.
+
+The shards of a stage share one host (placement sees to it): the broadcast is gloo over loopback.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from pipeq.wire import codec
+from pipeq.errors import CodecError
+from pipeq.wire.messages import Kind, Message
+
+_ALIGN = 64  # every frame starts at a multiple of this in the shared buffer (torch's alignment)
+MAX_FRAMES = codec.MAX_TENSORS + 1
+
+
+def _round(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class ShardLink:
+    """Shard 0 of a stage :meth:`share`\\ s messages; every other shard :meth:`receive`\\ s them,
+    in order, over the stage's CPU process group ``group`` (gloo)."""
+
+    def __init__(self, group: Any, shard: int, shards: int, where: str, max_bytes: int) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.shard = shard
+        self.shards = shards
+        self.where = where
+        self.max_bytes = max_bytes  # the most a shared message may carry (frames and lengths)
+        self._head = torch.empty(2, dtype=torch.int64)
+
+    def share(self, msg: Message) -> None:
+        """Shard 0: hand ``msg`` to the other shards (two broadcasts: its size, its frames)."""
+        frames = codec.encode(msg.kind, msg.step, msg.microbatch, msg.tensors, msg.extra or None)
+        views = [memoryview(f).cast("B") for f in frames]
+        start = _round(8 * len(views))
+        offsets = []
+        end = start
+        for v in views:
+            offsets.append(end)
+            end = _round(end + v.nbytes)
+        buf = torch.empty(end, dtype=torch.uint8)
+        raw = buf.numpy()
+        raw[:8 * len(views)].view("<i8")[:] = [v.nbytes for v in views]
+        for off, v in zip(offsets, views):
+            raw[off:off + v.nbytes] = v
+        self._head[0], self._head[1] = len(views), end
+        self._dist.broadcast(self._head, 0, group=self.group)
+        self._dist.broadcast(buf, 0, group=self.group)
+
+    def receive(self) -> Message:
+        """Another shard: the next message shard 0 shared, checked as any message from the wire."""
+        head = torch.empty(2, dtype=torch.int64)
+        self._dist.broadcast(head, 0, group=self.group)
+        n, total = int(head[0]), int(head[1])
+        if not 1 <= n <= MAX_FRAMES or not 0 <= total <= self.max_bytes:
+            raise CodecError(f"{self.where}: shard 0 shared a message of {n} frames, {total} bytes "
+                             f"(at most {MAX_FRAMES} frames, {self.max_bytes} bytes)")
+        buf = torch.empty(total, dtype=torch.uint8)
+        self._dist.broadcast(buf, 0, group=self.group)
+        raw = buf.numpy()
+        start = _round(8 * n)
+        if start > total:
+            raise CodecError(f"{self.where}: a shared message of {total} bytes cannot hold {n} frame lengths")
+        lengths = raw[:8 * n].view("<i8").tolist()
+        frames = []
+        off = start
+        for length in lengths:
+            if length < 0 or off + length > total:
+                raise CodecError(f"{self.where}: a shared message's frame of {length} bytes runs past its "
+                                 f"{total} bytes")
+            frames.append(memoryview(raw[off:off + length]))
+            off = _round(off + length)
+        return codec.decode(frames)
+
+
+class LeadTransport:
+    """Shard 0's transport: the stage's own, sharing every message it hands the event loop."""
+
+    def __init__(self, transport: Any, link: ShardLink) -> None:
+        self._inner = transport
+        self.link = link
+        self.forward_queue = transport.forward_queue
+        self.backward_queue = transport.backward_queue
+        # sends, replies and wiring: the stage's own, bound once (the event loop calls them per action)
+        self.send_activation = transport.send_activation
+        self.send_gradient = transport.send_gradient
+        self.send_control = transport.send_control
+        self.connect = transport.connect
+        self.device_payloads = transport.device_payloads
+
+    @property
+    def shm_waits(self) -> int:
+        return self._inner.shm_waits
+
+    def next_control(self, timeout_ms: int) -> Message | None:
+        msg = self._inner.next_control(timeout_ms)
+        if msg is not None:
+            self.link.share(msg)
+        return msg
+
+    def wait_data(self, queue: Any, step: int, mb: int) -> Message:
+        msg = self._inner.wait_data(queue, step, mb)
+        self.link.share(msg)
+        return msg
+
+
+class FollowerTransport:
+    """Shard s > 0's transport as its event loop sees it: commands and data are what shard 0
+    shares, in its order; sends and replies go nowhere (shard 0 makes them). Errors and
+    heartbeats still reach the driver on the process's own control channel (the worker's)."""
+
+    def __init__(self, transport: Any, link: ShardLink) -> None:
+        self._inner = transport
+        self.link = link
+        self.forward_queue = transport.forward_queue
+        self.backward_queue = transport.backward_queue
+        self.shm_waits = 0
+        self.device_payloads = False
+
+    def next_control(self, timeout_ms: int) -> Message | None:
+        return self.link.receive()
+
+    def wait_data(self, queue: Any, step: int, mb: int) -> Message:
+        msg = self.link.receive()
+        kind = Kind.ACTIVATION if queue is self.forward_queue else Kind.GRADIENT
+        if msg.kind is not kind or msg.step != step or msg.microbatch != mb:
+            raise RuntimeError(f"{self.link.where}: waited for {kind.name} ({step}, {mb}), shard 0 shared "
+                               f"{msg.kind.name} ({msg.step}, {msg.microbatch}): the shards are out of step")
+        return msg
+
+    def send_control(self, msg: Message) -> None:
+        pass
+
+    def send_activation(self, step: int, mb: int, tensors: Sequence[torch.Tensor], tree: Any = None) -> None:
+        pass
+
+    def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def connect(self, next_forward: str | None, prev_backward: str | None) -> None:
+        pass
