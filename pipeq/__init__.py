@@ -1,21 +1,28 @@
 """pipeq: multiprocess pipeline-parallel training for PyTorch over ZeroMQ.
 
-Layers, imports pointing down only (tests/test_layers.py checks it)::
+The folders are the layers; imports point down only (tests/unit/test_layers.py checks it)::
 
-    control plane  cli.py -> launch.py (pipeq launch: job.py files, checkpoints, metrics)
-                             agent.py (node r > 0 of a multi-host run)
-                   runner.py (PipelineRunner) -> options.py (checks), batching.py (microbatches,
-                             loss weights) -> driver.py (process mode: supervisor.py watches
-                             failures, tracing.py collects traces, processes.py starts stages,
-                             rendezvous.py meets other hosts) | simulated.py (one process)
-                   report.py, plot.py (reading traces)
-    event loop     worker.py (one per stage process) -> interpreter.py (runs a stage's actions)
-    compute        schedules.py, actions.py, dryrun.py (pure: actions as data, lowering, dry run),
-                   executors.py -> stage.py, interlock.py, asyncpipe.py, al.py (forward, backward,
-                   step), checkpoint.py (global names), dataparallel.py, trace.py (the trace format),
-                   balance.py (pipeq.balance: per-layer costs measured, an optimal split into stages)
-    transport      transport.py (ZeroMQ sockets, keyed queues; the only user of the codec)
-    codec          codec.py (bytes), messages.py (kinds, Message), errors.py, netif.py
+    control plane  launch/     pipeq launch: cli.py, job files (job/), the trainer loop, run
+                               directories, node agents (agent.py)
+                   control/    runner.py (PipelineRunner) and its run configuration, the checks of
+                               what it is given, microbatching (batching.py), the backends: driver.py
+                               (process mode: processes, supervisor, rendezvous, trace collection)
+                   trace/      report.py, plot.py: reading traces
+    event loop     runtime/    worker.py (one per stage process), interpreter.py (runs a stage's
+                               actions), simulated.py (every stage in one process), executors.py
+    compute        schedules/  pure: actions as data, the schedule policy protocol, the registry,
+                               lowering, dry runs, bounds
+                   stage/      one stage's forward, backward and step; numerics, microbatches, lr
+                   research/   plug-in schedules with their executors: interlock/, async1f1b/, al/
+                   parallel/   data parallelism (replicas) and tensor parallelism (shards)
+                   checkpoint/ global names, snapshots, atomic writes, re-splitting
+                   models/     ready-made staged models (ResNets with auxiliary heads)
+                   trace/      format.py: the trace file every stage's timeline is written in
+                   balance.py (pipeq.balance: an optimal split of an nn.Sequential),
+                   testing.py (stages of known cost)
+    transport      wire/       ZeroMQ sockets and links, shared memory, lanes
+    codec          wire/       codec.py (bytes), messages.py (kinds, Message), keys.py, netif.py;
+                   errors.py, tree.py (nested values)
 """
 
 import importlib
@@ -26,6 +33,7 @@ from typing import Any
 
 from pipeq.errors import CodecError, MainScriptError, PipelineError, ScheduleError
 from pipeq.schedules import SCHEDULES, format_table
+from pipeq import research  # noqa: F401  (registers the research schedules)
 
 __all__ = ["PipelineRunner", "Recipe", "balance", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
            "SCHEDULES", "format_table"]

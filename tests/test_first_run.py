@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq.control import options
+from pipeq.control import main_guard as options
 from pipeq import schedules
 
 from conftest import wait_no_strays

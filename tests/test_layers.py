@@ -90,8 +90,12 @@ def imports(module: str) -> set[str]:
     known = set(modules())
     tree = ast.parse(open(path_of(module)).read())
     package = module.split(".")[:-1]
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _type_checking(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
     out: set[str] = set()
     for node in ast.walk(tree):
+        if id(node) in typing_only:  # annotations only: no import at run time
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - node.level + 1]
@@ -108,6 +112,11 @@ def imports(module: str) -> set[str]:
             out.update(_resolve(a.name[6:], known) for a in node.names if a.name.startswith("pipeq."))
     out.discard(module)
     return {m for m in out if m is not None}
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+            or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def test_every_module_has_a_layer():

@@ -19,6 +19,7 @@ import torch
 
 from pipeq.stage import microbatch
 from pipeq import schedules
+from pipeq.schedules import SchedulePolicy
 from pipeq.stage.executor import microbatch_weights
 
 #: One replica's part of a step: microbatch sizes, loss weights, auxiliary heads' loss weights.
@@ -45,9 +46,9 @@ class Batcher:
     dry-run first, so a schedule that cannot run it is refused before any stage is told.
     """
 
-    def __init__(self, schedule: Any, n_stages: int, microbatches: int, loss_fn: Callable,
+    def __init__(self, schedule: SchedulePolicy, n_stages: int, microbatches: int, loss_fn: Callable,
                  aux_loss: Callable | None = None, replicas: int = 1) -> None:
-        self.schedule = schedule
+        self.schedule = schedules.resolve(schedule)
         self.n_stages = n_stages
         self.microbatches = microbatches
         self.loss_fn = loss_fn
@@ -70,23 +71,17 @@ class Batcher:
         if n != n_target:
             raise ValueError(f"x has {n} samples but target has {n_target}: they must split alike on dim 0")
         self.check_input(x)
-        if isinstance(self.schedule, schedules.AssociatedLearning) and not (
-                isinstance(target, torch.Tensor) and target.dim() == 1
-                and not (target.is_floating_point() or target.is_complex())):
-            what = (f"{tuple(target.shape)} {target.dtype}" if isinstance(target, torch.Tensor)
-                    else type(target).__name__)
-            raise ValueError(f"schedule 'al' encodes class indices as one-hot labels: target must be a "
-                             f"1-d integer tensor, got {what}")
+        self.schedule.check_target(target)
         if n < self.replicas:
             raise ValueError(f"a batch of {n} samples cannot be split over "
                              f"data_parallel={self.replicas} replicas")
         return x, target, n
 
     def check_input(self, x: Any) -> None:
-        """Only fill-drain, 1F1B and your own schedules take x that is not one tensor."""
-        if not isinstance(x, torch.Tensor) and schedules.is_research(self.schedule):
+        """Only plain backprop's schedules (fill-drain, 1F1B, your own) take x that is not one tensor."""
+        if not isinstance(x, torch.Tensor) and not self.schedule.plain_backprop:
             raise ValueError(
-                f"schedule {schedules.schedule_name(self.schedule)!r} takes x as one tensor, got a "
+                f"schedule {self.schedule.name!r} takes x as one tensor, got a "
                 f"{type(x).__name__}: tuples and dicts of inputs run with fill-drain, 1F1B and your own schedules")
 
     def shards(self, target: Any, batch: int) -> list[Shard]:

@@ -26,6 +26,7 @@ from pipeq.wire.transport import BindTo, WireAuth
 from pipeq.runtime.worker import WorkerConfig, worker_entry
 
 if TYPE_CHECKING:
+    from pipeq.control.config import RunConfig
     from pipeq.control.rendezvous import Rendezvous
 
 
@@ -93,6 +94,14 @@ class StageSettings:
     shm_slots: int = 4  # shared-memory slots per data channel on one host (pipeq.shm); 0: none
     tensor_parallel: int = 1  # shards per stage (pipeq.tensorpar)
     tp_plans: Sequence[Any] | None = None  # with tensor_parallel > 1: each stage's plan
+
+    @classmethod
+    def of(cls, config: "RunConfig", numerics: Numerics, tp_plans: Sequence[Any] | None = None) -> "StageSettings":
+        """What a run's configuration tells each stage process (``numerics`` checked for its stages)."""
+        place, wire = config.placement, config.wire
+        return cls(place.devices, place.threads_per_stage, config.queue_capacity, config.fault.heartbeat_interval,
+                   wire.spin, config.trace is not None, wire.tcp_security, wire.max_message_mb, numerics,
+                   wire.shm_slots, place.tensor_parallel, tp_plans)
 
 
 def plan_devices(

@@ -8,35 +8,40 @@
         out = runner.predict(x)           # forward only -> CPU tensor
         state = runner.state_dict()       # keys as in the flat model nn.Sequential(*layers)
 
-The runner checks its arguments and the schedule (a dry run with the real stage and microbatch
+The runner checks its arguments (a :class:`~pipeq.control.config.RunConfig`, built once) and the schedule (a dry run with the real stage and microbatch
 counts) before anything starts, splits each batch into microbatches, and hands the work to a
-backend: :class:`~pipeq.driver.ProcessBackend` (``mode="process"``, the default) or
-:class:`~pipeq.simulated.SimulatedBackend` (``mode="simulated"``, every stage in this process).
+backend: :class:`~pipeq.control.driver.ProcessBackend` (``mode="process"``, the default) or
+:class:`~pipeq.runtime.simulated.SimulatedBackend` (``mode="simulated"``, every stage in this process).
 """
 
 from __future__ import annotations
 
 import collections
-import os
+import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from pipeq.stage import microbatch
-from pipeq.control import options
 from pipeq import schedules
+from pipeq.control import checks
 from pipeq.control.batching import Batcher, check_batch
+from pipeq.control.config import RunConfig
+from pipeq.control.main_guard import check_main_guard
+from pipeq.control.processes import StageSettings
+from pipeq.control.state import RunnerState
 from pipeq.errors import PipelineError
 from pipeq.runtime.executors import StageBuilder
-from pipeq.control.processes import StageSettings
+from pipeq.stage import microbatch
+from pipeq.stage.numerics import Numerics
 
 if TYPE_CHECKING:
-    from pipeq import checkpoint
     from pipeq.control.rendezvous import Rendezvous
 
+__all__ = ["PipelineRunner"]
 
-class PipelineRunner:
+
+class PipelineRunner(RunnerState):
     """Train ``stages`` (one ``nn.Module`` per pipeline stage) with a pipeline schedule.
 
     Args:
@@ -66,88 +71,34 @@ class PipelineRunner:
             replica's) once, e.g. at the end of each epoch, with the metric a
             ``ReduceLROnPlateau`` monitors (which needs ``"epoch"``). With a recipe, the recipe
             sets it.
-        mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
-        devices: one device string per stage; default ``cuda:k`` round-robin when CUDA is
-            available, else ``cpu`` with each stage pinned to its share of the CPU cores.
-        threads_per_stage: torch threads per stage process (default: cores / stages, at least 1).
-        transport: ``"ipc"`` (Unix sockets, one host) or ``"tcp"``.
-        host: the address stages bind to with ``transport="tcp"``.
-        tcp_security: how TCP sockets are protected: ``"encrypt"`` (default; CURVE on every
-            socket: encrypted and authenticated) or ``"authenticate"`` (CURVE on the control
-            channel, an HMAC on every data message: no encryption of activations and gradients,
-            2-3x the bandwidth at 4-64 MiB). Either way only holders of the job's secret get in:
-            this runner makes one, a multi-host run takes it from ``rendezvous.secret``.
-        max_message_mb: the largest tensor (MiB) one stage sends another; a larger frame is
-            refused by the receiving stage before it is buffered, and the sender fails naming it.
-        shm_slots: with ``transport="ipc"``, a message's tensors of 64 KiB or more cross to the
-            next (previous) stage through shared memory: each channel has this many reusable
-            slots (a sender waits while all are in use), 0 sends everything in ZeroMQ frames
-            (:mod:`pipeq.shm`). Other transports ignore it.
-        heartbeat_interval, heartbeat_timeout: seconds; a stage silent for longer is failed.
-        step_timeout: seconds a stage may spend in one compute action (a forward, a backward, an
-            optimizer step) before the run fails with a PipelineError naming the stage and the
-            action (a stage alive, heartbeating, but stuck in its own computation; its waiting
-            neighbours are not blamed). Judged from each stage's heartbeats, so only a stage
-            that stops making progress fails, never a step that is merely long. Default None:
-            off, as a library cannot know how long one action of a user's model may
-            legitimately take (a first CUDA compile, huge microbatches, a starved CPU);
-            ``pipeq launch`` sets 300 s. Must be longer than ``heartbeat_interval``.
-            Process mode only (a simulated run has no stage processes to watch).
-        start_timeout: seconds to wait for every stage to start.
-        stop_timeout: seconds ``close()`` lets the stages finish what they were sent before they
-            are terminated (a failure is raised then).
-        spin: seconds a stage waiting for a message busy-polls (yielding its core to anything
-            else runnable) before it blocks: a blocked process wakes up 0.1-0.5 ms later on a
-            virtual machine, on every hop. 0 never spins (least CPU, most latency).
-        start_method: ``"spawn"`` (default: every stage a fresh interpreter importing torch,
-            all at once: 4-9 s for 3 stages on 2 busy cores) or ``"forkserver"`` (stages fork
-            from a server that imports torch once: 2-4 s for the first runner of a process,
-            ~0.1 s for later ones; the server lives on until this process exits).
-            Both run the main script again in each stage: start the runner under
-            ``if __name__ == "__main__":`` (it refuses otherwise).
-        rendezvous: a :class:`pipeq.rendezvous.Rendezvous` for a multi-host run (this process
-            is node 0; the other nodes run ``pipeq launch ... --node-rank r``); its stages bind
-            to ``rendezvous.bind`` over TCP.
-        placement: stages per node, e.g. ``[[0], [1, 2]]`` (default: an even, contiguous split).
-        trace: a file path: every stage records each action it runs (forward, backward,
-            optimizer step, send, waiting for input) and ``close()`` writes one merged Chrome
-            trace-event JSON file there (Perfetto, chrome://tracing; ``pipeq report`` reads it).
         aux_heads, aux_loss: interlocking schedules: one head per stage but the last (stage k's
             reads stage k's output) and their loss (default cross-entropy).
-        data_parallel: R replicas of the pipeline (R x N processes), gradients all-reduced.
-        tensor_parallel, tp_plan: each stage split over T processes of one host (R x N x T
-            processes), on torch's DTensor (:mod:`pipeq.tensorpar`). ``tp_plan`` has one plan per
-            stage: a dict mapping submodule names (``stage.get_submodule(name)``; ``""`` is the
-            stage itself) to ``"colwise"``
-            or ``"rowwise"`` (torch's ``ColwiseParallel`` / ``RowwiseParallel``, or such objects),
-            ``{}`` for a stage left whole, or a callable ``(stage_module, mesh) -> module``. A
-            "colwise" entry with no "rowwise" after it gathers its output: a stage always hands
-            on whole tensors, from its shard 0, once. With ``data_parallel``, each shard's
-            gradients are summed with the same shard of the other replicas. States and
-            checkpoints hold whole tensors (they load at any T). Fill-drain, 1F1B and your own
-            schedules; not yet with precision, clipping, check_finite or recompute.
-        precision: ``"fp32"`` (default), ``"bf16"`` (autocast to bfloat16 on CPU and CUDA: the
-            forward and the loss run under ``torch.autocast``; parameters, gradients and the
-            optimizer stay float32) or ``"fp16"`` (autocast to float16 with dynamic loss scaling,
-            torch.amp.GradScaler's: the found-inf check is combined over every stage and replica,
-            so all of them step or skip together, as one GradScaler on the whole model would).
-        clip_grad_norm: clip the gradients by their global norm over every stage (after the
-            replicas' all-reduce, after fp16's unscaling), as ``torch.nn.utils.clip_grad_norm_``
-            on the whole model does; ``clip_norm_type`` is its p (2.0, or ``float('inf')``).
-        check_finite: ``"raise"`` (or True): check the input, every stage's outputs, the losses and
-            the gradients, and fail with a PipelineError naming the stage and microbatch where the
-            first NaN or Inf appeared, before any optimizer step changes a weight. ``"skip"``:
-            skip the optimizer step on every stage when any gradient is not finite (the step's loss
-            may be anything; :meth:`stats` counts the skipped steps). Default False: no checks.
-        recompute: True, or one boolean per stage: the stage keeps only its inputs between a
-            microbatch's forward and backward and recomputes the forward in the backward (the same
-            RNG state, so the same dropout masks): the same numbers, less activation memory.
-        Precision, clipping, check_finite and recompute run with fill-drain, 1F1B and your own
-        schedules (interlocking, async and AL compute their own way).
         balance: layer counts per stage (``[3, 2, 1]``, or ``pipeq.balance(model, n_stages,
             sample)``, which measures them) when ``stages`` is the whole model as one
             ``nn.Sequential``: its children are split into stages of that many layers each
             (``pipeq.balance.split``; every replica gets the same split).
+
+        rendezvous: a :class:`pipeq.rendezvous.Rendezvous` for a multi-host run (this process
+            is node 0; the other nodes run ``pipeq launch ... --node-rank r``); its stages bind
+            to ``rendezvous.bind`` over TCP.
+        trace: a file path: every stage records each action it runs (forward, backward,
+            optimizer step, send, waiting for input) and ``close()`` writes one merged Chrome
+            trace-event JSON file there (Perfetto, chrome://tracing; ``pipeq report`` reads it).
+        config: a :class:`~pipeq.control.config.RunConfig` holding the schedule, microbatches
+            and every setting below, instead of keyword arguments.
+        **settings: the run's settings by keyword, in four groups, each documented on its class
+            in :mod:`pipeq.control.config`:
+
+            - numerics (:class:`~pipeq.control.config.NumericsConfig`): ``precision``,
+              ``clip_grad_norm``, ``clip_norm_type``, ``check_finite``, ``recompute``;
+            - wire (:class:`~pipeq.control.config.WireConfig`): ``transport``, ``host``,
+              ``tcp_security``, ``max_message_mb``, ``shm_slots``, ``queue_capacity``, ``spin``;
+            - faults (:class:`~pipeq.control.config.FaultConfig`): ``heartbeat_interval``,
+              ``heartbeat_timeout``, ``step_timeout``, ``start_timeout``, ``stop_timeout``;
+            - placement (:class:`~pipeq.control.config.PlacementConfig`): ``mode``
+              (``"process"``, the default, or ``"simulated"``), ``devices``,
+              ``threads_per_stage``, ``start_method``, ``placement``, ``data_parallel``,
+              ``tensor_parallel``, ``tp_plan``.
 
     Names: :meth:`state_dict`, :meth:`load_state_dict`, :meth:`save` / :meth:`load` and
     ``pipeq launch``'s model.pt all name tensors as the flat model ``nn.Sequential(*layers)``
@@ -164,93 +115,40 @@ class PipelineRunner:
         stages: "Sequence[nn.Module] | StageBuilder",
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
         optimizer: Callable[..., torch.optim.Optimizer] | None,
-        schedule: str | schedules.ScheduleFn = "1f1b",
-        microbatches: int = 8,
+        schedule: "str | schedules.ScheduleFn | schedules.SchedulePolicy | None" = None,
+        microbatches: int | None = None,
         *,
+        config: RunConfig | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         lr_scheduler_interval: str | None = None,
-        mode: str = "process",
-        devices: Sequence[str] | None = None,
-        threads_per_stage: int | None = None,
-        transport: str = "ipc",
-        host: str = "127.0.0.1",
-        tcp_security: str = "encrypt",
-        max_message_mb: int = 256,
-        shm_slots: int = 4,
-        queue_capacity: int | None = None,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 15.0,
-        step_timeout: float | None = None,
-        start_timeout: float = 120.0,
-        spin: float = 0.01,
-        start_method: str = "spawn",
-        stop_timeout: float = 60.0,
-        rendezvous: "Rendezvous | None" = None,
-        placement: Sequence[Sequence[int]] | None = None,
-        trace: str | None = None,
         aux_heads: Sequence[nn.Module] | None = None,
         aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
-        data_parallel: int = 1,
-        tensor_parallel: int = 1,
-        tp_plan: Sequence[Any] | None = None,
-        precision: str = "fp32",
-        clip_grad_norm: float | None = None,
-        clip_norm_type: float = 2.0,
-        check_finite: "bool | str" = False,
-        recompute: "bool | Sequence[bool]" = False,
         balance: Sequence[int] | None = None,
-        **moved: Any,
+        rendezvous: "Rendezvous | None" = None,
+        **settings: Any,
     ) -> None:
-        options.refuse_moved(moved)
+        self.config = cfg = _configure(config, schedule, microbatches, settings)
         if balance is not None:  # the whole model, split here (pipeq.balance)
             from pipeq.balance import stages_for
 
             stages = stages_for(stages, balance)
-        self.schedule = schedule = schedules.resolve(schedule)
-        schedules.get_schedule(schedule)  # an unknown name is refused with the list of names
-        model = options.check_model(stages, loss_fn, optimizer, lr_scheduler, schedule, aux_heads=aux_heads,
-                                    aux_loss=aux_loss, data_parallel=data_parallel, mode=mode,
-                                    rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval)
-        self.lr_schedule = model.lr_schedule  # who steps the lr schedulers (pipeq.lr_schedulers)
-        self._last_step_lr: float | None = None
-        options.check_run(model.n_stages, microbatches, mode=mode, devices=devices,
-                          threads_per_stage=threads_per_stage, transport=transport, start_method=start_method,
-                          queue_capacity=queue_capacity, trace=trace, heartbeat_interval=heartbeat_interval,
-                          heartbeat_timeout=heartbeat_timeout, tcp_security=tcp_security,
-                          max_message_mb=max_message_mb, step_timeout=step_timeout, shm_slots=shm_slots)
-        self.numerics = options.check_numerics(schedule, model.n_stages, devices, precision=precision,
-                                               clip_grad_norm=clip_grad_norm, clip_norm_type=clip_norm_type,
-                                               check_finite=check_finite, recompute=recompute)
-        tp_plans = options.check_tensor_parallel(model, schedule, tensor_parallel, tp_plan, mode=mode,
-                                                 numerics=self.numerics)
-        self.tensor_parallel = tensor_parallel
-        self.n_stages, self.microbatches, self.mode = model.n_stages, microbatches, mode
-        self.data_parallel = data_parallel
-        self._batcher = Batcher(schedule, model.n_stages, microbatches, model.loss_fn, model.aux_loss,
-                                data_parallel)
-        self._stage_layouts: list[Any] | None = None  # see _layouts
+        place = cfg.placement
+        model = checks.check_model(stages, loss_fn, optimizer, lr_scheduler, cfg.schedule, aux_heads=aux_heads,
+                                   aux_loss=aux_loss, data_parallel=place.data_parallel, mode=place.mode,
+                                   rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval)
+        cfg.check_stages(model.n_stages)
+        self.numerics = cfg.numerics_for(model.n_stages)
+        tp_plans = checks.check_tensor_parallel(model, cfg.schedule, place.tensor_parallel, place.tp_plan,
+                                                mode=place.mode, numerics=self.numerics)
+        self.schedule, self.lr_schedule = cfg.schedule, model.lr_schedule  # lr: see pipeq.stage.lr_schedulers
+        self.n_stages, self.microbatches, self.mode = model.n_stages, cfg.microbatches, place.mode
+        self.data_parallel, self.tensor_parallel = place.data_parallel, place.tensor_parallel
+        self._batcher = Batcher(cfg.schedule, model.n_stages, cfg.microbatches, model.loss_fn, model.aux_loss,
+                                place.data_parallel)
         self._aux_heads = model.aux_loss is not None  # heads given, or named by the recipe
-        if mode == "simulated":
-            from pipeq.runtime.simulated import SimulatedBackend
-
-            self._backend: Any = SimulatedBackend(model.replicas[0], schedule, devices[0] if devices else "cpu",
-                                                  self.numerics)
-        else:
-            from pipeq.control.driver import ProcessBackend
-
-            settings = StageSettings(devices, threads_per_stage, queue_capacity or max(64, 4 * microbatches),
-                                     heartbeat_interval, spin, trace is not None, tcp_security, max_message_mb,
-                                     self.numerics, shm_slots, tensor_parallel, tp_plans)
-            self._backend = ProcessBackend(
-                options.process_payloads(model, schedule), schedule, settings, replicas=data_parallel,
-                loss_stages=schedules.loss_stages(schedule, model.n_stages),
-                output_stage=schedules.output_stage(schedule, model.n_stages), microbatches=microbatches,
-                transport=transport, host=host,
-                start_method=start_method, heartbeat_timeout=heartbeat_timeout, step_timeout=step_timeout,
-                start_timeout=start_timeout,
-                stop_timeout=stop_timeout, rendezvous=rendezvous, placement=placement,
-                trace_path=os.fspath(trace) if trace is not None else None)
-        self._queue_capacity = queue_capacity or max(64, 4 * microbatches)
+        self._backend = _backend(cfg, model, self.numerics, tp_plans, rendezvous)
+        self._queue_capacity = cfg.queue_capacity
+        self._last_step_lr: float | None = None
         self._step = 0
         self._submitted: collections.deque[int] = collections.deque()  # steps whose loss is not back
         self._losses: dict[int, float] = {}  # losses collected early (settle), not yet handed out
@@ -269,7 +167,7 @@ class PipelineRunner:
                 "state_dict you kept) instead"
             )
         if self.mode == "process":  # each stage process runs the main script again
-            options.check_main_guard()
+            check_main_guard()
         self._used = True
         self._backend.start()
         self._running = True
@@ -367,7 +265,7 @@ class PipelineRunner:
         self._step += 1
         self._backend.submit(self._step, shards, x, target, stream)
         self._submitted.append(self._step)
-        self._undrained |= stream and isinstance(self.schedule, schedules.AsyncOneFOneB)
+        self._undrained |= stream and self.schedule.streams_across_batches
         return self._step
 
     def _result(self, step: int) -> float:
@@ -407,17 +305,6 @@ class PipelineRunner:
                 for o in outs]
         return microbatch.cat(outs)
 
-    def stats(self, reset_peak: bool = False) -> list[dict[str, Any]]:
-        """One dict per stage: ``peak_bytes``, the stage's peak memory since the start or the
-        last ``reset_peak=True`` (CUDA: allocated bytes; CPU: the stage process's peak resident
-        set; ``memory`` says which), ``skipped_steps`` (steps skipped for non-finite gradients:
-        ``precision="fp16"``, ``check_finite="skip"``), ``recompute`` and ``shm_waits`` (how often
-        one of the stage's sends found every shared-memory slot of its channel in use: raise
-        ``shm_slots`` if it grows). In simulated mode the peak is this process's; with
-        ``tensor_parallel``, shard 0's (each shard holds its own part of the stage)."""
-        self._require_running()
-        return self._backend.stats(reset_peak)
-
     def evaluate(self, batches: Iterable[tuple[Any, Any]],
                  metrics: Mapping[str, Callable[[Any, torch.Tensor], Any]] | None = None,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
@@ -434,29 +321,10 @@ class PipelineRunner:
 
         self._require_running()
         if loss_fn is None:
-            al = isinstance(self.schedule, schedules.AssociatedLearning)
-            loss_fn = nn.CrossEntropyLoss() if al else self._batcher.loss_fn
+            loss_fn = self.schedule.eval_loss(self._batcher.loss_fn)
         elif not callable(loss_fn):
             raise ValueError("loss_fn must be callable as loss_fn(output, target)")
         return evaluation.evaluate(self.predict, batches, metrics, loss_fn)
-
-    # -- learning-rate schedule ------------------------------------------------------------------
-    def scheduler_step(self, metric: float | None = None) -> None:
-        """Step every stage's lr scheduler once (every replica's), with ``lr_scheduler_interval=
-        "epoch"``: e.g. at the end of each epoch. ``metric`` is what a ``ReduceLROnPlateau``
-        monitors (e.g. the evaluation's loss) and is required for it; other schedulers take none.
-        Anything else is refused with a ``ValueError`` before any stage is told."""
-        from pipeq.stage import lr_schedulers
-
-        value = lr_schedulers.check_metric(self.lr_schedule, metric)
-        self._require_running()
-        self._backend.scheduler_step(value)
-
-    def learning_rates(self) -> list[list[float]]:
-        """Every stage's current learning rates, one per parameter group of its optimizer (AL
-        layers: f and b's groups, then g and h's); ``[]`` for a stage without parameters."""
-        self._require_running()
-        return self._backend.learning_rates()
 
     @property
     def last_step_lr(self) -> float | None:
@@ -465,61 +333,38 @@ class PipelineRunner:
         any step, or when the last stage has no optimizer."""
         return self._last_step_lr
 
-    # -- state ---------------------------------------------------------------------------------
-    def _layouts(self) -> "list[checkpoint.StageLayout]":
-        """Every stage's names, layers, shapes and dtypes (asked once; they never change)."""
-        from pipeq import checkpoint
 
-        if self._stage_layouts is None:
-            self._stage_layouts = [checkpoint.StageLayout(**lay) for lay in self._backend.layouts()]
-        return self._stage_layouts
+def _configure(config: RunConfig | None, schedule: Any, microbatches: int | None,
+               settings: dict[str, Any]) -> RunConfig:
+    """The run's configuration: ``config``, or the one the keyword arguments name."""
+    if config is None:
+        return RunConfig.from_kwargs("1f1b" if schedule is None else schedule,
+                                     8 if microbatches is None else microbatches, **settings)
+    if not isinstance(config, RunConfig):
+        raise ValueError(f"config must be a pipeq.control.config.RunConfig, got {type(config).__name__}")
+    if settings:
+        raise ValueError(f"pass the run's settings in config or as keyword arguments, not both: got config and "
+                         f"{', '.join(sorted(settings))}")
+    given = {k: v for k, v in (("schedule", schedule), ("microbatches", microbatches)) if v is not None}
+    return dataclasses.replace(config, **given) if given else config
 
-    def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
-        """The model's parameters and buffers (CPU copies) under the flat model's names: those of
-        ``nn.Sequential(*layers)``, where a stage that is an ``nn.Sequential`` contributes each of
-        its children as one layer and any other stage itself (stage 1's ``0.weight`` after a
-        two-layer stage 0 is ``2.weight``); ``pipeq.checkpoint.flat_model(stages)`` is that model.
-        Checkpoints (:meth:`save`) and ``pipeq launch``'s model.pt use the same names."""
-        from pipeq import checkpoint
 
-        self._require_running()
-        return checkpoint.global_state(self._backend.get_state(), self._layouts())
+def _backend(cfg: RunConfig, model: checks.Model, numerics: Numerics, tp_plans: list[Any] | None,
+             rendezvous: "Rendezvous | None") -> Any:
+    """The backend that runs the stages: this process's (simulated) or one process per stage."""
+    place, schedule = cfg.placement, cfg.schedule
+    if place.mode == "simulated":
+        from pipeq.runtime.simulated import SimulatedBackend
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Load a state under the names of :meth:`state_dict` (also one split into another number
-        of stages). Every key and shape is checked before any stage changes: a ``ValueError``
-        names what does not fit, and the runner goes on. For compatibility, stage-prefixed keys
-        (``nn.Sequential(*stages).state_dict()``, ``state_dict()`` of earlier pipeq versions) are
-        accepted too. Tensors are copied into the stages' own dtypes, as ``nn.Module`` does."""
-        from pipeq import checkpoint
+        return SimulatedBackend(model.replicas[0], schedule, place.devices[0] if place.devices else "cpu", numerics)
+    from pipeq.control.driver import ProcessBackend
 
-        self._require_running()
-        self._backend.set_state(checkpoint.split_state(state, self._layouts()))
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def save(self, directory: str, meta: Mapping[str, Any] | None = None) -> None:
-        """Write a checkpoint as ``directory``: every stage's parameters, buffers, optimizer and
-        lr-scheduler state and RNG, under the flat model's names (those of :meth:`state_dict`;
-        see :mod:`pipeq.checkpoint`). ``meta`` (plain JSON data) is stored in the manifest.
-
-        The new checkpoint is written beside ``directory`` and swapped in once complete, so a
-        checkpoint already there stays loadable until then, even if this process is killed; a
-        directory holding anything but a checkpoint is refused (it is replaced as a whole)."""
-        from pipeq import checkpoint
-
-        self._require_running()
-        checkpoint.save(directory, self._backend.get_snapshots(), dict(meta or {}))
-
-    def load(self, directory: str) -> dict[str, Any]:
-        """Load a checkpoint written by :meth:`save`, also one saved with another number of
-        stages (the same layers split differently); returns its ``meta``.
-
-        Every name, shape and dtype is checked against the stages before anything is sent: a
-        checkpoint that does not fit raises a ``ValueError`` (``pipeq.checkpoint.CheckpointError``)
-        naming each tensor at fault, no stage changes, and the runner goes on."""
-        from pipeq import checkpoint
-
-        self._require_running()
-        ckpt = checkpoint.load(directory)
-        self._backend.restore(checkpoint.split(ckpt, self._layouts()))
-        return dict(ckpt.meta)
+    wire, fault = cfg.wire, cfg.fault
+    return ProcessBackend(
+        checks.process_payloads(model, schedule), schedule, StageSettings.of(cfg, numerics, tp_plans),
+        replicas=place.data_parallel,
+        loss_stages=schedule.loss_stages(model.n_stages), output_stage=schedule.output_stage(model.n_stages),
+        microbatches=cfg.microbatches, transport=wire.transport, host=wire.host, start_method=place.start_method,
+        heartbeat_timeout=fault.heartbeat_timeout, step_timeout=fault.step_timeout,
+        start_timeout=fault.start_timeout, stop_timeout=fault.stop_timeout, rendezvous=rendezvous,
+        placement=place.placement, trace_path=cfg.trace_path)

@@ -63,7 +63,7 @@ from typing import Any, Iterator, TextIO
 import torch
 
 from pipeq import checkpoint
-from pipeq.control import options
+from pipeq.control.config import RunConfig
 from pipeq import schedules
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import PipelineError
@@ -253,11 +253,10 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
             from pipeq.parallel import tensor as tensorpar
 
             tp_plans = tensorpar.check_plans(None, job.tp_plan, job.tensor_parallel, n)
-        settings = StageSettings(threads_per_stage=job.threads_per_stage,
-                                 queue_capacity=max(64, 4 * job.microbatches),
-                                 max_message_mb=job.max_message_mb,
-                                 numerics=options.check_numerics(job.schedule, n, None, **job.numerics_args()),
-                                 tensor_parallel=job.tensor_parallel, tp_plans=tp_plans)
+        config = RunConfig.from_kwargs(job.schedule, job.microbatches, threads_per_stage=job.threads_per_stage,
+                                       max_message_mb=job.max_message_mb, tensor_parallel=job.tensor_parallel,
+                                       **job.numerics_args())
+        settings = StageSettings.of(config, config.numerics_for(n), tp_plans)
         return run_agent(rz, job.recipe, n, job.schedule, settings, heartbeat_timeout=job.heartbeat_timeout,
                          start_timeout=job.start_timeout, log=log, data_parallel=job.data_parallel)
     except (AgentError, RuntimeError, ValueError) as exc:

@@ -3,15 +3,11 @@
 A :class:`StageSpec` is one stage's part of the model and training setup. It reaches a stage
 process pickled at process start (an embedded runner's modules), or the process builds it
 itself from importable names (a :class:`StageBuilder`, e.g. a job file's recipe; nothing but
-plain data crosses hosts). :func:`make_executor` picks the executor the schedule needs:
-
-    fill-drain, 1F1B, your own     StageExecutor      (pipeq.stage)
-      ... with tensor_parallel     ShardedStageExecutor (pipeq.tensorpar)
-    Interlock(...)                 InterlockExecutor  (auxiliary heads, its own gradient routing)
-    AsyncOneFOneB(...)             AsyncExecutor      (a step per microbatch, weight stashing)
-    AssociatedLearning(...)        ALExecutor         (local losses only)
-
-The worker process and the simulated engine both build theirs here.
+plain data crosses hosts). :func:`make_executor` builds the executor the schedule asks for
+(:meth:`pipeq.schedules.SchedulePolicy.executor`): plain backprop's
+:class:`~pipeq.stage.executor.StageExecutor` with the run's numerics when it names none, the
+tensor-parallel one (:mod:`pipeq.parallel.tensor`) when the stage is sharded. The worker process
+and the simulated engine both build theirs here.
 """
 
 from __future__ import annotations
@@ -20,11 +16,9 @@ from typing import Any
 
 import torch
 
-from pipeq.research.al.executor import ALExecutor
-from pipeq.research.async1f1b.executor import AsyncExecutor
-from pipeq.research.interlock.executor import InterlockExecutor
 from pipeq.stage.numerics import Numerics
-from pipeq.schedules import AssociatedLearning, AsyncOneFOneB, Interlock
+from pipeq.schedules.protocol import SchedulePolicy
+from pipeq.schedules.registry import resolve
 from pipeq.stage.executor import StageExecutor, StageSpec
 
 __all__ = ["StageSpec", "StageBuilder", "make_executor"]
@@ -51,20 +45,16 @@ class StageBuilder:
         return {}
 
 
-def make_executor(schedule: Any, index: int, n_stages: int, spec: StageSpec, device: torch.device,
+def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, spec: StageSpec, device: torch.device,
                   numerics: Numerics | None = None, sharded: bool = False) -> StageExecutor:
     """Stage ``index``'s executor; ``numerics`` (precision, clipping...) apply to plain backprop's
     (the runner refuses them with the other schedules). ``sharded``: the module is split over
-    its tensor-parallel shards (plain backprop only: pipeq.tensorpar)."""
+    its tensor-parallel shards (plain backprop only: pipeq.parallel.tensor)."""
     if sharded:
         from pipeq.parallel.tensor import ShardedStageExecutor
 
         return ShardedStageExecutor(index, n_stages, spec, device)
-    ex: StageExecutor | None = None
-    for kind, executor in ((Interlock, InterlockExecutor), (AssociatedLearning, ALExecutor),
-                           (AsyncOneFOneB, AsyncExecutor)):
-        if isinstance(schedule, kind):
-            ex = executor(index, n_stages, spec, device, schedule)
+    ex = resolve(schedule).executor(index, n_stages, spec, device)
     if ex is None:
         ex = StageExecutor(index, n_stages, spec, device)
         if numerics is not None:

@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 from pipeq import schedules
-from pipeq.schedules import Action, AsyncCursor, AsyncOneFOneB, Op, lower_stage
+from pipeq.schedules import Action, Op, lower_stage
 from pipeq.stage.numerics import StepStats, combine
 from pipeq.stage.executor import StageExecutor, Tensors
 from pipeq.trace.format import B as TRACE_B
@@ -47,18 +47,17 @@ Request = tuple[Any, ...]
 
 class StagePlan:
     """Which actions one stage runs for each batch it is given: the schedule's validated plan of
-    one batch, or, for asynchronous 1F1B, the next stretch of the stage's stream (an
-    :class:`~pipeq.schedules.AsyncCursor`: microbatches numbered across batches, no drain between
-    them unless asked). Shared by the worker and the simulated engine, so both run the same
-    actions."""
+    one batch, or, for a schedule that streams across batches (asynchronous 1F1B), the next stretch
+    of the stage's stream (the schedule's :meth:`~pipeq.schedules.SchedulePolicy.cursor`:
+    microbatches numbered across batches, no drain between them unless asked). Shared by the
+    worker and the simulated engine, so both run the same actions."""
 
     def __init__(self, schedule: Any, stage: int, n_stages: int) -> None:
-        self.schedule = schedule
+        self.schedule = schedule = schedules.resolve(schedule)
         self.stage = stage
         self.n_stages = n_stages
         self._plans: dict[tuple[int, bool], list[Action]] = {}
-        self.cursor = (AsyncCursor(schedule.warmup_of(stage, n_stages))
-                       if isinstance(schedule, AsyncOneFOneB) else None)
+        self.cursor = schedule.cursor(stage, n_stages) if schedule.streams_across_batches else None
         self.keys: dict[int, tuple[int, int]] = {}  # stream microbatch -> (step, microbatch) on the wire
 
     def actions(self, m: int, training: bool) -> list[Action]:
@@ -81,7 +80,7 @@ class StagePlan:
             del self.keys[g]
         first = self.cursor.add(len(sizes))
         self.keys.update({first + j: (step, j) for j in range(len(sizes))})
-        ex.extend(step, first, sizes, x, target)  # type: ignore[attr-defined]
+        ex.extend(step, first, sizes, x, target)  # type: ignore[attr-defined]  (a streaming schedule's executor)
         return self._lower(self.cursor.take(drain=not stream)), self.keys
 
     def drain(self) -> list[Action]:

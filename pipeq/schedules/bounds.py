@@ -10,18 +10,20 @@ from typing import Mapping, NamedTuple, Sequence
 from pipeq.schedules.actions import COMPUTE_OPS, Action, Op, Schedule, ScheduleFn
 from pipeq.schedules.dryrun import dry_run, stage_costs
 from pipeq.errors import ScheduleError
-from pipeq.schedules import AsyncOneFOneB, build, resolve
+from pipeq.schedules.plan import build
+from pipeq.schedules.registry import resolve
 
 
 def stream_plan(schedule: str | ScheduleFn, n_stages: int, n_microbatches: int, n_batches: int) -> Schedule:
     """What each stage runs under ``runner.stream``: the lowered lists of ``n_batches`` batches
     back to back, batch b's microbatch j renumbered ``b * m + j`` (STEP keeps -1), as one plan
     that :func:`dry_run` runs like any other. Asynchronous 1F1B does not drain between batches:
-    its stream is its plan for all the stream's microbatches at once."""
+    its stream is its plan for all the stream's microbatches at once (so is any schedule that
+    :attr:`~pipeq.schedules.SchedulePolicy.streams_across_batches`)."""
     if type(n_batches) is not int or n_batches < 1:
         raise ScheduleError(f"need at least one batch, got n_batches={n_batches!r}")
     m = n_microbatches
-    if isinstance(resolve(schedule), AsyncOneFOneB):  # no drain between batches: one long plan
+    if resolve(schedule).streams_across_batches:  # no drain between batches: one long plan
         return build(schedule, n_stages, m * n_batches)
     return [[a if a.microbatch < 0 else Action(a.op, b * m + a.microbatch) for b in range(n_batches) for a in acts]
             for acts in build(schedule, n_stages, m)]

@@ -88,9 +88,7 @@ def schedule_label(schedule: Any) -> str:
     ``module:qualname``."""
     if isinstance(schedule, str):
         return schedule
-    if isinstance(getattr(schedule, "name", None), str):
-        return schedule.name
-    return f"{schedule.__module__}:{getattr(schedule, '__qualname__', type(schedule).__name__)}"
+    return schedules.resolve(schedule).label
 
 
 def rows_to_tensor(rows: Sequence[tuple[int, ...]]) -> torch.Tensor:

@@ -25,7 +25,6 @@ measured mean forward, backward and optimizer-step times: the streamed bound for
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Union
 
@@ -256,13 +255,7 @@ def _throughput(trace: Trace, keys: list[tuple[int, int]], by_key: dict[tuple[in
 
 def schedule_of(label: str) -> Any:
     """The schedule a trace's label names (None for your own schedule functions)."""
-    m = re.fullmatch(r"nwise\(d=(\d+)\)", label)
-    if m:
-        return schedules.Interlock("nwise", distance=int(m.group(1)))
-    m = re.fullmatch(r"async\(warmup=(\d+)\)", label)
-    if m:
-        return schedules.AsyncOneFOneB(warmup=int(m.group(1)))
-    return schedules.resolve(label) if label in schedules.SCHEDULES else None
+    return schedules.from_label(label)
 
 
 def _step_wall(trace: Trace, key: tuple[int, int], events: list[Event]) -> float:

@@ -26,7 +26,7 @@ tensors travels as two bare tensors, anything else with its description.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,8 +36,10 @@ from pipeq.stage import microbatch
 from pipeq.research.al.models import (ALLayer, ALModel, LabelEmbedding, LastHiddenBridge, LSTMLayer, PooledBridge, TokenEmbedding,
                         TransformerLayer, build_al, build_al_lstm, build_al_transformer, call, code, label_dtype,
                         label_input)
-from pipeq.schedules import AssociatedLearning
 from pipeq.stage.executor import StageExecutor, StageSpec, Tensors, describe
+
+if TYPE_CHECKING:
+    from pipeq.research.al.schedule import AssociatedLearning
 
 __all__ = ["ALExecutor", "ALLayer", "ALModel", "LabelEmbedding", "LastHiddenBridge", "LSTMLayer", "PooledBridge",
            "TokenEmbedding", "TransformerLayer", "build_al", "build_al_lstm", "build_al_transformer"]

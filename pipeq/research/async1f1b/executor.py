@@ -37,13 +37,15 @@ earlier batch than the forward before it (the stage does not drain between batch
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import functional_call
 
-from pipeq.schedules import AsyncOneFOneB
 from pipeq.stage.executor import StageExecutor, StageSpec, Tensors, as_tuple, describe
+
+if TYPE_CHECKING:
+    from pipeq.research.async1f1b.schedule import AsyncOneFOneB
 
 
 class AsyncExecutor(StageExecutor):

@@ -23,14 +23,17 @@ stage, under ``aux_heads.{k}.*`` with its optimizer state (see :mod:`pipeq.check
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pipeq import checkpoint as ckpt
-from pipeq.schedules import Interlock, receives, sends_down, sends_early, trained_by
+from pipeq.research.interlock.routing import receives, sends_down, sends_early, trained_by
 from pipeq.stage.executor import StageExecutor, StageSpec, Tensors, describe
+
+if TYPE_CHECKING:
+    from pipeq.research.interlock.schedule import Interlock
 
 
 class InterlockExecutor(StageExecutor):

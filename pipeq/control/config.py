@@ -1,0 +1,297 @@
+"""The run configuration: typed settings, built once and checked once, handed whole to every layer.
+
+:class:`RunConfig` is what a run is: its schedule (resolved once, here), microbatches, and four
+parts, each a frozen dataclass that checks itself when built:
+
+    numerics   NumericsConfig   precision, clipping, check_finite, recompute
+    wire       WireConfig       transport, host, TCP security, message and queue sizes, shm, spin
+    fault      FaultConfig      heartbeats, step / start / stop timeouts
+    placement  PlacementConfig  mode, devices, threads, start method, nodes, replicas, shards
+
+``PipelineRunner(**settings)`` and job files are its front ends (:meth:`RunConfig.from_kwargs`
+takes the runner's keyword names); the backends, stage processes, node agents and job identity
+read it. What depends on the model (the number of stages) is checked by :meth:`RunConfig.numerics_for`
+and :meth:`RunConfig.check_stages` once the stages are known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from pipeq import schedules
+from pipeq.control.checks import refuse_moved
+from pipeq.schedules import SchedulePolicy
+from pipeq.stage import numerics as numerics_mod
+from pipeq.stage.numerics import Numerics
+from pipeq.wire.transport import SECURITY_MODES
+
+__all__ = ["RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig", "MODES", "TRANSPORTS",
+           "START_METHODS", "check_step_timeout"]
+
+MODES = ("process", "simulated")
+TRANSPORTS = ("ipc", "tcp")
+START_METHODS = ("spawn", "forkserver")
+
+
+def _whole(value: Any, lo: int, hi: int) -> bool:
+    return type(value) is int and lo <= value <= hi
+
+
+@dataclass(frozen=True)
+class NumericsConfig:
+    """How the stages compute (see :class:`~pipeq.PipelineRunner`): plain backprop's schedules only.
+
+    Attributes:
+        precision: ``"fp32"`` (default), ``"bf16"`` (autocast to bfloat16 on CPU and CUDA: the
+            forward and the loss run under ``torch.autocast``; parameters, gradients and the
+            optimizer stay float32) or ``"fp16"`` (autocast to float16 with dynamic loss scaling,
+            torch.amp.GradScaler's: the found-inf check is combined over every stage and replica,
+            so all of them step or skip together, as one GradScaler on the whole model would).
+        clip_grad_norm: clip the gradients by their global norm over every stage (after the
+            replicas' all-reduce, after fp16's unscaling), as ``torch.nn.utils.clip_grad_norm_``
+            on the whole model does; ``clip_norm_type`` is its p (2.0, or ``float('inf')``).
+        check_finite: ``"raise"`` (or True): check the input, every stage's outputs, the losses and
+            the gradients, and fail with a PipelineError naming the stage and microbatch where the
+            first NaN or Inf appeared, before any optimizer step changes a weight. ``"skip"``:
+            skip the optimizer step on every stage when any gradient is not finite (the step's loss
+            may be anything; :meth:`stats` counts the skipped steps). Default False: no checks.
+        recompute: True, or one boolean per stage: the stage keeps only its inputs between a
+            microbatch's forward and backward and recomputes the forward in the backward (the same
+            RNG state, so the same dropout masks): the same numbers, less activation memory.
+        Precision, clipping, check_finite and recompute run with fill-drain, 1F1B and your own
+        schedules (interlocking, async and AL compute their own way).
+    """
+
+    precision: str = "fp32"
+    clip_grad_norm: float | None = None
+    clip_norm_type: float = 2.0
+    check_finite: "bool | str" = False
+    recompute: "bool | Sequence[bool]" = False
+
+
+@dataclass(frozen=True)
+class WireConfig:
+    """How stages talk: the transport and its limits.
+
+    Attributes:
+        transport: ``"ipc"`` (Unix sockets, one host) or ``"tcp"``.
+        host: the address stages bind to with ``transport="tcp"``.
+        tcp_security: how TCP sockets are protected: ``"encrypt"`` (default; CURVE on every
+            socket: encrypted and authenticated) or ``"authenticate"`` (CURVE on the control
+            channel, an HMAC on every data message: no encryption of activations and gradients,
+            2-3x the bandwidth at 4-64 MiB). Either way only holders of the job's secret get in:
+            this runner makes one, a multi-host run takes it from ``rendezvous.secret``.
+        max_message_mb: the largest tensor (MiB) one stage sends another; a larger frame is
+            refused by the receiving stage before it is buffered, and the sender fails naming it.
+        shm_slots: with ``transport="ipc"``, a message's tensors of 64 KiB or more cross to the
+            next (previous) stage through shared memory: each channel has this many reusable
+            slots (a sender waits while all are in use), 0 sends everything in ZeroMQ frames
+            (:mod:`pipeq.shm`). Other transports ignore it.
+        spin: seconds a stage waiting for a message busy-polls (yielding its core to anything
+            else runnable) before it blocks: a blocked process wakes up 0.1-0.5 ms later on a
+            virtual machine, on every hop. 0 never spins (least CPU, most latency).
+        queue_capacity: messages a stage's queue holds (default: four steps' worth, at least 64).
+    """
+
+    transport: str = "ipc"
+    host: str = "127.0.0.1"
+    tcp_security: str = "encrypt"
+    max_message_mb: int = 256
+    shm_slots: int = 4
+    queue_capacity: int | None = None
+    spin: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.tcp_security not in SECURITY_MODES:
+            raise ValueError(f"tcp_security must be one of {SECURITY_MODES}, got {self.tcp_security!r}")
+        if not _whole(self.max_message_mb, 1, 1 << 20):
+            raise ValueError(
+                f"max_message_mb must be a whole number of MiB from 1 to 1048576, got {self.max_message_mb!r}")
+        if not _whole(self.shm_slots, 0, 64):
+            raise ValueError(
+                f"shm_slots must be a whole number from 0 (no shared memory) to 64, got {self.shm_slots!r}")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """How failures are noticed: heartbeats and timeouts, in seconds.
+
+    Attributes:
+        heartbeat_interval, heartbeat_timeout: seconds; a stage silent for longer is failed.
+        step_timeout: seconds a stage may spend in one compute action (a forward, a backward, an
+            optimizer step) before the run fails with a PipelineError naming the stage and the
+            action (a stage alive, heartbeating, but stuck in its own computation; its waiting
+            neighbours are not blamed). Judged from each stage's heartbeats, so only a stage
+            that stops making progress fails, never a step that is merely long. Default None:
+            off, as a library cannot know how long one action of a user's model may
+            legitimately take (a first CUDA compile, huge microbatches, a starved CPU);
+            ``pipeq launch`` sets 300 s. Must be longer than ``heartbeat_interval``.
+            Process mode only (a simulated run has no stage processes to watch).
+        start_timeout: seconds to wait for every stage to start.
+        stop_timeout: seconds ``close()`` lets the stages finish what they were sent before they
+            are terminated (a failure is raised then).
+    """
+
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 15.0
+    step_timeout: float | None = None
+    start_timeout: float = 120.0
+    stop_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
+        check_step_timeout(self.step_timeout, self.heartbeat_interval)
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Where stages run: in processes or this one, on which devices, nodes, replicas and shards.
+
+    Attributes:
+        mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
+        devices: one device string per stage; default ``cuda:k`` round-robin when CUDA is
+            available, else ``cpu`` with each stage pinned to its share of the CPU cores.
+        threads_per_stage: torch threads per stage process (default: cores / stages, at least 1).
+        start_method: ``"spawn"`` (default: every stage a fresh interpreter importing torch,
+            all at once: 4-9 s for 3 stages on 2 busy cores) or ``"forkserver"`` (stages fork
+            from a server that imports torch once: 2-4 s for the first runner of a process,
+            ~0.1 s for later ones; the server lives on until this process exits).
+            Both run the main script again in each stage: start the runner under
+            ``if __name__ == "__main__":`` (it refuses otherwise).
+        placement: stages per node, e.g. ``[[0], [1, 2]]`` (default: an even, contiguous split).
+        data_parallel: R replicas of the pipeline (R x N processes), gradients all-reduced.
+        tensor_parallel, tp_plan: each stage split over T processes of one host (R x N x T
+            processes), on torch's DTensor (:mod:`pipeq.tensorpar`). ``tp_plan`` has one plan per
+            stage: a dict mapping submodule names (``stage.get_submodule(name)``; ``""`` is the
+            stage itself) to ``"colwise"``
+            or ``"rowwise"`` (torch's ``ColwiseParallel`` / ``RowwiseParallel``, or such objects),
+            ``{}`` for a stage left whole, or a callable ``(stage_module, mesh) -> module``. A
+            "colwise" entry with no "rowwise" after it gathers its output: a stage always hands
+            on whole tensors, from its shard 0, once. With ``data_parallel``, each shard's
+            gradients are summed with the same shard of the other replicas. States and
+            checkpoints hold whole tensors (they load at any T). Fill-drain, 1F1B and your own
+            schedules; not yet with precision, clipping, check_finite or recompute.
+    """
+
+    mode: str = "process"
+    devices: Sequence[str] | None = None
+    threads_per_stage: int | None = None
+    start_method: str = "spawn"
+    placement: Sequence[Sequence[int]] | None = None
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    tp_plan: Sequence[Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.threads_per_stage is not None and (type(self.threads_per_stage) is not int
+                                                   or self.threads_per_stage < 1):
+            raise ValueError(f"threads_per_stage must be a positive integer, got {self.threads_per_stage!r}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {self.start_method!r}")
+        for k, d in enumerate(self.devices or ()):
+            try:
+                dev = torch.device(d)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"devices[{k}] = {d!r} is not a device: {exc}") from None
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"devices[{k}] = {d!r}, but CUDA is not available here")
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"devices[{k}] = {d!r}: pipeq runs stages on 'cpu' or 'cuda'")
+
+
+_PARTS = {"numerics": NumericsConfig, "wire": WireConfig, "fault": FaultConfig, "placement": PlacementConfig}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run's settings (see :class:`~pipeq.PipelineRunner` for each one's meaning)."""
+
+    schedule: SchedulePolicy = field(default_factory=lambda: schedules.resolve("1f1b"))
+    microbatches: int = 8
+    trace: "str | os.PathLike[str] | None" = None
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", schedules.resolve(self.schedule))
+        m = self.microbatches
+        if type(m) is not int or m < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {m!r}")
+        cap = self.wire.queue_capacity
+        if cap is not None and (type(cap) is not int or cap < m):
+            raise ValueError(
+                f"queue_capacity={cap!r} is too small: a stage may hold every microbatch of a "
+                f"step, so it must be an integer >= microbatches ({m})")
+        if self.trace is not None and (not isinstance(self.trace, (str, os.PathLike))
+                                       or self.placement.mode != "process"):
+            raise ValueError(
+                f"trace={self.trace!r}: give a file path, in process mode (a simulated run has no timeline "
+                "worth tracing: every stage runs in this one process)")
+
+    @classmethod
+    def from_kwargs(cls, schedule: Any = "1f1b", microbatches: int = 8, trace: Any = None,
+                    **settings: Any) -> "RunConfig":
+        """The configuration the runner's keyword arguments (``precision=``, ``transport=``...)
+        name; an unknown keyword is refused as Python would (a moved one says where it went)."""
+        parts = {}
+        for name, kind in _PARTS.items():
+            known = {f.name for f in dataclasses.fields(kind)}
+            parts[name] = kind(**{k: settings.pop(k) for k in list(settings) if k in known})
+        refuse_moved(settings)
+        return cls(schedules.resolve(schedule), microbatches, trace, **parts)
+
+    @property
+    def queue_capacity(self) -> int:
+        """Messages a stage's queue holds (default: enough for four steps, at least 64)."""
+        return self.wire.queue_capacity or max(64, 4 * self.microbatches)
+
+    @property
+    def trace_path(self) -> str | None:
+        return os.fspath(self.trace) if self.trace is not None else None
+
+    def check_stages(self, n_stages: int) -> None:
+        """What depends on the number of stages: one device per stage."""
+        devices = self.placement.devices
+        if devices is not None and len(devices) != n_stages:
+            raise ValueError(f"devices names {len(devices)} device(s) for {n_stages} stages")
+
+    def numerics_for(self, n_stages: int) -> Numerics:
+        """The numerics settings checked for ``n_stages`` stages and this run's schedule and devices."""
+        given = self.numerics
+        nm = numerics_mod.check(given.precision, given.clip_grad_norm, given.clip_norm_type,
+                                given.check_finite, given.recompute, n_stages)
+        if not self.schedule.plain_backprop and nm != Numerics():
+            used = [f.name for f in dataclasses.fields(nm) if getattr(nm, f.name) != getattr(Numerics(), f.name)]
+            raise ValueError(
+                f"{', '.join(used)}: schedule {self.schedule.name!r} computes its own way (its "
+                "own losses, updates or recomputation); these options run with fill-drain, 1F1B and your own "
+                "schedule functions")
+        devices = self.placement.devices
+        numerics_mod.check_device(nm, devices or (["cuda"] if torch.cuda.is_available() else ["cpu"]))
+        return nm
+
+
+def check_step_timeout(step_timeout: Any, heartbeat_interval: float = 1.0) -> None:
+    """``step_timeout``: None (off), or seconds longer than the heartbeat interval (a stage
+    reports the action it is in once per heartbeat)."""
+    if step_timeout is None:
+        return
+    if type(step_timeout) not in (int, float) or not math.isfinite(step_timeout) or step_timeout <= 0:
+        raise ValueError(f"step_timeout must be a positive number of seconds, or None (off), got {step_timeout!r}")
+    if step_timeout <= heartbeat_interval:
+        raise ValueError(
+            f"step_timeout={step_timeout!r} must be longer than heartbeat_interval={heartbeat_interval!r}: "
+            "a stage reports the action it is in once per heartbeat")

@@ -1,0 +1,178 @@
+"""The main script: what a stage process finds in it, and refusals of what it could not unpickle.
+
+Both start methods (spawn, forkserver) start a stage by running the main script again as
+``__mp_main__`` (without what is under its ``if __name__ == "__main__":``) and unpickle what
+refers to ``__main__`` from that; a package's ``__main__.py`` (python -m pkg) is not run again.
+:func:`check_picklable` pickles what a stage is started with and refuses, before any process
+starts, a class or function the stage could not find; :func:`check_main_guard` refuses a runner
+started from the top level of the main script.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import pickle
+import sys
+import types
+from typing import Any
+
+from pipeq.errors import MainScriptError
+
+__all__ = ["check_picklable", "check_main_guard", "main_script"]
+
+
+class _MainNames(pickle.Pickler):
+    """Pickles, and notes the top-level names of ``__main__`` that the pickle refers to."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.names: list[str] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__"
+                and obj.__qualname__.split(".")[0] not in self.names):
+            self.names.append(obj.__qualname__.split(".")[0])
+        return NotImplemented  # pickled as usual
+
+
+
+def check_picklable(what: str, obj: Any) -> None:
+    pickler = _MainNames(io.BytesIO())
+    try:
+        pickler.dump(obj)
+    except Exception as exc:
+        raise ValueError(
+            f"{what} cannot be pickled to start its stage process ({exc}); define classes and "
+            "functions at module level (no lambdas or local classes), or use mode='simulated'"
+        ) from exc
+    if pickler.names:
+        _check_main_names(what, pickler.names)
+
+
+def main_script() -> "tuple[str, ast.Module] | None":
+    """(path, parsed source) of the script stage processes run again at start; None when they
+    run none (a package's ``__main__``, an interactive session, ``python -c``) or it cannot be read."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or _package_main(main):
+        return None
+    try:
+        with open(path, "rb") as f:
+            return path, ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _package_main(main: types.ModuleType) -> bool:
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    return name == "__main__" or name.endswith(".__main__")
+
+
+def _guard(test: ast.expr) -> bool | None:
+    """True for ``__name__ == "__main__"``, False for ``!=``, None for any other test."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1
+            and isinstance(test.ops[0], (ast.Eq, ast.NotEq))):
+        return None
+    left, right = test.left, test.comparators[0]
+
+    def name(n: ast.expr) -> bool:
+        return isinstance(n, ast.Name) and n.id == "__name__"
+
+    def main(n: ast.expr) -> bool:
+        return isinstance(n, ast.Constant) and n.value == "__main__"
+
+    if not (name(left) and main(right) or main(left) and name(right)):
+        return None
+    return isinstance(test.ops[0], ast.Eq)
+
+
+def _guarded_lines(tree: ast.Module) -> list[tuple[int, int]]:
+    """The line ranges that run only when the script is ``__main__``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (eq := _guard(node.test)) is not None:
+            block = node.body if eq else node.orelse
+            if block:
+                out.append((block[0].lineno, block[-1].end_lineno or block[-1].lineno))
+    return out
+
+
+def _bindings(stmts: list[ast.stmt], guarded: bool, into: tuple[set[str], set[str]]) -> None:
+    """Names the statements bind at module level: into[0] outside the guard, into[1] under it."""
+    for st in stmts:
+        if isinstance(st, ast.If) and (eq := _guard(st.test)) is not None:
+            _bindings(st.body, guarded or eq, into)
+            _bindings(st.orelse, guarded or not eq, into)
+            continue
+        names = into[1] if guarded else into[0]
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(st.name)
+            continue
+        if isinstance(st, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in st.names)
+            continue
+        blocks = [getattr(st, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(st, f, None), list)]
+        blocks += [h.body for h in getattr(st, "handlers", [])]
+        for b in blocks:
+            _bindings(b, guarded, into)
+        names.update(h.name for h in getattr(st, "handlers", []) if h.name)
+        heads = [v for f, v in ast.iter_fields(st) if f not in ("body", "orelse", "finalbody", "handlers")]
+        for head in heads:
+            for part in head if isinstance(head, list) else [head]:
+                if isinstance(part, ast.AST):
+                    names.update(n.id for n in ast.walk(part) if isinstance(n, ast.Name)
+                                 and isinstance(n.ctx, ast.Store))
+
+
+def _check_main_names(what: str, names: list[str]) -> None:
+    """Refuse a stage (or loss, optimizer...) that a stage process could not unpickle: one that
+    names a class or function of the main script defined under its ``__main__`` guard, or of a
+    package's ``__main__.py``."""
+    main = sys.modules.get("__main__")
+    if main is not None and getattr(main, "__file__", None) and _package_main(main):
+        raise MainScriptError(
+            f"{what}: {names[0]} is defined in {main.__file__}; stage processes do not run a package's "
+            "__main__.py again, so they cannot find it. Define it in another module of the package "
+            "and import it from there")
+    found = main_script()
+    if found is None:
+        return
+    path, tree = found
+    outside: set[str] = set()
+    inside: set[str] = set()
+    _bindings(tree.body, False, (outside, inside))
+    for name in names:
+        if name in inside and name not in outside:
+            script = os.path.basename(path)
+            raise MainScriptError(
+                f"{what}: {name} is defined under 'if __name__ == \"__main__\":' in {script}; every "
+                f"stage process runs {script} again without that block, so it cannot find {name}. Define "
+                f"{name} at module level, above the guard (or in a module of its own)")
+
+
+def check_main_guard() -> None:
+    """Refuse to start stage processes from the top level of the main script outside an
+    ``if __name__ == "__main__":`` block: each stage process runs the script again (``spawn``
+    and ``forkserver`` both do), which would start the pipeline again from inside the stage."""
+    found = main_script()
+    if found is None:
+        return
+    path, tree = found
+    main_globals = sys.modules["__main__"].__dict__
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is main_globals and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None or os.path.realpath(frame.f_code.co_filename) != os.path.realpath(path):
+        return  # not by the script's own top-level code (at exit, a REPL after python -i, exec)
+    line = frame.f_lineno
+    if any(first <= line <= last for first, last in _guarded_lines(tree)):
+        return
+    script = os.path.basename(path)
+    raise MainScriptError(
+        f"the pipeline is started at the top level of {script} (line {line}), outside an "
+        f"'if __name__ == \"__main__\":' block. Every stage process runs {script} again when it "
+        "starts (with either start method, 'spawn' or 'forkserver'), so each would start the "
+        "pipeline again. Put the code that builds and runs the runner under "
+        f"'if __name__ == \"__main__\":' (classes and functions the stages use stay above it)")
