@@ -27,10 +27,10 @@ from pipeq.stage import lr_schedulers
 from pipeq.stage import numerics
 from pipeq import schedules
 from pipeq.errors import MainScriptError
-from pipeq.runtime.executors import StageBuilder, StageSpec
+from pipeq.stage.spec import StageBuilder, StageSpec
 from pipeq.stage.lr_schedulers import LRSchedule
 from pipeq.stage.numerics import Numerics
-from pipeq.stage.executor import loss_weight_mode
+from pipeq.stage.loss import loss_weight_mode
 from pipeq.wire.transport import SECURITY_MODES
 
 if TYPE_CHECKING:

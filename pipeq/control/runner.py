@@ -28,7 +28,7 @@ from pipeq.control import options
 from pipeq import schedules
 from pipeq.control.batching import Batcher, check_batch
 from pipeq.errors import PipelineError
-from pipeq.runtime.executors import StageBuilder
+from pipeq.stage.spec import StageBuilder
 from pipeq.control.processes import StageSettings
 
 if TYPE_CHECKING:

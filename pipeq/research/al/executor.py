@@ -37,7 +37,8 @@ from pipeq.research.al.models import (ALLayer, ALModel, LabelEmbedding, LastHidd
                         TransformerLayer, build_al, build_al_lstm, build_al_transformer, call, code, label_dtype,
                         label_input)
 from pipeq.schedules import AssociatedLearning
-from pipeq.stage.executor import StageExecutor, StageSpec, Tensors, describe
+from pipeq.stage.executor import StageExecutor, Tensors, describe
+from pipeq.stage.spec import StageSpec
 
 __all__ = ["ALExecutor", "ALLayer", "ALModel", "LabelEmbedding", "LastHiddenBridge", "LSTMLayer", "PooledBridge",
            "TokenEmbedding", "TransformerLayer", "build_al", "build_al_lstm", "build_al_transformer"]

@@ -43,7 +43,8 @@ import torch
 from torch.func import functional_call
 
 from pipeq.schedules import AsyncOneFOneB
-from pipeq.stage.executor import StageExecutor, StageSpec, Tensors, as_tuple, describe
+from pipeq.stage.executor import StageExecutor, Tensors, as_tuple, describe
+from pipeq.stage.spec import StageSpec
 
 
 class AsyncExecutor(StageExecutor):
