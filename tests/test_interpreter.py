@@ -14,10 +14,11 @@ from torch import nn
 from pipeq import schedules
 from pipeq.trace import format as trace
 from pipeq.control.batching import split_sizes
-from pipeq.runtime.executors import StageSpec, make_executor
+from pipeq.runtime.executors import make_executor
+from pipeq.stage.spec import StageSpec
 from pipeq.runtime.interpreter import EMIT, execute
 from pipeq.schedules import Op
-from pipeq.stage.executor import microbatch_weights
+from pipeq.stage.loss import microbatch_weights
 
 from models import float64_data, float64_stages3
 

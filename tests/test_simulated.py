@@ -13,9 +13,9 @@ from torch import nn
 import pipeq
 from models import float64_data, float64_stages3, FailingStepSGD, Raises
 from pipeq.control.batching import split_sizes
-from pipeq.runtime.executors import StageSpec
+from pipeq.stage.spec import StageSpec
 from pipeq.runtime.simulated import SimulatedBackend
-from pipeq.stage.executor import microbatch_weights
+from pipeq.stage.loss import microbatch_weights
 
 pytestmark = pytest.mark.timeout(60)
 

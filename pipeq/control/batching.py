@@ -20,7 +20,7 @@ import torch
 from pipeq.stage import microbatch
 from pipeq import schedules
 from pipeq.schedules import SchedulePolicy
-from pipeq.stage.executor import microbatch_weights
+from pipeq.stage.loss import microbatch_weights
 
 #: One replica's part of a step: microbatch sizes, loss weights, auxiliary heads' loss weights.
 Shard = tuple[list[int], list[float], "list[float] | None"]

@@ -18,10 +18,10 @@ from torch import nn
 
 from pipeq import schedules
 from pipeq.control.main_guard import check_picklable
-from pipeq.runtime.executors import StageBuilder, StageSpec
+from pipeq.stage.spec import StageBuilder, StageSpec
 from pipeq.schedules import SchedulePolicy
 from pipeq.stage import lr_schedulers
-from pipeq.stage.executor import loss_weight_mode
+from pipeq.stage.loss import loss_weight_mode
 from pipeq.stage.lr_schedulers import LRSchedule
 from pipeq.stage.numerics import Numerics
 

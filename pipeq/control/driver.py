@@ -29,7 +29,7 @@ from pipeq.wire import shm
 from pipeq.control import rendezvous as rdzv
 from pipeq.control.batching import Shard
 from pipeq.errors import PipelineError
-from pipeq.runtime.executors import StageBuilder
+from pipeq.stage.spec import StageBuilder
 from pipeq.wire.messages import Kind, Message, tree_message, tree_of
 from pipeq.control.processes import (Numbering, StageSettings, job_identity, process_context, start_worker,
                         stop_processes, worker_configs)

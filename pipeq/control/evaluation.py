@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from pipeq.control.batching import check_batch
-from pipeq.stage.executor import loss_weight_mode
+from pipeq.stage.loss import loss_weight_mode
 
 Metric = Callable[[Any, torch.Tensor], Any]
 

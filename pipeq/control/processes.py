@@ -20,7 +20,7 @@ import torch
 
 from pipeq.control import forkserver
 from pipeq import schedules
-from pipeq.runtime.executors import StageBuilder
+from pipeq.stage.spec import StageBuilder
 from pipeq.stage.numerics import Numerics
 from pipeq.wire.transport import BindTo, WireAuth
 from pipeq.runtime.worker import WorkerConfig, worker_entry

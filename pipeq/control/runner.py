@@ -31,9 +31,9 @@ from pipeq.control.main_guard import check_main_guard
 from pipeq.control.processes import StageSettings
 from pipeq.control.state import RunnerState
 from pipeq.errors import PipelineError
-from pipeq.runtime.executors import StageBuilder
 from pipeq.stage import microbatch
 from pipeq.stage.numerics import Numerics
+from pipeq.stage.spec import StageBuilder
 
 if TYPE_CHECKING:
     from pipeq.control.rendezvous import Rendezvous

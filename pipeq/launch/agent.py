@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import CodecError
-from pipeq.runtime.executors import StageBuilder
+from pipeq.stage.spec import StageBuilder
 from pipeq.wire.messages import Kind, Message
 from pipeq.control.processes import (StageSettings, exit_reason, job_identity, process_context, start_worker, stop_processes,
                         worker_configs)

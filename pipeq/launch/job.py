@@ -82,7 +82,7 @@ from torch import nn
 from pipeq import balance as balancing
 from pipeq import schedules
 from pipeq.research.al.executor import ALLayer
-from pipeq.runtime.executors import StageBuilder, StageSpec
+from pipeq.stage.spec import StageBuilder, StageSpec
 
 
 def resolve(spec: str, key: str) -> Any:

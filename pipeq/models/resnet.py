@@ -75,6 +75,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
+__all__ = ["HEAD_GRAMMAR", "STEMS", "ARCHITECTURE_EXAMPLE", "BLOCKS", "BasicBlock", "Bottleneck", "parse_head",
+           "aux_head", "parse_architecture", "parse_components", "resnet", "stages", "heads"]
+
 #: The head spec grammar, as the errors state it.
 HEAD_GRAMMAR = ("tokens joined by '_': conv<ch> (3x3 conv + ReLU), bn (BatchNorm2d, right after a conv), "
                 "gbpl (global average pool + flatten), fc<width> (hidden Linear + ReLU, after gbpl), "

@@ -1,9 +1,9 @@
 """Data parallelism beside the pipeline: R replicas of every stage, gradients summed.
 
-Stage k of replica r talks to stage k of every other replica over a :class:`~pipeq.transport.
-ReplicaLink`: pipeq's own ZeroMQ transport, authenticated like the pipeline's data channels (ipc
-in the run's private directory on one host; tcp with the job's keys otherwise), with no
-torch.distributed and no port that anyone else can join. Each replica runs its own shard of the
+Stage k of replica r talks to stage k of every other replica over a
+:class:`~pipeq.wire.transport.ReplicaLink`: pipeq's own ZeroMQ transport, authenticated like the
+pipeline's data channels (ipc in the run's private directory on one host; tcp with the job's keys
+otherwise), with no torch.distributed and no port that anyone else can join. Each replica runs its own shard of the
 batch through its own pipeline; the loss of every microbatch is weighted by its share of the
 *whole* batch, so the sum of the replicas' gradients is the full-batch gradient.
 
@@ -29,16 +29,20 @@ from typing import Sequence
 
 import torch
 
+from pipeq.stage.transfer import pinned_copies
 from pipeq.wire.transport import BindTo, ReplicaLink, StageTransport
 
+__all__ = ["BUCKET_BYTES", "WEIGHTS_STEP", "FlatLayout", "to_host", "to_device", "sum_in_order", "GradSync",
+           "broadcast_from_replica_0", "Replicas"]
+
 BUCKET_BYTES = 25 << 20
+WEIGHTS_STEP = 0  # the message "step" of replica 0's weights at start; GradSync's rounds count from 1
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel shard's own piece of ``t`` (a DTensor; pipeq.tensorpar), else ``t``:
+    """A tensor-parallel shard's own piece of ``t`` (a DTensor; pipeq.parallel.tensor), else ``t``:
     each shard sums its piece with the same shard of the other replicas."""
     return t.to_local() if hasattr(t, "device_mesh") and hasattr(t, "to_local") else t
-WEIGHTS_STEP = 0  # the message "step" of replica 0's weights at start; GradSync's rounds count from 1
 
 
 class FlatLayout:
@@ -114,10 +118,7 @@ def to_host(flat: torch.Tensor) -> torch.Tensor:
     if flat.device.type == "cpu":
         return flat
     if flat.device.type == "cuda" and torch.cuda.is_available():
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        torch.cuda.current_stream(flat.device).synchronize()  # the copy is done before ZeroMQ reads it
-        return host
+        return pinned_copies([flat], flat.device)[0]
     return flat.to("cpu")
 
 
@@ -148,7 +149,7 @@ class GradSync:
     def __init__(self, params: Sequence[torch.Tensor], link: ReplicaLink, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.params = list(params)
         self.link = link
-        # a tensor-parallel shard sums its own pieces (pipeq.tensorpar); else the tensors as they are
+        # a tensor-parallel shard sums its own pieces (pipeq.parallel.tensor); else the tensors as they are
         self.local = _local if any(hasattr(p, "device_mesh") for p in self.params) else (lambda t: t)
         self.layout = FlatLayout([self.local(p) for p in self.params], bucket_bytes)
         self.round = 0

@@ -9,7 +9,7 @@ split and how, in torch's words (``torch.distributed.tensor.parallel``):
                 shard's partial result is all-reduced, so the output is whole on every shard
                 (its input: the shard a "colwise" entry just before it made, else whole)
 
-The tutorial's tensor-parallel MLP, layer 1 by output rows, layer 2 by input columns (seed 000)::
+The tensor-parallel MLP of examples/tp_mlp.py, layer 1 by output rows, layer 2 by input columns::
 
     x (whole, every shard)          shard 0                         shard 1
     Linear(16, 8)  "colwise"        h[:, 0:4] = x W1[0:4].T + b1    h[:, 4:8] = x W1[4:8].T + b1
@@ -42,13 +42,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipeq.stage.executor import StageExecutor, Tensors
 
+__all__ = ["STYLES", "GROUP_TIMEOUT", "check_plans", "check_stage", "styles", "join", "leave", "parallelize", "whole",
+           "like", "ShardedStageExecutor"]
+
 STYLES = ("colwise", "rowwise")
 #: how long one shard waits for another in a collective: a follower waits for its lead's next
 #: command for as long as the caller pauses between calls (up to this long: a runner left idle
 #: longer fails), so torch's default of 30 minutes would end idle runs; a shard that dies is
 #: noticed by the driver, which watches every process and ends the run
 GROUP_TIMEOUT = datetime.timedelta(days=30)
-
 
 
 def _divides(module: nn.Module, style: str, t: int) -> tuple[str, int] | None:
@@ -169,6 +171,7 @@ def join(store_path: str, shard: int, shards: int, device: torch.device) -> tupl
 
 
 def leave() -> None:
+    """Leave the shards' process group (if this process joined one)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -220,7 +223,7 @@ def like(full: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
 class ShardedStageExecutor(StageExecutor):
     """A stage split over its shards (fill-drain, 1F1B and schedules of F, B and STEP).
 
-    Computes as :class:`~pipeq.stage.StageExecutor` does, on the parallelized module; hands
+    Computes as :class:`~pipeq.stage.executor.StageExecutor` does, on the parallelized module; hands
     whole tensors to its neighbours, and whole states to the driver."""
 
     def _call(self, j: int, args: Tensors, tree: Any, grad: bool,

@@ -1,4 +1,4 @@
-"""Runs one stage's lowered action list against its :class:`~pipeq.stage.StageExecutor`.
+"""Runs one stage's lowered action list against its :class:`~pipeq.stage.executor.StageExecutor`.
 
 :func:`execute` is a generator: compute actions run inline, and each communication action is
 *yielded* as a request for the caller to carry out. The worker event loop answers requests with

@@ -16,12 +16,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pipeq.errors import PipelineError
-from pipeq.runtime.executors import StageSpec, make_executor
+from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import EMIT, StagePlan, execute
 from pipeq.stage.microbatch import rewrap
 from pipeq.stage.numerics import Numerics
 from pipeq.schedules import Op, ScheduleFn
 from pipeq.stage.executor import Tensors
+from pipeq.stage.spec import StageSpec
 
 
 class SimulatedBackend:

@@ -51,13 +51,14 @@ from pipeq import schedules
 from pipeq.wire import shm
 from pipeq.trace import format as trace
 from pipeq.parallel.data import Replicas
-from pipeq.runtime.executors import StageBuilder, StageSpec, make_executor
+from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import EMIT, StagePlan, execute
 from pipeq.stage.numerics import Numerics
 from pipeq.wire.messages import Kind, Message, tree_message, tree_of
 from pipeq.schedules import Op
 from pipeq.wire.shm import ShmConfig
 from pipeq.stage.executor import StageExecutor
+from pipeq.stage.spec import StageBuilder, StageSpec
 from pipeq.wire.transport import (BindTo, Heartbeat, StageTransport, Stopped, WireAuth, remove_ipc_dir,
                         tune_process_allocator)
 
@@ -417,8 +418,8 @@ def _publish(cfg: WorkerConfig, info: dict[str, Any]) -> None:
 def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
     """Entry point of a stage process (started by the runner, or by a node agent).
 
-    ``payload`` is either a pickled :class:`~pipeq.executors.StageSpec` that the runner handed
-    to this process at start, or a :class:`~pipeq.executors.StageBuilder` that builds it here
+    ``payload`` is either a pickled :class:`~pipeq.stage.spec.StageSpec` that the runner handed
+    to this process at start, or a :class:`~pipeq.stage.spec.StageBuilder` that builds it here
     from importable names (multi-host: nothing but plain data crosses hosts). Never anything
     received over a socket. It is built only once the control channel is up, so that a failure
     to build the stage is reported with its reason.

@@ -1,1 +1,3 @@
-"""One stage's compute: forward, backward and step, numerics, microbatches and lr schedulers."""
+"""One stage's compute: its spec, forward and backward, optimizer step, state, numerics, microbatches, lr schedulers."""
+
+__all__ = ["executor", "loss", "lr_schedulers", "microbatch", "numerics", "spec", "state", "step", "transfer"]

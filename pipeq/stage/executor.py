@@ -1,94 +1,46 @@
-"""One stage's compute: forward, backward, gradient accumulation and the optimizer step.
+"""One stage's compute: forward and backward of its microbatches, with gradient accumulation.
 
 A :class:`StageExecutor` knows nothing of sockets or processes. The worker event loop (process mode)
 and the simulated engine (one process) both drive it with the same actions, so both give the same
 numbers. Boundaries detach: stage k+1 receives stage k's output as fresh leaves that require grad,
-and sends their gradients back.
+and sends their gradients back. Each microbatch's loss is weighted by its share of the batch (see
+:mod:`pipeq.stage.loss`), so the gradients accumulated over a step are the full batch's.
 
-Gradient accumulation makes one step equal to one full-batch step: the loss of microbatch j is
-scaled by n_j / n (its share of the batch's samples) for a mean-reduced loss, by 1 for a
-sum-reduced one, so microbatches of unequal size are weighted correctly.
+Its other parts: the optimizer step (:mod:`pipeq.stage.step`) and its state, snapshots and
+restores (:mod:`pipeq.stage.state`); what it is built from is a :class:`~pipeq.stage.spec.StageSpec`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from pipeq.stage import lr_schedulers
 from pipeq.stage import microbatch
-from pipeq.stage.numerics import (LossScaler, Numerics, StepStats, all_finite, clip_, norm_term, peak_memory,
-                       total_norm)
+from pipeq.stage.loss import step_weights
+from pipeq.stage.numerics import LossScaler, Numerics, all_finite, peak_memory
+from pipeq.stage.spec import StageSpec
+from pipeq.stage.state import StageState
+from pipeq.stage.step import OptimizerStep
+from pipeq.stage.transfer import pinned_copies
+
+__all__ = ["StageExecutor", "Tensors", "as_tuple", "describe"]
 
 Tensors = tuple[torch.Tensor, ...]
 
 
 def as_tuple(value: Any) -> Tensors:
+    """``value`` as a tuple of tensors: a tuple as it is, a list's items, else ``(value,)``."""
     return value if isinstance(value, tuple) else tuple(value) if isinstance(value, list) else (value,)
 
 
 def describe(tensors: Sequence[torch.Tensor]) -> str:
+    """Shapes and dtypes of ``tensors`` for an error message: ``"(4, 8) float32, (4,) int64"``."""
     return ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors)
 
 
-def loss_weight_mode(loss_fn: Callable) -> str:
-    """'mean' or 'sum': how microbatch losses combine into the batch loss."""
-    reduction = getattr(loss_fn, "reduction", "mean")
-    if reduction not in ("mean", "sum"):
-        raise ValueError(
-            f"loss_fn has reduction={reduction!r}; pipeq needs a scalar loss: use 'mean' or 'sum'"
-        )
-    return reduction
-
-
-def microbatch_weights(loss_fn: Callable, target: Any, sizes: Sequence[int]) -> list[float]:
-    """What each microbatch's loss is multiplied by so that their sum is the full-batch loss.
-
-    A mean-reduced loss divides by its own denominator: the number of samples for most losses,
-    but for class-index targets of CrossEntropyLoss / NLLLoss the number of targets that are not
-    ``ignore_index``, each counted with its class weight. Each microbatch gets its share of the
-    batch's denominator (a microbatch with none gets 0). A sum-reduced loss needs weight 1.
-    """
-    if loss_weight_mode(loss_fn) == "sum":
-        return [1.0] * len(sizes)
-    dens: list[float]
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and isinstance(target, torch.Tensor) and not (
-        target.is_floating_point() or target.is_complex()
-    ):
-        dens = []
-        for chunk in target.split(list(sizes)):
-            valid = chunk[chunk != loss_fn.ignore_index]
-            if loss_fn.weight is not None:
-                dens.append(float(loss_fn.weight.detach().cpu()[valid].sum()))
-            else:
-                dens.append(float(valid.numel()))
-    else:
-        dens = [float(n) for n in sizes]
-    total = sum(dens)
-    if total == 0:  # nothing to learn from (every target ignored): the loss is NaN, as in one process
-        return [1.0 / len(sizes)] * len(sizes)
-    return [d / total for d in dens]
-
-
-@dataclass
-class StageSpec:
-    """Everything stage k's executor is made of (see :mod:`pipeq.executors`)."""
-
-    module: nn.Module
-    optimizer: Callable[..., torch.optim.Optimizer]  # called with the stage's parameters
-    loss_fn: Callable | None = None  # the last stage's; every stage's local criterion with AL
-    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
-    aux_head: nn.Module | None = None  # interlocking: the head reading this stage's output
-    aux_loss: Callable | None = None
-    lr_scheduler_interval: str = "step"  # "epoch": stepped by scheduler_step only (pipeq.lr_schedulers)
-
-
-class StageExecutor:
+class StageExecutor(StageState, OptimizerStep):
     """Runs stage ``index`` of ``n_stages``: the module, its optimizer and (last stage) the loss.
 
     Subclasses for other schedules take the same arguments plus the schedule object they run.
@@ -105,7 +57,7 @@ class StageExecutor:
         self.module = spec.module.to(device)
         params = [p for p in (trains or self.module).parameters() if p.requires_grad]
         self.needs_target = self.is_last  # which stages get the batch's target
-        self.grad_sync: Any = None  # data parallelism: a pipeq.dataparallel.GradSync
+        self.grad_sync: Any = None  # data parallelism: a pipeq.parallel.data.GradSync
         self._backwards = 0
         self.optimizer = self.make_optimizer(spec, params)
         # stepped once per training step, right after the optimizer (every stage alike), or
@@ -131,25 +83,12 @@ class StageExecutor:
         self.loss_sum: torch.Tensor | None = None
 
     def set_numerics(self, numerics: Numerics) -> None:
-        """Precision, loss scaling, clipping, checks and recomputation (see :mod:`pipeq.numerics`)."""
+        """Precision, loss scaling, clipping, checks and recomputation (see :mod:`pipeq.stage.numerics`)."""
         self.numerics = numerics
         self.autocast = lambda: numerics.autocast(self.device)
         self.recompute = numerics.recomputes(self.index)
         self.scaler = LossScaler(self.device) if numerics.scales_loss else None
         self._check = numerics.check_finite == "raise"
-
-    @staticmethod
-    def make_optimizer(spec: StageSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
-        return spec.optimizer(params) if params else None
-
-    @staticmethod
-    def make_scheduler(spec: StageSpec, optimizer: torch.optim.Optimizer | None) -> Any:
-        if spec.lr_scheduler is None or optimizer is None:
-            return None
-        scheduler = spec.lr_scheduler(optimizer)
-        if spec.lr_scheduler_interval == "step" and lr_schedulers.takes_metric(scheduler):
-            raise ValueError(f"lr_scheduler built a ReduceLROnPlateau: {lr_schedulers.NEEDS_METRIC}")
-        return scheduler
 
     # -- step boundaries -------------------------------------------------------------------
     def begin(
@@ -162,17 +101,12 @@ class StageExecutor:
         weights: Sequence[float] | None = None,
         aux_weights: Sequence[float] | None = None,
     ) -> None:
-        """Start a step: ``weights`` scale the microbatch losses (see :func:`microbatch_weights`),
+        """Start a step: ``weights`` scale the microbatch losses (see :func:`~pipeq.stage.loss.step_weights`),
         ``aux_weights`` the auxiliary heads' losses (interlocking). ``x`` and ``target`` are
-        trees (see :mod:`pipeq.microbatch`), split into microbatches here."""
+        trees (see :mod:`pipeq.stage.microbatch`), split into microbatches here."""
         self.step_index = step
         self.training = training
-        if weights is None:
-            total = sum(sizes)
-            weights = [n / total for n in sizes]
-        elif len(weights) != len(sizes):
-            raise ValueError(f"{len(weights)} loss weights for {len(sizes)} microbatches")
-        self.weights = list(weights)
+        self.weights = step_weights(sizes, weights)
         self.aux_weights = list(aux_weights) if aux_weights is not None else []
         if x is not None:
             self.inputs = microbatch.split(microbatch.to_device(x, self.device), sizes)
@@ -190,8 +124,8 @@ class StageExecutor:
         self._backwards = 0
 
     def mean_loss(self) -> float:
+        """The step's loss: the sum of the weighted microbatch losses (NaN without any)."""
         return float(self.loss_sum) if self.loss_sum is not None else float("nan")
-
     # -- compute -----------------------------------------------------------------------------
     def _inputs(self, j: int, received: Tensors | None) -> tuple[Tensors, Tensors, Any]:
         """Microbatch ``j``'s (input leaves, the tensors the module gets, their tree)."""
@@ -345,79 +279,14 @@ class StageExecutor:
             self._nonfinite("the input gradient", j, out)
         return out
 
-    def backward_done(self) -> None:
-        """Called after each backward: after the step's last one, the gradients' all-reduce starts."""
-        self._backwards += 1
-        if self.grad_sync is not None and self._backwards == len(self.weights):
-            self.grad_sync.start()
-
-    def optimizer_params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer else []
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.optimizer_params() if p.grad is not None]
-
-    def optimizer_step(self) -> None:
-        """The step of a run whose stages need not agree first (see :meth:`step_stats`)."""
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
-        self._update()
-
-    def _update(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.step()
-            if self.scheduler is not None and self.scheduler_interval == "step":
-                self.scheduler.step()
-
-    # -- steps the stages agree on (clipping, fp16, check_finite; see pipeq.numerics) ----------
-    def step_stats(self) -> StepStats:
-        """This stage's part of the step's global statistics, once its gradients are final (and
-        all-reduced over the replicas); fp16 gradients are unscaled here."""
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
-        grads = self._grads()
-        if self.scaler is not None:
-            bad = self.scaler.unscale_(grads)
-        elif self.numerics.check_finite:
-            bad = not all_finite(grads)
-        else:
-            bad = False
-        p = self.numerics.clip_norm_type
-        term = norm_term(grads, p) if self.numerics.clip_grad_norm is not None and not bad else 0.0
-        return StepStats(term, float(self.index) if bad else math.inf)
-
-    def apply_step(self, total: StepStats) -> None:
-        """The optimizer step (or its skip) that every stage decides alike from ``total``."""
-        nm = self.numerics
-        bad = total.first_bad != math.inf
-        if self.scaler is not None:
-            self.scaler.update(bad)
-        elif bad and nm.check_finite == "raise":
-            if total.first_bad == self.index:
-                names = [n for n, p in self.module.named_parameters() if p.grad is not None
-                         and not all_finite((p.grad,))]
-                raise FloatingPointError(
-                    f"stage {self.index}: the gradient of {', '.join(names) or 'a parameter'} holds NaN or "
-                    f"Inf after the backwards of step {self.step_index}; check_finite='raise' stopped the "
-                    "run before any optimizer step")
-            return  # that stage reports it; nobody steps
-        if bad:
-            self.skipped_steps += 1
-            if self.scheduler is not None and self.scheduler_interval == "step":
-                self.scheduler.step()  # a skipped step still counts for the schedule, as in a torch loop
-            return
-        if nm.clip_grad_norm is not None:
-            clip_(self._grads(), nm.clip_grad_norm, total_norm(total, nm.clip_norm_type))
-        self._update()
-
     def stats(self, reset: bool = False) -> dict[str, Any]:
-        """Peak memory since the last reset (see :func:`pipeq.numerics.peak_memory`) and the
-        optimizer steps skipped for non-finite gradients."""
+        """Peak memory since the last reset (see :func:`pipeq.stage.numerics.peak_memory`), the
+        optimizer steps skipped for non-finite gradients and whether the stage recomputes."""
         return {**peak_memory(self.device, reset), "skipped_steps": self.skipped_steps,
                 "recompute": self.recompute}
 
     # -- transfer to the CPU ---------------------------------------------------------------
-    #: the transport takes device tensors as they are (CUDA IPC on one host: pipeq.shm)
+    #: the transport takes device tensors as they are (CUDA IPC on one host: pipeq.wire.shm)
     keep_on_device = False
 
     def for_peer(self, tensors: Tensors) -> Tensors:
@@ -426,79 +295,8 @@ class StageExecutor:
         return tensors if self.keep_on_device else self.to_host(tensors)
 
     def to_host(self, tensors: Tensors) -> Tensors:
-        """CPU copies for sending (the same tensors when already on the CPU)."""
+        """CPU copies for sending (the same tensors when already on the CPU); a tree's
+        description stays with them."""
         if not self._cuda:
             return tensors
-        host = []
-        for t in tensors:  # (a tree's description stays with them: see rewrap below)
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # pinned: async D2H copy
-            buf.copy_(t, non_blocking=True)
-            host.append(buf)
-        torch.cuda.current_stream(self.device).synchronize()
-        return microbatch.rewrap(tensors, host)
-
-    # -- state -----------------------------------------------------------------------------
-    def state_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
-        sd = self.module.state_dict()
-        names = list(sd)
-        return names, [sd[n].detach().to("cpu") for n in names]
-
-    def load_state(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
-        self.module.load_state_dict(dict(zip(names, tensors)), strict=True)
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def layout(self) -> dict[str, Any]:
-        """What a checkpoint needs to know of this stage to hand it its part (local names)."""
-        from pipeq.checkpoint import layout_of
-
-        return dataclasses.asdict(layout_of(self.module))
-
-    def snapshot(self) -> dict[str, Any]:
-        """Parameters and buffers, every optimizer's and scheduler's state and the RNG, as CPU copies."""
-        from pipeq.checkpoint import optimizers_snapshot, schedulers_snapshot, stage_snapshot
-
-        snap = dict(stage_snapshot(self.module))
-        snap["optim"] = optimizers_snapshot(self.module, self.optimizers())
-        snap["sched"] = schedulers_snapshot(self.schedulers())
-        snap["scaler"] = self.scaler.state_dict() if self.scaler is not None else None
-        return snap
-
-    def restore(self, snap: dict[str, Any]) -> None:
-        """Load a :meth:`snapshot` (possibly re-split from another stage count)."""
-        from pipeq.checkpoint import load_optimizer_snapshot, load_schedulers_snapshot
-
-        self.module.load_state_dict(snap["model"], strict=True)
-        # the schedulers first: the optimizers' saved hyperparameters (the scheduled lr) win
-        load_schedulers_snapshot(self.schedulers(), snap.get("sched"), self.index)
-        if snap.get("optim"):
-            for optimizer in self.optimizers():
-                load_optimizer_snapshot(self.module, optimizer, snap["optim"], self.device)
-        if snap.get("rng") is not None:
-            torch.set_rng_state(snap["rng"])
-        if self.scaler is not None and isinstance(snap.get("scaler"), dict):
-            self.scaler.load_state_dict(snap["scaler"])
-
-    # -- learning-rate schedule ------------------------------------------------------------------
-    def schedulers(self) -> list[Any]:
-        """This stage's lr schedulers (one per optimizer that has one)."""
-        return [self.scheduler] if self.scheduler is not None else []
-
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """This stage's optimizers (none for a stage without trainable parameters)."""
-        return [self.optimizer] if self.optimizer is not None else []
-
-    def scheduler_step(self, metric: float | None) -> None:
-        """Step every scheduler of this stage once (``runner.scheduler_step``), with ``metric``
-        when it takes one (see :func:`pipeq.lr_schedulers.step`)."""
-        for scheduler in self.schedulers():
-            lr_schedulers.step(scheduler, metric)
-
-    def learning_rates(self) -> list[float]:
-        """The learning rate of every parameter group of every optimizer of this stage, in order."""
-        return [lr for opt in self.optimizers() for lr in lr_schedulers.group_rates(opt)]
-
-    def learning_rate(self) -> float | None:
-        """The first parameter group's learning rate (reported with each step's loss), None
-        for a stage without an optimizer."""
-        rates = self.learning_rates()
-        return rates[0] if rates else None
+        return microbatch.rewrap(tensors, pinned_copies(tensors, self.device))

@@ -22,6 +22,9 @@ from typing import Any, Callable
 import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+__all__ = ["INTERVALS", "NEEDS_METRIC", "LRSchedule", "takes_metric", "factory_takes_metric", "check", "check_metric",
+           "step", "group_rates"]
+
 INTERVALS = ("step", "epoch")
 
 #: What a ReduceLROnPlateau stepped by the stages is refused with (the runner, job files, stages).

@@ -25,9 +25,11 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+__all__ = ["PRECISIONS", "FINITE_CHECKS", "Numerics", "check", "check_device", "StepStats", "combine", "total_norm",
+           "norm_term", "all_finite", "clip_", "LossScaler", "peak_memory"]
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 FINITE_CHECKS = (False, "raise", "skip")
-_NONE = math.inf  # "no stage had a non-finite gradient"
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Numerics:
 
     @property
     def scales_loss(self) -> bool:
+        """Whether the losses are scaled (fp16: see :class:`LossScaler`)."""
         return self.precision == "fp16"
 
     @property
@@ -50,6 +53,7 @@ class Numerics:
         return self.clip_grad_norm is not None or self.scales_loss or self.check_finite in ("raise", "skip")
 
     def recomputes(self, stage: int) -> bool:
+        """Whether stage ``stage`` recomputes its forward in the backward instead of keeping activations."""
         return bool(self.recompute) and self.recompute[stage]
 
     def autocast(self, device: torch.device) -> Any:
@@ -109,10 +113,12 @@ class StepStats:
     first_bad: float
 
     def to_tensor(self) -> torch.Tensor:
+        """The statistics as they go on the wire."""
         return torch.tensor([self.norm_term, self.first_bad], dtype=torch.float64)
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], who: str) -> "StepStats":
+        """The statistics ``who`` sent (a ValueError names ``who`` when they are malformed)."""
         if len(tensors) != 1 or tensors[0].dtype != torch.float64 or tuple(tensors[0].shape) != (2,):
             raise ValueError(f"{who} sent malformed step statistics: expected one float64 tensor of shape (2,)")
         a, b = tensors[0].tolist()
@@ -126,6 +132,7 @@ def combine(a: StepStats, b: StepStats, norm_type: float) -> StepStats:
 
 
 def total_norm(stats: StepStats, norm_type: float) -> float:
+    """The global gradient norm of every stage's combined ``stats``."""
     return stats.norm_term if math.isinf(norm_type) else stats.norm_term ** (1.0 / norm_type)
 
 
@@ -140,6 +147,7 @@ def norm_term(grads: Sequence[torch.Tensor], norm_type: float) -> float:
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every floating-point or complex tensor of ``tensors`` holds no NaN or Inf."""
     for t in tensors:
         if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
             return False
@@ -177,14 +185,17 @@ class LossScaler:
         return bool(found)
 
     def update(self, found_inf: bool) -> None:
+        """Back off after a step with a non-finite gradient (any stage's), grow after enough good ones."""
         found = torch.full((), float(found_inf), dtype=torch.float32, device=self.scale.device)
         torch._amp_update_scale_(self.scale, self.growth_tracker, found, self.growth_factor,
                                  self.backoff_factor, self.growth_interval)
 
     def state_dict(self) -> dict[str, Any]:
+        """The scale and growth tracker as plain numbers (a checkpoint's)."""
         return {"scale": float(self.scale), "growth_tracker": int(self.growth_tracker)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`."""
         self.scale.fill_(float(state["scale"]))
         self.growth_tracker.fill_(int(state["growth_tracker"]))
 

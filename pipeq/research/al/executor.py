@@ -36,7 +36,8 @@ from pipeq.stage import microbatch
 from pipeq.research.al.models import (ALLayer, ALModel, LabelEmbedding, LastHiddenBridge, LSTMLayer, PooledBridge, TokenEmbedding,
                         TransformerLayer, build_al, build_al_lstm, build_al_transformer, call, code, label_dtype,
                         label_input)
-from pipeq.stage.executor import StageExecutor, StageSpec, Tensors, describe
+from pipeq.stage.executor import StageExecutor, Tensors, describe
+from pipeq.stage.spec import StageSpec
 
 if TYPE_CHECKING:
     from pipeq.research.al.schedule import AssociatedLearning

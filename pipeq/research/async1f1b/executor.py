@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call
 
-from pipeq.stage.executor import StageExecutor, StageSpec, Tensors, as_tuple, describe
+from pipeq.stage.executor import StageExecutor, Tensors, as_tuple, describe
+from pipeq.stage.spec import StageSpec
 
 if TYPE_CHECKING:
     from pipeq.research.async1f1b.schedule import AsyncOneFOneB

@@ -30,7 +30,8 @@ from torch import nn
 
 from pipeq import checkpoint as ckpt
 from pipeq.research.interlock.routing import receives, sends_down, sends_early, trained_by
-from pipeq.stage.executor import StageExecutor, StageSpec, Tensors, describe
+from pipeq.stage.executor import StageExecutor, Tensors, describe
+from pipeq.stage.spec import StageSpec
 
 if TYPE_CHECKING:
     from pipeq.research.interlock.schedule import Interlock
