@@ -33,6 +33,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from pipeq.tree import as_args
+
 __all__ = ["balance", "partition", "profile_sizes", "profile_times", "split", "stages_for", "BY"]
 
 #: What :func:`balance` can balance: measured time, or parameter + activation memory.
@@ -56,16 +58,12 @@ def layers_of(model: Any, what: str = "model") -> list[nn.Module]:
     return layers
 
 
-def _as_args(value: Any) -> tuple[Any, ...]:
-    return value if isinstance(value, tuple) else (value,)
-
-
 def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in _as_args(value) if isinstance(t, torch.Tensor)]
+    return [t for t in as_args(value) if isinstance(t, torch.Tensor)]
 
 
 def _check_sample(sample: Any) -> None:
-    if not _tensors(sample) or not all(isinstance(t, torch.Tensor) for t in _as_args(sample)):
+    if not _tensors(sample) or not all(isinstance(t, torch.Tensor) for t in as_args(sample)):
         raise ValueError("sample must be the model's input: a tensor or a tuple of tensors (one microbatch "
                          f"is the most faithful size), got {type(sample).__name__}")
 
@@ -74,7 +72,7 @@ def _leaf_inputs(value: Any, device: torch.device) -> tuple[Any, ...]:
     """A layer's inputs, cut from the previous layer's graph and on ``device``: floating tensors
     need a gradient, as they do on every stage but the first."""
     out = []
-    for t in _as_args(value):
+    for t in as_args(value):
         if isinstance(t, torch.Tensor):
             t = t.detach().to(device)
             if t.is_floating_point():

@@ -17,7 +17,7 @@ from torch import nn
 import pipeq
 from pipeq.stage import microbatch
 from pipeq.errors import PipelineError
-from pipeq.wire.messages import TreeError
+from pipeq.tree import MAX_DEPTH, TreeError
 from models import Chain, flat_state
 
 SGD = functools.partial(torch.optim.SGD, lr=0.2, momentum=0.5)
@@ -187,7 +187,7 @@ def test_a_malformed_tree_from_a_peer_is_refused(tree, error):
 
 def test_a_deeply_nested_tree_is_refused():
     tree: list = ["T", 0]
-    for _ in range(microbatch.MAX_DEPTH + 2):
+    for _ in range(MAX_DEPTH + 2):
         tree = ["t", [tree]]
     with pytest.raises(TreeError, match="deeper"):
         microbatch.unpack(tree, [torch.zeros(2)])

@@ -299,7 +299,7 @@ class PipelineRunner(RunnerState):
         self._batcher.check_input(x)
         sizes = self._batcher.sizes(n)
         self._step += 1
-        outs = [microbatch.unpack(microbatch.tree_of(o), o) for o in self._backend.predict(self._step, sizes, x)]
+        outs = [microbatch.unpack(microbatch.spec_of(o), o) for o in self._backend.predict(self._step, sizes, x)]
         # a stage that returns one tensor (or a 1-tuple) gives that tensor
         outs = [o[0] if isinstance(o, tuple) and len(o) == 1 and isinstance(o[0], torch.Tensor) else o
                 for o in outs]

@@ -83,6 +83,7 @@ from pipeq import balance as balancing
 from pipeq import schedules
 from pipeq.research.al.executor import ALLayer
 from pipeq.stage.spec import StageBuilder, StageSpec
+from pipeq.tree import as_args
 
 
 def resolve(spec: str, key: str) -> Any:
@@ -566,9 +567,10 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     if unknown:
         raise ValueError(f"job file {path}: unknown key(s) {unknown}; {did_you_mean(unknown, known, 'known keys')}")
     for key, types in known.items():
-        takes_bool = bool in (types if isinstance(types, tuple) else (types,))
+        allowed = as_args(types)  # one type or a tuple of them, as isinstance takes them
+        takes_bool = bool in allowed
         if key in raw and (not isinstance(raw[key], types) or isinstance(raw[key], bool) and not takes_bool):
-            want = " or ".join(_TOML_TYPES[t] for t in (types if isinstance(types, tuple) else (types,)))
+            want = " or ".join(_TOML_TYPES[t] for t in allowed)
             raise ValueError(f"job file {path}: {key} must be {want}, got {raw[key]!r}")
     try:
         raw["schedule"] = parse_schedule(raw.get("schedule", "1f1b"))

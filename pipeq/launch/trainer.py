@@ -267,7 +267,7 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
 def _samples(x: Any) -> int:
     """The samples of a batch's x: dim 0 of a tensor, or of the first tensor of a tuple / dict
     (a batch that is not one the runner checks and refuses, naming what is wrong)."""
-    from pipeq.stage.microbatch import tensors_of
+    from pipeq.tree import tensors_of
 
     tensors = [x] if isinstance(x, torch.Tensor) else tensors_of(x) if isinstance(x, (tuple, list, dict)) else []
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 0

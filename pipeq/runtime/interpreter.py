@@ -16,7 +16,7 @@ Requests (first element an :class:`~pipeq.schedules.Op`, or ``EMIT``)::
                                    of a decode path on stage 0): the caller returns it
 
 Tensors that belong to a tree (a stage output that is not a tensor or a tuple of tensors) come
-as a :class:`pipeq.microbatch.Packed`, whose ``tree`` the caller sends with them.
+as a :class:`pipeq.stage.microbatch.Packed`, whose ``spec`` the caller sends with them.
 
 When the stages must agree before an optimizer step (clipping by the global norm, fp16's
 found-inf, ``check_finite``: see :mod:`pipeq.numerics`), ``STEP`` first combines the stages'

@@ -346,7 +346,7 @@ class EventLoop:
                     if rec:
                         rec((trace.WAIT_GRAD, s, j, t0, clock(), _nbytes(value)))
                 elif op is Op.SEND_ACT:
-                    transport.send_activation(s, j, req[2], microbatch.tree_of(req[2]))
+                    transport.send_activation(s, j, req[2], microbatch.spec_of(req[2]))
                     if rec:
                         rec((trace.SEND_ACT, s, j, t0, clock(), _nbytes(req[2])))
                 elif op is Op.SEND_GRAD:
@@ -354,7 +354,7 @@ class EventLoop:
                     if rec:
                         rec((trace.SEND_GRAD, s, j, t0, clock(), _nbytes(req[2])))
                 elif op is EMIT:
-                    tree = microbatch.tree_of(req[2])
+                    tree = microbatch.spec_of(req[2])
                     transport.send_control(Message(Kind.OUTPUT, s, j, req[2], {"tree": tree} if tree else {}))
                     if rec:
                         rec((trace.EMIT, s, j, t0, clock(), _nbytes(req[2])))

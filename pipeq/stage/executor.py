@@ -24,6 +24,7 @@ from pipeq.stage.spec import StageSpec
 from pipeq.stage.state import StageState
 from pipeq.stage.step import OptimizerStep
 from pipeq.stage.transfer import pinned_copies
+from pipeq.tree import as_args, tensors_of
 
 __all__ = ["StageExecutor", "Tensors", "as_tuple", "describe"]
 
@@ -31,8 +32,8 @@ Tensors = tuple[torch.Tensor, ...]
 
 
 def as_tuple(value: Any) -> Tensors:
-    """``value`` as a tuple of tensors: a tuple as it is, a list's items, else ``(value,)``."""
-    return value if isinstance(value, tuple) else tuple(value) if isinstance(value, list) else (value,)
+    """A stage's output as a tuple of tensors: a list's items, else :func:`pipeq.tree.as_args`."""
+    return tuple(value) if isinstance(value, list) else as_args(value)
 
 
 def describe(tensors: Sequence[torch.Tensor]) -> str:
@@ -132,7 +133,7 @@ class StageExecutor(StageState, OptimizerStep):
         if self.is_first:
             return (), (), None
         assert received is not None
-        tree = microbatch.tree_of(received)
+        tree = microbatch.spec_of(received)
         args = tuple(t.to(self.device, non_blocking=True) for t in received)
         if not self.training:
             return args, args, tree
@@ -146,14 +147,14 @@ class StageExecutor(StageState, OptimizerStep):
         """The module on microbatch ``j`` (stage 0: its x; else ``args`` shaped by ``tree``);
         ``buffers``: used instead of the module's own (a recompute's scratch copies)."""
         value = self.inputs[j] if self.is_first else microbatch.unpack(tree, args)
-        call = microbatch.as_args(value)
+        call = as_args(value)
         try:
             with self.autocast(), torch.set_grad_enabled(grad):
                 if buffers:
                     return torch.func.functional_call(self.module, buffers, call, strict=False)
                 return self.module(*call)
         except Exception as exc:
-            shapes = describe(microbatch.tensors_of(value))
+            shapes = describe(tensors_of(value))
             raise RuntimeError(
                 f"forward of microbatch {j} (step {self.step_index}) failed "
                 f"on input of shape {shapes}: {exc}"
@@ -167,8 +168,8 @@ class StageExecutor(StageState, OptimizerStep):
                 loss = self.loss_fn(out, target)  # type: ignore[misc]
         except Exception as exc:
             raise RuntimeError(
-                f"loss_fn failed on output {describe(microbatch.tensors_of(out))} and target "
-                f"{describe(microbatch.tensors_of(target))} (microbatch {j}, step {self.step_index}): {exc}"
+                f"loss_fn failed on output {describe(tensors_of(out))} and target "
+                f"{describe(tensors_of(target))} (microbatch {j}, step {self.step_index}): {exc}"
             ) from exc
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
@@ -190,7 +191,7 @@ class StageExecutor(StageState, OptimizerStep):
         """Forward of microbatch ``j``; returns the tensors to send on (None on the last stage)."""
         leaves, args, tree = self._inputs(j, received)
         if self._check and self.training and self.is_first:
-            self._nonfinite("the input x", j, microbatch.tensors_of(self.inputs[j]))
+            self._nonfinite("the input x", j, tensors_of(self.inputs[j]))
         redo = self.training and self.recompute
         keep = (tree, self._rng_state()) if redo else None  # what the recompute needs
         out = self._call(j, args, tree, grad=self.training and not redo)

@@ -1,4 +1,4 @@
-"""What travels between pipeq's processes: message kinds, the :class:`Message`, nested state.
+"""What travels between pipeq's processes: message kinds, the :class:`Message`, trees in messages.
 
 This is the vocabulary of the wire, with no bytes in it: :mod:`pipeq.transport` turns messages
 into frames (through :mod:`pipeq.codec`) and back. The worker, the driver and the agent build and
@@ -24,7 +24,9 @@ from typing import Any, Sequence
 
 import torch
 
-from pipeq.errors import CodecError
+from pipeq.tree import STATE, flatten, unflatten
+
+__all__ = ["Kind", "REPLIES", "Message", "tree_message", "tree_of"]
 
 
 class Kind(enum.IntEnum):
@@ -85,60 +87,14 @@ class Message:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class TreeError(CodecError):
-    """A packed tree refers to a tensor the message does not carry."""
-
-
-_TENSOR_REF = "__tensor__"
-
-
-def pack_tree(obj: Any, tensors: list[torch.Tensor], where: str = "value") -> Any:
-    """``obj`` (nested dicts/lists of plain values and tensors) as plain data for a header.
-
-    Each tensor is appended to ``tensors`` (to travel as its own frame) and replaced by
-    ``{"__tensor__": index}``; :func:`unpack_tree` puts it back. ``where`` names the value in
-    errors (e.g. "stage 2's snapshot").
-    """
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach().cpu().contiguous())
-        return {_TENSOR_REF: len(tensors) - 1}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        return [pack_tree(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        out = {}
-        for k, v in obj.items():
-            if not isinstance(k, str) or k == _TENSOR_REF:
-                raise ValueError(f"{where} has a key {k!r}: only string keys can be sent")
-            out[k] = pack_tree(v, tensors, f"{where}[{k!r}]")
-        return out
-    raise ValueError(
-        f"{where} holds a {type(obj).__name__}, which pipeq cannot send (plain numbers, strings, "
-        "lists, dicts and tensors only)"
-    )
-
-
-def unpack_tree(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """The inverse of :func:`pack_tree` (tensor indices are checked)."""
-    if isinstance(obj, dict):
-        if len(obj) == 1 and _TENSOR_REF in obj:
-            i = obj[_TENSOR_REF]
-            if type(i) is not int or not 0 <= i < len(tensors):
-                raise TreeError(f"tensor reference {i!r} outside the message's {len(tensors)} tensors")
-            return tensors[i]
-        return {k: unpack_tree(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [unpack_tree(v, tensors) for v in obj]
-    return obj
-
-
 def tree_message(kind: Kind, step: int, key: str, obj: Any, where: str) -> Message:
-    """A message carrying nested state ``obj`` (see :func:`pack_tree`) under ``extra[key]``."""
-    tensors: list[torch.Tensor] = []
-    return Message(kind, step, 0, tensors, {key: pack_tree(obj, tensors, where)})
+    """A message carrying the tree ``obj`` (states, snapshots; :data:`pipeq.tree.STATE` spelling)
+    under ``extra[key]``, its tensors as contiguous CPU tensors; ``where`` names it in errors
+    (e.g. "stage 2's snapshot")."""
+    tensors, spec = flatten(obj, where, STATE)
+    return Message(kind, step, 0, [t.detach().cpu().contiguous() for t in tensors], {key: spec})
 
 
 def tree_of(msg: Message, key: str) -> Any:
-    """The nested state a :func:`tree_message` carries (KeyError if it has none)."""
-    return unpack_tree(msg.extra[key], msg.tensors)
+    """The tree a :func:`tree_message` carries, checked (KeyError if it has none, TreeError if malformed)."""
+    return unflatten(msg.extra[key], msg.tensors, STATE)

@@ -38,6 +38,7 @@ from pipeq.research.al.models import (ALLayer, ALModel, LabelEmbedding, LastHidd
                         label_input)
 from pipeq.stage.executor import StageExecutor, Tensors, describe
 from pipeq.stage.spec import StageSpec
+from pipeq.tree import map_tensors, tensors_of
 
 if TYPE_CHECKING:
     from pipeq.research.al.schedule import AssociatedLearning
@@ -90,7 +91,7 @@ class ALExecutor(StageExecutor):
     def _received(self, received: Tensors, training: bool) -> Any:
         """The value the previous layer sent: ``(s, t)`` in training, ``s`` in inference."""
         tensors = [t.to(self.device, non_blocking=True) for t in received]
-        tree = microbatch.tree_of(received)
+        tree = microbatch.spec_of(received)
         if tree is not None:
             value = microbatch.unpack(tree, tensors)
         else:
@@ -102,14 +103,14 @@ class ALExecutor(StageExecutor):
     @staticmethod
     def _message(value: Any) -> Tensors:
         """``value`` (detached) as the tensors of one message, with their description if needed."""
-        tensors, tree = microbatch.pack_output(microbatch.map_tensors(value, torch.Tensor.detach))
+        tensors, tree = microbatch.pack_output(map_tensors(value, torch.Tensor.detach))
         return microbatch.Packed.of(tensors, tree)
 
     def _labels(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 0's (what g_1 reads, the one-hot the first autoencoder loss compares with)."""
         y = self.targets[j]
         if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.is_complex():
-            got = describe((y,)) if isinstance(y, torch.Tensor) else describe(microbatch.tensors_of(y)) or repr(y)
+            got = describe((y,)) if isinstance(y, torch.Tensor) else describe(tensors_of(y)) or repr(y)
             raise ValueError(f"stage 0: AL needs class indices as targets, got {got}")
         onehot = F.one_hot(y.long(), self.n_classes).to(self.label_dtype)
         return (y.long() if self.label_reads == "index" else onehot), onehot

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from pipeq.stage.microbatch import as_args
+from pipeq.tree import as_args
 
 
 def call(module: nn.Module, value: Any) -> Any:

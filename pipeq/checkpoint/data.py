@@ -1,0 +1,48 @@
+"""What a checkpoint is made of: a stage's snapshot, a loaded checkpoint, its files' names, its error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NotRequired, TypedDict
+
+import torch
+
+__all__ = ["FORMAT", "VERSION", "MANIFEST", "CheckpointError", "StageSnapshot", "Checkpoint"]
+
+FORMAT = "pipeq-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupted, or does not fit the current stages."""
+
+
+class StageSnapshot(TypedDict):
+    """One stage's state under its *local* names (a plain dict, so it travels as data)."""
+
+    model: dict[str, torch.Tensor]  # the stage module's state_dict
+    optim: dict[str, dict]  # param name -> {"state": {...}, "group": {hyperparameters}}
+    sched: dict | None  # lr-scheduler state_dict
+    rng: torch.Tensor | None  # torch.get_rng_state() of the stage process
+    layers: int
+    sequential: bool
+    scaler: NotRequired[dict | None]  # fp16's loss scale (the same on every stage)
+    # interlocking: the stage's auxiliary head, {"model": state_dict, "optim": like optim}
+    aux: NotRequired[dict | None]
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: model and optimizer state under global names, the rest per saved stage."""
+
+    model: dict[str, torch.Tensor]
+    optim: dict[str, dict]
+    sched: list[dict | None]
+    rng: list[torch.Tensor | None]
+    n_stages: int
+    layers: list[int]
+    meta: dict = field(default_factory=dict)
+    scaler: dict | None = None  # fp16's loss-scaler state (pipeq.numerics.LossScaler)
+    aux_model: dict[str, torch.Tensor] = field(default_factory=dict)  # "aux_heads.{k}.{local}" -> tensor
+    aux_optim: dict[str, dict] = field(default_factory=dict)  # the heads' optimizer state, by those names
