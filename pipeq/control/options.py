@@ -31,7 +31,7 @@ from pipeq.runtime.executors import StageBuilder, StageSpec
 from pipeq.stage.lr_schedulers import LRSchedule
 from pipeq.stage.numerics import Numerics
 from pipeq.stage.executor import loss_weight_mode
-from pipeq.wire.transport import SECURITY_MODES
+from pipeq.wire.security import SECURITY_MODES
 
 if TYPE_CHECKING:
     from pipeq.control.rendezvous import Rendezvous
