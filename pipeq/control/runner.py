@@ -74,7 +74,7 @@ class PipelineRunner:
         host: the address stages bind to with ``transport="tcp"``.
         tcp_security: how TCP sockets are protected: ``"encrypt"`` (default; CURVE on every
             socket: encrypted and authenticated) or ``"authenticate"`` (CURVE on the control
-            channel, an HMAC on every data message: no encryption of activations and gradients,
+            channel, a Poly1305 MAC on every data message: no encryption of activations and gradients,
             2-3x the bandwidth at 4-64 MiB). Either way only holders of the job's secret get in:
             this runner makes one, a multi-host run takes it from ``rendezvous.secret``.
         max_message_mb: the largest tensor (MiB) one stage sends another; a larger frame is
