@@ -409,31 +409,32 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
               security: str | None = None, secret: Any = None) -> dict:
     """rank 1 receives (binds PULL + ack PUSH), rank 0 sends and times. pipeq's codec + tune_socket;
     with ``security`` ("encrypt" / "authenticate", tcp only) the sockets are secured as a stage's
-    data sockets are (CURVE; or PLAIN + a per-message HMAC, sealed and checked here)."""
+    data sockets are (CURVE; or PLAIN + a per-message Poly1305 MAC, sealed and checked here)."""
     import zmq
 
     from pipeq.wire import codec
-    from pipeq.wire import transport
+    from pipeq.wire.security import FrameMac, Gatekeeper, WireAuth, secure_client, secure_server
+    from pipeq.wire.sockets import tune_process_allocator, tune_socket
 
-    transport.tune_process_allocator()  # as every pipeq stage process does at start
+    tune_process_allocator()  # as every pipeq stage process does at start
     _pin(rank)
     _threads(1)
     ctx = zmq.Context(io_threads=1)
-    auth = transport.WireAuth(secret, security) if security else None
-    mac = transport._FrameMac(auth, "F0") if security == "authenticate" else None
+    auth = WireAuth(secret, security) if security else None
+    mac = FrameMac(auth, "F0") if security == "authenticate" else None
     socks = []
     gate = None
     try:
         if rank == 1:
-            gate = transport._Gatekeeper(ctx, auth) if auth is not None else None
+            gate = Gatekeeper(ctx, auth) if auth is not None else None
             pull, ack = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
             socks += [pull, ack]
             eps = []
             for s, name in ((pull, "data"), (ack, "ack")):
-                transport.tune_socket(s)
+                tune_socket(s)
                 s.setsockopt(zmq.RCVTIMEO, 120_000)
                 s.setsockopt(zmq.SNDTIMEO, 120_000)
-                transport.secure_server(s, auth, data=True)
+                secure_server(s, auth, data=True)
                 s.bind(f"ipc://{os.path.join(ipc_dir, name)}" if proto == "ipc" else "tcp://127.0.0.1:0")
                 eps.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
             side.send(eps)
@@ -453,11 +454,11 @@ def child_zmq(rank: int, world: int, side: Any, proto: str, ipc_dir: str, plan: 
         push, ackin = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
         socks += [push, ackin]
         for s, ep in ((push, ep_data), (ackin, ep_ack)):
-            transport.tune_socket(s)
+            tune_socket(s)
             s.setsockopt(zmq.RCVTIMEO, 120_000)
             s.setsockopt(zmq.SNDTIMEO, 120_000)
             if auth is not None:
-                transport.secure_client(s, auth, ep, data=True)
+                secure_client(s, auth, ep, data=True)
             s.connect(ep)
         out = {}
         for size, n, rounds in plan:
@@ -807,7 +808,7 @@ def section_transport(a: argparse.Namespace) -> None:
     print("\n=== [3] Transport: one-way float32 tensor stream between two processes (GB/s = 1e9 B/s, "
           f"median of {repeats} rounds after 1 warm-up round) ===")
     print("    pipeq wire: codec.encode -> PUSH send_multipart(copy=False) -> PULL recv_multipart(copy=False) -> "
-          "codec.decode, sockets tuned by pipeq.wire.transport.tune_socket")
+          "codec.decode, sockets tuned by pipeq.wire.sockets.tune_socket")
     print(f"    gloo blk: blocking dist.send / dist.recv into a reused buffer; gloo w{GLOO_WINDOW}: isend/irecv with up to "
           f"{GLOO_WINDOW} in flight (rotating reused buffers)")
     print("    memcpy: dst.copy_(src) into a reused tensor, 1 thread, one process")

@@ -125,7 +125,8 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
             os.sched_setaffinity(0, [core])
         torch.set_num_threads(1)
         from pipeq.parallel import data as dataparallel
-        from pipeq.wire.transport import BindTo, StageTransport
+        from pipeq.wire.sockets import BindTo
+        from pipeq.wire.stage_link import StageTransport
 
         module = make_stages(width, layers, n_stages)[stage]
         params = list(module.parameters())
@@ -189,7 +190,7 @@ def probe(n_stages: int, replicas: int, shard: int, microbatches: int, width: in
     ``pipeq.dataparallel.GradSync`` (flatten, send to the other replica over pipeq's ipc link,
     wait, add, copy back), all N stages at once. The slowest stage's, medians over iterations (and
     replicas)."""
-    from pipeq.wire.transport import make_ipc_dir, remove_ipc_dir
+    from pipeq.wire.sockets import make_ipc_dir, remove_ipc_dir
 
     if hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))

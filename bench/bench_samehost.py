@@ -18,7 +18,7 @@ marked "disturbed".
 
 [1] throughput -- one-way GB/s (1e9 B/s) of float32 tensors of 256 KiB, 4 MiB and 64 MiB between
     two processes pinned to a core each (rank k -> core k mod ncpu), 1 torch thread each:
-      pipeq ipc        two ``pipeq.transport.StageTransport`` bound on ipc (a private directory
+      pipeq ipc        two ``pipeq.wire.stage_link.StageTransport`` bound on ipc (a private directory
                        from ``make_ipc_dir``): process 0 ``send_activation``s, process 1
                        ``wait_data(forward_queue, step, i)``s each message in order. When this
                        checkout's StageTransport takes ``shm=`` (and ``pipeq.shm`` imports) the
@@ -127,7 +127,7 @@ SUMMARY: list[list[str]] = []  # [probe, measured, target, verdict]
 # ==================================================================================================
 def shm_config_class() -> Any:
     """``pipeq.shm.ShmConfig`` if StageTransport takes ``shm=`` and pipeq.shm imports, else None."""
-    from pipeq.wire.transport import StageTransport
+    from pipeq.wire.stage_link import StageTransport
 
     if "shm" not in inspect.signature(StageTransport).parameters:
         return None
@@ -163,7 +163,10 @@ def _wire(rank: int, side: Any, mode: str, ipc_dir: str, secret: Any, shm_prefix
     """Process ``rank``'s StageTransport, wired to the other one: 0 sends activations to 1, 1
     sends gradients to 0. Rank 1 also hosts the control server (nothing is ever sent on it).
     ``mode``: "ipc", or the tcp security mode ("encrypt" / "authenticate")."""
-    from pipeq.wire.transport import BindTo, ControlServer, StageTransport, WireAuth, tune_process_allocator
+    from pipeq.wire.control_link import ControlServer
+    from pipeq.wire.security import WireAuth
+    from pipeq.wire.sockets import BindTo, tune_process_allocator
+    from pipeq.wire.stage_link import StageTransport
 
     tune_process_allocator()  # as a stage process does, before any of ZeroMQ's threads exist
     _pin(rank)  # pinned first: ZeroMQ's I/O thread inherits the affinity
@@ -315,7 +318,7 @@ def child_rtt_zmq(rank: int, world: int, side: Any, ipc_dir: str, count: int) ->
     receiving as wait_data does (spin on a non-blocking recv for SPIN_S, yielding; then block)."""
     import zmq
 
-    from pipeq.wire.transport import tune_process_allocator, tune_socket
+    from pipeq.wire.sockets import tune_process_allocator, tune_socket
 
     tune_process_allocator()
     _pin(rank)
@@ -483,7 +486,7 @@ def _shm_prefix() -> str:
 
 def section_throughput(a: argparse.Namespace, shm: bool) -> None:
     from pipeq.wire.keys import JobSecret
-    from pipeq.wire.transport import make_ipc_dir, remove_ipc_dir
+    from pipeq.wire.sockets import make_ipc_dir, remove_ipc_dir
 
     repeats = a.repeats or (3 if a.quick else 5)
     plan = [p for p in bc.transport_plan(a.quick, repeats) if p[0] in SIZES]
@@ -559,7 +562,7 @@ def section_throughput(a: argparse.Namespace, shm: bool) -> None:
 
 
 def section_rtt(a: argparse.Namespace, shm: bool) -> None:
-    from pipeq.wire.transport import make_ipc_dir, remove_ipc_dir
+    from pipeq.wire.sockets import make_ipc_dir, remove_ipc_dir
 
     count = a.round_trips or (2000 if a.quick else 5000)
     label = "pipeq ipc (shm)" if shm else "pipeq ipc (no shm)"

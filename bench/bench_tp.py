@@ -21,7 +21,7 @@ round; the figures are medians over rounds. Per configuration:
   ``Linear(W, W/2)`` and a ``Linear(W/2, W)`` (with the full bias, as torch's RowwiseParallel
   keeps it) -- on the same microbatches: m forwards and backwards (the input's gradient too for
   k > 0, the loss on the last stage) and the optimizer step; the slowest stage's. The process sets
-  glibc's allocator as every stage process does (``pipeq.transport.tune_process_allocator``):
+  glibc's allocator as every stage process does (``pipeq.wire.sockets.tune_process_allocator``):
   without it the gradients freed by ``zero_grad(set_to_none=True)`` are unmapped and faulted in
   again every step, which made the same work ~2x slower here (198 against ~100 ms at T = 1);
 - contention: the same work with min(P, C) such processes computing at once, one per core (P = N x T
@@ -227,7 +227,7 @@ def child_comp(rank: int, world: int, width: int, shards: int, stages: tuple, n_
     """Stage ``stages[rank]``'s shard, pinned to core ``rank``. With ``world`` > 1 the processes
     line up at a barrier before every iteration and alternate: every process computes ("beside"),
     then one alone (each in turn), so that both figures come from the same minutes."""
-    from pipeq.wire.transport import tune_process_allocator
+    from pipeq.wire.sockets import tune_process_allocator
 
     tune_process_allocator()  # as every stage process does: freed large blocks are reused, not unmapped
     _pin(rank)
@@ -298,7 +298,7 @@ def child_comm(rank: int, world: int, port: int, width: int, batch: int, mbs: in
 
     import torch.distributed as dist
 
-    from pipeq.wire.transport import tune_process_allocator
+    from pipeq.wire.sockets import tune_process_allocator
 
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     tune_process_allocator()

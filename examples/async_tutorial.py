@@ -62,7 +62,7 @@ computes on tensors rebuilt zero-copy over received ZeroMQ frames, whose address
 1-ulp noise (first seen at batch 7-10) is harmless for training and invisible to
 ``test_async_stream_replays_the_tutorial_pipeline`` (1e-6), but this loop amplifies it. (Copying
 each misaligned received tensor to fresh memory made three process runs of 1000 batches
-bitwise equal to simulated mode. pipeq.transport now does that for every received tensor under
+bitwise equal to simulated mode. pipeq.wire.frames now does that for every received tensor under
 64 KiB, all of this tutorial's: the variation described here should be gone, not re-measured.)
 """
 

@@ -117,7 +117,7 @@ def targets(runner: Any, secret: Any, mode: str) -> dict[str, Any]:
     """What an attacker can know of a running ``runner``: its ports, its CURVE server public key
     (never secret in CURVE), and in "authenticate" mode the PLAIN password its data channels
     send in the clear. Never the secret, the client key or the MAC key."""
-    from pipeq.wire.transport import WireAuth
+    from pipeq.wire.security import WireAuth
 
     backend = runner._backend
     auth = WireAuth(secret, mode)
@@ -209,7 +209,7 @@ def other_secret() -> dict[str, str]:
     """The keys of another run's secret (``WireAuth(JobSecret.generate())``), as the attacker
     uses them: the CURVE server public key, a client key pair, the PLAIN password."""
     from pipeq.wire.keys import JobSecret
-    from pipeq.wire.transport import WireAuth
+    from pipeq.wire.security import WireAuth
 
     other = WireAuth(JobSecret.generate(), "authenticate")
     public, secret = other.curve("client")

@@ -8,7 +8,8 @@ import os
 
 from pipeq.wire import shm
 from pipeq.wire.shm import ShmConfig
-from pipeq.wire.transport import BindTo, StageTransport, make_ipc_dir, remove_ipc_dir
+from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
+from pipeq.wire.stage_link import StageTransport
 
 
 def segment_names(prefix: str) -> list[str]:

@@ -32,7 +32,7 @@ import torch
 from attacker import (Attack, Victim, batches, make_runner, pickle_payload, recorded_secret,
                       targets)
 from netns import TwoHosts, netns_available
-from pipeq.wire.transport import Peer
+from pipeq.wire.control_link import Peer
 
 STEP_LIMIT_S = 10.0  # an unattacked step takes milliseconds; a stall would take the heartbeat timeout
 

@@ -243,7 +243,7 @@ def test_nobody_outside_the_run_can_join_the_gradient_exchange(security, monkeyp
     import zmq
     from pipeq.wire.codec import encode
     from pipeq.wire.keys import JobSecret
-    from pipeq.wire.transport import WireAuth, secure_client
+    from pipeq.wire.security import WireAuth, secure_client
 
     secret = JobSecret.generate()
     monkeypatch.setattr(JobSecret, "generate", classmethod(lambda cls: secret))  # the run's, known here

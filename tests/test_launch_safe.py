@@ -320,7 +320,7 @@ def test_interrupt_between_the_sends_of_a_step_closes_at_once(monkeypatch) -> No
 
     import pipeq
     from pipeq.wire.messages import Kind
-    from pipeq.wire.transport import ControlServer
+    from pipeq.wire.control_link import ControlServer
 
     stages = [nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)]
     runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), "1f1b", 2,

@@ -30,7 +30,10 @@ from pipeq.wire import shm
 from pipeq.wire.codec import HeaderError
 from pipeq.wire.messages import Kind, Message
 from pipeq.wire.shm import ShmConfig, SlotError, SlotReader, SlotWriter
-from pipeq.wire.transport import BindTo, ControlServer, StageTransport, Stopped, make_ipc_dir, remove_ipc_dir
+from pipeq.wire.control_link import ControlServer
+from pipeq.wire.errors import Stopped
+from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
+from pipeq.wire.stage_link import StageTransport
 from shm_helpers import segment_names, transport_pair
 
 FAST = dict(start_method="forkserver")
@@ -168,7 +171,7 @@ def test_training_through_shared_memory_equals_one_process(schedule):
     # without shared memory no segment is mapped, and training computes the same bits. (Not
     # predict: there a stage computes on the received tensor in place, a ZeroMQ frame at an
     # address that is not 16-byte aligned, and MKL's products round 1 ulp differently for it;
-    # training copies its inputs to leaves of its own first. See the transport's _decode.)
+    # training copies its inputs to leaves of its own first. See pipeq.wire.frames.decode_aligned.)
     losses0, out0, state0, maps0, _ = train(schedule, data, shm_slots=0)
     assert maps0 == [{}, {}, {}]
     assert losses == losses0

@@ -12,8 +12,12 @@ import zmq
 from pipeq.errors import CodecError
 from pipeq.wire.messages import Kind, Message
 from pipeq.wire.keys import JobSecret
-from pipeq.wire.transport import (AGENT, STAGE, BindTo, ControlServer, DriverLink, KeyedQueue, Peer, PeerUnreachable,
-                             ProtocolError, StageTransport, WireAuth, make_ipc_dir, remove_ipc_dir)
+from pipeq.wire.control_link import AGENT, STAGE, ControlServer, DriverLink, Peer
+from pipeq.wire.errors import PeerUnreachable, ProtocolError
+from pipeq.wire.queues import KeyedQueue
+from pipeq.wire.security import WireAuth
+from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
+from pipeq.wire.stage_link import StageTransport
 
 AUTH = WireAuth(JobSecret.generate())
 
@@ -171,7 +175,7 @@ def test_driver_link_reports_connection_and_foreign_peers_are_unnamed():
 
 # -- who may connect (issue 13) ------------------------------------------------------------------
 def test_control_identities_are_taken_exactly_as_pipeq_spells_them():
-    from pipeq.wire.transport import HEARTBEAT, peer_of
+    from pipeq.wire.control_link import HEARTBEAT, peer_of
 
     assert peer_of(b"s2") == Peer(STAGE, 2) and peer_of(b"h0") == Peer(HEARTBEAT, 0)
     assert peer_of(b"a13") == Peer(AGENT, 13)
@@ -211,7 +215,7 @@ def test_a_peer_without_the_keys_is_refused_at_the_handshake(mode):
                 if kind == zmq.DEALER:
                     s.setsockopt(zmq.IDENTITY, b"s1")
                 if keys is not None:
-                    from pipeq.wire.transport import secure_client
+                    from pipeq.wire.security import secure_client
                     secure_client(s, keys, addr, data=kind == zmq.PUSH)
                 s.connect(addr)
                 socks.append((s, forged))
@@ -239,7 +243,7 @@ def test_a_peer_without_the_keys_is_refused_at_the_handshake(mode):
 def test_authenticate_mode_drops_forged_and_replayed_data_messages():
     """Someone who has seen the traffic (and so the PLAIN password) still cannot inject: a message
     is taken only with a valid MAC and a sequence number above the last one."""
-    from pipeq.wire.transport import secure_client
+    from pipeq.wire.security import secure_client
 
     auth = WireAuth(AUTH.secret, "authenticate")
     a = StageTransport(0, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
@@ -298,7 +302,7 @@ def test_an_oversized_frame_is_refused_before_it_is_buffered(mode):
 def test_the_ipc_directory_must_be_private(tmp_path):
     import os
 
-    from pipeq.wire.transport import check_private_dir
+    from pipeq.wire.sockets import check_private_dir
 
     where = make_ipc_dir()
     try:
@@ -318,7 +322,7 @@ def test_the_ipc_directory_must_be_private(tmp_path):
 # -- the replicas' channel (data parallelism) ------------------------------------------------------
 def _replica_pair(bind, auth=None, server_addr="inproc://unused"):
     """Stage 1's processes of replicas 0 and 1 (processes 1 and 3 of a 2-stage run), linked."""
-    from pipeq.wire.transport import ReplicaLink
+    from pipeq.wire.replica_link import ReplicaLink
 
     stages = [StageTransport(r * 2 + 1, server_addr, bind=bind, queue_capacity=4, auth=auth) for r in (0, 1)]
     links = [ReplicaLink(t, bind, stage=1, replica=r, replicas=2, capacity=8) for r, t in enumerate(stages)]
@@ -336,7 +340,7 @@ def _close(stages, links):
 
 @pytest.mark.timeout(30)
 def test_replica_link_exchanges_tagged_tensors_and_an_exit_interrupts_a_wait():
-    from pipeq.wire.transport import Stopped
+    from pipeq.wire.errors import Stopped
 
     where = make_ipc_dir()
     server = ControlServer(BindTo.ipc(where))
@@ -400,7 +404,7 @@ def test_nobody_without_the_keys_joins_the_replicas_channel(mode):
     PLAIN password but not the MAC key: refused at the handshake, or dropped; a message sealed for
     another link (replayed to the wrong replica) is dropped too. The replicas' own traffic flows."""
     from pipeq.wire.codec import encode
-    from pipeq.wire.transport import secure_client
+    from pipeq.wire.security import secure_client
 
     auth = WireAuth(AUTH.secret, mode)
     other = WireAuth(JobSecret.generate(), mode)
@@ -429,7 +433,7 @@ def test_nobody_without_the_keys_joins_the_replicas_channel(mode):
                 except zmq.Again:
                     pass
         if mode == "authenticate":
-            from pipeq.wire.transport import _FrameMac
+            from pipeq.wire.security import FrameMac as _FrameMac
 
             wrong_link = _FrameMac(auth, "R1:1>0")  # sealed (validly) for the other direction
             socks[2].send_multipart([b"\0\0\0\0", *wrong_link.seal(forged[1:])])

@@ -29,7 +29,7 @@ from pipeq.control.checks import refuse_moved
 from pipeq.schedules import SchedulePolicy
 from pipeq.stage import numerics as numerics_mod
 from pipeq.stage.numerics import Numerics
-from pipeq.wire.transport import SECURITY_MODES
+from pipeq.wire.security import SECURITY_MODES
 
 __all__ = ["RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig", "MODES", "TRANSPORTS",
            "START_METHODS", "check_step_timeout"]
@@ -84,7 +84,7 @@ class WireConfig:
         host: the address stages bind to with ``transport="tcp"``.
         tcp_security: how TCP sockets are protected: ``"encrypt"`` (default; CURVE on every
             socket: encrypted and authenticated) or ``"authenticate"`` (CURVE on the control
-            channel, an HMAC on every data message: no encryption of activations and gradients,
+            channel, a Poly1305 MAC on every data message: no encryption of activations and gradients,
             2-3x the bandwidth at 4-64 MiB). Either way only holders of the job's secret get in:
             this runner makes one, a multi-host run takes it from ``rendezvous.secret``.
         max_message_mb: the largest tensor (MiB) one stage sends another; a larger frame is

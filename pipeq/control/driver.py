@@ -38,7 +38,9 @@ from pipeq.stage.executor import Tensors
 from pipeq.control.supervisor import Supervisor
 from pipeq.control.trace_collector import TraceRecorder
 from pipeq.wire.keys import JobSecret
-from pipeq.wire.transport import AGENT, STAGE, BindTo, ControlServer, WireAuth, make_ipc_dir, remove_ipc_dir
+from pipeq.wire.control_link import AGENT, STAGE, ControlServer
+from pipeq.wire.security import WireAuth
+from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
 
 class ProcessBackend:
     """Runs the stages as processes: all on this host, or (``rendezvous``) spread over nodes.

@@ -22,7 +22,8 @@ from pipeq.control import forkserver
 from pipeq import schedules
 from pipeq.stage.spec import StageBuilder
 from pipeq.stage.numerics import Numerics
-from pipeq.wire.transport import BindTo, WireAuth
+from pipeq.wire.security import WireAuth
+from pipeq.wire.sockets import BindTo
 from pipeq.runtime.worker import WorkerConfig, worker_entry
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class StageSettings:
     heartbeat_interval: float = 1.0
     spin_s: float = 0.01
     trace: bool = False
-    tcp_security: str = "encrypt"  # see pipeq.transport.WireAuth
+    tcp_security: str = "encrypt"  # see pipeq.wire.security.WireAuth
     max_message_mb: int = 256  # the largest tensor frame a stage accepts from a peer
     numerics: Numerics = Numerics()  # precision, clipping, checks, recomputation (pipeq.numerics)
     shm_slots: int = 4  # shared-memory slots per data channel on one host (pipeq.shm); 0: none

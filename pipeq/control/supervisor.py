@@ -32,7 +32,8 @@ from typing import Callable
 from pipeq.errors import CodecError, PipelineError
 from pipeq.wire.messages import REPLIES, Kind, Message
 from pipeq.control.processes import Numbering, exit_reason
-from pipeq.wire.transport import AGENT, HEARTBEAT, STAGE, ControlServer, Peer, PeerUnreachable
+from pipeq.wire.control_link import AGENT, HEARTBEAT, STAGE, ControlServer, Peer
+from pipeq.wire.errors import PeerUnreachable
 
 _POLL_MS = 100
 

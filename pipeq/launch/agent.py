@@ -33,7 +33,9 @@ from pipeq.wire.messages import Kind, Message
 from pipeq.control.processes import (StageSettings, exit_reason, job_identity, process_context, start_worker, stop_processes,
                         worker_configs)
 from pipeq.control.rendezvous import Rendezvous
-from pipeq.wire.transport import BindTo, DriverLink, WireAuth, make_ipc_dir, remove_ipc_dir
+from pipeq.wire.control_link import DriverLink
+from pipeq.wire.security import WireAuth
+from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
 
 _TICK_MS = 100
 TERM_GRACE = 30.0  # seconds an agent told to terminate waits for the driver to end the run

@@ -392,7 +392,7 @@ class Job:
     data_parallel: int = 1
     tensor_parallel: int = 1  # shards per stage (PipelineRunner's tensor_parallel, pipeq.tensorpar)
     tp_plan: list[dict[str, str]] | None = None  # one table per stage: submodule -> "colwise" / "rowwise"
-    tcp_security: str = "encrypt"  # multi-host: "encrypt" or "authenticate" (pipeq.transport)
+    tcp_security: str = "encrypt"  # multi-host: "encrypt" or "authenticate" (pipeq.wire.security)
     max_message_mb: int = 256
     shm_slots: int = 4  # one host: shared-memory slots per data channel (PipelineRunner's shm_slots)
     data_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of data(epoch)

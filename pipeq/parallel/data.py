@@ -1,11 +1,11 @@
 """Data parallelism beside the pipeline: R replicas of every stage, gradients summed.
 
 Stage k of replica r talks to stage k of every other replica over a
-:class:`~pipeq.wire.transport.ReplicaLink`: pipeq's own ZeroMQ transport, authenticated like the
-pipeline's data channels (ipc in the run's private directory on one host; tcp with the job's keys
-otherwise), with no torch.distributed and no port that anyone else can join. Each replica runs its own shard of the
-batch through its own pipeline; the loss of every microbatch is weighted by its share of the
-*whole* batch, so the sum of the replicas' gradients is the full-batch gradient.
+:class:`~pipeq.wire.replica_link.ReplicaLink`: pipeq's own ZeroMQ transport, authenticated like
+the pipeline's data channels (ipc in the run's private directory on one host; tcp with the job's
+keys otherwise), with no torch.distributed and no port that anyone else can join. Each replica
+runs its own shard of the batch through its own pipeline; the loss of every microbatch is weighted
+by its share of the *whole* batch, so the sum of the replicas' gradients is the full-batch gradient.
 
 When the driver has told the replicas where their siblings are (PEERS), replica 0 sends its
 parameters and buffers to the others, which load them before anything else: replicas never start
@@ -30,7 +30,9 @@ from typing import Sequence
 import torch
 
 from pipeq.stage.transfer import pinned_copies
-from pipeq.wire.transport import BindTo, ReplicaLink, StageTransport
+from pipeq.wire.replica_link import ReplicaLink
+from pipeq.wire.sockets import BindTo
+from pipeq.wire.stage_link import StageTransport
 
 __all__ = ["BUCKET_BYTES", "WEIGHTS_STEP", "FlatLayout", "to_host", "to_device", "sum_in_order", "GradSync",
            "broadcast_from_replica_0", "Replicas"]

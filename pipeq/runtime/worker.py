@@ -59,8 +59,11 @@ from pipeq.schedules import Op
 from pipeq.wire.shm import ShmConfig
 from pipeq.stage.executor import StageExecutor
 from pipeq.stage.spec import StageBuilder, StageSpec
-from pipeq.wire.transport import (BindTo, Heartbeat, StageTransport, Stopped, WireAuth, remove_ipc_dir,
-                        tune_process_allocator)
+from pipeq.wire.control_link import Heartbeat
+from pipeq.wire.errors import Stopped
+from pipeq.wire.security import WireAuth
+from pipeq.wire.sockets import BindTo, remove_ipc_dir, tune_process_allocator
+from pipeq.wire.stage_link import StageTransport
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """The wire codec: messages as a msgpack header plus one raw frame per tensor.
 
 Everything pipeq sends between processes goes through :func:`encode` and comes back through
-:func:`decode`. Nothing is ever pickled. A message is a list of frames::
+:func:`decode`. Nothing is ever pickled. The codec's users are the wire's links: the control and
+stage links through :mod:`pipeq.wire.frames` (the stage's data sends call :func:`encode` with
+their shared-memory slots), :mod:`pipeq.wire.replica_link`, and :mod:`pipeq.wire.shard_link`
+(a tensor-parallel stage's shards share messages as these frames). A message is a list of frames::
 
     frame 0   msgpack array [version, kind, step, microbatch, tensors, extra]
                  tensors = [[dtype_code, [d0, d1, ...], nbytes], ...]   one entry per tensor
@@ -9,7 +12,7 @@ Everything pipeq sends between processes goes through :func:`encode` and comes b
     frame 1.. the raw bytes of tensor 0, tensor 1, ... (C-contiguous, native little-endian)
 
 On one host, a message's large tensors may travel through a shared-memory slot instead
-(:mod:`pipeq.shm`): their entries get a fourth element ``1`` (``[dtype_code, shape, nbytes, 1]``),
+(:mod:`pipeq.wire.shm`): their entries get a fourth element ``1`` (``[dtype_code, shape, nbytes, 1]``),
 they have no frame, and ``extra["@slot"] = [slot, generation]`` names the slot, whose reader
 (``take``) the receiving transport hands to :func:`decode`; their offsets in the slot follow from
 the validated sizes alone, never from the header. CUDA tensors between GPUs of one host likewise:
@@ -25,13 +28,17 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import msgpack
 import torch
 
 from pipeq.errors import CodecError
 from pipeq.wire.messages import Kind, Message
+
+__all__ = ["encode", "decode", "Place", "Take", "FORMAT_VERSION", "MAX_HEADER_BYTES", "MAX_TENSORS", "MAX_NDIM",
+           "MAX_TENSOR_BYTES", "SLOT_KEY", "CUDA_KEY", "CodecError", "VersionError", "HeaderError", "DtypeError",
+           "ShapeError", "FrameCountError", "FrameLengthError"]
 
 FORMAT_VERSION = 1
 
@@ -103,13 +110,6 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj().resolve_neg().contiguous()
     # uint8 view works for every dtype (bool, bfloat16 included)
     return t.reshape(-1).view(torch.uint8)
-
-
-def tensor_frame(t: torch.Tensor) -> Any:
-    """A buffer over ``t``'s memory (no copy when ``t`` is a contiguous CPU tensor)."""
-    if t.device.type != "cpu":
-        raise CodecError(f"tensor on {t.device} must be moved to the CPU before encoding")
-    return _flat(t).numpy()
 
 
 #: ``place(buffers) -> [slot, generation]``: copies flat uint8 tensors into a shared-memory slot
@@ -199,6 +199,16 @@ def decode(frames: Sequence[Any], take: Take | None = None, take_device: Take | 
     """Validate and decode frames into a :class:`Message`; raises a :class:`CodecError` subclass.
     ``take`` reads tensors out of the shared-memory slot a header names, ``take_device`` out of
     a CUDA slot (without them, a header naming one is refused)."""
+    kind, step, microbatch, metas, extra = _header(frames)
+    slot = extra.pop(SLOT_KEY, None)
+    cuda = extra.pop(CUDA_KEY, None)
+    checked = _entries(metas)
+    taken = _slotted(checked, len(frames), slot, cuda, take, take_device)
+    return Message(Kind(kind), step, microbatch, _tensors(frames, checked, taken), extra)
+
+
+def _header(frames: Sequence[Any]) -> tuple[int, int, int, list, dict]:
+    """Frame 0 unpacked and checked field by field: ``(kind, step, microbatch, tensor entries, extra)``."""
     if not frames:
         raise FrameCountError("empty message: no header frame")
     head = _buffer(frames[0])
@@ -223,12 +233,16 @@ def decode(frames: Sequence[Any], take: Take | None = None, take_device: Take | 
         extra = {}
     elif type(extra) is not dict:
         raise HeaderError("header field 'extra' must be a map or nil")
-    slot = extra.pop(SLOT_KEY, None)
-    cuda = extra.pop(CUDA_KEY, None)
     if type(metas) is not list:
         raise HeaderError("header field 'tensors' must be an array")
     if len(metas) > MAX_TENSORS:
         raise FrameCountError(f"{len(metas)} tensors is over the limit of {MAX_TENSORS}")
+    return kind, step, microbatch, metas, extra
+
+
+def _entries(metas: list) -> list[tuple[int, list[int], int, int]]:
+    """Every tensor entry checked: ``(dtype code, shape, nbytes, where its bytes are)``, where is 0
+    for a frame of its own, else _IN_SLOT or _IN_CUDA."""
     checked = []
     for i, meta in enumerate(metas):
         if type(meta) is not list or not (len(meta) == 3 or (len(meta) == 4 and type(meta[3]) is int
@@ -251,15 +265,28 @@ def decode(frames: Sequence[Any], take: Take | None = None, take_device: Take | 
             raise FrameLengthError(f"tensor {i}: shape {shape} x {_ITEMSIZE[code]} bytes = {expected} bytes, "
                                    f"header says {nbytes!r}")
         checked.append((code, shape, expected, meta[3] if len(meta) == 4 else 0))
+    return checked
+
+
+def _slotted(checked: list[tuple[int, list[int], int, int]], n_frames: int, slot: Any, cuda: Any,
+             take: Take | None, take_device: Take | None) -> dict[int, Iterator[Any]] | None:
+    """Check that the frames match the entries that have one, and read the tensors that have
+    none out of the slots the header names: their buffers, in order, by where they are (None
+    when the message names no slot)."""
     in_slot = [c[2] for c in checked if c[3] == _IN_SLOT]
     in_cuda = [c[2] for c in checked if c[3] == _IN_CUDA]
     inline = len(checked) - len(in_slot) - len(in_cuda)
-    if len(frames) != inline + 1:
-        raise FrameCountError(f"header announces {inline} tensor frame(s) but {len(frames) - 1} arrived")
-    taken = None
+    if n_frames != inline + 1:
+        raise FrameCountError(f"header announces {inline} tensor frame(s) but {n_frames - 1} arrived")
     if in_slot or in_cuda or slot is not None or cuda is not None:
-        taken = {_IN_SLOT: iter(_take(take, slot, in_slot, "a shared-memory slot")),
-                 _IN_CUDA: iter(_take(take_device, cuda, in_cuda, "a CUDA slot"))}
+        return {_IN_SLOT: iter(_take(take, slot, in_slot, "a shared-memory slot")),
+                _IN_CUDA: iter(_take(take_device, cuda, in_cuda, "a CUDA slot"))}
+    return None
+
+
+def _tensors(frames: Sequence[Any], checked: list[tuple[int, list[int], int, int]],
+             taken: dict[int, Iterator[Any]] | None) -> list[torch.Tensor]:
+    """The tensors, each over its frame's (or its slot's) buffer: zero copy but for the few noted."""
     tensors = []
     f = 0
     for i, (code, shape, expected, where) in enumerate(checked):
@@ -284,4 +311,4 @@ def decode(frames: Sequence[Any], take: Take | None = None, take_device: Take | 
                 raw = raw.clone()  # complex128 kernels need 16-byte alignment; ZeroMQ's frames are 8 mod 16
             t = raw.view(dtype).view(shape)
         tensors.append(t)
-    return Message(Kind(kind), step, microbatch, tensors, extra)
+    return tensors

@@ -27,6 +27,8 @@ import secrets
 import stat
 from typing import Mapping
 
+__all__ = ["JobSecret", "SecretError", "SECRET_ENV", "MIN_LENGTH", "HOW_TO_MAKE"]
+
 SECRET_ENV = "PIPEQ_SECRET"
 MIN_LENGTH = 32
 HOW_TO_MAKE = ("make one with `python -m pipeq secret > job.secret` (chmod 600), then pass "

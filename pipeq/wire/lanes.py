@@ -4,7 +4,7 @@ A hop through ZeroMQ wakes three threads (the sender's I/O thread, the receiver'
 the receiver), and on a virtual machine each wake-up costs 50-150 us: a small round trip
 between two stage processes measured 220-400 us through pipeq's ZeroMQ path, against 45 us
 blocking and 7 us polling on a Unix socket. So on one host, where large tensors already travel
-through shared memory (:mod:`pipeq.shm`) and a message is little more than its header, a
+through shared memory (:mod:`pipeq.wire.shm`) and a message is little more than its header, a
 stage's forward and backward messages take a *lane*: the sender's own thread writes the whole
 message as one datagram, and the receiver, polling, has it without any other thread running::
 
@@ -13,7 +13,7 @@ message as one datagram, and the receiver, polling, has it without any other thr
 where every frame but the first starts at a multiple of 64 bytes (the padding is implied by the
 lengths), so that the tensors built over a received datagram are at torch's alignment.
 
-The frames are exactly the codec's (:mod:`pipeq.codec`), validated the same way on arrival, and
+The frames are exactly the codec's (:mod:`pipeq.wire.codec`), validated the same way on arrival, and
 filed in the same keyed queues; a lane only replaces the ZeroMQ socket under them. A message
 that does not fit a datagram (:attr:`Lane.max_bytes`: a huge tree description, or a tensor
 that could not go through shared memory) still goes through ZeroMQ, which stays connected:
@@ -32,6 +32,8 @@ import struct
 from typing import Any, Sequence
 
 import torch
+
+__all__ = ["Lane", "LaneInbox", "LaneError", "lane_path", "split", "MAX_FRAMES"]
 
 _COUNT = struct.Struct("<I")
 MAX_FRAMES = 1 << 16

@@ -9,6 +9,8 @@ import fcntl
 import socket
 import struct
 
+__all__ = ["interface_address"]
+
 
 def interface_address(name: str) -> str | None:
     """IPv4 address of network interface ``name`` (Linux SIOCGIFADDR), None if no such interface."""

@@ -1,7 +1,7 @@
 """A tensor-parallel stage's shards: shard 0 talks to the pipeline, the others follow it.
 
 With ``tensor_parallel=T`` every stage runs on T processes (shards) that compute together
-(torch's DTensor over a mesh of the T, see :mod:`pipeq.tensorpar`). Only shard 0, the *lead*,
+(torch's DTensor over a mesh of the T, see :mod:`pipeq.parallel.tensor`). Only shard 0, the *lead*,
 is wired into the pipeline: it gets the driver's commands and the neighbours' activations and
 gradients, and sends its own. Activations cross stages once per stage, not T times::
 
@@ -26,9 +26,12 @@ from typing import Any, Sequence
 
 import torch
 
-from pipeq.wire import codec
 from pipeq.errors import CodecError
+from pipeq.wire import codec
+from pipeq.wire.frames import frames_of
 from pipeq.wire.messages import Kind, Message
+
+__all__ = ["ShardLink", "LeadTransport", "FollowerTransport", "MAX_FRAMES"]
 
 _ALIGN = 64  # every frame starts at a multiple of this in the shared buffer (torch's alignment)
 MAX_FRAMES = codec.MAX_TENSORS + 1
@@ -55,7 +58,7 @@ class ShardLink:
 
     def share(self, msg: Message) -> None:
         """Shard 0: hand ``msg`` to the other shards (two broadcasts: its size, its frames)."""
-        frames = codec.encode(msg.kind, msg.step, msg.microbatch, msg.tensors, msg.extra or None)
+        frames = frames_of(msg)
         views = [memoryview(f).cast("B") for f in frames]
         start = _round(8 * len(views))
         offsets = []

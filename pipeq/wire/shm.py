@@ -48,6 +48,9 @@ import torch
 
 from pipeq.errors import CodecError
 
+__all__ = ["ShmConfig", "SlotWriter", "SlotReader", "CudaSlotWriter", "CudaSlotReader", "SlotError", "available",
+           "run_prefix", "remove_segments", "layout", "SHM_DIR", "FREE", "FULL", "LENT"]
+
 SHM_DIR = "/dev/shm"
 _HEAD = 64  # bytes before a slot's data: byte 0 is the state, the data is 64-byte aligned
 _ALIGN = 64
