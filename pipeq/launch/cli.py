@@ -1,4 +1,4 @@
-"""The ``pipeq`` command.
+"""The ``pipeq`` command: its subcommands schedule, report, secret and launch.
 
     pipeq schedule 1f1b --stages 4 --microbatches 8   # print a schedule's stage x time table
     pipeq schedule 1f1b --stages 4 --microbatches 8 --plot plan.png   # ... and draw it
@@ -18,8 +18,11 @@ from pipeq import __version__
 from pipeq import schedules
 from pipeq.wire.keys import SECRET_ENV, JobSecret
 
+__all__ = ["main"]
+
 
 def main(argv: list[str] | None = None) -> int:
+    """``pipeq ARGS`` (``argv``; default: this process's): the exit code."""
     words = sys.argv[1:] if argv is None else argv
     if words[:1] == ["launch"] and not {"-h", "--help"} & set(words):
         from pipeq.control import forkserver
@@ -54,14 +57,16 @@ def main(argv: list[str] | None = None) -> int:
                                    f"the same one: as `pipeq launch --secret-file FILE` or in ${SECRET_ENV}.")
     p.add_argument("--out", metavar="FILE", help="write it to FILE instead, readable by its owner only "
                    "(mode 0600; an existing FILE is never overwritten)")
-    from pipeq.launch import trainer as launch
+    from pipeq import launch
+    from pipeq.launch import args as launch_args
+    from pipeq.launch import command as launch_command
 
     p = sub.add_parser("launch", help="train a job file (TOML), on one host or several",
                        description=launch.__doc__.split("\n\n")[0] if launch.__doc__ else None)
-    launch.add_arguments(p)
+    launch_args.add_arguments(p)
     args = parser.parse_args(argv)
     if args.command == "launch":
-        return launch.run(args)
+        return launch_command.run(args)
     try:
         if args.command == "schedule":
             return _schedule(args)

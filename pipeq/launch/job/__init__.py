@@ -35,7 +35,7 @@ A job file (TOML, read with the standard library's tomllib)::
     seed = 0
     data_parallel = 1                            # R replicas of the pipeline (R x N processes)
     tensor_parallel = 1                          # optional: T processes per stage (R x N x T), with
-    tp_plan = [{ "0" = "colwise", "2" = "rowwise" }, {}]   # one table per stage (pipeq.tensorpar)
+    tp_plan = [{ "0" = "colwise", "2" = "rowwise" }, {}]   # one table per stage (pipeq.parallel.tensor)
     precision = "bf16"                           # optional: "fp32" (default), "bf16", "fp16"
     clip_grad_norm = 1.0                         # optional: clip by the global norm (clip_norm_type = 2.0)
     check_finite = "raise"                       # optional: false (default), "raise" (or true), "skip"
