@@ -226,7 +226,8 @@ def _check_run(rz: Rendezvous, control: Any, plan: Any, n_stages: int, replicas:
 def _check_job(rz: Rendezvous, control: str, theirs: Any, builder: StageBuilder, schedule: Any,
                settings: StageSettings) -> None:
     """Node 0's job description (``theirs``) is this node's: the same recipe, schedule and numerics."""
-    ours = json.loads(json.dumps(job_identity(builder, schedule, settings.numerics, settings.tp_plans)))  # as it came through JSON
+    ours = job_identity(builder, schedule, settings.numerics, settings.tp_plans)
+    ours = json.loads(json.dumps(ours))  # as it came through JSON
     if theirs != ours:
         differ = _differences(theirs, ours) if isinstance(theirs, dict) else ["everything"]
         _refuse(control, rz, f"node {rz.node_rank} was started with another job than node 0: "

@@ -1,4 +1,4 @@
-"""The job's data as the training loop takes it: batches in order with their epochs, the run's length, batch sizes."""
+"""The job's data as the training loop takes it: batches with their epochs, the run's length, batch sizes."""
 
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ class Batches:
         self.epoch = epoch  # the epoch under way: the last triple's (at first, the resumed one)
 
     def peek(self) -> tuple[int, int, Any] | None:
+        """The next triple, left there (None: the data is done)."""
         if not self._peeked:
             self._next = next(self._items, None)
             self._peeked = True
         return self._next
 
     def take(self) -> tuple[int, int, Any] | None:
+        """The next triple, taken: its epoch is under way (None: the data is done)."""
         item = self.peek()
         self._next, self._peeked = None, False
         if item is not None:
@@ -55,11 +57,13 @@ class EpochLosses:
         self.losses = list(losses)
 
     def add(self, epoch: int, loss: float) -> None:
+        """A step of ``epoch`` trained with ``loss`` (a new epoch starts a new list)."""
         if epoch != self.epoch:
             self.epoch, self.losses = epoch, []
         self.losses.append(loss)
 
     def mean(self, epoch: int) -> float:
+        """``epoch``'s train_loss: the mean of its step losses."""
         if epoch != self.epoch or not self.losses:
             raise ValueError(f"lr_scheduler_monitor = 'train_loss': no step loss of epoch {epoch} to average")
         return sum(self.losses) / len(self.losses)

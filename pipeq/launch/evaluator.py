@@ -1,4 +1,4 @@
-"""The job's evaluation during a launch: every eval_every steps, at the end, and for the schedulers at an epoch's end."""
+"""A launch's evaluations: every eval_every steps, at the end, and the metric the schedulers get after an epoch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The driver side of ``pipeq launch``: the run directory claimed, the stages started, trained, every failure an exit code."""
+"""The driver of ``pipeq launch``: the run directory claimed, the stages started and trained, failures as exit codes."""
 
 from __future__ import annotations
 
