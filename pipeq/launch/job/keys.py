@@ -124,7 +124,8 @@ KEYS: dict[str, Key] = {
     "tcp_security": Key(str, "encrypt", 'TCP between hosts: "encrypt" (CURVE on every socket) or "authenticate" '
                         "(an HMAC on every data message, not encrypted)", "multi-host"),
     "max_message_mb": Key(int, 256, "the largest tensor (MiB) one stage sends another", "processes"),
-    "shm_slots": Key(int, 4, "one host: shared-memory slots per data channel (0: every tensor in ZeroMQ frames)", "processes"),
+    "shm_slots": Key(int, 4, "one host: shared-memory slots per data channel (0: every tensor in ZeroMQ frames)",
+                     "processes"),
     "data_args": Key(dict, {}, "keyword arguments of data", "data"),
     "eval_data_args": Key(dict, {}, "keyword arguments of eval_data", "evaluation"),
     "metrics": Key(dict, {}, "eval metrics: name -> 'pkg.mod:fn', (output, target) -> float", "evaluation"),
