@@ -145,7 +145,7 @@ def _check_recipe(builder: StageBuilder, loss_fn: Any, optimizer: Any, lr_schedu
     if loss_fn is not None or optimizer is not None or lr_scheduler is not None:
         raise ValueError("with a stage recipe, the loss, optimizer and scheduler come from it: "
                          "pass loss_fn=None, optimizer=None")
-    builder = builder.prepared(multi_host)
+    builder = builder.prepared(multi_host).for_schedule(schedule)
     n = builder.count_stages()  # type: ignore[attr-defined]
     heads = builder.heads(n)  # type: ignore[attr-defined]
     aux_loss = builder.aux_loss_fn()  # type: ignore[attr-defined]
@@ -202,9 +202,8 @@ def _check_heads(schedule: SchedulePolicy, n: int, aux_heads: Any, aux_loss: Any
     hint = hint or f"pass aux_heads=[head_0, ..., head_{n - 2}] (one per stage but the last)"
     if aux_heads is not None or aux_loss is not None:
         if not schedule.takes_aux_heads:
-            takers = [name for name, s in schedules.SCHEDULES.items() if getattr(s, "takes_aux_heads", False)]
             raise ValueError(
-                f"aux_heads/aux_loss train with the interlocking schedules ({', '.join(takers)}), "
+                f"aux_heads/aux_loss train with the interlocking schedules ({', '.join(schedules.taking_aux_heads())}), "
                 f"not with {schedule.name!r}")
         if aux_heads is None or len(aux_heads) != n - 1 or not all(isinstance(h, nn.Module) for h in aux_heads):
             raise ValueError(

@@ -3,7 +3,7 @@
 Node 0 runs the driver; every other node runs :func:`run_agent`::
 
     node r agent                              node 0 driver (ROUTER)
-      | read "control", "placement", ... from the rendezvous store (signed: pipeq.rendezvous)
+      | read "control", "placement", ... from the rendezvous store (signed: pipeq.control.rendezvous)
       | start its stages (each builds itself from the job's importable names)
       |--- READY {agent: r, stages, pids} -------------------->|
       |--- ERROR {stage: k, message} when a stage dies ------->|   (named within ~0.1 s)
@@ -24,7 +24,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import CodecError
@@ -36,6 +36,8 @@ from pipeq.control.rendezvous import Rendezvous
 from pipeq.wire.control_link import DriverLink
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
+
+__all__ = ["run_agent", "AgentError", "TERM_GRACE"]
 
 _TICK_MS = 100
 TERM_GRACE = 30.0  # seconds an agent told to terminate waits for the driver to end the run
@@ -94,6 +96,7 @@ def _fetch(store: Any, key: str, what: str, rz: Rendezvous, deadline: float, tim
 
 
 def _differences(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
+    """Where two job descriptions differ, one line per key (nested keys dotted)."""
     out = []
     for key in sorted(set(theirs) | set(ours)):
         a, b = theirs.get(key), ours.get(key)
@@ -105,6 +108,7 @@ def _differences(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
 
 
 def _auth(rz: Rendezvous, mode: str = "encrypt") -> WireAuth:
+    """The wire's authentication with the job's secret (refused without one)."""
     if rz.secret is None:
         raise AgentError(f"node {rz.node_rank}: a multi-host run needs the job's secret")
     return WireAuth(rz.secret, mode)
@@ -136,7 +140,7 @@ def run_agent(
     """Run node ``rz.node_rank``'s stages until the driver ends the run; the exit code (0 = ok).
 
     ``settings.trace`` is taken from node 0 (the driver decides whether the run is traced).
-    ``start_method``: how the stages start (see :func:`pipeq.processes.process_context`)."""
+    ``start_method``: how the stages start (see :func:`pipeq.control.processes.process_context`)."""
     _auth(rz)  # no secret: refused before the store is touched
     store = rz.store(start_timeout)
     deadline = time.monotonic() + start_timeout
@@ -155,33 +159,8 @@ def run_agent(
     shards = options.get("shards", 1) if isinstance(options, dict) else 1
     security = options.get("tcp_security", "encrypt") if isinstance(options, dict) else "encrypt"
     auth = WireAuth(_auth(rz).secret, str(security))
-    if replicas != data_parallel:
-        message = (f"node {rz.node_rank} was started with data_parallel={data_parallel}, node 0 with "
-                   f"{replicas}; pass the same job file and flags on every node")
-        _tell_driver(control, rz, message)
-        raise AgentError(message)
-    if shards != settings.tensor_parallel:
-        message = (f"node {rz.node_rank} was started with tensor_parallel={settings.tensor_parallel}, node 0 "
-                   f"with {shards}; pass the same job file and flags on every node")
-        _tell_driver(control, rz, message)
-        raise AgentError(message)
-    # the placement names processes (pipeq.processes.Numbering): g = replica * n_stages + stage
-    # for shard 0 of each stage, the other shards after them
-    if (not isinstance(control, str) or not isinstance(plan, list) or len(plan) != rz.nnodes
-            or sorted(k for node in plan for k in node) != list(range(n_stages * replicas * shards))):
-        raise AgentError(
-            f"node {rz.node_rank}: the driver runs a different job (placement {plan!r} for "
-            f"{rz.nnodes} nodes, this node's job file has {n_stages} stages x {replicas} replicas x "
-            f"{shards} shards)"
-        )
-    theirs = fetch("job", "job description")
-    ours = json.loads(json.dumps(job_identity(builder, schedule, settings.numerics, settings.tp_plans)))  # as it came through JSON
-    if theirs != ours:
-        differ = _differences(theirs, ours) if isinstance(theirs, dict) else ["everything"]
-        message = (f"node {rz.node_rank} was started with another job than node 0: "
-                   f"{'; '.join(differ)}; pass the same job file and flags on every node")
-        _tell_driver(control, rz, message)
-        raise AgentError(message)
+    _check_run(rz, control, plan, n_stages, replicas, shards, data_parallel, settings.tensor_parallel)
+    _check_job(rz, control, fetch("job", "job description"), builder, schedule, settings)
     mine: list[int] = plan[rz.node_rank]
     ctx = process_context(start_method)
     procs: dict[int, mp.process.BaseProcess] = {}
@@ -217,6 +196,44 @@ def run_agent(
         remove_ipc_dir(tp_dir)
         link.close()
     return code
+
+
+def _refuse(control: str, rz: Rendezvous, message: str) -> NoReturn:
+    """Tell the driver why this node cannot take part (so it fails at once), and raise it here."""
+    _tell_driver(control, rz, message)
+    raise AgentError(message)
+
+
+def _check_run(rz: Rendezvous, control: Any, plan: Any, n_stages: int, replicas: int, shards: int,
+               data_parallel: int, tensor_parallel: int) -> None:
+    """This node was started as node 0 was: as many replicas and shards per stage, and node 0's
+    placement covers every process of this node's job."""
+    if replicas != data_parallel:
+        _refuse(control, rz, f"node {rz.node_rank} was started with data_parallel={data_parallel}, node 0 with "
+                             f"{replicas}; pass the same job file and flags on every node")
+    if shards != tensor_parallel:
+        _refuse(control, rz, f"node {rz.node_rank} was started with tensor_parallel={tensor_parallel}, node 0 "
+                             f"with {shards}; pass the same job file and flags on every node")
+    # the placement names processes (pipeq.control.processes.Numbering): g = replica * n_stages + stage
+    # for shard 0 of each stage, the other shards after them
+    if (not isinstance(control, str) or not isinstance(plan, list) or len(plan) != rz.nnodes
+            or sorted(k for node in plan for k in node) != list(range(n_stages * replicas * shards))):
+        raise AgentError(
+            f"node {rz.node_rank}: the driver runs a different job (placement {plan!r} for "
+            f"{rz.nnodes} nodes, this node's job file has {n_stages} stages x {replicas} replicas x "
+            f"{shards} shards)"
+        )
+
+
+def _check_job(rz: Rendezvous, control: str, theirs: Any, builder: StageBuilder, schedule: Any,
+               settings: StageSettings) -> None:
+    """Node 0's job description (``theirs``) is this node's: the same recipe, schedule and numerics."""
+    ours = job_identity(builder, schedule, settings.numerics, settings.tp_plans)
+    ours = json.loads(json.dumps(ours))  # as it came through JSON
+    if theirs != ours:
+        differ = _differences(theirs, ours) if isinstance(theirs, dict) else ["everything"]
+        _refuse(control, rz, f"node {rz.node_rank} was started with another job than node 0: "
+                             f"{'; '.join(differ)}; pass the same job file and flags on every node")
 
 
 def _watch(

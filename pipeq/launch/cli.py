@@ -1,4 +1,4 @@
-"""The ``pipeq`` command.
+"""The ``pipeq`` command: its subcommands schedule, report, secret and launch.
 
     pipeq schedule 1f1b --stages 4 --microbatches 8   # print a schedule's stage x time table
     pipeq schedule 1f1b --stages 4 --microbatches 8 --plot plan.png   # ... and draw it
@@ -18,8 +18,11 @@ from pipeq import __version__
 from pipeq import schedules
 from pipeq.wire.keys import SECRET_ENV, JobSecret
 
+__all__ = ["main"]
+
 
 def main(argv: list[str] | None = None) -> int:
+    """``pipeq ARGS`` (``argv``; default: this process's): the exit code."""
     words = sys.argv[1:] if argv is None else argv
     if words[:1] == ["launch"] and not {"-h", "--help"} & set(words):
         from pipeq.control import forkserver
@@ -31,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("schedule", help="print a schedule's planned stage x time table (dry run)")
     p.add_argument("name", choices=sorted(schedules.SCHEDULES))
     p.add_argument("--distance", type=int, metavar="D",
-                   help="nwise's distance d >= 1 (its option: Interlock('nwise', distance=d) in Python, "
+                   help="nwise's distance d >= 1 (its option: pipeq.schedules.Interlock('nwise', distance=d) in Python, "
                         "schedule = { name = \"nwise\", distance = d } in a job file)")
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--microbatches", type=int, required=True)
@@ -54,14 +57,16 @@ def main(argv: list[str] | None = None) -> int:
                                    f"the same one: as `pipeq launch --secret-file FILE` or in ${SECRET_ENV}.")
     p.add_argument("--out", metavar="FILE", help="write it to FILE instead, readable by its owner only "
                    "(mode 0600; an existing FILE is never overwritten)")
-    from pipeq.launch import trainer as launch
+    from pipeq import launch
+    from pipeq.launch import args as launch_args
+    from pipeq.launch import command as launch_command
 
     p = sub.add_parser("launch", help="train a job file (TOML), on one host or several",
                        description=launch.__doc__.split("\n\n")[0] if launch.__doc__ else None)
-    launch.add_arguments(p)
+    launch_args.add_arguments(p)
     args = parser.parse_args(argv)
     if args.command == "launch":
-        return launch.run(args)
+        return launch_command.run(args)
     try:
         if args.command == "schedule":
             return _schedule(args)
@@ -76,13 +81,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    if args.distance is not None and args.name != "nwise":
-        raise ValueError(f"--distance applies to schedule nwise only, not {args.name!r}")
-    if args.name == "nwise" and (args.distance is None or args.distance < 1):
+    entry = schedules.SCHEDULES[args.name]
+    takers = [n for n, s in schedules.SCHEDULES.items() if "distance" in getattr(s, "option_names", ())]
+    if args.distance is not None and args.name not in takers:
+        raise ValueError(f"--distance applies to schedule {' and '.join(takers)} only, not {args.name!r}")
+    if getattr(entry, "needs", None) == "distance" and (args.distance is None or args.distance < 1):
         got = "" if args.distance is None else f", got --distance {args.distance}"
-        raise ValueError(f"schedule nwise needs its distance: --distance D, an integer >= 1{got} "
+        raise ValueError(f"schedule {args.name} needs its distance: --distance D, an integer >= 1{got} "
                          "(stage k is trained by the loss D stages up)")
-    name = schedules.Interlock("nwise", args.distance) if args.name == "nwise" else schedules.resolve(args.name)
+    name = (entry.with_options(distance=args.distance) if args.distance is not None
+            else schedules.resolve(args.name))
     print(schedules.format_table(name, args.stages, args.microbatches, backward_cost=args.backward_cost))
     if args.plot:
         from pipeq.trace import plot

@@ -22,6 +22,7 @@ _EXPORTS = {"Interlock": Interlock, "INTERLOCK": INTERLOCK, "AsyncOneFOneB": Asy
 for _kind in ("global", "local", "pairwise"):
     register(_kind, Interlock(_kind), exports=_EXPORTS)
 register("nwise", NeedsOptions("nwise", "distance", "pipeq.schedules.Interlock('nwise', distance=d)",
-                               functools.partial(Interlock, "nwise"), takes_aux_heads=True))
+                               functools.partial(Interlock, "nwise"), takes_aux_heads=True,
+                               job_example='{ name = "nwise", distance = 2 }'))
 register("async", AsyncOneFOneB())
 register("al", AssociatedLearning())

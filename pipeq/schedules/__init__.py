@@ -37,14 +37,15 @@ from pipeq.schedules.dryrun import check_consistency, dry_run
 from pipeq.schedules.plan import build, format_table
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
 from pipeq.schedules.registry import (EXPORTS, SCHEDULES, NeedsOptions, from_label, get_schedule, is_research,
-                                      loss_stages, options_of, output_stage, register, resolve, schedule_name)
+                                      loss_stages, options_of, output_stage, register, resolve, schedule_name,
+                                      taking_aux_heads)
 
 __all__ = [
     "Op", "Action", "F", "B", "STEP", "Schedule", "ScheduleFn", "COMPUTE_OPS", "lower", "lower_stage",
     "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "SchedulePolicy", "FunctionSchedule",
     "NeedsOptions", "SCHEDULES", "register", "resolve", "get_schedule", "from_label", "loss_stages",
     "output_stage", "is_research", "schedule_name", "options_of", "check_consistency", "dry_run", "build",
-    "format_table", "ScheduleError",
+    "format_table", "ScheduleError", "taking_aux_heads",
 ]
 
 

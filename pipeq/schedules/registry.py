@@ -14,7 +14,7 @@ from pipeq.schedules.basic import fill_drain, one_f_one_b
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
 
 __all__ = ["SCHEDULES", "NeedsOptions", "register", "resolve", "get_schedule", "from_label", "schedule_name",
-           "options_of", "loss_stages", "output_stage", "is_research", "EXPORTS"]
+           "options_of", "loss_stages", "output_stage", "is_research", "taking_aux_heads", "EXPORTS"]
 
 
 class NeedsOptions:
@@ -23,8 +23,10 @@ class NeedsOptions:
     name is refused, saying how to give the option."""
 
     def __init__(self, name: str, needs: str, example: str, make: Callable[..., SchedulePolicy], *,
-                 takes_aux_heads: bool = False) -> None:
+                 takes_aux_heads: bool = False, job_example: str | None = None) -> None:
         self.name, self.needs, self.example, self.make = name, needs, example, make
+        #: how a job file gives the option (``{ name = "nwise", distance = 2 }``)
+        self.job_example = job_example or f'{{ name = "{name}", {needs} = ... }}'
         self.option_names = (needs,)
         self.takes_aux_heads = takes_aux_heads
 
@@ -124,6 +126,11 @@ def loss_stages(schedule: Any, n_stages: int) -> list[int]:
 def output_stage(schedule: Any, n_stages: int) -> int:
     """The stage that returns ``predict``'s output."""
     return resolve(schedule).output_stage(n_stages)
+
+
+def taking_aux_heads() -> list[str]:
+    """The names of the schedules that train with auxiliary heads."""
+    return [name for name, s in SCHEDULES.items() if getattr(s, "takes_aux_heads", False)]
 
 
 def is_research(schedule: Any) -> bool:

@@ -45,6 +45,10 @@ class StageBuilder:
         nodes build from their own copy of the job, so nothing may be decided here alone."""
         return self
 
+    def for_schedule(self, schedule: Any) -> "StageBuilder":
+        """This builder for a run of ``schedule`` (a recipe asks it which stages get the loss)."""
+        return self
+
     def seed_for(self, stage: int) -> int:
         """The seed of stage ``stage``'s torch RNG (dropout...), the same on every host."""
         return stage

@@ -1,0 +1,78 @@
+"""Job files: what ``pipeq launch JOB.toml`` trains, as importable names and settings.
+
+A job file (TOML, read with the standard library's tomllib)::
+
+    stages = "examples.digits_job:stages"        # () -> [stage modules], or (k, n) -> stage k
+    n_stages = 3                                 # needed with the (k, n) form
+    # or, instead of stages: one nn.Sequential split into stages (pipeq.balance)
+    # model = "pkg.mod:model"                    # () -> nn.Sequential
+    # balance = [3, 2, 1]                        # layers per stage; or "time" / "memory",
+    # balance_sample = "pkg.mod:sample"          # measured on () -> the model's input, into
+    #                                            # n_stages stages, once, when the run starts
+    loss = "torch.nn:CrossEntropyLoss"           # a class, a zero-argument factory, or the loss
+    optimizer = "torch.optim:SGD"                # called with a stage's parameters (+ the args)
+    optimizer_args = { lr = 0.1, momentum = 0.9 }
+    lr_scheduler = "torch.optim.lr_scheduler:StepLR"   # optional, called with the optimizer
+    lr_scheduler_args = { step_size = 20, gamma = 0.5 }
+    lr_scheduler_interval = "step"               # or "epoch": stepped between epochs (see below)
+    lr_scheduler_monitor = "eval_loss"           # ReduceLROnPlateau's metric (default: eval_loss,
+                                                 # or train_loss without eval_data)
+    data = "examples.digits_job:train_batches"   # (epoch) -> iterable of (x, target) batches
+    data_args = { batch = 32 }                   # keyword arguments of data (optional)
+    eval_data = "examples.digits_job:heldout"    # optional: () -> (x, target) or batches
+    metrics = { top3 = "examples.digits_job:top3" }   # eval metrics: (output, target) -> float
+    schedule = "1f1b"                            # or a table with the schedule's options:
+                                                 # { name = "nwise", distance = 2 }
+                                                 # { name = "async", warmup = 3, weight_stashing = false }
+                                                 # { name = "al", first_loss = "mse", inference_layer = 1 }
+    aux_heads = "pkg.mod:heads"                  # interlocking: () -> the N-1 auxiliary heads
+    aux_loss = "torch.nn:CrossEntropyLoss"       # their loss (optional, this is the default)
+    microbatches = 4
+    steps = 60                                   # or epochs = 3 (one of them: see LENGTH_RULE)
+    out = "runs/digits"
+    checkpoint_every = 20                        # 0: only the final state
+    keep_checkpoints = 3                         # the newest 3 (0: keep all)
+    seed = 0
+    data_parallel = 1                            # R replicas of the pipeline (R x N processes)
+    tensor_parallel = 1                          # optional: T processes per stage (R x N x T), with
+    tp_plan = [{ "0" = "colwise", "2" = "rowwise" }, {}]   # one table per stage (pipeq.parallel.tensor)
+    precision = "bf16"                           # optional: "fp32" (default), "bf16", "fp16"
+    clip_grad_norm = 1.0                         # optional: clip by the global norm (clip_norm_type = 2.0)
+    check_finite = "raise"                       # optional: false (default), "raise" (or true), "skip"
+    recompute = true                             # optional: or one boolean per stage
+    [placement]                                  # optional, multi-host: processes per node
+    nodes = [[0], [1, 2]]                        # (process r * n_stages + k: replica r's stage k)
+
+Every factory the job names takes keyword arguments from its ``*_args`` table: ``stages_args``,
+``loss_args``, ``optimizer_args``, ``lr_scheduler_args``, ``data_args``, ``eval_data_args``,
+``aux_heads_args``, ``aux_loss_args`` (plain TOML tables; an argument the factory does not take
+is refused, naming both). With ``lr_scheduler_interval = "epoch"``, ``pipeq launch`` steps the
+schedulers between two epochs (an epoch is one pass over the iterable ``data(epoch)`` returns,
+also when the job counts ``steps``), a ReduceLROnPlateau with its ``lr_scheduler_monitor``.
+
+Stage processes build their stage from these names themselves (``Recipe.build``), on whichever
+host they run: nothing but plain data crosses hosts, and every host builds the same weights
+(the stages and heads functions run under ``torch.manual_seed(seed)``). With Associated
+Learning (``schedule = "al"``) the stages function returns ``pipeq.al.ALLayer`` s (e.g. from
+``pipeq.al.build_al``) and ``loss`` (optional, MSE by default) is the layers' local criterion.
+
+With ``model`` and ``balance``, stage k is ``pipeq.balance.split(model(), counts)[k]``, the model
+built under the job's seed. A measured balance (``"time"``, ``"memory"``) is measured once, in
+the launching process (:meth:`Recipe.prepared`): the stage processes receive the counts as plain
+data in the recipe, and :meth:`Recipe.describe` shows them.
+
+Its modules: :mod:`~pipeq.launch.job.keys` (every key: type, default, help), :mod:`~pipeq.launch.job.load`
+(reading a file), :mod:`~pipeq.launch.job.checks` (what the keys must satisfy),
+:mod:`~pipeq.launch.job.schedule`, :mod:`~pipeq.launch.job.names` (resolving ``"pkg.mod:name"``),
+:mod:`~pipeq.launch.job.recipe` (:class:`Recipe`) and :mod:`~pipeq.launch.job.spec` (:class:`Job`).
+"""
+
+from pipeq.launch.job.keys import KEYS, LENGTH_RULE, Key
+from pipeq.launch.job.load import load_job
+from pipeq.launch.job.names import check_args, did_you_mean, resolve
+from pipeq.launch.job.recipe import Recipe
+from pipeq.launch.job.schedule import parse_schedule
+from pipeq.launch.job.spec import Job
+
+__all__ = ["Job", "Recipe", "load_job", "resolve", "check_args", "parse_schedule", "did_you_mean", "KEYS", "Key",
+           "LENGTH_RULE"]

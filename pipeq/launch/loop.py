@@ -1,0 +1,115 @@
+"""The training loop of ``pipeq launch``: each step's metrics line, evaluations, checkpoints and scheduler steps."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pipeq.launch.checkpoints import Checkpoints
+from pipeq.launch.data import Batches, EpochLosses, job_batches, total_steps
+from pipeq.launch.evaluator import Evaluator
+from pipeq.launch.job import Job
+from pipeq.launch.metrics import MetricsLog
+from pipeq.launch.progress import Progress, Tally
+from pipeq.launch.rundir import RunDir
+from pipeq.launch.signals import StopSignals
+from pipeq.launch.stream import EpochEnd, StepDone, train_steps
+
+__all__ = ["TrainingLoop"]
+
+
+class TrainingLoop:
+    """One launch's training on a started runner, from ``start`` (step, epoch, batch index in
+    it: where a resumed run continues) to the job's last step, the end of its data, or a stop
+    signal. Made before it runs: the metrics log trimmed to ``start``, the eval set resolved."""
+
+    def __init__(self, job: Job, runner: Any, start: tuple[int, int, int], *, run_dir: RunDir,
+                 checkpoints: Checkpoints, signals: StopSignals, progress: Progress,
+                 log: Callable[[str], None]) -> None:
+        step, epoch, skip = start
+        self.job = job
+        self.runner = runner
+        self.checkpoints = checkpoints
+        self.signals = signals
+        self.progress = progress
+        self.log = log
+        self.start_step = self.step = step
+        self.pos = (epoch, skip)  # where the next batch comes from: (epoch, index in it)
+        self.metrics = MetricsLog(run_dir.metrics)
+        self.metrics.trim(step)
+        self.evaluator = Evaluator(job)
+        self.by_epoch = runner.lr_schedule.interval == "epoch"  # the schedulers step between epochs
+        self.losses = EpochLosses(epoch, self.metrics.losses(epoch))
+        self.total = total_steps(job)
+        self.tally = Tally()
+        self.progress.start(self.total, step)
+        self.last_eval: dict[str, float] = {}
+        self.last: dict[str, Any] | None = None  # the last step's line, written with the final evaluation
+
+    def run(self) -> bool:
+        """Train; True: to the end (the final state is due), False: a signal stopped it (its
+        last step is checkpointed)."""
+        with self.metrics:
+            if self.total is not None and self.step >= self.total:
+                self.log(f"already trained {self.step} of {self.total} steps; writing the final state")
+            source = Batches(job_batches(self.job, *self.pos), self.pos[0])
+            every = (self.evaluator.every, self.job.checkpoint_every)
+            for done in train_steps(self.runner, source, self.step, self.total, every, self.by_epoch, self.signals):
+                if isinstance(done, EpochEnd):  # resumed at the end of an epoch: its step first
+                    metric, _ = self.evaluator.epoch_metric(self.runner, done.epoch, None, self.losses)
+                    self.runner.scheduler_step(metric)
+                    self.pos = (done.next_epoch, 0)
+                elif self._trained(done):
+                    break
+            if self.signals.stopping and self.last is None:  # stopped before the last step
+                self.progress.close()
+                self.checkpoints.stopped(self.runner, self.step, self.pos, self.start_step, self.signals.name())
+                return False
+            self._finish()
+        self.progress.close()
+        return True
+
+    def _trained(self, done: StepDone) -> bool:
+        """After step ``done``: its evaluation, checkpoint, line and (at an epoch's end) the
+        schedulers' step. True: it was the last step (its line waits for the final evaluation)."""
+        self.step, self.pos = done.step, (done.epoch, done.batch + 1)
+        self.tally.add(done.size, done.loss)
+        self.losses.add(done.epoch, done.loss)
+        line = done.line()
+        final = self.total is not None and self.step >= self.total
+        evaluated = None
+        # train_steps ends a segment at these steps: the state is this step's
+        if self.evaluator.due(self.step) and not final and not self.signals.stopping:
+            self.last_eval = evaluated = self.evaluator.run(self.runner)
+            line.update(self.last_eval)
+        metric = None
+        if done.next_epoch is not None:  # (a segment's end too) the metric the schedulers get
+            metric, evaluated = self.evaluator.epoch_metric(self.runner, done.epoch, evaluated, self.losses)
+            if evaluated is not None:
+                self.last_eval = evaluated
+                line.update(evaluated)
+        if self.checkpoints.due(self.step):
+            # at an epoch's end: before its schedulers' step (a resumed run takes it, see EpochEnd)
+            self.checkpoints.save(self.runner, self.step, self.pos)
+        if final:  # its line is written by _finish, with the final evaluation
+            self.last = line
+            return True
+        self.metrics.write(line)
+        self.progress.report(line)
+        if done.next_epoch is not None:
+            self.runner.scheduler_step(metric)
+            self.pos = (done.next_epoch, 0)  # a checkpoint from here on holds the step taken
+        return False
+
+    def _finish(self) -> None:
+        """The final evaluation, and the last step's line with it."""
+        if self.step == 0:
+            raise ValueError(f"the job's data ({self.job.data}) yielded no batch")
+        if self.evaluator.batches is not None:
+            self.last_eval = self.evaluator.run(self.runner)
+            if self.last is None and self.tally.samples:  # data ran out before a step count: a line of its own
+                self.last = {"step": self.step, "epoch": self.pos[0]}
+        if self.last is not None:
+            self.last.update(self.last_eval)
+            self.metrics.write(self.last)
+            if "loss" in self.last:
+                self.progress.report(self.last)

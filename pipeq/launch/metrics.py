@@ -1,0 +1,56 @@
+"""metrics.jsonl, a run's log of its steps: appended to, trimmed for a resumed run, read back."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, TextIO
+
+__all__ = ["MetricsLog"]
+
+
+class MetricsLog:
+    """The run's metrics.jsonl: one JSON line per step (step, epoch, loss, samples_per_s, lr, and
+    eval_* where evaluated). Open (``with``) to append lines."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: TextIO | None = None
+
+    def trim(self, step: int) -> None:
+        """Keep the metrics of steps up to ``step`` (a resumed run rewrites the later ones)."""
+        path = self.path
+        if not os.path.exists(path):
+            return
+        if step == 0:
+            os.remove(path)
+            return
+        with open(path) as f:
+            lines = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(lines)
+        os.replace(path + ".tmp", path)
+
+    def losses(self, epoch: int) -> list[float]:
+        """The step losses of ``epoch`` in the file (a resumed run's, trimmed to its step)."""
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            lines = [json.loads(ln) for ln in f if ln.strip()]
+        return [float(ln["loss"]) for ln in lines if ln.get("epoch") == epoch and "loss" in ln]
+
+    def __enter__(self) -> "MetricsLog":
+        self._file = open(self.path, "a")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def write(self, line: dict[str, Any]) -> None:
+        """Append one step's line (the log is open), at once on disk."""
+        if self._file is None:
+            raise ValueError(f"{self.path} is not open: write its lines inside `with MetricsLog(...)`")
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()

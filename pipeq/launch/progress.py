@@ -1,0 +1,100 @@
+"""What ``pipeq launch`` shows while it trains (a progress bar, or log lines) and the summary at the end."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, TextIO
+
+from pipeq.launch.job import Job
+from pipeq.launch.rundir import RunDir
+
+__all__ = ["Progress", "Tally", "print_summary"]
+
+
+class Progress:
+    """Each step as it is trained: a tqdm bar (its postfix: loss, samples/s, lr, eval values), or
+    with ``quiet`` a log line every ``log_every`` steps, at the last one and at each evaluation."""
+
+    def __init__(self, *, quiet: bool, stream: TextIO, log_every: int, log: Callable[[str], None]) -> None:
+        self.quiet = quiet
+        self.stream = stream
+        self.log_every = log_every
+        self.log = log
+        self.total: int | None = None
+        self._bar: Any = None
+
+    def start(self, total: int | None, initial: int) -> None:
+        """Steps ``initial`` (a resumed run's) of ``total`` (None: unknown) are done."""
+        self.total = total
+        if not self.quiet:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="step", file=self.stream, dynamic_ncols=True)
+
+    def report(self, line: dict[str, Any]) -> None:
+        """A step's metrics.jsonl line, shown."""
+        sps = line["samples_per_s"]
+        # the job's own metrics beside the accuracy (eval_loss stays in metrics.jsonl)
+        extra = {k: v for k, v in line.items() if k.startswith("eval_") and k not in ("eval_loss", "eval_accuracy")}
+        if self._bar is not None:
+            post = {"loss": f"{line['loss']:.4f}", "samples/s": f"{sps:.0f}" if sps else "-"}
+            if "lr" in line:
+                post["lr"] = f"{line['lr']:.3g}"
+            if "eval_accuracy" in line:
+                post["eval acc"] = f"{line['eval_accuracy']:.3f}"
+            post.update({k[len("eval_"):]: f"{v:.4g}" for k, v in extra.items()})
+            self._bar.set_postfix(post, refresh=False)
+            self._bar.update(1)
+            return
+        step, total = line["step"], self.total
+        if step % max(1, self.log_every) == 0 or step == total or "eval_loss" in line:
+            of = f"/{total}" if total else ""
+            lr = f" lr {line['lr']:.4g}" if "lr" in line else ""
+            ev = f" eval_accuracy {line['eval_accuracy']:.4f}" if "eval_accuracy" in line else ""
+            ev += "".join(f" {k} {v:.4f}" for k, v in extra.items())
+            self.log(f"step {step}{of} loss {line['loss']:.4f} {sps or 0:.0f} samples/s{lr}{ev}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+@dataclass
+class Tally:
+    """What this launch trained: its samples, its first and last step loss, since it started."""
+
+    samples: int = 0
+    first_loss: float = math.nan
+    last_loss: float = math.nan
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, size: int, loss: float) -> None:
+        self.samples += size
+        if math.isnan(self.first_loss):
+            self.first_loss = loss
+        self.last_loss = loss
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def print_summary(job: Job, run_dir: RunDir, steps: int, n_stages: int, nnodes: int | None, tally: Tally,
+                  ev: dict[str, float], elapsed: float) -> None:
+    """The run in a few lines on stdout: steps, processes, speed, losses, evaluation, where the
+    state and metrics are."""
+    nodes = f", {nnodes} nodes" if nnodes is not None else ""
+    first, last, samples = tally.first_loss, tally.last_loss, tally.samples
+    lines = [
+        f"pipeq launch: trained {steps} steps ({n_stages} stages{nodes}, {job.schedule}, "
+        f"{job.microbatches} microbatches) in {elapsed:.1f} s, {samples / max(elapsed, 1e-9):.0f} samples/s",
+        (f"  loss {first:.4f} -> {last:.4f}" if samples else "  no new step (the run had trained them all)")
+        + (f"; eval accuracy {ev['eval_accuracy']:.4f}" if "eval_accuracy" in ev else "")
+        + (f"; eval loss {ev['eval_loss']:.4f}" if "eval_loss" in ev else "")
+        + "".join(f"; {k.replace('_', ' ')} {v:.4f}" for k, v in ev.items()
+                  if k not in ("eval_loss", "eval_accuracy")),
+        f"  state: {run_dir.model} and {run_dir.final}",
+        f"  metrics: {run_dir.metrics}",
+    ] + ([f"  trace: {job.trace} (pipeq report {job.trace})"] if job.trace else [])
+    print("\n".join(lines), flush=True)
