@@ -12,7 +12,8 @@ restores (:mod:`pipeq.stage.state`); what it is built from is a :class:`~pipeq.s
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -154,11 +155,13 @@ class StageExecutor(StageState, OptimizerStep):
                     return torch.func.functional_call(self.module, buffers, call, strict=False)
                 return self.module(*call)
         except Exception as exc:
-            shapes = describe(tensors_of(value))
-            raise RuntimeError(
-                f"forward of microbatch {j} (step {self.step_index}) failed "
-                f"on input of shape {shapes}: {exc}"
-            ) from exc
+            raise self._forward_error(j, value, exc) from exc
+
+    def _forward_error(self, j: int, value: Any, exc: Exception) -> RuntimeError:
+        """The error of a forward of microbatch ``j`` that failed on ``value`` (its input) with ``exc``."""
+        shapes = describe(tensors_of(value))
+        return RuntimeError(
+            f"forward of microbatch {j} (step {self.step_index}) failed on input of shape {shapes}: {exc}")
 
     def _loss(self, j: int, out: Any) -> torch.Tensor | None:
         """The last stage's weighted loss of microbatch ``j`` (None: it weighs nothing)."""
@@ -218,20 +221,35 @@ class StageExecutor(StageState, OptimizerStep):
         return loss * self.scaler.scale if self.scaler is not None else loss
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The RNG state a forward starts from: the CPU's, and the stage's CUDA device's."""
         return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self._cuda else None
+
+    def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+
+    @contextlib.contextmanager
+    def _rng_replayed(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
+        """Within: the RNG at ``state`` (a forward's :meth:`_rng_state`: a recompute draws that
+        forward's dropout masks). After: the RNG as it was, as if the forward had run once."""
+        now = self._rng_state()
+        self._set_rng_state(state)
+        try:
+            yield
+        finally:
+            self._set_rng_state(now)
 
     def _recompute(self, j: int, leaves: Tensors, keep: Any) -> Any:
         """Microbatch ``j``'s forward again, with grad, under the RNG state of its first forward
         (the same dropout masks) and without touching the module's buffers twice (BatchNorm's
         running statistics are updated once, by the first forward): its outputs, or the scaled
         loss on the last stage."""
-        tree, (cpu_rng, cuda_rng) = keep
+        tree, rng = keep
         args = tuple(t.clone() if t.requires_grad else t for t in leaves)
         scratch = {n: b.clone() for n, b in self.module.named_buffers()}
-        with torch.random.fork_rng(devices=[self.device] if self._cuda else [], device_type=self.device.type):
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state(cuda_rng, self.device)
+        with self._rng_replayed(rng):
             out = self._call(j, args, tree, grad=True, buffers=scratch)
         if self.is_last:
             return self._scaled(self._loss(j, out))  # type: ignore[arg-type]
@@ -259,12 +277,7 @@ class StageExecutor(StageState, OptimizerStep):
                     f"{describe(outs)} of microbatch {j}"
                 )
             pairs = [(o, g) for o, g in zip(diff_outs, grads) if o.requires_grad]
-            for o, g in pairs:
-                if o.shape != g.shape:
-                    raise ValueError(
-                        f"gradient of shape {tuple(g.shape)} for output of "
-                        f"shape {tuple(o.shape)} (microbatch {j})"
-                    )
+            self._check_grad_shapes(j, pairs)
             if pairs:
                 torch.autograd.backward(
                     [o for o, _ in pairs], [g.to(self.device, non_blocking=True) for _, g in pairs]
@@ -279,6 +292,14 @@ class StageExecutor(StageState, OptimizerStep):
         if self.scaler is None:
             self._nonfinite("the input gradient", j, out)
         return out
+
+    @staticmethod
+    def _check_grad_shapes(j: int, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each (output, gradient) pair of microbatch ``j`` agrees in shape (ValueError otherwise)."""
+        for o, g in pairs:
+            if o.shape != g.shape:
+                raise ValueError(
+                    f"gradient of shape {tuple(g.shape)} for output of shape {tuple(o.shape)} (microbatch {j})")
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
         """Peak memory since the last reset (see :func:`pipeq.stage.numerics.peak_memory`), the

@@ -74,10 +74,15 @@ class OptimizerStep:
         self._update()
 
     def _update(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.step()
-            if self.scheduler is not None and self.scheduler_interval == "step":
-                self.scheduler.step()
+        """The optimizer's step (executors with more optimizers add theirs, see :meth:`_step`)."""
+        self._step(self.optimizer, self.scheduler)
+
+    def _step(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
+        """``optimizer``'s step, then ``scheduler``'s if it steps with it (interval "step")."""
+        if optimizer is not None:
+            optimizer.step()
+            if scheduler is not None and self.scheduler_interval == "step":
+                scheduler.step()
 
     # -- steps the stages agree on (clipping, fp16, check_finite; see pipeq.stage.numerics) ------
     def step_stats(self) -> StepStats:

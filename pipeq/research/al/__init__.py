@@ -1,7 +1,8 @@
 """Associated Learning (Kao and Chen, ICLR 2022): local losses, messages that flow forward only.
 
 The schedule (:class:`AssociatedLearning`) is imported with :mod:`pipeq.research`; the layers,
-builders and executor (torch) when first named here (``pipeq.al.build_al``).
+builders and executor (torch) when first named here (``pipeq.research.al.build_al``, which
+``pipeq.al.build_al`` also names).
 """
 
 import importlib

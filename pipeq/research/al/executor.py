@@ -19,9 +19,9 @@ through stage k (``AssociatedLearning(inference_layer=k)``, a 0-based stage inde
 
 :func:`build_al` makes an AL model from plain blocks and widths, :func:`build_al_lstm` and
 :func:`build_al_transformer` text classifiers whose ``s`` is a tree (the padding mask, an LSTM's
-``(h, c)``: see :mod:`pipeq.al_models`); :class:`ALModel` is the inference path in one process.
-A layer's messages are ``(s, t)`` packed as one tree (:mod:`pipeq.microbatch`): a pair of
-tensors travels as two bare tensors, anything else with its description.
+``(h, c)``: see :mod:`pipeq.research.al.models`); :class:`ALModel` is the inference path in one
+process. A layer's messages are ``(s, t)`` packed as one tree (:mod:`pipeq.stage.microbatch`):
+a pair of tensors travels as two bare tensors, anything else with its description.
 """
 
 from __future__ import annotations
@@ -162,15 +162,16 @@ class ALExecutor(StageExecutor):
                 out = torch.tanh(out)
         return (out,)
 
+    def _update(self) -> None:
+        """Both paths' steps: f and b's, then g and h's."""
+        super()._update()
+        self._step(self.label_optimizer, self.label_scheduler)
+
     def optimizer_step(self) -> None:
+        """Both paths' steps, then their gradients cleared (a step after every microbatch)."""
         super().optimizer_step()
-        if self.label_optimizer is not None:
-            self.label_optimizer.step()
-            if self.label_scheduler is not None and self.scheduler_interval == "step":
-                self.label_scheduler.step()
-        for opt in (self.optimizer, self.label_optimizer):
-            if opt is not None:
-                opt.zero_grad(set_to_none=True)
+        for opt in self.optimizers():
+            opt.zero_grad(set_to_none=True)
 
     def schedulers(self) -> list[Any]:
         """Both paths' schedulers: f and b's, then g and h's."""

@@ -1,6 +1,7 @@
 """Associated Learning models: the layers (f, b, g, h), their builders, and one-process inference.
 
-Pure model code (no processes, no I/O); :mod:`pipeq.al` runs these layers in a pipeline.
+Pure model code (no processes, no I/O); :mod:`pipeq.research.al.executor` runs these layers in a
+pipeline.
 
 An AL layer's x side may pass a *tree* on, not just a tensor: ``s_i`` is whatever ``f_i`` returns
 and ``f_{i+1}`` is called pipeq's way (a tuple is spread over its arguments, anything else is its
@@ -29,6 +30,10 @@ import torch
 from torch import nn
 
 from pipeq.tree import as_args
+
+__all__ = ["ALLayer", "ALModel", "LabelEmbedding", "LastHiddenBridge", "LSTMLayer", "PooledBridge", "TokenEmbedding",
+           "TransformerLayer", "build_al", "build_al_lstm", "build_al_transformer", "call", "code", "label_dtype",
+           "label_input", "lengths_of", "masked_mean"]
 
 
 def call(module: nn.Module, value: Any) -> Any:

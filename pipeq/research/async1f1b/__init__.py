@@ -1,1 +1,3 @@
-"""Asynchronous 1F1B (PipeDream, Narayanan et al. 2019): a step after every microbatch, weight stashing."""
+"""Asynchronous 1F1B (PipeDream, Narayanan et al., SOSP 2019): a step after every microbatch, weight stashing."""
+
+__all__ = ["executor", "schedule"]

@@ -1,7 +1,8 @@
 """Asynchronous 1F1B on one stage: an optimizer step after every microbatch, weight stashing.
 
-With :class:`pipeq.schedules.AsyncOneFOneB` a stage updates its weights after each backward, so
-microbatch j's backward may come after updates made since its forward. Two rules:
+With :class:`pipeq.research.async1f1b.schedule.AsyncOneFOneB` a stage updates its weights after
+each backward, so microbatch j's backward may come after updates made since its forward (PipeDream,
+SOSP 2019). Two rules:
 
 - ``weight_stashing=True`` (default, PipeDream): the forward of j runs on a *copy* of the weights
   as they are then (``torch.func.functional_call``), its backward computes the gradient of that
@@ -42,14 +43,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call
 
-from pipeq.stage.executor import StageExecutor, Tensors, as_tuple, describe
+from pipeq.stage.executor import StageExecutor, Tensors, as_tuple
 from pipeq.stage.spec import StageSpec
 
 if TYPE_CHECKING:
     from pipeq.research.async1f1b.schedule import AsyncOneFOneB
 
+__all__ = ["AsyncExecutor"]
+
 
 class AsyncExecutor(StageExecutor):
+    """Runs one stage of asynchronous 1F1B: a step after every backward, with or without weight stashing."""
+
     def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device,
                  schedule: AsyncOneFOneB) -> None:
         super().__init__(index, n_stages, spec, device)
@@ -57,7 +62,6 @@ class AsyncExecutor(StageExecutor):
         self.weight_stashing = weight_stashing
         self.copies: dict[int, dict[str, torch.Tensor]] = {}  # microbatch -> its stashed weights
         self.max_copies = 0  # the most copies held at once (bounded by the pipeline depth)
-        self._cuda_rng = device.type == "cuda" and torch.cuda.is_available()
         self._fresh: int | None = None  # no stashing, last stage: the microbatch whose graph is current
         # training microbatches, numbered across batches: their inputs (stage 0), targets (last
         # stage) and batch (step); each batch's microbatch losses until its LOSS is reported
@@ -100,10 +104,7 @@ class AsyncExecutor(StageExecutor):
                 return self.module(*args)
             return functional_call(self.module, tensors, args)
         except Exception as exc:
-            raise RuntimeError(
-                f"forward of microbatch {j} (step {self.step_index}) failed on input of shape "
-                f"{describe(args)}: {exc}"
-            ) from exc
+            raise self._forward_error(j, args, exc) from exc
 
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:
         if not self.training:
@@ -140,27 +141,13 @@ class AsyncExecutor(StageExecutor):
         self.stash[j] = (args, rng)
         return tuple(t.detach() for t in as_tuple(out))
 
-    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The RNG state a forward starts from: the CPU's, and the stage's CUDA device's."""
-        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self._cuda_rng else None
-
-    def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-        cpu, cuda = state
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, self.device)
-
     def _recompute(self, j: int, args: Tensors, rng: tuple[torch.Tensor, torch.Tensor | None]) -> Any:
         """The forward of j again, with a graph: the newest weights, the RNG state the forward
         started from, scratch copies of the buffers (the forward already updated the running
         statistics). The RNG stream is left as it was."""
         scratch = {n: b.clone() for n, b in self.module.named_buffers()}
-        now = self._rng_state()
-        self._set_rng_state(rng)
-        try:
+        with self._rng_replayed(rng):
             return self._run(j, args, scratch or None)
-        finally:
-            self._set_rng_state(now)
 
     def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
         if self.optimizer is not None:

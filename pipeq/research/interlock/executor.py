@@ -2,22 +2,24 @@
 
 Stage k < N-1 owns an auxiliary head; its loss ``L_k = aux_loss(head_k(a_k), y)`` where ``a_k``
 is the stage's output, and the last stage has the real loss ``L_{N-1}``. With distance d (see
-:class:`pipeq.schedules.Interlock`):
+:class:`pipeq.research.interlock.schedule.Interlock`):
 
 - ``main_k`` is trained by ``L_t``, ``t = min(k + d, N - 1)``: its own head's loss when d = 0
   (local), the gradient arriving from stage k+1 otherwise;
 - ``head_k`` is trained by ``L_k`` on a detached ``a_k`` (d >= 1): the head's loss reaches
   ``main_k`` only through the stages below it;
 - stage k sends down the gradients, with respect to its input, of the losses the stages below
-  are trained by (:func:`~pipeq.schedules.sends_down`). A loss other than ``L_t`` is carried
-  through ``main_k`` with ``torch.autograd.grad`` (nothing accumulates into ``main_k``); its own
-  head's is computed right after the forward, so pairwise stages send it before they wait.
+  are trained by (:func:`~pipeq.research.interlock.routing.sends_down`). A loss other than
+  ``L_t`` is carried through ``main_k`` with ``torch.autograd.grad`` (nothing accumulates into
+  ``main_k``); its own head's is computed right after the forward, so pairwise stages send it
+  before they wait.
 
 Each microbatch's losses are weighted by its share of the batch, like the real loss, so the
 gradients accumulated over a step are those of the whole batch. :class:`InterlockExecutor` runs
-the same F/B/STEP actions as :class:`~pipeq.stage.StageExecutor` and replaces its forward and
-backward; ``predict`` uses the main path only. A checkpoint holds stage k's head beside the
-stage, under ``aux_heads.{k}.*`` with its optimizer state (see :mod:`pipeq.checkpoint`).
+the same F/B/STEP actions as :class:`~pipeq.stage.executor.StageExecutor` and replaces its
+forward and backward; ``predict`` uses the main path only. A checkpoint holds stage k's head
+beside the stage, under ``aux_heads.{k}.*`` with its optimizer state (see :mod:`pipeq.checkpoint`).
+Gomez et al., "Interlocking Backpropagation: Improving depthwise model-parallelism", arXiv 2010.04116.
 """
 
 from __future__ import annotations
@@ -36,14 +38,17 @@ from pipeq.stage.spec import StageSpec
 if TYPE_CHECKING:
     from pipeq.research.interlock.schedule import Interlock
 
+__all__ = ["InterlockExecutor"]
+
 
 class InterlockExecutor(StageExecutor):
+    """Runs one stage of an interlocking schedule: its main module and auxiliary head (see the module)."""
+
     def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device,
                  schedule: Interlock) -> None:
         self.distance = d = schedule.distance(n_stages)
-        self.is_last_stage = index == n_stages - 1
         aux_head, aux_loss = spec.aux_head, spec.aux_loss
-        if not self.is_last_stage and aux_head is None and d < n_stages - 1:
+        if index < n_stages - 1 and aux_head is None and d < n_stages - 1:
             raise ValueError(
                 f"stage {index}: schedule {schedule.name!r} trains with auxiliary heads: pass "
                 f"aux_heads=[head_0, ..., head_{n_stages - 2}] (one per stage but the last)"
@@ -63,7 +68,7 @@ class InterlockExecutor(StageExecutor):
     def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
               weights: Any = None, aux_weights: Any = None) -> None:
         # a head's loss is weighted by its share of the batch under its own reduction (and
-        # ignore_index), like the real one: pipeq.batching computes them with the main weights
+        # ignore_index), like the real one: pipeq.control.batching computes them with the main weights
         if training and self.head is not None and aux_weights is None:
             raise ValueError(f"stage {self.index}: a training step with an auxiliary head needs its loss weights")
         super().begin(step, sizes, training, x, target, weights, aux_weights)
@@ -72,10 +77,8 @@ class InterlockExecutor(StageExecutor):
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:
         if not self.training:
             return super().forward(j, received)
-        if self.is_first:
-            x = self.inputs[j]
-            leaf = None
-        else:
+        leaf = None
+        if not self.is_first:
             assert received is not None
             if len(received) != 1:
                 raise ValueError(
@@ -83,26 +86,18 @@ class InterlockExecutor(StageExecutor):
                     f"received {describe(received)}"
                 )
             leaf = received[0].to(self.device, non_blocking=True).requires_grad_()
-            x = leaf.clone()  # an in-place first op stays fine, as in StageExecutor.forward
-        try:
-            out = self.module(x)
-        except Exception as exc:
-            raise RuntimeError(
-                f"forward of microbatch {j} (step {self.step_index}) failed on input of shape "
-                f"{describe((x,))}: {exc}"
-            ) from exc
+        # the module gets a copy of the leaf: an in-place first op stays fine, as in StageExecutor.forward
+        out = self._call(j, (leaf.clone(),) if leaf is not None else (), None, grad=True)
         if isinstance(out, tuple) or not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {self.index}: interlocking schedules need a stage to return one tensor")
-        target = self.targets[j]
-        if self.is_last_stage:
-            w = self.weights[j]
-            scaled = None
-            if w != 0.0:  # a microbatch whose targets are all ignored has no loss, no gradient
-                scaled = self.loss_fn(out, target).reshape(()) * w  # type: ignore[misc]
+        if self.is_last:
+            scaled = self._loss(j, out)  # None: the targets are all ignored, no loss, no gradient
+            if scaled is not None:
                 d = scaled.detach()
                 self.loss_sum = d if self.loss_sum is None else self.loss_sum + d
             self.stash[j] = (leaf, out, scaled)
             return None
+        target = self.targets[j]
         own = None
         w = self.aux_weights[j] if self.head is not None else 0.0
         if self.head is not None and w != 0.0:
@@ -135,13 +130,8 @@ class InterlockExecutor(StageExecutor):
                     f"stage {self.index}: got {len(grads)} gradient(s) for microbatch {j}, expected "
                     f"{len(self.up)} (losses {self.up})"
                 )
-            for loss_id, g in zip(self.up, grads):
-                if g.shape != out.shape:
-                    raise ValueError(
-                        f"stage {self.index}: gradient of L_{loss_id} has shape {tuple(g.shape)}, the "
-                        f"output of microbatch {j} has {tuple(out.shape)}"
-                    )
-                got[loss_id] = g.to(self.device, non_blocking=True)
+            self._check_grad_shapes(j, ((out, g) for g in grads))
+            got = {loss_id: g.to(self.device, non_blocking=True) for loss_id, g in zip(self.up, grads)}
         send: dict[int, torch.Tensor] = {}
         wanted = [] if leaf is None or self.sends_early else self.down
         # losses that only pass through main (no accumulation), before the graph is freed
