@@ -246,8 +246,8 @@ class Run:
     def __init__(self, n: int = 3, **kw: Any) -> None:
         self.server = FakeServer()
         self.teardowns = 0
-        self.sup = Supervisor(self.server, {}, n_stages=n, n_processes=n, n_nodes=2, heartbeat_timeout=60.0,
-                              teardown=self.teardown, **kw)
+        self.sup = Supervisor(self.server, {}, n_stages=n, n_processes=n, n_nodes=2,  # type: ignore[arg-type]
+                              heartbeat_timeout=60.0, teardown=self.teardown, **kw)
         self.sup.expect_heartbeats()
 
     def teardown(self) -> None:
@@ -349,7 +349,7 @@ def test_a_silent_stage_is_named() -> None:
     run = Run(n=2)
     run.sup.heartbeat_timeout = 0.3
     beat = _over_the_wire(control.message(HeartbeatInfo(), 1))
-    run.server.recv = lambda timeout_ms: (Peer(HEARTBEAT, 0), beat)  # stage 0 beats on, stage 1 is silent
+    run.server.recv = lambda timeout_ms: (Peer(HEARTBEAT, 0), beat)  # type: ignore[method-assign]  # stage 1 is silent
     with pytest.raises(PipelineError, match=r"stage 1: no heartbeat for 0\.\d s \(heartbeat_timeout=0.3\)"):
         run.sup.collect(Kind.ACK, {0: 1}, step=-1, timeout=5.0)
     assert run.teardowns == 1

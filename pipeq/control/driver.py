@@ -236,11 +236,11 @@ class ProcessBackend:
             msgs.append((k, control.message(Predict(sizes=sizes, x=part.x, nx=part.nx), step, 0, part.tensors)))
         self._send_all(sup, msgs)
         out = self.output_stage
-        msgs = sup.collect(Kind.OUTPUT, {out: len(sizes)}, step=step, what=f"predict {step}")[out]
+        outputs = sup.collect(Kind.OUTPUT, {out: len(sizes)}, step=step, what=f"predict {step}")[out]
         if self.recorder is not None:
             self.recorder.span(step, False, t0, len(sizes))
-        msgs.sort(key=lambda m: m.microbatch)
-        return [microbatch.Packed.of(m.tensors, control.read(m, Output).tree) for m in msgs]
+        outputs.sort(key=lambda m: m.microbatch)
+        return [microbatch.Packed.of(m.tensors, control.read(m, Output).tree) for m in outputs]
 
     def stats(self, reset: bool = False) -> list[dict[str, Any]]:
         """Every stage's :meth:`~pipeq.stage.executor.StageExecutor.stats` (replica 0's)."""

@@ -239,11 +239,9 @@ class EventLoop:
         training = isinstance(cmd, Train)
         step = self.step = msg.step
         x, target = self._batch(cmd, msg.tensors, ex.is_first, ex.needs_target and training)
-        if isinstance(cmd, Train):
-            actions, keys = self.plan.begin(ex, step, cmd.sizes, True, x, target, cmd.weights, cmd.aux_weights,
-                                            stream=cmd.stream)
-        else:
-            actions, keys = self.plan.begin(ex, step, cmd.sizes, False, x, target, None, None, stream=False)
+        weights, aux_weights, stream = ((cmd.weights, cmd.aux_weights, cmd.stream) if isinstance(cmd, Train)
+                                        else (None, None, False))
+        actions, keys = self.plan.begin(ex, step, cmd.sizes, training, x, target, weights, aux_weights, stream=stream)
         lr = ex.learning_rate() if ex.is_last and training else None  # the one this batch trains with
         self.run(actions, step, keys)
         if ex.is_last and training:
@@ -257,7 +255,9 @@ class EventLoop:
         if nx > len(tensors):
             raise ValueError(f"stage {self.cfg.stage}: the command carries {len(tensors)} tensors, not x's {nx}")
         x = microbatch.unpack_input(cmd.x, tensors[:nx]) if wants_x else None
-        target = microbatch.unpack_input(cmd.target, tensors[nx:]) if wants_target and isinstance(cmd, Train) else None
+        target = None
+        if wants_target and isinstance(cmd, Train):  # (PREDICT carries no target)
+            target = microbatch.unpack_input(cmd.target, tensors[nx:])
         return x, target
 
     def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:

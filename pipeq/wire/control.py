@@ -36,13 +36,14 @@ import dataclasses
 import math
 import reprlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, NamedTuple, Sequence, TypeVar, dataclass_transform
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence, TypeVar, cast, dataclass_transform
 
 from pipeq.errors import CodecError
 from pipeq.wire.messages import Kind, Message, tree_message, tree_of
 
 __all__ = [
-    "ControlError", "Payload", "DATA_KINDS", "encode", "decode", "read", "message", "data_tree", "state_message", "state_of",
+    "ControlError", "Payload", "DATA_KINDS", "encode", "decode", "read", "message", "data_tree",
+    "state_message", "state_of",
     "Peers", "Train", "Predict", "GetState", "SetState", "GetSnapshot", "Restore", "Clock", "GetTrace", "Drain",
     "StepScheduler", "GetLr", "GetStats", "Stop", "Exit",
     "Ready", "AgentReady", "Loss", "Output", "State", "Ack", "Snapshot", "Time", "TraceRows", "Lrs", "Stats",
@@ -145,7 +146,7 @@ def _control(kind: Kind, *, agent: bool = False) -> Callable[[type[P]], type[P]]
         cls = dataclass(kw_only=True)(cls)
         cls.KIND, cls.AGENT = kind, agent
         cls.FIELDS = tuple(_Field(f.name, f.metadata["name"] or f.name, f.metadata["check"],
-                                  f.default is not dataclasses.MISSING, f.default) for f in dataclasses.fields(cls))
+                                  f.default is not dataclasses.MISSING, f.default) for f in dataclasses.fields(cast(Any, cls)))
         cls.NAMES = frozenset(f.name for f in cls.FIELDS)
         (_FROM_AGENT if agent else _BY_KIND)[kind] = cls
         return cls
