@@ -66,6 +66,8 @@ from pipeq.stage.executor import StageExecutor
 from pipeq.wire.transport import (BindTo, Heartbeat, StageTransport, Stopped, WireAuth, remove_ipc_dir,
                         tune_process_allocator)
 
+__all__ = ["WorkerConfig", "EventLoop", "worker_entry", "select_device"]
+
 
 @dataclass
 class WorkerConfig:
