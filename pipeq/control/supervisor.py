@@ -13,6 +13,10 @@ stage (and replica) at fault when
   peer, or for a command, reports none, so the stage named is the one stuck in its own
   computation, never its waiting neighbours, and a long step whose actions keep finishing is fine.
 
+Every message from one of the run's processes is checked as it arrives (its payload, see
+:mod:`pipeq.wire.control`): a malformed one ends the run too, naming its sender. Messages from
+anyone else are ignored.
+
 Only time spent waiting counts against the heartbeat timeout: a caller that paused between two
 calls does not make its stages look dead. On a failure the ``teardown`` callback stops every
 process before the error is raised.
