@@ -95,6 +95,7 @@ class ProcessBackend:
 
     # -- lifecycle (pipeq.control.startup) ----------------------------------------------------------
     def start(self) -> None:
+        """Start the stage processes and wire them up (see :meth:`StageProcesses.start`)."""
         self.processes.start(self._next_request_id)
 
     def close(self) -> None:
@@ -107,6 +108,7 @@ class ProcessBackend:
     def _start_hint(self, missing: set[int]) -> str:
         return self.processes.start_hint(missing)
 
+    # the processes' state, under the names the runner and the tests know
     @property
     def sup(self) -> Supervisor | None:
         return self.processes.sup
