@@ -95,7 +95,7 @@ def make_runner(mode: str, schedule: str, host: str = "127.0.0.1") -> Any:
 @contextlib.contextmanager
 def recorded_secret() -> Iterator[list[Any]]:
     """The secret the runner started in this block makes for itself (appended to the list)."""
-    import pipeq.control.driver as driver
+    import pipeq.control.startup as driver  # where the driver makes its secret
 
     real, got = driver.JobSecret, []
 

@@ -13,6 +13,10 @@ stage (and replica) at fault when
   peer, or for a command, reports none, so the stage named is the one stuck in its own
   computation, never its waiting neighbours, and a long step whose actions keep finishing is fine.
 
+Every message from one of the run's processes is checked as it arrives (its payload, see
+:mod:`pipeq.wire.control`): a malformed one ends the run too, naming its sender. Messages from
+anyone else are ignored.
+
 Only time spent waiting counts against the heartbeat timeout: a caller that paused between two
 calls does not make its stages look dead. On a failure the ``teardown`` callback stops every
 process before the error is raised.
@@ -30,6 +34,8 @@ import time
 from typing import Callable
 
 from pipeq.errors import CodecError, PipelineError
+from pipeq.wire import control
+from pipeq.wire.control import ControlError, ErrorReply, HeartbeatInfo, Payload
 from pipeq.wire.messages import REPLIES, Kind, Message
 from pipeq.control.processes import Numbering, exit_reason
 from pipeq.wire.control_link import AGENT, HEARTBEAT, STAGE, ControlServer, Peer
@@ -38,13 +44,17 @@ from pipeq.wire.errors import PeerUnreachable
 _POLL_MS = 100
 
 
-def _raised_at(msg: Message) -> float:
+__all__ = ["Supervisor"]
+
+
+def _raised_at(reply: ErrorReply) -> float:
     """When a stage's ERROR was raised (its host's monotonic clock), if it says."""
-    at = msg.extra.get("at")
-    return float(at) if type(at) in (int, float) else float("inf")
+    return float(reply.at) if reply.at is not None else float("inf")
 
 
 class Supervisor:
+    """Files the replies the driver waits for; fails the run on an error, a death or silence."""
+
     def __init__(
         self,
         server: ControlServer,
@@ -101,13 +111,22 @@ class Supervisor:
                              replica=num.replica(g) if num.replicas > 1 else None,
                              shard=num.shard(g) if num.shards > 1 else None)
 
-    def error_of(self, peer: Peer, msg: Message) -> PipelineError:
-        extra = msg.extra
+    def error_of(self, peer: Peer, reply: ErrorReply) -> PipelineError:
+        """The PipelineError an ERROR from ``peer`` reports."""
         if peer.role == AGENT:  # an agent reports one of its processes (or itself)
-            g = extra.get("stage") if type(extra.get("stage")) is int else None
-            return self.error(str(extra.get("message", "failed")) + f" (on node {peer.index})", g,
-                              extra.get("traceback"))
-        return self.error(str(extra.get("message", "failed")), peer.index, extra.get("traceback"))
+            g = reply.stage if reply.stage is not None and reply.stage < self.n_processes else None
+            return self.error(f"{reply.message} (on node {peer.index})", g, reply.traceback)
+        return self.error(reply.message, peer.index, reply.traceback)
+
+    def payload_of(self, peer: Peer, msg: Message) -> Payload:
+        """The payload of a message from one of ours, checked before anything reads it: a
+        malformed one fails the run, naming its sender."""
+        try:
+            return control.decode(msg, from_agent=peer.role == AGENT)
+        except ControlError as exc:
+            agent = peer.role == AGENT
+            raise self.fail(self.error(f"{exc}" + (f" (from node {peer.index}'s agent)" if agent else ""),
+                                       None if agent else peer.index))
 
     def fail(self, err: PipelineError) -> PipelineError:
         """Record the run's failure, stop every process; returns ``err`` for the caller to raise."""
@@ -155,13 +174,12 @@ class Supervisor:
                     f"stuck: has been in {what} for {age:.1f} s with no progress (step_timeout="
                     f"{self.step_timeout} s); its neighbours are waiting for it", g))
 
-    def _beat(self, peer: Peer, msg: Message, now: float) -> None:
+    def _beat(self, peer: Peer, payload: Payload, now: float) -> None:
         """Anything from a stage process shows it alive; its heartbeat also says what it computes."""
         self.last_beat[peer.index] = now
-        if peer.role == HEARTBEAT and msg.kind is Kind.HEARTBEAT:
-            what, age = msg.extra.get("doing"), msg.extra.get("for")
-            if type(what) is str and type(age) in (int, float):
-                self.doing[peer.index] = (what, float(age))
+        if peer.role == HEARTBEAT and isinstance(payload, HeartbeatInfo):
+            if payload.doing is not None and payload.seconds is not None:
+                self.doing[peer.index] = (payload.doing, float(payload.seconds))
             else:
                 self.doing.pop(peer.index, None)
 
@@ -175,7 +193,7 @@ class Supervisor:
         except CodecError as exc:
             raise self.fail(PipelineError(f"malformed message on the control channel: {exc}"))
 
-    def _read(self, timeout_ms: int) -> tuple[Peer, Message] | None:
+    def _read(self, timeout_ms: int) -> tuple[Peer, ErrorReply] | None:
         """The next ERROR from one of ours, filing everything else that arrives (heartbeats,
         replies someone will wait for); None when nothing more came within ``timeout_ms``."""
         while True:
@@ -186,10 +204,11 @@ class Supervisor:
             if not self.known(peer):
                 continue  # not one of our workers: ignored
             assert peer is not None
+            payload = self.payload_of(peer, msg)
             if peer.role != AGENT:
-                self._beat(peer, msg, time.monotonic())
-            if msg.kind is Kind.ERROR and peer.role != HEARTBEAT:
-                return peer, msg
+                self._beat(peer, payload, time.monotonic())
+            if isinstance(payload, ErrorReply) and peer.role != HEARTBEAT:
+                return peer, payload
             if peer.role == STAGE:
                 self._keep(peer.index, msg)
 
@@ -208,7 +227,7 @@ class Supervisor:
             steps.append(self._collecting)
         return min(steps, default=None)
 
-    def _origin_shard(self, g: int, msg: Message, err: PipelineError) -> PipelineError:
+    def _origin_shard(self, g: int, reply: ErrorReply, err: PipelineError) -> PipelineError:
         """Tensor parallelism: the shards of a stage compute together, so one shard's failure
         makes the others fail too (their collective's peer is gone). Of the errors and deaths of
         process g's stage within half a second, the first is the one named: a shard killed by a
@@ -218,7 +237,7 @@ class Supervisor:
         if num.shards == 1 or g >= num.total:
             return err
         group = set(num.group(num.lead(g)))
-        first = {g: (_raised_at(msg), err)}
+        first = {g: (_raised_at(reply), err)}
         end = time.monotonic() + 0.5  # a killed process's sockets close a moment before it is reaped
         while time.monotonic() < end and len(first) < len(group):
             for other in sorted(group - set(first)):
@@ -231,13 +250,13 @@ class Supervisor:
                 first.setdefault(got[0].index, (_raised_at(got[1]), self.error_of(*got)))
         return min(first.values(), key=lambda pair: pair[0])[1]
 
-    def _error(self, peer: Peer, msg: Message) -> None:
+    def _error(self, peer: Peer, reply: ErrorReply) -> None:
         """An ERROR: raised now, or deferred while an earlier step than its own is outstanding."""
-        err = self.error_of(peer, msg)
+        err = self.error_of(peer, reply)
         if peer.role == STAGE:
-            err = self._origin_shard(peer.index, msg, err)
-        step, oldest = msg.extra.get("step"), self._oldest_outstanding()
-        if (peer.role == STAGE and type(step) is int and oldest is not None and step > oldest
+            err = self._origin_shard(peer.index, reply, err)
+        step, oldest = reply.step, self._oldest_outstanding()
+        if (peer.role == STAGE and step is not None and oldest is not None and step > oldest
                 and ((Kind.LOSS, step) in self.awaited or step == self._collecting)):
             if self.deferred is None or step < self.deferred[0]:
                 self.deferred = (step, err)
@@ -284,10 +303,11 @@ class Supervisor:
             if r is not None and self.known(r[0]):  # anything else is not one of ours: ignored
                 peer, msg = r
                 assert peer is not None
+                payload = self.payload_of(peer, msg)
                 if peer.role != AGENT:
-                    self._beat(peer, msg, now)
-                if msg.kind is Kind.ERROR and peer.role != HEARTBEAT:
-                    self._error(peer, msg)
+                    self._beat(peer, payload, now)
+                if isinstance(payload, ErrorReply) and peer.role != HEARTBEAT:
+                    self._error(peer, payload)
                 elif peer.role == STAGE:
                     if msg.kind is kind and msg.step == step and peer.index in missing:
                         take(peer.index, msg)

@@ -13,11 +13,17 @@ import time
 from typing import Any, Callable
 
 from pipeq.trace import format as trace
-from pipeq.wire.messages import Kind, Message
+from pipeq.wire import control
+from pipeq.wire.control import Clock, GetTrace, Time, TraceRows
+from pipeq.wire.messages import Kind
 from pipeq.control.supervisor import Supervisor
+
+__all__ = ["TraceRecorder"]
 
 
 class TraceRecorder:
+    """The driver's step spans and the stages' clock offsets; merges the stages' rows into one trace."""
+
     def __init__(self, path: str, schedule: Any, n_stages: int, microbatches: int, replicas: int) -> None:
         self.path = path
         self.meta = trace.TraceMeta(trace.schedule_label(schedule), n_stages, microbatches, replicas=replicas)
@@ -39,13 +45,10 @@ class TraceRecorder:
             for _ in range(rounds):
                 req = request_id()
                 t0 = time.perf_counter_ns()
-                sup.server.send(g, Message(Kind.CLOCK, req))
+                sup.server.send(g, control.message(Clock(), req))
                 reply = sup.collect(Kind.TIME, {g: 1}, step=req, what="clock")[g][0]
                 t1 = time.perf_counter_ns()
-                ns = reply.extra.get("ns")
-                if type(ns) is not int:
-                    raise sup.fail(sup.error(f"malformed clock reply {reply.extra!r}", g))
-                samples.append((t0, ns, t1))
+                samples.append((t0, control.read(reply, Time).ns, t1))  # checked as it came (Supervisor)
             sample = trace.best_offset(samples)
             if first:
                 self.clocks.append([sample])
@@ -57,7 +60,7 @@ class TraceRecorder:
         self.measure_clocks(sup, request_id)
         req = request_id()
         n, procs = self.n_stages, sup.n_processes
-        sup.send_all([(g, Message(Kind.GET_TRACE, req)) for g in range(procs)])
+        sup.send_all([(g, control.message(GetTrace(), req)) for g in range(procs)])
         got = sup.collect(Kind.TRACE, dict.fromkeys(range(procs), 1), step=req, what="trace")
         rows = []
         for g in range(procs):
@@ -65,7 +68,7 @@ class TraceRecorder:
                 rows.append(trace.check_rows(got[g][0].tensors[0], g % n))
             except (IndexError, ValueError) as exc:
                 raise sup.fail(sup.error(f"malformed trace: {exc}", g))
-        rows = trace.drop_partial_steps(rows, [bool(got[g][0].extra.get("truncated")) for g in range(procs)])
+        rows = trace.drop_partial_steps(rows, [control.read(got[g][0], TraceRows).truncated for g in range(procs)])
         first = min((int(t[:, 1].min()) for t in rows if t.numel()), default=0)
         spans = [s for s in self.spans if s[0] >= first]
         merged: dict[str, Any] | None = None

@@ -29,6 +29,8 @@ from typing import Any, Callable, NoReturn, Sequence
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import CodecError
 from pipeq.stage.spec import StageBuilder
+from pipeq.wire import control as protocol  # (``control`` names the driver's address here)
+from pipeq.wire.control import AgentReady, ErrorReply, Exit
 from pipeq.wire.messages import Kind, Message
 from pipeq.control.processes import (StageSettings, exit_reason, job_identity, process_context, start_worker, stop_processes,
                         worker_configs)
@@ -118,7 +120,7 @@ def _tell_driver(control: str, rz: Rendezvous, message: str) -> None:
     """Send one ERROR to the driver (so it fails at once, naming this node), then hang up."""
     link = DriverLink(control, rz.node_rank, linger_ms=2000, auth=_auth(rz))
     try:
-        link.send(Message(Kind.ERROR, extra={"message": message}))
+        link.send(protocol.message(ErrorReply(message=message)))
     finally:
         link.close()
 
@@ -181,14 +183,13 @@ def run_agent(
             procs[cfg.process] = start_worker(ctx, cfg, builder)
         log(f"node {rz.node_rank}: started stage(s) {mine} (pids "
             f"{[p.pid for p in procs.values()]}), driver at {control}")
-        link.send(Message(Kind.READY, extra={"agent": rz.node_rank, "stages": mine,
-                                             "pids": [procs[g].pid for g in mine]}))
+        link.send(protocol.message(AgentReady(agent=rz.node_rank, stages=mine, pids=[procs[g].pid for g in mine])))
         code = _watch(rz, link, procs, interval, driver_grace, start_timeout, log, terminated)
     except KeyboardInterrupt:
         log(f"node {rz.node_rank}: interrupted; stopping stage(s) {mine}")
         # the driver names the node at once instead of waiting for missing heartbeats
-        link.send(Message(Kind.ERROR, extra={"stage": mine[0], "message": f"node {rz.node_rank}'s agent "
-                                             "was interrupted"}), block=False)
+        link.send(protocol.message(ErrorReply(stage=mine[0], message=f"node {rz.node_rank}'s agent was interrupted")),
+                  block=False)
         code = 130
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -250,11 +251,12 @@ def _watch(
     while True:
         try:
             msg = link.recv(_TICK_MS)
+            command = protocol.decode(msg) if msg is not None else None
         except CodecError as exc:
             log(f"node {rz.node_rank}: ignoring a malformed message from the driver ({exc})")
-            msg = None
-        if msg is not None and msg.kind is Kind.EXIT:
-            abort = bool(msg.extra.get("abort"))
+            command = None
+        if isinstance(command, Exit):
+            abort = command.abort
             # the driver has stopped (or is stopping) the stages; give them a moment to exit
             end = time.monotonic() + (2.0 if abort else 10.0)
             while time.monotonic() < end and any(p.exitcode is None for p in procs.values()):
@@ -279,8 +281,8 @@ def _watch(
                 log(f"node {rz.node_rank}: stage {g} (pid {p.pid}) {exit_reason(p.exitcode)}")
                 # A stage that raised has already sent its own ERROR with the traceback; this
                 # names the ones that could not (killed, OOM, os._exit).
-                link.send(Message(Kind.ERROR, extra={
-                    "stage": g, "message": f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}"}))
+                link.send(protocol.message(ErrorReply(stage=g, message=f"stage process (pid {p.pid}) "
+                                                                      f"{exit_reason(p.exitcode)}")))
         now = time.monotonic()
         if link.connected is not True:
             limit = grace if link.connected is False else start_timeout

@@ -14,7 +14,7 @@ The loop waits for a command on the control channel and carries it out:
     RESTORE    load a snapshot, reply ACK
     CLOCK      reply TIME with this process's clock (aligning traces)
     GET_TRACE  reply TRACE: the actions recorded since the last GET_TRACE (pipeq.trace)
-    GET_STATS  reply STATS: peak memory (extra "reset": start a new peak), skipped steps
+    GET_STATS  reply STATS: peak memory (``reset``: start a new peak), skipped steps
     STEP_SCHEDULER  step the lr schedulers once (with the metric it carries), reply ACK
     GET_LR     reply LR (the learning rate of every parameter group)
     STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
@@ -25,15 +25,15 @@ since when (the interpreter calls :meth:`EventLoop._note` as it starts one; clea
 next command): the heartbeat thread reports it (:meth:`EventLoop.doing`), so that the driver can
 name a stage stuck in its own computation (``step_timeout``) rather than its waiting neighbours.
 
-Any exception is reported to the driver as ERROR (message and traceback) before the process
-exits. The event loop is the only code in a worker that touches the transport; the schedule's
+Every command is decoded with its payload's checks (:mod:`pipeq.wire.control`) before it is
+carried out. Any exception is reported to the driver as ERROR (message and traceback) before the
+process exits. The event loop is the only code in a worker that touches the transport; the schedule's
 actions run in :func:`pipeq.interpreter.execute`, which asks the loop for every message.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import os
 import pickle
@@ -42,7 +42,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -51,10 +51,15 @@ from pipeq import schedules
 from pipeq.wire import shm
 from pipeq.trace import format as trace
 from pipeq.parallel.data import Replicas
+from pipeq.runtime import os_process
 from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import EMIT, StagePlan, execute
 from pipeq.stage.numerics import Numerics
-from pipeq.wire.messages import Kind, Message, tree_message, tree_of
+from pipeq.wire import control
+from pipeq.wire.control import (Ack, Clock, Drain, ErrorReply, Exit, GetLr, GetSnapshot, GetState, GetStats,
+                                GetTrace, HeartbeatInfo, Loss, Lrs, Output, Payload, Peers, Predict, Ready, Restore,
+                                SetState, Snapshot, State, Stats, StepScheduler, Stop, Time, Train, TraceRows)
+from pipeq.wire.messages import Message
 from pipeq.schedules import Op
 from pipeq.wire.shm import ShmConfig
 from pipeq.stage.executor import StageExecutor
@@ -64,6 +69,8 @@ from pipeq.wire.errors import Stopped
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, remove_ipc_dir, tune_process_allocator
 from pipeq.wire.stage_link import StageTransport
+
+__all__ = ["WorkerConfig", "EventLoop", "worker_entry", "select_device"]
 
 
 @dataclass
@@ -110,61 +117,12 @@ class WorkerConfig:
         return ShmConfig(shm.run_prefix(self.bind.ipc_dir), self.shm_slots, max_bytes=self.max_frame_bytes)
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the process that started us exits (no orphans)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not glibc/Linux: the heartbeat thread's parent watch still applies
-        pass
-
-
-def _tight_timers() -> None:
-    """Linux: wake this process's timed waits (a stage's sleeps, poll time-outs) on time, not up
-    to 50 us late (the default timer slack, which lets the kernel batch wake-ups)."""
-    try:
-        ctypes.CDLL("libc.so.6").prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK: 1 ns
-    except OSError:
-        pass
-
-
-def _set_name(name: str) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME: shows in ps -o comm, top
-    except OSError:
-        pass
-
-
-def _can_watch(pid: int) -> bool:
-    """Whether this kernel gives pidfds, with which the heartbeat thread sees the driver exit."""
-    try:
-        os.close(os.pidfd_open(pid or os.getppid()))  # type: ignore[attr-defined]
-        return True
-    except (AttributeError, OSError):
-        return False
-
-
 def _orphaned(cfg: WorkerConfig) -> None:
     """The driver is gone (killed, most likely): clean up what it cannot any more, and exit."""
     if cfg.bind.scheme == "ipc":
         shm.remove_segments(shm.run_prefix(cfg.bind.ipc_dir))
     remove_ipc_dir(cfg.bind.ipc_dir)
     os._exit(3)
-
-
-def pin_cpu(cfg: WorkerConfig) -> None:
-    """Pin this process to its share of the CPU cores and set its torch thread count."""
-    if cfg.cores and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, cfg.cores)
-        except OSError:
-            pass
-    torch.set_num_threads(max(1, cfg.threads))
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set (e.g. torch used before we got here)
-        pass
 
 
 def select_device(cfg: WorkerConfig) -> torch.device:
@@ -200,12 +158,12 @@ class EventLoop:
         """The interpreter starts compute action ``code`` on microbatch ``j``."""
         self.current = (code, j, time.monotonic())
 
-    def doing(self) -> dict[str, Any] | None:
-        """The compute action under way and for how long (the heartbeat thread's report), or
-        None when the stage is not computing (waiting for input, or for a command)."""
+    def doing(self) -> HeartbeatInfo:
+        """The compute action under way and for how long (the heartbeat thread's report); an
+        empty report while the stage is not computing (waiting for input, or for a command)."""
         cur = self.current
         if cur is None:
-            return None
+            return HeartbeatInfo()
         code, j, since = cur
         step = self.step or 0
         if code == trace.OPT_STEP:
@@ -214,111 +172,98 @@ class EventLoop:
             keys = self._keys
             s, mb = keys.get(j, (step, j)) if keys is not None else (step, j)
             name = f"{'F' if code == trace.F else 'B'}(step {s}, microbatch {mb})"
-        return {"doing": name, "for": round(time.monotonic() - since, 3)}
+        return HeartbeatInfo(doing=name, seconds=round(time.monotonic() - since, 3))
 
     def serve(self) -> None:
-        transport, ex = self.transport, self.executor
-        reply = transport.send_control
+        """Carry out the driver's commands until EXIT."""
+        transport = self.transport
         while True:
             msg = transport.next_control(1000)
             if msg is None:
                 continue
-            kind = msg.kind
-            if kind is Kind.TRAIN or kind is Kind.PREDICT:
-                self.run_batch(msg, training=kind is Kind.TRAIN)
-            elif kind is Kind.DRAIN:
-                self.run(self.plan.drain(), self.step or 0, self.plan.keys)
-                reply(Message(Kind.ACK, msg.step))
-            elif kind is Kind.GET_STATE:
-                names, tensors = ex.state_tensors()
-                reply(Message(Kind.STATE, msg.step, 0, tensors, {"names": names}))
-            elif kind is Kind.SET_STATE:
-                ex.load_state(msg.extra["names"], msg.tensors)
-                reply(Message(Kind.ACK, msg.step))
-            elif kind is Kind.GET_SNAPSHOT:
-                reply(tree_message(Kind.SNAPSHOT, msg.step, "snapshot", ex.snapshot(),
-                                   f"stage {self.cfg.stage}'s snapshot"))
-            elif kind is Kind.RESTORE:
-                ex.restore(tree_of(msg, "snapshot"))
-                reply(Message(Kind.ACK, msg.step))
-            elif kind is Kind.GET_STATS:
-                reply(Message(Kind.STATS, msg.step, extra={**ex.stats(reset=msg.extra.get("reset") is True),
-                                                           "shm_waits": transport.shm_waits}))
-            elif kind is Kind.STEP_SCHEDULER:
-                ex.scheduler_step(self._metric(msg))
-                reply(Message(Kind.ACK, msg.step))
-            elif kind is Kind.GET_LR:
-                reply(Message(Kind.LR, msg.step, extra={"lrs": ex.learning_rates()}))
-            elif kind is Kind.CLOCK:
-                reply(Message(Kind.TIME, msg.step, extra={"ns": time.perf_counter_ns()}))
-            elif kind is Kind.GET_TRACE:
-                rows = list(self.trace or ())
-                if self.trace is not None:
-                    self.trace.clear()
-                reply(Message(Kind.TRACE, msg.step, 0, [trace.rows_to_tensor(rows)],
-                              {"truncated": len(rows) == trace.MAX_ROWS}))
-            elif kind is Kind.PEERS:
-                transport.connect(msg.extra.get("next_forward"), msg.extra.get("prev_backward"))
-                if self.replicas is not None:  # before any step: replicas never start apart
-                    self.replicas.join(self._replica_addresses(msg))
-                    reply(Message(Kind.ACK, msg.step))
-            elif kind is Kind.STOP:
-                reply(Message(Kind.ACK, msg.step))
-            elif kind is Kind.EXIT:
+            cmd = control.decode(msg)  # a malformed command raises: the driver gets it as ERROR
+            if isinstance(cmd, Exit):
                 return
-            else:
-                raise RuntimeError(f"stage {self.cfg.stage}: unexpected command {kind.name}")
+            answer = self.answer(cmd, msg)
+            if answer is not None:
+                transport.send_control(answer)
 
-    def _replica_addresses(self, msg: Message) -> list[str]:
+    def answer(self, cmd: Payload, msg: Message) -> Message | None:
+        """Carry out command ``cmd`` (which ``msg`` carries); the reply to send, if any."""
+        ex, step = self.executor, msg.step
+        if isinstance(cmd, (Train, Predict)):
+            self.run_batch(cmd, msg)  # the last stage replies LOSS itself
+            return None
+        if isinstance(cmd, Drain):
+            self.run(self.plan.drain(), self.step or 0, self.plan.keys)
+        elif isinstance(cmd, GetState):
+            names, tensors = ex.state_tensors()
+            return control.message(State(names=names), step, 0, tensors)
+        elif isinstance(cmd, SetState):
+            ex.load_state(cmd.names, msg.tensors)
+        elif isinstance(cmd, GetSnapshot):
+            return control.state_message(Snapshot, step, ex.snapshot(), f"stage {self.cfg.stage}'s snapshot")
+        elif isinstance(cmd, Restore):
+            ex.restore(control.state_of(msg))
+        elif isinstance(cmd, GetStats):
+            return control.message(Stats(**ex.stats(reset=cmd.reset), shm_waits=self.transport.shm_waits), step)
+        elif isinstance(cmd, StepScheduler):
+            ex.scheduler_step(cmd.metric)
+        elif isinstance(cmd, GetLr):
+            return control.message(Lrs(lrs=ex.learning_rates()), step)
+        elif isinstance(cmd, Clock):
+            return control.message(Time(ns=time.perf_counter_ns()), step)
+        elif isinstance(cmd, GetTrace):
+            rows = list(self.trace or ())
+            if self.trace is not None:
+                self.trace.clear()
+            return control.message(TraceRows(truncated=len(rows) == trace.MAX_ROWS), step, 0,
+                                   [trace.rows_to_tensor(rows)])
+        elif isinstance(cmd, Peers):
+            self.transport.connect(cmd.next_forward, cmd.prev_backward)
+            if self.replicas is None:
+                return None
+            self.replicas.join(self._replica_addresses(cmd))  # before any step: replicas never start apart
+        elif not isinstance(cmd, Stop):
+            raise RuntimeError(f"stage {self.cfg.stage}: unexpected command {msg.kind.name}")
+        return control.message(Ack(), step)
+
+    def _replica_addresses(self, peers: Peers) -> list[str]:
         """The same stage's (and shard's) other replicas, from PEERS: with tensor parallelism,
         ``replica_shards[s]`` lists shard s's, as the lead's PEERS reaches every shard."""
         if self.cfg.shards == 1:
-            return msg.extra.get("replicas") or []
-        by_shard = msg.extra.get("replica_shards")
-        if type(by_shard) is not list or len(by_shard) != self.cfg.shards:
+            return peers.replicas or []
+        by_shard = peers.replica_shards
+        if by_shard is None or len(by_shard) != self.cfg.shards:
             raise ValueError(f"stage {self.cfg.stage}, shard {self.cfg.shard}: bad replica_shards "
                              f"{by_shard!r} in PEERS")
         return by_shard[self.cfg.shard]
 
-    def _metric(self, msg: Message) -> float | None:
-        """STEP_SCHEDULER's metric: a float, or None (a scheduler that takes none)."""
-        metric = msg.extra.get("metric")
-        if metric is not None and type(metric) is not float:
-            raise ValueError(f"stage {self.cfg.stage}: bad scheduler metric {metric!r} in command")
-        return metric
-
-    def _weights(self, msg: Message, key: str, n: int) -> list[float] | None:
-        w = msg.extra.get(key)
-        if w is not None and (type(w) is not list or len(w) != n or any(type(v) is not float for v in w)):
-            raise ValueError(f"stage {self.cfg.stage}: bad {key} {w!r} in command")
-        return w
-
-    def run_batch(self, msg: Message, training: bool) -> None:
+    def run_batch(self, cmd: Train | Predict, msg: Message) -> None:
         """Run the schedule's actions for one batch, answering the interpreter's requests."""
-        ex, transport = self.executor, self.transport
+        ex = self.executor
+        training = isinstance(cmd, Train)
         step = self.step = msg.step
-        sizes = msg.extra.get("sizes")
-        if type(sizes) is not list or not sizes or any(type(n) is not int or n < 1 for n in sizes):
-            raise ValueError(f"stage {self.cfg.stage}: bad microbatch sizes {sizes!r} in command")
-        x, target = self._batch(msg, ex.is_first, ex.needs_target and training)
-        actions, keys = self.plan.begin(ex, step, sizes, training, x, target,
-                                        self._weights(msg, "weights", len(sizes)),
-                                        self._weights(msg, "aux_weights", len(sizes)),
-                                        stream=msg.extra.get("stream") is True)
+        x, target = self._batch(cmd, msg.tensors, ex.is_first, ex.needs_target and training)
+        weights, aux_weights, stream = ((cmd.weights, cmd.aux_weights, cmd.stream) if isinstance(cmd, Train)
+                                        else (None, None, False))
+        actions, keys = self.plan.begin(ex, step, cmd.sizes, training, x, target, weights, aux_weights, stream=stream)
         lr = ex.learning_rate() if ex.is_last and training else None  # the one this batch trains with
         self.run(actions, step, keys)
         if ex.is_last and training:
-            transport.send_control(Message(Kind.LOSS, step, extra={"loss": ex.mean_loss(), "lr": lr}))
+            self.transport.send_control(control.message(Loss(loss=ex.mean_loss(), lr=lr), step))
 
-    def _batch(self, msg: Message, wants_x: bool, wants_target: bool) -> tuple[Any, Any]:
+    def _batch(self, cmd: Train | Predict, tensors: Sequence[torch.Tensor], wants_x: bool,
+               wants_target: bool) -> tuple[Any, Any]:
         """The x and target a TRAIN / PREDICT command carries: their tensors (x's first, ``nx`` of
-        them) and, for anything but a lone tensor, their trees (pipeq.microbatch)."""
-        tensors, extra = msg.tensors, msg.extra
-        nx = extra.get("nx", 1 if wants_x else 0)
-        if type(nx) is not int or not 0 <= nx <= len(tensors):
-            raise ValueError(f"stage {self.cfg.stage}: bad tensor count {nx!r} in command")
-        x = microbatch.unpack_input(extra.get("x"), tensors[:nx]) if wants_x else None
-        target = microbatch.unpack_input(extra.get("target"), tensors[nx:]) if wants_target else None
+        them) and, for anything but a lone tensor, their trees (pipeq.stage.microbatch)."""
+        nx = cmd.nx if cmd.nx is not None else (1 if wants_x else 0)
+        if nx > len(tensors):
+            raise ValueError(f"stage {self.cfg.stage}: the command carries {len(tensors)} tensors, not x's {nx}")
+        x = microbatch.unpack_input(cmd.x, tensors[:nx]) if wants_x else None
+        target = None
+        if wants_target and isinstance(cmd, Train):  # (PREDICT carries no target)
+            target = microbatch.unpack_input(cmd.target, tensors[nx:])
         return x, target
 
     def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:
@@ -341,7 +286,8 @@ class EventLoop:
                 s, j = keys[req[1]] if keys is not None else (step, req[1])
                 if op is Op.RECV_ACT:
                     got = transport.wait_data(fq, s, j)
-                    value = microbatch.Packed.of(got.tensors, got.extra.get("tree")) if got.extra else got.tensors
+                    tree = control.data_tree(got)
+                    value = got.tensors if tree is None else microbatch.Packed.of(got.tensors, tree)
                     if rec:
                         rec((trace.WAIT_ACT, s, j, t0, clock(), _nbytes(value)))
                 elif op is Op.RECV_GRAD:
@@ -358,7 +304,7 @@ class EventLoop:
                         rec((trace.SEND_GRAD, s, j, t0, clock(), _nbytes(req[2])))
                 elif op is EMIT:
                     tree = microbatch.spec_of(req[2])
-                    transport.send_control(Message(Kind.OUTPUT, s, j, req[2], {"tree": tree} if tree else {}))
+                    transport.send_control(control.message(Output(tree=tree), s, j, req[2]))
                     if rec:
                         rec((trace.EMIT, s, j, t0, clock(), _nbytes(req[2])))
         except StopIteration:
@@ -427,77 +373,110 @@ def worker_entry(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> None:
     received over a socket. It is built only once the control channel is up, so that a failure
     to build the stage is reported with its reason.
     """
-    if cfg.die_with_parent and not _can_watch(cfg.driver_pid):
+    _prepare_process(cfg)
+    transport = StageTransport(cfg.process, cfg.control_addr, bind=cfg.bind,
+                               queue_capacity=cfg.queue_capacity, spin_s=cfg.spin_s, auth=cfg.auth,
+                               max_frame_bytes=cfg.max_frame_bytes, shm=cfg.shm(),
+                               device=torch.device(cfg.device))
+    clean = _serve(cfg, payload, transport)
+    # Skip the interpreter's teardown (a second or more with torch loaded): sockets are closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if clean else 1)
+
+
+def _prepare_process(cfg: WorkerConfig) -> None:
+    """Before any socket: die with the driver, leave Ctrl-C to it, name the process, tighten its
+    timers and pin it to its cores."""
+    if cfg.die_with_parent and not os_process.can_watch(cfg.driver_pid):
         # No pidfd to watch the driver with: let the kernel kill us with it (no clean-up then).
-        _die_with_parent()
+        os_process.die_with_parent()
     # Ctrl-C, and a SIGTERM to the whole process group (kill -TERM -PGID, a batch system's
     # cancel), reach the stages too: the driver decides how its stages stop (it finishes the
     # steps in flight and checkpoints first), and kills what does not stop when told.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _set_name(f"pipeq-stage{cfg.stage}" + (f"r{cfg.replica}" if cfg.replicas > 1 else "")
+    os_process.set_name(f"pipeq-stage{cfg.stage}" + (f"r{cfg.replica}" if cfg.replicas > 1 else "")
               + (f"t{cfg.shard}" if cfg.shards > 1 else ""))
-    _tight_timers()
+    os_process.tight_timers()
     tune_process_allocator()
     # Pin first: threads started later (ZeroMQ's I/O thread, torch's pool) inherit the affinity.
-    pin_cpu(cfg)
-    transport = StageTransport(cfg.process, cfg.control_addr, bind=cfg.bind,
-                               queue_capacity=cfg.queue_capacity, spin_s=cfg.spin_s, auth=cfg.auth,
-                               max_frame_bytes=cfg.max_frame_bytes, shm=cfg.shm(),
-                               device=torch.device(cfg.device))
+    os_process.pin_cpu(cfg.cores, cfg.threads)
+
+
+def _serve(cfg: WorkerConfig, payload: "bytes | StageBuilder", transport: StageTransport) -> bool:
+    """Build the stage, report READY and serve the driver's commands until EXIT; False after a
+    failure, which the driver is told of (ERROR) first."""
     heartbeat = None
     loop: EventLoop | None = None
     replicas: Replicas | None = None
-    clean = False
     try:
         # From here on the driver is watched: if it dies, this stage cleans up and exits.
         heartbeat = Heartbeat(
             transport.ctx, cfg.control_addr, cfg.process, cfg.heartbeat_interval,
             cfg.driver_pid or os.getppid(), lambda: _orphaned(cfg), auth=cfg.auth,
-            status=lambda: loop.doing() if loop is not None else None,
+            status=lambda: control.encode(loop.doing()) if loop is not None else None,
         )
-        device = select_device(cfg)
-        torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
-        spec = _build(cfg, payload)
-        serving: Any = transport  # what the event loop reads and sends through
-        if cfg.shards > 1:  # the stage's shards meet, split the module, and shard 0 leads
-            spec, serving = _shard(cfg, spec, transport, device)
-        executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, spec, device,
-                                 cfg.numerics, sharded=cfg.shards > 1)
-        executor.keep_on_device = transport.device_payloads  # CUDA IPC to the neighbours
+        executor, serving = _make_stage(cfg, payload, transport)
         if cfg.replicas > 1:  # a link to the stage's replicas: replica 0's weights, summed gradients
             replicas = Replicas(transport, cfg.bind, stage=cfg.stage, replica=cfg.replica, replicas=cfg.replicas,
                                 params=executor.optimizer_params(), buffers=list(executor.module.buffers()),
                                 shard=cfg.shard)
             executor.grad_sync = replicas.sync
-        info = {**transport.addresses, "pid": os.getpid(), "device": str(device), "replica": cfg.replica,
-                "stage": cfg.stage, "shard": cfg.shard,
-                "threads": torch.get_num_threads(), "host": os.uname().nodename,
-                "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
-        if replicas is not None:
-            info["replica_link"] = replicas.address  # the driver's PEERS hands it to the other replicas
-        _publish(cfg, info)
-        transport.send_control(Message(Kind.READY, extra={**info, "layout": executor.layout()}))
+        _report_ready(cfg, transport, executor, replicas)
         loop = EventLoop(cfg, serving, executor, replicas)
         loop.serve()
-        clean = True
+        return True
     except Stopped:
-        clean = True
+        return True
     except BaseException as exc:  # report everything, KeyboardInterrupt included
-        try:
-            transport.send_control(Message(Kind.ERROR, extra={
-                "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-                "step": loop.step if loop is not None else None,
-                "at": time.monotonic()}))  # which of a stage's shards failed first (pipeq.supervisor)
-        except Exception:
-            pass
+        _report_error(transport, exc, loop)
+        return False
     finally:
         if heartbeat is not None:
             heartbeat.stop()
         if replicas is not None:
             replicas.close(linger_ms=200)  # its sockets share the transport's context: first
         transport.close(linger_ms=200)
-    # Skip the interpreter's teardown (a second or more with torch loaded): sockets are closed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if clean else 1)
+
+
+def _make_stage(cfg: WorkerConfig, payload: "bytes | StageBuilder",
+                transport: StageTransport) -> tuple[StageExecutor, Any]:
+    """The stage's executor on its device, and what the event loop reads and sends through (the
+    transport, or with tensor parallelism its wrapper for this shard)."""
+    device = select_device(cfg)
+    torch.manual_seed(cfg.seed)  # each stage its own stream (dropout masks differ by stage)
+    spec = _build(cfg, payload)
+    serving: Any = transport
+    if cfg.shards > 1:  # the stage's shards meet, split the module, and shard 0 leads
+        spec, serving = _shard(cfg, spec, transport, device)
+    executor = make_executor(cfg.schedule, cfg.stage, cfg.n_stages, spec, device,
+                             cfg.numerics, sharded=cfg.shards > 1)
+    executor.keep_on_device = transport.device_payloads  # CUDA IPC to the neighbours
+    return executor, serving
+
+
+def _report_ready(cfg: WorkerConfig, transport: StageTransport, executor: StageExecutor,
+                  replicas: Replicas | None) -> None:
+    """Publish this process's endpoints (multi-host) and tell the driver it is READY."""
+    ready = Ready(**transport.addresses, pid=os.getpid(), device=str(executor.device), replica=cfg.replica,
+                  stage=cfg.stage, shard=cfg.shard, threads=torch.get_num_threads(), host=os.uname().nodename,
+                  cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+                  # the driver's PEERS hands it to the other replicas
+                  replica_link=replicas.address if replicas is not None else None,
+                  layout=executor.layout())
+    entry = control.encode(ready)
+    del entry["layout"]  # the rendezvous entry: where the process is, for node 0's start-up hints
+    _publish(cfg, entry)
+    transport.send_control(control.message(ready))
+
+
+def _report_error(transport: StageTransport, exc: BaseException, loop: EventLoop | None) -> None:
+    """Tell the driver why this stage fails, with the traceback (if the driver is still there)."""
+    try:
+        transport.send_control(control.message(ErrorReply(
+            message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+            step=loop.step if loop is not None else None,
+            at=time.monotonic())))  # which of a stage's shards failed first (pipeq.control.supervisor)
+    except Exception:
+        pass

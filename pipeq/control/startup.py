@@ -1,0 +1,315 @@
+"""Process mode's start-up and teardown: the stage processes, node 0's rendezvous entries, the wiring.
+
+:class:`StageProcesses` starts one worker process per stage process (multiprocessing ``spawn`` or
+``forkserver``: each stage's :class:`~pipeq.runtime.executors.StageSpec` is handed over at process
+start, never over a socket), publishes node 0's rendezvous entries for the other nodes' agents
+(multi-host), waits for each process to report READY with its bound addresses, and tells every
+one its neighbours' addresses (and, with data parallelism, its stage's other replicas')::
+
+    start:   spawn stages -> READY (addresses) from each -> PEERS to each [-> ACK from each: the
+             replicas hold replica 0's weights (data parallelism)]
+    stop:    STOP to each -> ACK from each (nothing in flight) -> [traces] -> EXIT to each
+
+A start-up that times out says which node or stage never came and what most likely kept it.
+:meth:`StageProcesses.teardown` stops every process and removes the ipc directory, whatever
+happened before; workers also die with the driver (a pidfd watch, or PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from pipeq.control import rendezvous as rdzv
+from pipeq.control.processes import (Numbering, StageSettings, job_identity, process_context, start_worker,
+                                     stop_processes, worker_configs)
+from pipeq.control.rendezvous import Rendezvous
+from pipeq.control.supervisor import Supervisor
+from pipeq.control.trace_collector import TraceRecorder
+from pipeq.stage.spec import StageBuilder
+from pipeq.wire import control, shm
+from pipeq.wire.control import Exit, Peers, Ready, Stop
+from pipeq.wire.keys import JobSecret
+from pipeq.wire.messages import Kind, Message
+from pipeq.wire.control_link import AGENT, STAGE, ControlServer
+from pipeq.wire.security import WireAuth
+from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
+
+__all__ = ["StageProcesses"]
+
+
+class StageProcesses:
+    """A run's stage processes and the driver's control channel to them, from start to teardown.
+
+    ``payloads[g]`` is what lead process g is built from (see :class:`~pipeq.control.driver.ProcessBackend`);
+    ``placement`` the leads each node runs (multi-host, with ``rendezvous``). After :meth:`start`,
+    ``ready[g]`` is process g's READY (the leads first, see :class:`~pipeq.control.processes.Numbering`).
+    """
+
+    def __init__(
+        self, payloads: Sequence["bytes | StageBuilder"], schedule: Any, settings: StageSettings,
+        numbering: Numbering, *, transport: str, host: str, start_method: str, heartbeat_timeout: float,
+        step_timeout: float | None, start_timeout: float, stop_timeout: float, rendezvous: Rendezvous | None,
+        placement: Sequence[Sequence[int]] | None, recorder: TraceRecorder | None,
+    ) -> None:
+        self.payloads = list(payloads)
+        self.schedule = schedule
+        self.settings = settings
+        self.numbering = numbering
+        self.n_stages, self.replicas = numbering.n_stages, numbering.replicas
+        self.n_processes = numbering.leads  # the processes the driver commands: each stage's shard 0
+        self.n_all = numbering.total  # every process, the other shards included
+        self.transport = "tcp" if rendezvous is not None else transport
+        self.host = rendezvous.bind if rendezvous is not None else host
+        self.start_method = start_method
+        self.heartbeat_timeout = heartbeat_timeout
+        self.step_timeout = step_timeout  # None: a stage may compute one action for as long as it likes
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.rendezvous = rendezvous
+        self.placement = ([self._with_shards(node) for node in rdzv.placement(self.n_processes, rendezvous.nnodes,
+                                                                                placement)]
+                          if rendezvous is not None else [list(range(self.n_all))])
+        self.recorder = recorder
+        self.store: Any = None
+        self._republisher: rdzv.Republisher | None = None
+        self.procs: dict[int, mp.process.BaseProcess] = {}
+        self.server: ControlServer | None = None
+        self.sup: Supervisor | None = None
+        self.ipc_dir: str | None = None
+        self.tp_dir: str | None = None  # where each stage's shards meet (tensor parallelism over tcp)
+        self.ready: list[Ready] = []
+
+    def _with_shards(self, leads: Sequence[int]) -> list[int]:
+        """A node's processes: its leads and their other shards (a stage's shards share a host)."""
+        return sorted(g for lead in leads for g in self.numbering.group(lead))
+
+    # -- start-up --------------------------------------------------------------------------------------
+    def start(self, request_id: Callable[[], int]) -> None:
+        """Start every process and wire them up (``request_id`` numbers the commands on the way);
+        a failure tears everything down before it is raised."""
+        try:
+            self._start(request_id)
+        except BaseException:
+            self.teardown()
+            raise
+
+    def _start(self, request_id: Callable[[], int]) -> None:
+        bind, auth = self._open()
+        self._spawn(bind, auth)
+        assert self.sup is not None and self.server is not None
+        replies = self.sup.collect(Kind.READY, dict.fromkeys(range(self.n_all), 1),
+                                   timeout=self.start_timeout, what="start", on_timeout=self.start_hint)
+        self._stop_republishing()  # every node has read our entries: nothing reads them any more
+        self.sup.expect_heartbeats()
+        ready = [control.read(replies[g][0], Ready) for g in range(self.n_all)]  # checked as it came
+        joined = request_id() if self.replicas > 1 else 0
+        self.server.send_many(self._peers(ready, joined))
+        if self.replicas > 1:  # every replica has replica 0's weights (ACK) before the first step
+            self.sup.collect(Kind.ACK, dict.fromkeys(range(self.n_processes), 1), step=joined,
+                             timeout=self.start_timeout, what="replicas' start", on_timeout=self.replicas_hint)
+        self.ready = ready
+        if self.recorder is not None:
+            self.recorder.measure_clocks(self.sup, request_id)
+
+    def _open(self) -> tuple[BindTo, WireAuth | None]:
+        """The control channel and its supervisor (and node 0's rendezvous entries): where the
+        stages bind, and the job's secret over tcp."""
+        rz = self.rendezvous
+        if rz is not None:
+            self.store = rz.store(self.start_timeout)
+        if self.transport == "ipc":
+            self.ipc_dir = make_ipc_dir()
+            bind, auth = BindTo.ipc(self.ipc_dir), None
+        else:  # tcp: the job's secret (multi-host), or one of our own (one host)
+            secret = rz.secret if rz is not None and rz.secret is not None else JobSecret.generate()
+            bind, auth = BindTo.tcp(self.host), WireAuth(secret, self.settings.tcp_security)
+        if self.numbering.shards > 1:
+            self.tp_dir = self.ipc_dir if self.ipc_dir is not None else make_ipc_dir()
+        self.server = ControlServer(bind, auth)
+        self.sup = Supervisor(self.server, self.procs, n_stages=self.n_stages, n_processes=self.n_all,
+                              numbering=self.numbering, n_nodes=len(self.placement),
+                              heartbeat_timeout=self.heartbeat_timeout, step_timeout=self.step_timeout,
+                              teardown=self.teardown)
+        if rz is not None:  # tell the other nodes where to find us and what each of them runs
+            self._publish(rz)
+        return bind, auth
+
+    def _spawn(self, bind: BindTo, auth: WireAuth | None) -> None:
+        """Start this node's processes."""
+        assert self.server is not None
+        ctx = process_context(self.start_method)
+        # stage seeds come from the caller's RNG: torch.manual_seed before the runner repeats a run
+        base_seed = int(torch.randint(0, 2**62, ()).item())
+
+        def seed_of(g: int) -> int:
+            payload = self.payloads[g]
+            return payload.seed_for(g % self.n_stages) if isinstance(payload, StageBuilder) else base_seed + g
+
+        configs = worker_configs(
+            self.placement[0], self.n_stages, self.replicas, self.schedule, self.settings,
+            control_addr=self.server.address, bind=bind, seed_of=seed_of, rendezvous=self.rendezvous,
+            die_with_parent=threading.current_thread() is threading.main_thread(), auth=auth,
+            tp_dir=self.tp_dir,
+        )
+        for cfg in configs:
+            self.procs[cfg.process] = start_worker(ctx, cfg, self.payloads[self.numbering.lead(cfg.process)])
+
+    def _peers(self, ready: list[Ready], joined: int) -> list[tuple[int, Message]]:
+        """Each lead's PEERS: its neighbours within the replica and, with data parallelism, its
+        stage's replicas (by replica; with tensor parallelism too, by shard)."""
+        n, num = self.n_stages, self.numbering
+        out = []
+        for g in range(self.n_processes):
+            k = g % n
+            peers = Peers(next_forward=ready[g + 1].forward if k + 1 < n else None,
+                          prev_backward=ready[g - 1].backward if k > 0 else None)
+            if self.replicas > 1 and num.shards > 1:  # every shard's replicas, by shard
+                groups = [num.group(r * n + k) for r in range(self.replicas)]
+                peers.replica_shards = [[self._replica_link(ready, group[s]) for group in groups]
+                                        for s in range(num.shards)]
+            elif self.replicas > 1:  # the same stage's replicas, by replica (gradients, start-up weights)
+                peers.replicas = [self._replica_link(ready, r * n + k) for r in range(self.replicas)]
+            out.append((g, control.message(peers, joined)))
+        return out
+
+    def _replica_link(self, ready: list[Ready], g: int) -> str:
+        link = ready[g].replica_link
+        if link is None:
+            assert self.sup is not None
+            raise self.sup.fail(self.sup.error("its READY names no replica_link, which its replicas need", g))
+        return link
+
+    def _publish(self, rz: Rendezvous) -> None:
+        """Write node 0's signed entries (control last: agents read it first) and keep them
+        there until every stage is READY (see :class:`pipeq.control.rendezvous.Republisher`)."""
+        entries: dict[str, object] = {
+            "placement": self.placement,
+            "job": job_identity(self.payloads[0], self.schedule, self.settings.numerics, self.settings.tp_plans),
+            "options": {"trace": self.recorder is not None, "replicas": self.replicas,
+                        "tcp_security": self.settings.tcp_security, "shards": self.numbering.shards},
+            "control": self.server.address if self.server is not None else None,
+        }
+        signed = {key: rz.sign(key, value) for key, value in entries.items()}
+        for key, raw in signed.items():
+            self.store.set(key, raw)
+        self._republisher = rdzv.Republisher(rz, signed, timeout=min(self.start_timeout, 10.0)).start()
+
+    def _stop_republishing(self) -> None:
+        if self._republisher is not None:
+            self._republisher.stop()
+            self._republisher = None
+
+    # -- stopping --------------------------------------------------------------------------------------
+    def stop(self, request_id: Callable[[], int], cut_short: bool) -> None:
+        """Stop every worker and remove the ipc files.
+
+        Two phases: STOP lets each stage finish what it was sent and answer ACK (so an error in
+        the last step still reaches the caller, and no message is in flight any more); EXIT
+        then ends the processes. Stragglers are killed. ``cut_short``: a command's per-stage
+        sends were interrupted (by Ctrl-C): the stages that got it cannot finish it without the
+        others, so STOP would wait for stop_timeout in vain; they are torn down at once.
+        """
+        sup = self.sup
+        if self.server is None or sup is None or sup.failure is not None or cut_short:
+            self.teardown()
+            return
+        merged = None
+        try:
+            req = request_id()
+            everyone = range(self.n_processes)
+            sup.send_all([(g, control.message(Stop(), req)) for g in everyone])
+            sup.collect(Kind.ACK, dict.fromkeys(everyone, 1), step=req, timeout=self.stop_timeout, what="stop")
+            if self.recorder is not None:
+                merged = self.recorder.fetch(sup, request_id, [r.host for r in self.ready[:self.n_processes]])
+            sup.send_all([(g, control.message(Exit(), req)) for g in everyone])
+            deadline = time.monotonic() + 5.0
+            for p in self.procs.values():
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:  # whatever happened (Ctrl-C included), no process or ipc file outlives stop()
+            self.teardown()
+        if merged is not None and self.recorder is not None:
+            self.recorder.write(merged)
+
+    def teardown(self) -> None:
+        """Stop every process (telling remote ones and the node agents to go), close the control
+        channel, remove the ipc files."""
+        self._stop_republishing()
+        if self.server is not None and self.rendezvous is not None:
+            # Remote stages and agents: tell them to go (their agents also see us vanish).
+            abort = control.message(Exit(abort=self.sup is not None and self.sup.failure is not None))
+            for g in range(self.n_all):
+                if g not in self.procs:
+                    self.server.send_best_effort(STAGE, g, abort)
+            for node in range(1, len(self.placement)):
+                self.server.send_best_effort(AGENT, node, abort)
+        stop_processes(list(self.procs.values()))
+        self.procs.clear()
+        if self.server is not None:
+            self.server.close(linger_ms=500 if self.rendezvous is not None else 0)
+            self.server = None
+        if self.ipc_dir is not None:  # segments no stage got to unlink (a stage killed early)
+            shm.remove_segments(shm.run_prefix(self.ipc_dir))
+        remove_ipc_dir(self.ipc_dir)
+        if self.tp_dir is not None and self.tp_dir != self.ipc_dir:
+            remove_ipc_dir(self.tp_dir)
+        self.ipc_dir = self.tp_dir = None
+        # node 0 hosts the rendezvous store: its port closes with the last reference (TCPStore has
+        # no close), here rather than whenever the garbage collector reaches this driver
+        self.store = None
+
+    # -- hints for a start-up that timed out -------------------------------------------------------------
+    def start_hint(self, missing: set[int]) -> str:
+        """Multi-host start-up: which missing stages reached the rendezvous, and where they run.
+
+        A node whose entries ("agent/r", "stage/g") are there but not signed with this node's
+        secret is named: it was most likely started with another secret."""
+        rz = self.rendezvous
+        if self.store is None or rz is None:
+            return ""
+        hints = []
+        for node, stages in enumerate(self.placement):
+            lost = [k for k in stages if k in missing]
+            if not lost:
+                continue
+            found = {k: self._entry_state(rz, f"stage/{k}") for k in lost}
+            agent = self._entry_state(rz, f"agent/{node}") if node > 0 else rdzv.MISSING
+            seen = [k for k in lost if found[k] == rdzv.VALID]
+            foreign = [f"stage/{k}" for k in lost if found[k] == rdzv.FOREIGN]
+            if agent == rdzv.FOREIGN:
+                foreign.insert(0, f"agent/{node}")
+            if seen:
+                hints.append(f"stage(s) {seen} (node {node}) registered at the rendezvous but never "
+                             f"reached the control channel {self.server.address if self.server else ''}: "
+                             f"is that port reachable from node {node}?")
+            if foreign:
+                hints.append(f"node {node} uses another secret: its entries {foreign} at the rendezvous "
+                             f"{rz.master_addr}:{rz.master_port} are not signed with this node's; pass "
+                             "the same --secret-file (or PIPEQ_SECRET) on every node")
+            elif len(seen) < len(lost) and agent == rdzv.VALID:
+                hints.append(f"node {node}'s agent reached the rendezvous but its stage(s) "
+                             f"{[k for k in lost if k not in seen]} never registered: see node {node}'s log")
+            elif len(seen) < len(lost):
+                hints.append(f"stage(s) {[k for k in lost if k not in seen]} (node {node}) never "
+                             f"registered at the rendezvous {rz.master_addr}:{rz.master_port}: is "
+                             f"node {node} started (pipeq launch ... --node-rank {node})?")
+        return "; ".join(hints)
+
+    def replicas_hint(self, missing: set[int]) -> str:
+        """Start-up with replicas: who is still waiting for (or sending) replica 0's weights."""
+        stages = sorted({g % self.n_stages for g in missing})
+        hint = f"stage(s) {stages} of the replicas did not exchange replica 0's weights"
+        if self.rendezvous is not None:
+            hint += ("; is every stage process's replicas port (READY's 'replica_link') reachable from "
+                     "the nodes of the same stage's other replicas?")
+        return hint
+
+    def _entry_state(self, rz: Rendezvous, key: str) -> str:
+        try:
+            return rz.read(self.store, key)[0]
+        except Exception:  # the store is gone: no hint from it
+            return rdzv.MISSING

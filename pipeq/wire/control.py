@@ -1,0 +1,493 @@
+"""The control protocol: one typed payload per command and reply, every field checked on decode.
+
+The driver, the stage workers and the node agents talk in :class:`~pipeq.wire.messages.Message`
+objects whose ``extra`` (a msgpack map in the message's header) is the payload's fields by name:
+a payload is plain data and encoding it adds nothing to the bytes. A field that may be absent is
+left out while it holds its default (None or False). :func:`decode` checks every field before
+anything reads it: one that is missing, of the wrong type or out of range, or one that the kind
+does not have, raises :class:`ControlError` naming the kind and the field. So a peer, buggy or
+hostile, meets a clear refusal, never a KeyError deep in the driver. Nothing is ever pickled.
+
+    command (driver -> stage)               reply (stage -> driver)
+    PEERS           Peers                   READY      Ready (a node agent's: AgentReady)
+    TRAIN           Train                   LOSS       Loss (the last stage)
+    PREDICT         Predict                 OUTPUT     Output (the output stage, per microbatch)
+    GET_STATE       GetState                STATE      State
+    SET_STATE       SetState                ACK        Ack
+    GET_SNAPSHOT    GetSnapshot             SNAPSHOT   Snapshot
+    RESTORE         Restore                 TIME       Time
+    CLOCK           Clock                   TRACE      TraceRows
+    GET_TRACE       GetTrace                LR         Lrs
+    DRAIN           Drain                   STATS      Stats
+    STEP_SCHEDULER  StepScheduler           ERROR      ErrorReply (a stage's, or a node agent's)
+    GET_LR          GetLr                   HEARTBEAT  HeartbeatInfo
+    GET_STATS       GetStats
+    STOP            Stop
+    EXIT            Exit (to stages and node agents)
+
+The data messages (ACTIVATION, GRADIENT, REPLICA) are no control payloads: an activation's tree
+is read with :func:`data_tree`. Nested state (snapshots) travels as :mod:`pipeq.tree` data: see
+:func:`state_message` and :func:`state_of`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import reprlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence, TypeVar, cast, dataclass_transform
+
+from pipeq.errors import CodecError
+from pipeq.wire.messages import Kind, Message, tree_message, tree_of
+
+__all__ = [
+    "ControlError", "Payload", "DATA_KINDS", "encode", "decode", "read", "message", "data_tree",
+    "state_message", "state_of",
+    "Peers", "Train", "Predict", "GetState", "SetState", "GetSnapshot", "Restore", "Clock", "GetTrace", "Drain",
+    "StepScheduler", "GetLr", "GetStats", "Stop", "Exit",
+    "Ready", "AgentReady", "Loss", "Output", "State", "Ack", "Snapshot", "Time", "TraceRows", "Lrs", "Stats",
+    "ErrorReply", "HeartbeatInfo",
+]
+
+#: The kinds that carry data between stages, not control payloads.
+DATA_KINDS = frozenset({Kind.ACTIVATION, Kind.GRADIENT, Kind.REPLICA})
+
+
+class ControlError(CodecError):
+    """A control message's payload is malformed: ``kind`` and ``field`` say where."""
+
+    def __init__(self, kind: Kind, field: str, problem: str) -> None:
+        self.kind = kind
+        self.field = field
+        super().__init__(f"malformed {kind.name} message: field {field!r} {problem}")
+
+
+# -- what a field's value must be ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Check:
+    """A test a field's value must pass; ``what`` says what it requires, ``many`` the same of
+    a list's elements ("an integer >= 1", "integers >= 1")."""
+
+    what: str
+    many: str
+    test: Callable[[Any], bool]
+
+
+INT = Check("an integer", "integers", lambda v: type(v) is int)
+COUNT = Check("an integer >= 0", "integers >= 0", lambda v: type(v) is int and v >= 0)
+POSITIVE = Check("an integer >= 1", "integers >= 1", lambda v: type(v) is int and v >= 1)
+FLOAT = Check("a float", "floats", lambda v: type(v) is float)
+SECONDS = Check("a finite number >= 0", "finite numbers >= 0",
+                lambda v: (type(v) is int or type(v) is float) and 0 <= v < math.inf)
+TEXT = Check("a string", "strings", lambda v: type(v) is str)
+FLAG = Check("true or false", "booleans", lambda v: type(v) is bool)
+MAP = Check("a map", "maps", lambda v: type(v) is dict)
+DATA = Check("plain data", "plain data", lambda v: True)  # a tree: its reader checks it (pipeq.stage.microbatch)
+
+
+def list_of(item: Check, *, nonempty: bool = False) -> Check:
+    """A list whose every element passes ``item`` (and, with ``nonempty``, has one at least)."""
+
+    what = f"a {'non-empty ' if nonempty else ''}list of {item.many}"
+    return Check(what, f"lists of {item.many}",
+                 lambda v: type(v) is list and (bool(v) or not nonempty) and all(item.test(x) for x in v))
+
+
+def nullable(check: Check) -> Check:
+    """``check``'s values, or nil."""
+    return Check(f"{check.what} or nil", f"{check.many} or nils", lambda v: v is None or check.test(v))
+
+
+_REQUIRED: Any = dataclasses.MISSING
+
+
+def wire(check: Check, *, default: Any = _REQUIRED, name: str | None = None) -> Any:
+    """A payload field checked with ``check``. With a ``default`` (None or False) it may be absent
+    on the wire, where it reads as the default and is left out while it holds it. ``name``: the
+    field's key on the wire when it is not the attribute's name (a Python keyword)."""
+    meta = {"check": check, "name": name}
+    return field(metadata=meta) if default is _REQUIRED else field(default=default, metadata=meta)
+
+
+class _Field(NamedTuple):
+    attr: str
+    name: str  # on the wire
+    check: Check
+    optional: bool
+    default: Any
+
+
+class Payload:
+    """A control message's payload: a dataclass of plain values bound to its :attr:`KIND`."""
+
+    KIND: ClassVar[Kind]
+    AGENT: ClassVar[bool] = False  # a node agent's payload for KIND (a stage's is another)
+    FIELDS: ClassVar[tuple[_Field, ...]] = ()
+    NAMES: ClassVar[frozenset[str]] = frozenset()
+
+    def refuse(self, n_tensors: int) -> tuple[str, str] | None:
+        """``(field, what is wrong)`` when the fields do not fit each other or the message's
+        ``n_tensors`` tensors; None when they do."""
+        return None
+
+
+P = TypeVar("P", bound=Payload)
+_BY_KIND: dict[Kind, type[Payload]] = {}
+_FROM_AGENT: dict[Kind, type[Payload]] = {}
+
+
+@dataclass_transform(kw_only_default=True, field_specifiers=(wire,))
+def _control(kind: Kind, *, agent: bool = False) -> Callable[[type[P]], type[P]]:
+    """Make the class a payload dataclass (keyword-only fields) bound to ``kind`` (a node agent's
+    payload of that kind with ``agent``), its fields' wire names and checks noted for decoding."""
+
+    def bind(cls: type[P]) -> type[P]:
+        cls = dataclass(kw_only=True)(cls)
+        cls.KIND, cls.AGENT = kind, agent
+        cls.FIELDS = tuple(_Field(f.name, f.metadata["name"] or f.name, f.metadata["check"],
+                                  f.default is not dataclasses.MISSING, f.default) for f in dataclasses.fields(cast(Any, cls)))
+        cls.NAMES = frozenset(f.name for f in cls.FIELDS)
+        (_FROM_AGENT if agent else _BY_KIND)[kind] = cls
+        return cls
+
+    return bind
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 3, 40, 40, 6, 4
+
+
+def _show(value: Any) -> str:
+    """``value`` for an error message, cut short (a hostile peer may send a megabyte, or a
+    thousand nested lists)."""
+    return _SHORT.repr(value)
+
+
+# -- encoding and decoding ---------------------------------------------------------------------------
+def encode(payload: Payload) -> dict[str, Any]:
+    """The payload's fields as a message's ``extra`` (optional fields at their default left out)."""
+    out: dict[str, Any] = {}
+    for f in payload.FIELDS:
+        value = getattr(payload, f.attr)
+        if not (f.optional and value is f.default):
+            out[f.name] = value
+    return out
+
+
+def message(payload: Payload, step: int = 0, microbatch: int = 0, tensors: Sequence[Any] | None = None) -> Message:
+    """A message carrying ``payload`` (and ``tensors``, which are not copied)."""
+    return Message(payload.KIND, step, microbatch, tensors if tensors is not None else [], encode(payload))
+
+
+def decode(msg: Message, *, from_agent: bool = False) -> Payload:
+    """``msg``'s payload, every field checked (``from_agent``: a node agent sent it); raises
+    :class:`ControlError` naming the kind and the field at fault."""
+    kind = msg.kind
+    cls = _FROM_AGENT.get(kind) if from_agent else None
+    cls = cls or _BY_KIND.get(kind)
+    if cls is None:
+        raise ControlError(kind, "kind", "names a data message, which carries no control payload")
+    extra = msg.extra
+    for key in extra:
+        if key not in cls.NAMES:
+            raise ControlError(kind, _show(key).strip("'"), f"is not a field of {kind.name} (its fields: "
+                               f"{', '.join(f.name for f in cls.FIELDS) or 'none'})")
+    values = {}
+    for f in cls.FIELDS:
+        if f.name in extra:
+            value = extra[f.name]
+            if not f.check.test(value):
+                raise ControlError(kind, f.name, f"must be {f.check.what}, not {_show(value)}")
+            values[f.attr] = value
+        elif not f.optional:
+            raise ControlError(kind, f.name, "is missing")
+    payload = cls(**values)
+    wrong = payload.refuse(len(msg.tensors))
+    if wrong is not None:
+        raise ControlError(kind, *wrong)
+    return payload
+
+
+def read(msg: Message, cls: type[P], *, from_agent: bool = False) -> P:
+    """``msg``'s payload, which must be a ``cls`` (see :func:`decode`)."""
+    got = decode(msg, from_agent=from_agent)
+    if not isinstance(got, cls):
+        raise ControlError(msg.kind, "kind", f"is {msg.kind.name} where {cls.KIND.name} was expected")
+    return got
+
+
+def data_tree(msg: Message) -> Any:
+    """The tree of an ACTIVATION's tensors (pipeq.stage.microbatch checks it), None for a bare
+    tuple. (The data plane's hot path: no payload object.)"""
+    extra = msg.extra
+    return extra.get("tree") if extra else None
+
+
+# -- commands: driver -> stage -----------------------------------------------------------------------
+@_control(Kind.PEERS)
+class Peers(Payload):
+    """The neighbours' addresses; with replicas, the same stage's other replicas' (by replica),
+    or with tensor parallelism too, ``replica_shards[s]``: shard s's replicas' addresses."""
+
+    next_forward: str | None = wire(TEXT, default=None)
+    prev_backward: str | None = wire(TEXT, default=None)
+    replica_shards: list[list[str]] | None = wire(list_of(list_of(TEXT)), default=None)
+    replicas: list[str] | None = wire(list_of(TEXT), default=None)
+
+
+def _refuse_batch(sizes: list[int], nx: int | None, n_tensors: int,
+                  weights: Sequence[list[float] | None] = ()) -> tuple[str, str] | None:
+    for name, w in zip(("weights", "aux_weights"), weights):
+        if w is not None and len(w) != len(sizes):
+            return name, f"has {len(w)} weights for {len(sizes)} microbatches"
+    if nx is not None and nx > n_tensors:
+        return "nx", f"counts {nx} tensors of x, but the message carries {n_tensors}"
+    return None
+
+
+@_control(Kind.TRAIN)
+class Train(Payload):
+    """Train on one batch of ``sizes`` microbatches, each loss times its weight. Stage 0 gets x
+    (its tensors first, ``nx`` of them, and its tree ``x`` when it is not one tensor), the stages
+    that compute a loss the target's (and its tree ``target``). ``stream``: do not drain."""
+
+    sizes: list[int] = wire(list_of(POSITIVE, nonempty=True))
+    weights: list[float] = wire(list_of(FLOAT))
+    aux_weights: list[float] | None = wire(list_of(FLOAT), default=None)
+    stream: bool = wire(FLAG, default=False)
+    x: Any = wire(DATA, default=None)
+    nx: int | None = wire(COUNT, default=None)
+    target: Any = wire(DATA, default=None)
+
+    def refuse(self, n_tensors: int) -> tuple[str, str] | None:
+        return _refuse_batch(self.sizes, self.nx, n_tensors, (self.weights, self.aux_weights))
+
+
+@_control(Kind.PREDICT)
+class Predict(Payload):
+    """Forward only, ``sizes`` microbatches; x rides along to stage 0 as in :class:`Train`."""
+
+    sizes: list[int] = wire(list_of(POSITIVE, nonempty=True))
+    x: Any = wire(DATA, default=None)
+    nx: int | None = wire(COUNT, default=None)
+
+    def refuse(self, n_tensors: int) -> tuple[str, str] | None:
+        return _refuse_batch(self.sizes, self.nx, n_tensors)
+
+
+@dataclass(kw_only=True)
+class _Names(Payload):
+    """A stage's state_dict: ``names[i]`` names the message's tensor i."""
+
+    names: list[str] = wire(list_of(TEXT))
+
+    def refuse(self, n_tensors: int) -> tuple[str, str] | None:
+        if len(self.names) != n_tensors:
+            return "names", f"names {len(self.names)} tensors, but the message carries {n_tensors}"
+        return None
+
+
+@_control(Kind.SET_STATE)
+class SetState(_Names):
+    """Load these state_dict tensors, reply ACK."""
+
+
+@dataclass(kw_only=True)
+class _Tree(Payload):
+    """Nested state as :mod:`pipeq.tree` data (its tensors travel as the message's tensors)."""
+
+    snapshot: Any = wire(MAP)
+
+
+@_control(Kind.RESTORE)
+class Restore(_Tree):
+    """Load a snapshot (parameters, optimizer and scheduler state, RNG), reply ACK."""
+
+
+@_control(Kind.STEP_SCHEDULER)
+class StepScheduler(Payload):
+    """Step the lr schedulers once, with ``metric`` (None for a scheduler that takes none)."""
+
+    metric: float | None = wire(nullable(FLOAT))
+
+
+@_control(Kind.GET_STATS)
+class GetStats(Payload):
+    """Reply STATS; ``reset``: start a new memory peak."""
+
+    reset: bool = wire(FLAG)
+
+
+@_control(Kind.EXIT)
+class Exit(Payload):
+    """Leave the event loop (a node agent: end the run); ``abort``: after a failure."""
+
+    abort: bool = wire(FLAG, default=False)
+
+
+@_control(Kind.GET_STATE)
+class GetState(Payload):
+    """Reply STATE: the stage module's state_dict tensors."""
+
+
+@_control(Kind.GET_SNAPSHOT)
+class GetSnapshot(Payload):
+    """Reply SNAPSHOT: parameters, optimizer and scheduler state, RNG."""
+
+
+@_control(Kind.CLOCK)
+class Clock(Payload):
+    """Reply TIME with the stage's clock (aligning traces)."""
+
+
+@_control(Kind.GET_TRACE)
+class GetTrace(Payload):
+    """Reply TRACE: the actions recorded since the last GET_TRACE."""
+
+
+@_control(Kind.DRAIN)
+class Drain(Payload):
+    """Finish a stream's leftover work (asynchronous 1F1B's last backwards), reply ACK."""
+
+
+@_control(Kind.GET_LR)
+class GetLr(Payload):
+    """Reply LR: the learning rate of every parameter group."""
+
+
+@_control(Kind.STOP)
+class Stop(Payload):
+    """Once every earlier command is done, reply ACK: the stage's traffic is over."""
+
+
+# -- replies: stage (or node agent) -> driver --------------------------------------------------------
+@_control(Kind.READY)
+class Ready(Payload):
+    """A stage process is up: its addresses, who and where it is, and its layout (checkpoints)."""
+
+    forward: str = wire(TEXT)
+    backward: str = wire(TEXT)
+    pid: int = wire(POSITIVE)
+    device: str = wire(TEXT)
+    replica: int = wire(COUNT)
+    stage: int = wire(COUNT)
+    shard: int = wire(COUNT)
+    threads: int = wire(POSITIVE)
+    host: str = wire(TEXT)
+    cores: list[int] = wire(list_of(COUNT))
+    replica_link: str | None = wire(TEXT, default=None)  # data parallelism: where its replicas reach it
+    layout: dict[str, Any] = wire(MAP)
+
+
+@_control(Kind.READY, agent=True)
+class AgentReady(Payload):
+    """Node ``agent``'s agent has started its ``stages`` as processes ``pids``."""
+
+    agent: int = wire(POSITIVE)
+    stages: list[int] = wire(list_of(COUNT))
+    pids: list[int] = wire(list_of(POSITIVE))
+
+
+@_control(Kind.LOSS)
+class Loss(Payload):
+    """The batch's loss (already weighted by the replica's share) and the lr it trained with."""
+
+    loss: float = wire(FLOAT)
+    lr: float | None = wire(nullable(FLOAT))
+
+
+@_control(Kind.OUTPUT)
+class Output(Payload):
+    """One microbatch's output (the message's tensors), and their tree when not a bare tuple."""
+
+    tree: Any = wire(DATA, default=None)
+
+
+@_control(Kind.ACK)
+class Ack(Payload):
+    """A command is done."""
+
+
+@_control(Kind.STATE)
+class State(_Names):
+    """The stage module's state_dict tensors."""
+
+
+@_control(Kind.SNAPSHOT)
+class Snapshot(_Tree):
+    """The stage's snapshot (see StageExecutor.snapshot)."""
+
+
+@_control(Kind.TIME)
+class Time(Payload):
+    """The stage's clock (time.perf_counter_ns)."""
+
+    ns: int = wire(COUNT)
+
+
+@_control(Kind.TRACE)
+class TraceRows(Payload):
+    """The recorded action rows (the message's one tensor); ``truncated``: the ring buffer overflowed."""
+
+    truncated: bool = wire(FLAG)
+
+    def refuse(self, n_tensors: int) -> tuple[str, str] | None:
+        return None if n_tensors == 1 else ("tensors", f"must be the one tensor of rows, not {n_tensors}")
+
+
+@_control(Kind.LR)
+class Lrs(Payload):
+    """The stage's learning rates, per parameter group (StageExecutor.learning_rates)."""
+
+    lrs: list[float] = wire(list_of(FLOAT))
+
+
+@_control(Kind.STATS)
+class Stats(Payload):
+    """StageExecutor.stats (peak memory, skipped steps, recompute) and the shared-memory waits."""
+
+    peak_bytes: int | None = wire(nullable(COUNT))
+    memory: str = wire(TEXT)
+    skipped_steps: int = wire(COUNT)
+    recompute: bool = wire(FLAG)
+    shm_waits: int = wire(COUNT)
+
+
+@_control(Kind.ERROR)
+class ErrorReply(Payload):
+    """A stage raised (its ``traceback``, the ``step`` it ran, when on its host's monotonic clock:
+    ``at``); or a node agent reports one of its processes (``stage``: the process) or itself."""
+
+    stage: int | None = wire(COUNT, default=None)
+    message: str = wire(TEXT)
+    traceback: str | None = wire(TEXT, default=None)
+    step: int | None = wire(INT, default=None)
+    at: float | None = wire(SECONDS, default=None)
+
+
+@_control(Kind.HEARTBEAT)
+class HeartbeatInfo(Payload):
+    """A stage lives; ``doing``: the compute action it has been in for ``seconds`` (None while it
+    waits for a message or a command). A node agent's heartbeats say nothing."""
+
+    doing: str | None = wire(TEXT, default=None)
+    seconds: float | None = wire(SECONDS, default=None, name="for")
+
+    def refuse(self, n_tensors: int) -> tuple[str, str] | None:
+        if (self.doing is None) != (self.seconds is None):
+            return ("for" if self.seconds is None else "doing"), "must come with 'doing' and 'for' both"
+        return None
+
+
+# -- nested state ----------------------------------------------------------------------------------------
+def state_message(cls: type[Snapshot] | type[Restore], step: int, state: Any, where: str) -> Message:
+    """A SNAPSHOT or RESTORE message carrying nested ``state`` (``where`` names it in errors)."""
+    return tree_message(cls.KIND, step, "snapshot", state, where)
+
+
+def state_of(msg: Message) -> Any:
+    """The nested state a SNAPSHOT or RESTORE message carries, checked."""
+    kind = msg.kind
+    read(msg, Snapshot if kind is Kind.SNAPSHOT else Restore)
+    return tree_of(msg, "snapshot")
