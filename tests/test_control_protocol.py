@@ -117,14 +117,14 @@ def test_the_payload_is_the_map_that_always_travelled() -> None:
     assert control.message(Stop(), -3) == Message(Kind.STOP, -3)
 
 
-def test_nested_state_travels_as_pack_tree_data() -> None:
+def test_nested_state_travels_as_tree_data() -> None:
     state = {"model": {"w": torch.ones(2, 2)}, "sched": [{"last_epoch": 3, "best": float("inf")}], "scaler": None}
     got = _over_the_wire(control.state_message(Restore, -1, state, "stage 0's snapshot"))
     assert got.kind is Kind.RESTORE and len(got.tensors) == 1
     back = control.state_of(got)
     assert torch.equal(back["model"]["w"], torch.ones(2, 2)) and back["sched"] == state["sched"]
     bad = _raw(Kind.SNAPSHOT, {"snapshot": {"w": {"__tensor__": 3}}}, n_tensors=1)
-    with pytest.raises(CodecError, match="tensor reference 3"):
+    with pytest.raises(CodecError, match="refers to tensor 3 of 1"):
         control.state_of(bad)
 
 

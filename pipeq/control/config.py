@@ -32,7 +32,7 @@ from pipeq.stage.numerics import Numerics
 from pipeq.wire.security import SECURITY_MODES
 
 __all__ = ["RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig", "MODES", "TRANSPORTS",
-           "START_METHODS", "check_step_timeout"]
+           "START_METHODS", "check_step_timeout", "setting_fields"]
 
 MODES = ("process", "simulated")
 TRANSPORTS = ("ipc", "tcp")
@@ -71,8 +71,8 @@ class NumericsConfig:
     precision: str = "fp32"
     clip_grad_norm: float | None = None
     clip_norm_type: float = 2.0
-    check_finite: "bool | str" = False
-    recompute: "bool | Sequence[bool]" = False
+    check_finite: bool | str = False
+    recompute: bool | Sequence[bool] = False
 
 
 @dataclass(frozen=True)
@@ -213,13 +213,19 @@ class PlacementConfig:
 _PARTS = {"numerics": NumericsConfig, "wire": WireConfig, "fault": FaultConfig, "placement": PlacementConfig}
 
 
+def setting_fields() -> list[dataclasses.Field]:
+    """Every setting the runner takes by keyword: each part's fields, then ``trace``."""
+    out = [f for kind in _PARTS.values() for f in dataclasses.fields(kind)]
+    return out + [f for f in dataclasses.fields(RunConfig) if f.name == "trace"]
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One run's settings (see :class:`~pipeq.PipelineRunner` for each one's meaning)."""
 
     schedule: SchedulePolicy = field(default_factory=lambda: schedules.resolve("1f1b"))
     microbatches: int = 8
-    trace: "str | os.PathLike[str] | None" = None
+    trace: str | os.PathLike[str] | None = None
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from pipeq import schedules
 from pipeq.control import checks
 from pipeq.control.batching import Batcher, check_batch
-from pipeq.control.config import RunConfig
+from pipeq.control.config import RunConfig, setting_fields
 from pipeq.control.main_guard import check_main_guard
 from pipeq.control.processes import StageSettings
 from pipeq.control.state import RunnerState
@@ -112,10 +113,10 @@ class PipelineRunner(RunnerState):
 
     def __init__(
         self,
-        stages: "Sequence[nn.Module] | StageBuilder",
+        stages: Sequence[nn.Module] | StageBuilder,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
         optimizer: Callable[..., torch.optim.Optimizer] | None,
-        schedule: "str | schedules.ScheduleFn | schedules.SchedulePolicy | None" = None,
+        schedule: str | schedules.ScheduleFn | schedules.SchedulePolicy | None = None,
         microbatches: int | None = None,
         *,
         config: RunConfig | None = None,
@@ -124,7 +125,7 @@ class PipelineRunner(RunnerState):
         aux_heads: Sequence[nn.Module] | None = None,
         aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         balance: Sequence[int] | None = None,
-        rendezvous: "Rendezvous | None" = None,
+        rendezvous: Rendezvous | None = None,
         **settings: Any,
     ) -> None:
         self.config = cfg = _configure(config, schedule, microbatches, settings)
@@ -334,6 +335,19 @@ class PipelineRunner(RunnerState):
         return self._last_step_lr
 
 
+def _signature() -> inspect.Signature:
+    """The runner's signature as ``help()`` and IDEs show it: every setting by name, with its
+    default (the constructor takes them as ``**settings``, which build a RunConfig)."""
+    own = [p for p in list(inspect.signature(PipelineRunner.__init__).parameters.values())[1:]
+           if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                for f in setting_fields()]
+    return inspect.Signature(own + settings)
+
+
+PipelineRunner.__signature__ = _signature()  # type: ignore[attr-defined]
+
+
 def _configure(config: RunConfig | None, schedule: Any, microbatches: int | None,
                settings: dict[str, Any]) -> RunConfig:
     """The run's configuration: ``config``, or the one the keyword arguments name."""
@@ -350,7 +364,7 @@ def _configure(config: RunConfig | None, schedule: Any, microbatches: int | None
 
 
 def _backend(cfg: RunConfig, model: checks.Model, numerics: Numerics, tp_plans: list[Any] | None,
-             rendezvous: "Rendezvous | None") -> Any:
+             rendezvous: Rendezvous | None) -> Any:
     """The backend that runs the stages: this process's (simulated) or one process per stage."""
     place, schedule = cfg.placement, cfg.schedule
     if place.mode == "simulated":
