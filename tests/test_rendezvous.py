@@ -353,13 +353,13 @@ def test_an_agent_that_saw_another_secret_and_then_lost_the_store_names_the_secr
 def test_start_hint_names_a_node_with_another_secret(store) -> None:
     """Node 0's start time-out says which node's entries are there but signed with another
     secret, which registered, and which never came."""
+    from pipeq.control.config import RunConfig
     from pipeq.control.driver import ProcessBackend
     from pipeq.control.processes import StageSettings
 
     port, s = store
     rz = _rz(node_rank=0, port=port)
-    backend = ProcessBackend([b""] * 3, "1f1b", StageSettings(), loss_stages=[2], output_stage=2,
-                             microbatches=2, rendezvous=rz)
+    backend = ProcessBackend([b""] * 3, RunConfig(microbatches=2), StageSettings(), rendezvous=rz)
     backend.store = s
     assert backend.placement == [[0], [1, 2]]
     hint = backend._start_hint({1, 2})

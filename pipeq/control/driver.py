@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 
@@ -37,6 +37,9 @@ from pipeq.control.supervisor import Supervisor
 from pipeq.control.trace_collector import TraceRecorder
 from pipeq.wire.control_link import ControlServer
 
+if TYPE_CHECKING:
+    from pipeq.control.config import RunConfig
+
 __all__ = ["ProcessBackend"]
 
 
@@ -46,7 +49,8 @@ class ProcessBackend:
     ``payloads[g]`` is what process g (replica g // N's stage g % N) is built from: a pickled
     :class:`~pipeq.runtime.executors.StageSpec`, or a :class:`~pipeq.runtime.executors.StageBuilder`
     (required for stages on other nodes, which their node's agent starts and which never receive
-    pickles). ``loss_stages`` get the batch's target; ``output_stage`` returns predict's output.
+    pickles). ``config`` is the run's (:class:`~pipeq.control.config.RunConfig`); ``settings`` what
+    every stage process is told, derived from it (:meth:`StageSettings.of`).
 
     With ``settings.tensor_parallel = T > 1`` each stage runs on T processes (see
     :class:`~pipeq.control.processes.Numbering`): the driver commands shard 0 of each stage, which
@@ -54,40 +58,19 @@ class ProcessBackend:
     watches them all.
     """
 
-    def __init__(
-        self,
-        payloads: Sequence["bytes | StageBuilder"],
-        schedule: Any,
-        settings: StageSettings,
-        *,
-        replicas: int = 1,
-        loss_stages: Sequence[int],
-        output_stage: int,
-        microbatches: int,
-        transport: str = "ipc",
-        host: str = "127.0.0.1",
-        start_method: str = "spawn",
-        heartbeat_timeout: float = 15.0,
-        step_timeout: float | None = None,
-        start_timeout: float = 120.0,
-        stop_timeout: float = 60.0,
-        rendezvous: Rendezvous | None = None,
-        placement: Sequence[Sequence[int]] | None = None,
-        trace_path: str | None = None,
-    ) -> None:
-        self.replicas = replicas
+    def __init__(self, payloads: Sequence["bytes | StageBuilder"], config: RunConfig, settings: StageSettings, *,
+                 rendezvous: Rendezvous | None = None) -> None:
+        self.replicas = replicas = config.placement.data_parallel
         self.n_processes = len(payloads)  # the processes the driver commands: each stage's shard 0
-        self.n_stages = self.n_processes // replicas
-        self.numbering = Numbering(self.n_stages, replicas, settings.tensor_parallel)
-        self.loss_stages = set(loss_stages)
-        self.output_stage = output_stage
-        self.recorder = (TraceRecorder(trace_path, schedule, self.n_stages, microbatches, replicas)
-                         if trace_path is not None else None)
-        self.processes = StageProcesses(
-            payloads, schedule, settings, self.numbering, transport=transport, host=host,
-            start_method=start_method, heartbeat_timeout=heartbeat_timeout, step_timeout=step_timeout,
-            start_timeout=start_timeout, stop_timeout=stop_timeout, rendezvous=rendezvous, placement=placement,
-            recorder=self.recorder)
+        self.n_stages = n = self.n_processes // replicas
+        self.numbering = Numbering(n, replicas, settings.tensor_parallel)
+        self.loss_stages = set(config.schedule.loss_stages(n))  # get the batch's target
+        self.output_stage = config.schedule.output_stage(n)  # returns predict's output
+        trace = config.trace_path
+        self.recorder = (TraceRecorder(trace, config.schedule, n, config.microbatches, replicas)
+                         if trace is not None else None)
+        self.processes = StageProcesses(payloads, config, settings, self.numbering, rendezvous=rendezvous,
+                                        recorder=self.recorder)
         self._request_id = 0
         self._submitted: dict[int, tuple[int, int, int]] = {}  # step -> (sent at ns, replicas, microbatches)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)

@@ -373,12 +373,5 @@ def _backend(cfg: RunConfig, model: checks.Model, numerics: Numerics, tp_plans: 
         return SimulatedBackend(model.replicas[0], schedule, place.devices[0] if place.devices else "cpu", numerics)
     from pipeq.control.driver import ProcessBackend
 
-    wire, fault = cfg.wire, cfg.fault
-    return ProcessBackend(
-        checks.process_payloads(model, schedule), schedule, StageSettings.of(cfg, numerics, tp_plans),
-        replicas=place.data_parallel,
-        loss_stages=schedule.loss_stages(model.n_stages), output_stage=schedule.output_stage(model.n_stages),
-        microbatches=cfg.microbatches, transport=wire.transport, host=wire.host, start_method=place.start_method,
-        heartbeat_timeout=fault.heartbeat_timeout, step_timeout=fault.step_timeout,
-        start_timeout=fault.start_timeout, stop_timeout=fault.stop_timeout, rendezvous=rendezvous,
-        placement=place.placement, trace_path=cfg.trace_path)
+    return ProcessBackend(checks.process_payloads(model, schedule), cfg, StageSettings.of(cfg, numerics, tp_plans),
+                          rendezvous=rendezvous)

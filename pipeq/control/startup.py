@@ -20,7 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -39,6 +39,9 @@ from pipeq.wire.control_link import AGENT, STAGE, ControlServer
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
 
+if TYPE_CHECKING:
+    from pipeq.control.config import RunConfig
+
 __all__ = ["StageProcesses"]
 
 
@@ -51,26 +54,26 @@ class StageProcesses:
     """
 
     def __init__(
-        self, payloads: Sequence["bytes | StageBuilder"], schedule: Any, settings: StageSettings,
-        numbering: Numbering, *, transport: str, host: str, start_method: str, heartbeat_timeout: float,
-        step_timeout: float | None, start_timeout: float, stop_timeout: float, rendezvous: Rendezvous | None,
-        placement: Sequence[Sequence[int]] | None, recorder: TraceRecorder | None,
+        self, payloads: Sequence["bytes | StageBuilder"], config: RunConfig, settings: StageSettings,
+        numbering: Numbering, *, rendezvous: Rendezvous | None, recorder: TraceRecorder | None,
     ) -> None:
+        wire, fault = config.wire, config.fault
         self.payloads = list(payloads)
-        self.schedule = schedule
+        self.schedule = config.schedule
         self.settings = settings
         self.numbering = numbering
         self.n_stages, self.replicas = numbering.n_stages, numbering.replicas
         self.n_processes = numbering.leads  # the processes the driver commands: each stage's shard 0
         self.n_all = numbering.total  # every process, the other shards included
-        self.transport = "tcp" if rendezvous is not None else transport
-        self.host = rendezvous.bind if rendezvous is not None else host
-        self.start_method = start_method
-        self.heartbeat_timeout = heartbeat_timeout
-        self.step_timeout = step_timeout  # None: a stage may compute one action for as long as it likes
-        self.start_timeout = start_timeout
-        self.stop_timeout = stop_timeout
+        self.transport = "tcp" if rendezvous is not None else wire.transport
+        self.host = rendezvous.bind if rendezvous is not None else wire.host
+        self.start_method = config.placement.start_method
+        self.heartbeat_timeout = fault.heartbeat_timeout
+        self.step_timeout = fault.step_timeout  # None: a stage may compute one action for as long as it likes
+        self.start_timeout = fault.start_timeout
+        self.stop_timeout = fault.stop_timeout
         self.rendezvous = rendezvous
+        placement = config.placement.placement
         self.placement = ([self._with_shards(node) for node in rdzv.placement(self.n_processes, rendezvous.nnodes,
                                                                                 placement)]
                           if rendezvous is not None else [list(range(self.n_all))])

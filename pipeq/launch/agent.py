@@ -24,7 +24,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Any, Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import CodecError
@@ -38,6 +38,9 @@ from pipeq.control.rendezvous import Rendezvous
 from pipeq.wire.control_link import DriverLink
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
+
+if TYPE_CHECKING:
+    from pipeq.control.config import RunConfig
 
 __all__ = ["run_agent", "AgentError", "TERM_GRACE"]
 
@@ -129,20 +132,18 @@ def run_agent(
     rz: Rendezvous,
     builder: StageBuilder,
     n_stages: int,
-    schedule: Any,
+    config: RunConfig,
     settings: StageSettings,
     *,
-    heartbeat_timeout: float = 15.0,
-    start_timeout: float = 120.0,
     driver_grace: float = 2.0,
     log: Callable[[str], None] = print,
-    data_parallel: int = 1,
-    start_method: str = "forkserver",
 ) -> int:
     """Run node ``rz.node_rank``'s stages until the driver ends the run; the exit code (0 = ok).
 
-    ``settings.trace`` is taken from node 0 (the driver decides whether the run is traced).
-    ``start_method``: how the stages start (see :func:`pipeq.control.processes.process_context`)."""
+    ``config`` is the job's run configuration (its schedule, timeouts, replicas and start method:
+    see :func:`pipeq.control.processes.process_context`), ``settings`` what its stages are told;
+    ``settings.trace`` is taken from node 0 (the driver decides whether the run is traced)."""
+    schedule, start_timeout = config.schedule, config.fault.start_timeout
     _auth(rz)  # no secret: refused before the store is touched
     store = rz.store(start_timeout)
     deadline = time.monotonic() + start_timeout
@@ -161,14 +162,15 @@ def run_agent(
     shards = options.get("shards", 1) if isinstance(options, dict) else 1
     security = options.get("tcp_security", "encrypt") if isinstance(options, dict) else "encrypt"
     auth = WireAuth(_auth(rz).secret, str(security))
-    _check_run(rz, control, plan, n_stages, replicas, shards, data_parallel, settings.tensor_parallel)
+    _check_run(rz, control, plan, n_stages, replicas, shards, config.placement.data_parallel,
+               settings.tensor_parallel)
     _check_job(rz, control, fetch("job", "job description"), builder, schedule, settings)
     mine: list[int] = plan[rz.node_rank]
-    ctx = process_context(start_method)
+    ctx = process_context(config.placement.start_method)
     procs: dict[int, mp.process.BaseProcess] = {}
     settings = StageSettings(**{**vars(settings), "trace": traced, "tcp_security": auth.mode})
     interval = settings.heartbeat_interval
-    link = DriverLink(control, rz.node_rank, heartbeat_s=(interval, heartbeat_timeout), auth=auth)
+    link = DriverLink(control, rz.node_rank, heartbeat_s=(interval, config.fault.heartbeat_timeout), auth=auth)
     # SIGTERM (a batch system's cancel reaches node 0 too): let the driver finish the steps in
     # flight and checkpoint; it ends the run with EXIT. Only if it does not within
     # TERM_GRACE seconds are the stages stopped here. (Ctrl-C on this node stops them at once.)

@@ -57,8 +57,7 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
             tp_plans = tensorpar.check_plans(None, job.tp_plan, job.tensor_parallel, n)
         config = job.run_config()
         settings = StageSettings.of(config, config.numerics_for(n), tp_plans)
-        return run_agent(rz, job.recipe, n, job.schedule, settings, heartbeat_timeout=job.heartbeat_timeout,
-                         start_timeout=job.start_timeout, log=log, data_parallel=job.data_parallel)
+        return run_agent(rz, job.recipe, n, config, settings, log=log)
     except (AgentError, RuntimeError, ValueError) as exc:
         log(str(exc))
         return 1
