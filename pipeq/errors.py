@@ -38,4 +38,4 @@ class ScheduleError(ValueError):
 
 
 class CodecError(ValueError):
-    """A message on the wire is malformed; see the subclasses in :mod:`pipeq.codec`."""
+    """A message on the wire is malformed; see the subclasses in :mod:`pipeq.wire.codec`."""

@@ -43,6 +43,6 @@ class Checkpoint:
     n_stages: int
     layers: list[int]
     meta: dict = field(default_factory=dict)
-    scaler: dict | None = None  # fp16's loss-scaler state (pipeq.numerics.LossScaler)
+    scaler: dict | None = None  # fp16's loss-scaler state (pipeq.stage.numerics.LossScaler)
     aux_model: dict[str, torch.Tensor] = field(default_factory=dict)  # "aux_heads.{k}.{local}" -> tensor
     aux_optim: dict[str, dict] = field(default_factory=dict)  # the heads' optimizer state, by those names

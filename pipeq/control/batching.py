@@ -65,7 +65,7 @@ class Batcher:
         return sizes
 
     def training_pair(self, x: Any, target: Any) -> tuple[Any, Any, int]:
-        """``x`` and ``target`` checked (see :mod:`pipeq.microbatch`), and their batch size."""
+        """``x`` and ``target`` checked (see :mod:`pipeq.stage.microbatch`), and their batch size."""
         x, n = check_batch("x", x)
         target, n_target = check_batch("target", target)
         if n != n_target:

@@ -92,7 +92,7 @@ class WireConfig:
         shm_slots: with ``transport="ipc"``, a message's tensors of 64 KiB or more cross to the
             next (previous) stage through shared memory: each channel has this many reusable
             slots (a sender waits while all are in use), 0 sends everything in ZeroMQ frames
-            (:mod:`pipeq.shm`). Other transports ignore it.
+            (:mod:`pipeq.wire.shm`). Other transports ignore it.
         spin: seconds a stage waiting for a message busy-polls (yielding its core to anything
             else runnable) before it blocks: a blocked process wakes up 0.1-0.5 ms later on a
             virtual machine, on every hop. 0 never spins (least CPU, most latency).
@@ -170,7 +170,7 @@ class PlacementConfig:
         placement: stages per node, e.g. ``[[0], [1, 2]]`` (default: an even, contiguous split).
         data_parallel: R replicas of the pipeline (R x N processes), gradients all-reduced.
         tensor_parallel, tp_plan: each stage split over T processes of one host (R x N x T
-            processes), on torch's DTensor (:mod:`pipeq.tensorpar`). ``tp_plan`` has one plan per
+            processes), on torch's DTensor (:mod:`pipeq.parallel.tensor`). ``tp_plan`` has one plan per
             stage: a dict mapping submodule names (``stage.get_submodule(name)``; ``""`` is the
             stage itself) to ``"colwise"``
             or ``"rowwise"`` (torch's ``ColwiseParallel`` / ``RowwiseParallel``, or such objects),

@@ -4,7 +4,7 @@ Used by both halves of the control plane that start stages: the driver (every st
 or node 0's in a multi-host run) and a node's agent (the stages of node r > 0). A run's processes
 are numbered by :class:`Numbering` (``g = replica * n_stages + stage`` for shard 0 of each stage,
 the other shards of tensor-parallel stages after them); :func:`worker_configs` is the one place a
-:class:`~pipeq.worker.WorkerConfig` is made.
+:class:`~pipeq.runtime.worker.WorkerConfig` is made.
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ class StageSettings:
     trace: bool = False
     tcp_security: str = "encrypt"  # see pipeq.wire.security.WireAuth
     max_message_mb: int = 256  # the largest tensor frame a stage accepts from a peer
-    numerics: Numerics = Numerics()  # precision, clipping, checks, recomputation (pipeq.numerics)
-    shm_slots: int = 4  # shared-memory slots per data channel on one host (pipeq.shm); 0: none
-    tensor_parallel: int = 1  # shards per stage (pipeq.tensorpar)
+    numerics: Numerics = Numerics()  # precision, clipping, checks, recomputation (pipeq.stage.numerics)
+    shm_slots: int = 4  # shared-memory slots per data channel on one host (pipeq.wire.shm); 0: none
+    tensor_parallel: int = 1  # shards per stage (pipeq.parallel.tensor)
     tp_plans: Sequence[Any] | None = None  # with tensor_parallel > 1: each stage's plan
 
     @classmethod
@@ -161,7 +161,7 @@ def worker_configs(
     RNG. The workers watch this process (``driver_pid``) and exit when it is gone;
     ``die_with_parent`` adds the kernel's PDEATHSIG, which is only safe when this is the main
     thread (it fires when the *thread* that started them exits). ``tp_dir``: with tensor
-    parallelism, this host's private directory where each stage's shards meet (pipeq.tensorpar).
+    parallelism, this host's private directory where each stage's shards meet (pipeq.parallel.tensor).
     Every shard of a stage gets its lead's seed (the same dropout masks outside split layers).
     """
     schedule = schedules.resolve(schedule)
@@ -223,7 +223,7 @@ def exit_reason(code: int) -> str:
 
 def process_context(start_method: str) -> Any:
     """The multiprocessing context stage processes are started with. With ``"forkserver"`` the
-    fork server imports torch and pipeq once (``pipeq._preload``) and each stage is a fork of it:
+    fork server imports torch and pipeq once (``pipeq.runtime.preload``) and each stage is a fork of it:
     ~0.1 s for a 3-stage runner once the server runs, instead of seconds; the server lives until
     this process exits."""
     if start_method == "forkserver":

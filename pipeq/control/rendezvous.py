@@ -17,7 +17,7 @@ Settings follow torchrun's conventions, flags first, then the environment::
 Under torchrun every worker process is one pipeq node, so ``torchrun --nproc-per-node 2 -m
 pipeq launch job.toml`` gives two nodes on one host.
 
-Every node needs the job's secret (``--secret-file`` or ``PIPEQ_SECRET``: :mod:`pipeq.keys`).
+Every node needs the job's secret (``--secret-file`` or ``PIPEQ_SECRET``: :mod:`pipeq.wire.keys`).
 Anyone who can reach the store's port can read and write it, so every entry a node publishes is
 signed (:meth:`Rendezvous.sign`: an HMAC of the entry's full key and its JSON value) and every
 entry a node reads is checked (:meth:`Rendezvous.read`); an entry that does not verify is

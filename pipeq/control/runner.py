@@ -49,7 +49,7 @@ class PipelineRunner(RunnerState):
         stages: the model, split into stages; stage k's output is stage k+1's input: a tuple is
             spread over its arguments, anything else (a tensor, a list, a dict of tensors and
             constants) is its one argument. ``step``, ``stream`` and ``predict`` take ``x`` and
-            ``target`` the same ways (see :mod:`pipeq.microbatch`). In process mode they must be picklable. Or a
+            ``target`` the same ways (see :mod:`pipeq.stage.microbatch`). In process mode they must be picklable. Or a
             :class:`pipeq.Recipe` (importable names, as in a job file) from which each stage
             process builds its own stage; then ``loss_fn`` and ``optimizer`` are None (the
             recipe names them). Multi-host runs need a recipe.
@@ -107,7 +107,7 @@ class PipelineRunner(RunnerState):
     contributes each of its children as one layer. Checkpoints hold every stage's parameters,
     optimizer and scheduler state; one loads into another split of the same layers.
 
-    ``runner.lr_schedule`` (a :class:`pipeq.lr_schedulers.LRSchedule`) says how the lr schedulers
+    ``runner.lr_schedule`` (a :class:`pipeq.stage.lr_schedulers.LRSchedule`) says how the lr schedulers
     are stepped: its ``interval``, and whether they take a metric (ReduceLROnPlateau).
     """
 
@@ -317,7 +317,7 @@ class PipelineRunner(RunnerState):
         mean over every sample of the set. ``loss`` is ``loss_fn``'s (default: the runner's;
         the cross-entropy of the class scores with Associated Learning), ``accuracy`` the argmax
         accuracy when every batch is a classification one (2-d float output, 1-d integer
-        target); a metric of the same name replaces either. See :mod:`pipeq.evaluation`."""
+        target); a metric of the same name replaces either. See :mod:`pipeq.control.evaluation`."""
         from pipeq.control import evaluation
 
         self._require_running()

@@ -1,6 +1,6 @@
 """The driver's side of a traced run: its own step spans, the stages' clocks, the merged file.
 
-Stages record their actions themselves (:mod:`pipeq.worker`); this collects them when the run
+Stages record their actions themselves (:mod:`pipeq.runtime.worker`); this collects them when the run
 stops: each stage's clock offset is measured over the control channel when the run starts and
 again at the end (:func:`pipeq.trace.best_offset`), every stage's rows are fetched, and
 :func:`pipeq.trace.build` merges them with the driver's "step S" spans into one file.

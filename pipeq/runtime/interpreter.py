@@ -19,7 +19,7 @@ Tensors that belong to a tree (a stage output that is not a tensor or a tuple of
 as a :class:`pipeq.stage.microbatch.Packed`, whose ``spec`` the caller sends with them.
 
 When the stages must agree before an optimizer step (clipping by the global norm, fp16's
-found-inf, ``check_finite``: see :mod:`pipeq.numerics`), ``STEP`` first combines the stages'
+found-inf, ``check_finite``: see :mod:`pipeq.stage.numerics`), ``STEP`` first combines the stages'
 statistics along the pipeline, as microbatch :data:`STATS` on the same channels: received from
 stage k-1 (``RECV_ACT``), combined and sent on (``SEND_ACT``); the total comes back from the last
 stage (``RECV_GRAD``) and is passed down (``SEND_GRAD``). Every stage reaches its ``STEP`` only

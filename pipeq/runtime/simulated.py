@@ -1,6 +1,6 @@
 """Simulated mode: every stage in this process, the same schedules and actions as process mode.
 
-The engine keeps one :func:`~pipeq.interpreter.execute` generator per stage and advances them in
+The engine keeps one :func:`~pipeq.runtime.interpreter.execute` generator per stage and advances them in
 turn: a stage runs until it needs a message that has not been sent yet, then the next stage runs.
 Messages are cloned tensors in a dictionary, so nothing is shared between stages that process
 mode would not share either. Use it to debug a model or a schedule, for research and for fast

@@ -28,7 +28,7 @@ name a stage stuck in its own computation (``step_timeout``) rather than its wai
 Every command is decoded with its payload's checks (:mod:`pipeq.wire.control`) before it is
 carried out. Any exception is reported to the driver as ERROR (message and traceback) before the
 process exits. The event loop is the only code in a worker that touches the transport; the schedule's
-actions run in :func:`pipeq.interpreter.execute`, which asks the loop for every message.
+actions run in :func:`pipeq.runtime.interpreter.execute`, which asks the loop for every message.
 """
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ __all__ = ["WorkerConfig", "EventLoop", "worker_entry", "select_device"]
 
 @dataclass
 class WorkerConfig:
-    """Everything a stage process needs to know to start (plain data, see pipeq.processes)."""
+    """Everything a stage process needs to know to start (plain data, see pipeq.control.processes)."""
 
     stage: int
     n_stages: int
     schedule: str | Callable[[int, int], list]  # a registered name or a schedule function/object
     control_addr: str
     bind: BindTo  # where this process binds its inbound sockets
-    process: int  # its number among the run's processes (pipeq.processes.Numbering)
+    process: int  # its number among the run's processes (pipeq.control.processes.Numbering)
     device: str = "cpu"
     cores: list[int] = field(default_factory=list)
     threads: int = 1
@@ -101,14 +101,14 @@ class WorkerConfig:
     # data parallelism: this process is replica ``replica`` of ``replicas`` of its stage
     replica: int = 0
     replicas: int = 1
-    numerics: Numerics = field(default_factory=Numerics)  # precision, clipping, checks (pipeq.numerics)
-    shm_slots: int = 4  # ipc: shared-memory slots per data channel (pipeq.shm); 0: ZeroMQ frames only
+    numerics: Numerics = field(default_factory=Numerics)  # precision, clipping, checks (pipeq.stage.numerics)
+    shm_slots: int = 4  # ipc: shared-memory slots per data channel (pipeq.wire.shm); 0: ZeroMQ frames only
     # tensor parallelism: this process is shard ``shard`` of its stage's ``shards``; they meet in
-    # the FileStore ``tp_store`` (in a private directory of this host; pipeq.tensorpar)
+    # the FileStore ``tp_store`` (in a private directory of this host; pipeq.parallel.tensor)
     shard: int = 0
     shards: int = 1
     tp_store: str | None = None
-    tp_plan: Any = None  # how the stage's module is split over its shards (pipeq.tensorpar)
+    tp_plan: Any = None  # how the stage's module is split over its shards (pipeq.parallel.tensor)
 
     def shm(self) -> ShmConfig | None:
         """This process's shared-memory payloads: on one host (ipc), where the host has them."""
@@ -328,9 +328,9 @@ def _build(cfg: WorkerConfig, payload: "bytes | StageBuilder") -> StageSpec:
 
 def _shard(cfg: WorkerConfig, spec: StageSpec, transport: StageTransport,
            device: torch.device) -> tuple[StageSpec, Any]:
-    """Tensor parallelism: join the stage's other shards (pipeq.tensorpar), split the module as
+    """Tensor parallelism: join the stage's other shards (pipeq.parallel.tensor), split the module as
     the stage's plan says, and wrap the transport: shard 0 shares what it receives, the others
-    follow it (pipeq.shardlink)."""
+    follow it (pipeq.wire.shard_link)."""
     from pipeq.parallel import tensor as tensorpar
     from pipeq.wire.shard_link import MAX_FRAMES, FollowerTransport, LeadTransport, ShardLink
 

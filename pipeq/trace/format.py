@@ -24,7 +24,7 @@ S"``) spans have ``cat`` ``driver`` and ``args`` ``step``, ``replica``, ``traini
 
 Reading. :func:`load_trace` (a file) and :func:`trace_from_dict` (a parsed one) check a trace
 and index it (:class:`Trace`, :class:`Event`), with a ValueError saying what is wrong. The
-numbers are :mod:`pipeq.report`'s, the pictures :mod:`pipeq.plot`'s.
+numbers are :mod:`pipeq.trace.report`'s, the pictures :mod:`pipeq.trace.plot`'s.
 """
 
 from __future__ import annotations
@@ -420,7 +420,7 @@ def planned_trace(schedule: str | schedules.ScheduleFn, n_stages: int, n_microba
     """A schedule's planned step (its dry run) as a trace dict in the traced runs' format.
 
     Forward and optimizer step take one time unit (``unit_us`` microseconds), backward
-    ``backward_cost`` units, communication none. Draw it with :func:`pipeq.plot.plot_trace`,
+    ``backward_cost`` units, communication none. Draw it with :func:`pipeq.trace.plot.plot_trace`,
     keep it with :func:`save_trace`.
     """
     if type(backward_cost) is not int or backward_cost < 1:

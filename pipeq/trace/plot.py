@@ -7,7 +7,7 @@
 
 (``pipeq report run.json --plot run.png``, ``pipeq schedule 1f1b --stages 4 --microbatches 8
 --plot plan.png``; the traces come from :mod:`pipeq.trace`, the step selection from
-:mod:`pipeq.report`). Categories other than forward, backward, step, send and wait are drawn
+:mod:`pipeq.trace.report`). Categories other than forward, backward, step, send and wait are drawn
 grey. matplotlib is imported when a picture is drawn, never with this module, and is needed for
 the pictures only (``pip install matplotlib``, or ``pip install -e ".[plot]"`` in pipeq's folder).
 """

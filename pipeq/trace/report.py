@@ -7,7 +7,7 @@ module turns it into numbers and text::
     trace = load_trace("run.json")                        # pipeq.trace
     print(format_report(analyze(trace, skip_first=1)))   # or: pipeq report run.json --skip-first 1
 
-(pictures of it: :mod:`pipeq.plot`). Compute is the ``forward``, ``backward`` and ``step``
+(pictures of it: :mod:`pipeq.trace.plot`). Compute is the ``forward``, ``backward`` and ``step``
 events, then come ``send`` and ``wait`` (blocked on an input); other categories are left out of
 the numbers. A step's wall time runs from its first stage event's start to its last one's end
 (the driver's ``"step S"`` spans are used for steps without stage events).
@@ -17,7 +17,7 @@ ideal, (N-1)/(m+N-1) for N stages and m microbatches, is that of fill-drain and 
 stage costs and free communication (and no optimizer step).
 
 Throughput: training steps per second in the steady state (between the ends of the first and
-the last step covered), beside the schedule's bound (:mod:`pipeq.bounds`) with each stage's
+the last step covered), beside the schedule's bound (:mod:`pipeq.schedules.bounds`) with each stage's
 measured mean forward, backward and optimizer-step times: the streamed bound for a
 ``runner.stream`` run (the driver sent a step before the previous one's loss was back), the
 ``step``-loop bound otherwise. Nothing here starts a process or opens a socket.

@@ -1,7 +1,7 @@
 """What travels between pipeq's processes: message kinds, the :class:`Message`, trees in messages.
 
-This is the vocabulary of the wire, with no bytes in it: :mod:`pipeq.transport` turns messages
-into frames (through :mod:`pipeq.codec`) and back. The worker, the driver and the agent build and
+This is the vocabulary of the wire, with no bytes in it: :mod:`pipeq.wire.stage_link` turns messages
+into frames (through :mod:`pipeq.wire.codec`) and back. The worker, the driver and the agent build and
 read :class:`Message` objects only.
 
 Kinds by channel::
