@@ -94,3 +94,57 @@ def test_a_config_object_is_the_keywords_front_end():
         pipeq.PipelineRunner(float64_stages3(), nn.CrossEntropyLoss(), SGD, config=cfg, mode="simulated")
     with pytest.raises(ValueError, match="heartbeat_timeout must be longer"):
         FaultConfig(heartbeat_interval=2.0, heartbeat_timeout=1.0)
+
+
+JOB = """\
+stages = "launch_jobs:mlp_stages"
+loss = "torch.nn:CrossEntropyLoss"
+optimizer = "torch.optim:SGD"
+optimizer_args = { lr = 0.1 }
+data = "launch_jobs:train_batches"
+data_args = { batches = 3 }
+schedule = "plugin_schedule:ReverseDrain"
+microbatches = 4
+steps = 3
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_job_file_names_a_users_schedule(tmp_path):
+    """``schedule = "pkg.module:Name"``: the launch trains with the user's plan and executor
+    (SGD at half the job's learning rate), equal to one process."""
+    import os
+
+    import launch_jobs
+    from launch_util import launch_here
+
+    from pipeq.launch.job import load_job
+
+    here = os.path.dirname(os.path.abspath(launch_jobs.__file__))  # where the job's modules import from
+    path = tmp_path / "job.toml"
+    path.write_text(JOB)
+    out = tmp_path / "out"
+    printed = launch_here("--out", str(out), job=str(path), cwd=here)
+    assert printed.returncode == 0, printed.stderr
+    job = load_job(str(path))
+    assert job.schedule == ReverseDrain()
+    n = job.recipe.count_stages()
+    model, _ = reference_train([job.recipe.build_stage(k, n) for k in range(n)], nn.CrossEntropyLoss(),
+                               functools.partial(torch.optim.SGD, lr=0.05), launch_jobs.train_batches(0, 3))
+    state = torch.load(out / "model.pt", weights_only=True)
+    ref = flat_state(list(model))
+    assert state.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(state[k], ref[k], atol=1e-6, rtol=1e-5)
+
+
+def test_a_job_files_own_schedule_is_checked_when_read(tmp_path):
+    from pipeq.launch.job import load_job
+
+    for spec, want in (('"plugin_schedule:Nope"', "module 'plugin_schedule' has no 'Nope'"),
+                       ('"plugin_schedule:HalvedStepExecutor"', "not a pipeq.schedules.SchedulePolicy"),
+                       ('{ name = "plugin_schedule:ReverseDrain", depth = 2 }', "ReverseDrain")):
+        path = tmp_path / "job.toml"
+        path.write_text(JOB.replace('"plugin_schedule:ReverseDrain"', spec))
+        with pytest.raises(ValueError, match=want):
+            load_job(str(path))
