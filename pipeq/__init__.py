@@ -2,26 +2,28 @@
 
 The folders are the layers; imports point down only (tests/unit/test_layers.py checks it)::
 
-    control plane  launch/     pipeq launch: cli.py, job files (job/), the trainer loop, run
-                               directories, node agents (agent.py)
-                   control/    runner.py (PipelineRunner) and its run configuration, the checks of
-                               what it is given, microbatching (batching.py), the backends: driver.py
-                               (process mode: processes, supervisor, rendezvous, trace collection)
+    control plane  launch/     pipeq launch: cli.py, job files (job/keys.py: the one table of keys),
+                               the training loop (trainer.py, loop.py...), node agents (agent.py)
+                   control/    runner.py (PipelineRunner), config.py (RunConfig: every setting, built
+                               and checked once), checks.py, batching.py; process mode: driver.py,
+                               startup.py, supervisor.py, processes.py, rendezvous.py, trace_collector.py
                    trace/      report.py, plot.py: reading traces
     event loop     runtime/    worker.py (one per stage process), interpreter.py (runs a stage's
                                actions), simulated.py (every stage in one process), executors.py
-    compute        schedules/  pure: actions as data, the schedule policy protocol, the registry,
-                               lowering, dry runs, bounds
-                   stage/      one stage's forward, backward and step; numerics, microbatches, lr
+    compute        schedules/  pure: actions as data, the schedule policy protocol (protocol.py), the
+                               registry, lowering, dry runs, bounds
                    research/   plug-in schedules with their executors: interlock/, async1f1b/, al/
+                   stage/      one stage's forward, backward and step; numerics, microbatches, lr
                    parallel/   data parallelism (replicas) and tensor parallelism (shards)
                    checkpoint/ global names, snapshots, atomic writes, re-splitting
                    models/     ready-made staged models (ResNets with auxiliary heads)
                    trace/      format.py: the trace file every stage's timeline is written in
                    balance.py (pipeq.balance: an optimal split of an nn.Sequential),
                    testing.py (stages of known cost)
-    transport      wire/       ZeroMQ sockets and links, shared memory, lanes
-    codec          wire/       codec.py (bytes), messages.py (kinds, Message), keys.py, netif.py;
+    transport      wire/       ZeroMQ links (stage, control, replica, shard), shared memory, lanes,
+                               security, sockets
+    codec          wire/       codec.py (bytes), messages.py (kinds, Message), control.py (typed
+                               command and reply payloads), keys.py, netif.py;
                    errors.py, tree.py (nested values)
 """
 
