@@ -1,13 +1,38 @@
-"""Shared test helpers: small models, a single-process reference, and a guard against stray workers."""
+"""The suite's layout, its markers, and a guard against stray workers.
+
+A test file's folder says what its tests start, and so which marker they carry (``-m unit`` runs
+the tests that start no process)::
+
+    tests/unit/     unit      start no process (the package's modules, in this process)
+    tests/process/  process   start stage processes (a PipelineRunner in process mode)
+    tests/launch/   launch    run ``pipeq launch`` (in this process, or as a command)
+    tests/hosts/    hosts     several hosts: network namespaces, multi-node launches
+    tests/smoke/    smoke     the examples and the benches, run as a user runs them
+    tests/gpu/      cuda      need CUDA (skipped without it)
+
+``tests/support/`` holds the helper modules (no tests): it is put on ``sys.path`` here, before the
+fork server starts, so that the test modules, the stage processes (which take this process's
+``sys.path``) and the job files (``launch_jobs:NAME``) import them by name.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
 
-from pipeq.control import forkserver
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SUPPORT = os.path.join(TESTS, "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
+
+from pipeq.control import forkserver  # noqa: E402
+
+#: a test folder -> the marker its tests carry
+FOLDER_MARKERS = {"unit": "unit", "process": "process", "launch": "launch", "hosts": "hosts",
+                  "smoke": "smoke", "gpu": "cuda"}
 
 # The fork server that process-mode tests fork their stages from (start_method="forkserver")
 # imports torch while this process imports it and the test modules.
@@ -18,6 +43,21 @@ import torch  # noqa: E402
 # Simulated-mode tests train tiny models in this process: one thread, like each stage process
 # (two threads only contend with the stage processes and the other tests for the two cores).
 torch.set_num_threads(1)
+
+
+def folder_of(path: str) -> str | None:
+    """The first folder under tests/ of a test file (None for a file directly in tests/)."""
+    rel = os.path.relpath(os.path.abspath(path), TESTS).split(os.sep)
+    return rel[0] if len(rel) > 1 else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Each test carries its folder's marker."""
+    for item in items:
+        marker = FOLDER_MARKERS.get(folder_of(str(item.path)) or "")
+        if marker is not None:
+            item.add_marker(marker)
 
 
 def _descendants(root: int) -> list[tuple[int, str, str]]:
@@ -84,6 +124,33 @@ def single_host_digits(tmp_path_factory) -> str:
     r = launch_here("--steps", str(REFERENCE_STEPS), "--out", out)  # adds --quiet --threads-per-stage 1
     assert r.returncode == 0, r.stderr
     return out
+
+
+class StartsAProcess(AssertionError):
+    """A test of tests/unit/ started a process: it belongs in another folder."""
+
+
+@pytest.fixture(autouse=True)
+def unit_starts_no_process(request):
+    """A test marked ``unit`` (tests/unit/) that starts a process fails, saying so."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise StartsAProcess(f"{request.node.nodeid} starts a process: a unit test starts none "
+                             "(move it to tests/process/, launch/, hosts/ or smoke/)")
+
+    saved = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork
+    multiprocessing.process.BaseProcess.start = refuse
+    subprocess.Popen.__init__ = refuse
+    os.fork = refuse
+    try:
+        yield
+    finally:
+        multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork = saved
 
 
 @pytest.fixture(autouse=True)

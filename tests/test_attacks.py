@@ -1,6 +1,6 @@
 """The attack battery (issue 13): nobody without the job's secret can touch a run.
 
-While a three-stage run trains over tcp, a hostile process (tests/attacker.py) connects to every
+While a three-stage run trains over tcp, a hostile process (tests/support/attacker.py) connects to every
 port the run listens on (the driver's control ROUTER, every stage's forward and backward PULL)
 with ZeroMQ sockets of every type, without keys, with another secret's keys, with the right server
 key but a key pair of its own, with a guessed PLAIN password and (in "authenticate" mode) with the

@@ -14,13 +14,12 @@ from torch import nn
 
 import pipeq
 from balance_jobs import train_batches, uneven_model
-from launch_util import metrics, model_state
+from launch_util import SUPPORT, metrics, model_state
 from models import TwoIn, TwoOut, reference_train
 from pipeq import checkpoint
 from pipeq.launch.job import load_job
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-TESTS = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -281,7 +280,7 @@ def test_launch_measures_once_and_trains_data_parallel(tmp_path, capsys) -> None
     job = job_file(tmp_path, f'balance = "time"\nbalance_sample = "balance_jobs:sample"\nn_stages = 2\n'
                    f'data_parallel = 2\nout = "{out}"\n')
     cwd = os.getcwd()
-    os.chdir(TESTS)  # the job's modules, as the launches of the other tests find theirs
+    os.chdir(SUPPORT)  # the job's modules, as the launches of the other tests find theirs
     try:
         assert main(["launch", job, "--quiet", "--threads-per-stage", "1"]) == 0
     finally:

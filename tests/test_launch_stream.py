@@ -1,6 +1,6 @@
 """``pipeq launch`` streams, and job files name every schedule with its options.
 
-Everything runs in this process, from tests/, whose launch_jobs.py holds the tiny job modules
+Everything runs in this process; tests/support/launch_jobs.py holds the tiny job modules
 (the example job files of the research schedules launch in tests/test_research_jobs.py).
 """
 

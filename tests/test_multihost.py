@@ -19,7 +19,7 @@ import time
 import pytest
 
 import store_forger
-from launch_util import (REFERENCE_STEPS, ROOT, SECRET, assert_same_state, free_port, launch_cmd, launch_here,
+from launch_util import (REFERENCE_STEPS, ROOT, SECRET, SUPPORT, assert_same_state, free_port, launch_cmd, launch_here,
                          metrics, model_state, secret_env)
 from netns import TwoHosts, netns_available
 
@@ -51,7 +51,7 @@ def test_two_namespaces_equal_the_single_host_run(hosts: TwoHosts, request, tmp_
     only node 0's signed ones): the same losses and parameters as the single-host run."""
     h = hosts
     out = str(tmp_path / "multi")
-    forger = h.popen(h.b, [sys.executable, os.path.join(ROOT, "tests", "store_forger.py"), h.addr_a, str(PORT)],
+    forger = h.popen(h.b, [sys.executable, os.path.join(SUPPORT, "store_forger.py"), h.addr_a, str(PORT)],
                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                      env={**os.environ, "PYTHONPATH": ROOT})
     try:

@@ -2,7 +2,7 @@
 evaluation metrics, and job files' factory arguments (``*_args``).
 
 Runners run in simulated mode but one (process mode, two replicas); ``pipeq launch`` runs in this
-process, from tests/ (launch_jobs.py holds the job's functions), its fork server shared.
+process, from tests/support/ (launch_jobs.py holds the job's functions), its fork server shared.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 
 import pipeq
-from launch_util import ROOT, metrics, model_state
+from launch_util import ROOT, SUPPORT, metrics, model_state
 from pipeq import checkpoint
 from pipeq.launch.cli import main as pipeq_main
 from pipeq.launch.job import load_job
 
 pytestmark = pytest.mark.timeout(60)
 
-TESTS = os.path.join(ROOT, "tests")
 SGD = functools.partial(torch.optim.SGD, lr=0.2, momentum=0.5)
 STEP_LR = functools.partial(StepLR, step_size=1, gamma=0.5)
 PLATEAU = functools.partial(ReduceLROnPlateau, patience=0, factor=0.5)
@@ -419,9 +418,9 @@ checkpoint_every = 6
 
 
 def launch_code(job: str, *args: str) -> int:
-    """``pipeq launch job`` in this process, from tests/; its exit code."""
+    """``pipeq launch job`` in this process, from tests/support/; its exit code."""
     cwd = os.getcwd()
-    os.chdir(TESTS)  # launch_jobs.py is found through the job's search path (the current folder)
+    os.chdir(SUPPORT)  # launch_jobs.py is found through the job's search path (the current folder)
     try:
         return pipeq_main(["launch", job, "--quiet", "--threads-per-stage", "1", *args])
     finally:

@@ -16,11 +16,10 @@ import sys
 import pytest
 import torch
 
-from launch_util import ROOT, free_ports, metrics, model_state, secret_env
+from launch_util import ROOT, SUPPORT, free_ports, metrics, model_state, secret_env
 
 pytestmark = pytest.mark.timeout(300)
 
-TESTS = os.path.join(ROOT, "tests")
 JOB = """\
 stages = "launch_jobs:mlp_stages"
 loss = "torch.nn:CrossEntropyLoss"
@@ -40,11 +39,11 @@ def _launch(job: str, out: str, *args: str) -> list[str]:
 
 
 def _in_tests(argv: list[str]) -> int:
-    """``pipeq launch`` in this process, from tests/ (where the job's modules are)."""
+    """``pipeq launch`` in this process, from tests/support/ (where the job's modules are)."""
     from pipeq.launch.cli import main
 
     cwd = os.getcwd()
-    os.chdir(TESTS)
+    os.chdir(SUPPORT)
     try:
         return main(argv)
     finally:
@@ -59,7 +58,7 @@ def test_job_file_tensor_parallel_over_two_nodes_matches_t1(tmp_path, capfd) -> 
     node = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
     nodes = {r: subprocess.Popen([sys.executable, "-m", "pipeq", *_launch(str(job), outs["nodes"], *node,
                                                                          "--node-rank", str(r))],
-                                 cwd=TESTS, env=secret_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 cwd=SUPPORT, env=secret_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True) for r in (1, 0)}
     try:
         # meanwhile, the same job at T=1 on this host (in this process: no interpreter to start)

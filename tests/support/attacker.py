@@ -1,8 +1,8 @@
 """A hostile peer for tests/test_attacks.py: what someone without a run's secret can throw at its
 tcp ports, from a process of its own (so that it can run in another network namespace).
 
-    python tests/attacker.py attack SPEC   # attack in rounds until "stop" arrives on stdin
-    python tests/attacker.py victim SPEC   # a training run driven line by line from stdin
+    python tests/support/attacker.py attack SPEC   # attack in rounds until "stop" arrives on stdin
+    python tests/support/attacker.py victim SPEC   # a training run driven line by line from stdin
 
 From a test, :class:`Attack` and :class:`Victim` start and drive those processes (``popen``
 may start them elsewhere, e.g. ``TwoHosts.popen`` in a network namespace).
@@ -59,7 +59,7 @@ import zmq
 # hands them over in a file and in SPEC.
 
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository (this is tests/support/)
 
 # -- the victim: a tiny run, the same in every test and in the reference -----------------------
 STEPS = 4

@@ -12,7 +12,10 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: this folder (tests/support): the job modules that launches name (``launch_jobs:NAME``) are here
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+#: the repository
+ROOT = os.path.dirname(os.path.dirname(SUPPORT))
 DIGITS_JOB = os.path.join(ROOT, "examples", "digits.toml")
 
 
