@@ -34,28 +34,14 @@ def _batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_three_stage_checkpoint_loads_into_two_stages(mode: str, tmp_path) -> None:
-    adam = functools.partial(torch.optim.Adam, lr=1e-3)
-    x = torch.randn(20, 64)
-    with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), adam, microbatches=4, mode=mode, **FAST) as r3:
-        for xb, yb in _batches(3):
-            r3.step(xb, yb)
-        r3.save(str(tmp_path / "ckpt"), {"note": "three"})
-        expected = r3.predict(x)
-    torch.manual_seed(123)  # other initial weights: the load must replace all of them
-    with pipeq.PipelineRunner(digits_two_stages(), nn.CrossEntropyLoss(), adam, microbatches=4, mode=mode, **FAST) as r2:
-        assert not torch.allclose(r2.predict(x), expected)
-        meta = r2.load(str(tmp_path / "ckpt"))
-        assert meta == {"note": "three"}
-        assert torch.allclose(r2.predict(x), expected, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_save_load_continues_exactly_with_optimizer_and_scheduler(mode: str, tmp_path) -> None:
-    """3 steps, save, a new runner loads and does 3 more == 6 uninterrupted steps (Adam + StepLR)."""
+def test_a_checkpoint_continues_exactly_and_loads_into_another_split(mode: str, tmp_path) -> None:
+    """3 steps, save (with the caller's meta): a new 3-stage runner loads it and does 3 more ==
+    6 uninterrupted steps (Adam + StepLR: weights, optimizer and scheduler state); and a 2-stage
+    runner of the same layers loads it and predicts what the 3 stages did."""
     adam = functools.partial(torch.optim.Adam, lr=1e-2)
     sched = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5)
     batches = _batches(6)
+    x = torch.randn(20, 64)
     kw = dict(microbatches=4, mode=mode, lr_scheduler=sched, **FAST)
     with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), adam, **kw) as full:
         for xb, yb in batches:
@@ -64,8 +50,9 @@ def test_save_load_continues_exactly_with_optimizer_and_scheduler(mode: str, tmp
     with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), adam, **kw) as first:
         for xb, yb in batches[:3]:
             first.step(xb, yb)
-        first.save(str(tmp_path / "ckpt"))
-    torch.manual_seed(7)
+        first.save(str(tmp_path / "ckpt"), {"note": "three"})
+        expected = first.predict(x)
+    torch.manual_seed(7)  # other initial weights: the load must replace all of them
     with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), adam, **kw) as second:
         second.load(str(tmp_path / "ckpt"))
         for xb, yb in batches[3:]:
@@ -73,6 +60,12 @@ def test_save_load_continues_exactly_with_optimizer_and_scheduler(mode: str, tmp
         got = second.state_dict()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    torch.manual_seed(123)
+    with pipeq.PipelineRunner(digits_two_stages(), nn.CrossEntropyLoss(), adam, **kw) as r2:
+        assert not torch.allclose(r2.predict(x), expected)
+        meta = r2.load(str(tmp_path / "ckpt"))
+        assert meta == {"note": "three"}
+        assert torch.allclose(r2.predict(x), expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -102,19 +95,6 @@ def test_lr_scheduler_steps_once_per_step_like_one_process(mode: str) -> None:
     assert not torch.allclose(plain[-1][0].weight, want["4.weight"])
 
 
-def test_load_of_a_checkpoint_that_does_not_fit_names_the_keys(tmp_path) -> None:
-    adam = functools.partial(torch.optim.Adam, lr=1e-3)
-    with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), adam, mode="simulated") as r:
-        r.save(str(tmp_path / "ckpt"))
-    other = [nn.Sequential(nn.Linear(64, 128), nn.ReLU()), nn.Linear(128, 10)]
-    with pipeq.PipelineRunner(other, nn.CrossEntropyLoss(), adam, mode="simulated") as r:
-        with pytest.raises(ValueError, match="missing|unexpected"):
-            r.load(str(tmp_path / "ckpt"))
-    with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), adam, mode="simulated") as r:
-        with pytest.raises(ValueError, match="no manifest.json"):
-            r.load(str(tmp_path))
-
-
 def wide_digits_stages(hidden: int = 96) -> list[nn.Module]:
     """The digits stages' names with another hidden width: a checkpoint of these does not fit."""
     torch.manual_seed(0)
@@ -124,14 +104,18 @@ def wide_digits_stages(hidden: int = 96) -> list[nn.Module]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_load_of_a_checkpoint_with_other_shapes_is_refused_and_the_runner_lives_on(mode: str, tmp_path) -> None:
-    """Names that fit but shapes (or dtypes) that do not: refused before any stage changes (a
-    process-mode stage used to fail loading it and take the whole pipeline down)."""
+    """Names that fit but shapes (or dtypes) that do not, names that do not, a folder that is no
+    checkpoint: refused before any stage changes (a process-mode stage used to fail loading it and
+    take the whole pipeline down)."""
     sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     with pipeq.PipelineRunner(wide_digits_stages(), nn.CrossEntropyLoss(), sgd, mode="simulated") as r:
         r.save(str(tmp_path / "wide"))
     with pipeq.PipelineRunner([s.double() for s in digits_stages()], nn.CrossEntropyLoss(), sgd,
                               mode="simulated") as r:
         r.save(str(tmp_path / "double"))
+    with pipeq.PipelineRunner([nn.Sequential(nn.Linear(64, 128), nn.ReLU()), nn.Linear(128, 10)],
+                              nn.CrossEntropyLoss(), sgd, mode="simulated") as r:
+        r.save(str(tmp_path / "other"))
     (x, y), (x2, y2) = _batches(2)
     with pipeq.PipelineRunner(digits_stages(), nn.CrossEntropyLoss(), sgd, microbatches=4, mode=mode, **FAST) as r:
         r.step(x, y)
@@ -144,6 +128,10 @@ def test_load_of_a_checkpoint_with_other_shapes_is_refused_and_the_runner_lives_
         assert "2.weight has shape (64, 96) in the checkpoint, stage 1 expects (64, 128)" in text, text
         with pytest.raises(ValueError, match="0.weight is float64 in the checkpoint, stage 0 holds float32"):
             r.load(str(tmp_path / "double"))
+        with pytest.raises(ValueError, match="missing|unexpected"):  # other names
+            r.load(str(tmp_path / "other"))
+        with pytest.raises(ValueError, match="no manifest.json"):  # not a checkpoint
+            r.load(str(tmp_path))
         after = r.state_dict()
         assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
         # the runner lives on, and trains exactly as if nothing had been tried
