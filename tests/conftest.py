@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import pytest
 
@@ -28,21 +27,44 @@ SUPPORT = os.path.join(TESTS, "support")
 if SUPPORT not in sys.path:
     sys.path.insert(0, SUPPORT)
 
-from pipeq.control import forkserver  # noqa: E402
+from strays import wait_no_strays  # noqa: E402
 
 #: a test folder -> the marker its tests carry
 FOLDER_MARKERS = {"unit": "unit", "process": "process", "launch": "launch", "hosts": "hosts",
                   "smoke": "smoke", "gpu": "cuda"}
+#: the order folders run in: the longest tests first, so that with several workers (pytest-xdist)
+#: the many short unit tests fill the gaps at the end instead of one long test running alone
+FOLDER_ORDER = ["hosts", "launch", "smoke", "process", "gpu", "unit"]
 
-# The fork server that process-mode tests fork their stages from (start_method="forkserver")
-# imports torch while this process imports it and the test modules.
-forkserver.start()
 
-import torch  # noqa: E402
+def _runs_tests(config) -> bool:
+    """False in pytest-xdist's controller: it hands the tests to its workers and runs none."""
+    return hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) or \
+        getattr(config.option, "dist", "no") == "no"
 
-# Simulated-mode tests train tiny models in this process: one thread, like each stage process
-# (two threads only contend with the stage processes and the other tests for the two cores).
-torch.set_num_threads(1)
+
+def _unit_only(config) -> bool:
+    """The run selects unit tests only (``-m unit``, or paths under tests/unit): nothing will fork."""
+    if (config.option.markexpr or "").strip() == "unit":
+        return True
+    paths = [a.split("::")[0] for a in config.args]
+    return bool(paths) and all(folder_of(p) == "unit" for p in paths)
+
+
+def pytest_configure(config) -> None:
+    if not _runs_tests(config):
+        return  # the xdist controller: no torch, no fork server
+    if not _unit_only(config):
+        # The fork server that process-mode tests fork their stages from (start_method=
+        # "forkserver") imports torch while this process imports it and the test modules.
+        from pipeq.control import forkserver
+
+        forkserver.start()
+    import torch
+
+    # Simulated-mode tests train tiny models in this process: one thread, like each stage process
+    # (two threads only contend with the stage processes and the other tests for the cores).
+    torch.set_num_threads(1)
 
 
 def folder_of(path: str) -> str | None:
@@ -51,65 +73,57 @@ def folder_of(path: str) -> str | None:
     return rel[0] if len(rel) > 1 else None
 
 
+def _shared_runs(item) -> set[str]:
+    """What ``item`` shares with other tests: the module- and session-scoped fixtures of this
+    suite that it uses (a launch, a set of runs), by scope and name."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return set()
+    keys = set()
+    for name in info.names_closure:
+        for fd in info.name2fixturedefs.get(name, ()):
+            if not fd.baseid:  # a plugin's (tmp_path_factory, ...): shares nothing costly
+                continue
+            if fd.scope == "session":
+                keys.add(f"session:{name}")
+            elif fd.scope in ("module", "package", "class"):
+                keys.add(f"module:{item.path}")
+    return keys
+
+
+def _xdist_groups(items) -> dict[int, str]:
+    """Tests that share a module or session fixture run on one worker (``--dist loadgroup``),
+    so that it runs once; the others are spread one by one. Tests tied by any shared fixture
+    form one group (a union of the fixtures' users)."""
+    parent: dict[str, str] = {}
+
+    def find(k: str) -> str:
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    keys = {id(item): sorted(_shared_runs(item)) for item in items}
+    for ks in keys.values():
+        for k in ks[1:]:
+            parent[find(k)] = find(ks[0])
+    return {i: find(ks[0]).split(":", 1)[1].replace(os.sep, "/").rsplit("/tests/", 1)[-1]
+            for i, ks in keys.items() if ks}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Each test carries its folder's marker."""
+    """Each test carries its folder's marker (and, for pytest-xdist, the group of tests it shares
+    a fixture with); the folders run in FOLDER_ORDER, each file's tests together and in order."""
+    groups = _xdist_groups(items)
     for item in items:
         marker = FOLDER_MARKERS.get(folder_of(str(item.path)) or "")
         if marker is not None:
             item.add_marker(marker)
-
-
-def _descendants(root: int) -> list[tuple[int, str, str]]:
-    """(pid, comm, cmdline) of every live descendant of ``root`` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    info: dict[int, tuple[str, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] == "Z":  # a zombie is already dead
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        info[int(entry)] = (comm, cmd)
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append((c, *info[c]))
-            todo.append(c)
-    return out
-
-
-def _is_mp_helper(cmd: str) -> bool:
-    # multiprocessing's own long-lived helpers (shared by every runner of this process)
-    return "forkserver" in cmd or "resource_tracker" in cmd
-
-
-def stray_workers() -> list[tuple[int, str, str]]:
-    """Descendants of the test process other than multiprocessing's fork server and tracker.
-
-    Stage processes forked from the fork server share its command line, so they are recognised
-    by the name every stage gives itself (``pipeq-stage<k>``).
-    """
-    return [p for p in _descendants(os.getpid())
-            if p[1].startswith("pipeq-stage") or not _is_mp_helper(p[2])]
-
-
-def wait_no_strays(timeout: float = 5.0) -> list[tuple[int, str, str]]:
-    end = time.monotonic() + timeout
-    while True:
-        strays = stray_workers()
-        if not strays or time.monotonic() > end:
-            return strays
-        time.sleep(0.05)
+        if id(item) in groups and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    rank = {f: i for i, f in enumerate(FOLDER_ORDER)}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(folder_of(str(item.path)) or "", len(rank)), order[id(item)]))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipeq
-from conftest import wait_no_strays
+from strays import wait_no_strays
 from pipeq.testing import SleepStage
 from models import Exits, FailingStepSGD, Raises, Sleeps, StallsOnce, mlp_stages
 

@@ -23,7 +23,7 @@ import zmq
 from torch import nn
 
 import pipeq
-from conftest import wait_no_strays
+from strays import wait_no_strays
 from models import flat_state, reference_train
 from pipeq.wire import codec
 from pipeq.wire import shm

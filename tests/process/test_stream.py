@@ -282,7 +282,7 @@ def test_stage_stuck_in_a_stream_names_the_batch_and_microbatch(schedule):
     # batch's own step and microbatch. Stages 0 and 2 (waiting for it) are not blamed.
     import time
 
-    from conftest import wait_no_strays
+    from strays import wait_no_strays
     from models import StallsOnce
 
     stages = [nn.Linear(8, 8), StallsOnce(8, call=7, seconds=60), nn.Linear(8, 3)]

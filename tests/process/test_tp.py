@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import pipeq
-from conftest import wait_no_strays
+from strays import wait_no_strays
 from pipeq.checkpoint import flat_model
 from pipeq.errors import PipelineError
 from models import TP_PLAN, RaisesOnShard, ShardedLinear, UpDown, flat_state, reverse_drain, tp_stages

@@ -14,7 +14,7 @@ from torch import nn
 import pipeq
 from pipeq.research.al.executor import ALLayer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path.insert(0, ROOT)
 from examples import al_digits  # noqa: E402
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 # At import (collection) time, before any test starts the fork server that stage and probe
 # processes are forked from: it keeps the sys.path it started with, and they unpickle
 # examples.dp_mlp's MLP and bench_dp's probe function by name.

@@ -11,7 +11,7 @@ import torch
 
 import pipeq
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path.insert(0, ROOT)  # the example imports as examples.interlock_digits (stage processes re-import it)
 from examples import interlock_digits  # noqa: E402
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 # At import (collection) time, before any test starts the fork server that stage and probe
 # processes are forked from: it keeps the sys.path it started with.
 sys.path.insert(0, ROOT)

@@ -20,10 +20,10 @@ import pipeq
 from pipeq.control import options
 from pipeq import schedules
 
-from conftest import wait_no_strays
+from strays import wait_no_strays
 from launch_util import run_at_once
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 #: import name -> distribution name, where they differ
 DISTRIBUTION = {"zmq": "pyzmq", "sklearn": "scikit-learn"}
 
@@ -43,13 +43,18 @@ def _requirements() -> tuple[set[str], dict[str, set[str]]]:
     return names(cfg["options"]["install_requires"]), extras
 
 
+def _python_files(top: str) -> list[str]:
+    """Every .py file under ``top``, in its subfolders too."""
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(top) for f in files if f.endswith(".py"))
+
+
 def _third_party(path: str) -> dict[str, bool]:
     """The third-party modules a file imports -> whether at module level (else only lazily)."""
     tree = ast.parse(open(path).read())
     top_level = {id(n) for st in tree.body for n in ast.walk(st)
                  if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    local = {f[:-3] for d in ("tests", "examples", "bench") for f in os.listdir(os.path.join(ROOT, d))
-             if f.endswith(".py")}  # the repository's own scripts, imported from their folders
+    local = {os.path.basename(f)[:-3] for d in ("tests", "examples", "bench")
+             for f in _python_files(os.path.join(ROOT, d))}  # the repository's own scripts, imported from their folders
     out: dict[str, bool] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -69,10 +74,8 @@ def _third_party(path: str) -> dict[str, bool]:
 def test_everything_pipeq_uses_is_declared():
     required, extras = _requirements()
     optional = set().union(*extras.values())
-    for f in sorted(os.listdir(os.path.join(ROOT, "pipeq"))):
-        if not f.endswith(".py"):
-            continue
-        path = os.path.join(ROOT, "pipeq", f)
+    for path in _python_files(os.path.join(ROOT, "pipeq")):
+        f = os.path.relpath(path, os.path.join(ROOT, "pipeq"))
         used = _third_party(path)
         if ".numpy()" in open(path).read():  # torch's numpy bridge needs numpy; torch does not require it
             used["numpy"] = True
@@ -97,8 +100,7 @@ def test_the_readmes_two_commands_need_only_what_its_install_line_installs():
     required, extras = _requirements()
     installed = required | {"torch"} | set().union(*(extras[e] for e in _readme_extras()))
     files = [os.path.join(ROOT, "examples", "train_digits.py")]  # python examples/train_digits.py
-    files += [os.path.join(ROOT, "tests", f) for f in os.listdir(os.path.join(ROOT, "tests"))
-              if f.endswith(".py")]  # python -m pytest
+    files += _python_files(os.path.join(ROOT, "tests"))  # python -m pytest
     for path in files:
         for mod in _third_party(path):
             dist = DISTRIBUTION.get(mod, mod)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.func import functional_call
 
 import pipeq
+from launch_util import ROOT
 from models import TutorialStage0, TutorialStage1, flat_state
 from pipeq import schedules
 from pipeq.schedules import Op
@@ -146,7 +147,7 @@ def test_the_async_example_runs_and_its_loss_falls() -> None:
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
     from async_mlp import train
 
     curve = train(updates=2000, mode="simulated", every=500, verbose=False)

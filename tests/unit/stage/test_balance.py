@@ -273,7 +273,7 @@ def test_job_counts_that_do_not_fit_the_model_fail_before_any_stage_starts(tmp_p
 @pytest.mark.timeout(90)
 def test_launch_measures_once_and_trains_data_parallel(tmp_path, capsys) -> None:
     """pipeq launch of a job with a measured balance, two replicas of two stages (4 processes)."""
-    from conftest import wait_no_strays
+    from strays import wait_no_strays
     from pipeq.launch.cli import main
 
     out = tmp_path / "out"
