@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from launch_util import ROOT, SUPPORT, free_ports, metrics, model_state, secret_env
+from launch_util import SUPPORT, free_ports, metrics, model_state, secret_env
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,8 +14,7 @@ from torch import nn
 import pipeq
 from pipeq import checkpoint
 from pipeq import schedules
-from pipeq.research.al.executor import ALModel, build_al_lstm
-from pipeq.checkpoint import CheckpointError
+from pipeq.research.al.executor import build_al_lstm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,10 +65,6 @@ def resumed_equals_uninterrupted(make, data, tmp_path, split: int = 2) -> None:
     assert_same_checkpoints(str(tmp_path / "resumed"), str(tmp_path / "straight"))
 
 
-# -- interlocking with auxiliary heads ------------------------------------------------------------
-WIDTHS = (6, 8, 8, 4)
-
-
 def stages(seed: int = 0) -> list[nn.Module]:
     torch.manual_seed(seed)
     return [nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Dropout(0.3)),
@@ -100,41 +95,6 @@ def test_an_interlocking_run_with_heads_resumes_exactly(schedule, mode, tmp_path
     (resumed between its milestones: the lr it reaches must be the uninterrupted run's): all of it
     resumes."""
     resumed_equals_uninterrupted(interlocking(schedule, mode), batches(4), tmp_path)
-
-
-def test_heads_are_saved_under_their_own_names(tmp_path):
-    with interlocking("pairwise", "simulated")() as r:
-        r.step(*batches(1)[0])
-        r.save(str(tmp_path / "c"))
-        main = r.state_dict()
-    ck = checkpoint.load(str(tmp_path / "c"))
-    assert list(ck.model) == list(main)  # the flat model's names, heads apart
-    assert sorted(ck.aux_model) == sorted(
-        ["aux_heads.0.1.weight", "aux_heads.0.1.bias", "aux_heads.1.0.weight", "aux_heads.1.0.bias",
-         "aux_heads.1.0.running_mean", "aux_heads.1.0.running_var", "aux_heads.1.0.num_batches_tracked",
-         "aux_heads.1.1.weight", "aux_heads.1.1.bias"])
-    assert set(ck.aux_optim) == {"aux_heads.0.1.weight", "aux_heads.0.1.bias", "aux_heads.1.0.weight",
-                                 "aux_heads.1.0.bias", "aux_heads.1.1.weight", "aux_heads.1.1.bias"}
-    assert set(ck.aux_optim["aux_heads.1.1.weight"]["state"]) == {"step", "exp_avg", "exp_avg_sq"}
-    assert not any(k.startswith("aux_heads") for k in ck.optim)
-
-
-def test_heads_load_only_into_the_stage_cut_they_were_saved_from(tmp_path):
-    with interlocking("pairwise", "simulated")() as r:
-        r.step(*batches(1)[0])
-        r.save(str(tmp_path / "heads"))
-    two = pipeq.PipelineRunner([nn.Sequential(*stages()[0], *stages()[1]), stages()[2]], nn.CrossEntropyLoss(),
-                               ADAM, "pairwise", 3, mode="simulated", aux_heads=[heads()[1]])
-    with two:
-        with pytest.raises(CheckpointError, match="saved from 3 stages and holds auxiliary heads.*load_state_dict"):
-            two.load(str(tmp_path / "heads"))
-    with pipeq.PipelineRunner(stages(), nn.CrossEntropyLoss(), ADAM, "1f1b", 3, mode="simulated") as plain:
-        plain.save(str(tmp_path / "plain"))
-        with pytest.raises(CheckpointError, match="unexpected aux_heads.0.1.weight"):
-            plain.load(str(tmp_path / "heads"))
-    with interlocking("pairwise", "simulated")() as r:
-        with pytest.raises(CheckpointError, match=r"missing aux_heads.0.1.weight \(stage 0\)"):
-            r.load(str(tmp_path / "plain"))
 
 
 # -- Associated Learning ----------------------------------------------------------------------------
@@ -170,25 +130,3 @@ def test_an_al_run_resumes_exactly(mode, tmp_path):
     assert {k.split(".")[1] for k in ck.optim} == {"f", "b", "g", "h"}
     assert all(ck.optim[k]["state"] for k in ck.optim), "every parameter has Adam state"
     assert all(len(s["pipeq_schedulers"]) == 2 for s in ck.sched)
-
-
-def test_an_al_checkpoint_serves_inference_in_one_process(tmp_path):
-    data = tokens(2)
-    with al_run("simulated")() as r:
-        for x, y in data:
-            r.step(x, y)
-        r.save(str(tmp_path / "c"))
-        want = r.predict(data[0][0])
-    model = ALModel(al_layers(seed=7))
-    model.load_state_dict(checkpoint.load(str(tmp_path / "c")).model)
-    with torch.no_grad():
-        assert torch.allclose(model.eval()(data[0][0]), want, atol=1e-6)
-
-
-def test_an_al_checkpoint_loads_into_a_run_without_lr_schedulers(tmp_path):
-    with al_run("simulated")() as r:
-        r.step(*tokens(1)[0])
-        r.save(str(tmp_path / "c"))
-    bare = pipeq.PipelineRunner(al_layers(), None, ADAM, schedules.AssociatedLearning(), 2, mode="simulated")
-    with bare:  # no scheduler here: the saved schedules are not needed, the rest loads
-        bare.load(str(tmp_path / "c"))

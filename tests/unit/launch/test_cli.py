@@ -1,7 +1,5 @@
 """The pipeq console script."""
 
-import subprocess
-import sys
 
 from pipeq.launch.cli import main
 
@@ -17,11 +15,6 @@ def test_schedule_table(capsys):
 def test_bad_counts_exit_2(capsys):
     assert main(["schedule", "gpipe", "--stages", "0", "--microbatches", "4"]) == 2
     assert "at least one stage" in capsys.readouterr().err
-
-
-def test_console_script_installed():
-    out = subprocess.run([sys.executable, "-m", "pipeq.launch.cli", "--version"], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.startswith("pipeq ")
 
 
 def test_secret_prints_a_fresh_one(capsys):

@@ -141,11 +141,6 @@ def test_scalar_chain_two_microbatches_accumulate(schedule, d):
     assert got == pytest.approx(hand_step(DISTANCE[name], samples3, 1 / 3), abs=1e-4)
 
 
-def test_scalar_chain_process_mode_matches_hand():
-    assert scalar_step("pairwise", None, [1.0, -2.0], [0.5, 1.0], microbatches=2,
-                       mode="process") == pytest.approx(TWO_SAMPLES["pairwise"], abs=1e-4)
-
-
 # -- small Linear stages with Linear heads -----------------------------------------------------------
 WIDTHS = (6, 8, 8, 8, 4)
 
@@ -279,17 +274,6 @@ def test_global_equals_plain_1f1b():
         assert losses == plain_losses
 
 
-@pytest.mark.parametrize(("schedule", "d"), SCHEMES, ids=SCHEME_IDS)
-def test_process_mode_equals_simulated(schedule, d):
-    data = batches(4, size=11, seed=7)  # 11 samples: microbatches of 4, 4, 3
-    x_eval = batches(1, seed=8)[0][0]
-    sim = run(schedule, d, data=data, x_eval=x_eval)
-    proc = run(schedule, d, data=data, x_eval=x_eval, mode="process")
-    assert_state_equal(proc[0], sim[0], exact=False, atol=1e-6)
-    assert proc[1] == pytest.approx(sim[1], abs=1e-6)
-    torch.testing.assert_close(proc[2], sim[2], atol=1e-6, rtol=0)
-
-
 # -- which head trains which stage ------------------------------------------------------------------
 # After one step, changing head_k's initial weights changes exactly these main modules.
 HEAD_REACHES = {
@@ -396,11 +380,6 @@ def digits_accuracy(digits, schedule, d=None, mode="simulated"):
 def test_every_scheme_learns_digits(digits, schedule, d, least):
     accuracy = digits_accuracy(digits, schedule, d)
     assert accuracy > least, f"{schedule}: held-out accuracy {accuracy:.1%} (chance is 10%)"
-
-
-def test_pairwise_learns_digits_in_process_mode(digits):
-    accuracy = digits_accuracy(digits, "pairwise", mode="process")
-    assert accuracy > 0.90, f"held-out accuracy {accuracy:.1%}"
 
 
 # -- errors ---------------------------------------------------------------------------------------

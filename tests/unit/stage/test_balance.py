@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import os
 import random
 
 import pytest
@@ -14,7 +13,6 @@ from torch import nn
 
 import pipeq
 from balance_jobs import train_batches, uneven_model
-from launch_util import SUPPORT, metrics, model_state
 from models import TwoIn, TwoOut, reference_train
 from pipeq import checkpoint
 from pipeq.launch.job import load_job
@@ -268,26 +266,3 @@ def test_job_counts_that_do_not_fit_the_model_fail_before_any_stage_starts(tmp_p
     recipe = load_job(job_file(tmp_path, "balance = [3, 2]\n")).recipe
     with pytest.raises(ValueError, match=r"balance=\[3, 2\] counts 5 layers, but the model has 6"):
         pipeq.PipelineRunner(recipe, None, None, "1f1b", 4)
-
-
-@pytest.mark.timeout(90)
-def test_launch_measures_once_and_trains_data_parallel(tmp_path, capsys) -> None:
-    """pipeq launch of a job with a measured balance, two replicas of two stages (4 processes)."""
-    from strays import wait_no_strays
-    from pipeq.launch.cli import main
-
-    out = tmp_path / "out"
-    job = job_file(tmp_path, f'balance = "time"\nbalance_sample = "balance_jobs:sample"\nn_stages = 2\n'
-                   f'data_parallel = 2\nout = "{out}"\n')
-    cwd = os.getcwd()
-    os.chdir(SUPPORT)  # the job's modules, as the launches of the other tests find theirs
-    try:
-        assert main(["launch", job, "--quiet", "--threads-per-stage", "1"]) == 0
-    finally:
-        os.chdir(cwd)
-    assert wait_no_strays() == []
-    assert "4 stage processes started" in capsys.readouterr().err
-    losses = [line["loss"] for line in metrics(str(out))]
-    assert len(losses) == 4
-    # two replicas, each on half of every batch: a step is still one full-batch step (seed 0: the job's)
-    assert_equals_reference(losses, model_state(str(out)), seed=0)

@@ -115,24 +115,6 @@ def test_tuple_and_dict_inputs_outputs_and_targets_equal_single_process_training
     torch.testing.assert_close(out["aux"], ref_out["aux"])
 
 
-@pytest.mark.timeout(120)
-def test_trees_cross_process_boundaries_and_replicas_alike():
-    """Process mode with two replicas: the trees travel in the data messages' headers and in
-    the commands; the run equals single-process training of the whole batch."""
-    data = [batch(12, s) for s in range(2)]
-    model, want = reference(stages(), data)
-    runner = pipeq.PipelineRunner(stages(), two_part_loss, SGD, "1f1b", 3, data_parallel=2,
-                                  start_method="forkserver")
-    with runner:
-        got = [runner.step(x, t) for x, t in data]
-        out = runner.predict(data[1][0])
-        state = runner.state_dict()
-    assert got == pytest.approx(want, rel=1e-5)
-    assert_states_close(state, flat_state(model))
-    with torch.no_grad():
-        torch.testing.assert_close(out["logits"], model(data[1][0])["logits"])
-
-
 def test_a_dict_input_is_the_first_stage_s_one_argument():
     class Pick(nn.Module):
         def __init__(self) -> None:
@@ -222,25 +204,3 @@ def test_an_unsendable_stage_output_names_itself():
     runner = pipeq.PipelineRunner([Bad(), nn.Linear(2, 2)], nn.MSELoss(), SGD, mode="simulated")
     with runner, pytest.raises(PipelineError, match="stage 0.*is a object"):
         runner.step(torch.zeros(4, 2), torch.zeros(4, 2))
-
-
-@pytest.mark.timeout(120)
-def test_a_launched_job_trains_on_tuple_batches(tmp_path):
-    """A job's data may give x as a tuple / dict: the launched run equals a runner's steps."""
-    from launch_util import model_state
-    from test_schedulers import launch, write
-
-    import launch_jobs
-
-    out = tmp_path / "out"
-    launch(write(tmp_path, 'stages = "launch_jobs:pair_stages"\nloss = "torch.nn:CrossEntropyLoss"\n'
-                 'optimizer = "torch.optim:SGD"\noptimizer_args = { lr = 0.1 }\ndata = "launch_jobs:pair_batches"\n'
-                 f'microbatches = 3\nsteps = 3\nseed = 0\nout = "{out}"\n'))
-    torch.manual_seed(0)
-    runner = pipeq.PipelineRunner(launch_jobs.pair_stages(), nn.CrossEntropyLoss(),
-                                  functools.partial(torch.optim.SGD, lr=0.1), "1f1b", 3, mode="simulated")
-    with runner:
-        for x, y in launch_jobs.pair_batches(0)[:3]:
-            runner.step(x, y)
-        want = runner.state_dict()
-    assert_states_close(model_state(str(out)), want, atol=1e-6)
