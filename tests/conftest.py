@@ -51,6 +51,17 @@ def _unit_only(config) -> bool:
     return bool(paths) and all(folder_of(p) == "unit" for p in paths)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config) -> None:
+    """A run of unit tests only goes faster in this one process: its tests compute, they do not
+    wait, and each xdist worker would first import torch and collect the suite. (Unless the
+    command line asks for workers itself.)"""
+    asked = any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in config.invocation_params.args)
+    if not asked and _unit_only(config) and getattr(config.option, "numprocesses", None):
+        config.option.numprocesses = 0
+        config.option.dist = "no"
+
+
 def pytest_configure(config) -> None:
     if not _runs_tests(config):
         return  # the xdist controller: no torch, no fork server
