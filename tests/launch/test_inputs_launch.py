@@ -21,7 +21,7 @@ def assert_states_close(got, want, atol=1e-6):
 def test_a_launched_job_trains_on_tuple_batches(tmp_path):
     """A job's data may give x as a tuple / dict: the launched run equals a runner's steps."""
     from launch_util import model_state
-    from test_schedulers import launch, write
+    from job_files import launch, write
 
     import launch_jobs
 

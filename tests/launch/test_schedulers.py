@@ -1,9 +1,8 @@
-"""Learning-rate schedulers stepped per step or per epoch (ReduceLROnPlateau fed its metric),
-evaluation metrics, and job files' factory arguments (``*_args``).
-
-Runners run in simulated mode but one (process mode, two replicas); ``pipeq launch`` runs in this
-process, from tests/support/ (launch_jobs.py holds the job's functions), its fork server shared.
-"""
+"""ReduceLROnPlateau fed its metric by epoch: with replicas in stage processes (equal to a plain
+loop, through a checkpoint), and in ``pipeq launch`` (the lr it lowers, resumed mid-epoch and at an
+epoch's end). The launches run in this process, from tests/support/ (launch_jobs.py holds the
+job's functions), its fork server shared; the checks without processes are in
+tests/unit/control/test_schedulers_in_process.py."""
 
 from __future__ import annotations
 
@@ -17,9 +16,9 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 import pipeq
-from launch_util import SUPPORT, metrics, model_state
+from job_files import MLP, launch, write
+from launch_util import metrics, model_state
 from pipeq import checkpoint
-from pipeq.launch.cli import main as pipeq_main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,26 +106,6 @@ def test_plateau_with_data_parallel_processes_equals_the_loop_and_checkpoints(tm
         assert [every[g].extra["lrs"] for g in range(4)] == [[0.05]] * 4
 
 
-# -- job files: factory arguments, scheduler keys, metrics ---------------------------------------------
-
-MLP = """\
-stages = "launch_jobs:mlp_stages"
-loss = "torch.nn:CrossEntropyLoss"
-optimizer = "torch.optim:SGD"
-optimizer_args = { lr = 0.1 }
-data = "launch_jobs:train_batches"
-eval_data = "launch_jobs:heldout"
-microbatches = 2
-"""
-
-
-def write(directory, text: str, name: str = "job") -> str:
-    path = os.path.join(str(directory), f"{name}.toml")
-    with open(path, "w") as f:
-        f.write(text)
-    return path
-
-
 # -- pipeq launch: ReduceLROnPlateau on a plateau, resumed mid-epoch and at an epoch's end ----------------
 
 #: 5 epochs of 4 batches; the eval loss improves by less than 15% an epoch: a plateau to the scheduler
@@ -139,20 +118,6 @@ metrics = { top2 = "launch_jobs:top2" }
 epochs = 5
 checkpoint_every = 6
 """
-
-
-def launch_code(job: str, *args: str) -> int:
-    """``pipeq launch job`` in this process, from tests/support/; its exit code."""
-    cwd = os.getcwd()
-    os.chdir(SUPPORT)  # launch_jobs.py is found through the job's search path (the current folder)
-    try:
-        return pipeq_main(["launch", job, "--quiet", "--threads-per-stage", "1", *args])
-    finally:
-        os.chdir(cwd)
-
-
-def launch(job: str, *args: str) -> None:
-    assert launch_code(job, *args) == 0
 
 
 @pytest.fixture(scope="module")

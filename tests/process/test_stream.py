@@ -139,16 +139,6 @@ def test_a_failure_mid_stream_is_raised_at_its_batch_naming_the_stage(schedule, 
     assert len(got) == 3 and all(isinstance(v, float) for v in got)
 
 
-def test_in_flight_is_checked():
-    runner = train_runner(mode="simulated")
-    with runner:
-        for bad in (0, -1, 1.5):
-            with pytest.raises(ValueError, match="in_flight must be a positive integer"):
-                runner.stream(batches(2), in_flight=bad)
-        with pytest.raises(ValueError, match="queue_capacity"):
-            runner.stream(batches(2), in_flight=100)
-
-
 # -- asynchronous 1F1B streams for real: the tutorial's two-stage pipeline (seed 000) --------------
 def tutorial_batches(n: int, seed: int = 40):
     """The tutorial's data (320 samples, 16 features, 0/1 targets) and its batch order: 32 rows at a
@@ -219,18 +209,6 @@ def test_async_stream_replays_the_tutorial_pipeline(mode, n):
     assert sum(got[-20:]) < sum(got[:20])  # and it learns
 
 
-def test_async_warmup_plans():
-    AsyncOneFOneB = pipeq.schedules.AsyncOneFOneB
-    table = pipeq.schedules.format_table(AsyncOneFOneB(warmup=3), 2, 4)
-    assert table.splitlines()[1].split("|")[1].split() == "F0 F1 F2 B0 ST F3 B1 ST . B2 ST . B3 ST".split()
-    assert AsyncOneFOneB() == AsyncOneFOneB(warmup=None) != AsyncOneFOneB(warmup=4)
-    with pytest.raises(pipeq.ScheduleError, match="warmup >= 3"):
-        pipeq.schedules.build(AsyncOneFOneB(warmup=2), 4, 4)
-    for bad in (0, 1.5, "3"):
-        with pytest.raises(ValueError, match="warmup"):
-            AsyncOneFOneB(warmup=bad)
-
-
 @pytest.mark.timeout(120)
 def test_report_gives_a_streamed_runs_throughput_against_its_bound(tmp_path):
     """A traced stream is recognised as one (steps sent before the previous loss came back) and
@@ -261,17 +239,6 @@ def test_report_gives_a_streamed_runs_throughput_against_its_bound(tmp_path):
     for t in found.values():
         assert t.steps_per_s > 0 and len(t.costs_ms) == 3
         assert all(f > 1.5 and b > 3.5 for f, b, _ in t.costs_ms)  # the sleeps, measured
-
-
-def test_report_rebuilds_schedules_from_trace_labels():
-    from pipeq.trace.report import schedule_of
-
-    AsyncOneFOneB = pipeq.schedules.AsyncOneFOneB
-    assert schedule_of("1f1b") == "1f1b"
-    assert schedule_of("nwise(d=2)") == pipeq.schedules.Interlock("nwise", distance=2)
-    assert schedule_of(AsyncOneFOneB(warmup=3).name) == AsyncOneFOneB(warmup=3)
-    assert schedule_of("async") == AsyncOneFOneB()
-    assert schedule_of("tests.mine:plan") is None
 
 
 @pytest.mark.timeout(60)

@@ -85,31 +85,6 @@ def test_sleep_stages_bubble_is_the_ideal_formula(tmp_path) -> None:
     print(report.format_report(rep))
 
 
-def test_trace_needs_process_mode() -> None:
-    sgd = functools.partial(torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match="process mode"):
-        pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), sgd, mode="simulated", trace="x.json")
-
-
-def test_clock_offsets_are_aligned_even_days_apart() -> None:
-    """Two hosts' monotonic clocks may differ by days and drift: the rows land on the driver's."""
-    day = 86_400 * 10**9
-    # stage clock = driver clock + day + drift (1 us per ms of driver time)
-    def stage_ns(d: int) -> int:
-        return d + day + d // 1000
-
-    start = trace.best_offset([(1_000_000, stage_ns(1_000_100), 1_000_200),
-                               (2_000_000, stage_ns(2_000_500), 2_001_000)])  # the first: least delay
-    assert start.rtt_ns == 200 and start.offset_ns == pytest.approx(day + 1000, abs=1)
-    end = trace.best_offset([(101_000_000, stage_ns(101_000_100), 101_000_200)])
-    rows = trace.rows_to_tensor([(trace.F, 1, 0, stage_ns(51_000_000), stage_ns(51_010_000), 0)])
-    built = trace.build(trace.TraceMeta("1f1b", 1, 1), [rows], [[start, end]],
-                        [(1, True, 50_000_000, 52_000_000, 1)])
-    ev = [e for e in built["traceEvents"] if e["ph"] == "X" and e["tid"] == 0][0]
-    assert ev["ts"] == pytest.approx(1000.0, abs=1.0)  # 51 ms driver time, 1 ms after the span
-    assert ev["dur"] == pytest.approx(10.0, abs=0.1)
-
-
 def test_pipeq_report_and_plot_on_a_real_trace(tmp_path, capsys) -> None:
     from pipeq.launch import cli
 
@@ -128,11 +103,3 @@ def test_pipeq_report_and_plot_on_a_real_trace(tmp_path, capsys) -> None:
     for k in range(3):
         assert any(line.split()[:1] == [str(k)] for line in out.splitlines())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-
-
-def test_a_full_ring_buffer_drops_the_partly_overwritten_steps() -> None:
-    rows = [trace.rows_to_tensor([(trace.F, s, 0, s, s + 1, 0) for s in (3, 4, 5)]),
-            trace.rows_to_tensor([(trace.F, s, 0, s, s + 1, 0) for s in (2, 3, 4, 5)])]
-    kept = trace.drop_partial_steps(rows, [True, False])  # stage 0's buffer was full: step 3 may be cut
-    assert [t[:, 1].tolist() for t in kept] == [[4, 5], [4, 5]]
-    assert trace.drop_partial_steps(rows, [False, False]) == rows

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
@@ -11,10 +10,10 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 
 import pipeq
-from launch_util import SUPPORT
 from pipeq import checkpoint
 from pipeq.launch.cli import main as pipeq_main
 from pipeq.launch.job import load_job
+from job_files import MLP, launch_code, write
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -206,15 +205,6 @@ def test_evaluate_has_no_accuracy_for_regression_and_names_a_failing_metric() ->
 
 # -- job files: factory arguments, scheduler keys, metrics ---------------------------------------------
 
-MLP = """\
-stages = "launch_jobs:mlp_stages"
-loss = "torch.nn:CrossEntropyLoss"
-optimizer = "torch.optim:SGD"
-optimizer_args = { lr = 0.1 }
-data = "launch_jobs:train_batches"
-eval_data = "launch_jobs:heldout"
-microbatches = 2
-"""
 
 JOB_MODULE = '''\
 import torch
@@ -238,13 +228,6 @@ def eval_data(n):
 def heads(width):
     return [nn.Linear(width, 3), nn.Linear(width, 3)]
 '''
-
-
-def write(directory, text: str, name: str = "job") -> str:
-    path = os.path.join(str(directory), f"{name}.toml")
-    with open(path, "w") as f:
-        f.write(text)
-    return path
 
 
 @pytest.fixture
@@ -366,11 +349,3 @@ def test_launch_refuses_a_monitor_for_a_scheduler_without_metric(tmp_path, capsy
     assert "takes no metric (only a ReduceLROnPlateau does): drop lr_scheduler_monitor" in capsys.readouterr().err
 
 
-def launch_code(job: str, *args: str) -> int:
-    """``pipeq launch job`` in this process, from tests/support/; its exit code."""
-    cwd = os.getcwd()
-    os.chdir(SUPPORT)  # launch_jobs.py is found through the job's search path (the current folder)
-    try:
-        return pipeq_main(["launch", job, "--quiet", "--threads-per-stage", "1", *args])
-    finally:
-        os.chdir(cwd)
