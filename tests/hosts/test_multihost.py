@@ -173,15 +173,17 @@ def _loopback_node(rank: int, port: int, out: str, *extra: str, env: dict[str, s
 @pytest.mark.timeout(90)
 def test_a_node_with_another_secret_is_refused_and_both_say_so(tmp_path, monkeypatch) -> None:
     port = free_port()
-    # node 1 first: it waits for node 0's store (up to the start timeout); node 0 runs in this
-    # process, and gives up later than node 1 (its store goes with it: node 1 must have seen it)
-    node1 = _loopback_node(1, port, str(tmp_path / "node1"), "--steps", "3", "--start-timeout", "3",
+    # node 1 first: it waits for node 0's store, and then for node 0's entries signed with its own
+    # secret, until node 0 gives up and its store goes with it (node 1's own start timeout is far
+    # off). Node 0 runs in this process; its start timeout leaves node 1 (a fresh interpreter
+    # importing torch, on a machine that other tests keep busy) time to register.
+    node1 = _loopback_node(1, port, str(tmp_path / "node1"), "--steps", "3", "--start-timeout", "60",
                            env=secret_env("another secret, not the one node 0 has"))
     try:
         monkeypatch.setenv("PIPEQ_SECRET", SECRET)
         node0 = launch_here("--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
                             "--master-port", str(port), "--out", str(tmp_path / "node0"), "--steps", "3",
-                            "--start-timeout", "5")
+                            "--start-timeout", "10")
         err0 = node0.stderr
         _, err1 = node1.communicate(timeout=30)
     finally:
@@ -189,7 +191,7 @@ def test_a_node_with_another_secret_is_refused_and_both_say_so(tmp_path, monkeyp
             node1.kill()
             node1.communicate()
     assert node0.returncode == 1, err0
-    assert "timed out after 5.0 s waiting for READY (start) from stage(s) [1, 2]" in err0, err0
+    assert "timed out after 10.0 s waiting for READY (start) from stage(s) [1, 2]" in err0, err0
     assert "node 1 uses another secret: its entries ['agent/1']" in err0, err0
     assert node1.returncode == 1, err1
     assert "ignoring the rendezvous store's 'control' entry" in err1, err1  # said at once
