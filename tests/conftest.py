@@ -115,9 +115,15 @@ def _xdist_groups(items) -> dict[int, str]:
 
     keys = {id(item): sorted(_shared_runs(item)) for item in items}
     for ks in keys.values():
-        for k in ks[1:]:
+        for k in ks:
             parent[find(k)] = find(ks[0])
-    return {i: find(ks[0]).split(":", 1)[1].replace(os.sep, "/").rsplit("/tests/", 1)[-1]
+    # a group is named after its session fixture if it has one (a test that asks for it by
+    # request.getfixturevalue joins it with an explicit xdist_group mark of that name), else its file
+    members: dict[str, list[str]] = {}
+    for k in list(parent):
+        members.setdefault(find(k), []).append(k)
+    names = {root: min(ks, key=lambda k: (not k.startswith("session:"), k)) for root, ks in members.items()}
+    return {i: names[find(ks[0])].split(":", 1)[1].replace(os.sep, "/").rsplit("/tests/", 1)[-1]
             for i, ks in keys.items() if ks}
 
 

@@ -46,6 +46,7 @@ def _node(h: TwoHosts, ns: str, rank: int, out: str, *extra: str) -> subprocess.
                    env=secret_env())
 
 
+@pytest.mark.xdist_group("single_host_digits")  # the run it compares with (request.getfixturevalue below)
 def test_two_namespaces_equal_the_single_host_run(hosts: TwoHosts, request, tmp_path) -> None:
     """... while a foreign store client on host B forges every entry the nodes read (node 1 follows
     only node 0's signed ones): the same losses and parameters as the single-host run."""
