@@ -116,7 +116,7 @@ def training(h: TwoHosts, tmp_path, *extra: str):
 
 def test_sigkill_of_a_worker_ends_the_run_naming_the_stage(hosts: TwoHosts, tmp_path) -> None:
     """A stage on the other host (node 1's) is killed: the driver names it. (A stage of node 0 is
-    the driver's own child, as in a single-host run: tests/test_failures.py kills those.)"""
+    the driver's own child, as in a single-host run: tests/process/test_failures.py kills those.)"""
     h = hosts
     victim = 1
     with training(h, tmp_path) as (node0, node1):

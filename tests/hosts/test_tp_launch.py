@@ -2,8 +2,8 @@
 
 A job run with T=2 over two nodes on loopback (each stage's two shards on the node that runs
 the stage) must train as the same job at T=1 does (within float tolerance: a
-rowwise layer sums its partial products in another order), and a bad plan in a job file is
-refused before anything starts.
+rowwise layer sums its partial products in another order); a bad plan in a job file is refused
+before anything starts (tests/unit/launch/test_tp_job_checks.py).
 """
 
 from __future__ import annotations

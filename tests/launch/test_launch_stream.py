@@ -1,7 +1,8 @@
-"""``pipeq launch`` streams, and job files name every schedule with its options.
+"""``pipeq launch`` streams: a streamed launch trains as a step loop does.
 
-Everything runs in this process; tests/support/launch_jobs.py holds the tiny job modules
-(the example job files of the research schedules launch in tests/test_research_jobs.py).
+Everything runs in this process; tests/support/launch_jobs.py holds the tiny job modules (the
+example job files of the research schedules launch in tests/launch/test_research_jobs.py; how job
+files name schedules is checked in tests/unit/launch/test_job_schedules.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The job files of the research schedules launch and learn: examples/digits_pairwise.toml,
 digits_nwise.toml, digits_async.toml and digits_al.toml, each through ``pipeq launch`` (its
 command-line entry point, in this process: the stages fork from the test session's fork server,
-a driver interpreter and a fork server less to start per launch), cut short with ``--steps``;
-and each file's schedule options reach the runner (a misspelled or impossible one is refused,
-exit code 2, before any stage process starts).
+a driver interpreter and a fork server less to start per launch), cut short with ``--steps``,
+and resume to the uninterrupted state (each file's schedule options, and the refusal of a wrong
+one, are checked without a launch in tests/unit/launch/test_research_job_files.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A hostile peer for tests/test_attacks.py: what someone without a run's secret can throw at its
+"""A hostile peer for tests/hosts/test_attacks.py: what someone without a run's secret can throw at its
 tcp ports, from a process of its own (so that it can run in another network namespace).
 
     python tests/support/attacker.py attack SPEC   # attack in rounds until "stop" arrives on stdin

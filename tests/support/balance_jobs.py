@@ -1,4 +1,4 @@
-"""Job modules for tests/test_balance.py (not a test module): an unevenly sized nn.Sequential,
+"""Job modules for tests/unit/stage/test_balance.py and tests/launch/test_balance_launch.py (not a test module): an unevenly sized nn.Sequential,
 a sample of its input and training batches. Job files name them as ``balance_jobs:NAME``."""
 
 from __future__ import annotations

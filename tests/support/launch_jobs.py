@@ -1,4 +1,4 @@
-"""Tiny job modules for tests/test_launch_stream.py (not a test module).
+"""Tiny job modules for the launches of tests/launch/ and tests/unit/launch/ (not a test module).
 
 Job files name these as ``launch_jobs:NAME``; the launches run from this folder, so every stage
 process imports this module through the recipe's search path.

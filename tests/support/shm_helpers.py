@@ -1,4 +1,4 @@
-"""Helpers of test_shm.py, some run in a process of their own: module-level, hence picklable,
+"""Helpers of tests/process/test_shm.py and tests/unit/wire/test_shm_channels.py, some run in a process of their own: module-level, hence picklable,
 and importing neither the test module nor conftest (which would start another fork server)."""
 
 from __future__ import annotations

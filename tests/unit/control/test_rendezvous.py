@@ -134,7 +134,7 @@ def test_unimportable_names_are_reported_with_their_key(tmp_path) -> None:
     ("pairwise", "schedule 'pairwise' trains with auxiliary heads: name them in the job"),
 ])
 def test_job_recipes_refuse_schedules_their_stages_cannot_train(schedule, reason) -> None:
-    """The digits recipe has plain stages and no heads (tests/test_launch_stream.py trains recipes
+    """The digits recipe has plain stages and no heads (tests/launch/test_launch_stream.py trains recipes
     with both)."""
     import pipeq
 
