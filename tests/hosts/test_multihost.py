@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -151,12 +152,19 @@ def test_host_cut_off_is_named_and_both_sides_clean_up(hosts: TwoHosts, tmp_path
     lost the driver, stops its stages on its own."""
     h = hosts
     with training(h, tmp_path, "--heartbeat-timeout", "2") as (node0, node1):
+        lines: list[tuple[float, str]] = []  # node 0's stderr, each line with when it came
+        reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), ln) for ln in node0.stderr))
+        reader.start()
+        threading.Thread(target=node0.stdout.read, daemon=True).start()  # its stdout never fills up
         subprocess.run(h.cmd(h.b, ["ip", "link", "set", h.veth_b, "down"]), check=True)
         t0 = time.monotonic()
-        _, err0 = node0.communicate(timeout=60)
-        took = time.monotonic() - t0
+        node0.wait(timeout=60)
+        reader.join(30)
+        err0 = "".join(ln for _, ln in lines)
         assert node0.returncode == 1, err0
         assert "no heartbeat" in err0 and ("stage 1 failed" in err0 or "stage 2 failed" in err0), err0
+        # when node 0 said so (not when its interpreter had exited: a busy machine slows that down)
+        took = next(t for t, ln in lines if "no heartbeat" in ln) - t0
         assert took < 2 + 5, f"the driver took {took:.1f} s to notice the lost host"
         _, err1 = node1.communicate(timeout=30)
         assert node1.returncode != 0

@@ -201,8 +201,10 @@ class InProcessPipeline:
     def __init__(self, modules: Sequence[torch.nn.Module] | None, loss_fn: Callable | None = None,
                  optimizer: Callable | None = None, *, schedule: Any = "1f1b", microbatches: int = 2,
                  n_stages: int | None = None, heartbeat_timeout: float = 10.0, step_timeout: float | None = None,
-                 beat_s: float = 0.05, trace_path: str | None = None, procs: dict[int, Any] | None = None,
+                 beat_s: float = 0.2, trace_path: str | None = None, procs: dict[int, Any] | None = None,
                  lr_scheduler: Callable | None = None, lr_scheduler_interval: str = "step") -> None:
+        # (beat_s: heartbeats far apart compared with the supervisor's 50 ms reads: while messages
+        # keep coming within each read, Supervisor._read does not return; see test_supervisor.py)
         n = len(modules) if modules is not None else int(n_stages or 1)
         self.n = n
         self.loss_fn = loss_fn
