@@ -46,3 +46,18 @@ def test_a_full_ring_buffer_drops_the_partly_overwritten_steps() -> None:
     kept = trace.drop_partial_steps(rows, [True, False])  # stage 0's buffer was full: step 3 may be cut
     assert [t[:, 1].tolist() for t in kept] == [[4, 5], [4, 5]]
     assert trace.drop_partial_steps(rows, [False, False]) == rows
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: each row is shifted by the offset interpolated at its own "
+                   "start, so when the clock samples drift apart (noisy round trips on a busy machine) a "
+                   "long wait and the action after it overlap on their stage's track (seen in "
+                   "process/test_trace.py's schedule-order test); remove this mark with the fix")
+def test_one_stages_actions_never_overlap_whatever_the_clock_drift() -> None:
+    ms = 1_000_000
+    rows = trace.rows_to_tensor([(trace.WAIT_GRAD, 0, 0, 0, 13 * ms, 0), (trace.B, 0, 0, 13 * ms, 14 * ms, 0)])
+    # two clock samples 300 ms apart whose offsets differ by 1 ms (a 0.3% drift, or noise)
+    clocks = [[trace.ClockSample(at_ns=0, offset_ns=0.0, rtt_ns=10_000),
+               trace.ClockSample(at_ns=300 * ms, offset_ns=1.0 * ms, rtt_ns=10_000)]]
+    built = trace.build(trace.TraceMeta("1f1b", 1, 1), [rows], clocks, [])
+    wait, back = sorted((e for e in built["traceEvents"] if e["ph"] == "X"), key=lambda e: e["ts"])
+    assert wait["ts"] + wait["dur"] <= back["ts"] + 1e-3, (wait, back)
