@@ -1,75 +1,146 @@
-"""Shared test helpers: small models, a single-process reference, and a guard against stray workers."""
+"""The suite's layout, its markers, and a guard against stray workers.
+
+A test file's folder says what its tests start, and so which marker they carry (``-m unit`` runs
+the tests that start no process)::
+
+    tests/unit/     unit      start no process (the package's modules, in this process)
+    tests/process/  process   start stage processes (a PipelineRunner in process mode)
+    tests/launch/   launch    run ``pipeq launch`` (in this process, or as a command)
+    tests/hosts/    hosts     several hosts: network namespaces, multi-node launches
+    tests/smoke/    smoke     the examples and the benches, run as a user runs them
+    tests/gpu/      cuda      need CUDA (skipped without it)
+
+``tests/support/`` holds the helper modules (no tests): it is put on ``sys.path`` here, before the
+fork server starts, so that the test modules, the stage processes (which take this process's
+``sys.path``) and the job files (``launch_jobs:NAME``) import them by name.
+"""
 
 from __future__ import annotations
 
 import os
-import time
+import sys
 
 import pytest
 
-from pipeq.control import forkserver
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SUPPORT = os.path.join(TESTS, "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
 
-# The fork server that process-mode tests fork their stages from (start_method="forkserver")
-# imports torch while this process imports it and the test modules.
-forkserver.start()
+from strays import wait_no_strays  # noqa: E402
 
-import torch  # noqa: E402
-
-# Simulated-mode tests train tiny models in this process: one thread, like each stage process
-# (two threads only contend with the stage processes and the other tests for the two cores).
-torch.set_num_threads(1)
-
-
-def _descendants(root: int) -> list[tuple[int, str, str]]:
-    """(pid, comm, cmdline) of every live descendant of ``root`` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    info: dict[int, tuple[str, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] == "Z":  # a zombie is already dead
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        info[int(entry)] = (comm, cmd)
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append((c, *info[c]))
-            todo.append(c)
-    return out
+#: a test folder -> the marker its tests carry
+FOLDER_MARKERS = {"unit": "unit", "process": "process", "launch": "launch", "hosts": "hosts",
+                  "smoke": "smoke", "gpu": "cuda"}
+#: the order folders run in: the longest tests first, so that with several workers (pytest-xdist)
+#: the many short unit tests fill the gaps at the end instead of one long test running alone
+FOLDER_ORDER = ["hosts", "launch", "smoke", "process", "gpu", "unit"]
 
 
-def _is_mp_helper(cmd: str) -> bool:
-    # multiprocessing's own long-lived helpers (shared by every runner of this process)
-    return "forkserver" in cmd or "resource_tracker" in cmd
+def _runs_tests(config) -> bool:
+    """False in pytest-xdist's controller: it hands the tests to its workers and runs none."""
+    return hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) or \
+        getattr(config.option, "dist", "no") == "no"
 
 
-def stray_workers() -> list[tuple[int, str, str]]:
-    """Descendants of the test process other than multiprocessing's fork server and tracker.
-
-    Stage processes forked from the fork server share its command line, so they are recognised
-    by the name every stage gives itself (``pipeq-stage<k>``).
-    """
-    return [p for p in _descendants(os.getpid())
-            if p[1].startswith("pipeq-stage") or not _is_mp_helper(p[2])]
+def _unit_only(config) -> bool:
+    """The run selects unit tests only (``-m unit``, or paths under tests/unit): nothing will fork."""
+    if (config.option.markexpr or "").strip() == "unit":
+        return True
+    paths = [a.split("::")[0] for a in config.args]
+    return bool(paths) and all(folder_of(p) == "unit" for p in paths)
 
 
-def wait_no_strays(timeout: float = 5.0) -> list[tuple[int, str, str]]:
-    end = time.monotonic() + timeout
-    while True:
-        strays = stray_workers()
-        if not strays or time.monotonic() > end:
-            return strays
-        time.sleep(0.05)
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config) -> None:
+    """A run of unit tests only goes faster in this one process: its tests compute, they do not
+    wait, and each xdist worker would first import torch and collect the suite. (Unless the
+    command line asks for workers itself.)"""
+    asked = any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in config.invocation_params.args)
+    if not asked and _unit_only(config) and getattr(config.option, "numprocesses", None):
+        config.option.numprocesses = 0
+        config.option.dist = "no"
+
+
+def pytest_configure(config) -> None:
+    if not _runs_tests(config):
+        return  # the xdist controller: no torch, no fork server
+    if not _unit_only(config):
+        # The fork server that process-mode tests fork their stages from (start_method=
+        # "forkserver") imports torch while this process imports it and the test modules.
+        from pipeq.control import forkserver
+
+        forkserver.start()
+    import torch
+
+    # Simulated-mode tests train tiny models in this process: one thread, like each stage process
+    # (two threads only contend with the stage processes and the other tests for the cores).
+    torch.set_num_threads(1)
+
+
+def folder_of(path: str) -> str | None:
+    """The first folder under tests/ of a test file (None for a file directly in tests/)."""
+    rel = os.path.relpath(os.path.abspath(path), TESTS).split(os.sep)
+    return rel[0] if len(rel) > 1 else None
+
+
+def _shared_runs(item) -> set[str]:
+    """What ``item`` shares with other tests: the module- and session-scoped fixtures of this
+    suite that it uses (a launch, a set of runs), by scope and name."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return set()
+    keys = set()
+    for name in info.names_closure:
+        for fd in info.name2fixturedefs.get(name, ()):
+            if not fd.baseid:  # a plugin's (tmp_path_factory, ...): shares nothing costly
+                continue
+            if fd.scope == "session":
+                keys.add(f"session:{name}")
+            elif fd.scope in ("module", "package", "class"):
+                keys.add(f"module:{item.path}")
+    return keys
+
+
+def _xdist_groups(items) -> dict[int, str]:
+    """Tests that share a module or session fixture run on one worker (``--dist loadgroup``),
+    so that it runs once; the others are spread one by one. Tests tied by any shared fixture
+    form one group (a union of the fixtures' users)."""
+    parent: dict[str, str] = {}
+
+    def find(k: str) -> str:
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    keys = {id(item): sorted(_shared_runs(item)) for item in items}
+    for ks in keys.values():
+        for k in ks:
+            parent[find(k)] = find(ks[0])
+    # a group is named after its session fixture if it has one (a test that asks for it by
+    # request.getfixturevalue joins it with an explicit xdist_group mark of that name), else its file
+    members: dict[str, list[str]] = {}
+    for k in list(parent):
+        members.setdefault(find(k), []).append(k)
+    names = {root: min(ks, key=lambda k: (not k.startswith("session:"), k)) for root, ks in members.items()}
+    return {i: names[find(ks[0])].split(":", 1)[1].replace(os.sep, "/").rsplit("/tests/", 1)[-1]
+            for i, ks in keys.items() if ks}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Each test carries its folder's marker (and, for pytest-xdist, the group of tests it shares
+    a fixture with); the folders run in FOLDER_ORDER, each file's tests together and in order."""
+    groups = _xdist_groups(items)
+    for item in items:
+        marker = FOLDER_MARKERS.get(folder_of(str(item.path)) or "")
+        if marker is not None:
+            item.add_marker(marker)
+        if id(item) in groups and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    rank = {f: i for i, f in enumerate(FOLDER_ORDER)}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(folder_of(str(item.path)) or "", len(rank)), order[id(item)]))
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +155,33 @@ def single_host_digits(tmp_path_factory) -> str:
     r = launch_here("--steps", str(REFERENCE_STEPS), "--out", out)  # adds --quiet --threads-per-stage 1
     assert r.returncode == 0, r.stderr
     return out
+
+
+class StartsAProcess(AssertionError):
+    """A test of tests/unit/ started a process: it belongs in another folder."""
+
+
+@pytest.fixture(autouse=True)
+def unit_starts_no_process(request):
+    """A test marked ``unit`` (tests/unit/) that starts a process fails, saying so."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise StartsAProcess(f"{request.node.nodeid} starts a process: a unit test starts none "
+                             "(move it to tests/process/, launch/, hosts/ or smoke/)")
+
+    saved = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork
+    multiprocessing.process.BaseProcess.start = refuse
+    subprocess.Popen.__init__ = refuse
+    os.fork = refuse
+    try:
+        yield
+    finally:
+        multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__, os.fork = saved
 
 
 @pytest.fixture(autouse=True)

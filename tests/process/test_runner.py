@@ -1,0 +1,155 @@
+"""PipelineRunner equals plain single-process training, in process and simulated mode."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+from models import TwoIn, TwoOut, flat_state, mlp_stages, reference_train
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+pytestmark = pytest.mark.timeout(120)
+
+
+def batches(n_steps: int, batch: int, seed: int = 1, d_in: int = 8, classes: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(batch, d_in, generator=g), torch.randint(0, classes, (batch,), generator=g))
+        for _ in range(n_steps)
+    ]
+
+
+# tests about numbers, not start-up: stages fork from a server with torch imported (~0.1 s each
+# instead of ~3 s); test_process_mode_equals_single_process_training[1f1b] keeps the default
+# (spawn) on purpose: a fresh interpreter per stage, the start-up most users get
+FAST = {"start_method": "forkserver"}
+
+
+def run(stages, data, *, schedule, microbatches, mode, loss_fn=None, opt=SGD, **kw):
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    runner = pipeq.PipelineRunner(
+        stages, loss_fn=loss_fn, optimizer=opt, schedule=schedule, microbatches=microbatches,
+        mode=mode, **kw,
+    )
+    with runner:
+        losses = [runner.step(x, y) for x, y in data]
+        state = runner.state_dict()
+        out = runner.predict(data[0][0])
+    return losses, state, out
+
+
+def assert_matches_reference(stages, data, losses, state, loss_fn=None, opt=SGD, tol=1e-5):
+    model, ref_losses = reference_train(stages, loss_fn or nn.CrossEntropyLoss(), opt, data)
+    assert losses == pytest.approx(ref_losses, abs=tol)
+    ref_state = flat_state(model)
+    assert list(state) == list(ref_state)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(state[name], ref, atol=tol, rtol=0, msg=name)
+    return model
+
+
+@pytest.mark.parametrize(("schedule", "start"), [("fill-drain", FAST), ("1f1b", {})],  # {}: spawn
+                         ids=["fill-drain", "1f1b"])
+def test_process_mode_equals_single_process_training(schedule, start):
+    stages = mlp_stages()
+    data = batches(4, 48)
+    losses, state, out = run(stages, data, schedule=schedule, microbatches=4, mode="process", **start)
+    model = assert_matches_reference(stages, data, losses, state)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(data[0][0]), atol=1e-5, rtol=0)
+
+
+def test_process_mode_uneven_microbatches_and_few_microbatches():
+    stages = mlp_stages((8, 12, 12, 3))
+    data = batches(3, 50)  # 8 microbatches of 7 or 6 samples
+    losses, state, _ = run(stages, data, schedule="1f1b", microbatches=8, mode="process", **FAST)
+    assert_matches_reference(stages, data, losses, state)
+    losses, state, _ = run(stages, data, schedule="fill-drain", microbatches=2, mode="process", **FAST)
+    assert_matches_reference(stages, data, losses, state)
+
+
+def test_simulated_equals_process_mode():
+    stages = mlp_stages((8, 16, 16, 16, 3))
+    data = batches(3, 40)
+    a = run(stages, data, schedule="1f1b", microbatches=5, mode="process", **FAST)
+    b = run(stages, data, schedule="1f1b", microbatches=5, mode="simulated")
+    assert a[0] == pytest.approx(b[0], abs=1e-6)
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], atol=1e-6, rtol=0)
+    torch.testing.assert_close(a[2], b[2], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("flag_first", [False, True])
+def test_tuple_activations_cross_stage_boundaries(flag_first):
+    # a float activation and an integer tensor riding along, in either order
+    torch.manual_seed(3)
+    stages = [TwoOut(8, 16, flag_first), TwoIn(16, 3, flag_first)]
+    data = batches(3, 24)
+    for mode in ("simulated", "process"):
+        kw = FAST if mode == "process" else {}
+        losses, state, _ = run(stages, data, schedule="1f1b", microbatches=3, mode=mode, **kw)
+        assert_matches_reference(stages, data, losses, state)
+
+
+def test_state_dict_round_trip_and_caller_modules_untouched():
+    stages = mlp_stages()
+    before = {k: v.clone() for k, v in flat_state(stages).items()}
+    data = batches(2, 32)
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=4, **FAST)
+    with runner:
+        runner.step(*data[0])
+        trained = runner.state_dict()
+        runner.load_state_dict(before)
+        torch.testing.assert_close(runner.state_dict(), before)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                runner.predict(data[1][0]), nn.Sequential(*stages)(data[1][0]), atol=1e-6, rtol=0
+            )
+        with pytest.raises(ValueError, match=r"missing keys \['2.bias'\]"):
+            runner.load_state_dict({k: v for k, v in trained.items() if k != "2.bias"})
+        bad = dict(trained)
+        bad["4.weight"] = torch.zeros(5, 5)
+        with pytest.raises(ValueError, match=r"4\.weight.*shape"):
+            runner.load_state_dict(bad)
+    # the workers trained private copies: the caller's modules are unchanged
+    for k, v in flat_state(stages).items():
+        assert torch.equal(v, before[k])
+
+
+@pytest.mark.parametrize("security", ["encrypt", "authenticate"])
+def test_tcp_transport(security):
+    """Over authenticated tcp (the runner makes its own secret) training equals one process's."""
+    stages = mlp_stages()
+    data = batches(2, 32)
+    losses, state, _ = run(stages, data, schedule="1f1b", microbatches=4, mode="process", transport="tcp",
+                           tcp_security=security, **FAST)
+    assert_matches_reference(stages, data, losses, state)
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_over_the_frame_cap_fails_naming_the_stage_and_the_setting():
+    stages = mlp_stages()
+    x, y = batches(1, 32)[0]
+    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=2, max_message_mb=1,
+                              **FAST) as runner:
+        runner.step(x, y)  # 16 x 32 floats: far below 1 MiB
+    big = pipeq.PipelineRunner([nn.Linear(32, 20000), nn.Linear(20000, 3)], nn.CrossEntropyLoss(), SGD,
+                               microbatches=1, max_message_mb=1, **FAST)
+    with big, pytest.raises(pipeq.PipelineError, match=r"stage 0.*activation of step 1 microbatch 0 .*1\.2 MiB"
+                                                           r".*max_message_mb"):
+        big.step(torch.randn(16, 32), torch.randint(0, 3, (16,)))
+
+
+def test_user_schedule_function_runs_in_both_modes():
+    from models import reverse_drain
+
+    stages = mlp_stages()
+    data = batches(3, 40)
+    for mode in ("simulated", "process"):
+        kw = FAST if mode == "process" else {}
+        losses, state, _ = run(stages, data, schedule=reverse_drain, microbatches=4, mode=mode, **kw)
+        assert_matches_reference(stages, data, losses, state)

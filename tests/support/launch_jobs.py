@@ -1,0 +1,80 @@
+"""Tiny job modules for the launches of tests/launch/ and tests/unit/launch/ (not a test module).
+
+Job files name these as ``launch_jobs:NAME``; the launches run from this folder, so every stage
+process imports this module through the recipe's search path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from pipeq.research.al.executor import build_al
+
+FEATURES, CLASSES, SAMPLES, BATCH = 8, 3, 240, 24
+
+
+@functools.lru_cache(maxsize=1)
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    """Points labelled by a fixed random linear teacher: learnable in a few dozen steps."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, FEATURES, generator=g)
+    y = (x @ torch.randn(FEATURES, CLASSES, generator=g)).argmax(1)
+    return x, y
+
+
+def train_batches(epoch: int, batches: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of shuffled batches (10, or its first ``batches``); the shuffle depends on the
+    epoch only."""
+    x, y = _data()
+    perm = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(100 + epoch))
+    return [(x[i], y[i]) for i in perm.split(BATCH)][:batches]
+
+
+def top2(output: torch.Tensor, target: torch.Tensor) -> float:
+    """The share of samples whose target is among their two highest scores (an eval metric)."""
+    return float((output.topk(2, dim=1).indices == target[:, None]).any(1).float().mean())
+
+
+def heldout() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _data()
+    return x[:60], y[:60]
+
+
+def mlp_stages() -> list[nn.Module]:
+    return [nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU()), nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
+            nn.Linear(16, CLASSES)]
+
+
+def heads() -> list[nn.Module]:
+    """The auxiliary heads of mlp_stages' first two stages."""
+    return [nn.Linear(16, CLASSES), nn.Linear(16, CLASSES)]
+
+
+def al_layers() -> list[nn.Module]:
+    blocks = [nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU()), nn.Sequential(nn.Linear(16, 12), nn.ReLU()),
+              nn.Sequential(nn.Linear(12, 8), nn.Tanh())]
+    return build_al(blocks, [16, 12, 8], CLASSES, label_widths=[8, 6, 6])
+
+
+class SplitInput(nn.Module):
+    """Stage 0 of pair_stages: takes x as (first half of the features, {"rest": second half})."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(FEATURES // 2, 16)
+        self.b = nn.Linear(FEATURES - FEATURES // 2, 16)
+
+    def forward(self, first: torch.Tensor, extra: dict) -> torch.Tensor:
+        return torch.relu(self.a(first) + self.b(extra["rest"]))
+
+
+def pair_stages() -> list[nn.Module]:
+    return [SplitInput(), nn.Linear(16, CLASSES)]
+
+
+def pair_batches(epoch: int) -> list[tuple[tuple, torch.Tensor]]:
+    """train_batches with x as a tuple (features[:4], {"rest": features[4:]})."""
+    return [((x[:, :FEATURES // 2], {"rest": x[:, FEATURES // 2:]}), y) for x, y in train_batches(epoch)]

@@ -1,0 +1,62 @@
+"""The processes a test left behind: live descendants of the test process (Linux /proc).
+
+A test process's own descendants only: with pytest-xdist each worker judges its own tests, and
+multiprocessing's long-lived helpers (the fork server, the resource tracker) are not strays.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def _descendants(root: int) -> list[tuple[int, str, str]]:
+    """(pid, comm, cmdline) of every live descendant of ``root`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    info: dict[int, tuple[str, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] == "Z":  # a zombie is already dead
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        info[int(entry)] = (comm, cmd)
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append((c, *info[c]))
+            todo.append(c)
+    return out
+
+
+def _is_mp_helper(cmd: str) -> bool:
+    # multiprocessing's own long-lived helpers (shared by every runner of this process)
+    return "forkserver" in cmd or "resource_tracker" in cmd
+
+
+def stray_workers() -> list[tuple[int, str, str]]:
+    """Descendants of the test process other than multiprocessing's fork server and tracker.
+
+    Stage processes forked from the fork server share its command line, so they are recognised
+    by the name every stage gives itself (``pipeq-stage<k>``).
+    """
+    return [p for p in _descendants(os.getpid())
+            if p[1].startswith("pipeq-stage") or not _is_mp_helper(p[2])]
+
+
+def wait_no_strays(timeout: float = 5.0) -> list[tuple[int, str, str]]:
+    end = time.monotonic() + timeout
+    while True:
+        strays = stray_workers()
+        if not strays or time.monotonic() > end:
+            return strays
+        time.sleep(0.05)

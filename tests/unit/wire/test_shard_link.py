@@ -1,0 +1,164 @@
+"""The shard link (pipeq.wire.shard_link): a tensor-parallel stage's shard 0 shares every message
+its event loop consumes, and the other shards follow it, in this process.
+
+``torch.distributed.broadcast`` is replaced by an in-memory one: what shard 0 broadcasts, the
+followers receive in the same order (as gloo's broadcast over the stage's group does).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.distributed
+
+from pipeq.errors import CodecError
+from pipeq.wire.messages import Kind, Message
+from pipeq.wire.shard_link import MAX_FRAMES, FollowerTransport, LeadTransport, ShardLink
+
+
+class Group:
+    """One shard's view of the stage's group: broadcasts from rank 0 queue up for the others."""
+
+    def __init__(self, sent: collections.deque, rank: int) -> None:
+        self.sent, self.rank = sent, rank
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group) -> None:
+    if group.rank == src:
+        group.sent.append(tensor.clone())
+    else:
+        got = group.sent.popleft()
+        assert got.shape == tensor.shape and got.dtype == tensor.dtype, "a broadcast of another size"
+        tensor.copy_(got)
+
+
+@pytest.fixture
+def links(monkeypatch):
+    """(shard 0's link, shard 1's link) of one stage, with frames of up to 1 MiB."""
+    monkeypatch.setattr(torch.distributed, "broadcast", broadcast)
+    sent: collections.deque = collections.deque()
+    return (ShardLink(Group(sent, 0), 0, 2, "stage 1, shard 0", max_bytes=1 << 20),
+            ShardLink(Group(sent, 1), 1, 2, "stage 1, shard 1", max_bytes=1 << 20))
+
+
+def same(a: Message, b: Message) -> bool:
+    return ((a.kind, a.step, a.microbatch, a.extra) == (b.kind, b.step, b.microbatch, b.extra)
+            and len(a.tensors) == len(b.tensors)
+            and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a.tensors, b.tensors)))
+
+
+MESSAGES = [
+    Message(Kind.TRAIN, 3, 0, [torch.randn(4, 5), torch.arange(4)], {"sizes": [2, 2], "weights": [0.5, 0.5]}),
+    Message(Kind.ACTIVATION, 3, 1, [torch.randn(2, 7).to(torch.bfloat16)]),
+    Message(Kind.GRADIENT, 3, 0, [torch.randn(3, 1, 2)]),
+    Message(Kind.GET_STATE, -4),
+    Message(Kind.ACTIVATION, 0, 0, [torch.zeros(0, 3), torch.tensor(1.5)]),  # empty and 0-d tensors
+]
+
+
+def test_followers_receive_every_shared_message_whole_and_in_order(links) -> None:
+    lead, follower = links
+    for msg in MESSAGES:
+        lead.share(msg)
+    for msg in MESSAGES:
+        assert same(follower.receive(), msg)
+
+
+class Inner:
+    """Shard 0's own transport: commands and data as they arrive; what it sends is recorded."""
+
+    def __init__(self) -> None:
+        self.forward_queue, self.backward_queue = object(), object()
+        self.commands = [Message(Kind.TRAIN, 0, 0, [], {"sizes": [1]}), None, Message(Kind.STOP, -1)]
+        self.data = {(0, 0): Message(Kind.ACTIVATION, 0, 0, [torch.ones(2)]),
+                     (0, 1): Message(Kind.GRADIENT, 0, 1, [torch.ones(3)])}
+        self.sent: list = []
+        self.shm_waits = 5
+        self.device_payloads = False
+
+    def next_control(self, timeout_ms):
+        return self.commands.pop(0)
+
+    def wait_data(self, queue, step, mb):
+        return self.data[(step, mb)]
+
+    def send_activation(self, *args, **kwargs):
+        self.sent.append(("act", args))
+
+    def send_gradient(self, *args):
+        self.sent.append(("grad", args))
+
+    def send_control(self, msg):
+        self.sent.append(("control", msg.kind))
+
+    def connect(self, *addresses):
+        self.sent.append(("connect", addresses))
+
+
+def test_a_follower_sees_what_the_lead_consumed_and_sends_nothing(links) -> None:
+    lead_link, follower_link = links
+    inner, theirs = Inner(), Inner()
+    lead, follower = LeadTransport(inner, lead_link), FollowerTransport(theirs, follower_link)
+    # the lead's event loop: a command, a poll that found nothing, its data, another command
+    got = [lead.next_control(10), lead.next_control(10), lead.wait_data(inner.forward_queue, 0, 0),
+           lead.wait_data(inner.backward_queue, 0, 1), lead.next_control(10)]
+    assert got[1] is None and lead.shm_waits == 5
+    # the follower's, the same calls: the same messages (nothing for the empty poll)
+    assert same(follower.next_control(10), got[0])
+    assert same(follower.wait_data(follower.forward_queue, 0, 0), got[2])
+    assert same(follower.wait_data(follower.backward_queue, 0, 1), got[3])
+    assert same(follower.next_control(10), got[4])
+    # a follower's outputs and replies go nowhere: shard 0 sends the stage's
+    follower.send_activation(0, 0, [torch.ones(1)])
+    follower.send_gradient(0, 0, [torch.ones(1)])
+    follower.send_control(Message(Kind.LOSS, 0))
+    follower.connect("ipc://a", "ipc://b")
+    assert theirs.sent == [] and follower.shm_waits == 0
+    lead.send_control(Message(Kind.LOSS, 0))
+    assert inner.sent == [("control", Kind.LOSS)]
+
+
+@pytest.mark.parametrize("waited, shared", [
+    ((Kind.ACTIVATION, 0, 1), Message(Kind.ACTIVATION, 0, 0, [torch.ones(1)])),  # another microbatch
+    ((Kind.ACTIVATION, 0, 0), Message(Kind.GRADIENT, 0, 0, [torch.ones(1)])),  # another channel
+    ((Kind.GRADIENT, 1, 0), Message(Kind.GRADIENT, 0, 0, [torch.ones(1)])),  # another step
+])
+def test_a_follower_out_of_step_with_its_lead_fails_saying_so(links, waited, shared) -> None:
+    lead_link, follower_link = links
+    theirs = Inner()
+    follower = FollowerTransport(theirs, follower_link)
+    lead_link.share(shared)
+    kind, step, mb = waited
+    queue = follower.forward_queue if kind is Kind.ACTIVATION else follower.backward_queue
+    with pytest.raises(RuntimeError, match="out of step") as info:
+        follower.wait_data(queue, step, mb)
+    assert "stage 1, shard 1" in str(info.value)
+
+
+def test_a_shared_message_larger_than_allowed_is_refused_before_it_is_read(links) -> None:
+    lead, _ = links
+    follower = ShardLink(Group(lead.group.sent, 1), 1, 2, "stage 1, shard 1", max_bytes=1024)
+    lead.share(Message(Kind.ACTIVATION, 0, 0, [torch.zeros(1024)]))
+    with pytest.raises(CodecError, match=r"a message of 2 frames, 4\d\d\d bytes \(.*, 1024 bytes\)"):
+        follower.receive()
+    assert len(lead.group.sent) == 1  # its body: never taken in
+
+
+def head(n: int, total: int) -> torch.Tensor:
+    return torch.tensor([n, total], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("frames, body, message", [
+    (0, torch.zeros(0, dtype=torch.uint8), "of 0 frames"),
+    (MAX_FRAMES + 1, torch.zeros(64, dtype=torch.uint8), f"at most {MAX_FRAMES} frames"),
+    (9, torch.zeros(64, dtype=torch.uint8), "cannot hold 9 frame lengths"),
+    (1, torch.tensor([100, 0, 0, 0, 0, 0, 0, 0] + [0] * 56, dtype=torch.uint8), "runs past"),
+])
+def test_a_corrupt_shared_message_is_a_codec_error_naming_the_shard(links, frames, body, message) -> None:
+    lead, follower = links
+    lead.group.sent.extend([head(frames, body.numel()), body])
+    with pytest.raises(CodecError, match=message) as info:
+        follower.receive()
+    assert "stage 1, shard 1" in str(info.value)
