@@ -129,6 +129,17 @@ def _offset_at(samples: Sequence[ClockSample], t_ns: float) -> float:
     return a.offset_ns + (b.offset_ns - a.offset_ns) * (t_ns - a.at_ns) / (b.at_ns - a.at_ns)
 
 
+def _to_driver(samples: Sequence[ClockSample]) -> Any:
+    """A stage's clock (ns) to the driver's: every moment shifted by the offset interpolated at
+    that moment (clocks of two hosts can be days apart: converted with the first sample before
+    interpolating). Starts and ends go through the same increasing map, so one stage's actions,
+    which follow each other on its own clock, never overlap on the driver's."""
+    if not samples:
+        return float
+    first = samples[0].offset_ns
+    return lambda t: t - _offset_at(samples, t - first)
+
+
 @dataclass
 class TraceMeta:
     schedule: str
@@ -154,11 +165,9 @@ def build(
     starts = [float(s[2]) for s in driver_spans]
     for k, t in enumerate(stage_rows):
         rows = []
+        to_driver = _to_driver(clocks[k] if clocks else [])
         for code, step, mb, t0, t1, nbytes in t.tolist():
-            # interpolate the offset at this moment in driver time (clocks of two hosts can be
-            # days apart: convert with the first sample before interpolating)
-            off = _offset_at(clocks[k], t0 - clocks[k][0].offset_ns) if clocks and clocks[k] else 0.0
-            rows.append((code, step, mb, t0 - off, t1 - off, nbytes))
+            rows.append((code, step, mb, to_driver(t0), to_driver(t1), nbytes))
         shifted.append((k, rows))
         starts += [r[3] for r in rows[:1]]  # rows are in time order: the first starts first
     origin = origin_ns if origin_ns is not None else (min(starts) if starts else 0.0)

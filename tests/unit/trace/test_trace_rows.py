@@ -48,10 +48,6 @@ def test_a_full_ring_buffer_drops_the_partly_overwritten_steps() -> None:
     assert trace.drop_partial_steps(rows, [False, False]) == rows
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: each row is shifted by the offset interpolated at its own "
-                   "start, so when the clock samples drift apart (noisy round trips on a busy machine) a "
-                   "long wait and the action after it overlap on their stage's track (seen in "
-                   "process/test_trace.py's schedule-order test); remove this mark with the fix")
 def test_one_stages_actions_never_overlap_whatever_the_clock_drift() -> None:
     ms = 1_000_000
     rows = trace.rows_to_tensor([(trace.WAIT_GRAD, 0, 0, 0, 13 * ms, 0), (trace.B, 0, 0, 13 * ms, 14 * ms, 0)])
