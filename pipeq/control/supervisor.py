@@ -195,9 +195,12 @@ class Supervisor:
 
     def _read(self, timeout_ms: int) -> tuple[Peer, ErrorReply] | None:
         """The next ERROR from one of ours, filing everything else that arrives (heartbeats,
-        replies someone will wait for); None when nothing more came within ``timeout_ms``."""
+        replies someone will wait for); None when none came within ``timeout_ms``, however many
+        other messages did (heartbeats of many stages may never leave the socket quiet)."""
+        deadline = time.monotonic() + timeout_ms / 1000
         while True:
-            r = self._recv(timeout_ms)
+            left = deadline - time.monotonic()
+            r = self._recv(max(0, int(left * 1000)))
             if r is None:
                 return None
             peer, msg = r
@@ -211,6 +214,8 @@ class Supervisor:
                 return peer, payload
             if peer.role == STAGE:
                 self._keep(peer.index, msg)
+            if left <= 0 < timeout_ms:
+                return None  # (timeout 0 drains what is pending instead)
 
     def _keep(self, g: int, msg: Message) -> None:
         """A stage's reply that is not the one being waited for: kept for whoever awaits it."""
@@ -338,5 +343,14 @@ class Supervisor:
         try:
             self.server.send_many(messages)
         except PeerUnreachable as exc:
-            self.check_health()  # names the stage and its own error if it died
+            # a stage that raised and exited has sent its ERROR just before: that names it best,
+            # else its exit does (check_health); only then the socket
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end and self.deferred is None:
+                got = self._read(50)
+                if got is not None:
+                    self._error(*got)  # raised, or deferred behind an earlier step
+                self.check_health()
+            if self.deferred is not None:
+                raise self.fail(self.deferred[1])
             raise self.fail(self.error("its control socket is gone", exc.process))

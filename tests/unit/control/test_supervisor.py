@@ -184,9 +184,6 @@ def test_a_failure_in_a_later_step_of_a_stream_lets_the_earlier_steps_finish() -
     assert info.value.stage == 1 and "ArithmeticError" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="known race: Supervisor.send_all blames a stage's gone control socket "
-                   "without waiting for the ERROR it sent just before exiting (process/test_stream.py's "
-                   "mid-stream failure hits it on a busy machine); remove this mark with the fix")
 @pytest.mark.timeout(60)
 def test_a_stage_that_raised_and_exited_is_named_with_its_error_not_its_gone_socket() -> None:
     """Stage 1 raised and exited: its socket is gone before its ERROR has arrived. The error the
@@ -204,9 +201,6 @@ def test_a_stage_that_raised_and_exited_is_named_with_its_error_not_its_gone_soc
     assert info.value.stage == 1 and "ArithmeticError: the stage's own bug" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: Supervisor._read(timeout) returns only after a quiet "
-                   "timeout, so check_health's 0.5 s wait for a dead process's ERROR never ends while "
-                   "heartbeats come faster than every 50 ms (many stages); remove this mark with the fix")
 @pytest.mark.timeout(3)
 def test_a_dead_stage_is_named_even_while_the_others_heartbeat_often() -> None:
     middle = Faulty("hang")
