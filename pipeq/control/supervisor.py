@@ -152,12 +152,7 @@ class Supervisor:
         for g, p in self.procs.items():
             code = p.exitcode
             if code is not None and g not in self._excused:
-                # An ERROR may still be in flight from a stage that raised and exited: prefer it.
-                end = time.monotonic() + 0.5
-                while time.monotonic() < end and g not in self._excused:
-                    got = self._read(50)
-                    if got is not None:
-                        self._error(*got)  # raised, or deferred (which excuses its process)
+                self._error_in_flight(lambda: g in self._excused)
                 if g not in self._excused:
                     raise self.fail(self.error(f"stage process (pid {p.pid}) {exit_reason(code)}", g))
         for g in range(self.n_processes):
@@ -173,6 +168,15 @@ class Supervisor:
                 raise self.fail(self.error(
                     f"stuck: has been in {what} for {age:.1f} s with no progress (step_timeout="
                     f"{self.step_timeout} s); its neighbours are waiting for it", g))
+
+    def _error_in_flight(self, done: Callable[[], bool]) -> None:
+        """Half a second for the ERROR a stage sent just before it exited (until ``done()``): it
+        names the failure better than the exit or the gone socket that revealed it."""
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end and not done():
+            got = self._read(50)
+            if got is not None:
+                self._error(*got)  # raised, or deferred behind an earlier step (excusing its process)
 
     def _beat(self, peer: Peer, payload: Payload, now: float) -> None:
         """Anything from a stage process shows it alive; its heartbeat also says what it computes."""
@@ -343,14 +347,8 @@ class Supervisor:
         try:
             self.server.send_many(messages)
         except PeerUnreachable as exc:
-            # a stage that raised and exited has sent its ERROR just before: that names it best,
-            # else its exit does (check_health); only then the socket
-            end = time.monotonic() + 0.5
-            while time.monotonic() < end and self.deferred is None:
-                got = self._read(50)
-                if got is not None:
-                    self._error(*got)  # raised, or deferred behind an earlier step
-                self.check_health()
+            self._error_in_flight(lambda: self.deferred is not None)
             if self.deferred is not None:
                 raise self.fail(self.deferred[1])
+            self.check_health()  # names the stage and how it ended if it exited
             raise self.fail(self.error("its control socket is gone", exc.process))
