@@ -55,7 +55,7 @@ whose kernels round differently: its plain training (cell 2) prints 0.199 at ite
 where this torch gives 0.197, and its tensor-parallel cell 4 drifts from iteration 3000 on.
 
 Simulated mode equals the tutorial's loop replayed literally in one process bit for bit over the
-10 000 batches (``tests/test_stream.py``'s ``tutorial_replay``). Process mode prints the same
+10 000 batches (``tests/process/test_stream.py``'s ``tutorial_replay``). Process mode prints the same
 first five values; its later ones change from run to run (0.317, 0.328, 0.529 at 5003): a stage
 computes on tensors rebuilt zero-copy over received ZeroMQ frames, whose addresses are not always
 16-byte aligned, and addmm on a misaligned input can round its last bit differently. That
