@@ -15,58 +15,8 @@ import torch
 from torch import nn
 
 import pipeq
+from numerics_cases import SGD, assert_close, data, mlp, reference, run
 from pipeq.errors import PipelineError
-from models import Chain, flat_state
-
-SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.5)
-
-
-def mlp(seed: int = 0, width: int = 16) -> list[nn.Module]:
-    torch.manual_seed(seed)
-    return [nn.Sequential(nn.Linear(6, width), nn.Tanh()), nn.Sequential(nn.Linear(width, width), nn.Tanh()),
-            nn.Linear(width, 4)]
-
-
-def data(steps: int, n: int = 12, scale: float = 3.0):
-    g = torch.Generator().manual_seed(7)
-    return [(torch.randn(n, 6, generator=g) * scale, torch.randint(0, 4, (n,), generator=g)) for _ in range(steps)]
-
-
-def reference(stages, batches, *, clip=None, norm_type=2.0, autocast=None, scaler=None):
-    """Single-process training of the whole model, as a user writes it."""
-    model = Chain(*copy.deepcopy(stages))
-    opt = SGD(model.parameters())
-    for x, y in batches:
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False):
-            loss = nn.functional.cross_entropy(model(x), y)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-        else:
-            loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=norm_type)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-    return flat_state(model)
-
-
-def run(stages, batches, mode="simulated", **kw):
-    runner = pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD, kw.pop("schedule", "1f1b"),
-                                  kw.pop("microbatches", 3), mode=mode, **kw)
-    with runner:
-        losses = [runner.step(x, y) for x, y in batches]
-        return runner.state_dict(), losses, runner.stats()
-
-
-def assert_close(got, want, atol):
-    assert list(got) == list(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=atol, rtol=0, msg=k)
 
 
 @pytest.mark.timeout(120)
