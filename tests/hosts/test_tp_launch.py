@@ -8,7 +8,6 @@ before anything starts (tests/unit/launch/test_tp_job_checks.py).
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -17,37 +16,9 @@ import pytest
 import torch
 
 from launch_util import SUPPORT, free_ports, metrics, model_state, secret_env
+from tp_jobs import JOB, _in_tests, _launch
 
 pytestmark = pytest.mark.timeout(300)
-
-JOB = """\
-stages = "launch_jobs:mlp_stages"
-loss = "torch.nn:CrossEntropyLoss"
-optimizer = "torch.optim:SGD"
-optimizer_args = { lr = 0.1, momentum = 0.9 }
-data = "launch_jobs:train_batches"
-microbatches = 4
-steps = 6
-seed = 0
-tensor_parallel = 2
-tp_plan = [{ "0" = "colwise" }, { "0" = "rowwise" }, {}]
-"""
-
-
-def _launch(job: str, out: str, *args: str) -> list[str]:
-    return ["launch", job, "--quiet", "--threads-per-stage", "1", "--out", out, *args]
-
-
-def _in_tests(argv: list[str]) -> int:
-    """``pipeq launch`` in this process, from tests/support/ (where the job's modules are)."""
-    from pipeq.launch.cli import main
-
-    cwd = os.getcwd()
-    os.chdir(SUPPORT)
-    try:
-        return main(argv)
-    finally:
-        os.chdir(cwd)
 
 
 def test_job_file_tensor_parallel_over_two_nodes_matches_t1(tmp_path, capfd) -> None:

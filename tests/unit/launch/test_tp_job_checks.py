@@ -7,38 +7,9 @@ import re
 
 import pytest
 
-from launch_util import SUPPORT
+from tp_jobs import JOB, _in_tests, _launch
 
 pytestmark = pytest.mark.timeout(300)
-
-JOB = """\
-stages = "launch_jobs:mlp_stages"
-loss = "torch.nn:CrossEntropyLoss"
-optimizer = "torch.optim:SGD"
-optimizer_args = { lr = 0.1, momentum = 0.9 }
-data = "launch_jobs:train_batches"
-microbatches = 4
-steps = 6
-seed = 0
-tensor_parallel = 2
-tp_plan = [{ "0" = "colwise" }, { "0" = "rowwise" }, {}]
-"""
-
-
-def _launch(job: str, out: str, *args: str) -> list[str]:
-    return ["launch", job, "--quiet", "--threads-per-stage", "1", "--out", out, *args]
-
-
-def _in_tests(argv: list[str]) -> int:
-    """``pipeq launch`` in this process, from tests/support/ (where the job's modules are)."""
-    from pipeq.launch.cli import main
-
-    cwd = os.getcwd()
-    os.chdir(SUPPORT)
-    try:
-        return main(argv)
-    finally:
-        os.chdir(cwd)
 
 
 @pytest.mark.parametrize("plan, message", [
