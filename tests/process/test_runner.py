@@ -2,54 +2,21 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from torch import nn
 
 import pipeq
-from models import TwoIn, TwoOut, flat_state, mlp_stages, reference_train
+from models import TwoIn, TwoOut, flat_state, mlp_stages
+from runner_cases import SGD, assert_matches_reference, batches, run
 
-SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 pytestmark = pytest.mark.timeout(120)
-
-
-def batches(n_steps: int, batch: int, seed: int = 1, d_in: int = 8, classes: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(batch, d_in, generator=g), torch.randint(0, classes, (batch,), generator=g))
-        for _ in range(n_steps)
-    ]
 
 
 # tests about numbers, not start-up: stages fork from a server with torch imported (~0.1 s each
 # instead of ~3 s); test_process_mode_equals_single_process_training[1f1b] keeps the default
 # (spawn) on purpose: a fresh interpreter per stage, the start-up most users get
 FAST = {"start_method": "forkserver"}
-
-
-def run(stages, data, *, schedule, microbatches, mode, loss_fn=None, opt=SGD, **kw):
-    loss_fn = loss_fn or nn.CrossEntropyLoss()
-    runner = pipeq.PipelineRunner(
-        stages, loss_fn=loss_fn, optimizer=opt, schedule=schedule, microbatches=microbatches,
-        mode=mode, **kw,
-    )
-    with runner:
-        losses = [runner.step(x, y) for x, y in data]
-        state = runner.state_dict()
-        out = runner.predict(data[0][0])
-    return losses, state, out
-
-
-def assert_matches_reference(stages, data, losses, state, loss_fn=None, opt=SGD, tol=1e-5):
-    model, ref_losses = reference_train(stages, loss_fn or nn.CrossEntropyLoss(), opt, data)
-    assert losses == pytest.approx(ref_losses, abs=tol)
-    ref_state = flat_state(model)
-    assert list(state) == list(ref_state)
-    for name, ref in ref_state.items():
-        torch.testing.assert_close(state[name], ref, atol=tol, rtol=0, msg=name)
-    return model
 
 
 @pytest.mark.parametrize(("schedule", "start"), [("fill-drain", FAST), ("1f1b", {})],  # {}: spawn
