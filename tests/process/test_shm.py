@@ -24,7 +24,7 @@ from strays import wait_no_strays
 from models import flat_state, reference_train
 from pipeq.wire import shm
 from pipeq.wire.sockets import make_ipc_dir, remove_ipc_dir
-from shm_helpers import segment_names
+from shm_helpers import mapped_segments, segment_names, wait_until
 
 FAST = dict(start_method="forkserver")
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -32,23 +32,6 @@ WIDTH = 1024  # 33 rows x 1024 float32 = 132 KiB per microbatch: over shm's 64 K
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def mapped_segments(pid: int, prefix: str) -> dict[str, bool]:
-    """Run ``prefix``'s segments that process ``pid`` has mapped: name -> whether its name has
-    been unlinked (the kernel shows such a mapping as ``... (deleted)``)."""
-    out: dict[str, bool] = {}
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            deleted = line.endswith(" (deleted)")
-            if deleted:
-                line = line[: -len(" (deleted)")]
-            path = line.split(maxsplit=5)[-1] if len(line.split(maxsplit=5)) == 6 else ""
-            if path.startswith(f"{shm.SHM_DIR}/{prefix}-"):
-                name = os.path.basename(path)
-                out[name] = out.get(name, True) and deleted
-    return out
-
-
 def channels(names) -> set[str]:
     """``{"F0", "B1", ...}`` of segment names ``<prefix>-<channel>-<slot>-<gen>``."""
     return {n.rsplit("-", 3)[1] for n in names}
@@ -60,19 +43,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(") ", 1)[1][0] != "Z"
     except OSError:
         return False
-
-
-def wait_until(cond, timeout: float, what: str):
-    """Poll ``cond`` (a condition on another process or the file system, which has no event to
-    wait on) until it is truthy; fail naming ``what`` after ``timeout`` s."""
-    end = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def big_stages(seed: int = 0) -> list[nn.Module]:

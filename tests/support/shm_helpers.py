@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 from pipeq.wire import shm
 from pipeq.wire.shm import ShmConfig
@@ -94,3 +95,33 @@ def orphaning_driver(conn) -> None:
     conn.recv()
     runner.step(torch.randn(64, 8), torch.randint(0, 3, (64,)))
     conn.send("the step ended")
+
+
+def mapped_segments(pid: int, prefix: str) -> dict[str, bool]:
+    """Run ``prefix``'s segments that process ``pid`` has mapped: name -> whether its name has
+    been unlinked (the kernel shows such a mapping as ``... (deleted)``)."""
+    out: dict[str, bool] = {}
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            deleted = line.endswith(" (deleted)")
+            if deleted:
+                line = line[: -len(" (deleted)")]
+            path = line.split(maxsplit=5)[-1] if len(line.split(maxsplit=5)) == 6 else ""
+            if path.startswith(f"{shm.SHM_DIR}/{prefix}-"):
+                name = os.path.basename(path)
+                out[name] = out.get(name, True) and deleted
+    return out
+
+
+def wait_until(cond, timeout: float, what: str):
+    """Poll ``cond`` (a condition on another process or the file system, which has no event to
+    wait on) until it is truthy; fail naming ``what`` after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)

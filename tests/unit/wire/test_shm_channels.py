@@ -21,40 +21,10 @@ from pipeq.wire.control_link import ControlServer
 from pipeq.wire.errors import Stopped
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
 from pipeq.wire.stage_link import StageTransport
-from shm_helpers import transport_pair
+from shm_helpers import mapped_segments, transport_pair, wait_until
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def mapped_segments(pid: int, prefix: str) -> dict[str, bool]:
-    """Run ``prefix``'s segments that process ``pid`` has mapped: name -> whether its name has
-    been unlinked (the kernel shows such a mapping as ``... (deleted)``)."""
-    out: dict[str, bool] = {}
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            deleted = line.endswith(" (deleted)")
-            if deleted:
-                line = line[: -len(" (deleted)")]
-            path = line.split(maxsplit=5)[-1] if len(line.split(maxsplit=5)) == 6 else ""
-            if path.startswith(f"{shm.SHM_DIR}/{prefix}-"):
-                name = os.path.basename(path)
-                out[name] = out.get(name, True) and deleted
-    return out
-
-
-def wait_until(cond, timeout: float, what: str):
-    """Poll ``cond`` (a condition on another process or the file system, which has no event to
-    wait on) until it is truthy; fail naming ``what`` after ``timeout`` s."""
-    end = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
-
-
 def record_puts(writer: SlotWriter) -> list[list[int]]:
     """Record the byte sizes of the buffers of every ``writer.put``."""
     calls: list[list[int]] = []
