@@ -9,30 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from balance_jobs import train_batches, uneven_model
+from balance_jobs import job_file, train_batches, uneven_model
 from launch_util import SUPPORT, metrics, model_state
 from models import reference_train
+
 pytestmark = pytest.mark.timeout(60)
 
 
 # -- job files ----------------------------------------------------------------------------------
-
-JOB = """\
-model = "balance_jobs:uneven_model"
-loss = "torch.nn:CrossEntropyLoss"
-optimizer = "torch.optim:SGD"
-optimizer_args = { lr = 0.1 }
-data = "balance_jobs:train_batches"
-microbatches = 4
-steps = 4
-"""
-
-
-def job_file(tmp_path, extra: str, text: str = JOB) -> str:
-    path = tmp_path / "job.toml"
-    path.write_text(text + extra)
-    return str(path)
-
 
 def assert_equals_reference(losses, state, seed: int) -> None:
     """The job's model (built under ``seed``) trained in one process on the first 4 batches, as

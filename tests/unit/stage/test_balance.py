@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipeq
-from balance_jobs import train_batches, uneven_model
+from balance_jobs import JOB, job_file, train_batches, uneven_model
 from models import TwoIn, TwoOut, reference_train
 from pipeq import checkpoint
 from pipeq.launch.job import load_job
@@ -175,23 +175,6 @@ def test_runner_refuses_a_model_it_cannot_split() -> None:
 
 
 # -- job files ----------------------------------------------------------------------------------
-
-JOB = """\
-model = "balance_jobs:uneven_model"
-loss = "torch.nn:CrossEntropyLoss"
-optimizer = "torch.optim:SGD"
-optimizer_args = { lr = 0.1 }
-data = "balance_jobs:train_batches"
-microbatches = 4
-steps = 4
-"""
-
-
-def job_file(tmp_path, extra: str, text: str = JOB) -> str:
-    path = tmp_path / "job.toml"
-    path.write_text(text + extra)
-    return str(path)
-
 
 def test_job_with_counts_builds_the_split_model(tmp_path) -> None:
     recipe = load_job(job_file(tmp_path, "balance = [2, 3, 1]\nseed = 3\n")).recipe
