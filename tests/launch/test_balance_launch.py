@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
-import torch
-from torch import nn
 
-from balance_jobs import job_file, train_batches, uneven_model
+from balance_cases import assert_equals_reference, job_file
 from launch_util import SUPPORT, metrics, model_state
-from models import reference_train
 
 pytestmark = pytest.mark.timeout(60)
-
-
-# -- job files ----------------------------------------------------------------------------------
-
-def assert_equals_reference(losses, state, seed: int) -> None:
-    """The job's model (built under ``seed``) trained in one process on the first 4 batches, as
-    JOB says (SGD, lr 0.1): the same losses and parameters."""
-    torch.manual_seed(seed)
-    model, ref_losses = reference_train(list(uneven_model()), nn.CrossEntropyLoss(),
-                                        functools.partial(torch.optim.SGD, lr=0.1), train_batches(0)[:4])
-    assert losses == pytest.approx(ref_losses, abs=1e-5)
-    assert list(state) == list(model.state_dict())
-    for name, ref in model.state_dict().items():
-        torch.testing.assert_close(state[name], ref, atol=1e-5, rtol=0, msg=name)
 
 
 @pytest.mark.timeout(90)

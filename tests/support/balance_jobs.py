@@ -1,6 +1,5 @@
 """Job modules for tests/unit/stage/test_balance.py and tests/launch/test_balance_launch.py (not a test module): an unevenly sized nn.Sequential,
-a sample of its input and training batches. Job files name them as ``balance_jobs:NAME``; JOB is such a
-job file, which job_file writes for a test."""
+a sample of its input and training batches. Job files name them as ``balance_jobs:NAME``."""
 
 from __future__ import annotations
 
@@ -29,21 +28,3 @@ def train_batches(epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     x = torch.randn(8 * 16, FEATURES, generator=g)
     y = (x @ torch.randn(FEATURES, CLASSES, generator=torch.Generator().manual_seed(99))).argmax(1)
     return list(zip(x.split(16), y.split(16)))
-
-
-#: a job of uneven_model on train_batches (SGD, lr 0.1); a test adds its own keys
-JOB = """\
-model = "balance_jobs:uneven_model"
-loss = "torch.nn:CrossEntropyLoss"
-optimizer = "torch.optim:SGD"
-optimizer_args = { lr = 0.1 }
-data = "balance_jobs:train_batches"
-microbatches = 4
-steps = 4
-"""
-
-
-def job_file(tmp_path, extra: str, text: str = JOB) -> str:
-    path = tmp_path / "job.toml"
-    path.write_text(text + extra)
-    return str(path)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import pipeq
-from balance_jobs import JOB, job_file, train_batches, uneven_model
+from balance_cases import JOB, assert_equals_reference, job_file
+from balance_jobs import train_batches, uneven_model
 from models import TwoIn, TwoOut, reference_train
 from pipeq import checkpoint
 from pipeq.launch.job import load_job
@@ -192,18 +193,6 @@ def test_job_with_counts_builds_the_split_model(tmp_path) -> None:
         state = runner.state_dict()
     assert runner.n_stages == 3
     assert_equals_reference(losses, state, seed=3)
-
-
-def assert_equals_reference(losses, state, seed: int) -> None:
-    """The job's model (built under ``seed``) trained in one process on the first 4 batches, as
-    JOB says (SGD, lr 0.1): the same losses and parameters."""
-    torch.manual_seed(seed)
-    model, ref_losses = reference_train(list(uneven_model()), nn.CrossEntropyLoss(),
-                                        functools.partial(torch.optim.SGD, lr=0.1), train_batches(0)[:4])
-    assert losses == pytest.approx(ref_losses, abs=1e-5)
-    assert list(state) == list(model.state_dict())
-    for name, ref in model.state_dict().items():
-        torch.testing.assert_close(state[name], ref, atol=1e-5, rtol=0, msg=name)
 
 
 def test_job_with_a_measured_balance_measures_once(tmp_path) -> None:
