@@ -26,6 +26,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 SUPPORT = os.path.join(TESTS, "support")
 if SUPPORT not in sys.path:
     sys.path.insert(0, SUPPORT)
+# the shared test cases' checks report like the tests' own asserts (pytest rewrites them too)
+pytest.register_assert_rewrite(*sorted(f[:-3] for f in os.listdir(SUPPORT) if f.endswith("_cases.py")))
 
 from strays import wait_no_strays  # noqa: E402
 
