@@ -18,17 +18,10 @@ from launch_util import metrics, model_state
 from pipeq import checkpoint
 from pipeq.launch.cli import main as pipeq_main
 from pipeq.launch.job import load_job
+from job_files import MLP_MOMENTUM
 
 
-MLP = """\
-stages = "launch_jobs:mlp_stages"
-loss = "torch.nn:CrossEntropyLoss"
-optimizer = "torch.optim:SGD"
-optimizer_args = { lr = 0.1, momentum = 0.9 }
-data = "launch_jobs:train_batches"
-eval_data = "launch_jobs:heldout"
-microbatches = 4
-"""
+MLP = MLP_MOMENTUM  # (tests/support/job_files.py)
 # 14 steps over two epochs of 10 batches: streamed in segments that end at 3, 4, 6, 8, 9, 12 and 14
 STREAMED = MLP + 'schedule = "1f1b"\nsteps = 14\neval_every = 4\ncheckpoint_every = 3\n'
 

@@ -9,49 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-import pipeq
-from models import float64_data, float64_stages3, flat_state, reference_train
+from models import flat_state, reference_train
+from plugin_cases import JOB, check_trains_like_one_process
 from plugin_schedule import ReverseDrain
 
-LR = 0.1
-SGD = functools.partial(torch.optim.SGD, lr=LR)
-
-
-def _train(mode: str, schedule) -> tuple[list[float], dict]:
-    stages = float64_stages3()
-    batches = [float64_data(12, seed=s) for s in range(3)]
-    extra = {"start_method": "forkserver", "threads_per_stage": 1} if mode == "process" else {}
-    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, schedule, 4, mode=mode, **extra) as runner:
-        losses = [runner.step(x, y) for x, y in batches]
-        state = runner.state_dict()
-    return losses, state
-
-
 @pytest.mark.timeout(120)
-def test_a_users_schedule_and_executor_train_like_one_process_in_stage_processes(mode="process"):
-    """ReverseDrain's executor halves every gradient before SGD steps: one process at half the lr."""
-    losses, state = _train(mode, ReverseDrain())
-    model, want = reference_train(float64_stages3(), nn.CrossEntropyLoss(),
-                                  functools.partial(torch.optim.SGD, lr=LR / 2),
-                                  [float64_data(12, seed=s) for s in range(3)])
-    assert losses == pytest.approx(want, abs=1e-12)
-    ref = flat_state(list(model))
-    assert state.keys() == ref.keys()
-    for k in ref:
-        torch.testing.assert_close(state[k], ref[k], atol=1e-12, rtol=0)
-
-
-JOB = """\
-stages = "launch_jobs:mlp_stages"
-loss = "torch.nn:CrossEntropyLoss"
-optimizer = "torch.optim:SGD"
-optimizer_args = { lr = 0.1 }
-data = "launch_jobs:train_batches"
-data_args = { batches = 3 }
-schedule = "plugin_schedule:ReverseDrain"
-microbatches = 4
-steps = 3
-"""
+def test_a_users_schedule_and_executor_train_like_one_process_in_stage_processes():
+    check_trains_like_one_process("process")
 
 
 @pytest.mark.timeout(120)

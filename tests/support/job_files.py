@@ -17,6 +17,8 @@ data = "launch_jobs:train_batches"
 eval_data = "launch_jobs:heldout"
 microbatches = 2
 """
+#: the same job with momentum and 4 microbatches (the job-schedule and streaming tests')
+MLP_MOMENTUM = MLP.replace("{ lr = 0.1 }", "{ lr = 0.1, momentum = 0.9 }").replace("microbatches = 2", "microbatches = 4")
 
 
 def write(directory, text: str, name: str = "job") -> str:

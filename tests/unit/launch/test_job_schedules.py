@@ -14,17 +14,10 @@ from pipeq.launch.cli import main as pipeq_main
 from pipeq.launch.job import load_job
 from pipeq.control.processes import job_identity
 from pipeq.schedules import AssociatedLearning, AsyncOneFOneB, Interlock
+from job_files import MLP_MOMENTUM
 
 
-MLP = """\
-stages = "launch_jobs:mlp_stages"
-loss = "torch.nn:CrossEntropyLoss"
-optimizer = "torch.optim:SGD"
-optimizer_args = { lr = 0.1, momentum = 0.9 }
-data = "launch_jobs:train_batches"
-eval_data = "launch_jobs:heldout"
-microbatches = 4
-"""
+MLP = MLP_MOMENTUM  # (tests/support/job_files.py)
 AL = """\
 stages = "launch_jobs:al_layers"
 optimizer = "torch.optim:Adam"
