@@ -17,6 +17,8 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
                    parallel/   data parallelism (replicas) and tensor parallelism (shards)
                    checkpoint/ global names, snapshots, atomic writes, re-splitting
                    models/     ready-made staged models (ResNets with auxiliary heads)
+                   split/      pipeq.split: a whole model cut into stages, traced (torch.export and
+                               torch.distributed.pipelining's splitter) or by module names; tied weights
                    trace/      format.py: the trace file every stage's timeline is written in
                    balance.py (pipeq.balance: an optimal split of an nn.Sequential),
                    testing.py (stages of known cost)
@@ -37,15 +39,17 @@ from pipeq.errors import CodecError, MainScriptError, PipelineError, ScheduleErr
 from pipeq.schedules import SCHEDULES, format_table
 from pipeq import research  # noqa: F401  (registers the research schedules)
 
-__all__ = ["PipelineRunner", "Recipe", "balance", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
+__all__ = ["PipelineRunner", "Recipe", "balance", "split", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
            "SCHEDULES", "format_table"]
 __version__ = "0.1.0"
 
 # Imported on first use: ``import pipeq`` stays light (no torch), so that ``pipeq launch`` can start
 # its fork server before it imports torch itself (pipeq.forkserver).
-# ``balance`` is the module pipeq.balance, callable as its function balance() (see there).
+# ``balance`` and ``split`` are the modules pipeq.balance and pipeq.split, callable as their main
+# functions (see there).
 _LAZY = {"PipelineRunner": ("control.runner", "PipelineRunner"), "Recipe": ("launch.job", "Recipe"),
-         "rendezvous": ("control.rendezvous", None), "balance": ("balance", None)}
+         "rendezvous": ("control.rendezvous", None), "balance": ("balance", None),
+         "split": ("split", None)}
 
 
 def __getattr__(name: str) -> Any:

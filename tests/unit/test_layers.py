@@ -27,7 +27,7 @@ LAYERS: dict[str, list[str]] = {
     "control plane": ["__init__", "__main__", "control.", "launch.", "trace.report", "trace.plot"],
     "event loop": ["runtime."],
     "compute": ["schedules.", "stage.", "research.", "parallel.", "checkpoint.", "models.", "trace.__init__",
-                "trace.format", "balance", "testing"],
+                "trace.format", "balance", "testing", "split."],
     "transport": ["wire."],
     "codec": ["wire.codec", "wire.messages", "wire.keys", "wire.netif", "wire.control", "errors", "tree"],
 }

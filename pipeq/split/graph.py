@@ -1,0 +1,156 @@
+"""The traced split: torch.export with a dynamic batch, cut by torch.distributed.pipelining's splitter.
+
+:func:`trace_stages` exports a deep copy of the model (``torch.export.export``, dim 0 of every
+input tensor dynamic, so a stage runs any microbatch size), marks the split points the way
+``torch.distributed.pipelining.pipeline()`` does (``annotate_split_points``, a ``pipe_split()``
+before each named module) and lets that package's splitter cut the exported graph into one
+``GraphModule`` per stage. What pipeq adds is the plan of what flows where
+(:class:`Flow`): which values each stage receives from the one before (skip connections ride
+through the stages in between), which keyword inputs come straight from the driver, and what the
+last stage returns.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import fx, nn
+
+__all__ = ["Flow", "StageFlow", "trace_stages", "UntraceableModel"]
+
+FALLBACK = ("split by module names instead: pipeq.split(model, modules=[[names of stage 0's modules], "
+            "[stage 1's], ...]) runs the model's own forward on each stage")
+
+
+class UntraceableModel(ValueError):
+    """torch.export could not capture the model's forward as one graph."""
+
+
+@dataclass(frozen=True)
+class StageFlow:
+    """What stage k of a traced split takes and gives (values named by the top graph's nodes)."""
+
+    receives: tuple[str, ...]  # from the stage before (stage 0: the model's positional inputs)
+    named: tuple[str, ...]  # keyword inputs straight from the driver
+    call: tuple[str, ...]  # the stage graph's arguments, in order
+    produces: tuple[str, ...]  # names the stage graph's results bind: the whole result, or items of it
+    picks: tuple[int, ...]  # which item of the result each of ``produces`` is (empty: the whole result)
+    sends: tuple[str, ...]  # to the stage after (the last stage: the model's output leaves)
+    int_inputs: tuple[int, ...] = ()  # positions in ``call`` that are Python ints (symbolic sizes)
+
+
+@dataclass(frozen=True)
+class Flow:
+    """Every stage's :class:`StageFlow`, and the model's output structure."""
+
+    stages: tuple[StageFlow, ...]
+    out_spec: Any  # torch.utils._pytree spec of the model's output
+
+
+def _batch_dims(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """torch.export's ``dynamic_shapes``: dim 0 of every input tensor may take any size."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    auto = torch.export.Dim.AUTO
+    return {name: ({0: auto} if isinstance(v, torch.Tensor) and v.dim() > 0 else None)
+            for name, v in bound.arguments.items()}
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        return torch.export.export(model, args, kwargs, dynamic_shapes=_batch_dims(model, args, kwargs))
+    except Exception as exc:  # torch says which construct: keep its first lines
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()][:6]
+        raise UntraceableModel(
+            f"pipeq.split could not trace {type(model).__name__}.forward with torch.export "
+            f"({type(exc).__name__}: {' '.join(lines)}); {FALLBACK}") from exc
+
+
+def _picklable(module: nn.Module) -> nn.Module:
+    """``module`` with every graph below it (``torch.export``'s InterpreterModules, the
+    splitter's stage modules) rebuilt as a plain ``fx.GraphModule`` (same graph and names):
+    those pickle, to reach a stage process, and run compiled code rather than an interpreter."""
+    for name, child in list(module.named_children()):
+        setattr(module, name, _picklable(child))
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return module
+    for node in graph.nodes:
+        node.meta = {}  # export's fake tensors: nothing a stage needs, and they do not pickle
+    gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    for name, child in module.named_children():  # a container's entries, called by its parent
+        if name not in gm._modules:
+            gm.add_module(name, child)
+    return gm
+
+
+def _plain_codegen(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` taking its placeholders positionally, in graph order (no pytree input spec)."""
+    if type(gm.graph._codegen) is not fx.graph.CodeGen:
+        gm.graph._codegen = fx.graph.CodeGen()
+        gm.recompile()
+    return gm
+
+
+def trace_stages(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 points: Sequence[str]) -> tuple[list[fx.GraphModule], Flow]:
+    """Each stage's graph module (its tensors under the model's own names) and the :class:`Flow`
+    between them, for stages beginning at the modules ``points`` (in execution order)."""
+    from torch.distributed.pipelining import SplitPoint
+    from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe, annotate_split_points
+
+    work = copy.deepcopy(model)  # the split points wrap forwards: never the caller's model
+    annotate_split_points(work, {p: SplitPoint.BEGINNING for p in points})
+    program = _export(work, args, kwargs)
+    pipe = Pipe._from_traced(work, program, MultiUseParameterConfig.REPLICATE)
+    if pipe.num_stages != len(points) + 1:
+        raise ValueError(f"split points {list(points)} made {pipe.num_stages} stages, not {len(points) + 1}: "
+                         "a split point must be a module the forward calls, in the order it calls them")
+    modules = [pipe.get_stage_module(k) for k in range(pipe.num_stages)]
+    ints = [tuple(i for i, p in enumerate(n for n in m.graph.nodes if n.op == "placeholder")
+                  if isinstance(p.meta.get("val"), (int, torch.SymInt))) for m in modules]
+    graphs = [_plain_codegen(_picklable(m)) for m in modules]
+    with torch.no_grad():
+        out_spec = torch.utils._pytree.tree_flatten(model(*args, **kwargs))[1]
+    return graphs, _flow(pipe.split_gm.graph, ints, len(args), out_spec)
+
+
+def _flow(top: fx.Graph, ints: Sequence[tuple[int, ...]], n_positional: int, out_spec: Any) -> Flow:
+    """Who produces and who consumes each value of the top graph (see :class:`Flow`)."""
+    placeholders = [n for n in top.nodes if n.op == "placeholder"]
+    positional = [n.name for n in placeholders[:n_positional]]
+    keywords = {n.name for n in placeholders[n_positional:]}
+    calls = [n for n in top.nodes if n.op == "call_module"]
+    made_at: dict[str, int] = {name: 0 for name in positional}  # value -> the stage that has it first
+    used_at: dict[str, int] = {}  # value -> the last stage that needs it
+    produces: list[tuple[str, ...]] = []
+    picks: list[tuple[int, ...]] = []
+    for k, call in enumerate(calls):
+        items = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
+        items.sort(key=lambda u: u.args[1])
+        names = tuple(u.name for u in items) if items else (call.name,)
+        produces.append(names)
+        picks.append(tuple(int(u.args[1]) for u in items))
+        for name in names:
+            made_at[name] = k
+        for a in call.args:
+            if isinstance(a, fx.Node) and a.name not in keywords:
+                used_at[a.name] = max(used_at.get(a.name, 0), k)
+    last = len(calls) - 1
+    output = next(n for n in top.nodes if n.op == "output")
+    out_leaves = [a.name for a in torch.utils._pytree.tree_leaves(output.args[0]) if isinstance(a, fx.Node)]
+    for name in out_leaves:
+        used_at[name] = last
+    order = positional + [n for names in produces for n in names]
+    stages = []
+    for k, call in enumerate(calls):
+        receives = positional if k == 0 else [v for v in order if made_at.get(v, last + 1) < k <= used_at.get(v, -1)]
+        sends = out_leaves if k == last else [v for v in order if made_at.get(v, last + 1) <= k < used_at.get(v, -1)]
+        args = [a.name for a in call.args if isinstance(a, fx.Node)]
+        stages.append(StageFlow(tuple(receives), tuple(a for a in args if a in keywords), tuple(args),
+                                produces[k], picks[k], tuple(sends), ints[k]))
+    return Flow(tuple(stages), out_spec)

@@ -1,0 +1,84 @@
+"""A stage of a traced split: one stage's graph, run on what the stage before sent and the driver's inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from pipeq.split.graph import StageFlow
+
+__all__ = ["GraphStage"]
+
+
+def _portable(spec: Any) -> Any:
+    """The model output's pytree spec in a form that pickles quietly: None for one tensor, its
+    JSON when torch can write it, else the spec itself."""
+    if spec.is_leaf():
+        return None
+    try:
+        return pytree.treespec_dumps(spec)
+    except Exception:  # a type registered without a serialised name (e.g. some ModelOutputs)
+        return spec
+
+
+def _unflatten(values: list[Any], spec: Any) -> Any:
+    if spec is None:
+        return values[0]
+    return pytree.tree_unflatten(values, pytree.treespec_loads(spec) if isinstance(spec, str) else spec)
+
+
+class GraphStage(nn.Module):
+    """Stage ``index`` of a model cut by :func:`pipeq.split`: it runs its part of the traced graph.
+
+    Its children, parameters and buffers are the stage graph's own, under the whole model's
+    names (``blocks.2.attn.qkv.weight``), so its ``state_dict`` is the model's part. ``forward``
+    takes what the stage before sent (stage 0: the model's positional inputs) and, as keyword
+    arguments, the inputs the driver hands this stage (``pipeq_stage.inputs``); it returns the
+    values the stages after need (a tuple), or on the last stage the model's output, shaped as
+    the model returns it.
+    """
+
+    def __init__(self, index: int, graph: fx.GraphModule, flow: StageFlow, out_spec: Any, last: bool) -> None:
+        super().__init__()
+        for name, child in graph.named_children():
+            self.add_module(name, child)
+        for name, p in graph.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in graph.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        object.__setattr__(self, "_graph", graph)  # its code; not a child: no tensor is named twice
+        self.index = index
+        self.flow = flow
+        self.out_spec = _portable(out_spec)
+        self.last = last
+
+    def forward(self, *received: Any, **named: Any) -> Any:
+        flow = self.flow
+        if len(received) != len(flow.receives):
+            raise ValueError(f"split stage {self.index} takes {len(flow.receives)} value(s) from the stage "
+                             f"before ({', '.join(flow.receives)}), got {len(received)}")
+        env = dict(zip(flow.receives, received))
+        for name in flow.named:
+            if name not in named:
+                raise ValueError(f"split stage {self.index} needs the model's input {name!r}: pass it in "
+                                 f"stage_inputs={{{name!r}: ...}}")
+            env[name] = named[name]
+        args = [env[a] for a in flow.call]
+        for i in flow.int_inputs:  # a symbolic size sent between stages as a 0-d tensor
+            if isinstance(args[i], torch.Tensor):
+                args[i] = int(args[i])
+        out = type(self._graph).forward(self, *args)
+        if flow.picks:
+            env.update((name, out[i]) for name, i in zip(flow.produces, flow.picks))
+        else:
+            env[flow.produces[0]] = out
+        values = [env[v] for v in flow.sends]
+        if self.last:
+            return _unflatten(values, self.out_spec)
+        return tuple(torch.tensor(v) if isinstance(v, int) else v for v in values)
+
+    def extra_repr(self) -> str:
+        return f"stage {self.index}: receives {list(self.flow.receives)}, sends {list(self.flow.sends)}"

@@ -1,0 +1,101 @@
+"""Whole models for pipeq.split's tests: a small GPT (tied embedding, mask, position ids), a skip net, an untraceable one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.ln1(h)) * mask.unsqueeze(-1)
+        return h + self.mlp(self.ln2(h))
+
+
+class TinyGPT(nn.Module):
+    """Tied token embedding and LM head; every block takes the mask; position ids are an input.
+    Its forward skips removed modules (a split by module names keeps only a stage's own)."""
+
+    def __init__(self, vocab: int = 40, d: int = 16, layers: int = 4, heads: int = 2, context: int = 16) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d)
+        self.pos_emb = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, idx: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        h = self.tok_emb(idx) + self.pos_emb(pos) if self.tok_emb is not None else idx
+        for block in self.blocks:
+            h = block(h, mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def gpt_batch(n: int, *, vocab: int = 40, T: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(idx, mask, pos, target) of ``n`` samples."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (n, T), generator=g)
+    mask = (torch.rand(n, T, generator=g) > 0.2).float()
+    pos = torch.randint(0, T, (n, T), generator=g)
+    target = torch.randint(0, vocab, (n, T), generator=g)
+    return idx, mask, pos, target
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+class SkipNet(nn.Module):
+    """A U-Net-like skip: ``a``'s output is added back after ``c`` (across any split between)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.c = nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.tanh(self.a(x))
+        h = torch.tanh(self.c(torch.tanh(self.b(s))))
+        return self.head(h + s)
+
+
+class Untraceable(nn.Module):
+    """Branches on a tensor's value: torch.export cannot capture one graph of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:
+            h = h * 2
+        return self.b(h)
