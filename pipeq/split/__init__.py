@@ -92,7 +92,7 @@ def _points(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], n_s
 def _measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], points: list[str],
              by: str) -> list[float]:
     """Each piece's cost when the model is cut at every candidate point (:mod:`pipeq.balance`)."""
-    graphs, flow = trace_stages(model, args, kwargs, points)
+    graphs, _, flow = trace_stages(model, args, kwargs, points)
     pieces = [_Bound(GraphStage(k, g, f, flow.out_spec, k == len(graphs) - 1), {n: kwargs[n] for n in f.named})
               for k, (g, f) in enumerate(zip(graphs, flow.stages))]
     chain = nn.Sequential(*pieces)
@@ -132,9 +132,9 @@ def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, An
     else:
         args, kwargs = _example(model, example_args, example_kwargs)
         points = _points(model, args, kwargs, n_stages, split_points, balance)
-        graphs, flow = trace_stages(model, args, kwargs, points)
-        stages = Split(set_info(GraphStage(k, g, f, flow.out_spec, k == len(graphs) - 1), model_names=True,
-                                inputs=f.named) for k, (g, f) in enumerate(zip(graphs, flow.stages)))
+        graphs, evals, flow = trace_stages(model, args, kwargs, points)
+        stages = Split(set_info(GraphStage(k, g, f, flow.out_spec, k == len(graphs) - 1, e), model_names=True,
+                                inputs=f.named) for k, (g, e, f) in enumerate(zip(graphs, evals, flow.stages)))
         stages.split_points = points
     tie_stages(stages, groups)
     return stages

@@ -96,10 +96,31 @@ def _plain_codegen(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _codes(module: nn.Module) -> list[str]:
+    return [m.code for m in module.modules() if isinstance(m, fx.GraphModule)]
+
+
 def trace_stages(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 points: Sequence[str]) -> tuple[list[fx.GraphModule], Flow]:
-    """Each stage's graph module (its tensors under the model's own names) and the :class:`Flow`
-    between them, for stages beginning at the modules ``points`` (in execution order)."""
+                 points: Sequence[str]) -> tuple[list[fx.GraphModule], list[fx.GraphModule | None], Flow]:
+    """Each stage's graph module (its tensors under the model's own names), its graph in eval
+    mode when that differs (dropout, batch norm: export fixes the mode into the graph; None
+    otherwise), and the :class:`Flow` between them, for stages beginning at the modules
+    ``points`` (in execution order)."""
+    training = model.training
+    try:
+        graphs, flow = _trace(model.train(), args, kwargs, points)
+        evals, eval_flow = _trace(model.eval(), args, kwargs, points)
+    finally:
+        model.train(training)
+    if eval_flow.stages != flow.stages:
+        raise ValueError("the model's forward sends other values between the split points in eval mode than "
+                         "in training mode; pipeq.split cannot run both: split by module names instead")
+    return graphs, [e if _codes(e) != _codes(g) else None for g, e in zip(graphs, evals)], flow
+
+
+def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+           points: Sequence[str]) -> tuple[list[fx.GraphModule], Flow]:
+    """One trace of ``model`` (in its current mode) cut at ``points``."""
     from torch.distributed.pipelining import SplitPoint
     from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe, annotate_split_points
 

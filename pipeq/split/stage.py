@@ -41,7 +41,10 @@ class GraphStage(nn.Module):
     the model returns it.
     """
 
-    def __init__(self, index: int, graph: fx.GraphModule, flow: StageFlow, out_spec: Any, last: bool) -> None:
+    def __init__(self, index: int, graph: fx.GraphModule, flow: StageFlow, out_spec: Any, last: bool,
+                 eval_graph: fx.GraphModule | None = None) -> None:
+        """``eval_graph``: the stage traced in eval mode, when it differs (dropout...): it runs
+        when the stage is in eval mode, on the same parameters and buffers."""
         super().__init__()
         for name, child in graph.named_children():
             self.add_module(name, child)
@@ -50,6 +53,8 @@ class GraphStage(nn.Module):
         for name, b in graph.named_buffers(recurse=False):
             self.register_buffer(name, b)
         object.__setattr__(self, "_graph", graph)  # its code; not a child: no tensor is named twice
+        object.__setattr__(self, "_eval", eval_graph)
+        self._share()
         self.index = index
         self.flow = flow
         self.out_spec = _portable(out_spec)
@@ -70,7 +75,11 @@ class GraphStage(nn.Module):
         for i in flow.int_inputs:  # a symbolic size sent between stages as a 0-d tensor
             if isinstance(args[i], torch.Tensor):
                 args[i] = int(args[i])
-        out = type(self._graph).forward(self, *args)
+        if self.training or self._eval is None:
+            out = type(self._graph).forward(self, *args)
+        else:  # the same tensors as the training graph (re-linked: ties may have replaced some)
+            self._share()
+            out = self._eval(*args)
         if flow.picks:
             env.update((name, out[i]) for name, i in zip(flow.produces, flow.picks))
         else:
@@ -79,6 +88,25 @@ class GraphStage(nn.Module):
         if self.last:
             return _unflatten(values, self.out_spec)
         return tuple(torch.tensor(v) if isinstance(v, int) else v for v in values)
+
+    def _share(self) -> None:
+        """The eval graph's parameters and buffers are this stage's own (the same tensors)."""
+        if self._eval is None:
+            return
+        params, buffers = dict(self.named_parameters(remove_duplicate=False)), dict(self.named_buffers())
+        for name, _ in list(self._eval.named_parameters(remove_duplicate=False)):
+            if name in params:
+                owner, _, leaf = name.rpartition(".")
+                self._eval.get_submodule(owner)._parameters[leaf] = params[name]
+        for name, _ in list(self._eval.named_buffers(remove_duplicate=False)):
+            if name in buffers:
+                owner, _, leaf = name.rpartition(".")
+                self._eval.get_submodule(owner)._buffers[leaf] = buffers[name]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "GraphStage":
+        super()._apply(fn, recurse)  # .to(device), .half()...: the eval graph follows
+        self._share()
+        return self
 
     def extra_repr(self) -> str:
         return f"stage {self.index}: receives {list(self.flow.receives)}, sends {list(self.flow.sends)}"

@@ -133,3 +133,22 @@ def test_bad_arguments_say_what_to_pass():
         pipeq.split(model, (idx,), {"mask": mask, "pos": pos})
     with pytest.raises(ValueError, match="did you mean 'lm_head.weight'"):
         pipeq.split(model, (idx,), {"mask": mask, "pos": pos}, n_stages=2, ties=[["tok_emb.weight", "lm_head.weigh"]])
+
+
+def test_eval_mode_runs_the_graph_traced_in_eval_mode():
+    """export fixes dropout's mode into the graph: eval() stages use the eval trace, on the same weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    stages = pickle.loads(pickle.dumps(pipeq.split(model, (x,), split_points=["2"])))
+    with torch.no_grad():
+        for s in stages:
+            s.eval()
+        model.eval()
+        assert torch.equal(_chain(stages, x, {}), model(x))
+        with torch.no_grad():
+            stages[0].get_parameter("0.weight").mul_(2)  # one set of weights for both graphs
+        assert not torch.equal(_chain(stages, x, {}), model(x))
+        stages[0].train()
+        torch.manual_seed(0)
+        dropped = stages[0](x)[0]
+        assert (dropped == 0).any()  # training mode drops
