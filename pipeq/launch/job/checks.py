@@ -147,8 +147,19 @@ def _check_model_keys(path: str, raw: Mapping[str, Any]) -> None:
             raise ValueError(f"job file {path}: {key} splits the nn.Sequential that model names: set "
                              "model = 'pkg.mod:fn' (a function returning it) instead of stages")
     if "model" not in raw:
+        if "split_modules" in raw:
+            raise ValueError(f"job file {path}: split_modules splits the model that model names: set model = "
+                             "'pkg.mod:fn' (a function returning it) instead of stages")
         return
     schedules.resolve(raw["schedule"]).check_job(path, raw)  # e.g. AL refuses model + balance
+    if "split_modules" in raw:
+        mods = raw["split_modules"]
+        if "balance" in raw:
+            raise ValueError(f"job file {path}: split_modules names each stage's modules; drop balance")
+        if not mods or not all(isinstance(s, list) and s and all(type(n) is str for n in s) for s in mods):
+            raise ValueError(f"job file {path}: split_modules must be an array of arrays of module names, one per "
+                             'stage: split_modules = [["tok_emb", "blocks.0"], ["blocks.1", "norm", "lm_head"]]')
+        return
     balance = raw.get("balance")
     if balance is None:
         raise ValueError(f"job file {path}: model needs balance: layer counts per stage (balance = [3, 2, 1]), or "

@@ -85,8 +85,11 @@ KEYS: dict[str, Key] = {
     "lr_scheduler_interval": _recipe(str, None, '"step" (the default: the stages step the scheduler after every '
                                      'optimizer step) or "epoch" (pipeq launch steps it between epochs)',
                                      "training"),
-    "model": _recipe(str, None, "'pkg.mod:fn': () -> an nn.Sequential that balance splits into stages (instead "
-                     "of stages)", "stages"),
+    "model": _recipe(str, None, "'pkg.mod:fn': () -> the whole model (instead of stages): an nn.Sequential that "
+                     "balance splits, or any nn.Module that split_modules splits by name", "stages"),
+    "split_modules": _recipe(list, None, 'each stage\'s module names ([["tok_emb", "blocks.0"], ["blocks.1", '
+                             '"lm_head"]]): model split by name (pipeq.split(model, modules=...)); each stage runs '
+                             "the model's forward, which skips the modules it lacks", "stages"),
     "balance": _recipe((list, str), None, 'layers per stage ([3, 2, 1]), or "time" / "memory": measured on '
                        "balance_sample into n_stages stages when the run starts", "stages"),
     "balance_sample": _recipe(str, None, "() -> the model's input, which a measured balance runs", "stages"),

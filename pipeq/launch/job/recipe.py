@@ -81,6 +81,7 @@ class Recipe(StageBuilder):
     aux_loss_args: dict[str, Any] = field_of("aux_loss_args")
     lr_scheduler_interval: str | None = field_of("lr_scheduler_interval")  # None: "step" (pipeq.stage.lr_schedulers)
     model: str | None = field_of("model")
+    split_modules: list[list[str]] | None = field_of("split_modules")  # model split by name (pipeq.split)
     balance: list[int] | str | None = field_of("balance")  # "time" / "memory": measured (prepared)
     balance_sample: str | None = field_of("balance_sample")
     model_args: dict[str, Any] = field_of("model_args")
@@ -95,6 +96,10 @@ class Recipe(StageBuilder):
     def count_stages(self) -> int:
         """N: the job's ``n_stages``, or the length of the list its stages function returns (or
         of its balance)."""
+        if self.model is not None and self.split_modules is not None:
+            if self.n_stages is not None and self.n_stages != len(self.split_modules):
+                raise ValueError(f"n_stages = {self.n_stages}, but split_modules names {len(self.split_modules)} stages")
+            return len(self.split_modules)
         if self.model is not None:
             counts = self._counts()
             if self.n_stages is not None and self.n_stages != len(counts):
@@ -126,6 +131,12 @@ class Recipe(StageBuilder):
         return list(stages)
 
     def build_stage(self, k: int, n: int) -> nn.Module:
+        if self.model is not None and self.split_modules is not None:
+            from pipeq.split import split
+
+            if len(self.split_modules) != n:
+                raise ValueError(f"split_modules names {len(self.split_modules)} stages, the run has {n}")
+            return split(self._model(sequential=False), modules=self.split_modules)[k]
         if self.model is not None:
             counts = self._counts()
             if len(counts) != n:
@@ -151,6 +162,10 @@ class Recipe(StageBuilder):
         counts. Without ``model`` it is this recipe."""
         if self.model is None:
             return self
+        if self.split_modules is not None:
+            if self.balance is not None:
+                raise ValueError("split_modules names each stage's modules: drop balance")
+            return self
         if isinstance(self.balance, str):
             if multi_host:
                 raise ValueError(_MEASURED_ON_ONE_NODE.format(by=self.balance))
@@ -165,17 +180,21 @@ class Recipe(StageBuilder):
             raise ValueError(f"model = {self.model!r} needs balance: layer counts per stage, or 'time' / 'memory'")
         return list(self.balance)
 
-    def _model(self) -> nn.Sequential:
-        """The job's model, built under its seed (the same weights in every process)."""
+    def _model(self, sequential: bool = True) -> nn.Module:
+        """The job's model, built under its seed (the same weights in every process); an
+        nn.Sequential of layers unless it is split by name (``sequential=False``)."""
         self._imports()
         fn = resolve(self.model, "model")
         if not callable(fn) or required_positional(fn, self.model_args) > 0:
-            raise ValueError(f"model = {self.model!r} must be a function returning an nn.Sequential, called with "
+            raise ValueError(f"model = {self.model!r} must be a function returning the model, called with "
                              "model_args (none by default)")
         check_args(fn, self.model_args, "model", self.model)
         with _seeded(self.seed):
             model = fn(**self.model_args)
-        balancing.layers_of(model, f"the model of model = {self.model!r}")
+        if sequential:
+            balancing.layers_of(model, f"the model of model = {self.model!r}")
+        elif not isinstance(model, nn.Module):
+            raise ValueError(f"model = {self.model!r} returned a {type(model).__name__}, not an nn.Module")
         return model
 
     def _measure(self, by: str) -> list[int]:
