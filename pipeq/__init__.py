@@ -5,11 +5,13 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
     control plane  launch/     pipeq launch: cli.py, job files (job/keys.py: the one table of keys),
                                the training loop (trainer.py, loop.py...), node agents (agent.py)
                    control/    runner.py (PipelineRunner), config.py (RunConfig: every setting, built
-                               and checked once), checks.py, batching.py; process mode: driver.py,
-                               startup.py, supervisor.py, processes.py, rendezvous.py, trace_collector.py
+                               and checked once), checks.py, batching.py, streaming.py, stage_inputs.py;
+                               process mode: driver.py, startup.py, supervisor.py, processes.py,
+                               rendezvous.py, trace_collector.py
                    trace/      report.py, plot.py: reading traces
-    event loop     runtime/    worker.py (one per stage process), interpreter.py (runs a stage's
-                               actions), simulated.py (every stage in one process), executors.py
+    event loop     runtime/    worker.py (one per stage process; batch_command.py: what a command
+                               carries), interpreter.py (runs a stage's actions), simulated.py (every
+                               stage in one process), executors.py
     compute        schedules/  pure: actions as data, the schedule policy protocol (protocol.py), the
                                registry, lowering, dry runs, bounds
                    research/   plug-in schedules with their executors: interlock/, async1f1b/, al/

@@ -18,6 +18,7 @@ from torch import nn
 
 from pipeq import schedules
 from pipeq.control.main_guard import check_picklable
+from pipeq.control.stage_inputs import check_declared
 from pipeq.stage.spec import StageBuilder, StageSpec
 from pipeq.schedules import SchedulePolicy
 from pipeq.stage import lr_schedulers
@@ -115,6 +116,7 @@ def check_model(
     lr_schedule = lr_schedulers.check(lr_scheduler_interval, lr_scheduler, optimizer)
     _check_heads(schedule, n, aux_heads, aux_loss)
     schedule.check_stages(stages)
+    check_declared(stages, schedule)
     _check_untied(stages)
     heads = list(aux_heads) + [None] if aux_heads is not None else [None] * n
     replicas = [[StageSpec(module, optimizer, loss_fn if schedule.computes_loss(k, n) else None, lr_scheduler,

@@ -7,8 +7,10 @@ replies. Every wait is watched by a :class:`~pipeq.control.supervisor.Supervisor
 deaths, heartbeats); a failure stops every worker and removes the ipc directory before it is
 raised.
 
-    train:   TRAIN to each stage (x to stage 0, target to the loss stages) -> LOSS from the last
-    predict: PREDICT to each stage (x to stage 0) -> OUTPUT per microbatch from the output stage
+    train:   TRAIN to each stage (x to stage 0, target to the loss stages, each stage's inputs to
+             it) -> LOSS from the last
+    predict: PREDICT to each stage (x to stage 0, each stage's inputs) -> OUTPUT per microbatch
+             from the output stage
     state:   GET_STATE / SET_STATE, GET_SNAPSHOT / RESTORE, GET_LR, STEP_SCHEDULER, GET_STATS
 """
 
@@ -23,6 +25,7 @@ import torch
 
 from pipeq.stage import microbatch
 from pipeq.control.batching import Shard
+from pipeq.control.stage_inputs import StageInputs
 from pipeq.errors import PipelineError
 from pipeq.stage.spec import StageBuilder
 from pipeq.wire import control
@@ -163,11 +166,12 @@ class ProcessBackend:
         """A stage has failed in a step still ahead of the caller (see Supervisor.deferred)."""
         return self.sup is not None and self.sup.deferred is not None
 
-    def submit(self, step: int, shards: list[Shard], x: Any, target: Any, stream: bool = False) -> None:
-        """Send one training step: replica r trains on the r-th shard of the batch. It does not
-        wait: each stage starts the step as soon as it is done with the ones sent before. With
-        ``stream``, a schedule that need not drain between batches (asynchronous 1F1B) does not;
-        :meth:`drain` ends the stream."""
+    def submit(self, step: int, shards: list[Shard], x: Any, target: Any, stream: bool = False,
+               inputs: StageInputs | None = None) -> None:
+        """Send one training step: replica r trains on the r-th shard of the batch (and of each
+        stage's ``inputs``). It does not wait: each stage starts the step as soon as it is done
+        with the ones sent before. With ``stream``, a schedule that need not drain between
+        batches (asynchronous 1F1B) does not; :meth:`drain` ends the stream."""
         sup = self._usable()
         sup.drain_pending()
         if sup.deferred is not None:  # a stage failed in an earlier step: this one cannot run;
@@ -179,11 +183,13 @@ class ProcessBackend:
             n = sum(sizes)
             xs, x_tree = microbatch.pack(microbatch.narrow(x, offset, n))
             ts, t_tree = microbatch.pack(microbatch.narrow(target, offset, n))
+            mine = _packed(inputs, offset, n)
             offset += n
             for k in range(self.n_stages):
-                part = _batch_part(xs if k == 0 else None, x_tree, ts if k in self.loss_stages else None, t_tree)
+                part = _batch_part(xs if k == 0 else None, x_tree, ts if k in self.loss_stages else None, t_tree,
+                                   mine[k] if mine is not None else None)
                 train = Train(sizes=sizes, weights=weights, aux_weights=aux_weights, stream=stream, x=part.x,
-                              nx=part.nx, target=part.target)
+                              nx=part.nx, inputs=part.inputs, ninputs=part.ninputs, target=part.target)
                 msgs.append((r * self.n_stages + k, control.message(train, step, 0, part.tensors)))
         t0 = time.perf_counter_ns()
         self._send_all(sup, msgs)
@@ -203,22 +209,24 @@ class ProcessBackend:
         # each replica's loss is already weighted by its share of the batch: they add up
         return sum(losses[g].loss for g in lasts)
 
-    def train(self, step: int, shards: list[Shard], x: Any, target: Any) -> float:
-        self.submit(step, shards, x, target)
+    def train(self, step: int, shards: list[Shard], x: Any, target: Any, inputs: StageInputs | None = None) -> float:
+        self.submit(step, shards, x, target, inputs=inputs)
         return self.result(step)
 
     def drain(self) -> None:
         """End a stream: every stage finishes its leftover work (asynchronous 1F1B's last backwards)."""
         self._ask_each(Kind.DRAIN, Kind.ACK, "drain", range(self.n_processes))
 
-    def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
+    def predict(self, step: int, sizes: list[int], x: Any, inputs: StageInputs | None = None) -> list[Tensors]:
         sup = self._usable()
         xs, x_tree = microbatch.pack(x)
+        mine = _packed(inputs, 0, sum(sizes))
         t0 = time.perf_counter_ns()
         msgs = []
         for k in range(self.n_stages):
-            part = _batch_part(xs if k == 0 else None, x_tree, None, None)
-            msgs.append((k, control.message(Predict(sizes=sizes, x=part.x, nx=part.nx), step, 0, part.tensors)))
+            part = _batch_part(xs if k == 0 else None, x_tree, None, None, mine[k] if mine is not None else None)
+            predict = Predict(sizes=sizes, x=part.x, nx=part.nx, inputs=part.inputs, ninputs=part.ninputs)
+            msgs.append((k, control.message(predict, step, 0, part.tensors)))
         self._send_all(sup, msgs)
         out = self.output_stage
         outputs = sup.collect(Kind.OUTPUT, {out: len(sizes)}, step=step, what=f"predict {step}")[out]
@@ -272,6 +280,10 @@ class ProcessBackend:
     def layouts(self) -> list[dict[str, Any]]:
         return [ready.layout for ready in self.processes.ready[:self.n_stages]]
 
+    def declared_inputs(self) -> list[tuple[str, ...]]:
+        """The inputs each stage declares (:class:`pipeq.stage.info.StageInfo`), as its READY said."""
+        return [tuple(ready.inputs or ()) for ready in self.processes.ready[:self.n_stages]]
+
     def scheduler_step(self, metric: float | None) -> None:
         """Step every process's lr schedulers once (every replica's: they stay alike)."""
         sup = self._usable()
@@ -286,23 +298,38 @@ class ProcessBackend:
 
 
 class _Part(NamedTuple):
-    """What one stage's TRAIN / PREDICT carries of a batch: x's tensors (stage 0), the target's
-    (the stages that compute a loss), and their trees when they are not a lone tensor."""
+    """What one stage's TRAIN / PREDICT carries of a batch: x's tensors (stage 0), the stage's
+    inputs' and the target's (the stages that compute a loss), in that order, and their trees
+    when they are not a lone tensor (the inputs' always: a dict)."""
 
     tensors: list[torch.Tensor]
     x: Any = None
     nx: int | None = None  # x's tensors, first in ``tensors`` (without it: 1 at stage 0, else 0)
     target: Any = None
+    inputs: Any = None
+    ninputs: int | None = None  # the inputs' tensors, after x's
 
 
-def _batch_part(xs: list[torch.Tensor] | None, x_tree: Any, ts: list[torch.Tensor] | None, t_tree: Any) -> _Part:
+def _batch_part(xs: list[torch.Tensor] | None, x_tree: Any, ts: list[torch.Tensor] | None, t_tree: Any,
+                packed_inputs: tuple[list[torch.Tensor], Any] | None = None) -> _Part:
     tensors: list[torch.Tensor] = []
-    x = nx = target = None
+    x = nx = target = inputs = ninputs = None
     if xs is not None:
         tensors += xs
         if x_tree is not None:
             x, nx = x_tree, len(xs)
+    if packed_inputs is not None:
+        tensors += packed_inputs[0]
+        inputs, ninputs = packed_inputs[1], len(packed_inputs[0])
     if ts is not None:
         tensors += ts
         target = t_tree
-    return _Part(tensors, x, nx, target)
+    return _Part(tensors, x, nx, target, inputs, ninputs)
+
+
+def _packed(inputs: StageInputs | None, start: int, length: int) -> list[tuple[list[torch.Tensor], Any] | None] | None:
+    """Each stage's inputs, samples ``start .. start + length`` (a replica's shard), packed for
+    the wire; None without any."""
+    if inputs is None:
+        return None
+    return [microbatch.pack(microbatch.narrow(mine, start, length)) if mine is not None else None for mine in inputs]

@@ -73,19 +73,21 @@ def _shape(t: Any) -> str:
     return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def _batches(batches: Any) -> Iterable[tuple[Any, Any]]:
-    """One ``(x, target)`` pair of tensors is one batch; anything else is an iterable of pairs."""
-    if (isinstance(batches, tuple) and len(batches) == 2 and isinstance(batches[0], torch.Tensor)
-            and isinstance(batches[1], torch.Tensor)):
+def _batches(batches: Any) -> Iterable[tuple[Any, ...]]:
+    """One ``(x, target)`` pair of tensors (or ``(x, target, stage_inputs)`` with a dict) is one
+    batch; anything else is an iterable of them."""
+    if (isinstance(batches, tuple) and len(batches) in (2, 3) and isinstance(batches[0], torch.Tensor)
+            and isinstance(batches[1], torch.Tensor) and (len(batches) == 2 or isinstance(batches[2], Mapping))):
         return [batches]
     return batches
 
 
-def evaluate(predict: Callable[[torch.Tensor], Any], batches: Any, metrics: Mapping[str, Metric] | None,
+def evaluate(predict: Callable[..., Any], batches: Any, metrics: Mapping[str, Metric] | None,
              loss_fn: Callable | None) -> dict[str, float]:
     """The sample means of the loss (when ``loss_fn`` is given), accuracy (classification) and
-    ``metrics`` over ``batches`` (an iterable of ``(x, target)``, or one pair), with ``predict``
-    giving each batch's output. See the module's docstring."""
+    ``metrics`` over ``batches`` (an iterable of ``(x, target)`` or ``(x, target, stage_inputs)``,
+    or one of them), with ``predict(x)`` (``predict(x, stage_inputs=...)``) giving each batch's
+    output. See the module's docstring."""
     chosen = check_metrics(metrics)
     named: dict[str, Metric] = {}
     summed = loss_fn is not None and loss_weight_mode(loss_fn) == "sum" and "loss" not in chosen
@@ -97,11 +99,12 @@ def evaluate(predict: Callable[[torch.Tensor], Any], batches: Any, metrics: Mapp
     classify = True  # the default accuracy: while every batch is a classification one
     count = 0
     for i, pair in enumerate(_batches(batches)):
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise ValueError(f"evaluation batch {i} is a {type(pair).__name__}, not an (x, target) pair")
-        x, target = pair
+        if not (isinstance(pair, (tuple, list)) and len(pair) in (2, 3)):
+            raise ValueError(f"evaluation batch {i} is a {type(pair).__name__}, not an (x, target) pair "
+                             "(or an (x, target, stage_inputs) triple)")
+        x, target = pair[0], pair[1]
         target, n = check_batch(f"evaluation batch {i}'s target", target)
-        output = predict(x)
+        output = predict(x) if len(pair) == 2 else predict(x, stage_inputs=pair[2])
         if "accuracy" not in chosen:  # (the user's accuracy is always computed)
             classify = (classify and isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)
                         and is_classification(output, target))

@@ -5,6 +5,7 @@
                                   schedule="1f1b", microbatches=8)
     with runner:                          # starts one process per stage; exit stops them all
         loss = runner.step(x, target)     # one optimizer step on the whole batch -> mean loss
+        loss = runner.step(x, target, stage_inputs={"mask": m})  # m straight to the stages taking it
         out = runner.predict(x)           # forward only -> CPU tensor
         state = runner.state_dict()       # keys as in the flat model nn.Sequential(*layers)
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -30,7 +31,9 @@ from pipeq.control.batching import Batcher, check_batch
 from pipeq.control.config import RunConfig, setting_fields
 from pipeq.control.main_guard import check_main_guard
 from pipeq.control.processes import StageSettings
+from pipeq.control.stage_inputs import StageInputs, route
 from pipeq.control.state import RunnerState
+from pipeq.control.streaming import RunnerStream
 from pipeq.errors import PipelineError
 from pipeq.stage import microbatch
 from pipeq.stage.numerics import Numerics
@@ -42,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["PipelineRunner"]
 
 
-class PipelineRunner(RunnerState):
+class PipelineRunner(RunnerStream, RunnerState):
     """Train ``stages`` (one ``nn.Module`` per pipeline stage) with a pipeline schedule.
 
     Args:
@@ -109,7 +112,16 @@ class PipelineRunner(RunnerState):
 
     ``runner.lr_schedule`` (a :class:`pipeq.stage.lr_schedulers.LRSchedule`) says how the lr schedulers
     are stepped: its ``interval``, and whether they take a metric (ReduceLROnPlateau).
+
+    Stage inputs: ``step``, ``predict`` (and ``stream`` / ``evaluate``, with ``(x, target,
+    stage_inputs)`` batches) take ``stage_inputs``, values the driver hands straight to the stages
+    that use them (an attention mask, position ids), split into microbatches like x: stage k is
+    called as ``module(*what_it_receives, **its_inputs)``. ``{"mask": m}`` goes to every stage
+    whose ``pipeq_stage`` declares ``"mask"`` (:class:`pipeq.stage.info.StageInfo`; ``pipeq.split``
+    sets it), ``{2: {"mask": m}}`` to stage 2 (see :mod:`pipeq.control.stage_inputs`).
     """
+
+    _declared: "list[tuple[str, ...]] | None" = None  # each stage's declared inputs, asked once
 
     def __init__(
         self,
@@ -205,111 +217,52 @@ class PipelineRunner(RunnerState):
         self._settle()
 
     # -- training and inference --------------------------------------------------------------
-    def step(self, x: Any, target: Any) -> float:
+    def step(self, x: Any, target: Any, stage_inputs: Mapping[Any, Any] | None = None) -> float:
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
-        ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0)."""
+        ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0);
+        ``stage_inputs``: values handed straight to the stages that take them (see the class)."""
         self._require_running()
-        return self._hand_out(self._submit(x, target))
+        return self._hand_out(self._submit(x, target, stage_inputs))
 
-    def stream(self, batches: Iterable[tuple[Any, Any]], *, in_flight: int | None = None) -> Iterator[float]:
-        """Train on every ``(x, target)`` of ``batches`` (any iterable; a DataLoader works) and
-        yield each batch's loss, in order, while the stages work on the batches behind it.
-
-        The pipeline is filled once and drained once: at the end of ``batches``, when the
-        iterator is closed (``break``: the batches already taken are finished first), and
-        before anything that needs a consistent state (``step``, ``predict``, ``state_dict``,
-        ``save``...). Every stage runs its batches in order, starting the next as soon as its
-        own work and update for the previous one are done, so the losses and weights are those
-        of ``[runner.step(x, y) for x, y in batches]``. At most ``in_flight`` batches are sent
-        ahead (default: one more than the stages, enough to keep every stage busy), so memory
-        stays bounded for an endless iterable.
-        """
-        self._require_running()
-        if in_flight is None:
-            in_flight = max(1, min(self.n_stages + 1, self._queue_capacity // self.microbatches))
-        elif type(in_flight) is not int or in_flight < 1:
-            raise ValueError(f"in_flight must be a positive integer, got {in_flight!r}")
-        elif in_flight * self.microbatches > self._queue_capacity:
-            raise ValueError(
-                f"in_flight={in_flight} batches of {self.microbatches} microbatches can put "
-                f"{in_flight * self.microbatches} messages in a stage's queue, over queue_capacity="
-                f"{self._queue_capacity}: lower in_flight or raise the runner's queue_capacity")
-        return self._stream(iter(batches), in_flight)
-
-    def _stream(self, batches: Iterator[tuple[Any, Any]], in_flight: int) -> Iterator[float]:
-        mine: collections.deque[int] = collections.deque()
-        exhausted = False
-        try:
-            while True:
-                while not exhausted and len(mine) < in_flight and not self._backend.failing:
-                    try:
-                        x, target = next(batches)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    mine.append(self._submit(x, target, stream=True))
-                if not mine:
-                    break
-                yield self._hand_out(mine.popleft())
-        except BaseException as exc:
-            # closed early (break), or the data raised: the batches already sent are finished, so
-            # the runner is consistent again. A pipeline failure has already stopped everything;
-            # Ctrl-C does not wait for them either (anything needing a consistent state still does).
-            if not isinstance(exc, (PipelineError, KeyboardInterrupt)) and self._running:
-                self._settle()
-            raise
-        self._settle()  # the end of the batches: drained once
-
-    def _submit(self, x: Any, target: Any, stream: bool = False) -> int:
+    def _submit(self, x: Any, target: Any, given: Any = None, stream: bool = False) -> int:
         x, target, n = self._batcher.training_pair(x, target)
+        inputs = self._route(given, n)
         shards = self._batcher.shards(target, n)
         self._step += 1
-        self._backend.submit(self._step, shards, x, target, stream)
+        self._backend.submit(self._step, shards, x, target, stream, inputs)
         self._submitted.append(self._step)
         self._undrained |= stream and self.schedule.streams_across_batches
         return self._step
 
-    def _result(self, step: int) -> float:
-        if step in self._losses:
-            return self._losses.pop(step)
-        self._submitted.remove(step)
-        return self._backend.result(step)
+    def _route(self, given: Any, batch: int) -> StageInputs | None:
+        """``stage_inputs`` as each stage's keyword arguments (None: none), checked against what
+        the stages declare (:mod:`pipeq.control.stage_inputs`)."""
+        if self._declared is None:
+            self._declared = self._backend.declared_inputs()
+        if given is None and not any(self._declared):  # the common case: nothing to route
+            return None
+        return route(given, self._declared, batch, self.schedule)
 
-    def _hand_out(self, step: int) -> float:
-        """Step ``step``'s loss, noting the learning rate it trained with (:attr:`last_step_lr`)."""
-        loss = self._result(step)
-        self._last_step_lr = self._backend.step_lrs.pop(step, None)
-        return loss
-
-    def _settle(self) -> None:
-        """Wait until every step sent so far is done (their losses are kept for their stream),
-        and drain what a stream left (asynchronous 1F1B's last backwards)."""
-        while self._submitted:
-            step = self._submitted.popleft()
-            self._losses[step] = self._backend.result(step)
-        if self._undrained:
-            self._undrained = False
-            self._backend.drain()
-
-    def predict(self, x: Any) -> Any:
+    def predict(self, x: Any, stage_inputs: Mapping[Any, Any] | None = None) -> Any:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU, shaped
         as the last stage returns it (a tensor, or a tuple / list / dict: tensors are joined
-        again on dim 0)."""
+        again on dim 0). ``stage_inputs`` as in :meth:`step`."""
         self._require_running()
         x, n = check_batch("x", x)
         self._batcher.check_input(x)
+        inputs = self._route(stage_inputs, n)
         sizes = self._batcher.sizes(n)
         self._step += 1
-        outs = [microbatch.unpack(microbatch.spec_of(o), o) for o in self._backend.predict(self._step, sizes, x)]
+        outs = [microbatch.unpack(microbatch.spec_of(o), o) for o in self._backend.predict(self._step, sizes, x, inputs)]
         # a stage that returns one tensor (or a 1-tuple) gives that tensor
         outs = [o[0] if isinstance(o, tuple) and len(o) == 1 and isinstance(o[0], torch.Tensor) else o
                 for o in outs]
         return microbatch.cat(outs)
 
-    def evaluate(self, batches: Iterable[tuple[Any, Any]],
+    def evaluate(self, batches: Iterable[tuple[Any, ...]],
                  metrics: Mapping[str, Callable[[Any, torch.Tensor], Any]] | None = None,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-        """Forward only over ``batches`` (an iterable of ``(x, target)``, or one such pair) and
+        """Forward only over ``batches`` (an iterable of ``(x, target)`` or ``(x, target, stage_inputs)``, or one) and
         each metric's sample mean over them: ``{"loss": ..., "accuracy": ..., name: ...}``.
 
         ``metrics``: names to callables ``(output, target) -> float`` (the batch's mean), e.g.

@@ -80,7 +80,9 @@ def job_batches(job: Job, epoch: int, skip: int) -> Iterator[tuple[int, int, Any
             if e == epoch and i < skip:
                 continue
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise ValueError(f"data ({job.data}) must yield (x, target) pairs, got {type(item).__name__}")
+                third = (" (pipeq launch takes no stage_inputs: train with runner.stream((x, target, stage_inputs) "
+                         "...) for those)" if isinstance(item, (tuple, list)) and len(item) == 3 else "")
+                raise ValueError(f"data ({job.data}) must yield (x, target) pairs, got {type(item).__name__}{third}")
             yield e, i, item
         if empty:
             return

@@ -68,19 +68,22 @@ class StagePlan:
         return acts
 
     def begin(self, ex: StageExecutor, step: int, sizes: list[int], training: bool, x: Any, target: Any,
-              weights: Any = None, aux_weights: Any = None, stream: bool = False,
+              weights: Any = None, aux_weights: Any = None, stream: bool = False, inputs: Any = None,
               ) -> tuple[list[Action], Mapping[int, tuple[int, int]] | None]:
         """Start batch ``step`` on ``ex``: its actions, and (a stream) the wire key of each
-        microbatch number they use (None: microbatch j of this step is ``(step, j)``)."""
+        microbatch number they use (None: microbatch j of this step is ``(step, j)``). ``inputs``:
+        the stage's keyword arguments for this batch (``stage_inputs``), None without (an executor
+        that predates them is never handed the argument then)."""
+        more = {"inputs": inputs} if inputs is not None else {}
         if not (training and self.cursor is not None):
-            ex.begin(step, sizes, training, x, target, weights, aux_weights=aux_weights)
+            ex.begin(step, sizes, training, x, target, weights, aux_weights=aux_weights, **more)
             return self.actions(len(sizes), training), None
         done = [g for g in self.keys if g < self.cursor.next_b]
         for g in done:
             del self.keys[g]
         first = self.cursor.add(len(sizes))
         self.keys.update({first + j: (step, j) for j in range(len(sizes))})
-        ex.extend(step, first, sizes, x, target)  # type: ignore[attr-defined]  (a streaming schedule's executor)
+        ex.extend(step, first, sizes, x, target, **more)  # type: ignore[attr-defined]  (a streaming schedule's)
         return self._lower(self.cursor.take(drain=not stream)), self.keys
 
     def drain(self) -> list[Action]:

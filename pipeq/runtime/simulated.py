@@ -22,6 +22,7 @@ from pipeq.stage.microbatch import rewrap
 from pipeq.stage.numerics import Numerics
 from pipeq.schedules import Op, ScheduleFn
 from pipeq.stage.executor import Tensors
+from pipeq.stage.info import info_of
 from pipeq.stage.spec import StageSpec
 
 
@@ -50,11 +51,13 @@ class SimulatedBackend:
     def _run(
         self, step: int, sizes: list[int], x: Any, target: Any, training: bool,
         weights: list[float] | None = None, aux_weights: list[float] | None = None, stream: bool = False,
+        inputs: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[Tensors]:
         gens = []
         for k, (ex, plan) in enumerate(zip(self.executors, self.plans)):
             actions, _ = self._guard(k, plan.begin, ex, step, sizes, training, x if k == 0 else None,
-                                     target if ex.needs_target else None, weights, aux_weights, stream)
+                                     target if ex.needs_target else None, weights, aux_weights, stream,
+                                     inputs[k] if inputs is not None else None)
             gens.append(execute(ex, actions))
         return self._advance(gens)
 
@@ -111,19 +114,20 @@ class SimulatedBackend:
             raise PipelineError(f"{type(exc).__name__}: {exc}", k, traceback.format_exc()) from exc
 
     def train(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
-              x: torch.Tensor, target: torch.Tensor, stream: bool = False) -> float:
-        """One step on one shard (the whole batch: there are no replicas in one process)."""
+              x: Any, target: Any, stream: bool = False, inputs: Sequence[dict[str, Any] | None] | None = None) -> float:
+        """One step on one shard (the whole batch: there are no replicas in one process);
+        ``inputs``: each stage's keyword arguments (``stage_inputs``), or None."""
         ((sizes, weights, aux_weights),) = shards
-        self._run(step, sizes, x, target, True, weights, aux_weights, stream)
+        self._run(step, sizes, x, target, True, weights, aux_weights, stream, inputs)
         return self.executors[-1].mean_loss()
 
     def submit(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
-               x: torch.Tensor, target: torch.Tensor, stream: bool = False) -> None:
+               x: Any, target: Any, stream: bool = False, inputs: Sequence[dict[str, Any] | None] | None = None) -> None:
         """In one process a step runs when it is submitted: ``result`` hands its loss (or its
         failure) back, so a stream fails at the batch where it happened, as in process mode."""
         self.step_lrs[step] = self.executors[-1].learning_rate()  # the one this batch trains with
         try:
-            self._results[step] = self.train(step, shards, x, target, stream)
+            self._results[step] = self.train(step, shards, x, target, stream, inputs)
         except PipelineError as exc:
             self._results[step] = exc
 
@@ -137,8 +141,9 @@ class SimulatedBackend:
             raise got
         return got
 
-    def predict(self, step: int, sizes: list[int], x: torch.Tensor) -> list[Tensors]:
-        return self._run(step, sizes, x, None, training=False)
+    def predict(self, step: int, sizes: list[int], x: Any,
+                inputs: Sequence[dict[str, Any] | None] | None = None) -> list[Tensors]:
+        return self._run(step, sizes, x, None, training=False, inputs=inputs)
 
     def stats(self, reset: bool = False) -> list[dict[str, Any]]:
         """Every stage's stats (their peak memory is this one process's)."""
@@ -164,6 +169,10 @@ class SimulatedBackend:
 
     def layouts(self) -> list[dict[str, Any]]:
         return [ex.layout() for ex in self.executors]
+
+    def declared_inputs(self) -> list[tuple[str, ...]]:
+        """The inputs each stage declares (:class:`pipeq.stage.info.StageInfo`)."""
+        return [info_of(ex.module).inputs for ex in self.executors]
 
     def scheduler_step(self, metric: float | None) -> None:
         for k, ex in enumerate(self.executors):

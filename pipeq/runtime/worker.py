@@ -5,7 +5,8 @@ The loop waits for a command on the control channel and carries it out:
     PEERS      connect the forward/backward channels to the neighbours' addresses (with replicas:
                connect to the same stage's other replicas, start from replica 0's weights, reply ACK)
     TRAIN      run the schedule's actions for one batch (x rides along to stage 0, the target
-               to the stages that compute a loss); the last stage replies LOSS
+               to the stages that compute a loss, its stage inputs to each stage that takes
+               some: pipeq.runtime.batch_command); the last stage replies LOSS
     DRAIN      finish a stream's leftover work (asynchronous 1F1B's last backwards), reply ACK
     PREDICT    run forward-only actions; the output stage replies OUTPUT per microbatch
     GET_STATE  reply STATE (the stage module's state_dict tensors)
@@ -42,7 +43,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -52,6 +53,7 @@ from pipeq.wire import shm
 from pipeq.trace import format as trace
 from pipeq.parallel.data import Replicas
 from pipeq.runtime import os_process
+from pipeq.runtime.batch_command import batch_parts
 from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import EMIT, StagePlan, execute
 from pipeq.stage.numerics import Numerics
@@ -63,6 +65,7 @@ from pipeq.wire.messages import Message
 from pipeq.schedules import Op
 from pipeq.wire.shm import ShmConfig
 from pipeq.stage.executor import StageExecutor
+from pipeq.stage.info import info_of
 from pipeq.stage.spec import StageBuilder, StageSpec
 from pipeq.wire.control_link import Heartbeat
 from pipeq.wire.errors import Stopped
@@ -244,27 +247,15 @@ class EventLoop:
         ex = self.executor
         training = isinstance(cmd, Train)
         step = self.step = msg.step
-        x, target = self._batch(cmd, msg.tensors, ex.is_first, ex.needs_target and training)
+        x, target, inputs = batch_parts(cmd, msg.tensors, self.cfg.stage, ex.is_first, ex.needs_target and training)
         weights, aux_weights, stream = ((cmd.weights, cmd.aux_weights, cmd.stream) if isinstance(cmd, Train)
                                         else (None, None, False))
-        actions, keys = self.plan.begin(ex, step, cmd.sizes, training, x, target, weights, aux_weights, stream=stream)
+        actions, keys = self.plan.begin(ex, step, cmd.sizes, training, x, target, weights, aux_weights, stream=stream,
+                                        inputs=inputs)
         lr = ex.learning_rate() if ex.is_last and training else None  # the one this batch trains with
         self.run(actions, step, keys)
         if ex.is_last and training:
             self.transport.send_control(control.message(Loss(loss=ex.mean_loss(), lr=lr), step))
-
-    def _batch(self, cmd: Train | Predict, tensors: Sequence[torch.Tensor], wants_x: bool,
-               wants_target: bool) -> tuple[Any, Any]:
-        """The x and target a TRAIN / PREDICT command carries: their tensors (x's first, ``nx`` of
-        them) and, for anything but a lone tensor, their trees (pipeq.stage.microbatch)."""
-        nx = cmd.nx if cmd.nx is not None else (1 if wants_x else 0)
-        if nx > len(tensors):
-            raise ValueError(f"stage {self.cfg.stage}: the command carries {len(tensors)} tensors, not x's {nx}")
-        x = microbatch.unpack_input(cmd.x, tensors[:nx]) if wants_x else None
-        target = None
-        if wants_target and isinstance(cmd, Train):  # (PREDICT carries no target)
-            target = microbatch.unpack_input(cmd.target, tensors[nx:])
-        return x, target
 
     def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:
         """Run ``actions``, answering the interpreter's requests with the transport. Messages are
@@ -464,7 +455,7 @@ def _report_ready(cfg: WorkerConfig, transport: StageTransport, executor: StageE
                   cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
                   # the driver's PEERS hands it to the other replicas
                   replica_link=replicas.address if replicas is not None else None,
-                  layout=executor.layout())
+                  inputs=list(info_of(executor.module).inputs) or None, layout=executor.layout())
     entry = control.encode(ready)
     del entry["layout"]  # the rendezvous entry: where the process is, for node 0's start-up hints
     _publish(cfg, entry)

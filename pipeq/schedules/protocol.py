@@ -54,6 +54,9 @@ class SchedulePolicy:
     streams_across_batches: ClassVar[bool] = False
     #: Stages 0..N-2 train with auxiliary heads (``aux_heads``, ``aux_loss``).
     takes_aux_heads: ClassVar[bool] = False
+    #: Each stage's forward can be handed keyword arguments from the driver (``stage_inputs``,
+    #: see :mod:`pipeq.control.stage_inputs`); False: the runner refuses them.
+    takes_stage_inputs: ClassVar[bool] = True
     #: A job file must name a loss (False: the schedule brings its own criterion).
     needs_loss: ClassVar[bool] = True
     #: The options a job file's schedule table may set (``{ name = ..., option = ... }``).

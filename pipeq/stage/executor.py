@@ -80,6 +80,7 @@ class StageExecutor(StageState, OptimizerStep):
         self.aux_weights: list[float] = []
         self.inputs: list[Any] = []  # stage 0: microbatches of x
         self.targets: list[Any] = []  # last stage: microbatches of the target
+        self.kwargs: list[dict[str, Any]] | None = None  # microbatches of its stage inputs (forward's keywords)
         # microbatch -> (input leaves, outputs / scaled loss, what a recompute needs or None)
         self.stash: dict[int, tuple[Tensors, Any, Any]] = {}
         self.loss_sum: torch.Tensor | None = None
@@ -102,10 +103,12 @@ class StageExecutor(StageState, OptimizerStep):
         target: Any = None,
         weights: Sequence[float] | None = None,
         aux_weights: Sequence[float] | None = None,
+        inputs: dict[str, Any] | None = None,
     ) -> None:
         """Start a step: ``weights`` scale the microbatch losses (see :func:`~pipeq.stage.loss.step_weights`),
-        ``aux_weights`` the auxiliary heads' losses (interlocking). ``x`` and ``target`` are
-        trees (see :mod:`pipeq.stage.microbatch`), split into microbatches here."""
+        ``aux_weights`` the auxiliary heads' losses (interlocking). ``x``, ``target`` and ``inputs``
+        (the stage's keyword arguments, ``stage_inputs``) are trees (see :mod:`pipeq.stage.microbatch`),
+        split into microbatches here."""
         self.step_index = step
         self.training = training
         self.weights = step_weights(sizes, weights)
@@ -114,6 +117,7 @@ class StageExecutor(StageState, OptimizerStep):
             self.inputs = microbatch.split(microbatch.to_device(x, self.device), sizes)
         if target is not None:
             self.targets = microbatch.split(microbatch.to_device(target, self.device), sizes)
+        self.kwargs = microbatch.split(microbatch.to_device(inputs, self.device), sizes) if inputs else None
         self.stash.clear()
         self.loss_sum = None
         if training:
@@ -149,17 +153,20 @@ class StageExecutor(StageState, OptimizerStep):
         ``buffers``: used instead of the module's own (a recompute's scratch copies)."""
         value = self.inputs[j] if self.is_first else microbatch.unpack(tree, args)
         call = as_args(value)
+        kwargs = self.kwargs[j] if self.kwargs is not None else None
         try:
             with self.autocast(), torch.set_grad_enabled(grad):
                 if buffers:
-                    return torch.func.functional_call(self.module, buffers, call, strict=False)
-                return self.module(*call)
+                    return torch.func.functional_call(self.module, buffers, call, kwargs, strict=False)
+                return self.module(*call, **kwargs) if kwargs else self.module(*call)
         except Exception as exc:
             raise self._forward_error(j, value, exc) from exc
 
     def _forward_error(self, j: int, value: Any, exc: Exception) -> RuntimeError:
         """The error of a forward of microbatch ``j`` that failed on ``value`` (its input) with ``exc``."""
         shapes = describe(tensors_of(value))
+        if self.kwargs is not None and j < len(self.kwargs):
+            shapes += "".join(f", {name}={describe(tensors_of(v)) or f'{v!r:.40}'}" for name, v in self.kwargs[j].items())
         return RuntimeError(
             f"forward of microbatch {j} (step {self.step_index}) failed on input of shape {shapes}: {exc}")
 

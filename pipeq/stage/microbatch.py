@@ -27,7 +27,7 @@ import torch
 from pipeq.tree import TreeError, flatten, map_tensors, unflatten
 
 __all__ = ["Packed", "spec_of", "rewrap", "check", "to_device", "narrow", "split", "cat", "pack", "pack_output",
-           "unpack", "unpack_input"]
+           "unpack", "unpack_input", "unpack_kwargs"]
 
 
 class Packed(tuple):
@@ -148,3 +148,14 @@ def unpack_input(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
             raise TreeError(f"{len(tensors)} tensors without a tree description")
         return tensors[0]
     return unflatten(spec, tensors)
+
+
+def unpack_kwargs(spec: Any, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """A stage's inputs sent with :func:`pack`: a dict of keyword arguments (TreeError otherwise)."""
+    value = unflatten(spec, tensors)
+    if not isinstance(value, dict):
+        raise TreeError(f"stage inputs must be a dict of keyword arguments, not a {type(value).__name__}")
+    for name in value:
+        if not name.isidentifier():
+            raise TreeError(f"stage input names must be identifiers, got {name!r:.40}")
+    return value

@@ -236,44 +236,49 @@ class Peers(Payload):
     replicas: list[str] | None = wire(list_of(TEXT), default=None)
 
 
-def _refuse_batch(sizes: list[int], nx: int | None, n_tensors: int,
-                  weights: Sequence[list[float] | None] = ()) -> tuple[str, str] | None:
-    for name, w in zip(("weights", "aux_weights"), weights):
-        if w is not None and len(w) != len(sizes):
-            return name, f"has {len(w)} weights for {len(sizes)} microbatches"
-    if nx is not None and nx > n_tensors:
-        return "nx", f"counts {nx} tensors of x, but the message carries {n_tensors}"
-    return None
+@dataclass(kw_only=True)
+class _Batch(Payload):
+    """A batch of ``sizes`` microbatches, and what rides along to the stage: the message's tensors
+    are x's (stage 0: ``nx`` of them, 1 when absent; its tree ``x`` when it is not one tensor),
+    then the stage's inputs (``ninputs`` of them, tree ``inputs``: its forward's keyword arguments,
+    ``runner.step(..., stage_inputs=...)``), then the target's (the rest)."""
+
+    sizes: list[int] = wire(list_of(POSITIVE, nonempty=True))
+    x: Any = wire(DATA, default=None)
+    nx: int | None = wire(COUNT, default=None)
+    inputs: Any = wire(DATA, default=None)
+    ninputs: int | None = wire(COUNT, default=None)
+
+    def refuse(self, n_tensors: int) -> tuple[str, str] | None:
+        if (self.inputs is None) != (self.ninputs is None):
+            return ("inputs" if self.inputs is None else "ninputs"), "must come with 'inputs' and 'ninputs' both"
+        if self.nx is not None and self.nx > n_tensors:
+            return "nx", f"counts {self.nx} tensors of x, but the message carries {n_tensors}"
+        if self.ninputs is not None and (self.nx or 0) + self.ninputs > n_tensors:
+            return "ninputs", f"counts {self.ninputs} tensors after x's, but the message carries {n_tensors}"
+        return None
 
 
 @_control(Kind.TRAIN)
-class Train(Payload):
-    """Train on one batch of ``sizes`` microbatches, each loss times its weight. Stage 0 gets x
-    (its tensors first, ``nx`` of them, and its tree ``x`` when it is not one tensor), the stages
-    that compute a loss the target's (and its tree ``target``). ``stream``: do not drain."""
+class Train(_Batch):
+    """Train on one batch (see :class:`_Batch`), each microbatch's loss times its weight; the
+    stages that compute a loss get the target's tensors (and its tree ``target``). ``stream``: do not drain."""
 
-    sizes: list[int] = wire(list_of(POSITIVE, nonempty=True))
     weights: list[float] = wire(list_of(FLOAT))
     aux_weights: list[float] | None = wire(list_of(FLOAT), default=None)
     stream: bool = wire(FLAG, default=False)
-    x: Any = wire(DATA, default=None)
-    nx: int | None = wire(COUNT, default=None)
     target: Any = wire(DATA, default=None)
 
     def refuse(self, n_tensors: int) -> tuple[str, str] | None:
-        return _refuse_batch(self.sizes, self.nx, n_tensors, (self.weights, self.aux_weights))
+        for name, w in (("weights", self.weights), ("aux_weights", self.aux_weights)):
+            if w is not None and len(w) != len(self.sizes):
+                return name, f"has {len(w)} weights for {len(self.sizes)} microbatches"
+        return super().refuse(n_tensors)
 
 
 @_control(Kind.PREDICT)
-class Predict(Payload):
-    """Forward only, ``sizes`` microbatches; x rides along to stage 0 as in :class:`Train`."""
-
-    sizes: list[int] = wire(list_of(POSITIVE, nonempty=True))
-    x: Any = wire(DATA, default=None)
-    nx: int | None = wire(COUNT, default=None)
-
-    def refuse(self, n_tensors: int) -> tuple[str, str] | None:
-        return _refuse_batch(self.sizes, self.nx, n_tensors)
+class Predict(_Batch):
+    """Forward only, ``sizes`` microbatches; x and the stage's inputs ride along as in :class:`Train`."""
 
 
 @dataclass(kw_only=True)
@@ -377,6 +382,7 @@ class Ready(Payload):
     host: str = wire(TEXT)
     cores: list[int] = wire(list_of(COUNT))
     replica_link: str | None = wire(TEXT, default=None)  # data parallelism: where its replicas reach it
+    inputs: list[str] | None = wire(list_of(TEXT), default=None)  # its declared inputs (pipeq.stage.info)
     layout: dict[str, Any] = wire(MAP)
 
 

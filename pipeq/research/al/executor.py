@@ -77,7 +77,10 @@ class ALExecutor(StageExecutor):
         self.count = 0
 
     def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
-              weights: Any = None, aux_weights: Any = None) -> None:
+              weights: Any = None, aux_weights: Any = None, inputs: Any = None) -> None:
+        if inputs is not None:  # an AL layer is four modules: no one forward to hand them to
+            raise ValueError(f"stage {self.index}: schedule 'al' takes no stage_inputs (its layers' f, b, g and h "
+                             "are called with what the layer below sends only)")
         super().begin(step, sizes, training, x, target, [1.0] * len(sizes))
         if training and self.label_optimizer is not None:
             self.label_optimizer.zero_grad(set_to_none=True)

@@ -34,6 +34,7 @@ class AssociatedLearning(SchedulePolicy):
     per_microbatch_steps = True
     plain_backprop = False
     needs_loss = False
+    takes_stage_inputs = False  # a layer is four modules (f, b, g, h): no one forward to hand them to
     option_names = ("first_loss", "inference_layer")
     FIRST_LOSSES = ("ce", "mse")
 

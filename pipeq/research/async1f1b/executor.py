@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call
 
+from pipeq.stage import microbatch
 from pipeq.stage.executor import StageExecutor, Tensors, as_tuple
 from pipeq.stage.spec import StageSpec
 
@@ -67,6 +68,7 @@ class AsyncExecutor(StageExecutor):
         # stage) and batch (step); each batch's microbatch losses until its LOSS is reported
         self.stream_inputs: dict[int, torch.Tensor] = {}
         self.stream_targets: dict[int, torch.Tensor] = {}
+        self.stream_kwargs: dict[int, dict[str, Any]] = {}  # their stage inputs, until their backward
         self.step_of: dict[int, int] = {}
         self.step_losses: dict[int, list[torch.Tensor]] = {}
 
@@ -74,10 +76,13 @@ class AsyncExecutor(StageExecutor):
         super().optimizer_step()
         self._fresh = None  # the weights changed: no forward's graph is of the newest ones
 
-    def extend(self, step: int, first: int, sizes: Any, x: Any = None, target: Any = None) -> None:
-        """Batch ``step`` joins the stream: its microbatches are numbered ``first``, ``first + 1``..."""
+    def extend(self, step: int, first: int, sizes: Any, x: Any = None, target: Any = None,
+               inputs: dict[str, Any] | None = None) -> None:
+        """Batch ``step`` joins the stream: its microbatches are numbered ``first``, ``first + 1``...
+        (``inputs``: the stage's keyword arguments, each microbatch keeps its own part until its backward)."""
         self.step_index = step
         self.training = True
+        self.kwargs = None  # (a predict's: the stream keeps each microbatch's own, stream_kwargs)
         for m, mode in self._train_modes:
             m.training = mode
         for store, data in ((self.stream_inputs, x), (self.stream_targets, target)):
@@ -86,6 +91,9 @@ class AsyncExecutor(StageExecutor):
                     store[first + j] = chunk
         for j in range(len(sizes)):
             self.step_of[first + j] = step
+        if inputs:
+            parts = microbatch.split(microbatch.to_device(inputs, self.device), list(sizes))
+            self.stream_kwargs.update((first + j, part) for j, part in enumerate(parts))
         self.step_losses[step] = []
 
     def _report(self, j: int, loss: torch.Tensor) -> None:
@@ -98,11 +106,13 @@ class AsyncExecutor(StageExecutor):
         return float(sum(losses)) / len(losses) if losses else float("nan")
 
     def _run(self, j: int, args: Tensors, tensors: dict[str, torch.Tensor] | None) -> Any:
-        """The module on ``args``, with ``tensors`` (parameters and/or buffers) in place of its own."""
+        """The module on ``args`` (and microbatch ``j``'s stage inputs), with ``tensors`` (parameters
+        and/or buffers) in place of its own."""
+        kwargs = self.stream_kwargs.get(j) if self.stream_kwargs else None
         try:
             if tensors is None:
-                return self.module(*args)
-            return functional_call(self.module, tensors, args)
+                return self.module(*args, **kwargs) if kwargs else self.module(*args)
+            return functional_call(self.module, tensors, args, kwargs)
         except Exception as exc:
             raise self._forward_error(j, args, exc) from exc
 
@@ -168,6 +178,7 @@ class AsyncExecutor(StageExecutor):
             args = tuple(t.clone() if t.requires_grad else t for t in leaves) or saved
             outs = as_tuple(self._recompute(j, args, rng))
             copy = None
+        self.stream_kwargs.pop(j, None)  # (after the recompute, which needs them)
         if self.is_last:
             outs.backward()
         else:

@@ -66,12 +66,12 @@ class InterlockExecutor(StageExecutor):
         self.own_grad: dict[int, torch.Tensor] = {}  # microbatch -> own head's input gradient
 
     def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
-              weights: Any = None, aux_weights: Any = None) -> None:
+              weights: Any = None, aux_weights: Any = None, inputs: Any = None) -> None:
         # a head's loss is weighted by its share of the batch under its own reduction (and
         # ignore_index), like the real one: pipeq.control.batching computes them with the main weights
         if training and self.head is not None and aux_weights is None:
             raise ValueError(f"stage {self.index}: a training step with an auxiliary head needs its loss weights")
-        super().begin(step, sizes, training, x, target, weights, aux_weights)
+        super().begin(step, sizes, training, x, target, weights, aux_weights, inputs)
 
     # -- forward: main path, then this stage's own loss ----------------------------------------
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:

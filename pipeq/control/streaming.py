@@ -1,0 +1,104 @@
+"""The runner's stream: batches sent ahead while the stages work on the ones before, losses handed back in order."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Iterable, Iterator
+
+from pipeq.control.stage_inputs import batch_item
+from pipeq.errors import PipelineError
+
+__all__ = ["RunnerStream"]
+
+
+class RunnerStream:
+    """``stream`` and the bookkeeping of the steps in flight (mixed into the runner, which sends
+    each batch with ``_submit``)."""
+
+    _backend: Any
+    _running: bool
+    _queue_capacity: int
+    _submitted: "collections.deque[int]"  # steps whose loss is not back
+    _losses: dict[int, float]  # losses collected early (settle), not yet handed out
+    _undrained: bool  # a stream left work behind (see _settle)
+    _last_step_lr: float | None
+    n_stages: int
+    microbatches: int
+
+    def _require_running(self) -> None:
+        raise NotImplementedError
+
+    def _submit(self, x: Any, target: Any, given: Any = None, stream: bool = False) -> int:
+        raise NotImplementedError
+
+    def stream(self, batches: Iterable[tuple[Any, ...]], *, in_flight: int | None = None) -> Iterator[float]:
+        """Train on every ``(x, target)`` of ``batches`` (any iterable; a DataLoader works), or
+        ``(x, target, stage_inputs)`` (see :meth:`step`), and yield each batch's loss, in order,
+        while the stages work on the batches behind it.
+
+        The pipeline is filled once and drained once: at the end of ``batches``, when the
+        iterator is closed (``break``: the batches already taken are finished first), and
+        before anything that needs a consistent state (``step``, ``predict``, ``state_dict``,
+        ``save``...). Every stage runs its batches in order, starting the next as soon as its
+        own work and update for the previous one are done, so the losses and weights are those
+        of ``[runner.step(x, y) for x, y in batches]``. At most ``in_flight`` batches are sent
+        ahead (default: one more than the stages, enough to keep every stage busy), so memory
+        stays bounded for an endless iterable.
+        """
+        self._require_running()
+        if in_flight is None:
+            in_flight = max(1, min(self.n_stages + 1, self._queue_capacity // self.microbatches))
+        elif type(in_flight) is not int or in_flight < 1:
+            raise ValueError(f"in_flight must be a positive integer, got {in_flight!r}")
+        elif in_flight * self.microbatches > self._queue_capacity:
+            raise ValueError(
+                f"in_flight={in_flight} batches of {self.microbatches} microbatches can put "
+                f"{in_flight * self.microbatches} messages in a stage's queue, over queue_capacity="
+                f"{self._queue_capacity}: lower in_flight or raise the runner's queue_capacity")
+        return self._stream(iter(batches), in_flight)
+
+    def _stream(self, batches: Iterator[tuple[Any, ...]], in_flight: int) -> Iterator[float]:
+        mine: collections.deque[int] = collections.deque()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(mine) < in_flight and not self._backend.failing:
+                    try:
+                        item = next(batches)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    mine.append(self._submit(*batch_item(item, "stream"), stream=True))
+                if not mine:
+                    break
+                yield self._hand_out(mine.popleft())
+        except BaseException as exc:
+            # closed early (break), or the data raised: the batches already sent are finished, so
+            # the runner is consistent again. A pipeline failure has already stopped everything;
+            # Ctrl-C does not wait for them either (anything needing a consistent state still does).
+            if not isinstance(exc, (PipelineError, KeyboardInterrupt)) and self._running:
+                self._settle()
+            raise
+        self._settle()  # the end of the batches: drained once
+
+    def _result(self, step: int) -> float:
+        if step in self._losses:
+            return self._losses.pop(step)
+        self._submitted.remove(step)
+        return self._backend.result(step)
+
+    def _hand_out(self, step: int) -> float:
+        """Step ``step``'s loss, noting the learning rate it trained with (:attr:`last_step_lr`)."""
+        loss = self._result(step)
+        self._last_step_lr = self._backend.step_lrs.pop(step, None)
+        return loss
+
+    def _settle(self) -> None:
+        """Wait until every step sent so far is done (their losses are kept for their stream),
+        and drain what a stream left (asynchronous 1F1B's last backwards)."""
+        while self._submitted:
+            step = self._submitted.popleft()
+            self._losses[step] = self._backend.result(step)
+        if self._undrained:
+            self._undrained = False
+            self._backend.drain()
