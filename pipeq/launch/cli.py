@@ -5,6 +5,7 @@
     pipeq launch examples/digits.toml                 # train a job file (see pipeq.launch)
     pipeq report run.json --skip-first 1 --plot run.png   # where a traced run's time went
     pipeq secret --out job.secret                     # a fresh job secret for a multi-host run
+    pipeq export pipeq-run --format safetensors --out model.safetensors   # the model for other tools
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ def main(argv: list[str] | None = None) -> int:
                                    f"the same one: as `pipeq launch --secret-file FILE` or in ${SECRET_ENV}.")
     p.add_argument("--out", metavar="FILE", help="write it to FILE instead, readable by its owner only "
                    "(mode 0600; an existing FILE is never overwritten)")
+    p = sub.add_parser("export", help="write a run's model state for other tools: dcp, safetensors or pt",
+                       description="Write the whole model's state (its own names; tied weights under each of "
+                                   "their names) from a checkpoint, a run directory or a model.pt.")
+    p.add_argument("source", help="a checkpoint directory, a pipeq launch run directory (its final state, else "
+                                  "its newest checkpoint) or a model.pt")
+    p.add_argument("--format", required=True, choices=["dcp", "safetensors", "pt"],
+                   help="dcp: a torch.distributed.checkpoint directory; safetensors; pt: torch.save")
+    p.add_argument("--out", required=True, help="where to write it (a new directory for dcp, a file otherwise)")
     from pipeq import launch
     from pipeq.launch import args as launch_args
     from pipeq.launch import command as launch_command
@@ -74,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args)
         if args.command == "secret":
             return _secret(args)
+        if args.command == "export":
+            from pipeq.checkpoint.export import export
+
+            print(f"wrote {export(args.source, args.format, args.out)} ({args.format})")
+            return 0
     except (ValueError, OSError, RuntimeError) as exc:  # ScheduleError is a ValueError; RuntimeError: no matplotlib
         print(f"pipeq: {exc}", file=sys.stderr)
         return 2
