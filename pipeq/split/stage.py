@@ -89,6 +89,16 @@ class GraphStage(nn.Module):
             return _unflatten(values, self.out_spec)
         return tuple(torch.tensor(v) if isinstance(v, int) else v for v in values)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled (in a stage process): torch.fx rebuilds each graph by tracing its code again,
+        which turns a call on constants alone (``torch.arange(T)`` of position ids) into a buffer
+        of the rebuilt graph (``_tensor_constant0``). The stage runs that code as itself: it takes
+        them over, as buffers outside its state_dict (``.to(device)`` moves them)."""
+        super().__setstate__(state)
+        for name, value in self._graph.named_buffers(recurse=False):
+            if not hasattr(self, name):
+                self.register_buffer(name, value, persistent=False)
+
     def _share(self) -> None:
         """The eval graph's parameters and buffers are this stage's own (the same tensors)."""
         if self._eval is None:
