@@ -25,7 +25,7 @@ hostile, meets a clear refusal, never a KeyError deep in the driver. Nothing is 
     STOP            Stop
     EXIT            Exit (to stages and node agents)
 
-The data messages (ACTIVATION, GRADIENT, REPLICA) are no control payloads: an activation's tree
+The data messages (ACTIVATION, GRADIENT, REPLICA, TIE) are no control payloads: an activation's tree
 is read with :func:`data_tree`. Nested state (snapshots) travels as :mod:`pipeq.tree` data: see
 :func:`state_message` and :func:`state_of`.
 """
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: The kinds that carry data between stages, not control payloads.
-DATA_KINDS = frozenset({Kind.ACTIVATION, Kind.GRADIENT, Kind.REPLICA})
+DATA_KINDS = frozenset({Kind.ACTIVATION, Kind.GRADIENT, Kind.REPLICA, Kind.TIE})
 
 
 class ControlError(CodecError):
@@ -228,12 +228,14 @@ def data_tree(msg: Message) -> Any:
 @_control(Kind.PEERS)
 class Peers(Payload):
     """The neighbours' addresses; with replicas, the same stage's other replicas' (by replica),
-    or with tensor parallelism too, ``replica_shards[s]``: shard s's replicas' addresses."""
+    or with tensor parallelism too, ``replica_shards[s]``: shard s's replicas' addresses; with
+    tied weights, ``tie_links[s]``: stage s's tie link in this replica (nil for a stage without)."""
 
     next_forward: str | None = wire(TEXT, default=None)
     prev_backward: str | None = wire(TEXT, default=None)
     replica_shards: list[list[str]] | None = wire(list_of(list_of(TEXT)), default=None)
     replicas: list[str] | None = wire(list_of(TEXT), default=None)
+    tie_links: list[str | None] | None = wire(list_of(nullable(TEXT)), default=None)
 
 
 def _refuse_batch(sizes: list[int], nx: int | None, n_tensors: int,
@@ -377,6 +379,7 @@ class Ready(Payload):
     host: str = wire(TEXT)
     cores: list[int] = wire(list_of(COUNT))
     replica_link: str | None = wire(TEXT, default=None)  # data parallelism: where its replicas reach it
+    tie_link: str | None = wire(TEXT, default=None)  # tied weights: where the stages sharing them reach it
     layout: dict[str, Any] = wire(MAP)
 
 
