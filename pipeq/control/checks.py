@@ -113,6 +113,8 @@ def check_model(
             "recipe (pipeq.job.Recipe, or use pipeq launch) instead of modules")
     copies = [tied.apply_ties(c, ties) for c in _replica_lists(stages, data_parallel)]
     stages = copies[0]
+    if tied.has_ties(stages):
+        tied.refuse_ties(schedule)
     n = len(stages)
     if loss_fn is None:
         loss_fn = schedule.default_loss()
@@ -120,8 +122,6 @@ def check_model(
     lr_schedule = lr_schedulers.check(lr_scheduler_interval, lr_scheduler, optimizer)
     _check_heads(schedule, n, aux_heads, aux_loss)
     schedule.check_stages(stages)
-    if tied.has_ties(stages):
-        tied.refuse_ties(schedule)
     heads = list(aux_heads) + [None] if aux_heads is not None else [None] * n
     replicas = [[StageSpec(module, optimizer, loss_fn if schedule.computes_loss(k, n) else None, lr_scheduler,
                            heads[k], aux_loss if aux_heads is not None else None, lr_schedule.interval)

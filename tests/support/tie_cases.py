@@ -107,3 +107,17 @@ def assert_close(state, want, atol: float = 1e-5) -> None:
     assert sorted(state) == sorted(want)
     for key in want:
         torch.testing.assert_close(state[key], want[key], atol=atol, rtol=0, msg=key)
+
+
+def every_copy(runner) -> list[torch.Tensor]:
+    """Every copy of the tie in every stage process of a process-mode runner (every replica's):
+    GET_STATE asked of each, as ``ProcessBackend.get_state`` asks replica 0's."""
+    from pipeq.wire.messages import Kind
+
+    be = runner._backend
+    n = be.n_stages
+    got = be._ask_each(Kind.GET_STATE, Kind.STATE, "every copy", range(be.n_processes))
+    out = []
+    for r in range(be.replicas):
+        out += copies([(got[r * n + k].extra["names"], list(got[r * n + k].tensors)) for k in range(n)])
+    return out
