@@ -36,7 +36,7 @@ from pipeq.stage.info import info_of
 
 __all__ = ["StageLayout", "StageNames", "is_sequential", "layers_of", "dtype_name", "naming_of", "layout_of",
            "flat_model", "layer_of", "to_global", "AUX_PREFIX", "aux_name", "global_names", "global_state",
-           "split_state"]
+           "split_state", "tie_aliases"]
 
 
 @dataclass
@@ -221,6 +221,23 @@ def _optional(layouts: Sequence[StageLayout], required: set[str]) -> set[str]:
         out |= {names.own(n) for n in lay.model_names if n in lay.ties} | {names.model(n) for n in lay.aliases}
         offset += lay.layers
     return out - required
+
+
+def tie_aliases(layouts: Sequence[StageLayout]) -> dict[str, str]:
+    """Every other name of a tensor the model's state holds once (a tied copy's own global name,
+    a stage's second name of one tensor) -> the name it is held under: what the unsplit model's
+    ``state_dict()`` has beside it (``lm_head.weight`` -> ``tok_emb.weight``)."""
+    out: dict[str, str] = {}
+    offset = 0
+    for k, lay in enumerate(layouts):
+        names = lay.names(k, offset)
+        for local in lay.model_names:
+            held = names.model(lay.aliases.get(local, local))
+            own = names.own(local)
+            if own != held:
+                out[own] = held
+        offset += lay.layers
+    return out
 
 
 def split_state(state: Mapping[str, torch.Tensor], layouts: Sequence[StageLayout]

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch import fx, nn
 
-__all__ = ["Flow", "StageFlow", "trace_stages", "UntraceableModel"]
+__all__ = ["Flow", "StageFlow", "trace_stages", "mark_constants", "UntraceableModel"]
 
 FALLBACK = ("split by module names instead: pipeq.split(model, modules=[[names of stage 0's modules], "
             "[stage 1's], ...]) runs the model's own forward on each stage")
@@ -88,6 +88,15 @@ def _picklable(module: nn.Module) -> nn.Module:
     return gm
 
 
+def mark_constants(module: nn.Module) -> None:
+    """The constants the trace lifted into buffers (a causal mask...) are no state of the
+    model's: out of ``state_dict`` (again after unpickling, which forgets it)."""
+    for m in module.modules():
+        for name in m._buffers:
+            if name.startswith(("_tensor_constant", "_lifted_tensor_constant")):
+                m._non_persistent_buffers_set.add(name)
+
+
 def _plain_codegen(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` taking its placeholders positionally, in graph order (no pytree input spec)."""
     if type(gm.graph._codegen) is not fx.graph.CodeGen:
@@ -135,6 +144,8 @@ def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     ints = [tuple(i for i, p in enumerate(n for n in m.graph.nodes if n.op == "placeholder")
                   if isinstance(p.meta.get("val"), (int, torch.SymInt))) for m in modules]
     graphs = [_plain_codegen(_picklable(m)) for m in modules]
+    for g in graphs:
+        mark_constants(g)
     with torch.no_grad():
         out_spec = torch.utils._pytree.tree_flatten(model(*args, **kwargs))[1]
     return graphs, _flow(pipe.split_gm.graph, ints, len(args), out_spec)

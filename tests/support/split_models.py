@@ -142,3 +142,28 @@ def assert_state_close(state: dict, model: nn.Module, atol: float = 1e-5) -> Non
                for n in want), sorted(set(want) - set(state))
     for name, t in state.items():
         assert torch.allclose(t, want[name], atol=atol), (name, (t - want[name]).abs().max())
+
+
+def tied_copies(runner, stages) -> list[torch.Tensor]:
+    """Every copy of every tied parameter, in every stage process of every replica (process
+    mode), or every stage (simulated mode)."""
+    from pipeq.stage.info import info_of
+
+    be = runner._backend
+    n = len(stages)
+    if runner.mode == "simulated":
+        per = be.get_state()
+    else:
+        from pipeq.wire.messages import Kind
+
+        got = be._ask_each(Kind.GET_STATE, Kind.STATE, "every copy", range(be.n_processes))
+        per = [(got[g].extra["names"], list(got[g].tensors)) for g in range(be.n_processes)]
+    out = []
+    for g, (names, tensors) in enumerate(per):
+        tied = {t.name for t in info_of(stages[g % n]).ties}
+        out += [t for name, t in zip(names, tensors) if name in tied]
+    return out
+
+
+def gpt_runs(n_steps: int = 3, batch: int = 4) -> list[tuple[torch.Tensor, ...]]:
+    return [gpt_batch(batch, seed=10 + i) for i in range(n_steps)]
