@@ -104,7 +104,14 @@ class GraphStage(nn.Module):
         return tuple(torch.tensor(v) if isinstance(v, int) else v for v in values)
 
     def __setstate__(self, state: dict) -> None:
+        """Unpickled (in a stage process): torch.fx rebuilds each graph from its code, which turns
+        a call on constants alone (``torch.arange(T)`` of position ids) into a buffer of the
+        rebuilt graph (``_tensor_constant0``). The stage runs that code as itself: it takes them
+        over, as buffers outside its state_dict (``.to(device)`` moves them)."""
         super().__setstate__(state)
+        for name, value in self._graph.named_buffers(recurse=False):
+            if not hasattr(self, name):
+                self.register_buffer(name, value, persistent=False)
         mark_constants(self)
         if self._eval is not None:
             mark_constants(self._eval)
