@@ -109,6 +109,21 @@ def _codes(module: nn.Module) -> list[str]:
     return [m.code for m in module.modules() if isinstance(m, fx.GraphModule)]
 
 
+def _reads_mode(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` may depend on train / eval mode: some module's class reads
+    ``training`` (dropout, batch norm...), or its source cannot be read (then assume it does)."""
+    for cls in {type(m) for m in model.modules()}:
+        if cls.forward is nn.Module.forward:
+            continue
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            return True
+        if "training" in source:
+            return True
+    return False
+
+
 def trace_stages(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  points: Sequence[str]) -> tuple[list[fx.GraphModule], list[fx.GraphModule | None], Flow]:
     """Each stage's graph module (its tensors under the model's own names), its graph in eval
@@ -118,6 +133,8 @@ def trace_stages(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     training = model.training
     try:
         graphs, flow = _trace(model.train(), args, kwargs, points)
+        if not _reads_mode(model):
+            return graphs, [None] * len(graphs), flow
         evals, eval_flow = _trace(model.eval(), args, kwargs, points)
     finally:
         model.train(training)
