@@ -5,18 +5,21 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
     control plane  launch/     pipeq launch: cli.py, job files (job/keys.py: the one table of keys),
                                the training loop (trainer.py, loop.py...), node agents (agent.py)
                    control/    runner.py (PipelineRunner), config.py (RunConfig: every setting, built
-                               and checked once), checks.py, batching.py, streaming.py, stage_inputs.py;
-                               process mode: driver.py, startup.py, supervisor.py, processes.py,
-                               rendezvous.py, trace_collector.py
+                               and checked once), checks.py, ties.py, batching.py, streaming.py,
+                               stage_inputs.py; process mode: driver.py, startup.py, supervisor.py,
+                               processes.py, rendezvous.py, trace_collector.py
                    trace/      report.py, plot.py: reading traces
     event loop     runtime/    worker.py (one per stage process; batch_command.py: what a command
                                carries), interpreter.py (runs a stage's actions), simulated.py (every
-                               stage in one process), executors.py
+                               stage in one process), executors.py, links.py (a stage process's
+                               replicas and tie peers)
     compute        schedules/  pure: actions as data, the schedule policy protocol (protocol.py), the
                                registry, lowering, dry runs, bounds
                    research/   plug-in schedules with their executors: interlock/, async1f1b/, al/
-                   stage/      one stage's forward, backward and step; numerics, microbatches, lr
-                   parallel/   data parallelism (replicas) and tensor parallelism (shards)
+                   stage/      one stage's forward, backward and step; numerics, microbatches, lr,
+                               what a stage says of itself (info.py), tied weights (ties.py)
+                   parallel/   data parallelism (replicas), tensor parallelism (shards), tied
+                               weights' exchange between stage processes (ties.py)
                    checkpoint/ global names, snapshots, atomic writes, re-splitting
                    models/     ready-made staged models (ResNets with auxiliary heads)
                    split/      pipeq.split: a whole model cut into stages, traced (torch.export and
@@ -24,10 +27,11 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
                    trace/      format.py: the trace file every stage's timeline is written in
                    balance.py (pipeq.balance: an optimal split of an nn.Sequential),
                    testing.py (stages of known cost)
-    transport      wire/       ZeroMQ links (stage, control, replica, shard), shared memory, lanes,
+    transport      wire/       ZeroMQ links (stage, control, replica and tie: group, shard), shared memory, lanes,
                                security, sockets
     codec          wire/       codec.py (bytes), messages.py (kinds, Message), control.py (typed
-                               command and reply payloads), keys.py, netif.py;
+                               command and reply payloads; fields.py: what each field must be),
+                               keys.py, netif.py;
                    errors.py, tree.py (nested values)
 """
 

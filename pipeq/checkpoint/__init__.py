@@ -23,7 +23,8 @@ from pipeq.checkpoint.atomic import recover
 from pipeq.checkpoint.data import FORMAT, MANIFEST, VERSION, Checkpoint, CheckpointError, StageSnapshot
 from pipeq.checkpoint.disk import load, save
 from pipeq.checkpoint.names import (AUX_PREFIX, StageLayout, aux_name, flat_model, global_names, global_state,
-                                    is_sequential, layer_of, layers_of, layout_of, split_state, to_global)
+                                    is_sequential, layer_of, layers_of, layout_of, split_state, tie_aliases,
+                                    to_global)
 from pipeq.checkpoint.resplit import split
 from pipeq.checkpoint.snapshot import (load_optimizer_snapshot, load_schedulers_snapshot, optimizer_snapshot,
                                        optimizers_snapshot, schedulers_snapshot, stage_snapshot)
@@ -32,7 +33,7 @@ from pipeq.checkpoint.steps import checkpoint_dir, latest, prune
 __all__ = [
     "FORMAT", "VERSION", "MANIFEST", "CheckpointError", "StageSnapshot", "Checkpoint",
     "StageLayout", "is_sequential", "layers_of", "layout_of", "flat_model", "layer_of", "to_global", "AUX_PREFIX",
-    "aux_name", "global_names", "global_state", "split_state",
+    "aux_name", "global_names", "global_state", "split_state", "tie_aliases",
     "optimizer_snapshot", "load_optimizer_snapshot", "optimizers_snapshot", "schedulers_snapshot",
     "load_schedulers_snapshot", "stage_snapshot",
     "save", "load", "recover", "checkpoint_dir", "latest", "prune", "split",

@@ -30,6 +30,10 @@ class StageSnapshot(TypedDict):
     scaler: NotRequired[dict | None]  # fp16's loss scale (the same on every stage)
     # interlocking: the stage's auxiliary head, {"model": state_dict, "optim": like optim}
     aux: NotRequired[dict | None]
+    # how its names read beyond layers (pipeq.checkpoint.names.naming_of): model names, tied weights
+    names_global: NotRequired[bool]
+    ties: NotRequired[dict[str, str]]  # every local name of a tied parameter -> its tie's key
+    tie_stages: NotRequired[dict[str, list[int]]]  # tie key -> the stages holding a copy
 
 
 @dataclass

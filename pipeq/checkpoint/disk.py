@@ -19,7 +19,7 @@ import torch
 
 from pipeq.checkpoint.atomic import complete_at, foreign, fsync_dir, make_temp, old_of, recover, swap, write_file
 from pipeq.checkpoint.data import FORMAT, MANIFEST, VERSION, Checkpoint, CheckpointError, StageSnapshot
-from pipeq.checkpoint.names import aux_name, to_global
+from pipeq.checkpoint.names import StageNames, aux_name
 
 __all__ = ["save", "load"]
 
@@ -75,11 +75,16 @@ def _save_target(directory: str) -> str:
 
 
 def _stage_data(k: int, snap: StageSnapshot, offset: int) -> dict[str, Any]:
-    """What ``stage-{k}.pt`` holds: stage k's snapshot under global names (it starts at layer ``offset``)."""
+    """What ``stage-{k}.pt`` holds: stage k's snapshot under global names (it starts at layer
+    ``offset``): a tied parameter only from its owner, under its key; every copy's optimizer state,
+    under the copy's own name (see :mod:`pipeq.checkpoint.names`)."""
     seq = snap["sequential"]
+    names = StageNames(k, offset, seq, snap.get("names_global", False), snap.get("ties") or {},
+                       snap.get("tie_stages") or {})
+    model = snap["model"]
     data = {
-        "model": {to_global(n, offset, seq): v for n, v in snap["model"].items()},
-        "optim": {to_global(n, offset, seq): v for n, v in snap["optim"].items()},
+        "model": {key: model[n] for n, key in names.saved(model)},
+        "optim": {names.own(n): v for n, v in snap["optim"].items()},
         "sched": snap["sched"],
         "rng": snap["rng"],
         "layers": snap["layers"],

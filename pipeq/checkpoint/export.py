@@ -28,7 +28,7 @@ __all__ = ["FORMATS", "ALIASES", "model_state", "with_aliases", "export"]
 
 FORMATS = ("dcp", "safetensors", "pt")
 #: The checkpoint meta entry (and model.pt's companion) that maps each tied alias to its key.
-ALIASES = "aliases"
+ALIASES = "tied_names"
 
 
 def with_aliases(state: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:

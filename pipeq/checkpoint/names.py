@@ -9,6 +9,15 @@ another way maps to the same names, so 3 stages load into 2. ``runner.state_dict
 ``runner.load_state_dict()``, checkpoints and ``pipeq launch``'s model.pt all use these names
 (:func:`global_state`, :func:`split_state`).
 
+Two kinds of stage name their tensors otherwise (:class:`StageNames` says how one stage's names
+read): a stage whose :class:`~pipeq.stage.info.StageInfo` says ``model_names`` contributes its
+local names unchanged (they are the whole model's own names, no flat offset), and a tied
+parameter (``StageInfo.ties``), of which every stage holding it has a copy, is held once, under
+its tie's key, taken from its owner (the first stage holding it); loading hands that one tensor
+to every copy. (Each copy's optimizer state is its stage's: checkpoints keep it under the copy's
+own name.) A stage module that names one tensor twice (two local aliases) loads the second name
+from the first's entry when the state holds only that one.
+
 An interlocking run's auxiliary heads are no layers of the flat model: stage k's head is saved
 under ``aux_heads.{k}.{local}`` (:func:`aux_name`; parameters, buffers and their optimizer state),
 and loads only into a run of as many stages (a head belongs to its stage's boundary).
@@ -23,8 +32,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-__all__ = ["StageLayout", "is_sequential", "layers_of", "dtype_name", "layout_of", "flat_model", "layer_of",
-           "to_global", "AUX_PREFIX", "aux_name", "global_names", "global_state", "split_state"]
+from pipeq.stage.info import info_of
+
+__all__ = ["StageLayout", "StageNames", "is_sequential", "layers_of", "dtype_name", "naming_of", "layout_of",
+           "flat_model", "layer_of", "to_global", "AUX_PREFIX", "aux_name", "global_names", "global_state",
+           "split_state", "tie_aliases"]
 
 
 @dataclass
@@ -38,6 +50,50 @@ class StageLayout:
     shapes: dict[str, list[int]] = field(default_factory=dict)  # model name -> shape (empty: unchecked)
     dtypes: dict[str, str] = field(default_factory=dict)  # model name -> dtype, "float32"
     aux: dict[str, Any] | None = None  # the auxiliary head's layout (these fields of it), if any
+    names_global: bool = False  # StageInfo.model_names: the local names are the model's, no flat offset
+    ties: dict[str, str] = field(default_factory=dict)  # every local name of a tied parameter -> its tie's key
+    tie_stages: dict[str, list[int]] = field(default_factory=dict)  # tie key -> the stages holding a copy
+    aliases: dict[str, str] = field(default_factory=dict)  # a second local name of a tensor -> its first
+
+    def names(self, index: int, offset: int) -> "StageNames":
+        """How this stage's names read, as stage ``index`` starting at layer ``offset``."""
+        return StageNames(index, offset, self.sequential, self.names_global, self.ties, self.tie_stages)
+
+
+@dataclass(frozen=True)
+class StageNames:
+    """How stage ``index``'s local names read in the whole model's state (it starts at layer
+    ``offset`` of the flat model; see the module and :func:`naming_of` for the rest)."""
+
+    index: int
+    offset: int
+    sequential: bool
+    names_global: bool = False
+    ties: Mapping[str, str] = field(default_factory=dict)
+    tie_stages: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+    def own(self, local: str) -> str:
+        """The global name of this stage's own tensor ``local`` (and of its optimizer state)."""
+        return local if self.names_global else to_global(local, self.offset, self.sequential)
+
+    def model(self, local: str) -> str:
+        """The name the model's state holds ``local`` under: a tied copy's tie key, else :meth:`own`."""
+        key = self.ties.get(local)
+        return key if key is not None else self.own(local)
+
+    def saved(self, names: Iterable[str]) -> list[tuple[str, str]]:
+        """``(local, model name)`` of the ``names`` the model's state takes from this stage: every
+        untied one, and each tie once, from its owner (the first stage holding a copy)."""
+        out, seen = [], set()
+        for name in names:
+            key = self.ties.get(name)
+            if key is not None:
+                stages = self.tie_stages.get(key)
+                if key in seen or (stages and stages[0] != self.index):
+                    continue
+                seen.add(key)
+            out.append((name, self.model(name)))
+        return out
 
 
 def is_sequential(module: nn.Module) -> bool:
@@ -57,6 +113,26 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def naming_of(module: nn.Module) -> dict[str, Any]:
+    """How the stage module's names read beyond layers (:class:`StageLayout`'s fields
+    ``names_global``, ``ties``, ``tie_stages`` and ``aliases``), from its
+    :class:`~pipeq.stage.info.StageInfo` and the tensors it names twice."""
+    info = info_of(module)
+    sd = module.state_dict(keep_vars=True)
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, t in sd.items():
+        if first.setdefault(id(t), name) != name:
+            aliases[name] = first[id(t)]
+    params = dict(module.named_parameters())
+    ties = {}
+    for tie in info.ties:
+        p = params.get(tie.name)
+        ties.update((name, tie.key) for name, t in sd.items() if p is not None and t is p)
+    return {"names_global": info.model_names, "ties": ties,
+            "tie_stages": {tie.key: list(tie.stages) for tie in info.ties}, "aliases": aliases}
+
+
 def layout_of(module: nn.Module) -> StageLayout:
     """What a checkpoint needs to know of this stage module to hand it its part."""
     sd = module.state_dict()
@@ -67,6 +143,7 @@ def layout_of(module: nn.Module) -> StageLayout:
         sequential=is_sequential(module),
         shapes={name: list(t.shape) for name, t in sd.items()},
         dtypes={name: dtype_name(t.dtype) for name, t in sd.items()},
+        **naming_of(module),
     )
 
 
@@ -111,10 +188,12 @@ def aux_name(stage: int, local: str) -> str:
 
 
 def global_names(layouts: Sequence[StageLayout]) -> list[list[str]]:
-    """Each stage's model names (in order) as global names."""
+    """Each stage's model names (in order) under the names the model's state holds them by
+    (a tied copy's: its tie's key)."""
     out, offset = [], 0
-    for lay in layouts:
-        out.append([to_global(name, offset, lay.sequential) for name in lay.model_names])
+    for k, lay in enumerate(layouts):
+        names = lay.names(k, offset)
+        out.append([names.model(name) for name in lay.model_names])
         offset += lay.layers
     return out
 
@@ -122,12 +201,41 @@ def global_names(layouts: Sequence[StageLayout]) -> list[list[str]]:
 def global_state(per_stage: Sequence[tuple[Sequence[str], Sequence[torch.Tensor]]],
                  layouts: Sequence[StageLayout]) -> "collections.OrderedDict[str, torch.Tensor]":
     """Each stage's (local names, tensors) as one state_dict under global names, in the flat
-    model's order (what ``runner.state_dict()`` returns)."""
+    model's order (what ``runner.state_dict()`` returns; a tied parameter once, see the module)."""
     out: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
     offset = 0
-    for (names, tensors), lay in zip(per_stage, layouts):
-        for name, t in zip(names, tensors):
-            out[to_global(name, offset, lay.sequential)] = t
+    for k, ((names, tensors), lay) in enumerate(zip(per_stage, layouts)):
+        by_name = dict(zip(names, tensors))
+        for name, key in lay.names(k, offset).saved(names):
+            out[key] = by_name[name]
+        offset += lay.layers
+    return out
+
+
+def _optional(layouts: Sequence[StageLayout], required: set[str]) -> set[str]:
+    """The names a state may hold beside the ``required`` ones: a tied copy's own name, and a
+    second name of a tensor (its first's entry loads it)."""
+    out, offset = set(), 0
+    for k, lay in enumerate(layouts):
+        names = lay.names(k, offset)
+        out |= {names.own(n) for n in lay.model_names if n in lay.ties} | {names.model(n) for n in lay.aliases}
+        offset += lay.layers
+    return out - required
+
+
+def tie_aliases(layouts: Sequence[StageLayout]) -> dict[str, str]:
+    """Every other name of a tensor the model's state holds once (a tied copy's own global name,
+    a stage's second name of one tensor) -> the name it is held under: what the unsplit model's
+    ``state_dict()`` has beside it (``lm_head.weight`` -> ``tok_emb.weight``)."""
+    out: dict[str, str] = {}
+    offset = 0
+    for k, lay in enumerate(layouts):
+        names = lay.names(k, offset)
+        for local in lay.model_names:
+            held = names.model(lay.aliases.get(local, local))
+            own = names.own(local)
+            if own != held:
+                out[own] = held
         offset += lay.layers
     return out
 
@@ -135,7 +243,9 @@ def global_state(per_stage: Sequence[tuple[Sequence[str], Sequence[torch.Tensor]
 def split_state(state: Mapping[str, torch.Tensor], layouts: Sequence[StageLayout]
                 ) -> list[tuple[list[str], list[torch.Tensor]]]:
     """A state_dict under global names as each stage's (local names, tensors), every key and
-    shape checked before anything is loaded (a ``ValueError`` naming the key otherwise).
+    shape checked before anything is loaded (a ``ValueError`` naming the key otherwise). A tied
+    parameter's one entry (under its key) goes to every stage holding a copy; a tied copy's own
+    name, or a second name of one tensor, may be there too (it is not read).
 
     Also accepted, for state_dicts of earlier pipeq versions and of ``nn.Sequential(*stages)``:
     stage-prefixed names ``f"{k}.{local}"``, when the keys are exactly those.
@@ -143,9 +253,11 @@ def split_state(state: Mapping[str, torch.Tensor], layouts: Sequence[StageLayout
     flat = global_names(layouts)
     prefixed = [[f"{k}.{name}" for name in lay.model_names] for k, lay in enumerate(layouts)]
     keys = set(state)
-    want_flat = {g for names in flat for g in names}
+    want_flat = {g for k, names in enumerate(flat) for g, n in zip(names, layouts[k].model_names)
+                 if n not in layouts[k].aliases}
+    optional = _optional(layouts, want_flat)
     want_prefixed = {g for names in prefixed for g in names}
-    if keys == want_flat:
+    if want_flat <= keys <= want_flat | optional:
         chosen = flat
     elif keys == want_prefixed:
         chosen = prefixed
@@ -154,12 +266,15 @@ def split_state(state: Mapping[str, torch.Tensor], layouts: Sequence[StageLayout
                         else (flat, want_flat))
         raise ValueError(
             f"state_dict does not fit these {len(layouts)} stages: missing keys {sorted(want - keys)}, "
-            f"unexpected keys {sorted(keys - want)} (keys are the flat model's names, as "
+            f"unexpected keys {sorted(keys - want - optional)} (keys are the flat model's names, as "
             "runner.state_dict() and pipeq.checkpoint.flat_model(stages).state_dict() give them)")
     per_stage = []
     for k, (lay, keys_k) in enumerate(zip(layouts, chosen)):
+        key_of = dict(zip(lay.model_names, keys_k))
         tensors = []
         for name, key in zip(lay.model_names, keys_k):
+            if key not in state and name in lay.aliases:
+                key = key_of[lay.aliases[name]]
             t = state[key]
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"state_dict['{key}'] is a {type(t).__name__}, not a tensor")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pipeq.checkpoint.data import CheckpointError, StageSnapshot
-from pipeq.checkpoint.names import is_sequential, layers_of
+from pipeq.checkpoint.names import is_sequential, layers_of, naming_of
 from pipeq.tree import from_plain, to_plain
 
 __all__ = ["optimizer_snapshot", "load_optimizer_snapshot", "optimizers_snapshot", "schedulers_snapshot",
@@ -122,7 +122,9 @@ def stage_snapshot(
     scheduler: Any = None,
     rng: bool = True,
 ) -> StageSnapshot:
-    """Everything of one stage that a checkpoint keeps, as CPU copies under local names."""
+    """Everything of one stage that a checkpoint keeps, as CPU copies under local names (and how
+    those names read: :func:`~pipeq.checkpoint.names.naming_of`)."""
+    naming = naming_of(module)
     return StageSnapshot(
         model={k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()},
         optim=optimizer_snapshot(module, optimizer) if optimizer is not None else {},
@@ -130,4 +132,7 @@ def stage_snapshot(
         rng=torch.get_rng_state() if rng else None,
         layers=layers_of(module),
         sequential=is_sequential(module),
+        names_global=naming["names_global"],
+        ties=naming["ties"],
+        tie_stages=naming["tie_stages"],
     )

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipeq import schedules
+from pipeq.control import ties as tied
 from pipeq.control.main_guard import check_picklable
 from pipeq.control.stage_inputs import check_declared
 from pipeq.stage.spec import StageBuilder, StageSpec
@@ -75,15 +76,16 @@ class Model:
     builder: StageBuilder | None = None
     aux_loss: Callable | None = None  # with auxiliary heads: weights their losses
     lr_schedule: LRSchedule = field(default_factory=LRSchedule)  # who steps the lr schedulers, and how
-
+    ties: bool = False  # a stage holds tied weights (pipeq.control.ties), as far as this process knows
 
 
 def check_model(
     stages: Any, loss_fn: Any, optimizer: Any, lr_scheduler: Any, schedule: SchedulePolicy, *,
     aux_heads: Sequence[nn.Module] | None, aux_loss: Any, data_parallel: int, mode: str,
-    rendezvous: "Rendezvous | None", lr_scheduler_interval: str | None = None,
+    rendezvous: "Rendezvous | None", lr_scheduler_interval: str | None = None, ties: Any = None,
 ) -> Model:
-    """The model arguments of :class:`~pipeq.PipelineRunner`, checked (see its docstring)."""
+    """The model arguments of :class:`~pipeq.PipelineRunner`, checked (see its docstring); ``ties``
+    declared on the stages (:func:`pipeq.control.ties.apply_ties`)."""
     if type(data_parallel) is not int or data_parallel < 1:
         raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
     if data_parallel > 1:
@@ -101,14 +103,19 @@ def check_model(
         if lr_scheduler_interval is not None:
             raise ValueError("with a stage recipe, the scheduler and its interval come from it: set "
                              "lr_scheduler_interval in the recipe (job file) and pass lr_scheduler_interval=None")
+        if ties is not None:
+            raise ValueError("with a stage recipe, tied weights come from the stages it builds (their "
+                             "pipeq.stage.info.StageInfo, as pipeq.split makes them): pass ties=None")
         return _check_recipe(stages, loss_fn, optimizer, lr_scheduler, schedule, mode, data_parallel,
                              multi_host=rendezvous is not None)
     if rendezvous is not None:
         raise ValueError(
             "a multi-host run builds each stage on its own host from importable names: pass a job "
             "recipe (pipeq.job.Recipe, or use pipeq launch) instead of modules")
-    copies = _replica_lists(stages, data_parallel)
+    copies = [tied.apply_ties(c, ties) for c in _replica_lists(stages, data_parallel)]
     stages = copies[0]
+    if tied.has_ties(stages):
+        tied.refuse_ties(schedule)
     n = len(stages)
     if loss_fn is None:
         loss_fn = schedule.default_loss()
@@ -117,14 +124,13 @@ def check_model(
     _check_heads(schedule, n, aux_heads, aux_loss)
     schedule.check_stages(stages)
     check_declared(stages, schedule)
-    _check_untied(stages)
     heads = list(aux_heads) + [None] if aux_heads is not None else [None] * n
     replicas = [[StageSpec(module, optimizer, loss_fn if schedule.computes_loss(k, n) else None, lr_scheduler,
                            heads[k], aux_loss if aux_heads is not None else None, lr_schedule.interval)
                  for k, module in enumerate(copy)] for copy in copies]
     return Model(n, data_parallel, loss_fn, replicas, None,
                  (aux_loss if aux_loss is not None else nn.CrossEntropyLoss()) if aux_heads is not None else None,
-                 lr_schedule)
+                 lr_schedule, tied.has_ties(stages))
 
 
 def _check_factories(loss_fn: Any, optimizer: Any, lr_scheduler: Any) -> None:
@@ -166,8 +172,11 @@ def _check_recipe(builder: StageBuilder, loss_fn: Any, optimizer: Any, lr_schedu
                                       builder.optimizer_factory())  # type: ignore[attr-defined]
     weigh_aux = (aux_loss if aux_loss is not None else nn.CrossEntropyLoss()) if heads is not None else None
     if mode == "simulated":  # build them here, as the stage processes would
-        return Model(n, 1, loss, [[builder.build(k, n) for k in range(n)]], aux_loss=weigh_aux,
-                     lr_schedule=lr_schedule)
+        specs = [builder.build(k, n) for k in range(n)]
+        has_ties = tied.has_ties([spec.module for spec in specs])
+        if has_ties:
+            tied.refuse_ties(schedule)
+        return Model(n, 1, loss, [specs], aux_loss=weigh_aux, lr_schedule=lr_schedule, ties=has_ties)
     return Model(n, data_parallel, loss, [], builder, weigh_aux, lr_schedule)
 
 
@@ -217,25 +226,13 @@ def _check_heads(schedule: SchedulePolicy, n: int, aux_heads: Any, aux_loss: Any
         schedule.check_heads(n, aux_heads, aux_loss, hint)
 
 
-def _check_untied(stages: Sequence[nn.Module]) -> None:
-    """Each stage process owns its tensors: a parameter shared by two stages would untie."""
-    owner: dict[int, tuple[int, str]] = {}
-    for k, s in enumerate(stages):
-        for name, t in list(s.named_parameters()) + list(s.named_buffers()):
-            first = owner.setdefault(id(t), (k, name))
-            if first[0] != k:
-                raise ValueError(
-                    f"stage {k}'s {name!r} is the same tensor as stage {first[0]}'s {first[1]!r}; tensors "
-                    "shared between stages (tied weights) would be trained apart, one copy per stage "
-                    "process: keep them in one stage")
-
-
-
 def check_tensor_parallel(model: Model, schedule: SchedulePolicy, tensor_parallel: Any, tp_plan: Any, *, mode: str,
                           numerics: Numerics) -> list[Any] | None:
     """``tensor_parallel`` and ``tp_plan`` (see :mod:`pipeq.parallel.tensor`): each stage's plan, or
     None without tensor parallelism. Checked against the stages' modules when this process has
     them; a recipe's stages are built on the meta device to be checked (no memory, no data)."""
+    if model.ties and tensor_parallel != 1:
+        tied.refuse_ties(schedule, tensor_parallel=tensor_parallel)
     if tensor_parallel == 1 and tp_plan is None:
         return None
     if type(tensor_parallel) is not int or tensor_parallel < 1:

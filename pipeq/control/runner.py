@@ -81,6 +81,11 @@ class PipelineRunner(RunnerStream, RunnerState):
             sample)``, which measures them) when ``stages`` is the whole model as one
             ``nn.Sequential``: its children are split into stages of that many layers each
             (``pipeq.balance.split``; every replica gets the same split).
+        ties: parameters several stages use (a tied embedding and LM head), as groups of their
+            :meth:`state_dict` names, ``[["0.weight", "5.weight"]]``: each stage keeps a copy, the
+            copies' gradients are summed before every step (bitwise-equal copies, one process's
+            numbers), and :meth:`state_dict` and checkpoints hold the tensor once, under the first
+            name (see :mod:`pipeq.control.ties`). Sharing between stages that is not tied is refused.
 
         rendezvous: a :class:`pipeq.rendezvous.Rendezvous` for a multi-host run (this process
             is node 0; the other nodes run ``pipeq launch ... --node-rank r``); its stages bind
@@ -137,6 +142,7 @@ class PipelineRunner(RunnerStream, RunnerState):
         aux_heads: Sequence[nn.Module] | None = None,
         aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         balance: Sequence[int] | None = None,
+        ties: Sequence[Sequence[str]] | None = None,
         rendezvous: Rendezvous | None = None,
         **settings: Any,
     ) -> None:
@@ -148,7 +154,7 @@ class PipelineRunner(RunnerStream, RunnerState):
         place = cfg.placement
         model = checks.check_model(stages, loss_fn, optimizer, lr_scheduler, cfg.schedule, aux_heads=aux_heads,
                                    aux_loss=aux_loss, data_parallel=place.data_parallel, mode=place.mode,
-                                   rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval)
+                                   rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval, ties=ties)
         cfg.check_stages(model.n_stages)
         self.numerics = cfg.numerics_for(model.n_stages)
         tp_plans = checks.check_tensor_parallel(model, cfg.schedule, place.tensor_parallel, place.tp_plan,

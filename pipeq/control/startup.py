@@ -4,7 +4,8 @@
 ``forkserver``: each stage's :class:`~pipeq.runtime.executors.StageSpec` is handed over at process
 start, never over a socket), publishes node 0's rendezvous entries for the other nodes' agents
 (multi-host), waits for each process to report READY with its bound addresses, and tells every
-one its neighbours' addresses (and, with data parallelism, its stage's other replicas')::
+one its neighbours' addresses (with data parallelism, its stage's other replicas'; with tied
+weights, its replica's stages' tie links, once their ties are checked to agree)::
 
     start:   spawn stages -> READY (addresses) from each -> PEERS to each [-> ACK from each: the
              replicas hold replica 0's weights (data parallelism)]
@@ -31,6 +32,7 @@ from pipeq.control.rendezvous import Rendezvous
 from pipeq.control.supervisor import Supervisor
 from pipeq.control.trace_collector import TraceRecorder
 from pipeq.stage.spec import StageBuilder
+from pipeq.stage.ties import tie_mismatch
 from pipeq.wire import control, shm
 from pipeq.wire.control import Exit, Peers, Ready, Stop
 from pipeq.wire.keys import JobSecret
@@ -166,11 +168,13 @@ class StageProcesses:
         """Each lead's PEERS: its neighbours within the replica and, with data parallelism, its
         stage's replicas (by replica; with tensor parallelism too, by shard)."""
         n, num = self.n_stages, self.numbering
+        ties = self._tie_links(ready)
         out = []
         for g in range(self.n_processes):
             k = g % n
             peers = Peers(next_forward=ready[g + 1].forward if k + 1 < n else None,
-                          prev_backward=ready[g - 1].backward if k > 0 else None)
+                          prev_backward=ready[g - 1].backward if k > 0 else None,
+                          tie_links=ties[g // n] if ready[g].tie_link is not None else None)
             if self.replicas > 1 and num.shards > 1:  # every shard's replicas, by shard
                 groups = [num.group(r * n + k) for r in range(self.replicas)]
                 peers.replica_shards = [[self._replica_link(ready, group[s]) for group in groups]
@@ -179,6 +183,17 @@ class StageProcesses:
                 peers.replicas = [self._replica_link(ready, r * n + k) for r in range(self.replicas)]
             out.append((g, control.message(peers, joined)))
         return out
+
+    def _tie_links(self, ready: list[Ready]) -> list[list[str | None]]:
+        """Per replica, every stage's tie link (None for a stage without tied weights), once the
+        stages' ties are checked to agree (each tie named alike by every stage holding a copy)."""
+        n = self.n_stages
+        wrong = tie_mismatch([ready[k].layout.get("tie_stages") or {} for k in range(n)])
+        if wrong is not None:
+            assert self.sup is not None
+            raise self.sup.fail(self.sup.error(f"its tied weights do not match the other stages': {wrong[1]}",
+                                               wrong[0]))
+        return [[ready[r * n + k].tie_link for k in range(n)] for r in range(self.replicas)]
 
     def _replica_link(self, ready: list[Ready], g: int) -> str:
         link = ready[g].replica_link

@@ -50,6 +50,15 @@ class RunnerState:
         self._require_running()
         return checkpoint.global_state(self._backend.get_state(), self._layouts())
 
+    def model_state_dict(self) -> "dict[str, torch.Tensor]":
+        """:meth:`state_dict` with each tied parameter also under its other names (one tensor),
+        as the unsplit model's own ``state_dict()`` has it: ``model.load_state_dict(
+        runner.model_state_dict())`` loads a run of :func:`pipeq.split`'s stages into the model."""
+        from pipeq import checkpoint
+        from pipeq.checkpoint.export import with_aliases
+
+        return with_aliases(self.state_dict(), checkpoint.tie_aliases(self._layouts()))
+
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a state under the names of :meth:`state_dict` (also one split into another number
         of stages). Every key and shape is checked before any stage changes: a ``ValueError``
@@ -72,8 +81,14 @@ class RunnerState:
         directory holding anything but a checkpoint is refused (it is replaced as a whole)."""
         from pipeq import checkpoint
 
+        from pipeq.checkpoint.export import ALIASES
+
         self._require_running()
-        checkpoint.save(directory, self._backend.get_snapshots(), dict(meta or {}))
+        meta = dict(meta or {})
+        aliases = checkpoint.tie_aliases(self._layouts())
+        if aliases:  # the names the unsplit model has beside them (pipeq export writes both)
+            meta[ALIASES] = aliases
+        checkpoint.save(directory, self._backend.get_snapshots(), meta)
 
     def load(self, directory: str) -> dict[str, Any]:
         """Load a checkpoint written by :meth:`save`, also one saved with another number of

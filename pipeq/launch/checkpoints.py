@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from pipeq import checkpoint
+from pipeq.checkpoint.export import model_state
 from pipeq import schedules
 from pipeq.launch.job import Job
 from pipeq.launch.rundir import RunDir
@@ -70,7 +71,7 @@ class Checkpoints:
         if samples and self.job.checkpoint_every and not self.due(step):  # else just saved
             self.save(runner, step, pos)
         tmp = self.run_dir.model + ".tmp"
-        torch.save(checkpoint.load(final).model, tmp)
+        torch.save(model_state(final), tmp)  # tied parameters under each of their names, as the model has them
         os.replace(tmp, self.run_dir.model)
 
     def _save(self, runner: Any, directory: str, step: int, epoch: int, batch: int) -> None:

@@ -1,3 +1,3 @@
-"""Parallelism beside and inside the pipeline: data-parallel replicas and tensor-parallel shards."""
+"""Parallelism beside and inside the pipeline: data-parallel replicas, tensor-parallel shards, and tied weights across stages."""
 
-__all__ = ["data", "tensor"]
+__all__ = ["data", "tensor", "ties"]

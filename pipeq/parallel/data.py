@@ -104,14 +104,17 @@ class FlatLayout:
                 t.copy_(whole.view(t.shape))
             offset += e - a
 
-    def check(self, b: int, got: Sequence[torch.Tensor], sender: int, what: str) -> torch.Tensor:
-        """The one flat tensor of bucket ``b`` that replica ``sender`` sent, checked against the plan."""
+    def check(self, b: int, got: Sequence[torch.Tensor], sender: int, what: str,
+              sender_is: str = "replica") -> torch.Tensor:
+        """The one flat tensor of bucket ``b`` that ``sender`` (a replica, or what ``sender_is``
+        says) sent, checked against the plan."""
         if (len(got) != 1 or got[0].dim() != 1 or got[0].dtype != self.dtypes[b]
                 or got[0].numel() != self.numels[b]):
             desc = ", ".join(f"{list(t.shape)} {t.dtype}" for t in got)
-            raise RuntimeError(f"replica {sender} sent {what} bucket {b} as [{desc}], expected one flat "
-                               f"{self.dtypes[b]} tensor of {self.numels[b]} elements: do the replicas "
-                               "hold the same stage?")
+            hint = "do the replicas hold the same stage?" if sender_is == "replica" else \
+                "do both hold the same tied weights?"
+            raise RuntimeError(f"{sender_is} {sender} sent {what} bucket {b} as [{desc}], expected one flat "
+                               f"{self.dtypes[b]} tensor of {self.numels[b]} elements: {hint}")
         return got[0]
 
 

@@ -14,6 +14,9 @@ Requests (first element an :class:`~pipeq.schedules.Op`, or ``EMIT``)::
     (Op.SEND_GRAD, j, tensors)  -> caller sends them to the previous stage
     (EMIT, j, tensors)          -> a forward-only result (the last stage's output, or the end
                                    of a decode path on stage 0): the caller returns it
+    (TIES, STATS, outgoing, n)  -> tied weights' exchange number n (counted from 1 alike on every
+                                   stage): ``outgoing[s]`` goes to stage s (the caller sends copies);
+                                   the caller sends back ``{s: tensors}``, every peer's
 
 Tensors that belong to a tree (a stage output that is not a tensor or a tuple of tensors) come
 as a :class:`pipeq.stage.microbatch.Packed`, whose ``spec`` the caller sends with them.
@@ -24,6 +27,10 @@ statistics along the pipeline, as microbatch :data:`STATS` on the same channels:
 stage k-1 (``RECV_ACT``), combined and sent on (``SEND_ACT``); the total comes back from the last
 stage (``RECV_GRAD``) and is passed down (``SEND_GRAD``). Every stage reaches its ``STEP`` only
 after its last send of the step, so this cannot deadlock a validated schedule.
+
+A stage holding tied weights (:mod:`pipeq.stage.ties`) first sums their gradients with the other
+stages holding a copy (``TIES``), after the replicas' all-reduce: every stage reaches its ``STEP``
+without waiting for another's, so neither can that.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from pipeq.trace.format import F as TRACE_F
 from pipeq.trace.format import OPT_STEP as TRACE_OPT_STEP
 
 EMIT = "emit"
+TIES = "ties"  # the request that swaps tied weights' gradients (see the module docstring)
 STATS = -2  # the microbatch number of the step statistics' messages (never a real microbatch)
 
 Request = tuple[Any, ...]
@@ -153,6 +161,9 @@ def execute(
             if note is not None:
                 note(TRACE_OPT_STEP, -1)
             t0 = clock() if rec else 0
+            if ex.tied is not None:  # replicas first, then the stages holding a copy
+                ex.sync_replicas()
+                ex.tied.add((yield (TIES, STATS, ex.tied.outgoing(), ex.tied.rounds)))
             if ex.numerics.combines:
                 ex.apply_step((yield from _combined(ex, ex.step_stats())))
             else:

@@ -3,7 +3,9 @@
 The engine keeps one :func:`~pipeq.runtime.interpreter.execute` generator per stage and advances them in
 turn: a stage runs until it needs a message that has not been sent yet, then the next stage runs.
 Messages are cloned tensors in a dictionary, so nothing is shared between stages that process
-mode would not share either. Use it to debug a model or a schedule, for research and for fast
+mode would not share either; so are tied weights' gradients (the interpreter's ``TIES``: each stage
+posts its copies' gradients for its tie peers and waits for theirs, then adds them in stage order,
+as a stage process does). Use it to debug a model or a schedule, for research and for fast
 tests; process mode gives the same numbers.
 """
 
@@ -17,13 +19,20 @@ import torch
 
 from pipeq.errors import PipelineError
 from pipeq.runtime.executors import make_executor
-from pipeq.runtime.interpreter import EMIT, StagePlan, execute
+from pipeq.runtime.interpreter import EMIT, TIES, StagePlan, execute
 from pipeq.stage.microbatch import rewrap
 from pipeq.stage.numerics import Numerics
 from pipeq.schedules import Op, ScheduleFn
 from pipeq.stage.executor import Tensors
 from pipeq.stage.info import info_of
 from pipeq.stage.spec import StageSpec
+
+
+def _awaited(k: int, req: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """The mailbox keys stage ``k``'s blocked request ``req`` waits for."""
+    if req[0] is TIES:
+        return [(k, "tie", peer, req[3]) for peer in req[2]]
+    return [(k, "act" if req[0] is Op.RECV_ACT else "grad", req[1])]
 
 
 class SimulatedBackend:
@@ -37,8 +46,9 @@ class SimulatedBackend:
         self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev, numerics)
                           for k, spec in enumerate(specs)]
         self.plans = [StagePlan(schedule, k, n) for k in range(n)]
-        # messages sent and not yet received: (destination, kind, microbatch); a stream's outlive a batch
-        self.mailbox: dict[tuple[int, str, int], Tensors] = {}
+        # messages sent and not yet received: (destination, kind, microbatch), or tied gradients'
+        # (destination, "tie", sender, exchange); a stream's outlive a batch
+        self.mailbox: dict[tuple[Any, ...], Any] = {}
         self._results: dict[int, float | PipelineError] = {}  # submitted steps, not yet handed out
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
 
@@ -75,10 +85,11 @@ class SimulatedBackend:
                 while not done[k]:
                     req = pending[k]
                     if req is not None:  # blocked on a receive: is the message there yet?
-                        key = (k, "act" if req[0] is Op.RECV_ACT else "grad", req[1])
-                        if key not in mailbox:
+                        keys = _awaited(k, req)
+                        if not all(key in mailbox for key in keys):
                             break
-                        values[k] = mailbox.pop(key)
+                        got = [mailbox.pop(key) for key in keys]
+                        values[k] = dict(zip(req[2], got)) if req[0] is TIES else got[0]
                         pending[k] = None
                     try:
                         req = self._guard(k, gens[k].send, values[k])
@@ -97,6 +108,10 @@ class SimulatedBackend:
                         mailbox[(k - 1, "grad", req[1])] = tuple(t.clone() for t in req[2])
                     elif op is EMIT:
                         outputs[req[1]] = req[2]
+                    elif op is TIES:  # post this stage's tied gradients, then wait for the peers'
+                        for peer, tensors in req[2].items():
+                            mailbox[(peer, "tie", k, req[3])] = [t.detach().clone() for t in tensors]
+                        pending[k] = req
             if not progressed:  # cannot happen for a validated schedule
                 raise PipelineError(f"simulated pipeline stalled on {pending}")
         return [outputs[j] for j in sorted(outputs)]

@@ -2,8 +2,9 @@
 
 The loop waits for a command on the control channel and carries it out:
 
-    PEERS      connect the forward/backward channels to the neighbours' addresses (with replicas:
-               connect to the same stage's other replicas, start from replica 0's weights, reply ACK)
+    PEERS      connect the forward/backward channels to the neighbours' addresses (with tied
+               weights: to the stages sharing them; with replicas: connect to the same stage's
+               other replicas, start from replica 0's weights, reply ACK)
     TRAIN      run the schedule's actions for one batch (x rides along to stage 0, the target
                to the stages that compute a loss, its stage inputs to each stage that takes
                some: pipeq.runtime.batch_command); the last stage replies LOSS
@@ -51,11 +52,11 @@ from pipeq.stage import microbatch
 from pipeq import schedules
 from pipeq.wire import shm
 from pipeq.trace import format as trace
-from pipeq.parallel.data import Replicas
 from pipeq.runtime import os_process
 from pipeq.runtime.batch_command import batch_parts
 from pipeq.runtime.executors import make_executor
-from pipeq.runtime.interpreter import EMIT, StagePlan, execute
+from pipeq.runtime.interpreter import EMIT, TIES, StagePlan, execute
+from pipeq.runtime.links import PeerLinks
 from pipeq.stage.numerics import Numerics
 from pipeq.wire import control
 from pipeq.wire.control import (Ack, Clock, Drain, ErrorReply, Exit, GetLr, GetSnapshot, GetState, GetStats,
@@ -142,11 +143,11 @@ class EventLoop:
     """Serves the driver's commands on one stage process until EXIT."""
 
     def __init__(self, cfg: WorkerConfig, transport: StageTransport, executor: StageExecutor,
-                 replicas: "Replicas | None" = None) -> None:
+                 links: PeerLinks | None = None) -> None:
         self.cfg = cfg
         self.transport = transport
         self.executor = executor
-        self.replicas = replicas  # data parallelism: this stage's link to its replicas
+        self.links = links  # data parallelism, tied weights: this stage's links to its replicas, tie peers
         self.step: int | None = None  # the TRAIN/PREDICT step being run (named in an ERROR)
         self.plan = StagePlan(cfg.schedule, cfg.stage, cfg.n_stages)
         self.trace: collections.deque[tuple[int, ...]] | None = (
@@ -224,23 +225,11 @@ class EventLoop:
                                    [trace.rows_to_tensor(rows)])
         elif isinstance(cmd, Peers):
             self.transport.connect(cmd.next_forward, cmd.prev_backward)
-            if self.replicas is None:
-                return None
-            self.replicas.join(self._replica_addresses(cmd))  # before any step: replicas never start apart
+            if self.links is None or not self.links.join(cmd):
+                return None  # (with replicas, the driver waits for their ACK)
         elif not isinstance(cmd, Stop):
             raise RuntimeError(f"stage {self.cfg.stage}: unexpected command {msg.kind.name}")
         return control.message(Ack(), step)
-
-    def _replica_addresses(self, peers: Peers) -> list[str]:
-        """The same stage's (and shard's) other replicas, from PEERS: with tensor parallelism,
-        ``replica_shards[s]`` lists shard s's, as the lead's PEERS reaches every shard."""
-        if self.cfg.shards == 1:
-            return peers.replicas or []
-        by_shard = peers.replica_shards
-        if by_shard is None or len(by_shard) != self.cfg.shards:
-            raise ValueError(f"stage {self.cfg.stage}, shard {self.cfg.shard}: bad replica_shards "
-                             f"{by_shard!r} in PEERS")
-        return by_shard[self.cfg.shard]
 
     def run_batch(self, cmd: Train | Predict, msg: Message) -> None:
         """Run the schedule's actions for one batch, answering the interpreter's requests."""
@@ -298,6 +287,10 @@ class EventLoop:
                     transport.send_control(control.message(Output(tree=tree), s, j, req[2]))
                     if rec:
                         rec((trace.EMIT, s, j, t0, clock(), _nbytes(req[2])))
+                elif op is TIES:
+                    if self.links is None:
+                        raise RuntimeError(f"stage {self.cfg.stage}: tied gradients to exchange, but no tie link")
+                    value = self.links.exchange_ties(req[3], req[2])
         except StopIteration:
             pass
         finally:
@@ -400,7 +393,7 @@ def _serve(cfg: WorkerConfig, payload: "bytes | StageBuilder", transport: StageT
     failure, which the driver is told of (ERROR) first."""
     heartbeat = None
     loop: EventLoop | None = None
-    replicas: Replicas | None = None
+    links: PeerLinks | None = None
     try:
         # From here on the driver is watched: if it dies, this stage cleans up and exits.
         heartbeat = Heartbeat(
@@ -409,13 +402,10 @@ def _serve(cfg: WorkerConfig, payload: "bytes | StageBuilder", transport: StageT
             status=lambda: control.encode(loop.doing()) if loop is not None else None,
         )
         executor, serving = _make_stage(cfg, payload, transport)
-        if cfg.replicas > 1:  # a link to the stage's replicas: replica 0's weights, summed gradients
-            replicas = Replicas(transport, cfg.bind, stage=cfg.stage, replica=cfg.replica, replicas=cfg.replicas,
-                                params=executor.optimizer_params(), buffers=list(executor.module.buffers()),
-                                shard=cfg.shard)
-            executor.grad_sync = replicas.sync
-        _report_ready(cfg, transport, executor, replicas)
-        loop = EventLoop(cfg, serving, executor, replicas)
+        links = PeerLinks(transport, cfg.bind, executor, stage=cfg.stage, replica=cfg.replica, replicas=cfg.replicas,
+                          shard=cfg.shard, shards=cfg.shards)
+        _report_ready(cfg, transport, executor, links)
+        loop = EventLoop(cfg, serving, executor, links)
         loop.serve()
         return True
     except Stopped:
@@ -426,8 +416,8 @@ def _serve(cfg: WorkerConfig, payload: "bytes | StageBuilder", transport: StageT
     finally:
         if heartbeat is not None:
             heartbeat.stop()
-        if replicas is not None:
-            replicas.close(linger_ms=200)  # its sockets share the transport's context: first
+        if links is not None:
+            links.close(linger_ms=200)  # their sockets share the transport's context: first
         transport.close(linger_ms=200)
 
 
@@ -448,14 +438,14 @@ def _make_stage(cfg: WorkerConfig, payload: "bytes | StageBuilder",
 
 
 def _report_ready(cfg: WorkerConfig, transport: StageTransport, executor: StageExecutor,
-                  replicas: Replicas | None) -> None:
+                  links: PeerLinks) -> None:
     """Publish this process's endpoints (multi-host) and tell the driver it is READY."""
     ready = Ready(**transport.addresses, pid=os.getpid(), device=str(executor.device), replica=cfg.replica,
                   stage=cfg.stage, shard=cfg.shard, threads=torch.get_num_threads(), host=os.uname().nodename,
                   cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
-                  # the driver's PEERS hands it to the other replicas
-                  replica_link=replicas.address if replicas is not None else None,
-                  inputs=list(info_of(executor.module).inputs) or None, layout=executor.layout())
+                  # the driver's PEERS hands them to the other replicas and the tie peers
+                  **links.addresses(), inputs=list(info_of(executor.module).inputs) or None,
+                  layout=executor.layout())
     entry = control.encode(ready)
     del entry["layout"]  # the rendezvous entry: where the process is, for node 0's start-up hints
     _publish(cfg, entry)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch import fx, nn
 
-__all__ = ["Flow", "StageFlow", "trace_stages", "UntraceableModel"]
+__all__ = ["Flow", "StageFlow", "trace_stages", "mark_constants", "UntraceableModel"]
 
 FALLBACK = ("split by module names instead: pipeq.split(model, modules=[[names of stage 0's modules], "
             "[stage 1's], ...]) runs the model's own forward on each stage")
@@ -88,6 +88,15 @@ def _picklable(module: nn.Module) -> nn.Module:
     return gm
 
 
+def mark_constants(module: nn.Module) -> None:
+    """The constants the trace lifted into buffers (a causal mask...) are no state of the
+    model's: out of ``state_dict`` (again after unpickling, which forgets it)."""
+    for m in module.modules():
+        for name in m._buffers:
+            if name.startswith(("_tensor_constant", "_lifted_tensor_constant")):
+                m._non_persistent_buffers_set.add(name)
+
+
 def _plain_codegen(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` taking its placeholders positionally, in graph order (no pytree input spec)."""
     if type(gm.graph._codegen) is not fx.graph.CodeGen:
@@ -100,6 +109,21 @@ def _codes(module: nn.Module) -> list[str]:
     return [m.code for m in module.modules() if isinstance(m, fx.GraphModule)]
 
 
+def _reads_mode(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` may depend on train / eval mode: some module's class reads
+    ``training`` (dropout, batch norm...), or its source cannot be read (then assume it does)."""
+    for cls in {type(m) for m in model.modules()}:
+        if cls.forward is nn.Module.forward:
+            continue
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            return True
+        if "training" in source:
+            return True
+    return False
+
+
 def trace_stages(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  points: Sequence[str]) -> tuple[list[fx.GraphModule], list[fx.GraphModule | None], Flow]:
     """Each stage's graph module (its tensors under the model's own names), its graph in eval
@@ -109,6 +133,8 @@ def trace_stages(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     training = model.training
     try:
         graphs, flow = _trace(model.train(), args, kwargs, points)
+        if not _reads_mode(model):
+            return graphs, [None] * len(graphs), flow
         evals, eval_flow = _trace(model.eval(), args, kwargs, points)
     finally:
         model.train(training)
@@ -135,6 +161,8 @@ def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     ints = [tuple(i for i, p in enumerate(n for n in m.graph.nodes if n.op == "placeholder")
                   if isinstance(p.meta.get("val"), (int, torch.SymInt))) for m in modules]
     graphs = [_plain_codegen(_picklable(m)) for m in modules]
+    for g in graphs:
+        mark_constants(g)
     with torch.no_grad():
         out_spec = torch.utils._pytree.tree_flatten(model(*args, **kwargs))[1]
     return graphs, _flow(pipe.split_gm.graph, ints, len(args), out_spec)

@@ -2,32 +2,46 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from pipeq.split.graph import StageFlow
+from pipeq.split.graph import StageFlow, mark_constants
 
 __all__ = ["GraphStage"]
 
 
+def _modules_of(spec: Any) -> list[str]:
+    """The modules defining the containers of ``spec`` (importing one registers its types)."""
+    out = {getattr(spec.type, "__module__", "builtins")} if spec.type is not None else set()
+    for child in spec.children() if hasattr(spec, "children") else spec.children_specs:
+        out |= set(_modules_of(child))
+    return sorted(out)
+
+
 def _portable(spec: Any) -> Any:
-    """The model output's pytree spec in a form that pickles quietly: None for one tensor, its
-    JSON when torch can write it, else the spec itself."""
+    """The model output's pytree spec in a form that pickles quietly: None for one tensor, else
+    its JSON and the modules that register its types (a Hugging Face ModelOutput's), or the
+    spec itself when torch cannot write it."""
     if spec.is_leaf():
         return None
     try:
-        return pytree.treespec_dumps(spec)
-    except Exception:  # a type registered without a serialised name (e.g. some ModelOutputs)
+        return (pytree.treespec_dumps(spec), _modules_of(spec))
+    except Exception:  # a type registered without a serialised name
         return spec
 
 
 def _unflatten(values: list[Any], spec: Any) -> Any:
     if spec is None:
         return values[0]
-    return pytree.tree_unflatten(values, pytree.treespec_loads(spec) if isinstance(spec, str) else spec)
+    if isinstance(spec, tuple):  # (JSON, modules): the stage process may not have imported them yet
+        for name in spec[1]:
+            importlib.import_module(name)
+        spec = pytree.treespec_loads(spec[0])
+    return pytree.tree_unflatten(values, spec)
 
 
 class GraphStage(nn.Module):
@@ -89,15 +103,18 @@ class GraphStage(nn.Module):
             return _unflatten(values, self.out_spec)
         return tuple(torch.tensor(v) if isinstance(v, int) else v for v in values)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickled (in a stage process): torch.fx rebuilds each graph by tracing its code again,
-        which turns a call on constants alone (``torch.arange(T)`` of position ids) into a buffer
-        of the rebuilt graph (``_tensor_constant0``). The stage runs that code as itself: it takes
-        them over, as buffers outside its state_dict (``.to(device)`` moves them)."""
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (in a stage process): torch.fx rebuilds each graph from its code, which turns
+        a call on constants alone (``torch.arange(T)`` of position ids) into a buffer of the
+        rebuilt graph (``_tensor_constant0``). The stage runs that code as itself: it takes them
+        over, as buffers outside its state_dict (``.to(device)`` moves them)."""
         super().__setstate__(state)
         for name, value in self._graph.named_buffers(recurse=False):
             if not hasattr(self, name):
                 self.register_buffer(name, value, persistent=False)
+        mark_constants(self)
+        if self._eval is not None:
+            mark_constants(self._eval)
 
     def _share(self) -> None:
         """The eval graph's parameters and buffers are this stage's own (the same tensors)."""

@@ -24,6 +24,7 @@ from pipeq.stage.numerics import LossScaler, Numerics, all_finite, peak_memory
 from pipeq.stage.spec import StageSpec
 from pipeq.stage.state import StageState
 from pipeq.stage.step import OptimizerStep
+from pipeq.stage.ties import TiedGrads
 from pipeq.stage.transfer import pinned_copies
 from pipeq.tree import as_args, tensors_of
 
@@ -60,7 +61,9 @@ class StageExecutor(StageState, OptimizerStep):
         params = [p for p in (trains or self.module).parameters() if p.requires_grad]
         self.needs_target = self.is_last  # which stages get the batch's target
         self.grad_sync: Any = None  # data parallelism: a pipeq.parallel.data.GradSync
+        self.tied = TiedGrads.of(self.module, index)  # tied weights (pipeq.stage.ties), or None
         self._backwards = 0
+        self._synced = False
         self.optimizer = self.make_optimizer(spec, params)
         # stepped once per training step, right after the optimizer (every stage alike), or
         # (interval "epoch") by scheduler_step only
@@ -128,6 +131,7 @@ class StageExecutor(StageState, OptimizerStep):
         if training and self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self._backwards = 0
+        self._synced = False
 
     def mean_loss(self) -> float:
         """The step's loss: the sum of the weighted microbatch losses (NaN without any)."""

@@ -1,6 +1,10 @@
 """A stage's optimizer step: gradient sync, the step the stages agree on (clipping, fp16 loss
 scaling, finiteness checks) and its learning-rate schedulers.
 
+The gradients are final once they are summed over the replicas (:meth:`OptimizerStep.sync_replicas`)
+and then, for tied weights, over the stages holding a copy (the interpreter's exchange, see
+:mod:`pipeq.stage.ties`); a tied parameter counts in the global gradient norm once, on its owner.
+
 :class:`OptimizerStep` is a part of :class:`~pipeq.stage.executor.StageExecutor`. A step runs
 one of two ways: :meth:`~OptimizerStep.optimizer_step` when the stages need not agree first, or
 :meth:`~OptimizerStep.step_stats` then :meth:`~OptimizerStep.apply_step` with the statistics
@@ -31,6 +35,7 @@ class OptimizerStep:
     numerics: Numerics
     scaler: LossScaler | None
     grad_sync: Any  # data parallelism: a pipeq.parallel.data.GradSync, or None
+    tied: Any  # tied weights: a pipeq.stage.ties.TiedGrads, or None
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
     scheduler_interval: str
@@ -38,6 +43,7 @@ class OptimizerStep:
     step_index: int
     skipped_steps: int
     _backwards: int
+    _synced: bool  # this step's gradients are summed over the replicas (reset by each step's begin)
 
     @staticmethod
     def make_optimizer(spec: StageSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
@@ -67,10 +73,21 @@ class OptimizerStep:
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.optimizer_params() if p.grad is not None]
 
+    def _norm_grads(self) -> list[torch.Tensor]:
+        """The gradients this stage counts in the global norm: its own, and the tied parameters
+        it owns (each tied parameter counts once, as in one process)."""
+        skip = self.tied.not_owned() if self.tied is not None else set()
+        return [p.grad for p in self.optimizer_params() if p.grad is not None and id(p) not in skip]
+
+    def sync_replicas(self) -> None:
+        """Sum this step's gradients over the replicas (data parallelism), once per step."""
+        if self.grad_sync is not None and not self._synced:
+            self.grad_sync.finish()
+        self._synced = True
+
     def optimizer_step(self) -> None:
         """The step of a run whose stages need not agree first (see :meth:`step_stats`)."""
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
+        self.sync_replicas()
         self._update()
 
     def _update(self) -> None:
@@ -87,9 +104,8 @@ class OptimizerStep:
     # -- steps the stages agree on (clipping, fp16, check_finite; see pipeq.stage.numerics) ------
     def step_stats(self) -> StepStats:
         """This stage's part of the step's global statistics, once its gradients are final (and
-        all-reduced over the replicas); fp16 gradients are unscaled here."""
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
+        all-reduced over the replicas, and summed over tied copies); fp16 gradients are unscaled here."""
+        self.sync_replicas()
         grads = self._grads()
         if self.scaler is not None:
             bad = self.scaler.unscale_(grads)
@@ -98,7 +114,7 @@ class OptimizerStep:
         else:
             bad = False
         p = self.numerics.clip_norm_type
-        term = norm_term(grads, p) if self.numerics.clip_grad_norm is not None and not bad else 0.0
+        term = norm_term(self._norm_grads(), p) if self.numerics.clip_grad_norm is not None and not bad else 0.0
         return StepStats(term, float(self.index) if bad else math.inf)
 
     def apply_step(self, total: StepStats) -> None:

@@ -15,6 +15,10 @@ through the links here, which encode on the way out and decode (and validate) on
     stage k, replica r <--replicas (PUSH->PULL, both ways)--> stage k, replica r'
     (replica_link.ReplicaLink, data parallelism: gradient buckets, replica 0's weights at start)
 
+    stage a, replica r <--ties (PUSH->PULL, both ways)--> stage b, replica r
+    (tie_link.TieLink, tied weights: the gradients of the weights both hold a copy of; both
+     links are a group_link.GroupLink: numbered members, a MAC label per directed pair)
+
     node agent (control_link.DriverLink) --DEALER--> the driver's ROUTER (multi-host runs)
 
     stage k, shard 0 --share (gloo broadcast)--> stage k, shards 1..T-1
@@ -24,5 +28,5 @@ Modules, by job: codec (messages to frames and back), messages (kinds), keys (th
 netif (interface addresses), security (keys at the handshake, per-message MACs), sockets (bind
 addresses, ipc directories, tuning), frames (the links' encode and aligned decode), queues (keyed
 queues), errors, shm and lanes (one host's payloads and hops), stage_inbox and stage_link (a
-stage's receiving and sending halves), replica_link, control_link, shard_link.
+stage's receiving and sending halves), group_link, replica_link, tie_link, control_link, shard_link.
 """

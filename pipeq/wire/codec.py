@@ -3,8 +3,8 @@
 Everything pipeq sends between processes goes through :func:`encode` and comes back through
 :func:`decode`. Nothing is ever pickled. The codec's users are the wire's links: the control and
 stage links through :mod:`pipeq.wire.frames` (the stage's data sends call :func:`encode` with
-their shared-memory slots), :mod:`pipeq.wire.replica_link`, and :mod:`pipeq.wire.shard_link`
-(a tensor-parallel stage's shards share messages as these frames). A message is a list of frames::
+their shared-memory slots), :mod:`pipeq.wire.group_link` (replicas, tie peers), and
+:mod:`pipeq.wire.shard_link` (a tensor-parallel stage's shards share messages as these frames). A message is a list of frames::
 
     frame 0   msgpack array [version, kind, step, microbatch, tensors, extra]
                  tensors = [[dtype_code, [d0, d1, ...], nbytes], ...]   one entry per tensor

@@ -25,7 +25,7 @@ hostile, meets a clear refusal, never a KeyError deep in the driver. Nothing is 
     STOP            Stop
     EXIT            Exit (to stages and node agents)
 
-The data messages (ACTIVATION, GRADIENT, REPLICA) are no control payloads: an activation's tree
+The data messages (ACTIVATION, GRADIENT, REPLICA, TIE) are no control payloads: an activation's tree
 is read with :func:`data_tree`. Nested state (snapshots) travels as :mod:`pipeq.tree` data: see
 :func:`state_message` and :func:`state_of`.
 """
@@ -33,12 +33,12 @@ is read with :func:`data_tree`. Nested state (snapshots) travels as :mod:`pipeq.
 from __future__ import annotations
 
 import dataclasses
-import math
 import reprlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, NamedTuple, Sequence, TypeVar, cast, dataclass_transform
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Sequence, TypeVar, cast, dataclass_transform
 
-from pipeq.errors import CodecError
+from pipeq.wire.fields import (COUNT, DATA, FLAG, FLOAT, INT, MAP, POSITIVE, REQUIRED, SECONDS, TEXT, Check,  # noqa: F401
+                               ControlError, Field, list_of, nullable, wire)
 from pipeq.wire.messages import Kind, Message, tree_message, tree_of
 
 __all__ = [
@@ -51,71 +51,7 @@ __all__ = [
 ]
 
 #: The kinds that carry data between stages, not control payloads.
-DATA_KINDS = frozenset({Kind.ACTIVATION, Kind.GRADIENT, Kind.REPLICA})
-
-
-class ControlError(CodecError):
-    """A control message's payload is malformed: ``kind`` and ``field`` say where."""
-
-    def __init__(self, kind: Kind, field: str, problem: str) -> None:
-        self.kind = kind
-        self.field = field
-        super().__init__(f"malformed {kind.name} message: field {field!r} {problem}")
-
-
-# -- what a field's value must be ------------------------------------------------------------------
-@dataclass(frozen=True)
-class Check:
-    """A test a field's value must pass; ``what`` says what it requires, ``many`` the same of
-    a list's elements ("an integer >= 1", "integers >= 1")."""
-
-    what: str
-    many: str
-    test: Callable[[Any], bool]
-
-
-INT = Check("an integer", "integers", lambda v: type(v) is int)
-COUNT = Check("an integer >= 0", "integers >= 0", lambda v: type(v) is int and v >= 0)
-POSITIVE = Check("an integer >= 1", "integers >= 1", lambda v: type(v) is int and v >= 1)
-FLOAT = Check("a float", "floats", lambda v: type(v) is float)
-SECONDS = Check("a finite number >= 0", "finite numbers >= 0",
-                lambda v: (type(v) is int or type(v) is float) and 0 <= v < math.inf)
-TEXT = Check("a string", "strings", lambda v: type(v) is str)
-FLAG = Check("true or false", "booleans", lambda v: type(v) is bool)
-MAP = Check("a map", "maps", lambda v: type(v) is dict)
-DATA = Check("plain data", "plain data", lambda v: True)  # a tree: its reader checks it (pipeq.stage.microbatch)
-
-
-def list_of(item: Check, *, nonempty: bool = False) -> Check:
-    """A list whose every element passes ``item`` (and, with ``nonempty``, has one at least)."""
-
-    what = f"a {'non-empty ' if nonempty else ''}list of {item.many}"
-    return Check(what, f"lists of {item.many}",
-                 lambda v: type(v) is list and (bool(v) or not nonempty) and all(item.test(x) for x in v))
-
-
-def nullable(check: Check) -> Check:
-    """``check``'s values, or nil."""
-    return Check(f"{check.what} or nil", f"{check.many} or nils", lambda v: v is None or check.test(v))
-
-
-_REQUIRED: Any = dataclasses.MISSING
-
-
-def wire(check: Check, *, default: Any = _REQUIRED, name: str | None = None) -> Any:
-    """A payload field checked with ``check``. With a ``default`` (None or False) it may be absent
-    on the wire, where it reads as the default and is left out while it holds it. ``name``: the
-    field's key on the wire when it is not the attribute's name (a Python keyword)."""
-    meta = {"check": check, "name": name}
-    return field(metadata=meta) if default is _REQUIRED else field(default=default, metadata=meta)
-
-
-class _Field(NamedTuple):
-    attr: str
-    name: str  # on the wire
-    check: Check
-    optional: bool
-    default: Any
+DATA_KINDS = frozenset({Kind.ACTIVATION, Kind.GRADIENT, Kind.REPLICA, Kind.TIE})
 
 
 class Payload:
@@ -123,7 +59,7 @@ class Payload:
 
     KIND: ClassVar[Kind]
     AGENT: ClassVar[bool] = False  # a node agent's payload for KIND (a stage's is another)
-    FIELDS: ClassVar[tuple[_Field, ...]] = ()
+    FIELDS: ClassVar[tuple[Field, ...]] = ()
     NAMES: ClassVar[frozenset[str]] = frozenset()
 
     def refuse(self, n_tensors: int) -> tuple[str, str] | None:
@@ -145,7 +81,7 @@ def _control(kind: Kind, *, agent: bool = False) -> Callable[[type[P]], type[P]]
     def bind(cls: type[P]) -> type[P]:
         cls = dataclass(kw_only=True)(cls)
         cls.KIND, cls.AGENT = kind, agent
-        cls.FIELDS = tuple(_Field(f.name, f.metadata["name"] or f.name, f.metadata["check"],
+        cls.FIELDS = tuple(Field(f.name, f.metadata["name"] or f.name, f.metadata["check"],
                                   f.default is not dataclasses.MISSING, f.default) for f in dataclasses.fields(cast(Any, cls)))
         cls.NAMES = frozenset(f.name for f in cls.FIELDS)
         (_FROM_AGENT if agent else _BY_KIND)[kind] = cls
@@ -228,12 +164,14 @@ def data_tree(msg: Message) -> Any:
 @_control(Kind.PEERS)
 class Peers(Payload):
     """The neighbours' addresses; with replicas, the same stage's other replicas' (by replica),
-    or with tensor parallelism too, ``replica_shards[s]``: shard s's replicas' addresses."""
+    or with tensor parallelism too, ``replica_shards[s]``: shard s's replicas' addresses; with
+    tied weights, ``tie_links[s]``: stage s's tie link in this replica (nil for a stage without)."""
 
     next_forward: str | None = wire(TEXT, default=None)
     prev_backward: str | None = wire(TEXT, default=None)
     replica_shards: list[list[str]] | None = wire(list_of(list_of(TEXT)), default=None)
     replicas: list[str] | None = wire(list_of(TEXT), default=None)
+    tie_links: list[str | None] | None = wire(list_of(nullable(TEXT)), default=None)
 
 
 @dataclass(kw_only=True)
@@ -383,6 +321,7 @@ class Ready(Payload):
     cores: list[int] = wire(list_of(COUNT))
     replica_link: str | None = wire(TEXT, default=None)  # data parallelism: where its replicas reach it
     inputs: list[str] | None = wire(list_of(TEXT), default=None)  # its declared inputs (pipeq.stage.info)
+    tie_link: str | None = wire(TEXT, default=None)  # tied weights: where the stages sharing them reach it
     layout: dict[str, Any] = wire(MAP)
 
 

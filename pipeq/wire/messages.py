@@ -8,6 +8,7 @@ Kinds by channel::
 
     data     ACTIVATION (stage k -> k+1)   GRADIENT (stage k+1 -> k)
              REPLICA (stage k of replica r -> stage k of replica r': gradient buckets, start-up weights)
+             TIE (stage a -> stage b of one replica: the gradients of the weights both hold a copy of)
     command  PEERS TRAIN DRAIN PREDICT GET_STATE SET_STATE GET_SNAPSHOT RESTORE CLOCK GET_TRACE
              STEP_SCHEDULER GET_LR GET_STATS STOP EXIT
     reply    READY LOSS OUTPUT STATE SNAPSHOT TIME TRACE LR STATS ACK ERROR HEARTBEAT
@@ -57,6 +58,8 @@ class Kind(enum.IntEnum):
     LR = 35  # extra "lrs": the stage's learning rates (StageExecutor.learning_rates)
     GET_STATS = 40  # reply STATS: peak memory, skipped steps (extra "reset": start a new peak)
     STATS = 41
+    # data plane, tied weights
+    TIE = 42  # stage a -> stage b of the same replica: gradient buckets of their tied weights
     # worker (or agent) -> driver
     READY = 20
     LOSS = 21

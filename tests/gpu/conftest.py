@@ -1,15 +1,20 @@
-"""Tests of tests/gpu/ need CUDA (marker ``cuda``): without it they are skipped, saying why.
+"""tests/gpu/: pipeq's CUDA paths, on a machine with one GPU or more (marker ``cuda``).
 
-A machine with a GPU runs them with ``python -m pytest -m cuda``.
+Every module here starts with ``pytestmark = CUDA`` (tests/support/gpu_cases.py): without CUDA
+its tests are collected and reported skipped, and nothing else runs (no process, no CUDA call).
+Tests that need two GPUs say so (``needs_gpus(2)``) and are skipped, with the reason, on one.
+The helpers, models and the one-device reference are in gpu_cases.py (the stage processes
+import the models from there); README.md here says how to run the folder and what it covers.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 
-@pytest.fixture(autouse=True)
-def needs_cuda() -> None:
+def pytest_report_header(config) -> str:
+    """The GPUs this run sees (shown when tests/gpu is named on the command line)."""
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (torch.cuda.is_available() is False)")
+        return "cuda: not available (tests/gpu/ is skipped)"
+    names = [torch.cuda.get_device_name(k) for k in range(torch.cuda.device_count())]
+    return f"cuda: {len(names)} device(s): {', '.join(names)}; torch {torch.__version__}, CUDA {torch.version.cuda}"

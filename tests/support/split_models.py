@@ -99,3 +99,71 @@ class Untraceable(nn.Module):
         if h.sum() > 0:
             h = h * 2
         return self.b(h)
+
+
+def reference_losses(model: nn.Module, batches: list, lr: float, named: bool) -> list[float]:
+    """Plain one-process training of ``model`` (in place) with SGD + momentum on ``batches``
+    ((idx, mask, pos, target) with ``named``, else (x, target)): each step's loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for b in batches:
+        opt.zero_grad()
+        if named:
+            idx, mask, pos, target = b
+            loss = lm_loss(model(idx, mask=mask, pos=pos), target)
+        else:
+            x, target = b
+            loss = F.cross_entropy(model(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def pipeline_losses(runner, batches: list, named: bool, each_step=None) -> list[float]:
+    """The same batches through a running PipelineRunner; ``each_step(runner)`` after each."""
+    losses = []
+    for b in batches:
+        if named:
+            idx, mask, pos, target = b
+            losses.append(runner.step(idx, target, stage_inputs={"mask": mask, "pos": pos}))
+        else:
+            losses.append(runner.step(*b))
+        if each_step is not None:
+            each_step(runner)
+    return losses
+
+
+def assert_state_close(state: dict, model: nn.Module, atol: float = 1e-5) -> None:
+    """``state`` (a runner's, under the model's names, each tensor once) equals ``model``'s."""
+    want = model.state_dict()
+    assert set(state) <= set(want), sorted(set(state) - set(want))
+    assert all(n in state or any(want[n] is want[m] or want[n].data_ptr() == want[m].data_ptr() for m in state)
+               for n in want), sorted(set(want) - set(state))
+    for name, t in state.items():
+        assert torch.allclose(t, want[name], atol=atol), (name, (t - want[name]).abs().max())
+
+
+def tied_copies(runner, stages) -> list[torch.Tensor]:
+    """Every copy of every tied parameter, in every stage process of every replica (process
+    mode), or every stage (simulated mode)."""
+    from pipeq.stage.info import info_of
+
+    be = runner._backend
+    n = len(stages)
+    if runner.mode == "simulated":
+        per = be.get_state()
+    else:
+        from pipeq.wire.messages import Kind
+
+        got = be._ask_each(Kind.GET_STATE, Kind.STATE, "every copy", range(be.n_processes))
+        per = [(got[g].extra["names"], list(got[g].tensors)) for g in range(be.n_processes)]
+    out = []
+    for g, (names, tensors) in enumerate(per):
+        tied = {t.name for t in info_of(stages[g % n]).ties}
+        out += [t for name, t in zip(names, tensors) if name in tied]
+    return out
+
+
+def gpt_runs(n_steps: int = 3, batch: int = 4) -> list[tuple[torch.Tensor, ...]]:
+    return [gpt_batch(batch, seed=10 + i) for i in range(n_steps)]

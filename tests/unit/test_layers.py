@@ -29,7 +29,7 @@ LAYERS: dict[str, list[str]] = {
     "compute": ["schedules.", "stage.", "research.", "parallel.", "checkpoint.", "models.", "trace.__init__",
                 "trace.format", "balance", "testing", "split."],
     "transport": ["wire."],
-    "codec": ["wire.codec", "wire.messages", "wire.keys", "wire.netif", "wire.control", "errors", "tree"],
+    "codec": ["wire.codec", "wire.messages", "wire.fields", "wire.keys", "wire.netif", "wire.control", "errors", "tree"],
 }
 #: Modules that do no I/O: they import nothing but each other and the standard library's pure parts.
 PURE = ("schedules.", "errors")

@@ -152,3 +152,25 @@ def test_eval_mode_runs_the_graph_traced_in_eval_mode():
         torch.manual_seed(0)
         dropped = stages[0](x)[0]
         assert (dropped == 0).any()  # training mode drops
+
+
+class _Positions(torch.nn.Module):
+    """Position ids made inside the forward from constants alone (torch.arange)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 4)
+        self.pos = torch.nn.Embedding(8, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx) + self.pos(torch.arange(idx.shape[1])))
+
+
+def test_a_constant_made_in_the_forward_survives_pickling_and_stays_out_of_the_state():
+    model = _Positions()
+    idx = torch.randint(0, 5, (2, 6))
+    stages = pickle.loads(pickle.dumps(pipeq.split(model, (idx,), split_points=["head"])))
+    with torch.no_grad():
+        assert torch.allclose(_chain(stages, idx, {}), model(idx), atol=1e-6)
+    assert set(stages[0].state_dict()) | set(stages[1].state_dict()) == set(model.state_dict())

@@ -1,0 +1,83 @@
+"""A stage process's links beyond its neighbours: to its stage's replicas and to its tie peers.
+
+With data parallelism, stage k talks to stage k of the other replicas (:class:`~pipeq.parallel.data.Replicas`:
+replica 0's weights at start, the gradients' all-reduce); with tied weights, to the other stages of
+its replica holding a copy (:class:`~pipeq.parallel.ties.TieSync`: the tied gradients' sum). Both
+links are bound before the stage reports READY (their addresses travel in it) and joined when the
+driver's PEERS names the others'.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from pipeq.parallel.data import Replicas
+from pipeq.parallel.ties import TieSync
+from pipeq.stage.executor import StageExecutor
+from pipeq.wire.control import Peers
+from pipeq.wire.sockets import BindTo
+from pipeq.wire.stage_link import StageTransport
+
+__all__ = ["PeerLinks"]
+
+
+class PeerLinks:
+    """Stage ``stage``'s (of replica ``replica``, shard ``shard`` of ``shards``) links to its
+    replicas (``replicas > 1``) and tie peers (its executor holds tied weights); the executor's
+    gradient sync is the replicas'."""
+
+    def __init__(self, transport: StageTransport, bind: BindTo, executor: StageExecutor, *, stage: int,
+                 replica: int = 0, replicas: int = 1, shard: int = 0, shards: int = 1) -> None:
+        self.stage, self.shard, self.shards = stage, shard, shards
+        self.replicas: Replicas | None = None
+        self.ties: TieSync | None = None
+        try:
+            if replicas > 1:  # replica 0's weights, summed gradients
+                self.replicas = Replicas(transport, bind, stage=stage, replica=replica, replicas=replicas,
+                                         params=executor.optimizer_params(), buffers=list(executor.module.buffers()),
+                                         shard=shard)
+                executor.grad_sync = self.replicas.sync
+            if executor.tied is not None:  # the tied weights' summed gradients
+                self.ties = TieSync(transport, bind, stage=stage, replica=replica, peers=executor.tied.peer_params())
+        except BaseException:
+            self.close()
+            raise
+
+    def addresses(self) -> dict[str, Any]:
+        """READY's fields for these links: where the replicas and the tie peers reach this stage."""
+        return {"replica_link": self.replicas.address if self.replicas is not None else None,
+                "tie_link": self.ties.address if self.ties is not None else None}
+
+    def join(self, peers: Peers) -> bool:
+        """Connect to the peers PEERS names; True when the driver waits for an ACK (the replicas
+        then hold replica 0's parameters and buffers)."""
+        if self.ties is not None:
+            self.ties.join(peers.tie_links or [])
+        if self.replicas is None:
+            return False
+        self.replicas.join(self._replica_addresses(peers))  # before any step: replicas never start apart
+        return True
+
+    def _replica_addresses(self, peers: Peers) -> list[str]:
+        """The same stage's (and shard's) other replicas, from PEERS: with tensor parallelism,
+        ``replica_shards[s]`` lists shard s's, as the lead's PEERS reaches every shard."""
+        if self.shards == 1:
+            return peers.replicas or []
+        by_shard = peers.replica_shards
+        if by_shard is None or len(by_shard) != self.shards:
+            raise ValueError(f"stage {self.stage}, shard {self.shard}: bad replica_shards {by_shard!r} in PEERS")
+        return by_shard[self.shard]
+
+    def exchange_ties(self, n: int, outgoing: Mapping[int, Sequence[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """The tied gradients' exchange number ``n`` (see :meth:`~pipeq.parallel.ties.TieSync.exchange`)."""
+        if self.ties is None:
+            raise RuntimeError(f"stage {self.stage}: tied gradients to exchange, but no tie link")
+        return self.ties.exchange(n, outgoing)
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close both links (their sockets share the transport's context: before it)."""
+        for link in (self.replicas, self.ties):
+            if link is not None:
+                link.close(linger_ms)

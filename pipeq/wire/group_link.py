@@ -1,0 +1,188 @@
+"""A stage process's authenticated channel to a group of peer processes (its replicas, its tie peers).
+
+::
+
+    member a <--(PUSH->PULL, both ways)--> member b      (every pair of the group)
+
+:class:`GroupLink` is what data parallelism's :class:`~pipeq.wire.replica_link.ReplicaLink` and
+tied weights' :class:`~pipeq.wire.tie_link.TieLink` are made of: whole tensors tagged
+``(step, index)``, sent to some members and filed by sender until :meth:`GroupLink.wait` asks.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Callable, Sequence
+
+import torch
+import zmq
+
+from pipeq.wire import codec
+from pipeq.wire.errors import ProtocolError
+from pipeq.wire.messages import Kind
+from pipeq.wire.security import FrameMac, seals_data
+from pipeq.wire.sockets import BindTo, data_inlet, data_outlet
+from pipeq.wire.stage_inbox import SLICE_MS
+from pipeq.wire.stage_link import StageTransport
+
+__all__ = ["GroupLink"]
+
+
+class GroupLink:
+    """One member's channel to the other members of its group.
+
+    The member binds one more inbound socket (PULL, where its :class:`BindTo` says; on tcp it
+    demands the job's keys like the data channels, and its frames are capped alike) and, once
+    told the others' addresses (:meth:`connect`), pushes to each of them on a socket of its own.
+    Members are numbered (replica numbers, stage numbers): ``members`` lists the group's, ``me``
+    is this one's. A message is::
+
+        [origin, header, tensor frames...]           ipc, or tcp "encrypt" (CURVE)
+        [origin, seq + MAC, header, tensor frames...]  tcp "authenticate"
+
+    where ``origin`` is the sender's number (4 bytes, big-endian). In "authenticate" mode it picks
+    the :class:`~pipeq.wire.security.FrameMac` of the link ``origin -> me``, whose label
+    (``label(sender, receiver)``) names the group and both ends, so a message verifies only on the
+    link it was sealed for; a forged, replayed or misdirected one is dropped without a word, like
+    on the pipeline's channels.
+
+    Arrivals are filed under ``(sender, step, index)`` (at most ``capacity`` at once);
+    :meth:`wait` blocks for one, and an EXIT from the driver (read from the stage's control
+    socket, which it polls too) interrupts it with :class:`~pipeq.wire.errors.Stopped`: a member
+    whose peer died waits until the driver, which watches every process, ends the run. The link
+    shares the stage transport's ZeroMQ context (and so its ZAP handler); close it before the transport.
+    """
+
+    def __init__(self, transport: StageTransport, bind: BindTo, *, me: int, members: Sequence[int], kind: Kind,
+                 capacity: int, label: Callable[[int, int], str], who: str, peer: str, socket_name: str) -> None:
+        """``kind``: the messages' kind; ``who``: this member in errors ("stage 1, replica 0");
+        ``peer``: what a member is called ("replica"); ``socket_name``: the ipc file's name."""
+        if me not in members:
+            raise ValueError(f"{who}: {peer} {me} is not a member of its group {list(members)}")
+        tcp = bind.scheme == "tcp"
+        if tcp and transport.auth is None:
+            raise ValueError(f"{who}: a link bound on tcp needs the job's secret (WireAuth)")
+        self.transport = transport
+        self.me, self.members, self.kind = me, list(members), kind
+        self.capacity = capacity
+        self.who, self.peer = who, peer
+        auth = transport.auth
+        self.sock = data_inlet(transport.ctx, auth, tcp, transport.max_frame_bytes)
+        self.address = bind.bind(self.sock, socket_name)
+        others = self.others() if seals_data(auth, tcp) else []
+        self._mac_in = {m: FrameMac(auth, label(m, me)) for m in others}  # type: ignore[arg-type]
+        self._mac_out = {m: FrameMac(auth, label(me, m)) for m in others}  # type: ignore[arg-type]
+        self._origin = struct.pack(">I", me)
+        self._out: dict[int, zmq.Socket] = {}
+        self._inbox: dict[tuple[int, int, int], Sequence[torch.Tensor]] = {}
+        self._bad_origin = 0
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(transport.ctrl, zmq.POLLIN)
+        # data keeps being filed while this member waits: a neighbour waiting for one of this
+        # stage's shared-memory slots to come free must not wait on the group
+        self.poller.register(transport.fwd_in, zmq.POLLIN)
+        self.poller.register(transport.bwd_in, zmq.POLLIN)
+
+    def others(self) -> list[int]:
+        """The group's other members."""
+        return [m for m in self.members if m != self.me]
+
+    def connect(self, addresses: Sequence[str | None]) -> None:
+        """Connect to every other member; ``addresses[m]`` is member m's bound address."""
+        bad = [m for m in self.others() if m >= len(addresses) or type(addresses[m]) is not str]
+        if bad:
+            raise ValueError(f"{self.who}: no address for {self.peer}(s) {bad} among {addresses!r}")
+        for m in self.others():
+            if m not in self._out:
+                self._out[m] = data_outlet(self.transport.ctx, self.transport.auth, addresses[m])  # type: ignore[arg-type]
+
+    @property
+    def dropped(self) -> int:
+        """Inbound messages dropped as forged, replayed or misdirected ("authenticate" mode)."""
+        return self._bad_origin + sum(m.dropped for m in self._mac_in.values())
+
+    # -- sending -------------------------------------------------------------------------------
+    def send(self, step: int, index: int, tensors: Sequence[torch.Tensor], to: Sequence[int] | None = None) -> None:
+        """Send ``tensors`` (CPU tensors ZeroMQ may read until it is done with them: never
+        modify them after) as ``(step, index)`` to members ``to`` (default: every other one).
+        Does not block (short of ZeroMQ's high-water mark, far above what a step sends)."""
+        frames = codec.encode(self.kind, step, index, tensors)
+        for i, f in enumerate(frames[1:]):
+            if f.nbytes > self.transport.max_frame_bytes:
+                raise ValueError(
+                    f"{self.who}: tensor {i} of message ({step}, {index}) to the other {self.peer}s is "
+                    f"{f.nbytes / 2**20:.1f} MiB, over the {self.transport.max_frame_bytes / 2**20:.0f} MiB "
+                    "cap of a data frame")
+        for m in self.others() if to is None else to:
+            sock = self._out.get(m)
+            if sock is None:
+                raise RuntimeError(f"{self.who}: not connected to {self.peer} {m}")
+            mac = self._mac_out.get(m)
+            sock.send_multipart([self._origin, *(mac.seal(frames) if mac is not None else frames)], copy=False)
+
+    # -- receiving -----------------------------------------------------------------------------
+    def _sender(self, frame: Any) -> int | None:
+        head = memoryview(frame).tobytes()
+        if len(head) == 4:
+            (m,) = struct.unpack(">I", head)
+            if m in self.members and m != self.me:
+                return m
+        return None
+
+    def _drain(self) -> None:
+        """File every message waiting on the inbound socket."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            sender = self._sender(frames[0])
+            body: Sequence[Any] | None = frames[1:]
+            if self._mac_in:
+                if sender is None:
+                    self._bad_origin += 1
+                    continue
+                body = self._mac_in[sender].open(frames[1:])
+                if body is None:
+                    continue  # forged, replayed or sealed for another link: dropped
+            elif sender is None:  # only the job's processes get this far: a bug, not an attack
+                raise ProtocolError(f"{self.who}: a message from the other {self.peer}s names no valid "
+                                    f"sender ({memoryview(frames[0]).tobytes()!r})")
+            self._file(sender, body)  # type: ignore[arg-type]
+
+    def _file(self, sender: int, body: Sequence[Any]) -> None:
+        """Decode a message from member ``sender`` and keep its tensors until :meth:`wait` asks."""
+        msg = codec.decode(body)
+        if msg.kind is not self.kind:
+            raise ProtocolError(f"{self.who}: {msg.kind.name} on the {self.kind.name} channel")
+        key = (sender, msg.step, msg.microbatch)
+        if key in self._inbox:
+            raise ProtocolError(f"{self.who}: duplicate message ({msg.step}, {msg.microbatch}) from "
+                                f"{self.peer} {sender}")
+        if len(self._inbox) >= self.capacity:
+            raise ProtocolError(f"{self.who}: {self.capacity} messages from the other {self.peer}s are "
+                                "waiting; one is running ahead")
+        self._inbox[key] = msg.tensors
+
+    def wait(self, sender: int, step: int, index: int) -> Sequence[torch.Tensor]:
+        """Block until member ``sender``'s message ``(step, index)`` is here and return its
+        tensors (views over the received frames: this member's to keep, and to write to).
+        An EXIT from the driver interrupts the wait (:class:`~pipeq.wire.errors.Stopped`)."""
+        key = (sender, step, index)
+        got = self._inbox.pop(key, None)
+        slice_ms = 5 if self.transport.has_lanes else SLICE_MS  # lanes are not in this poller: look often
+        while got is None:
+            events = dict(self.poller.poll(slice_ms))
+            if self.sock in events:
+                self._drain()
+            self.transport.file_ready(events)  # commands and data queue up for the event loop
+            got = self._inbox.pop(key, None)
+            if got is None:
+                self.transport.check_exit()
+        return got
+
+    def close(self, linger_ms: int = 0) -> None:
+        for s in (self.sock, *self._out.values()):
+            s.close(linger=linger_ms)
+        self._out.clear()

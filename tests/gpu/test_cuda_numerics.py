@@ -1,0 +1,116 @@
+"""How CUDA stages compute: fp16 with loss scaling, bf16, clipping, recomputation, peak memory.
+
+Each is held against one process on cuda:0 doing it torch's way (torch.autocast("cuda"),
+torch.amp.GradScaler("cuda"), clip_grad_norm_), or against the same run without
+recomputation; tolerances: gpu_cases' docstring.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+from pipeq import checkpoint
+from gpu_cases import (BF16_TOL, CUDA, FP16_TOL, FP32_TOL, Wide, assert_matches, batches, dropout_stages,
+                       max_difference, reference, round_robin, train)
+from numerics_cases import SGD, data, mlp
+
+pytestmark = [*CUDA, pytest.mark.timeout(300)]
+
+
+# -- mixed precision -------------------------------------------------------------------------------
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_fp16_scales_and_skips_together_as_one_grad_scaler(data_parallel, tmp_path):
+    """fp16 autocast on every stage, LossScaler on each stage's device
+    (torch._amp_foreach_non_finite_check_and_unscale_, torch._amp_update_scale_): a batch that
+    overflows float16 is skipped by every stage (and every replica), the scale halves on all,
+    and the other steps equal GradScaler's."""
+    steps = data(4)
+    steps[1] = (steps[1][0] * 1e5, steps[1][1])  # inf in the forward: every gradient NaN
+    scaler = torch.amp.GradScaler("cuda")
+    want = reference(mlp(), steps, SGD, autocast=torch.float16, scaler=scaler)
+    got = train(mlp(), steps, SGD, microbatches=3, precision="fp16", devices=round_robin(3),
+                data_parallel=data_parallel, save_to=tmp_path / "ckpt")
+    assert_matches(got, want, FP16_TOL)
+    assert not math.isfinite(got.losses[1]) and all(math.isfinite(v) for v in got.losses[:1] + got.losses[2:])
+    assert [s["skipped_steps"] for s in got.stats] == [1, 1, 1]
+    assert scaler.get_scale() == 32768.0
+    assert checkpoint.load(str(tmp_path / "ckpt")).scaler["scale"] == 32768.0
+    assert all(v.dtype == torch.float32 for v in got.state.values())  # master weights stay fp32
+    fp32 = reference(mlp(), [steps[0]] + steps[2:], SGD)
+    assert max_difference(got.state, fp32.state) > 1e-6  # fp16 did run
+
+
+def test_bf16_equals_autocast_to_bf16_on_one_device():
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip(f"{torch.cuda.get_device_name(0)} has no bfloat16")
+    steps = data(3)
+    want = reference(mlp(), steps, SGD, autocast=torch.bfloat16)
+    got = train(mlp(), steps, SGD, microbatches=3, precision="bf16", devices=round_robin(3))
+    assert_matches(got, want, BF16_TOL)
+    assert all(v.dtype == torch.float32 for v in got.state.values())
+    fp32 = reference(mlp(), steps, SGD)
+    assert max_difference(got.state, fp32.state) > 1e-5  # bf16 did run
+
+
+# -- clipping ---------------------------------------------------------------------------------------
+def test_clipping_with_replicas_equals_clip_grad_norm_on_one_device():
+    """Each stage's norm term computed on its GPU (torch._foreach_norm), after the replicas'
+    all-reduce; the gradients scaled there (torch._foreach_mul_)."""
+    steps = data(2)
+    want = reference(mlp(), steps, SGD, clip=0.05)
+    got = train(mlp(), steps, SGD, microbatches=3, data_parallel=2, clip_grad_norm=0.05)
+    assert_matches(got, want, FP32_TOL)
+    assert max_difference(got.state, reference(mlp(), steps, SGD).state) > 1e-3  # it did clip
+
+
+# -- recomputation ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["fill-drain", "1f1b"])
+def test_recompute_draws_the_same_cuda_dropout_masks(schedule):
+    """Recomputing a forward in the backward restores the stage's CUDA RNG state
+    (torch.cuda.get_rng_state / set_rng_state on its device): the same dropout masks, so the
+    very same numbers as keeping the activations. (Dropout on a CUDA tensor draws from the
+    device's generator, never the CPU's: without the CUDA state the masks would differ.)"""
+    steps = batches(3, 24)
+    runs = [train(dropout_stages(), steps, schedule=schedule, microbatches=3, devices=round_robin(2), recompute=rc)
+            for rc in (False, True)]
+    assert [s["recompute"] for s in runs[1].stats] == [True, True]
+    assert runs[0].losses == runs[1].losses
+    for k in runs[0].state:
+        assert torch.equal(runs[0].state[k], runs[1].state[k]), k
+
+
+# -- memory -------------------------------------------------------------------------------------------------
+def test_peak_memory_is_cuda_max_memory_allocated():
+    """stats() reports each stage's torch.cuda.max_memory_allocated: above what the stage
+    must hold (its weights, gradients and momentum, then fill-drain's 8 microbatches of
+    activations), below its GPU's memory; reset_peak restarts it; recompute lowers it by the
+    activations it no longer keeps (~9 tensors of 1 MiB a microbatch against 1)."""
+    torch.manual_seed(0)
+    stages = [Wide(), nn.Sequential(Wide(), nn.Linear(256, 4))]
+    weights = [sum(p.numel() * 4 for p in s.parameters()) for s in stages]
+    x, y = torch.randn(8192, 256), torch.randint(0, 4, (8192,))
+    devices = round_robin(2)
+    peaks = {}
+    for rc in (False, True):
+        runner = pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD, "fill-drain", 8,
+                                      recompute=rc, devices=devices)
+        with runner:
+            at_start = runner.stats()
+            runner.step(x, y)  # allocator and optimizer state warmed up
+            runner.stats(reset_peak=True)
+            runner.step(x, y)
+            stats = runner.stats()
+        assert [s["memory"] for s in stats] == ["cuda allocated"] * 2
+        for k, s in enumerate(stats):
+            total = torch.cuda.get_device_properties(torch.device(devices[k])).total_memory
+            assert 3 * weights[k] < s["peak_bytes"] < min(total, 1 << 30), (k, s, weights[k])
+            assert 0 < at_start[k]["peak_bytes"] < s["peak_bytes"], (k, at_start[k], s)
+        peaks[rc] = stats[0]["peak_bytes"]
+    assert peaks[False] > 48 << 20, peaks  # 8 microbatches x 8 saved inputs of 1 MiB, at least
+    assert peaks[False] - peaks[True] > 40 << 20, peaks
