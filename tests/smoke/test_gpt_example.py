@@ -1,0 +1,51 @@
+"""The GPT example (examples/gpt.py) and its job file (examples/gpt.toml) run end to end, tiny."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+
+def _run(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=110)
+
+
+@pytest.mark.timeout(120)
+def test_quick_run_trains_saves_and_samples(tmp_path):
+    done = _run([os.path.join(ROOT, "examples", "gpt.py"), "--quick", "--stages", "2", "--out", "run"], str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    baseline = re.search(r"unigram baseline: held-out loss ([\d.]+) nats, ([\d.]+) bits/byte", out)
+    assert baseline and 4.0 < float(baseline[2]) < 5.5, out  # Python source: about 4.5 bits per byte
+    assert re.search(r"tokens/s: \d+ overall, \d+ over the last steps", out), out
+    assert re.search(r"held-out loss [\d.]+ nats, [\d.]+ bits/byte \(unigram baseline", out), out
+    assert (tmp_path / "run" / "model.pt").is_file()
+    sample = out.split("-" * 60)
+    assert len(sample) == 3 and sample[1].strip().startswith("def "), out
+
+
+@pytest.mark.timeout(120)
+def test_the_job_file_launches(tmp_path):
+    """examples/gpt.toml's job, made tiny by its functions' arguments, runs under pipeq launch."""
+    with open(os.path.join(ROOT, "examples", "gpt.toml")) as f:
+        text = f.read()
+    tiny = {"stages_args": "{ n_stages = 2, quick = true }",
+            "data_args": "{ batch = 8, steps = 10, quick = true }",
+            "out": f'"{tmp_path / "run"}"'}
+    for key, value in tiny.items():
+        text, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+        assert n == 1, key
+    text += 'eval_data_args = { quick = true, n = 16 }\n'
+    job = tmp_path / "gpt.toml"
+    job.write_text(text)
+    done = _run(["-m", "pipeq", "launch", str(job), "--steps", "3", "--microbatches", "2", "--quiet"], ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "trained 3 steps (2 stages" in done.stdout and "bits per byte" in done.stdout, done.stdout
+    assert (tmp_path / "run" / "model.pt").is_file()
