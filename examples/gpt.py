@@ -281,7 +281,7 @@ class Speed:
 
 @dataclass
 class Run:
-    """What one training run uses and what it reports."""
+    """A training run's settings."""
 
     steps: int = 300
     batch: int = 32
@@ -293,9 +293,9 @@ class Run:
 
 
 def train_loop(step: Callable[[torch.Tensor, torch.Tensor], float], evaluate: Callable[[], float],
-               corpus: Corpus, config: GPTConfig, run: Run) -> tuple[float, float]:
+               corpus: Corpus, config: GPTConfig, run: Run) -> float:
     """Run ``run.steps`` steps of ``step(x, y) -> loss`` with a progress bar; evaluate every
-    ``run.eval_every`` steps and at the end. Returns (final held-out nats, overall tokens/s)."""
+    ``run.eval_every`` steps and at the end. Returns the final held-out loss (nats)."""
     from tqdm import tqdm
 
     g = torch.Generator().manual_seed(run.seed)
@@ -312,11 +312,10 @@ def train_loop(step: Callable[[torch.Tensor, torch.Tensor], float], evaluate: Ca
             if run.eval_every and i % run.eval_every == 0 and i < run.steps:
                 ev = evaluate()
                 bar.write(f"step {i}: held-out loss {ev:.4f} nats, {bits(ev):.3f} bits/byte")
-    overall = speed.overall()
     ev = evaluate()
-    print(f"tokens/s: {overall:.0f} overall, {speed.moving():.0f} over the last steps "
+    print(f"tokens/s: {speed.overall():.0f} overall, {speed.moving():.0f} over the last steps "
           f"({speed.tokens} tokens in {speed.seconds:.1f} s of steps)")
-    return ev, overall
+    return ev
 
 
 def train_plain(model: GPT, corpus: Corpus, run: Run, device: str) -> tuple[dict[str, torch.Tensor], float]:
@@ -341,7 +340,7 @@ def train_plain(model: GPT, corpus: Corpus, run: Run, device: str) -> tuple[dict
         model.train()
         return out
 
-    nats, _ = train_loop(step, evaluate, corpus, model.config, run)
+    nats = train_loop(step, evaluate, corpus, model.config, run)
     return {k: v.cpu() for k, v in model.state_dict().items()}, nats
 
 
@@ -368,7 +367,7 @@ def train_pipelined(model: GPT, corpus: Corpus, run: Run, n_stages: int, schedul
     t0 = time.perf_counter()
     with runner:
         print(f"started {n_stages} stage processes ({time.perf_counter() - t0:.1f} s)")
-        nats, _ = train_loop(runner.step, lambda: runner.evaluate([(hx, hy)])["loss"], corpus, model.config, run)
+        nats = train_loop(runner.step, lambda: runner.evaluate([(hx, hy)])["loss"], corpus, model.config, run)
         state = runner.model_state_dict()  # the model's own names, the tied lm_head.weight included
     return state, nats
 

@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+import pipeq
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
@@ -49,3 +52,23 @@ def test_the_job_file_launches(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "trained 3 steps (2 stages" in done.stdout and "bits per byte" in done.stdout, done.stdout
     assert (tmp_path / "run" / "model.pt").is_file()
+
+
+@pytest.mark.timeout(60)
+def test_the_model_splits_traced_and_by_module_names():
+    """GPT's forward traces (pipeq.split's stages compute the model's logits) and, with the modules
+    of other stages removed, runs as a stage of a split by names; the LM head is the embedding."""
+    sys.path.insert(0, ROOT)
+    from examples.gpt import GPT, QUICK
+
+    torch.manual_seed(0)
+    model = GPT(QUICK)
+    assert model.lm_head.weight is model.tok_emb.weight
+    x = torch.randint(0, 256, (3, QUICK.context))
+    by_name = pipeq.split(model, modules=[["tok_emb", "pos_emb", "blocks.0"], ["blocks.1", "norm", "lm_head"]])
+    for stages in (pipeq.split(model, (x[:2],), n_stages=2), by_name):
+        value = (x,)
+        for stage in stages:
+            value = stage(*value)
+            value = value if isinstance(value, tuple) else (value,)
+        torch.testing.assert_close(value[0], model(x))
