@@ -1,0 +1,88 @@
+"""A run a user tries to break: two threads on one runner, a killed fork server, a stage that
+dies during start-up. Each must end in a PipelineError naming what happened (or carry on), with
+no process left behind."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+FAST = dict(start_method="forkserver")
+
+
+def xy(batch=8, d=8, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, d, generator=g), torch.randint(0, classes, (batch,), generator=g)
+
+
+def runner(**kw):
+    torch.manual_seed(0)
+    return pipeq.PipelineRunner([nn.Linear(8, 8), nn.Linear(8, 3)], nn.CrossEntropyLoss(), SGD,
+                                microbatches=2, **{**FAST, **kw})
+
+
+# -- 1. two threads on one runner: the second is refused, the sockets stay whole ---------------
+@pytest.mark.timeout(60)
+def test_a_second_thread_is_refused_while_a_step_runs_and_the_runner_carries_on():
+    x, y = xy()
+    r = runner()
+    with r:
+        r.step(x, y)
+        inside, release = threading.Event(), threading.Event()
+        result = r._backend.result
+
+        def slow_result(step):  # the first thread holds the runner inside its step
+            inside.set()
+            assert release.wait(30)
+            return result(step)
+
+        r._backend.result = slow_result
+        out: list = []
+        t = threading.Thread(target=lambda: out.append(r.step(x, y)), name="trainer")
+        t.start()
+        assert inside.wait(30)
+        for call in (lambda: r.step(x, y), lambda: r.predict(x), r.state_dict, lambda: next(r.stream([(x, y)])),
+                     r.close):
+            with pytest.raises(pipeq.PipelineError, match=r"in use by thread 'trainer' \(step\); a runner is not "
+                                                          r"thread-safe: use it from one thread, or guard it"):
+                call()
+        release.set()
+        t.join(30)
+        del r._backend.result
+        assert len(out) == 1 and out[0] == out[0]
+        # nothing was corrupted: this thread goes on with the runner, nested calls included
+        assert isinstance(r.step(x, y), float)
+        assert len(list(r.stream([(x, y)] * 3))) == 3
+        assert "loss" in r.evaluate([(x, y)])
+
+
+@pytest.mark.timeout(90)
+def test_two_threads_stepping_at_once_never_crash_the_driver():
+    x, y = xy()
+    r = runner()
+    refused: list[Exception] = []
+    done: list[float] = []
+
+    def train():
+        for _ in range(15):
+            try:
+                done.append(r.step(x, y))
+            except pipeq.PipelineError as exc:
+                assert "not thread-safe" in str(exc)
+                refused.append(exc)
+
+    with r:
+        threads = [threading.Thread(target=train) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(done) + len(refused) == 30
+        assert isinstance(r.step(x, y), float)  # still usable
