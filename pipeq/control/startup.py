@@ -113,7 +113,7 @@ class StageProcesses:
         self.sup.expect_heartbeats()
         ready = [control.read(replies[g][0], Ready) for g in range(self.n_all)]  # checked as it came
         joined = request_id() if self.replicas > 1 else 0
-        self.server.send_many(self._peers(ready, joined))
+        self.sup.send_all(self._peers(ready, joined))  # a stage gone since READY fails the run, named
         if self.replicas > 1:  # every replica has replica 0's weights (ACK) before the first step
             self.sup.collect(Kind.ACK, dict.fromkeys(range(self.n_processes), 1), step=joined,
                              timeout=self.start_timeout, what="replicas' start", on_timeout=self.replicas_hint)

@@ -86,3 +86,34 @@ def test_two_threads_stepping_at_once_never_crash_the_driver():
             t.join(60)
         assert len(done) + len(refused) == 30
         assert isinstance(r.step(x, y), float)  # still usable
+
+
+# -- 3. a stage that dies after READY, before PEERS ----------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reaped", [True, False], ids=["exited", "socket-gone"])
+def test_a_stage_dying_between_ready_and_peers_fails_start_naming_it(monkeypatch, reaped):
+    import os
+    import signal
+    import time
+
+    from pipeq.control import supervisor
+    from pipeq.control.startup import StageProcesses
+
+    peers = StageProcesses._peers
+
+    def kill_then_peers(self, ready, joined):  # every stage is READY: stage 1 dies now
+        p = self.procs[1]
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        time.sleep(0.3)  # its control socket is gone too
+        if not reaped:  # as when the send finds the socket gone before the exit is seen
+            monkeypatch.setattr(supervisor.Supervisor, "check_health", lambda self: None)
+        return peers(self, ready, joined)
+
+    monkeypatch.setattr(StageProcesses, "_peers", kill_then_peers)
+    r = runner()
+    with pytest.raises(pipeq.PipelineError) as info:
+        r.start()
+    assert info.value.stage == 1
+    assert ("killed by SIGKILL" if reaped else "control socket is gone") in info.value.message
+    assert not r._backend.procs
