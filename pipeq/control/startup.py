@@ -18,7 +18,7 @@ happened before; workers also die with the driver (a pidfd watch, or PR_SET_PDEA
 
 from __future__ import annotations
 
-import multiprocessing as mp
+from pipeq.control.stage_handle import StageHandle
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -82,7 +82,7 @@ class StageProcesses:
         self.recorder = recorder
         self.store: Any = None
         self._republisher: rdzv.Republisher | None = None
-        self.procs: dict[int, mp.process.BaseProcess] = {}
+        self.procs: dict[int, StageHandle] = {}
         self.server: ControlServer | None = None
         self.sup: Supervisor | None = None
         self.ipc_dir: str | None = None

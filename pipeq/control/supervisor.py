@@ -29,7 +29,7 @@ way is filed, never dropped: a reply someone will wait for is kept until then.
 
 from __future__ import annotations
 
-import multiprocessing as mp
+from pipeq.control.stage_handle import StageHandle
 import time
 from typing import Callable
 
@@ -58,7 +58,7 @@ class Supervisor:
     def __init__(
         self,
         server: ControlServer,
-        procs: dict[int, mp.process.BaseProcess],
+        procs: dict[int, StageHandle],
         *,
         n_stages: int,
         n_processes: int,

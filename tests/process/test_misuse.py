@@ -117,3 +117,83 @@ def test_a_stage_dying_between_ready_and_peers_fails_start_naming_it(monkeypatch
     assert info.value.stage == 1
     assert ("killed by SIGKILL" if reaped else "control socket is gone") in info.value.message
     assert not r._backend.procs
+
+
+# -- 2. the fork server killed mid-run -----------------------------------------------------------
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: a stage orphaned by its fork server is reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_killing_the_fork_server_mid_run_neither_fails_the_run_nor_orphans_its_stages():
+    import os
+    import signal
+    import time
+    from multiprocessing import forkserver
+
+    x, y = xy()
+    r = runner(heartbeat_interval=0.1, heartbeat_timeout=5.0)
+    r.start()
+    pids = [p.pid for p in r._backend.procs.values()]
+    try:
+        r.step(x, y)
+        server = forkserver._forkserver._forkserver_pid
+        os.kill(server, signal.SIGKILL)
+        while _running(server):  # (left for multiprocessing to reap: it starts a new one then)
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert all(_running(pid) for pid in pids)
+        # the stages still run: so does the run (no "exited with code 255")
+        for _ in range(3):
+            assert isinstance(r.step(x, y), float)
+        assert all(p.exitcode is None and p.is_alive() for p in r._backend.procs.values())
+        r.close()
+        end = time.monotonic() + 10
+        while any(_running(pid) for pid in pids) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if _running(pid)], "stages outlived close()"
+    finally:
+        for pid in pids:  # they are no longer this process's descendants: the stray guard cannot see them
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        r.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_stage_killed_after_the_fork_server_is_named_and_the_others_stopped():
+    import os
+    import signal
+    import time
+    from multiprocessing import forkserver
+
+    x, y = xy()
+    r = runner()
+    r.start()
+    pids = [p.pid for p in r._backend.procs.values()]
+    try:
+        r.step(x, y)
+        server = forkserver._forkserver._forkserver_pid
+        os.kill(server, signal.SIGKILL)
+        while _running(server):  # (left for multiprocessing to reap: it starts a new one then)
+            time.sleep(0.01)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(pipeq.PipelineError) as info:
+            for _ in range(50):
+                r.step(x, y)
+                time.sleep(0.02)
+        assert info.value.stage == 1
+        end = time.monotonic() + 10
+        while any(_running(pid) for pid in pids) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if _running(pid)], "stage 0 outlived the failure"
+    finally:
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        r.close()
+
