@@ -197,3 +197,51 @@ def test_a_stage_killed_after_the_fork_server_is_named_and_the_others_stopped():
                 os.kill(pid, signal.SIGKILL)
         r.close()
 
+
+# -- 5. a driver killed by SIGKILL: its fork server's socket directory -------------------------------
+KILLED_DRIVER = """
+import os, signal, sys, time
+import multiprocessing.process as process
+from pipeq.control import forkserver
+forkserver.start()
+print(process.current_process()._config["tempdir"], flush=True)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _mp_dirs(temp: str) -> list[str]:
+    """multiprocessing's temporary directories in ``temp`` (torch leaves its own there too)."""
+    import os
+
+    return [e for e in os.listdir(temp) if e.startswith(("pymp-", "pipeq-mp-"))]
+
+
+@pytest.mark.timeout(120)
+def test_a_driver_killed_by_sigkill_leaves_no_fork_server_directory_after_the_next_start():
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from strays import wait_no_strays
+
+    temp = tempfile.mkdtemp(prefix="pq-", dir="/tmp")  # short: a unix socket's path has 107 bytes at most
+    env = {**os.environ, "TMPDIR": temp, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def driver(how: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", KILLED_DRIVER, how], env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    try:
+        killed = driver("kill")
+        assert killed.returncode == -9, killed.stderr
+        left = killed.stdout.strip()
+        assert os.path.dirname(left) == temp and _mp_dirs(temp) == [os.path.basename(left)]  # what SIGKILL leaves
+        clean = driver("exit")  # the next start removes it; its own goes at its exit
+        assert clean.returncode == 0, clean.stderr
+        assert _mp_dirs(temp) == []
+        assert wait_no_strays(10.0) == []  # (the killed driver's fork server exits once its pipe closes)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
