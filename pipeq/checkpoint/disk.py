@@ -43,7 +43,12 @@ def save(directory: str, snapshots: list[StageSnapshot], meta: dict) -> None:
     """
     json.dumps(meta)  # fail before touching the disk if meta is not json-able
     path = _save_target(directory)
-    tmp = make_temp(path)
+    try:
+        tmp = make_temp(path)
+    except OSError as exc:
+        if is_no_space(exc):  # no inode left for it
+            raise no_space_error(path, "the checkpoint (creating its temporary directory)", exc) from exc
+        raise
     try:
         _write_checkpoint(tmp, snapshots, meta)
         swap(tmp, path)

@@ -119,6 +119,10 @@ class PipelineRunner(RunnerStream, RunnerState):
     ``runner.lr_schedule`` (a :class:`pipeq.stage.lr_schedulers.LRSchedule`) says how the lr schedulers
     are stepped: its ``interval``, and whether they take a metric (ReduceLROnPlateau).
 
+    Threads: a runner is used from one thread at a time. A call from a second thread while
+    another is inside the runner (a ``step``, a ``stream`` between two batches is not) raises a
+    :class:`~pipeq.errors.PipelineError` at once and changes nothing; guard a shared runner with a lock.
+
     Stage inputs: ``step``, ``predict`` (and ``stream`` / ``evaluate``, with ``(x, target,
     stage_inputs)`` batches) take ``stage_inputs``, values the driver hands straight to the stages
     that use them (an attention mask, position ids), split into microbatches like x: stage k is

@@ -74,3 +74,16 @@ def test_other_write_errors_are_not_taken_for_a_full_disk(tmp_path, monkeypatch)
     with pytest.raises(OSError, match="Input/output error") as info:
         save(str(tmp_path / "ckpt"), snapshots(0), {})
     assert not isinstance(info.value, NoSpaceError)
+
+
+def test_no_room_for_the_temporary_directory_is_a_full_disk_too(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    save(path, snapshots(0), {"step": 3})
+
+    def full(_path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk, "make_temp", full)
+    with pytest.raises(NoSpaceError, match=r"while saving the checkpoint \(creating its temporary directory\); the previous checkpoint .*\(step 3\)"):
+        save(path, snapshots(1), {"step": 4})
+    assert load(path).meta == {"step": 3}
