@@ -4,6 +4,10 @@ The server is a fresh interpreter that imports torch and pipeq once (:mod:`pipeq
 2-3 s here); each stage is then a fork of it (~50 ms). ``pipeq launch`` starts it first thing,
 before it imports torch itself, so that both imports run at once on two cores. This module
 imports nothing heavy, so that it can.
+
+The server's socket lives in multiprocessing's temporary directory, which this module names
+after the process (``pipeq-mp-<pid>-*``, removed at exit): a process killed by SIGKILL cannot
+remove it, so the next start removes those whose process is gone (:func:`remove_stale`).
 """
 
 from __future__ import annotations
