@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from pipeq.control import forkserver
+from pipeq.control.stage_handle import StageHandle
 from pipeq import schedules
 from pipeq.stage.spec import StageBuilder
 from pipeq.stage.numerics import Numerics
@@ -288,13 +289,14 @@ def process_context(start_method: str) -> Any:
     return mp.get_context(start_method)
 
 
-def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> mp.process.BaseProcess:
+def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> StageHandle:
+    """Start one stage process; watched and stopped by its pid (see :class:`StageHandle`)."""
     p = ctx.Process(target=worker_entry, args=(cfg, payload), name=f"pipeq-stage{cfg.stage}", daemon=True)
     p.start()
-    return p
+    return StageHandle(p)
 
 
-def stop_processes(procs: Sequence[mp.process.BaseProcess]) -> None:
+def stop_processes(procs: Sequence[StageHandle]) -> None:
     """Kill every process still running: nothing outlives this call. Stage processes ignore
     SIGINT and SIGTERM (their driver decides when they stop: EXIT asks them, and those that
     did not go when asked are past saving), so SIGKILL it is."""

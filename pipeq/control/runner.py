@@ -29,6 +29,7 @@ from pipeq import schedules
 from pipeq.control import checks
 from pipeq.control.batching import Batcher, check_batch
 from pipeq.control.config import RunConfig, setting_fields
+from pipeq.control.exclusive import CallGuard, exclusive
 from pipeq.control.main_guard import check_main_guard
 from pipeq.control.processes import StageSettings
 from pipeq.control.stage_inputs import StageInputs, route
@@ -118,6 +119,10 @@ class PipelineRunner(RunnerStream, RunnerState):
     ``runner.lr_schedule`` (a :class:`pipeq.stage.lr_schedulers.LRSchedule`) says how the lr schedulers
     are stepped: its ``interval``, and whether they take a metric (ReduceLROnPlateau).
 
+    Threads: a runner is used from one thread at a time. A call from a second thread while
+    another is inside the runner (a ``step``, a ``stream`` between two batches is not) raises a
+    :class:`~pipeq.errors.PipelineError` at once and changes nothing; guard a shared runner with a lock.
+
     Stage inputs: ``step``, ``predict`` (and ``stream`` / ``evaluate``, with ``(x, target,
     stage_inputs)`` batches) take ``stage_inputs``, values the driver hands straight to the stages
     that use them (an attention mask, position ids), split into microbatches like x: stage k is
@@ -146,6 +151,7 @@ class PipelineRunner(RunnerStream, RunnerState):
         rendezvous: Rendezvous | None = None,
         **settings: Any,
     ) -> None:
+        self._guard = CallGuard()  # one thread at a time (pipeq.control.exclusive)
         self.config = cfg = _configure(config, schedule, microbatches, settings)
         if balance is not None:  # the whole model, split here (pipeq.balance)
             from pipeq.balance import stages_for
@@ -176,6 +182,7 @@ class PipelineRunner(RunnerStream, RunnerState):
         self._used = False
 
     # -- lifecycle -------------------------------------------------------------------------
+    @exclusive
     def start(self) -> "PipelineRunner":
         if self._running:
             return self
@@ -192,6 +199,7 @@ class PipelineRunner(RunnerStream, RunnerState):
         self._running = True
         return self
 
+    @exclusive
     def close(self) -> None:
         if self._running:
             self._running = False
@@ -218,11 +226,16 @@ class PipelineRunner(RunnerStream, RunnerState):
 
     def _require_running(self) -> None:
         """The pipeline runs, and every step sent so far is done (a consistent state)."""
+        if not self._running and self._used:  # start() would refuse: say what works
+            raise PipelineError("this runner is closed (after a failure, or by close()) and cannot start "
+                                "again: build a new runner and load_state_dict the state_dict you kept "
+                                "(or load a checkpoint)")
         if not self._running:
             raise PipelineError("the pipeline is not running; use 'with runner:' or runner.start()")
         self._settle()
 
     # -- training and inference --------------------------------------------------------------
+    @exclusive
     def step(self, x: Any, target: Any, stage_inputs: Mapping[Any, Any] | None = None) -> float:
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
         ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0);
@@ -249,6 +262,7 @@ class PipelineRunner(RunnerStream, RunnerState):
             return None
         return route(given, self._declared, batch, self.schedule)
 
+    @exclusive
     def predict(self, x: Any, stage_inputs: Mapping[Any, Any] | None = None) -> Any:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU, shaped
         as the last stage returns it (a tensor, or a tuple / list / dict: tensors are joined
@@ -265,6 +279,7 @@ class PipelineRunner(RunnerStream, RunnerState):
                 for o in outs]
         return microbatch.cat(outs)
 
+    @exclusive
     def evaluate(self, batches: Iterable[tuple[Any, ...]],
                  metrics: Mapping[str, Callable[[Any, torch.Tensor], Any]] | None = None,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:

@@ -168,7 +168,7 @@ class StageExecutor(StageState, OptimizerStep):
 
     def _forward_error(self, j: int, value: Any, exc: Exception) -> RuntimeError:
         """The error of a forward of microbatch ``j`` that failed on ``value`` (its input) with ``exc``."""
-        shapes = describe(tensors_of(value))
+        shapes = describe(tensors_of(value)) or f"(no tensor: {type(value).__name__})"
         if self.kwargs is not None and j < len(self.kwargs):
             shapes += "".join(f", {name}={describe(tensors_of(v)) or f'{v!r:.40}'}" for name, v in self.kwargs[j].items())
         return RuntimeError(
@@ -209,6 +209,10 @@ class StageExecutor(StageState, OptimizerStep):
         redo = self.training and self.recompute
         keep = (tree, self._rng_state()) if redo else None  # what the recompute needs
         out = self._call(j, args, tree, grad=self.training and not redo)
+        if out is None:  # named here: the next stage would fail on it, and be blamed
+            raise ValueError(f"its forward returned None (microbatch {j}, step {self.step_index}); a stage returns "
+                             "what the next stage takes (or the loss_fn, on the last stage): a tensor, or a "
+                             "tuple / list / dict of tensors")
         outs, out_tree = microbatch.pack_output(out)
         if self.is_last:
             if not self.training:
