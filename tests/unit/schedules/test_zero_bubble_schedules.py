@@ -175,3 +175,15 @@ def test_format_table_and_cli_print_costs_and_bubble(capsys):
     with pytest.raises(SystemExit):
         main(["schedule", "zb-h1", "--stages", "2", "--microbatches", "2", "--costs", "1,1"])
     assert "--costs is F,I,W" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("table", ['"zb-h1"', '{ name = "zb1p" }'])
+def test_a_job_file_names_zb_h1(tmp_path, table):
+    from job_files import MLP_MOMENTUM
+    from pipeq.launch.job import load_job
+
+    path = tmp_path / "job.toml"
+    path.write_text(MLP_MOMENTUM + f"schedule = {table}\nsteps = 1\n")
+    job = load_job(str(path))
+    assert job.schedule == table.strip('"{} ').replace('name = "', "").rstrip('"')
+    assert S.resolve(job.schedule).plan(2, 2) == S.zb_h1(2, 2)
