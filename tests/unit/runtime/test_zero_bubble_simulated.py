@@ -64,6 +64,17 @@ def test_zb_h1_with_recompute_equals_without():
     assert all(torch.equal(got[k], plain[k]) for k in got)  # the same bits as a whole backward
 
 
+@pytest.mark.parametrize("options", [dict(precision="bf16"), dict(check_finite="skip", clip_grad_norm=0.1),
+                                     dict(recompute=[False, True, True], precision="bf16")],
+                         ids=["bf16", "check_finite-clip", "recompute-some-bf16"])
+def test_zb_h1_gives_1f1b_bits_under_the_numerics_options(options):
+    batches = data(3)
+    zb, zb_losses, _ = run(mlp(), batches, schedule="zb-h1", microbatches=4, **options)
+    one, one_losses, _ = run(mlp(), batches, schedule="1f1b", microbatches=4, **options)
+    assert zb_losses == one_losses
+    assert_close(zb, one, atol=0)
+
+
 def test_zb_h1_fp16_scales_and_skips_as_1f1b():
     batches = data(4)
     batches[1] = (batches[1][0] * 1e5, batches[1][1])  # overflows float16: the step is skipped
