@@ -2,10 +2,10 @@
 
 :func:`check_consistency` makes sure every stage runs each microbatch's forward once, its
 backward once after it (a ``B``, or an ``I`` then a ``W``), and its optimizer steps where the
-schedule kind says. :func:`dry_run`
-executes lowered action lists symbolically (with costs, optionally bounded queues) and refuses
-a schedule that would deadlock, naming every blocked stage; its timeline is what
-``pipeq schedule`` prints and what the benchmarks' ideal times come from. Pure: no I/O.
+schedule kind says. :func:`dry_run` executes lowered action lists symbolically (with costs,
+optionally bounded queues) and refuses a schedule that would deadlock, naming every blocked
+stage; its timeline is what ``pipeq schedule`` prints and what the benchmarks' ideal times come
+from. Pure: no I/O.
 """
 
 from __future__ import annotations
