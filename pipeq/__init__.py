@@ -17,8 +17,8 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
                                registry, lowering, dry runs, bounds; zero_bubble.py (ZB-H1)
                    research/   plug-in schedules with their executors: interlock/, async1f1b/, al/
                    stage/      one stage's forward, backward (or split: split_backward.py) and step;
-                               numerics, microbatches, lr,
-                               what a stage says of itself (info.py), tied weights (ties.py)
+                               numerics, microbatches, lr, what a stage says of itself (info.py),
+                               tied weights (ties.py)
                    parallel/   data parallelism (replicas), tensor parallelism (shards), tied
                                weights' exchange between stage processes (ties.py)
                    checkpoint/ global names, snapshots, atomic writes, re-splitting
