@@ -1,4 +1,4 @@
-"""A split backward (I then W) gives exactly a whole backward's (B) gradients, on every stage, with and without recompute."""
+"""A split backward (I then W) gives exactly a whole backward's (B) gradients, on every stage, with and without recompute; sleep stages split alike."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import pipeq.testing
 from pipeq.stage.executor import StageExecutor
 from pipeq.stage.loss import microbatch_weights
 from pipeq.stage.numerics import Numerics
@@ -109,3 +110,23 @@ def test_the_last_stage_I_differentiates_the_loss_and_a_weightless_microbatch_gi
     assert torch.equal(gin, torch.zeros_like(x))
     ex.weight_grad(0)
     assert all(p.grad is None for p in ex.module.parameters())
+
+
+def test_a_split_sleep_stage_sleeps_I_in_the_input_gradient_and_W_in_the_weight_gradient(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(pipeq.testing.time, "sleep", slept.append)
+    spec = StageSpec(pipeq.testing.SleepStage(4, 0.1, 0.2, weight_s=0.3), SGD)
+    ex = StageExecutor(1, 3, spec, torch.device("cpu"))
+    ex.begin(0, [2], True)
+    ex.forward(0, (torch.randn(2, 4),))
+    assert slept == [0.1, 0.0]
+    ex.input_grad(0, (torch.ones(2, 4),))
+    assert slept[2:] == [0.2]
+    ex.weight_grad(0)
+    assert slept[3:] == [0.3]
+    assert torch.equal(ex.module.bias.grad, torch.full((4,), 2.0))
+    ex.begin(1, [2], True)
+    ex.forward(0, (torch.randn(2, 4),))
+    del slept[:]
+    ex.backward(0, (torch.ones(2, 4),))
+    assert sorted(slept) == [0.2, 0.3]  # a whole backward sleeps both
