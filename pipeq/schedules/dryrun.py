@@ -33,6 +33,7 @@ def _check_stage(k: int, acts: list[Action], m: int, training: bool, per_microba
     """:func:`check_consistency` of stage ``k``'s list."""
     seen: dict[Op, set[int]] = {Op.FORWARD: set(), Op.BACKWARD: set(), Op.INPUT_GRAD: set(), Op.WEIGHT_GRAD: set()}
     steps = 0
+    i_at: dict[int, int] = {}  # microbatch -> the position of its I
     for pos, a in enumerate(acts):
         where = f"stage {k}, action {pos} ({a})"
         if a.op not in COMPUTE_OPS:
@@ -52,7 +53,9 @@ def _check_stage(k: int, acts: list[Action], m: int, training: bool, per_microba
         if problem:
             raise ScheduleError(f"{where}: {problem}")
         seen[a.op].add(j)
-    _check_complete(k, seen, steps, m, training, per_microbatch_steps)
+        if a.op is Op.INPUT_GRAD:
+            i_at[j] = pos
+    _check_complete(k, seen, steps, m, training, per_microbatch_steps, i_at)
 
 
 _NAMES = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.INPUT_GRAD: "input gradient (I)",
@@ -78,7 +81,7 @@ def _out_of_order(op: Op, j: int, seen: dict[Op, set[int]]) -> str:
 
 
 def _check_complete(k: int, seen: dict[Op, set[int]], steps: int, m: int, training: bool,
-                    per_microbatch_steps: bool) -> None:
+                    per_microbatch_steps: bool, i_at: dict[int, int]) -> None:
     """Stage ``k`` ran every forward, and (training) every backward and its STEPs."""
     if len(seen[Op.FORWARD]) != m:
         missing = sorted(set(range(m)) - seen[Op.FORWARD])
@@ -90,8 +93,9 @@ def _check_complete(k: int, seen: dict[Op, set[int]], steps: int, m: int, traini
         return
     no_w = sorted(seen[Op.INPUT_GRAD] - seen[Op.WEIGHT_GRAD])
     if no_w:
-        raise ScheduleError(f"stage {k}: no weight gradient (W) for microbatch(es) {no_w}, "
-                            "whose input gradient (I) ran")
+        j = no_w[0]
+        raise ScheduleError(f"stage {k}, action {i_at[j]} (I{j}): no weight gradient (W) of microbatch {j} "
+                            f"follows it" + (f" (nor of microbatch(es) {no_w[1:]})" if no_w[1:] else ""))
     done = seen[Op.BACKWARD] | seen[Op.WEIGHT_GRAD]
     if len(done) != m:
         missing = sorted(set(range(m)) - done)

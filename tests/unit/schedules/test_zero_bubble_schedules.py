@@ -50,10 +50,11 @@ def test_a_split_backward_is_valid_and_may_mix_with_B_across_microbatches():
 
 @pytest.mark.parametrize("plan, match", [
     ([[F(0), F(1), B(0), B(1), STEP], [F(0), F(1), I(0), B(1), STEP]],
-     r"stage 1: no weight gradient \(W\) for microbatch\(es\) \[0\]"),
+     r"stage 1, action 2 \(I0\): no weight gradient \(W\) of microbatch 0 follows it$"),
     ([[F(0), F(1), W(0), I(0), B(1), STEP]],
      r"stage 0, action 2 \(W0\): weight gradient \(W\) of microbatch 0 before its input gradient \(I\)"),
     ([[F(0), F(1), I(0), W(0), W(0), B(1), STEP]], r"stage 0, action 4 \(W0\): .*appears twice"),
+    ([[F(0), F(1), I(0), I(1), STEP]], r"stage 0, action 2 \(I0\): .* \(nor of microbatch\(es\) \[1\]\)"),
     ([[F(0), I(0), F(1), I(0), W(0), B(1), STEP]], r"stage 0, action 3 \(I0\): .*appears twice"),
     ([[F(0), F(1), B(0), I(0), W(0), B(1), STEP]], r"stage 0, action 3 \(I0\): .*has its backward \(B\) already"),
     ([[F(0), F(1), I(0), B(0), B(1), STEP]], r"stage 0, action 3 \(B0\): .*split backward"),
@@ -77,7 +78,7 @@ def test_build_refuses_a_plan_missing_a_W_naming_the_stage():
         plan[2] = [a for a in plan[2] if a != W(1)]
         return plan
 
-    with pytest.raises(ScheduleError, match=r"stage 2: no weight gradient \(W\) for microbatch\(es\) \[1\]"):
+    with pytest.raises(ScheduleError, match=r"stage 2, action \d+ \(I1\): no weight gradient \(W\) of microbatch 1"):
         S.build(bad, 4, 4)
 
 
