@@ -188,3 +188,12 @@ def test_a_job_file_names_zb_h1(tmp_path, table):
     job = load_job(str(path))
     assert job.schedule == table.strip('"{} ').replace('name = "', "").rstrip('"')
     assert S.resolve(job.schedule).plan(2, 2) == S.zb_h1(2, 2)
+
+
+def test_a_planned_trace_of_zb_h1_has_I_and_W_spans_of_their_costs():
+    from pipeq.trace.format import planned_trace, trace_from_dict
+
+    t = trace_from_dict(planned_trace("zb-h1", 2, 2, costs=(1, 2, 3)))
+    assert t.meta["costs"] == [1, 2, 3] and t.meta["backward_cost"] == 5
+    spans = {(e.stage, e.op, e.microbatch): e.dur_us for e in t.events if e.cat == "backward"}
+    assert spans[(1, "I", 0)] == 2000.0 and spans[(0, "W", 1)] == 3000.0 and len(spans) == 8
