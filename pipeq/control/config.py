@@ -64,7 +64,7 @@ class NumericsConfig:
         recompute: True, or one boolean per stage: the stage keeps only its inputs between a
             microbatch's forward and backward and recomputes the forward in the backward (the same
             RNG state, so the same dropout masks): the same numbers, less activation memory.
-        Precision, clipping, check_finite and recompute run with fill-drain, 1F1B and your own
+        Precision, clipping, check_finite and recompute run with fill-drain, 1F1B, ZB-H1 and your own
         schedules (interlocking, async and AL compute their own way).
     """
 
@@ -291,7 +291,7 @@ class RunConfig:
             used = [f.name for f in dataclasses.fields(nm) if getattr(nm, f.name) != getattr(Numerics(), f.name)]
             raise ValueError(
                 f"{', '.join(used)}: schedule {self.schedule.name!r} computes its own way (its "
-                "own losses, updates or recomputation); these options run with fill-drain, 1F1B and your own "
+                "own losses, updates or recomputation); these options run with fill-drain, 1F1B, ZB-H1 and your own "
                 "schedule functions")
         devices = self.placement.devices
         numerics_mod.check_device(nm, devices or (["cuda"] if torch.cuda.is_available() else ["cpu"]))

@@ -59,12 +59,13 @@ class PipelineRunner(RunnerStream, RunnerState):
             recipe names them). Multi-host runs need a recipe.
         loss_fn: ``loss_fn(output, target)`` on the last stage; reduction 'mean' or 'sum'.
         optimizer: called with one stage's parameters, e.g. ``partial(torch.optim.SGD, lr=0.1)``.
-        schedule: a name (``"1f1b"``, ``"fill-drain"`` alias ``"gpipe"``, ``"global"``,
-            ``"local"``, ``"pairwise"``, ``"async"``, ``"al"``), a schedule object with its
+        schedule: a name (``"1f1b"``, ``"fill-drain"`` alias ``"gpipe"``, ``"zb-h1"`` alias
+            ``"zb1p"`` (split backward), ``"global"``, ``"local"``, ``"pairwise"``, ``"async"``,
+            ``"al"``), a schedule object with its
             options (``pipeq.schedules.Interlock("nwise", distance=2)``,
             ``AsyncOneFOneB(weight_stashing=False)``, ``AssociatedLearning(first_loss="mse")``),
             or your own schedule function ``(n_stages, n_microbatches) -> per-stage lists of
-            F(j), B(j), STEP`` (module level, so that stage processes can import it); it is
+            F(j), B(j) (or I(j) then W(j)), STEP`` (module level, so that stage processes can import it); it is
             validated and dry-run for deadlock here, before anything starts.
         microbatches: microbatches per step (a smaller batch uses one sample per microbatch).
         lr_scheduler: called with each stage's optimizer, e.g.

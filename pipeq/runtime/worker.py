@@ -175,7 +175,7 @@ class EventLoop:
         else:
             keys = self._keys
             s, mb = keys.get(j, (step, j)) if keys is not None else (step, j)
-            name = f"{'F' if code == trace.F else 'B'}(step {s}, microbatch {mb})"
+            name = f"{trace.OPS[code][0]}(step {s}, microbatch {mb})"
         return HeartbeatInfo(doing=name, seconds=round(time.monotonic() - since, 3))
 
     def serve(self) -> None:
