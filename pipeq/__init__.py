@@ -14,10 +14,11 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
                                stage in one process), executors.py, links.py (a stage process's
                                replicas and tie peers)
     compute        schedules/  pure: actions as data, the schedule policy protocol (protocol.py), the
-                               registry, lowering, dry runs, bounds
+                               registry, lowering, dry runs, bounds; zero_bubble.py (ZB-H1)
                    research/   plug-in schedules with their executors: interlock/, async1f1b/, al/
-                   stage/      one stage's forward, backward and step; numerics, microbatches, lr,
-                               what a stage says of itself (info.py), tied weights (ties.py)
+                   stage/      one stage's forward, backward (or split: split_backward.py) and step;
+                               numerics, microbatches, lr, what a stage says of itself (info.py),
+                               tied weights (ties.py)
                    parallel/   data parallelism (replicas), tensor parallelism (shards), tied
                                weights' exchange between stage processes (ties.py)
                    checkpoint/ global names, snapshots, atomic writes, re-splitting

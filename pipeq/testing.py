@@ -1,6 +1,12 @@
 """Stages of fixed, known cost: for measuring schedules and bubbles (tests, benchmarks, reports).
 
     stages = [pipeq.testing.SleepStage(16, forward_s=0.01, backward_s=0.02) for _ in range(4)]
+    split = [pipeq.testing.SleepStage(16, 0.01, 0.01, weight_s=0.01) for _ in range(4)]  # F, I, W
+
+With ``weight_s`` the backward is split as zero-bubble schedules split it: the input gradient
+(``I``) sleeps ``backward_s`` and the weight gradient (``W``) ``weight_s``, each on its own branch
+of the graph, so that differentiating with respect to the input alone does not run the weight's
+part (a whole backward sleeps both; stage 0, which has no input gradient, sleeps ``weight_s``).
 
 A sleep costs no CPU, so several such stages on a small machine still overlap perfectly: what a
 trace of them shows is the schedule and the runtime's own overhead, nothing else.
@@ -30,18 +36,23 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepStage(nn.Module):
-    """``x + bias`` whose forward takes ``forward_s`` and backward ``backward_s`` seconds.
+    """``x + bias`` whose forward takes ``forward_s`` and backward ``backward_s`` seconds; with
+    ``weight_s``, ``backward_s`` is the input gradient's and ``weight_s`` the bias's (see the module).
 
     The bias makes every stage, the first one too, run a backward.
     """
 
-    def __init__(self, width: int, forward_s: float, backward_s: float) -> None:
+    def __init__(self, width: int, forward_s: float, backward_s: float, *, weight_s: float | None = None) -> None:
         super().__init__()
-        if forward_s < 0 or backward_s < 0:
-            raise ValueError(f"sleep times must be >= 0, got forward_s={forward_s}, backward_s={backward_s}")
+        if forward_s < 0 or backward_s < 0 or (weight_s is not None and weight_s < 0):
+            raise ValueError(f"sleep times must be >= 0, got forward_s={forward_s}, backward_s={backward_s}"
+                             + (f", weight_s={weight_s}" if weight_s is not None else ""))
         self.bias = nn.Parameter(torch.zeros(width))
         self.forward_s = forward_s
         self.backward_s = backward_s
+        self.weight_s = weight_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x + self.bias, self.forward_s, self.backward_s)
+        if self.weight_s is None:
+            return _Sleep.apply(x + self.bias, self.forward_s, self.backward_s)
+        return _Sleep.apply(x, self.forward_s, self.backward_s) + _Sleep.apply(self.bias, 0.0, self.weight_s)

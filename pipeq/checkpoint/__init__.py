@@ -12,6 +12,7 @@ Everything is named by *global* names, those of the flat model ``nn.Sequential(*
     names       the global names (flat_model, global_state, split_state), auxiliary heads' names
     snapshot    a stage's snapshot: model, optimizers and lr schedulers, RNG
     disk        stage files and a manifest with their sizes and sha256: save, load
+    full        a save that runs out of disk space, said plainly (NoSpaceError)
     atomic      a save replaces a checkpoint crash-safely (recover puts right what a kill left)
     steps       a run's step-<n> checkpoints: checkpoint_dir, latest, prune
     resplit     split: a checkpoint over another cut of the flat model
@@ -20,7 +21,7 @@ Everything is named by *global* names, those of the flat model ``nn.Sequential(*
 from __future__ import annotations
 
 from pipeq.checkpoint.atomic import recover
-from pipeq.checkpoint.data import FORMAT, MANIFEST, VERSION, Checkpoint, CheckpointError, StageSnapshot
+from pipeq.checkpoint.data import FORMAT, MANIFEST, VERSION, Checkpoint, CheckpointError, NoSpaceError, StageSnapshot
 from pipeq.checkpoint.disk import load, save
 from pipeq.checkpoint.names import (AUX_PREFIX, StageLayout, aux_name, flat_model, global_names, global_state,
                                     is_sequential, layer_of, layers_of, layout_of, split_state, tie_aliases,
@@ -31,7 +32,7 @@ from pipeq.checkpoint.snapshot import (load_optimizer_snapshot, load_schedulers_
 from pipeq.checkpoint.steps import checkpoint_dir, latest, prune
 
 __all__ = [
-    "FORMAT", "VERSION", "MANIFEST", "CheckpointError", "StageSnapshot", "Checkpoint",
+    "FORMAT", "VERSION", "MANIFEST", "CheckpointError", "NoSpaceError", "StageSnapshot", "Checkpoint",
     "StageLayout", "is_sequential", "layers_of", "layout_of", "flat_model", "layer_of", "to_global", "AUX_PREFIX",
     "aux_name", "global_names", "global_state", "split_state", "tie_aliases",
     "optimizer_snapshot", "load_optimizer_snapshot", "optimizers_snapshot", "schedulers_snapshot",

@@ -7,7 +7,7 @@ from typing import NotRequired, TypedDict
 
 import torch
 
-__all__ = ["FORMAT", "VERSION", "MANIFEST", "CheckpointError", "StageSnapshot", "Checkpoint"]
+__all__ = ["FORMAT", "VERSION", "MANIFEST", "CheckpointError", "NoSpaceError", "StageSnapshot", "Checkpoint"]
 
 FORMAT = "pipeq-checkpoint"
 VERSION = 1
@@ -16,6 +16,15 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted, or does not fit the current stages."""
+
+
+class NoSpaceError(CheckpointError):
+    """A save ran out of disk space (or quota); the previous checkpoint is intact. ``path``: the
+    checkpoint being saved (see :mod:`pipeq.checkpoint.full`)."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class StageSnapshot(TypedDict):

@@ -19,6 +19,7 @@ import torch
 
 from pipeq.checkpoint.atomic import complete_at, foreign, fsync_dir, make_temp, old_of, recover, swap, write_file
 from pipeq.checkpoint.data import FORMAT, MANIFEST, VERSION, Checkpoint, CheckpointError, StageSnapshot
+from pipeq.checkpoint.full import is_no_space, no_space_error
 from pipeq.checkpoint.names import StageNames, aux_name
 
 __all__ = ["save", "load"]
@@ -42,10 +43,18 @@ def save(directory: str, snapshots: list[StageSnapshot], meta: dict) -> None:
     """
     json.dumps(meta)  # fail before touching the disk if meta is not json-able
     path = _save_target(directory)
-    tmp = make_temp(path)
+    try:
+        tmp = make_temp(path)
+    except OSError as exc:
+        if is_no_space(exc):  # no inode left for it
+            raise no_space_error(path, "the checkpoint (creating its temporary directory)", exc) from exc
+        raise
     try:
         _write_checkpoint(tmp, snapshots, meta)
         swap(tmp, path)
+    except _Full as full:  # said plainly, once the partial copy is gone (and its space back)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise no_space_error(path, full.what, full.exc) from full.exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -104,7 +113,7 @@ def _write_checkpoint(tmp: str, snapshots: list[StageSnapshot], meta: dict) -> N
     for k, snap in enumerate(snapshots):
         data = _stage_data(k, snap, offset)
         file = os.path.join(tmp, f"stage-{k}.pt")
-        write_file(file, lambda f: torch.save(data, f))
+        _writing(f"stage {k}", lambda: write_file(file, lambda f: torch.save(data, f)))
         files.append({"name": f"stage-{k}.pt", "bytes": os.path.getsize(file), "sha256": _sha256(file)})
         offset += snap["layers"]
     manifest = {
@@ -116,8 +125,26 @@ def _write_checkpoint(tmp: str, snapshots: list[StageSnapshot], meta: dict) -> N
         "meta": meta,
     }
     text = json.dumps(manifest, indent=1).encode()
-    write_file(os.path.join(tmp, MANIFEST), lambda f: f.write(text))
-    fsync_dir(tmp)
+    file = os.path.join(tmp, MANIFEST)
+    _writing("the manifest", lambda: (write_file(file, lambda f: f.write(text)), fsync_dir(tmp)))
+
+
+class _Full(Exception):
+    """The disk filled while a save wrote ``what``: see :func:`save`."""
+
+    def __init__(self, what: str, exc: BaseException) -> None:
+        super().__init__(what)
+        self.what, self.exc = what, exc
+
+
+def _writing(what: str, write: Any) -> None:
+    """``write()``, a full disk on the way raised as a :class:`_Full` saying what was written."""
+    try:
+        write()
+    except (OSError, RuntimeError) as exc:
+        if is_no_space(exc):
+            raise _Full(what, exc) from exc
+        raise
 
 
 def load(directory: str) -> Checkpoint:

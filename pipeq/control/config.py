@@ -64,7 +64,7 @@ class NumericsConfig:
         recompute: True, or one boolean per stage: the stage keeps only its inputs between a
             microbatch's forward and backward and recomputes the forward in the backward (the same
             RNG state, so the same dropout masks): the same numbers, less activation memory.
-        Precision, clipping, check_finite and recompute run with fill-drain, 1F1B and your own
+        Precision, clipping, check_finite and recompute run with fill-drain, 1F1B, ZB-H1 and your own
         schedules (interlocking, async and AL compute their own way).
     """
 
@@ -159,7 +159,8 @@ class PlacementConfig:
     Attributes:
         mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
         devices: one device string per stage; default ``cuda:k`` round-robin when CUDA is
-            available, else ``cpu`` with each stage pinned to its share of the CPU cores.
+            available, else ``cpu`` with each stage pinned to its share of the CPU cores (with
+            ``tensor_parallel``, each is the device of the stage's shard 0: see there).
         threads_per_stage: torch threads per stage process (default: cores / stages, at least 1).
         start_method: ``"spawn"`` (default: every stage a fresh interpreter importing torch,
             all at once: 4-9 s for 3 stages on 2 busy cores) or ``"forkserver"`` (stages fork
@@ -180,6 +181,13 @@ class PlacementConfig:
             gradients are summed with the same shard of the other replicas. States and
             checkpoints hold whole tensors (they load at any T). Fill-drain, 1F1B and your own
             schedules; not yet with precision, clipping, check_finite or recompute.
+            On CUDA a stage's T shards run on T different GPUs (NCCL refuses two on one):
+            by default shard s of the host's j-th stage (j = r*N + k for replica r's stage
+            k on one host) on ``cuda:((j*T + s) mod G)``, G the host's GPUs (T consecutive
+            GPUs per stage), and with ``devices`` shard 0 on
+            ``devices[k]`` = ``cuda:d`` and shard s on ``cuda:((d + s) mod G)``. A run whose
+            stage would put two shards on one GPU (T > G) is refused before it starts
+            (:func:`pipeq.control.processes.plan_devices` has the rule and examples).
     """
 
     mode: str = "process"
@@ -283,7 +291,7 @@ class RunConfig:
             used = [f.name for f in dataclasses.fields(nm) if getattr(nm, f.name) != getattr(Numerics(), f.name)]
             raise ValueError(
                 f"{', '.join(used)}: schedule {self.schedule.name!r} computes its own way (its "
-                "own losses, updates or recomputation); these options run with fill-drain, 1F1B and your own "
+                "own losses, updates or recomputation); these options run with fill-drain, 1F1B, ZB-H1 and your own "
                 "schedule functions")
         devices = self.placement.devices
         numerics_mod.check_device(nm, devices or (["cuda"] if torch.cuda.is_available() else ["cpu"]))

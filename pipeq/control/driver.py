@@ -17,7 +17,7 @@ raised.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
+from pipeq.control.stage_handle import StageHandle
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
@@ -104,7 +104,7 @@ class ProcessBackend:
         return self.processes.server
 
     @property
-    def procs(self) -> dict[int, mp.process.BaseProcess]:
+    def procs(self) -> dict[int, StageHandle]:
         return self.processes.procs
 
     @property

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from pipeq.control import forkserver
+from pipeq.control.stage_handle import StageHandle
 from pipeq import schedules
 from pipeq.stage.spec import StageBuilder
 from pipeq.stage.numerics import Numerics
@@ -106,13 +107,34 @@ class StageSettings:
 
 
 def plan_devices(
-    n_local: int, devices: Sequence[str] | None, rendezvous: "Rendezvous | None" = None
+    n_local: int, devices: Sequence[str] | None, rendezvous: "Rendezvous | None" = None, *,
+    places: Sequence[tuple[int, int]] | None = None, shards: int = 1,
 ) -> list[tuple[str, list[int], int]]:
     """(device, cpu cores, threads) for each of this host's ``n_local`` stage processes: the
     given devices, else CUDA round-robin when present, else ``cpu``, each with its share of cores.
 
+    ``places[i]``: process i's ``(j, s)``, its stage's place j among this host's stages (their
+    shard 0s, in order) and its shard s of ``shards`` (tensor parallelism); default ``(i, 0)``,
+    one process per stage. ``devices[i]`` (when given) is process i's stage's device.
+
+    Devices, deterministically (T = ``shards``, G = this host's GPUs):
+
+    - ``devices`` given: shard 0 runs on its stage's device as given; shard s of a stage given
+      ``cuda:d`` runs on ``cuda:((d + s) mod G)`` (an unindexed ``"cuda"`` counts as ``cuda:0``),
+      so that a stage's T shards take T different GPUs (T <= G); a ``cpu`` stage's shards all run
+      on the CPU. E.g. ``devices=["cuda:0", "cuda:2"]``, T = 2, 4 GPUs: stage 0 on cuda:0 and
+      cuda:1, stage 1 on cuda:2 and cuda:3.
+    - else, with CUDA: stage j's T shards on T consecutive GPUs from the (j*T)-th, wrapping
+      around: ``cuda:((j*T + s) mod G)`` (with T = 1, stage j on ``cuda:(j mod G)``: round-robin).
+      E.g. 2 stages, T = 2, 2 GPUs: each stage on cuda:0 and cuda:1; 4 GPUs: stage 0 on cuda:0
+      and cuda:1, stage 1 on cuda:2 and cuda:3.
+    - else ``cpu``.
+
     Under torchrun/srun several pipeq nodes may share a host: LOCAL_RANK / LOCAL_WORLD_SIZE then
-    give this node its GPU (cuda:LOCAL_RANK) or its slice of the host's cores.
+    give this node its share of the host's GPUs (G // LOCAL_WORLD_SIZE of them, at least one,
+    from the LOCAL_RANK-th share on: the default placement above runs within it) or its slice of
+    the host's cores. :func:`worker_configs` refuses a plan that puts two shards of one stage on
+    one GPU (NCCL refuses two ranks of a group on one device).
     """
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     local_rank = rendezvous.local_rank if rendezvous is not None else None
@@ -121,23 +143,54 @@ def plan_devices(
         share = len(cores) // local_size
         cores = cores[local_rank * share:(local_rank + 1) * share]
     per = max(1, len(cores) // n_local)
+    places = [(i, 0) for i in range(n_local)] if places is None else places
+    if len(places) != n_local:
+        raise ValueError(f"{len(places)} places for {n_local} processes")
     plan = []
-    for i in range(n_local):
+    for i, (j, s) in enumerate(places):
         if devices is not None:
-            dev = devices[i]
+            dev = _shard_device(devices[i], s)
         elif torch.cuda.is_available():
             # under torchrun/srun this node's share of the host's GPUs (one each when there are as
-            # many as nodes), a GPU per process within it: a tensor-parallel stage's shards never
-            # share one (NCCL refuses two ranks on a device)
+            # many as nodes); within it, each stage's shards on consecutive GPUs of their own
             count = torch.cuda.device_count()
             share = max(1, count // local_size) if local_rank is not None and local_size else count
             first = local_rank * share if local_rank is not None and local_size else 0
-            dev = f"cuda:{(first + i % share) % count}"
+            dev = f"cuda:{(first + (j * shards + s) % share) % count}"
         else:
             dev = "cpu"
         start = (i * per) % len(cores)
         plan.append((dev, [cores[(start + c) % len(cores)] for c in range(per)], per))
     return plan
+
+
+def _shard_device(device: str, shard: int) -> str:
+    """Shard ``shard``'s device in a stage given ``device``: the same for shard 0 and off CUDA,
+    else the GPU ``shard`` places after it (see :func:`plan_devices`)."""
+    dev = torch.device(device)
+    if shard == 0 or dev.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    index = (dev.index or 0) + shard
+    return f"cuda:{index % count if count else index}"
+
+
+def _check_shards_apart(num: Numbering, processes: Sequence[int], plan: Sequence[tuple[str, list[int], int]]) -> None:
+    """Refuse a plan that puts two shards of one stage on one GPU, before any process starts
+    (NCCL would refuse it later, in the stage processes)."""
+    seen: dict[tuple[int, int], int] = {}
+    for g, (dev, _, _) in zip(processes, plan):
+        d = torch.device(dev)
+        if d.type != "cuda":
+            continue
+        index = d.index or 0  # an unindexed "cuda": a fresh process's current device, cuda:0
+        other = seen.setdefault((num.lead(g), index), g)
+        if other != g:
+            raise ValueError(
+                f"{num.where(other)} and shard {num.shard(g)} would both run on cuda:{index}: a stage's "
+                f"tensor_parallel={num.shards} shards need a GPU each (NCCL refuses two on one GPU), and this "
+                f"host has {torch.cuda.device_count()} GPU(s) visible (under torchrun/srun, this node a share of "
+                "them); use fewer shards, or devices= (see pipeq.control.processes.plan_devices)")
 
 
 def worker_configs(
@@ -169,7 +222,12 @@ def worker_configs(
     if num.shards > 1 and tp_dir is None:
         raise ValueError("tensor-parallel stages need a private directory to meet in (tp_dir)")
     devices = [settings.devices[num.stage(g)] for g in processes] if settings.devices is not None else None
-    plan = plan_devices(len(processes), devices, rendezvous)
+    # each process's stage's place among this host's stages, and its shard (see plan_devices)
+    stages = {lead: j for j, lead in enumerate(dict.fromkeys(num.lead(g) for g in processes))}
+    places = [(stages[num.lead(g)], num.shard(g)) for g in processes]
+    plan = plan_devices(len(processes), devices, rendezvous, places=places, shards=num.shards)
+    if num.shards > 1:
+        _check_shards_apart(num, processes, plan)
     return [
         WorkerConfig(
             stage=num.stage(g), n_stages=n_stages, schedule=schedule, control_addr=control_addr,
@@ -231,13 +289,14 @@ def process_context(start_method: str) -> Any:
     return mp.get_context(start_method)
 
 
-def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> mp.process.BaseProcess:
+def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> StageHandle:
+    """Start one stage process; watched and stopped by its pid (see :class:`StageHandle`)."""
     p = ctx.Process(target=worker_entry, args=(cfg, payload), name=f"pipeq-stage{cfg.stage}", daemon=True)
     p.start()
-    return p
+    return StageHandle(p)
 
 
-def stop_processes(procs: Sequence[mp.process.BaseProcess]) -> None:
+def stop_processes(procs: Sequence[StageHandle]) -> None:
     """Kill every process still running: nothing outlives this call. Stage processes ignore
     SIGINT and SIGTERM (their driver decides when they stop: EXIT asks them, and those that
     did not go when asked are past saving), so SIGKILL it is."""

@@ -29,6 +29,7 @@ from pipeq import schedules
 from pipeq.control import checks
 from pipeq.control.batching import Batcher, check_batch
 from pipeq.control.config import RunConfig, setting_fields
+from pipeq.control.exclusive import CallGuard, exclusive
 from pipeq.control.main_guard import check_main_guard
 from pipeq.control.processes import StageSettings
 from pipeq.control.stage_inputs import StageInputs, route
@@ -58,12 +59,13 @@ class PipelineRunner(RunnerStream, RunnerState):
             recipe names them). Multi-host runs need a recipe.
         loss_fn: ``loss_fn(output, target)`` on the last stage; reduction 'mean' or 'sum'.
         optimizer: called with one stage's parameters, e.g. ``partial(torch.optim.SGD, lr=0.1)``.
-        schedule: a name (``"1f1b"``, ``"fill-drain"`` alias ``"gpipe"``, ``"global"``,
-            ``"local"``, ``"pairwise"``, ``"async"``, ``"al"``), a schedule object with its
+        schedule: a name (``"1f1b"``, ``"fill-drain"`` alias ``"gpipe"``, ``"zb-h1"`` alias
+            ``"zb1p"`` (split backward), ``"global"``, ``"local"``, ``"pairwise"``, ``"async"``,
+            ``"al"``), a schedule object with its
             options (``pipeq.schedules.Interlock("nwise", distance=2)``,
             ``AsyncOneFOneB(weight_stashing=False)``, ``AssociatedLearning(first_loss="mse")``),
             or your own schedule function ``(n_stages, n_microbatches) -> per-stage lists of
-            F(j), B(j), STEP`` (module level, so that stage processes can import it); it is
+            F(j), B(j) (or I(j) then W(j)), STEP`` (module level, so that stage processes can import it); it is
             validated and dry-run for deadlock here, before anything starts.
         microbatches: microbatches per step (a smaller batch uses one sample per microbatch).
         lr_scheduler: called with each stage's optimizer, e.g.
@@ -118,6 +120,10 @@ class PipelineRunner(RunnerStream, RunnerState):
     ``runner.lr_schedule`` (a :class:`pipeq.stage.lr_schedulers.LRSchedule`) says how the lr schedulers
     are stepped: its ``interval``, and whether they take a metric (ReduceLROnPlateau).
 
+    Threads: a runner is used from one thread at a time. A call from a second thread while
+    another is inside the runner (a ``step``, a ``stream`` between two batches is not) raises a
+    :class:`~pipeq.errors.PipelineError` at once and changes nothing; guard a shared runner with a lock.
+
     Stage inputs: ``step``, ``predict`` (and ``stream`` / ``evaluate``, with ``(x, target,
     stage_inputs)`` batches) take ``stage_inputs``, values the driver hands straight to the stages
     that use them (an attention mask, position ids), split into microbatches like x: stage k is
@@ -146,6 +152,7 @@ class PipelineRunner(RunnerStream, RunnerState):
         rendezvous: Rendezvous | None = None,
         **settings: Any,
     ) -> None:
+        self._guard = CallGuard()  # one thread at a time (pipeq.control.exclusive)
         self.config = cfg = _configure(config, schedule, microbatches, settings)
         if balance is not None:  # the whole model, split here (pipeq.balance)
             from pipeq.balance import stages_for
@@ -176,6 +183,7 @@ class PipelineRunner(RunnerStream, RunnerState):
         self._used = False
 
     # -- lifecycle -------------------------------------------------------------------------
+    @exclusive
     def start(self) -> "PipelineRunner":
         if self._running:
             return self
@@ -192,6 +200,7 @@ class PipelineRunner(RunnerStream, RunnerState):
         self._running = True
         return self
 
+    @exclusive
     def close(self) -> None:
         if self._running:
             self._running = False
@@ -218,11 +227,16 @@ class PipelineRunner(RunnerStream, RunnerState):
 
     def _require_running(self) -> None:
         """The pipeline runs, and every step sent so far is done (a consistent state)."""
+        if not self._running and self._used:  # start() would refuse: say what works
+            raise PipelineError("this runner is closed (after a failure, or by close()) and cannot start "
+                                "again: build a new runner and load_state_dict the state_dict you kept "
+                                "(or load a checkpoint)")
         if not self._running:
             raise PipelineError("the pipeline is not running; use 'with runner:' or runner.start()")
         self._settle()
 
     # -- training and inference --------------------------------------------------------------
+    @exclusive
     def step(self, x: Any, target: Any, stage_inputs: Mapping[Any, Any] | None = None) -> float:
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
         ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0);
@@ -249,6 +263,7 @@ class PipelineRunner(RunnerStream, RunnerState):
             return None
         return route(given, self._declared, batch, self.schedule)
 
+    @exclusive
     def predict(self, x: Any, stage_inputs: Mapping[Any, Any] | None = None) -> Any:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU, shaped
         as the last stage returns it (a tensor, or a tuple / list / dict: tensors are joined
@@ -265,6 +280,7 @@ class PipelineRunner(RunnerStream, RunnerState):
                 for o in outs]
         return microbatch.cat(outs)
 
+    @exclusive
     def evaluate(self, batches: Iterable[tuple[Any, ...]],
                  metrics: Mapping[str, Callable[[Any, torch.Tensor], Any]] | None = None,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:

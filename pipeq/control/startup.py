@@ -18,7 +18,7 @@ happened before; workers also die with the driver (a pidfd watch, or PR_SET_PDEA
 
 from __future__ import annotations
 
-import multiprocessing as mp
+from pipeq.control.stage_handle import StageHandle
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -82,7 +82,7 @@ class StageProcesses:
         self.recorder = recorder
         self.store: Any = None
         self._republisher: rdzv.Republisher | None = None
-        self.procs: dict[int, mp.process.BaseProcess] = {}
+        self.procs: dict[int, StageHandle] = {}
         self.server: ControlServer | None = None
         self.sup: Supervisor | None = None
         self.ipc_dir: str | None = None
@@ -113,7 +113,7 @@ class StageProcesses:
         self.sup.expect_heartbeats()
         ready = [control.read(replies[g][0], Ready) for g in range(self.n_all)]  # checked as it came
         joined = request_id() if self.replicas > 1 else 0
-        self.server.send_many(self._peers(ready, joined))
+        self.sup.send_all(self._peers(ready, joined))  # a stage gone since READY fails the run, named
         if self.replicas > 1:  # every replica has replica 0's weights (ACK) before the first step
             self.sup.collect(Kind.ACK, dict.fromkeys(range(self.n_processes), 1), step=joined,
                              timeout=self.start_timeout, what="replicas' start", on_timeout=self.replicas_hint)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from pipeq.control.exclusive import exclusive
+
 if TYPE_CHECKING:
     from pipeq import checkpoint
 
@@ -39,6 +41,7 @@ class RunnerState:
             self._stage_layouts = [checkpoint.StageLayout(**lay) for lay in self._backend.layouts()]
         return self._stage_layouts
 
+    @exclusive
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
         """The model's parameters and buffers (CPU copies) under the flat model's names: those of
         ``nn.Sequential(*layers)``, where a stage that is an ``nn.Sequential`` contributes each of
@@ -50,6 +53,7 @@ class RunnerState:
         self._require_running()
         return checkpoint.global_state(self._backend.get_state(), self._layouts())
 
+    @exclusive
     def model_state_dict(self) -> "dict[str, torch.Tensor]":
         """:meth:`state_dict` with each tied parameter also under its other names (one tensor),
         as the unsplit model's own ``state_dict()`` has it: ``model.load_state_dict(
@@ -59,6 +63,7 @@ class RunnerState:
 
         return with_aliases(self.state_dict(), checkpoint.tie_aliases(self._layouts()))
 
+    @exclusive
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a state under the names of :meth:`state_dict` (also one split into another number
         of stages). Every key and shape is checked before any stage changes: a ``ValueError``
@@ -71,6 +76,7 @@ class RunnerState:
         self._backend.set_state(checkpoint.split_state(state, self._layouts()))
 
     # -- checkpoints ---------------------------------------------------------------------------
+    @exclusive
     def save(self, directory: str, meta: Mapping[str, Any] | None = None) -> None:
         """Write a checkpoint as ``directory``: every stage's parameters, buffers, optimizer and
         lr-scheduler state and RNG, under the flat model's names (those of :meth:`state_dict`;
@@ -90,6 +96,7 @@ class RunnerState:
             meta[ALIASES] = aliases
         checkpoint.save(directory, self._backend.get_snapshots(), meta)
 
+    @exclusive
     def load(self, directory: str) -> dict[str, Any]:
         """Load a checkpoint written by :meth:`save`, also one saved with another number of
         stages (the same layers split differently); returns its ``meta``.
@@ -104,6 +111,7 @@ class RunnerState:
         self._backend.restore(checkpoint.split(ckpt, self._layouts()))
         return dict(ckpt.meta)
 
+    @exclusive
     def stats(self, reset_peak: bool = False) -> list[dict[str, Any]]:
         """One dict per stage: ``peak_bytes``, the stage's peak memory since the start or the
         last ``reset_peak=True`` (CUDA: allocated bytes; CPU: the stage process's peak resident
@@ -116,6 +124,7 @@ class RunnerState:
         return self._backend.stats(reset_peak)
 
     # -- learning-rate schedule ------------------------------------------------------------------
+    @exclusive
     def scheduler_step(self, metric: float | None = None) -> None:
         """Step every stage's lr scheduler once (every replica's), with ``lr_scheduler_interval=
         "epoch"``: e.g. at the end of each epoch. ``metric`` is what a ``ReduceLROnPlateau``
@@ -127,6 +136,7 @@ class RunnerState:
         self._require_running()
         self._backend.scheduler_step(value)
 
+    @exclusive
     def learning_rates(self) -> list[list[float]]:
         """Every stage's current learning rates, one per parameter group of its optimizer (AL
         layers: f and b's groups, then g and h's); ``[]`` for a stage without parameters."""

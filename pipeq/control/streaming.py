@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Iterable, Iterator
 
+from pipeq.control.exclusive import CallGuard, exclusive
 from pipeq.control.stage_inputs import batch_item
 from pipeq.errors import PipelineError
 
@@ -22,6 +23,7 @@ class RunnerStream:
     _losses: dict[int, float]  # losses collected early (settle), not yet handed out
     _undrained: bool  # a stream left work behind (see _settle)
     _last_step_lr: float | None
+    _guard: CallGuard  # one thread at a time, each time the stream is resumed too
     n_stages: int
     microbatches: int
 
@@ -31,6 +33,7 @@ class RunnerStream:
     def _submit(self, x: Any, target: Any, given: Any = None, stream: bool = False) -> int:
         raise NotImplementedError
 
+    @exclusive
     def stream(self, batches: Iterable[tuple[Any, ...]], *, in_flight: int | None = None) -> Iterator[float]:
         """Train on every ``(x, target)`` of ``batches`` (any iterable; a DataLoader works), or
         ``(x, target, stage_inputs)`` (see :meth:`step`), and yield each batch's loss, in order,
@@ -60,26 +63,31 @@ class RunnerStream:
     def _stream(self, batches: Iterator[tuple[Any, ...]], in_flight: int) -> Iterator[float]:
         mine: collections.deque[int] = collections.deque()
         exhausted = False
+        guard = self._guard  # held while the stream runs, not while the caller has its loss
         try:
             while True:
-                while not exhausted and len(mine) < in_flight and not self._backend.failing:
-                    try:
-                        item = next(batches)
-                    except StopIteration:
-                        exhausted = True
+                with guard.held("stream"):
+                    while not exhausted and len(mine) < in_flight and not self._backend.failing:
+                        try:
+                            item = next(batches)
+                        except StopIteration:
+                            exhausted = True
+                            break
+                        mine.append(self._submit(*batch_item(item, "stream"), stream=True))
+                    if not mine:
                         break
-                    mine.append(self._submit(*batch_item(item, "stream"), stream=True))
-                if not mine:
-                    break
-                yield self._hand_out(mine.popleft())
+                    loss = self._hand_out(mine.popleft())
+                yield loss
         except BaseException as exc:
             # closed early (break), or the data raised: the batches already sent are finished, so
             # the runner is consistent again. A pipeline failure has already stopped everything;
             # Ctrl-C does not wait for them either (anything needing a consistent state still does).
             if not isinstance(exc, (PipelineError, KeyboardInterrupt)) and self._running:
-                self._settle()
+                with guard.held("stream"):
+                    self._settle()
             raise
-        self._settle()  # the end of the batches: drained once
+        with guard.held("stream"):
+            self._settle()  # the end of the batches: drained once
 
     def _result(self, step: int) -> float:
         if step in self._losses:

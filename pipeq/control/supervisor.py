@@ -29,7 +29,7 @@ way is filed, never dropped: a reply someone will wait for is kept until then.
 
 from __future__ import annotations
 
-import multiprocessing as mp
+from pipeq.control.stage_handle import StageHandle
 import time
 from typing import Callable
 
@@ -44,7 +44,7 @@ from pipeq.wire.errors import PeerUnreachable
 _POLL_MS = 100
 
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "unreachable"]
 
 
 def _raised_at(reply: ErrorReply) -> float:
@@ -58,7 +58,7 @@ class Supervisor:
     def __init__(
         self,
         server: ControlServer,
-        procs: dict[int, mp.process.BaseProcess],
+        procs: dict[int, StageHandle],
         *,
         n_stages: int,
         n_processes: int,
@@ -347,8 +347,14 @@ class Supervisor:
         try:
             self.server.send_many(messages)
         except PeerUnreachable as exc:
-            self._error_in_flight(lambda: self.deferred is not None)
-            if self.deferred is not None:
-                raise self.fail(self.deferred[1])
-            self.check_health()  # names the stage and how it ended if it exited
-            raise self.fail(self.error("its control socket is gone", exc.process))
+            raise unreachable(self, exc)
+
+
+def unreachable(sup: Supervisor, exc: PeerUnreachable) -> PipelineError:
+    """The run's failure when a send found a stage's control socket gone (raised here when an
+    ERROR in flight or the stage's exit names it better); returned for the caller to raise."""
+    sup._error_in_flight(lambda: sup.deferred is not None)
+    if sup.deferred is not None:
+        raise sup.fail(sup.deferred[1])
+    sup.check_health()  # names the stage and how it ended if it exited
+    return sup.fail(sup.error("its control socket is gone", exc.process))

@@ -15,8 +15,9 @@ from typing import Any, Callable
 from pipeq.trace import format as trace
 from pipeq.wire import control
 from pipeq.wire.control import Clock, GetTrace, Time, TraceRows
+from pipeq.wire.errors import PeerUnreachable
 from pipeq.wire.messages import Kind
-from pipeq.control.supervisor import Supervisor
+from pipeq.control.supervisor import Supervisor, unreachable
 
 __all__ = ["TraceRecorder"]
 
@@ -45,7 +46,10 @@ class TraceRecorder:
             for _ in range(rounds):
                 req = request_id()
                 t0 = time.perf_counter_ns()
-                sup.server.send(g, control.message(Clock(), req))
+                try:  # sent straight: the round trip is measured
+                    sup.server.send(g, control.message(Clock(), req))
+                except PeerUnreachable as exc:
+                    raise unreachable(sup, exc)
                 reply = sup.collect(Kind.TIME, {g: 1}, step=req, what="clock")[g][0]
                 t1 = time.perf_counter_ns()
                 samples.append((t0, control.read(reply, Time).ns, t1))  # checked as it came (Supervisor)

@@ -20,7 +20,7 @@ the driver's end closed it or stayed silent for the whole heartbeat timeout.)
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
+from pipeq.control.stage_handle import StageHandle
 import os
 import signal
 import time
@@ -167,7 +167,7 @@ def run_agent(
     _check_job(rz, control, fetch("job", "job description"), builder, schedule, settings)
     mine: list[int] = plan[rz.node_rank]
     ctx = process_context(config.placement.start_method)
-    procs: dict[int, mp.process.BaseProcess] = {}
+    procs: dict[int, StageHandle] = {}
     settings = StageSettings(**{**vars(settings), "trace": traced, "tcp_security": auth.mode})
     interval = settings.heartbeat_interval
     link = DriverLink(control, rz.node_rank, heartbeat_s=(interval, config.fault.heartbeat_timeout), auth=auth)
@@ -240,7 +240,7 @@ def _check_job(rz: Rendezvous, control: str, theirs: Any, builder: StageBuilder,
 
 
 def _watch(
-    rz: Rendezvous, link: DriverLink, procs: dict[int, mp.process.BaseProcess],
+    rz: Rendezvous, link: DriverLink, procs: dict[int, StageHandle],
     interval: float, grace: float, start_timeout: float, log: Callable[[str], None],
     terminated: Sequence[float] = (),
 ) -> int:

@@ -2,6 +2,7 @@
 
     pipeq schedule 1f1b --stages 4 --microbatches 8   # print a schedule's stage x time table
     pipeq schedule 1f1b --stages 4 --microbatches 8 --plot plan.png   # ... and draw it
+    pipeq schedule zb-h1 --stages 4 --microbatches 8 --costs 1,1,1   # split backward: F, I, W costs
     pipeq launch examples/digits.toml                 # train a job file (see pipeq.launch)
     pipeq report run.json --skip-first 1 --plot run.png   # where a traced run's time went
     pipeq secret --out job.secret                     # a fresh job secret for a multi-host run
@@ -41,11 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--backward-cost", type=int, default=2,
                    help="time units of a backward relative to a forward's 1 (default 2)")
+    p.add_argument("--costs", type=_costs, metavar="F,I,W",
+                   help="time units of a forward, an input gradient and a weight gradient (a backward B = I + W); "
+                        "the table then ends with the step's length and bubble")
     p.add_argument("--plot", metavar="OUT.png", help="also draw the planned timeline (needs matplotlib)")
     p = sub.add_parser("report", help="where a traced run's time went: per stage, per step, the bubble",
                        description="Read a trace (PipelineRunner(trace=...) or pipeq launch --trace) and "
                                    "print each stage's compute, send, wait and idle time and the bubble.")
     p.add_argument("trace", help="the trace file (JSON)")
+    p.add_argument("--costs", type=_costs, metavar="F,I,W",
+                   help="time units of a forward, an input gradient and a weight gradient (a backward B = I + W); "
+                        "the table then ends with the step's length and bubble")
     p.add_argument("--plot", metavar="OUT.png", help="also draw a stage x time picture (needs matplotlib)")
     p.add_argument("--steps", metavar="all|N|N-M",
                    help="the steps to cover (report and picture); default: every step in the report, "
@@ -94,6 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _costs(text: str) -> tuple[int, ...]:
+    """``--costs F,I,W``: three positive integers."""
+    try:
+        costs = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        costs = ()
+    if len(costs) != 3 or min(costs) < 1:
+        raise argparse.ArgumentTypeError(f"--costs is F,I,W: three positive integers, e.g. 1,1,1; got {text!r}")
+    return costs
+
+
 def _schedule(args: argparse.Namespace) -> int:
     entry = schedules.SCHEDULES[args.name]
     takers = [n for n, s in schedules.SCHEDULES.items() if "distance" in getattr(s, "option_names", ())]
@@ -105,12 +123,14 @@ def _schedule(args: argparse.Namespace) -> int:
                          "(stage k is trained by the loss D stages up)")
     name = (entry.with_options(distance=args.distance) if args.distance is not None
             else schedules.resolve(args.name))
-    print(schedules.format_table(name, args.stages, args.microbatches, backward_cost=args.backward_cost))
+    print(schedules.format_table(name, args.stages, args.microbatches, backward_cost=args.backward_cost,
+                                 costs=args.costs))
     if args.plot:
         from pipeq.trace import plot
         from pipeq.trace.format import planned_trace
 
-        plan = planned_trace(name, args.stages, args.microbatches, backward_cost=args.backward_cost)
+        plan = planned_trace(name, args.stages, args.microbatches, backward_cost=args.backward_cost,
+                             costs=args.costs)
         print(f"plot: {plot.plot_trace(plan, args.plot, steps='all')}")
     return 0
 

@@ -99,6 +99,10 @@ class Trainer:
             self.log(f"interrupted by {self.signals.name()}; every stage is stopped (the steps in flight "
                      "were abandoned; --resume continues from the newest checkpoint)")
             return self.signals.exit_code()
+        except checkpoint.NoSpaceError as exc:  # said in full: no traceback adds to it
+            newest = checkpoint.latest(self.run_dir.checkpoints)
+            self.log(f"{exc}" + (f"; --resume continues from {newest}" if newest is not None else ""))
+            return 1
         except (ValueError, TypeError, OSError, checkpoint.CheckpointError) as exc:
             self.log(f"{type(exc).__name__}: {exc}")
             traceback.print_exc(file=self.stream)

@@ -6,6 +6,10 @@ blocking socket operations; the simulated engine answers them from in-memory que
 to another stage when a message is not there yet. One interpreter, so both modes run the very same
 actions in the very same order.
 
+A split backward's ``I j`` and ``W j`` (zero-bubble schedules) run inline like a ``B``: ``I``
+yields nothing itself (its gradient goes out with the ``SEND_GRAD`` that follows it), ``W`` never
+communicates.
+
 Requests (first element an :class:`~pipeq.schedules.Op`, or ``EMIT``)::
 
     (Op.RECV_ACT, j)            -> caller sends back the received activation tensors
@@ -44,6 +48,8 @@ from pipeq.stage.numerics import StepStats, combine
 from pipeq.stage.executor import StageExecutor, Tensors
 from pipeq.trace.format import B as TRACE_B
 from pipeq.trace.format import F as TRACE_F
+from pipeq.trace.format import I as TRACE_I
+from pipeq.trace.format import W as TRACE_W
 from pipeq.trace.format import OPT_STEP as TRACE_OPT_STEP
 
 EMIT = "emit"
@@ -170,8 +176,31 @@ def execute(
                 ex.optimizer_step()
             if rec:
                 rec((TRACE_OPT_STEP, step, -1, t0, clock(), 0))
+        elif op is Op.INPUT_GRAD or op is Op.WEIGHT_GRAD:  # a split backward: after F and B, which stay lean
+            _split_backward(ex, op, j, grads, grads_out, rec, keys, note)
         else:  # pragma: no cover - schedules are validated before they reach here
             raise ValueError(f"stage {ex.index}: cannot execute action {a}")
+
+
+def _split_backward(ex: StageExecutor, op: Op, j: int, grads: dict[int, Tensors], grads_out: dict[int, Tensors],
+                    rec: Any, keys: Mapping[int, tuple[int, int]] | None, note: Callable[[int, int], None] | None,
+                    ) -> None:
+    """``I j`` (the input gradient, to send back as a ``B``'s) or ``W j`` (the weight gradients;
+    after the step's last one, the data-parallel all-reduce starts), traced like a ``B``."""
+    code = TRACE_I if op is Op.INPUT_GRAD else TRACE_W
+    if note is not None:
+        note(code, j)
+    t0 = time.perf_counter_ns() if rec else 0
+    if code == TRACE_I:
+        gin = ex.input_grad(j, grads.pop(j, None))
+        if gin is not None:
+            grads_out[j] = gin
+    else:
+        ex.weight_grad(j)
+    if rec:
+        rec((code, *(keys[j] if keys is not None else (ex.step_index, j)), t0, time.perf_counter_ns(), 0))
+    if code == TRACE_W:
+        ex.backward_done()
 
 
 def _combined(ex: StageExecutor, own: StepStats) -> Generator[Request, Any, StepStats]:

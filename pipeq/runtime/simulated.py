@@ -2,7 +2,8 @@
 
 The engine keeps one :func:`~pipeq.runtime.interpreter.execute` generator per stage and advances them in
 turn: a stage runs until it needs a message that has not been sent yet, then the next stage runs.
-Messages are cloned tensors in a dictionary, so nothing is shared between stages that process
+The interpreter runs every action, a split backward's ``I`` and ``W`` too (zero-bubble
+schedules), so nothing here depends on the schedule. Messages are cloned tensors in a dictionary, so nothing is shared between stages that process
 mode would not share either; so are tied weights' gradients (the interpreter's ``TIES``: each stage
 posts its copies' gradients for its tie peers and waits for theirs, then adds them in stage order,
 as a stage process does). Use it to debug a model or a schedule, for research and for fast

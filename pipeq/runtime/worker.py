@@ -175,7 +175,7 @@ class EventLoop:
         else:
             keys = self._keys
             s, mb = keys.get(j, (step, j)) if keys is not None else (step, j)
-            name = f"{'F' if code == trace.F else 'B'}(step {s}, microbatch {mb})"
+            name = f"{trace.OPS[code][0]}(step {s}, microbatch {mb})"
         return HeartbeatInfo(doing=name, seconds=round(time.monotonic() - since, 3))
 
     def serve(self) -> None:
@@ -316,6 +316,7 @@ def _shard(cfg: WorkerConfig, spec: StageSpec, transport: StageTransport,
     the stage's plan says, and wrap the transport: shard 0 shares what it receives, the others
     follow it (pipeq.wire.shard_link)."""
     from pipeq.parallel import tensor as tensorpar
+    from pipeq.stage.transfer import pinned_copies
     from pipeq.wire.shard_link import MAX_FRAMES, FollowerTransport, LeadTransport, ShardLink
 
     if cfg.tp_store is None:
@@ -324,8 +325,9 @@ def _shard(cfg: WorkerConfig, spec: StageSpec, transport: StageTransport,
     tensorpar.check_stage(cfg.stage, spec.module, cfg.tp_plan, cfg.shards)
     module = tensorpar.parallelize(spec.module.to(device), cfg.tp_plan, mesh)
     spec = dataclasses.replace(spec, module=module)
+    # shard 0 shares the CUDA tensors it receives (CUDA IPC) as host copies, through pinned memory
     link = ShardLink(group, cfg.shard, cfg.shards, f"stage {cfg.stage}, shard {cfg.shard}",
-                     max_bytes=MAX_FRAMES * cfg.max_frame_bytes)
+                     max_bytes=MAX_FRAMES * cfg.max_frame_bytes, host_copies=pinned_copies)
     return spec, (LeadTransport(transport, link) if cfg.shard == 0 else FollowerTransport(transport, link))
 
 

@@ -1,15 +1,16 @@
 """Schedules as data: per-stage lists of actions, validated and dry-run before any process starts.
 
 A schedule is a :class:`SchedulePolicy`: its plan names the *compute* actions of one training step,
-``F j`` (forward of microbatch j), ``B j`` (backward of microbatch j) and ``STEP`` (optimizer
-step), and its hooks tell the runtime what else the schedule needs (:mod:`.protocol`).
+``F j`` (forward of microbatch j), ``B j`` (backward of microbatch j), or the backward split into
+``I j`` (input gradient) and ``W j`` (weight gradients), and ``STEP`` (optimizer step), and its hooks tell the runtime what else the schedule needs (:mod:`.protocol`).
 :func:`lower` derives the communication from the compute actions (an ``F`` on stage k > 0 first
 receives its activation from k-1, an ``F`` on stage k < N-1 then sends it to k+1; ``B`` likewise
 on the backward channel), and :func:`dry_run` executes the lowered lists symbolically, refusing
 any schedule that would deadlock. Nothing here does I/O.
 
-    actions.py   the vocabulary: Op, Action, F, B, STEP, and lowering into sends and receives
+    actions.py   the vocabulary: Op, Action, F, B, I, W, STEP, and lowering into sends and receives
     basic.py     fill-drain (GPipe), 1F1B, forward-only
+    zero_bubble.py  ZB-H1 (split backward, 1F1B's memory)
     protocol.py  SchedulePolicy (what the runtime asks of a schedule), FunctionSchedule
     registry.py  SCHEDULES by name, register(), resolve()
     plan.py      build(): a validated, lowered, dry-run plan; format_table()
@@ -31,17 +32,19 @@ from __future__ import annotations
 from typing import Any
 
 from pipeq.errors import ScheduleError
-from pipeq.schedules.actions import B, COMPUTE_OPS, F, STEP, Action, Op, Schedule, ScheduleFn, lower, lower_stage
+from pipeq.schedules.actions import (B, COMPUTE_OPS, GRAD_OPS, STEP, WEIGHT_DONE_OPS, Action, F, I, Op, Schedule,
+                                     ScheduleFn, W, lower, lower_stage)
 from pipeq.schedules.basic import fill_drain, forward_only, one_f_one_b, warmup_order
 from pipeq.schedules.dryrun import check_consistency, dry_run
 from pipeq.schedules.plan import build, format_table
+from pipeq.schedules.zero_bubble import zb_h1
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
 from pipeq.schedules.registry import (EXPORTS, SCHEDULES, NeedsOptions, from_label, get_schedule, is_research,
                                       loss_stages, options_of, output_stage, register, resolve, schedule_name,
                                       taking_aux_heads)
 
 __all__ = [
-    "Op", "Action", "F", "B", "STEP", "Schedule", "ScheduleFn", "COMPUTE_OPS", "lower", "lower_stage",
+    "Op", "Action", "F", "B", "I", "W", "STEP", "GRAD_OPS", "WEIGHT_DONE_OPS", "zb_h1", "Schedule", "ScheduleFn", "COMPUTE_OPS", "lower", "lower_stage",
     "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "SchedulePolicy", "FunctionSchedule",
     "NeedsOptions", "SCHEDULES", "register", "resolve", "get_schedule", "from_label", "loss_stages",
     "output_stage", "is_research", "schedule_name", "options_of", "check_consistency", "dry_run", "build",

@@ -1,8 +1,12 @@
 """The vocabulary of schedules: actions, and how compute actions lower into communication.
 
 A stage's plan is a list of :class:`Action`: compute (``F j`` forward, ``B j`` backward,
-``STEP`` optimizer step) and, once lowered, communication (``recvF``/``sendF`` on the forward
-channel, ``recvB``/``sendB`` on the backward one). :func:`lower` inserts the communication
+``STEP`` optimizer step; or the backward split in two, ``I j`` the gradient with respect to the
+stage's input only, which is what the previous stage waits for, and ``W j`` the deferred weight
+gradients, ``B j`` = ``I j`` + ``W j``) and, once lowered, communication (``recvF``/``sendF`` on
+the forward channel, ``recvB``/``sendB`` on the backward one; an ``I`` receives and sends like a
+``B``, a ``W`` communicates nothing). An action's ``chunk`` is the virtual stage within its
+process (0 while a process holds one stage; printed only when nonzero). :func:`lower` inserts the communication
 that plain backprop implies; schedules that route gradients their own way (interlocking,
 Associated Learning) call :func:`lower_stage` with their own choices. Pure: no I/O.
 """
@@ -13,10 +17,14 @@ import enum
 from dataclasses import dataclass
 from typing import Callable
 
+__all__ = ["Op", "Action", "COMPUTE_OPS", "GRAD_OPS", "WEIGHT_DONE_OPS", "F", "B", "I", "W", "STEP", "Schedule",
+           "ScheduleFn", "lower_stage", "lower"]
 
 class Op(enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    INPUT_GRAD = "I"  # the input gradient only (B's part the previous stage waits for)
+    WEIGHT_GRAD = "W"  # the weight gradients, deferred (B's other part)
     STEP = "STEP"
     RECV_ACT = "recvF"  # activation from stage k-1
     SEND_ACT = "sendF"  # activation to stage k+1
@@ -24,16 +32,25 @@ class Op(enum.Enum):
     SEND_GRAD = "sendB"  # gradient to stage k-1
 
 
-COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.STEP)
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.STEP, Op.INPUT_GRAD, Op.WEIGHT_GRAD)
+#: the compute ops that take the gradient from the next stage and send one to the previous
+GRAD_OPS = (Op.BACKWARD, Op.INPUT_GRAD)
+#: the compute ops after which a microbatch's weight gradients are complete
+WEIGHT_DONE_OPS = (Op.BACKWARD, Op.WEIGHT_GRAD)
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
+    """One action of a stage's plan: ``op`` on ``microbatch`` (-1: none, STEP) of virtual stage
+    ``chunk`` of the process (0 unless the process holds several stages)."""
+
     op: Op
     microbatch: int = -1
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return self.op.value if self.microbatch < 0 else f"{self.op.value}{self.microbatch}"
+        text = self.op.value if self.microbatch < 0 else f"{self.op.value}{self.microbatch}"
+        return text if self.chunk == 0 else f"{text}.c{self.chunk}"
 
 
 def F(j: int) -> Action:
@@ -42,6 +59,16 @@ def F(j: int) -> Action:
 
 def B(j: int) -> Action:
     return Action(Op.BACKWARD, j)
+
+
+def I(j: int) -> Action:  # noqa: E743  (the paper's and torch's name for it)
+    """The input gradient of microbatch ``j`` (the first part of a split backward)."""
+    return Action(Op.INPUT_GRAD, j)
+
+
+def W(j: int) -> Action:
+    """The weight gradients of microbatch ``j`` (the second part of a split backward)."""
+    return Action(Op.WEIGHT_GRAD, j)
 
 
 STEP = Action(Op.STEP)
@@ -55,26 +82,27 @@ def lower_stage(
     grad_after_forward: bool = False,
 ) -> list[Action]:
     """One stage's compute actions with the communication they imply: an ``F`` receives its
-    activation first (``recv_act``) and sends its output after (``send_act``); a ``B`` receives
-    its gradient first (``recv_grad``) and sends its input gradient after (``send_grad``), or,
-    with ``grad_after_forward`` (interlocking: a stage's own head), right after the ``F``."""
+    activation first (``recv_act``) and sends its output after (``send_act``); a ``B`` or an ``I``
+    receives its gradient first (``recv_grad``) and sends its input gradient after (``send_grad``),
+    or, with ``grad_after_forward`` (interlocking: a stage's own head), right after the ``F``; a
+    ``W`` communicates nothing. Messages keep their action's chunk."""
     low: list[Action] = []
     for a in acts:
-        j = a.microbatch
+        j, c = a.microbatch, a.chunk
         if a.op is Op.FORWARD:
             if recv_act:
-                low.append(Action(Op.RECV_ACT, j))
+                low.append(Action(Op.RECV_ACT, j, c))
             low.append(a)
             if send_act:
-                low.append(Action(Op.SEND_ACT, j))
+                low.append(Action(Op.SEND_ACT, j, c))
             if grad_after_forward:
-                low.append(Action(Op.SEND_GRAD, j))
-        elif a.op is Op.BACKWARD:
+                low.append(Action(Op.SEND_GRAD, j, c))
+        elif a.op in GRAD_OPS:
             if recv_grad:
-                low.append(Action(Op.RECV_GRAD, j))
+                low.append(Action(Op.RECV_GRAD, j, c))
             low.append(a)
             if send_grad and not grad_after_forward:
-                low.append(Action(Op.SEND_GRAD, j))
+                low.append(Action(Op.SEND_GRAD, j, c))
         else:
             low.append(a)
     return low

@@ -25,7 +25,8 @@ def stream_plan(schedule: str | ScheduleFn, n_stages: int, n_microbatches: int, 
     m = n_microbatches
     if resolve(schedule).streams_across_batches:  # no drain between batches: one long plan
         return build(schedule, n_stages, m * n_batches)
-    return [[a if a.microbatch < 0 else Action(a.op, b * m + a.microbatch) for b in range(n_batches) for a in acts]
+    return [[a if a.microbatch < 0 else Action(a.op, b * m + a.microbatch, a.chunk) for b in range(n_batches)
+             for a in acts]
             for acts in build(schedule, n_stages, m)]
 
 

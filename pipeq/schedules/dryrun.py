@@ -1,81 +1,135 @@
 """Checking a schedule before any process starts: consistency, and a symbolic dry run.
 
 :func:`check_consistency` makes sure every stage runs each microbatch's forward once, its
-backward once after it, and its optimizer steps where the schedule kind says. :func:`dry_run`
-executes lowered action lists symbolically (with costs, optionally bounded queues) and refuses
-a schedule that would deadlock, naming every blocked stage; its timeline is what
-``pipeq schedule`` prints and what the benchmarks' ideal times come from. Pure: no I/O.
+backward once after it (a ``B``, or an ``I`` then a ``W``), and its optimizer steps where the
+schedule kind says. :func:`dry_run` executes lowered action lists symbolically (with costs,
+optionally bounded queues) and refuses a schedule that would deadlock, naming every blocked
+stage; its timeline is what ``pipeq schedule`` prints and what the benchmarks' ideal times come
+from. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from pipeq.schedules.actions import COMPUTE_OPS, Action, Op, Schedule
+from pipeq.schedules.actions import COMPUTE_OPS, WEIGHT_DONE_OPS, Action, Op, Schedule
 from pipeq.errors import ScheduleError
 
 
 def check_consistency(
     schedule: Schedule, n_stages: int, n_microbatches: int, training: bool, per_microbatch_steps: bool = False
 ) -> None:
-    """Every stage runs each microbatch's forward once, its backward once after it, then one STEP
-    (``per_microbatch_steps``: a STEP right after every backward instead)."""
+    """Every stage runs each microbatch's forward once, then its backward once: one ``B``, or one
+    ``I`` and one ``W`` after it; then one STEP after every backward and weight gradient
+    (``per_microbatch_steps``: a STEP right after every ``B`` or ``W`` instead). Refusals name the
+    stage, the action's position in the stage's list and the action."""
     if len(schedule) != n_stages:
         raise ScheduleError(f"schedule has {len(schedule)} stage lists for {n_stages} stages")
-    m = n_microbatches
     for k, acts in enumerate(schedule):
-        seen_f: set[int] = set()
-        seen_b: set[int] = set()
-        steps = 0
-        for pos, a in enumerate(acts):
-            where = f"stage {k}, action {pos} ({a})"
-            if a.op not in COMPUTE_OPS:
-                raise ScheduleError(f"{where}: schedules list compute actions only (F, B, STEP)")
-            if a.op is Op.STEP:
-                steps += 1
-                if per_microbatch_steps:
-                    if pos == 0 or acts[pos - 1].op is not Op.BACKWARD:
-                        raise ScheduleError(f"{where}: each STEP must follow a backward")
-                elif pos != len(acts) - 1:
-                    raise ScheduleError(f"{where}: STEP must be the stage's last action")
-                continue
-            j = a.microbatch
-            if not 0 <= j < m:
-                raise ScheduleError(f"{where}: microbatch {j} is out of range 0..{m - 1}")
-            if a.op is Op.FORWARD:
-                if j in seen_f:
-                    raise ScheduleError(f"{where}: forward of microbatch {j} appears twice")
-                seen_f.add(j)
-            else:
-                if j not in seen_f:
-                    raise ScheduleError(f"{where}: backward of microbatch {j} before its forward")
-                if j in seen_b:
-                    raise ScheduleError(f"{where}: backward of microbatch {j} appears twice")
-                seen_b.add(j)
-        if len(seen_f) != m:
-            missing = sorted(set(range(m)) - seen_f)
-            raise ScheduleError(f"stage {k}: no forward for microbatch(es) {missing}")
-        if training:
-            if len(seen_b) != m:
-                missing = sorted(set(range(m)) - seen_b)
-                raise ScheduleError(f"stage {k}: no backward for microbatch(es) {missing}")
-            want = m if per_microbatch_steps else 1
-            if steps != want:
-                need = "one STEP" if want == 1 else f"{want} STEPs (one after each backward)"
-                raise ScheduleError(f"stage {k}: a training step needs exactly {need}, found {steps}")
-        elif seen_b or steps:
+        _check_stage(k, acts, n_microbatches, training, per_microbatch_steps)
+
+
+def _check_stage(k: int, acts: list[Action], m: int, training: bool, per_microbatch_steps: bool) -> None:
+    """:func:`check_consistency` of stage ``k``'s list."""
+    seen: dict[Op, set[int]] = {Op.FORWARD: set(), Op.BACKWARD: set(), Op.INPUT_GRAD: set(), Op.WEIGHT_GRAD: set()}
+    steps = 0
+    i_at: dict[int, int] = {}  # microbatch -> the position of its I
+    for pos, a in enumerate(acts):
+        where = f"stage {k}, action {pos} ({a})"
+        if a.op not in COMPUTE_OPS:
+            raise ScheduleError(f"{where}: schedules list compute actions only (F, B, I, W, STEP)")
+        if a.op is Op.STEP:
+            steps += 1
+            if per_microbatch_steps:
+                if pos == 0 or acts[pos - 1].op not in WEIGHT_DONE_OPS:
+                    raise ScheduleError(f"{where}: each STEP must follow a backward (B or W)")
+            elif pos != len(acts) - 1:
+                raise ScheduleError(f"{where}: STEP must be the stage's last action")
+            continue
+        j = a.microbatch
+        if not 0 <= j < m:
+            raise ScheduleError(f"{where}: microbatch {j} is out of range 0..{m - 1}")
+        problem = _out_of_order(a.op, j, seen)
+        if problem:
+            raise ScheduleError(f"{where}: {problem}")
+        seen[a.op].add(j)
+        if a.op is Op.INPUT_GRAD:
+            i_at[j] = pos
+    _check_complete(k, seen, steps, m, training, per_microbatch_steps, i_at)
+
+
+_NAMES = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.INPUT_GRAD: "input gradient (I)",
+          Op.WEIGHT_GRAD: "weight gradient (W)"}
+
+
+def _out_of_order(op: Op, j: int, seen: dict[Op, set[int]]) -> str:
+    """Why ``op`` of microbatch ``j`` cannot come after what ``seen`` holds ('' if it can)."""
+    if j in seen[op]:
+        return f"{_NAMES[op]} of microbatch {j} appears twice"
+    if op is Op.FORWARD:
+        return ""
+    if j not in seen[Op.FORWARD]:
+        return f"{_NAMES[op]} of microbatch {j} before its forward"
+    if op is Op.BACKWARD and (j in seen[Op.INPUT_GRAD] or j in seen[Op.WEIGHT_GRAD]):
+        return f"microbatch {j} has a split backward (I, W) already; B is both"
+    if op is Op.INPUT_GRAD and j in seen[Op.BACKWARD]:
+        return f"microbatch {j} has its backward (B) already, which includes its I"
+    if op is Op.WEIGHT_GRAD and j not in seen[Op.INPUT_GRAD]:
+        what = "which includes its W" if j in seen[Op.BACKWARD] else "W must come after its I"
+        return f"weight gradient (W) of microbatch {j} before its input gradient (I): {what}"
+    return ""
+
+
+def _check_complete(k: int, seen: dict[Op, set[int]], steps: int, m: int, training: bool,
+                    per_microbatch_steps: bool, i_at: dict[int, int]) -> None:
+    """Stage ``k`` ran every forward, and (training) every backward and its STEPs."""
+    if len(seen[Op.FORWARD]) != m:
+        missing = sorted(set(range(m)) - seen[Op.FORWARD])
+        raise ScheduleError(f"stage {k}: no forward for microbatch(es) {missing}")
+    split = seen[Op.INPUT_GRAD] | seen[Op.WEIGHT_GRAD]
+    if not training:
+        if seen[Op.BACKWARD] or split or steps:
             raise ScheduleError(f"stage {k}: a forward-only schedule has no backward or STEP")
+        return
+    no_w = sorted(seen[Op.INPUT_GRAD] - seen[Op.WEIGHT_GRAD])
+    if no_w:
+        j = no_w[0]
+        raise ScheduleError(f"stage {k}, action {i_at[j]} (I{j}): no weight gradient (W) of microbatch {j} "
+                            f"follows it" + (f" (nor of microbatch(es) {no_w[1:]})" if no_w[1:] else ""))
+    done = seen[Op.BACKWARD] | seen[Op.WEIGHT_GRAD]
+    if len(done) != m:
+        missing = sorted(set(range(m)) - done)
+        raise ScheduleError(f"stage {k}: no backward for microbatch(es) {missing}")
+    want = m if per_microbatch_steps else 1
+    if steps != want:
+        need = "one STEP" if want == 1 else f"{want} STEPs (one after each backward)"
+        raise ScheduleError(f"stage {k}: a training step needs exactly {need}, found {steps}")
 
 
 def stage_costs(
     cost: "Mapping[Op, float] | Sequence[Mapping[Op, float]] | None", n_stages: int
 ) -> list[dict[Op, float]]:
-    """One complete cost mapping per stage (F, B and STEP 1 unless given) from what
-    :func:`dry_run` accepts: None, one mapping for every stage, or one mapping per stage."""
+    """One complete cost mapping per stage from what :func:`dry_run` accepts: None, one mapping
+    for every stage, or one mapping per stage. F, B and STEP cost 1 unless given; a split
+    backward costs as much as the whole: given ``I`` and ``W``, ``B`` is ``I + W`` (unless
+    given), else ``I`` and ``W`` are half of ``B`` each."""
     per_stage = [cost] * n_stages if cost is None or isinstance(cost, Mapping) else list(cost)
     if len(per_stage) != n_stages:
         raise ScheduleError(f"cost has {len(per_stage)} per-stage mappings for {n_stages} stages")
-    return [{Op.FORWARD: 1, Op.BACKWARD: 1, Op.STEP: 1, **(c or {})} for c in per_stage]
+    return [_complete(c or {}) for c in per_stage]
+
+
+def _complete(c: Mapping[Op, float]) -> dict[Op, float]:
+    """One stage's costs with the defaults :func:`stage_costs` describes."""
+    full: dict[Op, float] = {Op.FORWARD: 1, Op.STEP: 1}
+    if Op.INPUT_GRAD in c or Op.WEIGHT_GRAD in c:
+        i, w = c.get(Op.INPUT_GRAD, 1), c.get(Op.WEIGHT_GRAD, 1)
+        full.update({Op.INPUT_GRAD: i, Op.WEIGHT_GRAD: w, Op.BACKWARD: i + w})
+    else:
+        b = c.get(Op.BACKWARD, 1)
+        full.update({Op.BACKWARD: b, Op.INPUT_GRAD: b / 2, Op.WEIGHT_GRAD: b / 2})
+    full.update(c)
+    return full
 
 
 def _channel(k: int, a: Action) -> tuple[int, int, str, int]:
@@ -95,7 +149,8 @@ def dry_run(
 ) -> list[list[tuple[int, Action]]]:
     """Execute lowered action lists symbolically; return each stage's (start time, action) list.
 
-    Compute actions take ``cost[op]`` time units (forward 1, backward 1, step 1 by default), or
+    Compute actions take ``cost[op]`` time units (forward 1, backward 1, step 1 by default; ``I``
+    and ``W`` see :func:`stage_costs`), or
     ``cost[k][op]`` on stage k when ``cost`` is a list of one mapping per stage (stages of
     unequal cost); communication is instantaneous, but a message sent at time t can be received
     from t on. A send blocks while its receiver already holds ``capacity`` unconsumed messages

@@ -9,7 +9,7 @@ action at fault, before any process starts. Pure: no I/O.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from pipeq.errors import ScheduleError
 from pipeq.schedules.actions import COMPUTE_OPS, Action, Op, Schedule, lower
@@ -17,7 +17,7 @@ from pipeq.schedules.basic import forward_only
 from pipeq.schedules.dryrun import check_consistency, dry_run
 from pipeq.schedules.registry import resolve, schedule_name
 
-__all__ = ["build", "format_table"]
+__all__ = ["build", "format_table", "table_costs"]
 
 
 def build(schedule: Any, n_stages: int, n_microbatches: int, *, training: bool = True) -> Schedule:
@@ -50,19 +50,47 @@ def build(schedule: Any, n_stages: int, n_microbatches: int, *, training: bool =
     return lowered
 
 
-def format_table(name: Any, n_stages: int, n_microbatches: int, *, backward_cost: int = 1) -> str:
-    """The stage x time table of a schedule's dry run (one column per time unit)."""
+def table_costs(costs: Sequence[int] | None, backward_cost: int = 1) -> dict[Op, int]:
+    """The whole time units a table draws each compute action with: ``costs`` = (F, I, W), with
+    ``B`` = I + W; or, without, F 1, B ``backward_cost`` and I, W about half of it (at least 1)."""
+    if costs is None:
+        i = max(1, backward_cost // 2)
+        return {Op.FORWARD: 1, Op.BACKWARD: backward_cost, Op.INPUT_GRAD: i,
+                Op.WEIGHT_GRAD: max(1, backward_cost - i), Op.STEP: 1}
+    if len(costs) != 3 or not all(type(c) is int and c >= 1 for c in costs):
+        raise ScheduleError(f"costs are F,I,W: three positive integers (time units), got {tuple(costs)!r}")
+    f, i, w = costs
+    return {Op.FORWARD: f, Op.INPUT_GRAD: i, Op.WEIGHT_GRAD: w, Op.BACKWARD: i + w, Op.STEP: 1}
+
+
+def format_table(name: Any, n_stages: int, n_microbatches: int, *, backward_cost: int = 1,
+                 costs: Sequence[int] | None = None) -> str:
+    """The stage x time table of a schedule's dry run (one column per time unit). ``costs``:
+    (F, I, W) time units (B = I + W); the table then ends with the step's length and bubble."""
     lowered = build(name, n_stages, n_microbatches)
-    timeline = dry_run(lowered, cost={Op.BACKWARD: backward_cost})
-    end = max(t + (backward_cost if a.op is Op.BACKWARD else 1) for row in timeline for t, a in row)
+    cost = table_costs(costs, backward_cost)
+    timeline = dry_run(lowered, cost=cost)
+    end = max(t + cost[a.op] for row in timeline for t, a in row)
     width = max(3, len(str(n_microbatches - 1)) + 2)
-    lines = [f"{schedule_name(name)}: {n_stages} stages x {n_microbatches} microbatches"]
+    head = f"{schedule_name(name)}: {n_stages} stages x {n_microbatches} microbatches"
+    if costs is not None:
+        head += f" (F={cost[Op.FORWARD]} I={cost[Op.INPUT_GRAD]} W={cost[Op.WEIGHT_GRAD]}, B=I+W)"
+    lines = [head]
     for k, row in enumerate(timeline):
         cells = ["."] * end
         for t, a in row:
-            span = backward_cost if a.op is Op.BACKWARD else 1
             label = "ST" if a.op is Op.STEP else str(a)
-            for u in range(t, t + span):
+            for u in range(t, t + cost[a.op]):
                 cells[u] = label
         lines.append(f"stage {k} | " + " ".join(c.ljust(width - 1) for c in cells).rstrip())
+    if costs is not None:
+        lines.append(_bubble_line(timeline, cost, end))
     return "\n".join(lines)
+
+
+def _bubble_line(timeline: list[list[tuple[int, Action]]], cost: dict[Op, int], end: int) -> str:
+    """The step's length (up to its last STEP's start) and its idle share over every stage."""
+    span = max((t for row in timeline for t, a in row if a.op is Op.STEP), default=end)
+    busy = sum(cost[a.op] for row in timeline for t, a in row if a.op is not Op.STEP)
+    idle = span * len(timeline) - busy
+    return f"step {span} units before STEP; bubble {idle / (span * len(timeline)):.1%} ({idle} idle units)"

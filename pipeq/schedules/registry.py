@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from pipeq.schedules.basic import fill_drain, one_f_one_b
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
+from pipeq.schedules.zero_bubble import zb_h1
 
 __all__ = ["SCHEDULES", "NeedsOptions", "register", "resolve", "get_schedule", "from_label", "schedule_name",
            "options_of", "loss_stages", "output_stage", "is_research", "taking_aux_heads", "EXPORTS"]
@@ -50,6 +51,8 @@ SCHEDULES: dict[str, "SchedulePolicy | NeedsOptions"] = {
     "fill-drain": FunctionSchedule(fill_drain, "fill-drain"),
     "gpipe": FunctionSchedule(fill_drain, "gpipe"),
     "1f1b": FunctionSchedule(one_f_one_b, "1f1b"),
+    "zb-h1": FunctionSchedule(zb_h1, "zb-h1"),  # split backward, 1F1B's memory (arXiv 2401.10241)
+    "zb1p": FunctionSchedule(zb_h1, "zb1p"),  # torch's name for it
 }
 #: Names plug-ins add to :mod:`pipeq.schedules` (their schedule classes), by name.
 EXPORTS: dict[str, Any] = {}

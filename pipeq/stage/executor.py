@@ -7,7 +7,8 @@ and sends their gradients back. Each microbatch's loss is weighted by its share 
 :mod:`pipeq.stage.loss`), so the gradients accumulated over a step are the full batch's.
 
 Its other parts: the optimizer step (:mod:`pipeq.stage.step`) and its state, snapshots and
-restores (:mod:`pipeq.stage.state`); what it is built from is a :class:`~pipeq.stage.spec.StageSpec`.
+restores (:mod:`pipeq.stage.state`); the backward split into input and weight gradients
+(:mod:`pipeq.stage.split_backward`); what it is built from is a :class:`~pipeq.stage.spec.StageSpec`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pipeq.stage import microbatch
 from pipeq.stage.loss import step_weights
 from pipeq.stage.numerics import LossScaler, Numerics, all_finite, peak_memory
 from pipeq.stage.spec import StageSpec
+from pipeq.stage.split_backward import SplitBackward
 from pipeq.stage.state import StageState
 from pipeq.stage.step import OptimizerStep
 from pipeq.stage.ties import TiedGrads
@@ -43,7 +45,7 @@ def describe(tensors: Sequence[torch.Tensor]) -> str:
     return ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors)
 
 
-class StageExecutor(StageState, OptimizerStep):
+class StageExecutor(StageState, OptimizerStep, SplitBackward):
     """Runs stage ``index`` of ``n_stages``: the module, its optimizer and (last stage) the loss.
 
     Subclasses for other schedules take the same arguments plus the schedule object they run.
@@ -86,6 +88,7 @@ class StageExecutor(StageState, OptimizerStep):
         self.kwargs: list[dict[str, Any]] | None = None  # microbatches of its stage inputs (forward's keywords)
         # microbatch -> (input leaves, outputs / scaled loss, what a recompute needs or None)
         self.stash: dict[int, tuple[Tensors, Any, Any]] = {}
+        self.pending_w: dict[int, Any] = {}  # a split backward's, between I and W (pipeq.stage.split_backward)
         self.loss_sum: torch.Tensor | None = None
 
     def set_numerics(self, numerics: Numerics) -> None:
@@ -122,6 +125,7 @@ class StageExecutor(StageState, OptimizerStep):
             self.targets = microbatch.split(microbatch.to_device(target, self.device), sizes)
         self.kwargs = microbatch.split(microbatch.to_device(inputs, self.device), sizes) if inputs else None
         self.stash.clear()
+        self.pending_w.clear()
         self.loss_sum = None
         if training:
             for m, mode in self._train_modes:
@@ -168,7 +172,7 @@ class StageExecutor(StageState, OptimizerStep):
 
     def _forward_error(self, j: int, value: Any, exc: Exception) -> RuntimeError:
         """The error of a forward of microbatch ``j`` that failed on ``value`` (its input) with ``exc``."""
-        shapes = describe(tensors_of(value))
+        shapes = describe(tensors_of(value)) or f"(no tensor: {type(value).__name__})"
         if self.kwargs is not None and j < len(self.kwargs):
             shapes += "".join(f", {name}={describe(tensors_of(v)) or f'{v!r:.40}'}" for name, v in self.kwargs[j].items())
         return RuntimeError(
@@ -209,6 +213,10 @@ class StageExecutor(StageState, OptimizerStep):
         redo = self.training and self.recompute
         keep = (tree, self._rng_state()) if redo else None  # what the recompute needs
         out = self._call(j, args, tree, grad=self.training and not redo)
+        if out is None:  # named here: the next stage would fail on it, and be blamed
+            raise ValueError(f"its forward returned None (microbatch {j}, step {self.step_index}); a stage returns "
+                             "what the next stage takes (or the loss_fn, on the last stage): a tensor, or a "
+                             "tuple / list / dict of tensors")
         outs, out_tree = microbatch.pack_output(out)
         if self.is_last:
             if not self.training:
@@ -275,24 +283,9 @@ class StageExecutor(StageState, OptimizerStep):
         leaves, outs, keep = self.stash.pop(j)
         if keep is not None:
             outs = self._recompute(j, leaves, keep)
-        if self.is_last:
-            if outs is not None:
-                outs.backward()
-        else:
-            assert grads is not None
-            # the next stage sent one gradient per floating-point output, in order
-            diff_outs = [o for o in outs if o.is_floating_point() or o.is_complex()]
-            if len(grads) != len(diff_outs):
-                raise ValueError(
-                    f"got {len(grads)} gradient(s) for outputs "
-                    f"{describe(outs)} of microbatch {j}"
-                )
-            pairs = [(o, g) for o, g in zip(diff_outs, grads) if o.requires_grad]
-            self._check_grad_shapes(j, pairs)
-            if pairs:
-                torch.autograd.backward(
-                    [o for o, _ in pairs], [g.to(self.device, non_blocking=True) for _, g in pairs]
-                )
+        roots, gs = self._roots(j, outs, grads)
+        if roots:
+            torch.autograd.backward(roots, gs)
         if self.is_first:
             return None
         out = tuple(

@@ -39,6 +39,7 @@ import torch
 
 from pipeq import schedules
 from pipeq.schedules import Op
+from pipeq.schedules.plan import table_costs
 
 __all__ = ["VERSION", "Trace", "Event", "TraceMeta", "load_trace", "trace_from_dict", "planned_trace", "save_trace"]
 
@@ -51,6 +52,7 @@ COMPUTE_CATS = (FORWARD_CAT, BACKWARD_CAT, STEP_CAT)
 
 # row codes (OPT_STEP: a schedule's optimizer step; EMIT: a result handed to the driver)
 F, B, OPT_STEP, SEND_ACT, SEND_GRAD, WAIT_ACT, WAIT_GRAD, EMIT = range(8)
+I, W = 8, 9  # a split backward's input gradient and weight gradients (zero-bubble schedules)
 # code -> (op, category, name prefix): the one table of ops
 OPS: dict[int, tuple[str, str, str]] = {
     F: ("F", FORWARD_CAT, "F"),
@@ -61,6 +63,8 @@ OPS: dict[int, tuple[str, str, str]] = {
     WAIT_ACT: ("WAIT_ACT", WAIT_CAT, "wait act "),
     WAIT_GRAD: ("WAIT_GRAD", WAIT_CAT, "wait grad "),
     EMIT: ("OUTPUT", SEND_CAT, "output "),
+    I: ("I", BACKWARD_CAT, "I"),
+    W: ("W", BACKWARD_CAT, "W"),
 }
 COLUMNS = 6
 #: A stage keeps its most recent rows only (a ring buffer, ~30 MB): a long traced run keeps its
@@ -68,10 +72,10 @@ COLUMNS = 6
 MAX_ROWS = 200_000
 
 # derived from OPS, for reading: an event's category when it names none, its op when it names none
-# (the category's only op, F, B or STEP, else the category in capitals, SEND or WAIT)
+# (a compute category's first op, F, B or STEP, else the category in capitals, SEND or WAIT)
 _CAT_OF_OP = {op: cat for op, cat, _ in OPS.values()}
 _OPS_OF_CAT = {cat: [op for op, c in _CAT_OF_OP.items() if c == cat] for cat in _CAT_OF_OP.values()}
-_OP_OF_CAT = {cat: ops[0] if len(ops) == 1 else cat.upper() for cat, ops in _OPS_OF_CAT.items()}
+_OP_OF_CAT = {cat: ops[0] if len(ops) == 1 or cat in COMPUTE_CATS else cat.upper() for cat, ops in _OPS_OF_CAT.items()}
 
 
 def drop_partial_steps(rows: list[torch.Tensor], truncated: list[bool]) -> list[torch.Tensor]:
@@ -425,31 +429,36 @@ def _driver_span(ev: dict[str, Any], i: int, source: str) -> tuple[tuple[int, in
 
 
 def planned_trace(schedule: str | schedules.ScheduleFn, n_stages: int, n_microbatches: int,
-                  backward_cost: int = 2, unit_us: float = 1000.0) -> dict[str, Any]:
+                  backward_cost: int = 2, unit_us: float = 1000.0, costs: Sequence[int] | None = None,
+                  ) -> dict[str, Any]:
     """A schedule's planned step (its dry run) as a trace dict in the traced runs' format.
 
     Forward and optimizer step take one time unit (``unit_us`` microseconds), backward
-    ``backward_cost`` units, communication none. Draw it with :func:`pipeq.trace.plot.plot_trace`,
+    ``backward_cost`` units, communication none; or ``costs`` = (F, I, W) units, a B being I + W
+    (see :func:`pipeq.schedules.plan.table_costs`). Draw it with :func:`pipeq.trace.plot.plot_trace`,
     keep it with :func:`save_trace`.
     """
     if type(backward_cost) is not int or backward_cost < 1:
         raise ValueError(f"backward_cost is in forward time units, a positive integer; got {backward_cost!r}")
     if not unit_us > 0:
         raise ValueError(f"unit_us must be positive, got {unit_us!r}")
+    cost = table_costs(costs, backward_cost)
     lowered = schedules.build(schedule, n_stages, n_microbatches)
-    timeline = schedules.dry_run(lowered, cost={Op.BACKWARD: backward_cost})
+    timeline = schedules.dry_run(lowered, cost=cost)
     name = schedules.schedule_name(schedule)
     events = _tracks(0, f"plan: {name}", [f"stage {k}" for k in range(n_stages)])
     end = 0
     for k, row in enumerate(timeline):
         for t, a in row:
-            units = backward_cost if a.op is Op.BACKWARD else 1
+            units = cost[a.op]
             end = max(end, t + units)
             events.append(_stage_span(str(a), _CAT_OF_OP[a.op.value], a.op.value, 0, k, 0, a.microbatch,
                                       t * unit_us, units * unit_us, 0, True))
     events.append(_step_span(0, n_stages, 0, True, n_microbatches, 0.0, end * unit_us))
-    meta = TraceMeta(name, n_stages, n_microbatches,
-                     extra={"planned": True, "backward_cost": backward_cost, "unit_us": unit_us})
+    extra: dict[str, Any] = {"planned": True, "backward_cost": cost[Op.BACKWARD], "unit_us": unit_us}
+    if costs is not None:
+        extra["costs"] = list(costs)
+    meta = TraceMeta(name, n_stages, n_microbatches, extra=extra)
     return _file(meta, events, clock_offsets_us=[0.0] * n_stages)
 
 

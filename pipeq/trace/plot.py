@@ -91,6 +91,11 @@ def time_axis(trace: Trace) -> tuple[float, str]:
     unit (one forward) for a schedule's plan, whose times are slots of a dry run, not durations."""
     if trace.meta.get("planned"):
         cost = trace.meta.get("backward_cost", "?")
+        costs = trace.meta.get("costs")
+        if costs:
+            f, i, w = costs
+            return (float(trace.meta.get("unit_us", 1000.0)),
+                    f"plan time units (F {f}, I {i}, W {w}, a backward B = I + W; sends take none)")
         return (float(trace.meta.get("unit_us", 1000.0)),
                 f"plan time units (a forward takes 1 unit, a backward {cost}; sends take none)")
     return 1000.0, "time (ms from the first event drawn)"
@@ -117,6 +122,8 @@ def _box_style(e: Event) -> tuple[str, Any, Any, str | None, float]:
         return ("forward", _mix(c, 0.55), _mix(c, -0.15), None, 0.8)
     if e.cat == BACKWARD_CAT:
         c = _colour(e.microbatch)
+        if e.op == "W":  # a split backward's weight gradients: lighter, crossed the other way
+            return ("backward", _mix(c, 0.3), _mix(c, -0.45), "\\\\", 0.8)
         return ("backward", c, _mix(c, -0.45), "//", 0.8)
     if e.cat == STEP_CAT:
         return ("step", _STEP_COLOUR, _STEP_COLOUR, None, 0.8)
@@ -154,7 +161,8 @@ def _label(ax: Any, e: Event, kind: str, x: float, w: float, y: int, px_per_unit
     """Write "F3" / "B3" inside a forward or backward box that is wide enough."""
     if kind not in ("forward", "backward", "step"):
         return
-    text = "ST" if kind == "step" else f"{'F' if kind == 'forward' else 'B'}{e.microbatch}"
+    op = e.op if e.op in ("I", "W") else "B"  # a split backward's boxes say which half they are
+    text = "ST" if kind == "step" else f"{'F' if kind == 'forward' else op}{e.microbatch}"
     if w * px_per_unit < 7.5 * len(text) + 4:
         return
     colour = "black" if kind == "forward" else "white"
@@ -202,6 +210,8 @@ def _default_title(trace: Trace, wanted: set[int] | None, events: list[Event]) -
     head = "plan" if meta.get("planned") else "pipeq trace"
     what = f"{head}: {meta.get('schedule', '?')}, {trace.n_stages} stages x {meta.get('microbatches', '?')} microbatches"
     if meta.get("planned"):
+        if meta.get("costs"):
+            return what + " (F, I, W = {}, {}, {})".format(*meta["costs"])
         return what + f" (backward = {meta.get('backward_cost', '?')} x forward)"
     drawn = sorted({e.step for e in events})
     return what + f", step {span_text(drawn)}" if wanted is not None else what + f", steps {span_text(drawn)}"

@@ -233,17 +233,23 @@ def _throughput(trace: Trace, keys: list[tuple[int, int]], by_key: dict[tuple[in
     spans = sorted((trace.driver[k] for k in keys if k in trace.driver))
     streamed = any(later[0] < earlier[0] + earlier[1] for earlier, later in zip(spans, spans[1:]))
     costs = []
+    split: list[dict[Op, float]] = []  # a split backward's I and W, each its own cost
     for k in range(trace.n_stages):
         mean = []
         for cat in (FORWARD_CAT, BACKWARD_CAT, STEP_CAT):
             durs = [e.dur_us for key in keys for e in by_key.get(key, []) if e.stage == k and e.cat == cat]
             mean.append(sum(durs) / len(durs) / 1e3 if durs else 0.0)
         costs.append(tuple(mean))
+        split.append({})
+        for op in (Op.INPUT_GRAD, Op.WEIGHT_GRAD):
+            durs = [e.dur_us for key in keys for e in by_key.get(key, []) if e.stage == k and e.op == op.value]
+            if durs:
+                split[k][op] = sum(durs) / len(durs) / 1e3
     bound = None
     schedule = schedule_of(str(trace.meta.get("schedule", "")))
     m = trace.meta.get("microbatches")
     if schedule is not None and type(m) is int and m > 0:
-        per_stage = [{Op.FORWARD: f, Op.BACKWARD: b, Op.STEP: st} for f, b, st in costs]
+        per_stage = [{Op.FORWARD: f, Op.BACKWARD: b, Op.STEP: st, **iw} for (f, b, st), iw in zip(costs, split)]
         try:
             seconds = stream_bound(schedule, trace.n_stages, m, per_stage)
             per_batch_ms = seconds.stream if streamed else seconds.step

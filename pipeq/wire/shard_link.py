@@ -18,11 +18,16 @@ inside the stage's forward and backward, in the lead's order. What a follower wo
 outputs, replies) is dropped: after the plan's all-reduce its outputs are the lead's.
 
 The shards of a stage share one host (placement sees to it): the broadcast is gloo over loopback.
+A message the lead received on its device (CUDA IPC from a neighbour, :mod:`pipeq.wire.shm`) is
+shared as host copies of its device tensors (:func:`host_tensors`; the worker has them made
+through pinned memory); its event loop keeps the device tensors. CPU tensors are shared as they
+are, without a copy.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,7 +36,7 @@ from pipeq.wire import codec
 from pipeq.wire.frames import frames_of
 from pipeq.wire.messages import Kind, Message
 
-__all__ = ["ShardLink", "LeadTransport", "FollowerTransport", "MAX_FRAMES"]
+__all__ = ["ShardLink", "LeadTransport", "FollowerTransport", "MAX_FRAMES", "HostCopies", "host_tensors"]
 
 _ALIGN = 64  # every frame starts at a multiple of this in the shared buffer (torch's alignment)
 MAX_FRAMES = codec.MAX_TENSORS + 1
@@ -41,11 +46,41 @@ def _round(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+#: ``copies(tensors, device)``: CPU copies of ``tensors`` (all on CUDA ``device``), complete when
+#: returned (the worker's: pipeq.stage.transfer.pinned_copies, through pinned memory)
+HostCopies = Callable[[Sequence[torch.Tensor], torch.device], Sequence[torch.Tensor]]
+
+
+def _plain_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    return [t.cpu() for t in tensors]
+
+
+def host_tensors(tensors: Sequence[torch.Tensor], copies: HostCopies | None = None) -> Sequence[torch.Tensor]:
+    """``tensors`` on the CPU, as the codec takes them: ``tensors`` itself when all are there (no
+    copy), else a list of the CPU ones as they are and host copies of the others, in order: a CUDA
+    device's by one call of ``copies`` per device (default: ``.cpu()``), any other device's by
+    ``.cpu()``."""
+    away: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.device.type != "cpu":
+            away.setdefault(t.device, []).append(i)
+    if not away:
+        return tensors
+    out = list(tensors)
+    for device, where in away.items():
+        copy = copies if copies is not None and device.type == "cuda" else _plain_copies
+        for i, t in zip(where, copy([tensors[i] for i in where], device)):
+            out[i] = t
+    return out
+
+
 class ShardLink:
     """Shard 0 of a stage :meth:`share`\\ s messages; every other shard :meth:`receive`\\ s them,
-    in order, over the stage's CPU process group ``group`` (gloo)."""
+    in order, over the stage's CPU process group ``group`` (gloo). ``host_copies``: how shard 0
+    copies the CUDA tensors of a message it shares to the host (see :func:`host_tensors`)."""
 
-    def __init__(self, group: Any, shard: int, shards: int, where: str, max_bytes: int) -> None:
+    def __init__(self, group: Any, shard: int, shards: int, where: str, max_bytes: int,
+                 host_copies: HostCopies | None = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
@@ -54,11 +89,14 @@ class ShardLink:
         self.shards = shards
         self.where = where
         self.max_bytes = max_bytes  # the most a shared message may carry (frames and lengths)
+        self.host_copies = host_copies
         self._head = torch.empty(2, dtype=torch.int64)
 
     def share(self, msg: Message) -> None:
-        """Shard 0: hand ``msg`` to the other shards (two broadcasts: its size, its frames)."""
-        frames = frames_of(msg)
+        """Shard 0: hand ``msg`` to the other shards (two broadcasts: its size, its frames); its
+        device tensors as host copies (:func:`host_tensors`), ``msg`` itself left as it is."""
+        tensors = host_tensors(msg.tensors, self.host_copies)
+        frames = frames_of(msg if tensors is msg.tensors else dataclasses.replace(msg, tensors=tensors))
         views = [memoryview(f).cast("B") for f in frames]
         start = _round(8 * len(views))
         offsets = []

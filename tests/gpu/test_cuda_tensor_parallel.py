@@ -6,8 +6,11 @@ NCCL, which refuses two shards of one group on the same GPU. The Linear layers a
 ShardedLinear probes: a forward fails unless its weight really is split. Training must equal
 one process on cuda:0 (the CPU tests' bound: 1e-5).
 
-Two stages of two shards are expected to fail (xfail, strict) where reading the code says they
-must: see PLACEMENT and SHARING below.
+Two stages of two shards: by default shard s of stage k runs on cuda:((k*2 + s) mod GPUs)
+(pipeq.control.processes.plan_devices), so each stage's shards take two GPUs even on exactly two;
+over CUDA IPC a lead receives device tensors and shares host copies of them with its other shard
+(pipeq.wire.shard_link.host_tensors). Both were found by reading the code (CPU unit tests:
+tests/unit/control/test_device_plan.py, tests/unit/wire/test_shard_link.py).
 """
 
 from __future__ import annotations
@@ -44,16 +47,6 @@ def test_one_stage_on_two_gpus_equals_one_device_training():
     torch.testing.assert_close(got.pred, predict(want, x_eval), atol=FP32_TOL, rtol=0)
 
 
-#: expected failures, from reading the code (nobody here could run them): remove a mark once fixed
-#: (strict: a test that passes under its mark fails, saying so)
-PLACEMENT = ("plan_devices (pipeq/control/processes.py) gives process g cuda:(g mod GPUs) and shard 1 of stage k "
-             "is process n_stages + k: with 2 stages on exactly 2 GPUs both shards of each stage land on one GPU, "
-             "which NCCL refuses")
-SHARING = ("LeadTransport.wait_data (pipeq/wire/shard_link.py) shares each received message with the other shards "
-           "through codec.encode, which refuses CUDA tensors; over CUDA IPC the lead receives device tensors")
-
-
-@pytest.mark.xfail(torch.cuda.device_count() == 2, reason=PLACEMENT, strict=True)
 def test_two_stages_of_two_shards_equal_one_device_training():
     """Two stages x two shards (4 processes), default placement: every stage's shards on two
     different GPUs. shm_slots=0: the leads exchange host copies (pinned), which they share with
@@ -66,10 +59,11 @@ def test_two_stages_of_two_shards_equal_one_device_training():
     assert_matches(got, reference(stages, data), FP32_TOL)
 
 
-@pytest.mark.xfail(reason=f"{SHARING} (and on exactly 2 GPUs: {PLACEMENT})", strict=True)
 def test_two_stages_of_two_shards_over_cuda_ipc_equal_one_device_training():
     """The same with the default wire: the leads' activations and gradients over CUDA IPC."""
     stages = tp_stages(seed=0, probe=True)
     data = batches(4, 10, d_in=8, classes=4)
     got = train(stages, data, microbatches=3, tensor_parallel=2, tp_plan=TP_PLAN)
+    for stage, devices in shard_devices(got.workers).items():
+        assert len(set(devices)) == 2, f"stage {stage}'s shards share a GPU: {devices}"
     assert_matches(got, reference(stages, data), FP32_TOL)

@@ -2,7 +2,9 @@
 its event loop consumes, and the other shards follow it, in this process.
 
 ``torch.distributed.broadcast`` is replaced by an in-memory one: what shard 0 broadcasts, the
-followers receive in the same order (as gloo's broadcast over the stage's group does).
+followers receive in the same order (as gloo's broadcast over the stage's group does). A message
+the lead received on its GPU is shared as host copies (the codec refuses device tensors): CUDA
+tensors are stand-ins here, and so is the worker's pinned_copies.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch.distributed
 
 from pipeq.errors import CodecError
 from pipeq.wire.messages import Kind, Message
-from pipeq.wire.shard_link import MAX_FRAMES, FollowerTransport, LeadTransport, ShardLink
+from pipeq.wire.shard_link import MAX_FRAMES, FollowerTransport, LeadTransport, ShardLink, host_tensors
 
 
 class Group:
@@ -162,3 +164,79 @@ def test_a_corrupt_shared_message_is_a_codec_error_naming_the_shard(links, frame
     with pytest.raises(CodecError, match=message) as info:
         follower.receive()
     assert "stage 1, shard 1" in str(info.value)
+
+
+# -- messages the lead received on its device (CUDA IPC from a neighbour) ----------------------------
+class OnDevice:
+    """A stand-in for a tensor on ``device`` (a CUDA one needs no GPU here): what the lead's
+    transport hands it after a CUDA slot. ``host`` is its value; ``.cpu()`` is the way off a
+    device other than CUDA."""
+
+    def __init__(self, host: torch.Tensor, device: str) -> None:
+        self.host, self.device = host, torch.device(device)
+
+    def cpu(self) -> torch.Tensor:
+        return self.host.clone()
+
+
+class Pinned:
+    """A stand-in for the worker's pinned_copies (pipeq.stage.transfer), recording its calls:
+    [(device, how many tensors)]."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def __call__(self, tensors, device):
+        self.calls.append((device, len(tensors)))
+        return [t.host.clone() for t in tensors]
+
+
+def test_cpu_tensors_are_shared_as_they_are() -> None:
+    tensors, pinned = [torch.randn(3), torch.arange(4)], Pinned()
+    assert host_tensors(tensors, pinned) is tensors  # no copy, not even a new list
+    assert host_tensors((), pinned) == ()
+    assert pinned.calls == []
+
+
+def test_device_tensors_are_copied_to_the_host_by_device_in_order() -> None:
+    a, b, c = torch.randn(2, 3), torch.arange(5), torch.randn(4).to(torch.bfloat16)
+    d, e = torch.ones(1), torch.zeros(2)
+    tensors, pinned = [a, OnDevice(b, "cuda:1"), OnDevice(c, "cuda:0"), d, OnDevice(e, "cuda:1")], Pinned()
+    out = host_tensors(tensors, pinned)
+    assert out[0] is a and out[3] is d  # the CPU ones as they are
+    assert all(x.device.type == "cpu" and torch.equal(x, y) for x, y in zip(out, [a, b, c, d, e]))
+    # CUDA through the copier given (the worker's: pinned memory), one call (one wait) per device
+    assert pinned.calls == [(torch.device("cuda:1"), 2), (torch.device("cuda:0"), 1)]
+    assert tensors[1].device.type == "cuda"  # the caller's list untouched
+    # without a copier, and off any other device: .cpu()
+    meta, cuda = OnDevice(torch.randn(3), "meta"), OnDevice(torch.randn(2), "cuda:0")
+    out = host_tensors([meta, cuda])
+    assert torch.equal(out[0], meta.host) and torch.equal(out[1], cuda.host)
+    assert torch.equal(host_tensors([meta], pinned)[0], meta.host) and len(pinned.calls) == 2
+
+
+def test_the_lead_shares_host_copies_of_what_it_received_on_its_device(links) -> None:
+    """The codec refuses device tensors: the lead shares host copies, and its own event loop
+    gets the message as received (device tensors)."""
+    lead_link, follower_link = links
+    lead_link.host_copies = pinned = Pinned()
+    x, y, g = torch.randn(2, 7), torch.arange(2), torch.randn(3, 1, 2)
+    inner, theirs = Inner(), Inner()
+    inner.data = {(0, 0): Message(Kind.ACTIVATION, 0, 0, [OnDevice(x, "cuda:0"), y], {"tree": [1, 2]}),
+                  (0, 1): Message(Kind.GRADIENT, 0, 1, [OnDevice(g, "cuda:0")])}
+    lead, follower = LeadTransport(inner, lead_link), FollowerTransport(theirs, follower_link)
+    act = lead.wait_data(inner.forward_queue, 0, 0)
+    grad = lead.wait_data(inner.backward_queue, 0, 1)
+    assert act is inner.data[(0, 0)] and isinstance(act.tensors[0], OnDevice)
+    assert grad is inner.data[(0, 1)] and isinstance(grad.tensors[0], OnDevice)
+    assert pinned.calls == [(torch.device("cuda:0"), 1)] * 2
+    assert same(follower.wait_data(follower.forward_queue, 0, 0),
+                Message(Kind.ACTIVATION, 0, 0, [x, y], {"tree": [1, 2]}))
+    assert same(follower.wait_data(follower.backward_queue, 0, 1), Message(Kind.GRADIENT, 0, 1, [g]))
+
+
+def test_a_real_tensor_on_another_device_is_moved_before_encoding(links) -> None:
+    """A "meta" tensor: no data to copy, so the move itself fails (torch's own error), not the codec."""
+    lead, _ = links
+    with pytest.raises(NotImplementedError, match="meta"):
+        lead.share(Message(Kind.ACTIVATION, 0, 0, [torch.empty(3, device="meta")]))

@@ -1,0 +1,97 @@
+"""A stage's backward in two parts: the input gradient (``I``) now, the weight gradients (``W``) later.
+
+Zero-bubble schedules (:mod:`pipeq.schedules.zero_bubble`) split a microbatch's backward ``B``
+into ``I``, the gradient with respect to the stage's input (what the previous stage waits for),
+and ``W``, the gradients of the stage's parameters, which the schedule defers to fill its
+bubbles. :meth:`SplitBackward.input_grad` differentiates the microbatch's outputs (the last stage:
+its loss) with respect to the input leaves only (``torch.autograd.grad``, keeping the graph) and
+keeps the outputs and their gradients; :meth:`SplitBackward.weight_grad` then backpropagates the
+same gradients into the parameters only (``torch.autograd.backward(inputs=params)``), which
+frees the graph. The parameters' gradients accumulate exactly as under ``B``: the same
+operations in the same order, so ``I`` then ``W`` gives ``B``'s bits. ``W`` recomputes the
+activation gradients between the outputs and the parameters (``I`` computed them too): simple,
+and exact; a ``W`` costs about a whole backward here.
+
+Stage 0 has no input gradient: its ``I`` only keeps what the ``W`` needs, and its ``W`` is the
+whole backward. With recomputation the ``I`` recomputes the forward and the ``W`` uses that
+graph. Gradients are final after the step's last ``W`` (the data-parallel all-reduce starts
+there; clipping, loss scaling and check_finite run at ``STEP``, after every ``W``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["SplitBackward", "Roots"]
+
+Roots = tuple[list[torch.Tensor], list[Any]]  # what a backward starts from: tensors, their gradients
+
+
+class SplitBackward:
+    """The ``I`` and ``W`` halves of :class:`~pipeq.stage.executor.StageExecutor`'s backward."""
+
+    # what the executor provides
+    index: int
+    step_index: int
+    is_first: bool
+    is_last: bool
+    device: torch.device
+    module: nn.Module
+    scaler: Any
+    stash: dict[int, tuple[Any, Any, Any]]
+    #: microbatch -> what its W backpropagates (kept by its I)
+    pending_w: dict[int, Roots]
+
+    _recompute: Callable[[int, Any, Any], Any]  # microbatch j's forward again (recompute)
+    _nonfinite: Callable[[str, int, Any], None]  # check_finite='raise' on tensors
+    _check_grad_shapes: Callable[[int, Iterable[tuple[torch.Tensor, torch.Tensor]]], None]
+
+    def _roots(self, j: int, outs: Any, grads: Any) -> Roots:
+        """The tensors microbatch ``j``'s backward starts from and their gradients: the scaled
+        loss on the last stage (none when it weighs nothing), else the outputs that require grad
+        with the gradients the next stage sent (one per floating-point output, in order)."""
+        if self.is_last:
+            return ([outs], [None]) if outs is not None else ([], [])
+        if grads is None:
+            raise ValueError(f"stage {self.index}: no gradient for microbatch {j} (step {self.step_index})")
+        diff_outs = [o for o in outs if o.is_floating_point() or o.is_complex()]
+        if len(grads) != len(diff_outs):
+            shapes = ", ".join(f"{tuple(o.shape)} {str(o.dtype).replace('torch.', '')}" for o in outs)
+            raise ValueError(f"got {len(grads)} gradient(s) for outputs {shapes} of microbatch {j}")
+        pairs = [(o, g) for o, g in zip(diff_outs, grads) if o.requires_grad]
+        self._check_grad_shapes(j, pairs)
+        return [o for o, _ in pairs], [g.to(self.device, non_blocking=True) for _, g in pairs]
+
+    def input_grad(self, j: int, grads: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
+        """``I j``: the gradient of microbatch ``j`` with respect to the stage's input (None on
+        stage 0), keeping what its :meth:`weight_grad` needs."""
+        if j not in self.stash:
+            raise ValueError(f"stage {self.index}, step {self.step_index}: action I{j} has no forward of "
+                             f"microbatch {j} to differentiate (or its backward ran already)")
+        leaves, outs, keep = self.stash.pop(j)
+        if keep is not None:
+            outs = self._recompute(j, leaves, keep)
+        roots, gs = self.pending_w[j] = self._roots(j, outs, grads)
+        if self.is_first:
+            return None
+        need = [t for t in leaves if t.requires_grad]
+        got: Any = (torch.autograd.grad(roots, need, gs, retain_graph=True, allow_unused=True)
+                    if roots and need else [None] * len(need))
+        out = tuple((g if g is not None else torch.zeros_like(t)).detach() for g, t in zip(got, need))
+        if self.scaler is None:
+            self._nonfinite("the input gradient", j, out)
+        return out
+
+    def weight_grad(self, j: int) -> None:
+        """``W j``: microbatch ``j``'s parameter gradients, accumulated; frees its graph."""
+        roots = self.pending_w.pop(j, None)
+        if roots is None:
+            raise ValueError(f"stage {self.index}, step {self.step_index}: action W{j} before I{j} "
+                             f"(nothing kept for microbatch {j}'s weight gradients)")
+        outs, gs = roots
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if outs and params:
+            torch.autograd.backward(outs, gs, inputs=params)

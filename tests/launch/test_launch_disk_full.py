@@ -1,0 +1,42 @@
+"""``pipeq launch`` on a full disk: one line says where, while saving what, and which checkpoint
+--resume continues from; no traceback (the disk is not filled: the write raises what it would)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from job_files import MLP, launch_code, write
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("exc", [RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1408 vs 1302"),
+                                 OSError(errno.ENOSPC, "No space left on device")], ids=["torch-writer", "ENOSPC"])
+def test_launch_says_the_disk_is_full_and_what_is_intact(tmp_path, monkeypatch, capsys, exc) -> None:
+    from pipeq.checkpoint import disk
+    from strays import wait_no_strays
+
+    write_file = disk.write_file
+
+    def writing(path, write):  # the step-6 checkpoint finds the disk full at stage 1's file
+        if ".step-00000006." in path and path.endswith("stage-1.pt"):
+            return write_file(path, lambda f: (f.write(b"x" * 64), (_ for _ in ()).throw(exc)))
+        return write_file(path, write)
+
+    monkeypatch.setattr(disk, "write_file", writing)
+    out = tmp_path / "out"
+    job = write(tmp_path, MLP + f'steps = 6\ncheckpoint_every = 3\nout = "{out}"\n')
+    assert launch_code(job) == 1
+    err = capsys.readouterr().err
+    assert wait_no_strays() == []
+    first = os.path.realpath(out / "checkpoints" / "step-00000003")
+    line = [ln for ln in err.splitlines() if "no space left" in ln]
+    assert len(line) == 1, err
+    assert line[0].startswith("pipeq launch: no space left on "), err
+    assert (f"for {os.path.realpath(out / 'checkpoints' / 'step-00000006')} while saving stage 1; the previous "
+            f"checkpoint {first} (step 3) is intact") in line[0], err
+    assert "--resume continues from" in line[0], err
+    assert "Traceback" not in err, err
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-00000003"]
