@@ -3,6 +3,7 @@
     pipeq schedule 1f1b --stages 4 --microbatches 8   # print a schedule's stage x time table
     pipeq schedule 1f1b --stages 4 --microbatches 8 --plot plan.png   # ... and draw it
     pipeq schedule zb-h1 --stages 4 --microbatches 8 --costs 1,1,1   # split backward: F, I, W costs
+    pipeq schedule zb-h1 --stages 4 --microbatches 8 --csv zb.csv   # ... and write torch's schedule CSV
     pipeq launch examples/digits.toml                 # train a job file (see pipeq.launch)
     pipeq report run.json --skip-first 1 --plot run.png   # where a traced run's time went
     pipeq secret --out job.secret                     # a fresh job secret for a multi-host run
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="time units of a forward, an input gradient and a weight gradient (a backward B = I + W); "
                         "the table then ends with the step's length and bubble")
     p.add_argument("--plot", metavar="OUT.png", help="also draw the planned timeline (needs matplotlib)")
+    p.add_argument("--csv", metavar="OUT.csv",
+                   help="also write the plan as torch.distributed.pipelining's compute-only schedule CSV "
+                        "(run one with pipeq.launch.csv_schedule.from_csv(path))")
     p = sub.add_parser("report", help="where a traced run's time went: per stage, per step, the bubble",
                        description="Read a trace (PipelineRunner(trace=...) or pipeq launch --trace) and "
                                    "print each stage's compute, send, wait and idle time and the bubble.")
@@ -132,6 +136,11 @@ def _schedule(args: argparse.Namespace) -> int:
         plan = planned_trace(name, args.stages, args.microbatches, backward_cost=args.backward_cost,
                              costs=args.costs)
         print(f"plot: {plot.plot_trace(plan, args.plot, steps='all')}")
+    if args.csv:
+        from pipeq.launch.csv_schedule import to_csv
+
+        to_csv(args.csv, name, args.stages, args.microbatches)
+        print(f"csv: {args.csv}")
     return 0
 
 

@@ -16,6 +16,8 @@ any schedule that would deadlock. Nothing here does I/O.
     plan.py      build(): a validated, lowered, dry-run plan; format_table()
     dryrun.py    consistency checks and the symbolic dry run
     bounds.py    the plan under runner.stream and the time per batch it allows
+    tdp_csv.py   torch.distributed.pipelining's schedule CSV: dumps, loads, CsvSchedule
+                 (a file as a schedule: ``pipeq.launch.csv_schedule.from_csv(path)``)
 
 The research schedules (``Interlock``, ``AsyncOneFOneB``, ``AssociatedLearning``) are plug-ins
 from :mod:`pipeq.research`; they are offered here by name too. ``format_table(name, N, m)``
