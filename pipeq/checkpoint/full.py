@@ -53,7 +53,7 @@ def _device_of(path: str) -> str:
 
 
 def describe_checkpoint(path: str) -> str:
-    """``/out/checkpoints/step-00000040 (step 40)``: a complete checkpoint, with its step if it says."""
+    """``checkpoints/step-00000040 (step 40)``: a complete checkpoint, with its step if it says."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             step = json.load(f)["meta"]["step"]

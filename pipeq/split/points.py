@@ -8,10 +8,9 @@ import torch
 from torch import nn
 
 from pipeq import balance as balancing
+from pipeq.split.by_name import CONTAINERS
 
 __all__ = ["candidates", "choose"]
-
-CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def _is_candidate(model: nn.Module, name: str) -> bool:

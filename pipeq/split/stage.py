@@ -91,8 +91,7 @@ class GraphStage(nn.Module):
                 args[i] = int(args[i])
         if self.training or self._eval is None:
             out = type(self._graph).forward(self, *args)
-        else:  # the same tensors as the training graph (re-linked: ties may have replaced some)
-            self._share()
+        else:
             out = self._eval(*args)
         if flow.picks:
             env.update((name, out[i]) for name, i in zip(flow.produces, flow.picks))
@@ -129,6 +128,12 @@ class GraphStage(nn.Module):
             if name in buffers:
                 owner, _, leaf = name.rpartition(".")
                 self._eval.get_submodule(owner)._buffers[leaf] = buffers[name]
+
+    def train(self, mode: bool = True) -> "GraphStage":
+        super().train(mode)
+        if not mode:  # the eval graph runs on the training graph's tensors (re-linked: ties may have replaced some)
+            self._share()
+        return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> "GraphStage":
         super()._apply(fn, recurse)  # .to(device), .half()...: the eval graph follows

@@ -134,7 +134,6 @@ def test_killing_the_fork_server_mid_run_neither_fails_the_run_nor_orphans_its_s
     import os
     import signal
     import time
-    from multiprocessing import forkserver
 
     x, y = xy()
     r = runner(heartbeat_interval=0.1, heartbeat_timeout=5.0)
@@ -142,10 +141,7 @@ def test_killing_the_fork_server_mid_run_neither_fails_the_run_nor_orphans_its_s
     pids = [p.pid for p in r._backend.procs.values()]
     try:
         r.step(x, y)
-        server = forkserver._forkserver._forkserver_pid
-        os.kill(server, signal.SIGKILL)
-        while _running(server):  # (left for multiprocessing to reap: it starts a new one then)
-            time.sleep(0.01)
+        _kill_fork_server()
         time.sleep(0.3)
         assert all(_running(pid) for pid in pids)
         # the stages still run: so does the run (no "exited with code 255")
@@ -164,12 +160,25 @@ def test_killing_the_fork_server_mid_run_neither_fails_the_run_nor_orphans_its_s
         r.close()
 
 
+def _kill_fork_server() -> None:
+    """SIGKILL this process's fork server and wait until it is gone (multiprocessing reaps it and
+    starts a new one when next asked)."""
+    import os
+    import signal
+    import time
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver._forkserver_pid
+    os.kill(server, signal.SIGKILL)
+    while _running(server):
+        time.sleep(0.01)
+
+
 @pytest.mark.timeout(90)
 def test_a_stage_killed_after_the_fork_server_is_named_and_the_others_stopped():
     import os
     import signal
     import time
-    from multiprocessing import forkserver
 
     x, y = xy()
     r = runner()
@@ -177,10 +186,7 @@ def test_a_stage_killed_after_the_fork_server_is_named_and_the_others_stopped():
     pids = [p.pid for p in r._backend.procs.values()]
     try:
         r.step(x, y)
-        server = forkserver._forkserver._forkserver_pid
-        os.kill(server, signal.SIGKILL)
-        while _running(server):  # (left for multiprocessing to reap: it starts a new one then)
-            time.sleep(0.01)
+        _kill_fork_server()
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(pipeq.PipelineError) as info:
             for _ in range(50):

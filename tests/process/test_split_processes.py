@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import pipeq
-from split_models import (SkipNet, TinyGPT, assert_state_close, gpt_batch, gpt_runs, lm_loss, pipeline_losses,
-                          reference_losses, tied_copies)
+from split_models import (TinyGPT, assert_state_close, gpt_batch, gpt_runs, lm_loss, pipeline_losses,
+                          reference_losses, skip_case, tied_copies)
 
 pytestmark = pytest.mark.timeout(240)
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -93,11 +93,7 @@ def test_gpt_split_by_module_names():
 
 
 def test_a_skip_connection_across_two_split_points():
-    torch.manual_seed(0)
-    model = SkipNet()
-    g = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
-    stages = pipeq.split(model, (batches[0][0][:2],), split_points=["b", "c"])
+    model, batches, stages = skip_case()
     ref = copy.deepcopy(model)
     want = reference_losses(ref, batches, 0.1, named=False)
     with pipeq.PipelineRunner(stages, torch.nn.functional.cross_entropy, SGD, "1f1b", 3, **FAST) as runner:
@@ -118,15 +114,7 @@ def test_hugging_face_gpt2_splits_and_trains_like_one_process():
     stages = pipeq.split(model, (batches[0][0][:2],), n_stages=2)
     assert model.lm_head.weight is model.transformer.wte.weight
     ref = copy.deepcopy(model)
-    opt = SGD(ref.parameters())
-
-    want = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = hf_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = reference_losses(ref, batches, 0.1, named=False, loss_fn=hf_loss)  # SGD lr 0.1, momentum 0.9, as SGD
     with pipeq.PipelineRunner(stages, hf_loss, SGD, "1f1b", 2, **FAST) as runner:
         got = [runner.step(x, y) for x, y in batches]
         full = runner.model_state_dict()

@@ -101,9 +101,9 @@ class Untraceable(nn.Module):
         return self.b(h)
 
 
-def reference_losses(model: nn.Module, batches: list, lr: float, named: bool) -> list[float]:
+def reference_losses(model: nn.Module, batches: list, lr: float, named: bool, loss_fn=F.cross_entropy) -> list[float]:
     """Plain one-process training of ``model`` (in place) with SGD + momentum on ``batches``
-    ((idx, mask, pos, target) with ``named``, else (x, target)): each step's loss."""
+    ((idx, mask, pos, target) with ``named``, else (x, target) and ``loss_fn``): each step's loss."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
     for b in batches:
@@ -113,7 +113,7 @@ def reference_losses(model: nn.Module, batches: list, lr: float, named: bool) ->
             loss = lm_loss(model(idx, mask=mask, pos=pos), target)
         else:
             x, target = b
-            loss = F.cross_entropy(model(x), target)
+            loss = loss_fn(model(x), target)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -167,3 +167,14 @@ def tied_copies(runner, stages) -> list[torch.Tensor]:
 
 def gpt_runs(n_steps: int = 3, batch: int = 4) -> list[tuple[torch.Tensor, ...]]:
     return [gpt_batch(batch, seed=10 + i) for i in range(n_steps)]
+
+
+def skip_case() -> tuple[SkipNet, list[tuple[torch.Tensor, torch.Tensor]], list[nn.Module]]:
+    """A SkipNet, three batches for it, and its split into 3 stages (the skip crosses two points)."""
+    import pipeq
+
+    torch.manual_seed(0)
+    model = SkipNet()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
+    return model, batches, pipeq.split(model, (batches[0][0][:2],), split_points=["b", "c"])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pipeq
-from split_models import (SkipNet, TinyGPT, assert_state_close, gpt_batch, gpt_runs, lm_loss, pipeline_losses,
-                          reference_losses, tied_copies)
+from split_models import (TinyGPT, assert_state_close, gpt_batch, gpt_runs, lm_loss, pipeline_losses,
+                          reference_losses, skip_case, tied_copies)
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 BY_NAME = [["tok_emb", "pos_emb", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "norm", "lm_head"]]
@@ -46,11 +46,7 @@ def test_split_gpt_trains_like_one_process(how, schedule):
 
 
 def test_a_skip_connection_across_split_points_trains_like_one_process():
-    torch.manual_seed(0)
-    model = SkipNet()
-    g = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
-    stages = pipeq.split(model, (batches[0][0][:2],), split_points=["b", "c"])
+    model, batches, stages = skip_case()
     ref = copy.deepcopy(model)
     want = reference_losses(ref, batches, 0.1, named=False)
     with pipeq.PipelineRunner(stages, torch.nn.functional.cross_entropy, SGD, "1f1b", 3, mode="simulated") as runner:
