@@ -61,10 +61,18 @@ class SchedulePolicy:
     needs_loss: ClassVar[bool] = True
     #: The options a job file's schedule table may set (``{ name = ..., option = ... }``).
     option_names: ClassVar[tuple[str, ...]] = ()
+    #: Model stages each process holds (virtual stages, :mod:`pipeq.schedules.placement`): with
+    #: v > 1, :meth:`plan` is given the number of *processes* N and returns one list per process,
+    #: each action's ``chunk`` naming which of the process's v stages runs it (S = v·N stages).
+    stages_per_process: int = 1
+    #: Which stages a process holds when it holds several: ``"loop"`` (p, p+N, ...) or ``"v"``
+    #: (p and 2N-1-p).
+    placement: str = "loop"
 
     # -- the plan ---------------------------------------------------------------------------
     def plan(self, n_stages: int, n_microbatches: int) -> Schedule:
-        """Every stage's actions for one training step."""
+        """Every stage's actions for one training step (with :attr:`stages_per_process` v > 1:
+        ``n_stages`` is the number of processes, and each list a process's, see above)."""
         raise NotImplementedError(f"{type(self).__name__} must define plan(n_stages, n_microbatches)")
 
     def inference_plan(self, n_stages: int, n_microbatches: int) -> Schedule | None:

@@ -27,40 +27,15 @@ import re
 from pipeq.errors import ScheduleError
 from pipeq.schedules.actions import COMPUTE_OPS, STEP, Action, Op, Schedule, lower
 from pipeq.schedules.dryrun import check_consistency, dry_run
+from pipeq.schedules.placement import PLACEMENTS, _check_placement, process_chunk, stage_index
 from pipeq.schedules.protocol import SchedulePolicy
 
 __all__ = ["PLACEMENTS", "stage_index", "process_chunk", "dumps", "loads", "CsvSchedule"]
 
-PLACEMENTS = ("loop", "v")
 _CELL = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B|OVERLAP_F_B)(\d*)")
 _COMPUTE = {"F": Op.FORWARD, "I": Op.INPUT_GRAD, "W": Op.WEIGHT_GRAD, "B": Op.BACKWARD}
 _SKIPPED = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 _Where = tuple[int, int, str]  # (row, column, cell text)
-
-
-def _check_placement(placement: str) -> None:
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement is one of {', '.join(PLACEMENTS)}, got {placement!r}")
-
-
-def stage_index(process: int, chunk: int, n_processes: int, placement: str = "loop") -> int:
-    """TDP's stage index of chunk ``chunk`` on process ``process`` of ``n_processes``."""
-    _check_placement(placement)
-    if placement == "v":
-        if chunk not in (0, 1):
-            raise ScheduleError(f"V placement holds two chunks per process, got chunk {chunk}")
-        return process if chunk == 0 else 2 * n_processes - 1 - process
-    return process + chunk * n_processes
-
-
-def process_chunk(stage: int, n_processes: int, placement: str = "loop") -> tuple[int, int]:
-    """The (process, chunk) that holds TDP's stage ``stage`` (inverse of :func:`stage_index`)."""
-    _check_placement(placement)
-    if placement == "v":
-        if stage >= 2 * n_processes:
-            raise ScheduleError(f"stage {stage} is out of range 0..{2 * n_processes - 1} for V placement")
-        return (stage, 0) if stage < n_processes else (2 * n_processes - 1 - stage, 1)
-    return stage % n_processes, stage // n_processes
 
 
 def dumps(plan: Schedule, placement: str = "loop") -> str:
