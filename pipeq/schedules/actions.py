@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 __all__ = ["Op", "Action", "COMPUTE_OPS", "GRAD_OPS", "WEIGHT_DONE_OPS", "F", "B", "I", "W", "STEP", "Schedule",
-           "ScheduleFn", "lower_stage", "lower"]
+           "ScheduleFn", "lower_stage", "lower", "lower_process"]
 
 class Op(enum.Enum):
     FORWARD = "F"
@@ -113,3 +113,16 @@ def lower(schedule: Schedule) -> Schedule:
     n = len(schedule)
     return [lower_stage(acts, recv_act=k > 0, send_act=k < n - 1, recv_grad=k < n - 1, send_grad=k > 0)
             for k, acts in enumerate(schedule)]
+
+
+def lower_process(acts: list[Action], stages: list[int], n_stages: int) -> list[Action]:
+    """A process's compute actions (chunk c runs model stage ``stages[c]`` of ``n_stages``) with
+    the communication plain backprop implies for each action's own stage."""
+    flags = [dict(recv_act=s > 0, send_act=s < n_stages - 1, recv_grad=s < n_stages - 1, send_grad=s > 0)
+             for s in stages]
+    low: list[Action] = []
+    for a in acts:
+        if not 0 <= a.chunk < len(stages):
+            raise ValueError(f"action {a}: chunk {a.chunk} out of range 0..{len(stages) - 1}")
+        low += lower_stage([a], **flags[a.chunk])
+    return low

@@ -133,7 +133,8 @@ def _complete(c: Mapping[Op, float]) -> dict[Op, float]:
 
 
 def _channel(k: int, a: Action) -> tuple[int, int, str, int]:
-    """(source stage, destination stage, kind, microbatch) of the message a comm action moves."""
+    """(source stage, destination stage, kind, microbatch) of the message a comm action of
+    stage ``k`` moves."""
     if a.op is Op.SEND_ACT:
         return (k, k + 1, "act", a.microbatch)
     if a.op is Op.RECV_ACT:
@@ -146,8 +147,14 @@ def _channel(k: int, a: Action) -> tuple[int, int, str, int]:
 def dry_run(
     lowered: Schedule, *, cost: "Mapping[Op, float] | Sequence[Mapping[Op, float]] | None" = None,
     capacity: int | None = None, start: Sequence[float] | None = None,
+    stages: Sequence[Sequence[int]] | None = None,
 ) -> list[list[tuple[int, Action]]]:
     """Execute lowered action lists symbolically; return each stage's (start time, action) list.
+
+    ``stages``: with virtual stages, ``lowered`` has one list per *process* and ``stages[k][c]``
+    is the model stage chunk c of process k runs (messages go between model stages; a process
+    runs its list in order, whatever chunk each action is for; ``cost`` per stage is then per
+    model stage). Default: process k is stage k.
 
     Compute actions take ``cost[op]`` time units (forward 1, backward 1, step 1 by default; ``I``
     and ``W`` see :func:`stage_costs`), or
@@ -159,7 +166,10 @@ def dry_run(
     move.
     """
     n = len(lowered)
-    costs = stage_costs(cost, n)
+    where = [list(s) for s in stages] if stages is not None else [[k] for k in range(n)]
+    if len(where) != n:
+        raise ScheduleError(f"stages names {len(where)} processes for {len(lowered)} action lists")
+    costs = stage_costs(cost, sum(len(w) for w in where))
     if start is not None and len(start) != n:
         raise ScheduleError(f"start has {len(start)} times for {n} stages")
     pc = [0] * n
@@ -172,21 +182,22 @@ def dry_run(
         for k in range(n):
             while pc[k] < len(lowered[k]):
                 a = lowered[k][pc[k]]
+                s = where[k][a.chunk]
                 if a.op in COMPUTE_OPS:
                     timeline[k].append((clock[k], a))
-                    clock[k] += costs[k][a.op]
+                    clock[k] += costs[s][a.op]
                 elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
-                    ch = _channel(k, a)
-                    if not 0 <= ch[1] < n:
-                        raise ScheduleError(f"stage {k}: {a} sends to stage {ch[1]}, which does not exist")
+                    ch = _channel(s, a)
+                    if not 0 <= ch[1] < len(costs):
+                        raise ScheduleError(f"stage {s}: {a} sends to stage {ch[1]}, which does not exist")
                     if capacity is not None and pending.get(ch[:2], 0) >= capacity:
                         break
                     if ch in sent:
-                        raise ScheduleError(f"stage {k}: {a} sends the same message twice")
+                        raise ScheduleError(f"stage {s}: {a} sends the same message twice")
                     sent[ch] = clock[k]
                     pending[ch[:2]] = pending.get(ch[:2], 0) + 1
                 else:
-                    ch = _channel(k, a)
+                    ch = _channel(s, a)
                     if ch not in sent:
                         break
                     clock[k] = max(clock[k], sent.pop(ch))
@@ -203,9 +214,11 @@ def dry_run(
             for k in range(n):
                 if pc[k] < len(lowered[k]):
                     a = lowered[k][pc[k]]
-                    s, d, kind, j = _channel(k, a)
+                    me = where[k][a.chunk]
+                    who = f"stage {me}" if stages is None else f"process {k} (stage {me})"
+                    s, d, kind, j = _channel(me, a)
                     if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                        blocked.append(f"stage {k} waits for the {kind} of microbatch {j} from stage {s}")
+                        blocked.append(f"{who} waits for the {kind} of microbatch {j} from stage {s}")
                     else:
-                        blocked.append(f"stage {k} cannot send the {kind} of microbatch {j} to stage {d} (queue full)")
+                        blocked.append(f"{who} cannot send the {kind} of microbatch {j} to stage {d} (queue full)")
             raise ScheduleError("schedule deadlocks: " + "; ".join(blocked))
