@@ -26,6 +26,7 @@ from pipeq.stage.numerics import Numerics
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo
 from pipeq.runtime.worker import WorkerConfig, worker_entry
+from pipeq.schedules.placement import process_chunk, stages_of
 
 if TYPE_CHECKING:
     from pipeq.control.config import RunConfig
@@ -221,11 +222,16 @@ def worker_configs(
     num = Numbering(n_stages, replicas, settings.tensor_parallel)
     if num.shards > 1 and tp_dir is None:
         raise ValueError("tensor-parallel stages need a private directory to meet in (tp_dir)")
-    devices = [settings.devices[num.stage(g)] for g in processes] if settings.devices is not None else None
+    # the OS process each stage runs in: its own, or its group's (virtual stages: pipeq.runtime.group)
+    owner = {g: host_process(num, g, schedule) for g in processes}
+    hosts = list(dict.fromkeys(owner.values()))
+    first = {h: next(g for g in processes if owner[g] == h) for h in hosts}
+    devices = [settings.devices[num.stage(first[h])] for h in hosts] if settings.devices is not None else None
     # each process's stage's place among this host's stages, and its shard (see plan_devices)
-    stages = {lead: j for j, lead in enumerate(dict.fromkeys(num.lead(g) for g in processes))}
-    places = [(stages[num.lead(g)], num.shard(g)) for g in processes]
-    plan = plan_devices(len(processes), devices, rendezvous, places=places, shards=num.shards)
+    stages = {lead: j for j, lead in enumerate(dict.fromkeys(num.lead(first[h]) for h in hosts))}
+    places = [(stages[num.lead(first[h])], num.shard(first[h])) for h in hosts]
+    by_host = dict(zip(hosts, plan_devices(len(hosts), devices, rendezvous, places=places, shards=num.shards)))
+    plan = [by_host[owner[g]] for g in processes]
     if num.shards > 1:
         _check_shards_apart(num, processes, plan)
     return [
@@ -244,6 +250,43 @@ def worker_configs(
         )
         for g, (dev, cores, threads) in zip(processes, plan)
     ]
+
+
+def host_process(num: Numbering, g: int, schedule: Any) -> int:
+    """The OS process that runs process g's stage: g itself, or with several stages per process
+    (the schedule's ``stages_per_process``) the lowest g of the stages its process holds."""
+    policy = schedules.resolve(schedule)
+    v = policy.stages_per_process
+    if v == 1:
+        return g
+    n = num.n_stages // v
+    p = process_chunk(num.stage(g), n, policy.placement)[0]
+    return num.replica(g) * num.n_stages + min(stages_of(p, n, v, policy.placement))
+
+
+def start_workers(ctx: Any, configs: Sequence[WorkerConfig], payload_of: Callable[[int], "bytes | StageBuilder"],
+                  ) -> dict[int, StageHandle]:
+    """Start every process of ``configs`` (by g); stages that share a process (virtual stages)
+    share its handle."""
+    schedule = schedules.resolve(configs[0].schedule) if configs else None
+    if schedule is None or schedule.stages_per_process == 1:
+        return {cfg.process: start_worker(ctx, cfg, payload_of(cfg.process)) for cfg in configs}
+    from pipeq.runtime.group import group_entry
+
+    n = configs[0].n_stages // schedule.stages_per_process
+    groups: dict[tuple[int, int], list[WorkerConfig]] = {}
+    for cfg in configs:
+        groups.setdefault((cfg.replica, process_chunk(cfg.stage, n, schedule.placement)[0]), []).append(cfg)
+    procs: dict[int, StageHandle] = {}
+    for (_, p), group in groups.items():
+        group.sort(key=lambda c: process_chunk(c.stage, n, schedule.placement)[1])
+        name = "pipeq-stage" + "+".join(str(c.stage) for c in group)
+        proc = ctx.Process(target=group_entry, args=(group, [payload_of(c.process) for c in group], p),
+                           name=name, daemon=True)
+        proc.start()
+        handle = StageHandle(proc)
+        procs.update({c.process: handle for c in group})
+    return procs
 
 
 def job_identity(payload: "bytes | StageBuilder", schedule: Any, numerics: Numerics | None = None,
@@ -300,6 +343,7 @@ def stop_processes(procs: Sequence[StageHandle]) -> None:
     """Kill every process still running: nothing outlives this call. Stage processes ignore
     SIGINT and SIGTERM (their driver decides when they stop: EXIT asks them, and those that
     did not go when asked are past saving), so SIGKILL it is."""
+    procs = list({id(p): p for p in procs}.values())  # stages sharing a process share its handle
     for p in procs:
         if p.exitcode is None:
             p.kill()

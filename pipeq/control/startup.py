@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from pipeq.control import rendezvous as rdzv
-from pipeq.control.processes import (Numbering, StageSettings, job_identity, process_context, start_worker,
+from pipeq.control.processes import (Numbering, StageSettings, job_identity, process_context, start_workers,
                                      stop_processes, worker_configs)
 from pipeq.control.rendezvous import Rendezvous
 from pipeq.control.supervisor import Supervisor
@@ -161,8 +161,7 @@ class StageProcesses:
             die_with_parent=threading.current_thread() is threading.main_thread(), auth=auth,
             tp_dir=self.tp_dir,
         )
-        for cfg in configs:
-            self.procs[cfg.process] = start_worker(ctx, cfg, self.payloads[self.numbering.lead(cfg.process)])
+        self.procs.update(start_workers(ctx, configs, lambda g: self.payloads[self.numbering.lead(g)]))
 
     def _peers(self, ready: list[Ready], joined: int) -> list[tuple[int, Message]]:
         """Each lead's PEERS: its neighbours within the replica and, with data parallelism, its

@@ -116,7 +116,16 @@ def execute(
     """Run ``actions``; with ``trace`` (a list or deque), append ``(code, step, microbatch, start_ns,
     end_ns, 0)`` for each compute action (see :mod:`pipeq.trace`; ``keys`` maps a stream's
     microbatch numbers to their (step, microbatch)). ``note(code, microbatch)`` is called as each
-    compute action starts (the worker's record of what it is computing, for ``step_timeout``)."""
+    compute action starts (the worker's record of what it is computing, for ``step_timeout``).
+    A process holding several stages runs :func:`pipeq.runtime.chunks.execute_chunks` instead."""
+    return _execute_one(ex, actions, trace, keys, note)
+
+
+def _execute_one(
+    ex: StageExecutor, actions: Sequence[Action], trace: Any,
+    keys: Mapping[int, tuple[int, int]] | None, note: Callable[[int, int], None] | None,
+) -> Generator[Request, Any, None]:
+    """:func:`execute` on one stage."""
     received: dict[int, Tensors] = {}
     grads: dict[int, Tensors] = {}
     acts_out: dict[int, Tensors] = {}
@@ -164,22 +173,27 @@ def execute(
             out = grads_out.pop(j, None)
             yield (op, j, ex.for_peer(out if out is not None else ex.early_input_grads(j)))
         elif op is Op.STEP:
-            if note is not None:
-                note(TRACE_OPT_STEP, -1)
-            t0 = clock() if rec else 0
-            if ex.tied is not None:  # replicas first, then the stages holding a copy
-                ex.sync_replicas()
-                ex.tied.add((yield (TIES, STATS, ex.tied.outgoing(), ex.tied.rounds)))
-            if ex.numerics.combines:
-                ex.apply_step((yield from _combined(ex, ex.step_stats())))
-            else:
-                ex.optimizer_step()
-            if rec:
-                rec((TRACE_OPT_STEP, step, -1, t0, clock(), 0))
+            yield from _step(ex, rec, note)
         elif op is Op.INPUT_GRAD or op is Op.WEIGHT_GRAD:  # a split backward: after F and B, which stay lean
             _split_backward(ex, op, j, grads, grads_out, rec, keys, note)
         else:  # pragma: no cover - schedules are validated before they reach here
             raise ValueError(f"stage {ex.index}: cannot execute action {a}")
+
+
+def _step(ex: StageExecutor, rec: Any, note: Callable[[int, int], None] | None) -> Generator[Request, Any, None]:
+    """The optimizer step: tied weights' gradients summed, the stages' statistics combined."""
+    if note is not None:
+        note(TRACE_OPT_STEP, -1)
+    t0 = time.perf_counter_ns() if rec else 0
+    if ex.tied is not None:  # replicas first, then the stages holding a copy
+        ex.sync_replicas()
+        ex.tied.add((yield (TIES, STATS, ex.tied.outgoing(), ex.tied.rounds)))
+    if ex.numerics.combines:
+        ex.apply_step((yield from _combined(ex, ex.step_stats())))
+    else:
+        ex.optimizer_step()
+    if rec:
+        rec((TRACE_OPT_STEP, ex.step_index, -1, t0, time.perf_counter_ns(), 0))
 
 
 def _split_backward(ex: StageExecutor, op: Op, j: int, grads: dict[int, Tensors], grads_out: dict[int, Tensors],

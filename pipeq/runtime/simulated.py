@@ -19,11 +19,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pipeq.errors import PipelineError
+from pipeq.runtime.chunks import ChunkError, execute_chunks
 from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import EMIT, TIES, StagePlan, execute
 from pipeq.stage.microbatch import rewrap
 from pipeq.stage.numerics import Numerics
 from pipeq.schedules import Op, ScheduleFn
+from pipeq.schedules.plan import process_stages
 from pipeq.stage.executor import Tensors
 from pipeq.stage.info import info_of
 from pipeq.stage.spec import StageSpec
@@ -46,7 +48,10 @@ class SimulatedBackend:
         dev = torch.device(device)
         self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev, numerics)
                           for k, spec in enumerate(specs)]
-        self.plans = [StagePlan(schedule, k, n) for k in range(n)]
+        # the stages each process holds (virtual stages: several, pipeq.runtime.chunks), by chunk
+        self.groups = process_stages(schedule, n)
+        self.chunked = len(self.groups) < n
+        self.plans = [StagePlan(schedule, k, n) for k in range(len(self.groups))]
         # messages sent and not yet received: (destination, kind, microbatch), or tied gradients'
         # (destination, "tie", sender, exchange); a stream's outlive a batch
         self.mailbox: dict[tuple[Any, ...], Any] = {}
@@ -65,6 +70,15 @@ class SimulatedBackend:
         inputs: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[Tensors]:
         gens = []
+        if self.chunked:  # each process runs its chunks' actions in its one order
+            for k, ex in enumerate(self.executors):
+                more = {"inputs": inputs[k]} if inputs is not None and inputs[k] is not None else {}
+                self._guard(k, ex.begin, step, sizes, training, x if k == 0 else None,
+                            target if ex.needs_target else None, weights, aux_weights, **more)
+            for p, group in enumerate(self.groups):
+                gens.append(execute_chunks([self.executors[s] for s in group],
+                                           self.plans[p].actions(len(sizes), training)))
+            return self._advance(gens)
         for k, (ex, plan) in enumerate(zip(self.executors, self.plans)):
             actions, _ = self._guard(k, plan.begin, ex, step, sizes, training, x if k == 0 else None,
                                      target if ex.needs_target else None, weights, aux_weights, stream,
@@ -78,6 +92,7 @@ class SimulatedBackend:
         mailbox = self.mailbox
         outputs: dict[int, Tensors] = {}
         pending: list[Any] = [None] * n  # request a stage is blocked on
+        stage_of = list(range(n))  # the stage whose message a blocked process waits for
         values: list[Any] = [None] * n
         done = [False] * n
         while not all(done):
@@ -86,7 +101,7 @@ class SimulatedBackend:
                 while not done[k]:
                     req = pending[k]
                     if req is not None:  # blocked on a receive: is the message there yet?
-                        keys = _awaited(k, req)
+                        keys = _awaited(stage_of[k], req)
                         if not all(key in mailbox for key in keys):
                             break
                         got = [mailbox.pop(key) for key in keys]
@@ -101,12 +116,18 @@ class SimulatedBackend:
                     progressed = True
                     values[k] = None
                     op = req[0]
+                    if self.chunked and op is not TIES:  # (..., chunk): that chunk's stage
+                        s = self.groups[k][req[-1]]
+                        req = (op, *req[1:-1])
+                    else:
+                        s = k
                     if op is Op.RECV_ACT or op is Op.RECV_GRAD:
                         pending[k] = req
+                        stage_of[k] = s
                     elif op is Op.SEND_ACT:
-                        mailbox[(k + 1, "act", req[1])] = rewrap(req[2], [t.clone() for t in req[2]])
+                        mailbox[(s + 1, "act", req[1])] = rewrap(req[2], [t.clone() for t in req[2]])
                     elif op is Op.SEND_GRAD:
-                        mailbox[(k - 1, "grad", req[1])] = tuple(t.clone() for t in req[2])
+                        mailbox[(s - 1, "grad", req[1])] = tuple(t.clone() for t in req[2])
                     elif op is EMIT:
                         outputs[req[1]] = req[2]
                     elif op is TIES:  # post this stage's tied gradients, then wait for the peers'
@@ -121,11 +142,13 @@ class SimulatedBackend:
         """Finish a stream's leftover work (asynchronous 1F1B's last backwards)."""
         self._advance([execute(ex, plan.drain()) for ex, plan in zip(self.executors, self.plans)])
 
-    def _guard(self, k: int, fn: Callable, *args: Any) -> Any:
+    def _guard(self, k: int, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except StopIteration:
             raise
+        except ChunkError as exc:  # a process of several stages: the stage that failed
+            raise PipelineError(str(exc), exc.stage, traceback.format_exc()) from exc
         except Exception as exc:
             raise PipelineError(f"{type(exc).__name__}: {exc}", k, traceback.format_exc()) from exc
 

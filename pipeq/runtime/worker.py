@@ -249,52 +249,57 @@ class EventLoop:
     def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:
         """Run ``actions``, answering the interpreter's requests with the transport. Messages are
         keyed (step, microbatch); in a stream, ``keys`` gives each microbatch number's key."""
-        transport = self.transport
-        rec = self.trace.append if self.trace is not None else None
         self._keys = keys
         gen = execute(self.executor, actions, self.trace, keys, self._note)
-        fq, bq = transport.forward_queue, transport.backward_queue
-        clock = time.perf_counter_ns
         value: Any = None
         try:
             while True:
                 req = gen.send(value)
                 self.current = None  # no compute action under way: messages
-                op = req[0]
-                value = None
-                t0 = clock() if rec else 0
-                s, j = keys[req[1]] if keys is not None else (step, req[1])
-                if op is Op.RECV_ACT:
-                    got = transport.wait_data(fq, s, j)
-                    tree = control.data_tree(got)
-                    value = got.tensors if tree is None else microbatch.Packed.of(got.tensors, tree)
-                    if rec:
-                        rec((trace.WAIT_ACT, s, j, t0, clock(), _nbytes(value)))
-                elif op is Op.RECV_GRAD:
-                    value = transport.wait_data(bq, s, j).tensors
-                    if rec:
-                        rec((trace.WAIT_GRAD, s, j, t0, clock(), _nbytes(value)))
-                elif op is Op.SEND_ACT:
-                    transport.send_activation(s, j, req[2], microbatch.spec_of(req[2]))
-                    if rec:
-                        rec((trace.SEND_ACT, s, j, t0, clock(), _nbytes(req[2])))
-                elif op is Op.SEND_GRAD:
-                    transport.send_gradient(s, j, req[2])
-                    if rec:
-                        rec((trace.SEND_GRAD, s, j, t0, clock(), _nbytes(req[2])))
-                elif op is EMIT:
-                    tree = microbatch.spec_of(req[2])
-                    transport.send_control(control.message(Output(tree=tree), s, j, req[2]))
-                    if rec:
-                        rec((trace.EMIT, s, j, t0, clock(), _nbytes(req[2])))
-                elif op is TIES:
-                    if self.links is None:
-                        raise RuntimeError(f"stage {self.cfg.stage}: tied gradients to exchange, but no tie link")
-                    value = self.links.exchange_ties(req[3], req[2])
+                value = self.carry_out(req, step, keys)
         except StopIteration:
             pass
         finally:
             self.current = None
+
+    def carry_out(self, req: tuple[Any, ...], step: int, keys: Any) -> Any:
+        """One request of the interpreter (see :mod:`pipeq.runtime.interpreter`), carried out
+        with this stage's transport; what the interpreter gets back (a receive's tensors)."""
+        transport = self.transport
+        rec = self.trace.append if self.trace is not None else None
+        op = req[0]
+        t0 = time.perf_counter_ns() if rec else 0
+        s, j = keys[req[1]] if keys is not None else (step, req[1])
+        if op is Op.RECV_ACT:
+            got = transport.wait_data(transport.forward_queue, s, j)
+            tree = control.data_tree(got)
+            value = got.tensors if tree is None else microbatch.Packed.of(got.tensors, tree)
+            if rec:
+                rec((trace.WAIT_ACT, s, j, t0, time.perf_counter_ns(), _nbytes(value)))
+            return value
+        if op is Op.RECV_GRAD:
+            value = transport.wait_data(transport.backward_queue, s, j).tensors
+            if rec:
+                rec((trace.WAIT_GRAD, s, j, t0, time.perf_counter_ns(), _nbytes(value)))
+            return value
+        if op is Op.SEND_ACT:
+            transport.send_activation(s, j, req[2], microbatch.spec_of(req[2]))
+            code = trace.SEND_ACT
+        elif op is Op.SEND_GRAD:
+            transport.send_gradient(s, j, req[2])
+            code = trace.SEND_GRAD
+        elif op is EMIT:
+            transport.send_control(control.message(Output(tree=microbatch.spec_of(req[2])), s, j, req[2]))
+            code = trace.EMIT
+        elif op is TIES:
+            if self.links is None:
+                raise RuntimeError(f"stage {self.cfg.stage}: tied gradients to exchange, but no tie link")
+            return self.links.exchange_ties(req[3], req[2])
+        else:  # pragma: no cover - the interpreter makes no other request
+            raise RuntimeError(f"stage {self.cfg.stage}: unknown request {op!r}")
+        if rec:
+            rec((code, s, j, t0, time.perf_counter_ns(), _nbytes(req[2])))
+        return None
 
 
 def _nbytes(tensors: Any) -> int:

@@ -87,6 +87,7 @@ class StageInbox:
         for s in (self.ctrl, self.fwd_in, self.bwd_in):
             self.poller.register(s, zmq.POLLIN)
         self.spin_s = spin_s
+        self.group: Any = None  # the InboxGroup of a process holding several stages
         self._open_inboxes()
 
     def _open_readers(self) -> None:
@@ -181,7 +182,10 @@ class StageInbox:
         return got
 
     def pump(self, timeout_ms: int) -> bool:
-        """Wait up to ``timeout_ms`` for traffic and file it; True if anything arrived."""
+        """Wait up to ``timeout_ms`` for traffic and file it; True if anything arrived. In a
+        process of several stages, every stage's traffic (:class:`~pipeq.wire.inbox_group.InboxGroup`)."""
+        if self.group is not None:
+            return self.group.pump(timeout_ms)
         events = self.poller.poll(timeout_ms)
         for sock, _ in events:
             if type(sock) is int:
