@@ -11,6 +11,11 @@ any schedule that would deadlock. Nothing here does I/O.
     actions.py   the vocabulary: Op, Action, F, B, I, W, STEP, and lowering into sends and receives
     basic.py     fill-drain (GPipe), 1F1B, forward-only
     zero_bubble.py  ZB-H1 (split backward, 1F1B's memory)
+    zb_h2.py     ZB-H2 (split backward, twice the memory, the pipeline kept full)
+    placement.py virtual stages: which model stages a process holds (looped, V)
+    interleaved.py  interleaved 1F1B and looped BFS (v stages per process, looped)
+    zbv.py       ZBV (zero bubble, two stages per process in a V)
+    dualpipe.py  DualPipeV (DeepSeek's DualPipe in a V)
     protocol.py  SchedulePolicy (what the runtime asks of a schedule), FunctionSchedule
     registry.py  SCHEDULES by name, register(), resolve()
     plan.py      build(): a validated, lowered, dry-run plan; format_table()
@@ -40,6 +45,10 @@ from pipeq.schedules.basic import fill_drain, forward_only, one_f_one_b, warmup_
 from pipeq.schedules.dryrun import check_consistency, dry_run
 from pipeq.schedules.plan import build, format_table
 from pipeq.schedules.zero_bubble import zb_h1
+from pipeq.schedules.zb_h2 import zb_h2
+from pipeq.schedules.interleaved import Interleaved1F1B, LoopedBFS, interleaved_1f1b, looped_bfs
+from pipeq.schedules.zbv import ZBV, zbv
+from pipeq.schedules.dualpipe import DualPipeV, dualpipev
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
 from pipeq.schedules.registry import (EXPORTS, SCHEDULES, NeedsOptions, from_label, get_schedule, is_research,
                                       loss_stages, options_of, output_stage, register, resolve, schedule_name,
@@ -50,7 +59,8 @@ __all__ = [
     "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "SchedulePolicy", "FunctionSchedule",
     "NeedsOptions", "SCHEDULES", "register", "resolve", "get_schedule", "from_label", "loss_stages",
     "output_stage", "is_research", "schedule_name", "options_of", "check_consistency", "dry_run", "build",
-    "format_table", "ScheduleError", "taking_aux_heads",
+    "format_table", "ScheduleError", "taking_aux_heads", "zb_h2", "Interleaved1F1B", "LoopedBFS", "interleaved_1f1b",
+    "looped_bfs", "ZBV", "zbv", "DualPipeV", "dualpipev",
 ]
 
 

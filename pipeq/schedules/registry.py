@@ -11,7 +11,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from pipeq.schedules.basic import fill_drain, one_f_one_b
+from pipeq.schedules.dualpipe import DualPipeV
+from pipeq.schedules.interleaved import Interleaved1F1B, LoopedBFS
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
+from pipeq.schedules.zb_h2 import zb_h2
+from pipeq.schedules.zbv import ZBV
 from pipeq.schedules.zero_bubble import zb_h1
 
 __all__ = ["SCHEDULES", "NeedsOptions", "register", "resolve", "get_schedule", "from_label", "schedule_name",
@@ -53,10 +57,18 @@ SCHEDULES: dict[str, "SchedulePolicy | NeedsOptions"] = {
     "1f1b": FunctionSchedule(one_f_one_b, "1f1b"),
     "zb-h1": FunctionSchedule(zb_h1, "zb-h1"),  # split backward, 1F1B's memory (arXiv 2401.10241)
     "zb1p": FunctionSchedule(zb_h1, "zb1p"),  # torch's name for it
+    "zb-h2": FunctionSchedule(zb_h2, "zb-h2"),  # split backward, twice the memory, W's fill the tail
+    # v stages per process (placement "loop" or "v"; plan(N, m) gives one list per process)
+    "interleaved-1f1b": Interleaved1F1B(),  # Megatron's virtual pipeline; { stages_per_process = v }
+    "interleaved": Interleaved1F1B(),
+    "looped-bfs": LoopedBFS(),  # breadth-first; { stages_per_process = v }
+    "zbv": ZBV(),  # zero bubble in a V (arXiv 2401.10241)
+    "dualpipev": DualPipeV(),  # DeepSeek's DualPipe in a V (arXiv 2412.19437)
 }
 #: Names plug-ins add to :mod:`pipeq.schedules` (their schedule classes), by name.
 EXPORTS: dict[str, Any] = {}
-_READERS: list[type[SchedulePolicy]] = []  # classes whose from_label reads trace labels back
+#: classes whose from_label reads trace labels back (with their options)
+_READERS: list[type[SchedulePolicy]] = [Interleaved1F1B, LoopedBFS]
 
 
 def register(name: str, schedule: "SchedulePolicy | NeedsOptions", *, exports: dict[str, Any] | None = None) -> None:

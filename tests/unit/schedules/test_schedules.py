@@ -322,7 +322,7 @@ def test_get_schedule_known_names():
     assert pipeq.SCHEDULES is S.SCHEDULES
 
 
-@pytest.mark.parametrize("name", ["interleaved", "1F1B", "", None, ["1f1b"]])
+@pytest.mark.parametrize("name", ["interleaved-zb", "1F1B", "", None, ["1f1b"]])
 def test_get_schedule_unknown_lists_known_names(name):
     with pytest.raises(ValueError) as info:
         S.get_schedule(name)
