@@ -217,7 +217,7 @@ def test_cli_nwise_names_its_distance_flag(capsys):
     assert main(["schedule", "nwise", "--distance", "2", "--stages", "3", "--microbatches", "2"]) == 0
     assert capsys.readouterr().out.startswith("nwise(d=2): 3 stages x 2 microbatches")
     for name in pipeq.SCHEDULES:  # every registered name is a choice of the command
-        args = ["schedule", name, "--stages", "2", "--microbatches", "2"] + (["--distance", "1"] if name == "nwise" else [])
+        args = ["schedule", name, "--stages", "2", "--microbatches", "4"] + (["--distance", "1"] if name == "nwise" else [])
         assert main(args) == 0, capsys.readouterr().err
 
 
