@@ -12,9 +12,11 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
     event loop     runtime/    worker.py (one per stage process; batch_command.py: what a command
                                carries), interpreter.py (runs a stage's actions), simulated.py (every
                                stage in one process), executors.py, links.py (a stage process's
-                               replicas and tie peers)
+                               replicas and tie peers); a process of several stages: group.py (its
+                               event loop), chunks.py (its actions, handed over in memory)
     compute        schedules/  pure: actions as data, the schedule policy protocol (protocol.py), the
-                               registry, lowering, dry runs, bounds; zero_bubble.py (ZB-H1)
+                               registry, lowering, dry runs, bounds; placement.py (virtual stages);
+                               zero_bubble.py, zb_h2.py, interleaved.py, zbv.py, dualpipe.py
                    research/   plug-in schedules with their executors: interlock/, async1f1b/, al/
                    stage/      one stage's forward, backward (or split: split_backward.py) and step;
                                numerics, microbatches, lr, what a stage says of itself (info.py),
@@ -29,7 +31,7 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
                    balance.py (pipeq.balance: an optimal split of an nn.Sequential),
                    testing.py (stages of known cost)
     transport      wire/       ZeroMQ links (stage, control, replica and tie: group, shard), shared memory, lanes,
-                               security, sockets
+                               security, sockets; inbox_group.py (a process's stages' inboxes drained as one)
     codec          wire/       codec.py (bytes), messages.py (kinds, Message), control.py (typed
                                command and reply payloads; fields.py: what each field must be),
                                keys.py, netif.py;

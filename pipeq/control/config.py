@@ -188,6 +188,11 @@ class PlacementConfig:
             ``devices[k]`` = ``cuda:d`` and shard s on ``cuda:((d + s) mod G)``. A run whose
             stage would put two shards on one GPU (T > G) is refused before it starts
             (:func:`pipeq.control.processes.plan_devices` has the rule and examples).
+        stages_per_process: v model stages per process (virtual stages, :mod:`pipeq.schedules.placement`):
+            the N = S/v processes hold the S stages given, looped (interleaved-1f1b, looped-bfs: any
+            v >= 2) or in a V (zbv, dualpipev: 2, implied by the schedule). Stages of one process
+            share its device and cores; activations between two of them are handed over in memory.
+            Not yet with tensor parallelism, tied weights or a multi-host run.
     """
 
     mode: str = "process"
@@ -198,8 +203,11 @@ class PlacementConfig:
     data_parallel: int = 1
     tensor_parallel: int = 1
     tp_plan: Sequence[Any] | None = None
+    stages_per_process: int | None = None
 
     def __post_init__(self) -> None:
+        if self.stages_per_process is not None and not _whole(self.stages_per_process, 1, 1 << 10):
+            raise ValueError(f"stages_per_process must be a positive integer, got {self.stages_per_process!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.threads_per_stage is not None and (type(self.threads_per_stage) is not int
@@ -240,7 +248,8 @@ class RunConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "schedule", schedules.resolve(self.schedule))
+        object.__setattr__(self, "schedule", _with_chunks(schedules.resolve(self.schedule),
+                                                          self.placement.stages_per_process))
         m = self.microbatches
         if type(m) is not int or m < 1:
             raise ValueError(f"microbatches must be a positive integer, got {m!r}")
@@ -277,10 +286,26 @@ class RunConfig:
         return os.fspath(self.trace) if self.trace is not None else None
 
     def check_stages(self, n_stages: int) -> None:
-        """What depends on the number of stages: one device per stage."""
+        """What depends on the number of stages: one device per stage; with several stages per
+        process, whole processes (sharing a device), one host, no tensor parallelism."""
         devices = self.placement.devices
         if devices is not None and len(devices) != n_stages:
             raise ValueError(f"devices names {len(devices)} device(s) for {n_stages} stages")
+        sched = self.schedule
+        if sched.stages_per_process == 1:
+            return
+        try:
+            groups = schedules.process_stages(sched, n_stages)
+        except schedules.ScheduleError as exc:
+            raise ValueError(f"schedule {sched.name!r}: {exc}") from None
+        if self.placement.tensor_parallel > 1:
+            raise ValueError(f"schedule {sched.name!r} holds {sched.stages_per_process} stages per process, which "
+                             "does not work with tensor_parallel > 1 yet; use tensor_parallel=1 or a schedule of "
+                             "one stage per process")
+        for p, group in enumerate(groups):
+            if devices is not None and len({devices[s] for s in group}) > 1:
+                raise ValueError(f"stages {group} share process {p} ({sched.name}, {sched.placement} placement) but "
+                                 f"devices gives them {[devices[s] for s in group]}: give them one device")
 
     def numerics_for(self, n_stages: int) -> Numerics:
         """The numerics settings checked for ``n_stages`` stages and this run's schedule and devices."""
@@ -296,6 +321,18 @@ class RunConfig:
         devices = self.placement.devices
         numerics_mod.check_device(nm, devices or (["cuda"] if torch.cuda.is_available() else ["cpu"]))
         return nm
+
+
+def _with_chunks(schedule: SchedulePolicy, v: int | None) -> SchedulePolicy:
+    """``schedule`` holding ``v`` stages per process (None: as it is); refused when it cannot."""
+    if v is None or v == schedule.stages_per_process:
+        return schedule
+    if "stages_per_process" in schedule.option_names:
+        return schedule.with_options(**{**schedule.options, "stages_per_process": v})
+    raise ValueError(
+        f"stages_per_process={v}: schedule {schedule.name!r} runs {schedule.stages_per_process} stage(s) per "
+        "process; for several, use interleaved-1f1b or looped-bfs (looped placement, any number >= 2) or zbv / "
+        "dualpipev (V placement, 2 stages per process)")
 
 
 def check_step_timeout(step_timeout: Any, heartbeat_interval: float = 1.0) -> None:

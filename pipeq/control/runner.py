@@ -163,6 +163,9 @@ class PipelineRunner(RunnerStream, RunnerState):
                                    aux_loss=aux_loss, data_parallel=place.data_parallel, mode=place.mode,
                                    rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval, ties=ties)
         cfg.check_stages(model.n_stages)
+        if rendezvous is not None and cfg.schedule.stages_per_process > 1:
+            raise ValueError(f"schedule {cfg.schedule.name!r} holds several stages per process, which does not run "
+                             "across hosts yet: use it on one host, or a schedule of one stage per process")
         self.numerics = cfg.numerics_for(model.n_stages)
         tp_plans = checks.check_tensor_parallel(model, cfg.schedule, place.tensor_parallel, place.tp_plan,
                                                 mode=place.mode, numerics=self.numerics)

@@ -51,27 +51,33 @@ class GroupLoop:
         """Carry out the commands until EXIT. A stage's commands run in the order they came; a
         stage given a batch waits (its later commands too) until every stage here has it."""
         batch: dict[int, tuple[Any, Any]] = {}
+        exits: set[int] = set()  # the stages told EXIT: the process leaves once all are (the
+        deadline = 0.0           # driver's sends to the others must still find them), or 5 s on
         while True:
             got = False
             for c, loop in enumerate(self.loops):
                 queue = loop.transport.control_queue
-                while queue and c not in batch:
+                while queue and c not in batch and c not in exits:
                     got = True
                     msg = queue.popleft()
                     cmd = control.decode(msg)
                     if isinstance(cmd, Exit):
-                        return
+                        exits.add(c)
+                        deadline = deadline or time.monotonic() + 5.0
+                        continue
                     if isinstance(cmd, _BATCH):
                         batch[c] = (cmd, msg)
                         continue
                     answer = loop.answer(cmd, msg)
                     if answer is not None:
                         loop.transport.send_control(answer)
+            if len(exits) == len(self.loops) or (exits and time.monotonic() > deadline):
+                return
             if len(batch) == len(self.loops):
                 self._batch([batch[c] for c in range(len(self.loops))])
                 batch.clear()
             elif not got:
-                self.loops[0].transport.pump(1000)
+                self.loops[0].transport.pump(100 if exits else 1000)
 
     def _batch(self, given: list[tuple[Any, Any]]) -> None:
         """Run one batch on every stage of the process (or a DRAIN: nothing is left to drain)."""

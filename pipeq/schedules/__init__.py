@@ -43,7 +43,7 @@ from pipeq.schedules.actions import (B, COMPUTE_OPS, GRAD_OPS, STEP, WEIGHT_DONE
                                      ScheduleFn, W, lower, lower_stage)
 from pipeq.schedules.basic import fill_drain, forward_only, one_f_one_b, warmup_order
 from pipeq.schedules.dryrun import check_consistency, dry_run
-from pipeq.schedules.plan import build, format_table
+from pipeq.schedules.plan import build, format_table, process_stages
 from pipeq.schedules.zero_bubble import zb_h1
 from pipeq.schedules.zb_h2 import zb_h2
 from pipeq.schedules.interleaved import Interleaved1F1B, LoopedBFS, interleaved_1f1b, looped_bfs
@@ -59,7 +59,7 @@ __all__ = [
     "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "SchedulePolicy", "FunctionSchedule",
     "NeedsOptions", "SCHEDULES", "register", "resolve", "get_schedule", "from_label", "loss_stages",
     "output_stage", "is_research", "schedule_name", "options_of", "check_consistency", "dry_run", "build",
-    "format_table", "ScheduleError", "taking_aux_heads", "zb_h2", "Interleaved1F1B", "LoopedBFS", "interleaved_1f1b",
+    "format_table", "process_stages", "ScheduleError", "taking_aux_heads", "zb_h2", "Interleaved1F1B", "LoopedBFS", "interleaved_1f1b",
     "looped_bfs", "ZBV", "zbv", "DualPipeV", "dualpipev",
 ]
 

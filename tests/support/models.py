@@ -305,3 +305,17 @@ def split_by_hand(module, mesh):
 
     return parallelize_module(module, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(),
                                              "4": ColwiseParallel(output_layouts=Replicate())})
+
+
+def stages64(n: int, seed: int = 0) -> list[nn.Module]:
+    """``n`` float64 stages 6 -> 10 -> ... -> 4 (Tanh between)."""
+    torch.manual_seed(seed)
+    widths = [6] + [10] * (n - 1) + [4]
+    return [nn.Sequential(nn.Linear(widths[k], widths[k + 1]), nn.Tanh()).double() if k < n - 1
+            else nn.Linear(widths[k], widths[k + 1]).double() for k in range(n)]
+
+
+def batches64(n_steps: int, batch: int = 10, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (batch,), generator=g))
+            for _ in range(n_steps)]

@@ -1,0 +1,80 @@
+"""Several stages per process in process mode: one OS process per pair of stages, equal to one process (data_parallel=2 with clipping, uneven microbatches, bf16 with recompute), traced, and a failure named by stage and chunk."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+from models import Chain, batches64, flat_state, stages64
+from runner_cases import assert_matches_reference
+
+pytestmark = pytest.mark.timeout(240)
+
+FAST = dict(start_method="forkserver", threads_per_stage=1)
+SGD64 = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+def test_zbv_with_data_parallel_2_and_clipping_runs_two_stages_per_process():
+    stages = stages64(4)
+    batches = batches64(2, batch=16)  # each replica: 8 samples in 4 microbatches
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "zbv", 4, data_parallel=2,
+                              clip_grad_norm=0.5, **FAST) as r:
+        losses = [r.step(x, y) for x, y in batches]
+        state = r.state_dict()
+        pids = {w["stage"]: w["pid"] for w in r._backend.worker_info if w["replica"] == 0}
+    assert pids[0] == pids[3] and pids[1] == pids[2] and pids[0] != pids[1]  # V placement: 2 processes
+    model = Chain(*copy.deepcopy(stages))
+    opt = SGD64(model.parameters())
+    want = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        want.append(loss.item())
+    assert losses == pytest.approx(want, abs=1e-9)
+    for name, ref in flat_state(model).items():
+        torch.testing.assert_close(state[name], ref, atol=1e-9, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "interleaved-1f1b"])
+def test_uneven_microbatches_equal_one_process_and_every_stage_is_traced(schedule, tmp_path):
+    stages = stages64(4)
+    batches = batches64(2)  # 4 microbatches of 3, 3, 2, 2
+    path = tmp_path / "run.json"
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, schedule, 4, trace=str(path),
+                              **FAST) as r:
+        losses = [r.step(x, y) for x, y in batches]
+        state = r.state_dict()
+    assert_matches_reference(stages, batches, losses, state, opt=SGD64, tol=1e-12)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] == "forward"]
+    assert {e["tid"] for e in events} == {0, 1, 2, 3}  # each stage's forwards, by stage
+
+
+def test_bf16_with_recompute_gives_the_simulated_bits():
+    stages = [nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+              nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4)]
+    batches = [(x.float(), y) for x, y in batches64(2)]
+    got = {}
+    for mode, kw in (("simulated", {}), ("process", FAST)):
+        with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "interleaved-1f1b", 4,
+                                  mode=mode, precision="bf16", recompute=True, **kw) as r:
+            got[mode] = ([r.step(x, y) for x, y in batches], r.state_dict())
+    assert got["process"][0] == got["simulated"][0]
+    assert all(torch.equal(got["process"][1][k], v) for k, v in got["simulated"][1].items())
+
+
+def test_a_failing_stage_is_named_by_stage_and_chunk():
+    stages = stages64(4)
+    stages[2] = nn.Linear(7, 10).double()  # process 1's chunk 1 (V placement) gets width 10
+    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD64, "zbv", 4, **FAST) as r:
+        with pytest.raises(pipeq.PipelineError, match=r"stage 2 \(chunk 1 of its process\)") as info:
+            r.step(*batches64(1)[0])
+    assert info.value.stage == 2

@@ -1,0 +1,120 @@
+"""Several stages per process in simulated mode equal plain single-process training: every new schedule, uneven microbatches, clipping, bf16, recompute, a stream, checkpoint/resume; refusals."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+from models import Chain, batches64, flat_state, stages64
+from numerics_cases import assert_close, data, reference
+from numerics_cases import run as run_numerics
+from runner_cases import assert_matches_reference
+from runner_cases import run as run_runner
+
+pytestmark = pytest.mark.timeout(120)
+
+SGD64 = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+#: (schedule, stages given): two processes each
+CASES = [("interleaved-1f1b", 4), ("looped-bfs", 4), ("zbv", 4), ("dualpipev", 4), ("zb-h2", 2)]
+
+
+@pytest.mark.parametrize("schedule,n", CASES)
+def test_each_schedule_equals_one_process_with_uneven_microbatches(schedule, n):
+    stages = stages64(n)
+    batches = batches64(3)  # 4 microbatches of 3, 3, 2, 2
+    losses, state, out = run_runner(stages, batches, schedule=schedule, microbatches=4, mode="simulated", opt=SGD64)
+    model = assert_matches_reference(stages, batches, losses, state, opt=SGD64, tol=1e-12)
+    with torch.no_grad():  # predict runs every chunk's forwards, in stage order
+        torch.testing.assert_close(out, model(batches[0][0]), atol=1e-12, rtol=0)
+
+
+def test_interleaved_with_three_stages_per_process_and_more_microbatches():
+    stages = stages64(6)
+    batches = batches64(2, batch=13)
+    losses, state, _ = run_runner(stages, batches, schedule="interleaved-1f1b", microbatches=4, mode="simulated",
+                                  opt=SGD64, stages_per_process=3)
+    assert_matches_reference(stages, batches, losses, state, opt=SGD64, tol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved-1f1b"])
+def test_clipping_combines_every_stage_of_every_process(schedule):
+    stages = [nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+              nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4)]
+    batches = data(3)
+    got, _, _ = run_numerics(stages, batches, schedule=schedule, microbatches=4, clip_grad_norm=0.05)
+    assert_close(got, reference(stages, batches, clip=0.05), atol=1e-6)
+    assert (got["0.weight"] - reference(stages, batches)["0.weight"]).abs().max() > 1e-3  # it did clip
+
+
+@pytest.mark.parametrize("options", [dict(precision="bf16"), dict(recompute=True), dict(check_finite="raise")],
+                         ids=["bf16", "recompute", "check_finite"])
+def test_dualpipev_gives_1f1b_bits_under_the_numerics_options(options):
+    stages = [nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+              nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4)]
+    batches = data(2)
+    got, losses, _ = run_numerics(stages, batches, schedule="dualpipev", microbatches=4, **options)
+    want, want_losses, _ = run_numerics(stages, batches, schedule="1f1b", microbatches=4, **options)
+    assert losses == pytest.approx(want_losses, abs=1e-6)
+    assert_close(got, want, atol=1e-6)
+
+
+def test_a_stream_equals_the_step_loop():
+    stages = stages64(4)
+    batches = batches64(3)
+    looped, _, _ = run_runner(stages, batches, schedule="zbv", microbatches=4, mode="simulated", opt=SGD64)
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "zbv", 4, mode="simulated") as r:
+        streamed = list(r.stream(batches))
+    assert streamed == pytest.approx(looped, abs=1e-12)
+
+
+def test_checkpoint_and_resume_equal_an_uninterrupted_run(tmp_path):
+    stages = stages64(4)
+    batches = batches64(4)
+    whole, state, _ = run_runner(stages, batches, schedule="interleaved-1f1b", microbatches=4, mode="simulated",
+                                 opt=SGD64)
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "interleaved-1f1b", 4,
+                              mode="simulated") as r:
+        first = [r.step(x, y) for x, y in batches[:2]]
+        r.save(tmp_path / "ckpt")
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "interleaved-1f1b", 4,
+                              mode="simulated") as r:
+        r.load(tmp_path / "ckpt")
+        rest = [r.step(x, y) for x, y in batches[2:]]
+        resumed = r.state_dict()
+    assert first + rest == whole
+    assert all(torch.equal(resumed[k], state[k]) for k in state)
+
+
+def test_the_state_keeps_the_flat_models_names():
+    stages = stages64(4)
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "zbv", 4, mode="simulated") as r:
+        assert list(r.state_dict()) == list(flat_state(Chain(*stages)))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(schedule="zbv", stages=3), r"3 stages do not divide into processes of 2 stages"),
+    (dict(schedule="1f1b", stages_per_process=2), r"schedule '1f1b' runs 1 stage\(s\) per process"),
+    (dict(schedule="zbv", stages_per_process=3), r"schedule 'zbv' runs 2 stage\(s\) per process"),
+    (dict(schedule="interleaved-1f1b", stages_per_process=0), r"stages_per_process must be a positive integer"),
+    (dict(schedule="zbv", tensor_parallel=2), r"does not work with tensor_parallel > 1 yet"),
+    (dict(schedule="zbv", devices=["cpu", "cpu", "cpu", "meta"]), r"devices\[3\]|give them one device"),
+])
+def test_refusals_name_the_setting(kw, match):
+    kw = dict(kw)
+    stages = stages64(kw.pop("stages", 4))
+    with pytest.raises(ValueError, match=match):
+        pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD64, microbatches=4, mode="simulated", **kw)
+
+
+def test_a_failing_stage_is_named_with_its_chunk():
+    stages = stages64(4)
+    stages[2] = nn.Linear(7, 10).double()  # stage 2 (process 1's chunk 1, V placement) gets width 10
+    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD64, "zbv", 4, mode="simulated") as r:
+        with pytest.raises(pipeq.PipelineError, match=r"stage 2 \(chunk 1 of its process\).*microbatch 0") as info:
+            r.step(*batches64(1)[0])
+    assert info.value.stage == 2
