@@ -36,6 +36,8 @@ A job file (TOML, read with the standard library's tomllib)::
     data_parallel = 1                            # R replicas of the pipeline (R x N processes)
     tensor_parallel = 1                          # optional: T processes per stage (R x N x T), with
     tp_plan = [{ "0" = "colwise", "2" = "rowwise" }, {}]   # one table per stage (pipeq.parallel.tensor)
+    stages_per_process = 1                       # optional: model stages per process (virtual stages:
+                                                 # interleaved-1f1b, looped-bfs; zbv, dualpipev hold 2)
     precision = "bf16"                           # optional: "fp32" (default), "bf16", "fp16"
     clip_grad_norm = 1.0                         # optional: clip by the global norm (clip_norm_type = 2.0)
     check_finite = "raise"                       # optional: false (default), "raise" (or true), "skip"

@@ -123,6 +123,8 @@ KEYS: dict[str, Key] = {
                          "processes", minimum=1),
     "tensor_parallel": Key(int, 1, "T processes per stage, on one host (R x N x T), split as tp_plan says",
                            "processes", minimum=1),
+    "stages_per_process": Key(int, None, "model stages per process (virtual stages): interleaved-1f1b and "
+                              "looped-bfs take any number >= 2; zbv and dualpipev hold 2", "processes", minimum=1),
     "tp_plan": Key(list, None, 'one table per stage: submodule names to "colwise" / "rowwise"', "processes"),
     "tcp_security": Key(str, "encrypt", 'TCP between hosts: "encrypt" (CURVE on every socket) or "authenticate" '
                         "(an HMAC on every data message, not encrypted)", "multi-host"),

@@ -47,6 +47,7 @@ class Job:
     data_parallel: int = field_of("data_parallel")
     tensor_parallel: int = field_of("tensor_parallel")
     tp_plan: list[dict[str, str]] | None = field_of("tp_plan")
+    stages_per_process: int | None = field_of("stages_per_process")
     tcp_security: str = field_of("tcp_security")
     max_message_mb: int = field_of("max_message_mb")
     shm_slots: int = field_of("shm_slots")
@@ -132,7 +133,8 @@ class Job:
                         start_timeout=self.start_timeout),
             PlacementConfig(threads_per_stage=self.threads_per_stage, start_method="forkserver",
                             placement=self.placement, data_parallel=self.data_parallel, tensor_parallel=tp,
-                            tp_plan=self.tp_plan if tp > 1 else None))  # --tensor-parallel 1: no plan
+                            tp_plan=self.tp_plan if tp > 1 else None,  # --tensor-parallel 1: no plan
+                            stages_per_process=self.stages_per_process))
 
     def check(self) -> None:
         """Resolve what the driver calls (data, eval_data, metrics) and check their arguments,

@@ -53,30 +53,13 @@ def _per_stage(plan: list[list[Action]], n: int, chunks: int, placement: str) ->
     return stages
 
 
-def _run(plan: list[list[Action]], n: int, placement: str, cost=UNIT) -> float:
-    """Every process runs its list in order; a forward waits for the previous model stage's, a
-    backward (B or I) for the next stage's. The step's length, or AssertionError on a deadlock."""
-    n_stages = max(stage_index(p, a.chunk, n, placement) for p, acts in enumerate(plan) for a in acts) + 1
-    done: dict[tuple[str, int, int], float] = {}
-    at, clock = [0] * len(plan), [0.0] * len(plan)
-    while True:
-        moved = False
-        for p, acts in enumerate(plan):
-            while at[p] < len(acts):
-                a = acts[at[p]]
-                s, j = stage_index(p, a.chunk, n, placement), a.microbatch
-                need = (("F", s - 1, j) if a.op is Op.FORWARD and s > 0 else
-                        ("G", s + 1, j) if a.op in (Op.BACKWARD, Op.INPUT_GRAD) and s < n_stages - 1 else None)
-                if need is not None and need not in done:
-                    break
-                clock[p] = max(clock[p], done.get(need, 0.0)) + cost[a.op]
-                kind = "F" if a.op is Op.FORWARD else "G" if a.op in (Op.BACKWARD, Op.INPUT_GRAD) else a.op.value
-                done[kind, s, j] = clock[p]
-                at[p], moved = at[p] + 1, True
-        if not moved:
-            stuck = [p for p, acts in enumerate(plan) if at[p] < len(acts)]
-            assert not stuck, f"deadlock: processes {stuck} wait at {[str(plan[p][at[p]]) for p in stuck]}"
-            return max(clock)
+def _run(policy, n: int, m: int, cost=UNIT) -> float:
+    """The step's length of ``policy`` on ``n`` processes: :func:`pipeq.schedules.build` (per model
+    stage consistency, a deadlock-free dry run across processes) and its dry run at ``cost``."""
+    policy = S.resolve(policy)
+    n_stages = n * policy.stages_per_process
+    timeline = S.dry_run(S.build(policy, n_stages, m), cost=cost, stages=S.process_stages(policy, n_stages))
+    return max(t + cost[a.op] for row in timeline for t, a in row if a.op is not Op.STEP)
 
 
 def _check(policy, n: int, m: int) -> float:
@@ -84,7 +67,7 @@ def _check(policy, n: int, m: int) -> float:
     assert len(plan) == n
     S.check_consistency(_per_stage(plan, n, policy.stages_per_process, policy.placement),
                         n * policy.stages_per_process, m, training=True)
-    return _run(plan, n, policy.placement)
+    return _run(policy, n, m)
 
 
 # -- torch's orders --------------------------------------------------------------------------------
@@ -141,17 +124,24 @@ def test_the_checks_can_fail():
     crossed = [[Action(Op.FORWARD, 0, 1), Action(Op.FORWARD, 0, 0), Action(Op.BACKWARD, 0, 1),  # stage 1's F first
                 Action(Op.BACKWARD, 0, 0), Action(Op.STEP, -1, 0), Action(Op.STEP, -1, 1)]]
     S.check_consistency(_per_stage(crossed, 1, 2, "loop"), 2, 1, training=True)
-    with pytest.raises(AssertionError, match=r"deadlock: processes \[0\] wait at \['F0.c1'\]"):
-        _run(crossed, 1, "loop")
+
+    class Crossed(S.SchedulePolicy):
+        name, stages_per_process = "crossed", 2
+
+        def plan(self, n_stages, n_microbatches):
+            return crossed
+
+    with pytest.raises(ScheduleError, match=r"deadlocks: process 0 \(stage 1\) waits for the act of microbatch 0"):
+        _run(Crossed(), 1, 1)
 
 
 def test_interleaving_and_the_v_shorten_the_step():
     half = {op: c / 2 for op, c in UNIT.items()}  # a chunk is half a 1F1B stage
-    one_f_one_b = _run(S.one_f_one_b(4, 8), 4, "loop")
+    one_f_one_b = _run("1f1b", 4, 8)
     assert one_f_one_b == 3 * (8 + 4 - 1)
-    assert _run(S.interleaved_1f1b(4, 8, 2), 4, "loop", half) < one_f_one_b
-    assert _run(S.zbv(4, 8), 4, "v", half) <= 3 * 8 + 2  # about zero bubble at F = I = W
-    assert _run(S.dualpipev(4, 8), 4, "v", half) < one_f_one_b
+    assert _run("interleaved-1f1b", 4, 8, half) < one_f_one_b
+    assert _run("zbv", 4, 8, half) <= 3 * 8 + 2  # about zero bubble at F = I = W
+    assert _run("dualpipev", 4, 8, half) < one_f_one_b
 
 
 # -- ZB-H2 ----------------------------------------------------------------------------------------------
