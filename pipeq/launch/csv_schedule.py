@@ -12,16 +12,19 @@ from pipeq.schedules.tdp_csv import CsvSchedule, dumps
 __all__ = ["from_csv", "to_csv"]
 
 
-def from_csv(path: str) -> CsvSchedule:
-    """The schedule a TDP compute-only CSV file holds (one stage per process; validated and dry-run)."""
+def from_csv(path: str, placement: str = "loop") -> CsvSchedule:
+    """The schedule a TDP compute-only CSV file holds (validated and dry-run); a file of several
+    stages per process places them ``placement``: ``"loop"`` or ``"v"``."""
     with open(path, newline="") as f:
-        return CsvSchedule(f.read(), label=f"csv:{path}")
+        return CsvSchedule(f.read(), label=f"csv:{path}", placement=placement)
 
 
-def to_csv(path: str, schedule: Any, n_stages: int, n_microbatches: int, placement: str = "loop") -> str:
-    """Write ``schedule``'s plan (validated and dry-run first) as TDP's compute-only CSV; its text."""
-    build(schedule, n_stages, n_microbatches)
-    text = dumps(resolve(schedule).plan(n_stages, n_microbatches), placement)
+def to_csv(path: str, schedule: Any, n_processes: int, n_microbatches: int) -> str:
+    """Write ``schedule``'s plan on ``n_processes`` (validated and dry-run first) as TDP's
+    compute-only CSV, in the schedule's placement; its text."""
+    policy = resolve(schedule)
+    build(policy, n_processes * policy.stages_per_process, n_microbatches)
+    text = dumps(policy.plan(n_processes, n_microbatches), policy.placement)
     with open(path, "w", newline="") as f:
         f.write(text)
     return text

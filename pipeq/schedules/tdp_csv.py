@@ -14,7 +14,7 @@ or deadlocking file with a :class:`~pipeq.ScheduleError` naming the row (process
 pipeq does by itself) are skipped; communication cells (``SEND_F``...) belong to TDP's
 compute_comms format and are refused. A plan of one chunk per process is validated and dry-run
 like any pipeq schedule; one of several chunks is checked per virtual stage (every microbatch
-forwarded and backwarded once, in order) and not yet dry-run: running virtual stages is to come.
+forwarded and backwarded once, in order) and dry-run across processes, each holding its stages.
 :class:`CsvSchedule` is such a file as a schedule the runner takes. Pure: no I/O.
 """
 
@@ -25,9 +25,9 @@ import io
 import re
 
 from pipeq.errors import ScheduleError
-from pipeq.schedules.actions import COMPUTE_OPS, STEP, Action, Op, Schedule, lower
+from pipeq.schedules.actions import COMPUTE_OPS, STEP, Action, Op, Schedule, lower, lower_process
 from pipeq.schedules.dryrun import check_consistency, dry_run
-from pipeq.schedules.placement import PLACEMENTS, _check_placement, process_chunk, stage_index
+from pipeq.schedules.placement import PLACEMENTS, _check_placement, process_chunk, stage_index, stages_of
 from pipeq.schedules.protocol import SchedulePolicy
 
 __all__ = ["PLACEMENTS", "stage_index", "process_chunk", "dumps", "loads", "CsvSchedule"]
@@ -152,38 +152,48 @@ def loads(text: str, n_processes: int, placement: str = "loop", n_microbatches: 
         check_consistency(stages, len(stages), m, training=True)
     except ScheduleError as exc:
         raise _locate(exc, at) from None
-    full = [acts + [STEP] for acts in plan]
     if chunks == 1:
+        full = [acts + [STEP] for acts in plan]
         try:
             dry_run(lower(full))
         except ScheduleError as exc:
             raise _locate_deadlock(exc, plan, where) from None
+        return full
+    full = [acts + [Action(Op.STEP, -1, c) for c in range(chunks)] for acts in plan]
+    held = [stages_of(p, n_processes, chunks, placement) for p in range(n_processes)]
+    try:
+        dry_run([lower_process(acts, held[p], n_processes * chunks) for p, acts in enumerate(full)], stages=held)
+    except ScheduleError as exc:
+        raise ScheduleError(f"the CSV ({placement} placement): {exc}") from None
     return full
 
 
 class CsvSchedule(SchedulePolicy):
-    """A TDP CSV's plan as a schedule (one chunk per process): plain backprop, the plan fixed by
-    the file, so it runs only with the file's process and microbatch counts. ``label`` names it
-    in traces (e.g. its path)."""
+    """A TDP CSV's plan as a schedule: plain backprop, the plan fixed by the file, so it runs only
+    with the file's process and microbatch counts. A file of several stages per process (stage
+    indices beyond its rows) runs them in ``placement`` (``"loop"``, or ``"v"`` for ZBV and
+    DualPipeV files). ``label`` names it in traces (e.g. its path)."""
 
-    def __init__(self, text: str, label: str = "csv") -> None:
+    def __init__(self, text: str, label: str = "csv", placement: str = "loop") -> None:
         self.text, self.name = text, label
         rows = [r for r in csv.reader(io.StringIO(text)) if any(c.strip() for c in r)]
-        self._plan = loads(text, len(rows))
-        if any(a.chunk for acts in self._plan for a in acts):
-            raise ScheduleError(f"{label}: several stages per process (chunks) are validated but cannot run yet")
-        self.n_stages = len(self._plan)
+        self._plan = loads(text, len(rows), placement)
+        self.n_processes = len(self._plan)
+        self.stages_per_process = 1 + max(a.chunk for acts in self._plan for a in acts)
+        self.placement = placement
+        self.n_stages = self.n_processes * self.stages_per_process
         self.n_microbatches = 1 + max(a.microbatch for acts in self._plan for a in acts)
 
     def plan(self, n_stages: int, n_microbatches: int) -> Schedule:
-        if (n_stages, n_microbatches) != (self.n_stages, self.n_microbatches):
-            raise ScheduleError(f"schedule {self.name!r} is a CSV of {self.n_stages} stages x {self.n_microbatches} "
-                                f"microbatches; the run has {n_stages} x {n_microbatches}")
+        if (n_stages, n_microbatches) != (self.n_processes, self.n_microbatches):
+            what = "stages" if self.stages_per_process == 1 else f"processes of {self.stages_per_process} stages"
+            raise ScheduleError(f"schedule {self.name!r} is a CSV of {self.n_processes} {what} x "
+                                f"{self.n_microbatches} microbatches; the run has {n_stages} x {n_microbatches}")
         return [list(acts) for acts in self._plan]
 
     @property
     def options(self) -> dict:
-        return {"csv": self.text}
+        return {"csv": self.text, "placement": self.placement}
 
     @property
     def label(self) -> str:

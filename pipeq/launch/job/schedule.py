@@ -4,7 +4,8 @@
 gives its options (``{ name = "nwise", distance = 2 }``: what the schedule's ``option_names``
 allow), and ``"pkg.module:Name"`` names your own (a :class:`~pipeq.schedules.SchedulePolicy`
 class, called with the table's options; an object; or a schedule function).
-``"csv:plan.csv"`` runs a torch.distributed.pipelining schedule CSV (relative to the job file).
+``"csv:plan.csv"`` runs a torch.distributed.pipelining schedule CSV (relative to the job file);
+``{ name = "csv:zbv.csv", placement = "v" }`` one of two stages per process in a V.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ def parse_schedule(value: "str | Mapping[str, Any]", sys_path: Sequence[str] = (
     with its options. ``sys_path``: where the job's own modules import from."""
     options = {"name": value} if isinstance(value, str) else dict(value)
     name = options.pop("name", None)
-    if isinstance(name, str) and name.startswith("csv:") and not options:
+    if isinstance(name, str) and name.startswith("csv:") and set(options) <= {"placement"}:
         from pipeq.launch.csv_schedule import from_csv
 
         file = name[4:]  # the job file's directory is sys_path[1] (see load.py)
-        return from_csv(file if os.path.isabs(file) or len(sys_path) < 2 else os.path.join(sys_path[1], file))
+        return from_csv(file if os.path.isabs(file) or len(sys_path) < 2 else os.path.join(sys_path[1], file),
+                        **options)
     if isinstance(name, str) and ":" in name:
         return _users(name, options, sys_path)
     known = schedules.SCHEDULES

@@ -84,7 +84,7 @@ def test_stage_index_for_one_chunk_looped_and_v():
 def test_several_chunks_validate_per_virtual_stage():
     looped = "0F0,2F0,2B0,0B0,0REDUCE_GRAD\n1F0,3F0,3B0,1B0\n"
     plan = loads(looped, 2)
-    assert plan[1] == [F(0), Action(Op.FORWARD, 0, 1), Action(Op.BACKWARD, 0, 1), B(0), STEP]
+    assert plan[1] == [F(0), Action(Op.FORWARD, 0, 1), Action(Op.BACKWARD, 0, 1), B(0), STEP, Action(Op.STEP, -1, 1)]
     assert dumps(plan) == looped.replace(",0REDUCE_GRAD", "").replace("\n", "\r\n")
     v = loads("0F0,3F0,3B0,0B0\n1F0,2F0,2B0,1B0\n", 2, "v")
     assert v == plan and dumps(v, "v").startswith("0F0,3F0,3B0,0B0")
@@ -147,3 +147,46 @@ def test_a_job_file_runs_a_csv_next_to_it(tmp_path):
     (tmp_path / "plan.csv").write_text("0F0,0B0\n1B0,1F0\n")
     with pytest.raises(ValueError, match=r"job file .*: row 1 \(process 1\), column 0 \(step 0\), '1B0'"):
         load_job(str(path))
+
+
+def _tdp_virtual(cls_name, n, m, **attrs):
+    """torch's per-rank order of a schedule of several stages per rank (overlapped pairs flattened)."""
+    fake = SimpleNamespace(pp_group_size=n, _n_microbatches=m, **attrs)
+    order = {}
+    for rank in range(n):
+        acts = []
+        for a in getattr(TDP, cls_name)._calculate_single_rank_operations(fake, rank):
+            if a is not None:
+                acts += list(a.sub_actions) if a.sub_actions else [a]
+        order[rank] = acts
+    return order
+
+
+@pytest.mark.parametrize("ours,cls_name,placement,attrs", [
+    ("interleaved-1f1b", "ScheduleInterleaved1F1B", "loop", dict(n_local_stages=2)),
+    ("looped-bfs", "ScheduleLoopedBFS", "loop", dict(_stages=[None, None])),
+    ("zbv", "ScheduleZBVZeroBubble", "v", {}),
+    ("dualpipev", "ScheduleDualPipeV", "v", {}),
+])
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8)])
+def test_tdp_csvs_of_two_stages_per_rank_load_as_pipeqs_plan_and_run(tmp_path, ours, cls_name, placement, attrs, n, m):
+    if cls_name == "ScheduleInterleaved1F1B":
+        attrs = {**attrs, "microbatches_per_round": m // max(1, m // n)}
+    if cls_name == "ScheduleZBVZeroBubble":
+        attrs = {**attrs, "num_stages": 2 * n}
+    text = _tdp_csv(tmp_path, _tdp_virtual(cls_name, n, m, **attrs))
+    plan = loads(text, n, placement)
+    assert plan == S.resolve(ours).plan(n, m)  # torch's own action lists, read back as pipeq's
+    assert dumps(plan, placement) == dumps(S.resolve(ours).plan(n, m), placement)
+    schedule = CsvSchedule(text, "tdp.csv", placement)
+    assert (schedule.stages_per_process, schedule.placement) == (2, placement)
+    assert S.build(schedule, 2 * n, m) == S.build(ours, 2 * n, m)
+
+
+def test_a_virtual_csv_in_the_wrong_placement_is_refused_naming_it(tmp_path):
+    text = dumps(S.resolve("zbv").plan(2, 4), "v")
+    with pytest.raises(ScheduleError, match=r"'3F0': stage 3 is on process 1 \(loop placement\), not on this row's"):
+        loads(text, 2, "loop")
+    with pytest.raises(ScheduleError, match=r"the CSV \(loop placement\): schedule deadlocks: process 0 \(stage 1\) "
+                                            r"waits for the act of microbatch 0 from stage 0"):
+        loads("1F0,0F0,1B0,0B0\n", 1)  # one process holding stages 0 and 1: stage 1's forward first
