@@ -18,6 +18,7 @@ any schedule that would deadlock. Nothing here does I/O.
     dualpipe.py  DualPipeV (DeepSeek's DualPipe in a V)
     protocol.py  SchedulePolicy (what the runtime asks of a schedule), FunctionSchedule
     registry.py  SCHEDULES by name, register(), resolve()
+    bubbles.py   each built-in schedule's bubble in closed form (printed beside its dry run)
     plan.py      build(): a validated, lowered, dry-run plan; format_table()
     dryrun.py    consistency checks and the symbolic dry run
     bounds.py    the plan under runner.stream and the time per batch it allows

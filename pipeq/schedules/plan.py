@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from pipeq.errors import ScheduleError
 from pipeq.schedules.actions import COMPUTE_OPS, Action, Op, Schedule, lower, lower_process
+from pipeq.schedules.bubbles import formula_of
 from pipeq.schedules.basic import forward_only
 from pipeq.schedules.dryrun import check_consistency, dry_run
 from pipeq.schedules.placement import n_processes, stages_of
@@ -120,6 +121,9 @@ def format_table(name: Any, n_stages: int, n_microbatches: int, *, backward_cost
     v = resolve(name).stages_per_process
     lowered = build(name, n_stages * v, n_microbatches)
     where = process_stages(name, n_stages * v)
+    split = any(a.op in (Op.INPUT_GRAD, Op.WEIGHT_GRAD) for acts in lowered for a in acts)
+    if costs is None and split:  # a split backward: B's cost shared by its I and W
+        costs = (1, max(1, backward_cost // 2), max(1, backward_cost - backward_cost // 2))
     cost = table_costs(costs, backward_cost)
     timeline = dry_run(lowered, cost=cost, stages=where)
     end = max(t + cost[a.op] for row in timeline for t, a in row)
@@ -140,12 +144,25 @@ def format_table(name: Any, n_stages: int, n_microbatches: int, *, backward_cost
         lines.append(f"{row_name} {k} | " + " ".join(c.ljust(width - 1) for c in cells).rstrip())
     if costs is not None:
         lines.append(_bubble_line(timeline, cost, end))
+        lines.append(_formula_line(schedule_name(name), timeline, cost, n_stages))
     return "\n".join(lines)
 
 
 def _bubble_line(timeline: list[list[tuple[int, Action]]], cost: dict[Op, int], end: int) -> str:
-    """The step's length (up to its last STEP's start) and its idle share over every stage."""
-    span = max((t for row in timeline for t, a in row if a.op is Op.STEP), default=end)
+    """The step's length (to the last process's first STEP) and its idle share over every process."""
+    span = max((min((t for t, a in row if a.op is Op.STEP), default=end) for row in timeline), default=end)
     busy = sum(cost[a.op] for row in timeline for t, a in row if a.op is not Op.STEP)
     idle = span * len(timeline) - busy
     return f"step {span} units before STEP; bubble {idle / (span * len(timeline)):.1%} ({idle} idle units)"
+
+
+def _formula_line(name: str, timeline: list[list[tuple[int, Action]]], cost: dict[Op, int], n: int) -> str:
+    """The bubble per process (the step minus one process's work) beside its closed form."""
+    span = max(min((t for t, a in row if a.op is Op.STEP), default=0) for row in timeline)
+    work = max(sum(cost[a.op] for _, a in row if a.op is not Op.STEP) for row in timeline)
+    line = f"bubble per process: {span - work} units"
+    found = formula_of(name)
+    if found is not None:
+        value = found.value(n, cost[Op.FORWARD], cost[Op.INPUT_GRAD], cost[Op.WEIGHT_GRAD], cost[Op.BACKWARD])
+        line += f"; formula {found.text} = {value:g} units (pipeq.schedules.bubbles)"
+    return line

@@ -3,6 +3,7 @@ process) in torch's orders, and ZB-H2 (one stage per process, the pipeline kept 
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -173,11 +174,12 @@ def test_zb_h2_is_a_parallelogram_at_equal_costs_and_beats_zb_h1_when_w_is_cheap
     table = S.format_table("zb-h2", 4, 8, costs=(1, 1, 1)).splitlines()
     assert table[1].split("|")[1].split()[:10] == ["F0", "F1", "F2", "F3", "F4", "F5", "F6", "I0", "W0", "I1"]
     # a synchronized STEP: 3m + N - 1, the floor at these costs, which ZB-H1 reaches as well
-    assert table[-1] == "step 27 units before STEP; bubble 11.1% (12 idle units)"
-    assert S.format_table("zb-h1", 4, 8, costs=(1, 1, 1)).splitlines()[-1] == table[-1]
+    assert table[-2] == "step 27 units before STEP; bubble 11.1% (12 idle units)"
+    assert table[-1] == "bubble per process: 3 units; formula (N-1)·max(F, F+I-2W) = 3 units (pipeq.schedules.bubbles)"
+    assert S.format_table("zb-h1", 4, 8, costs=(1, 1, 1)).splitlines()[-2] == table[-2]
     for costs, h1, h2 in (((1, 2, 1), 38, 35), ((2, 2, 1), 49, 46)):  # ZB-H1: (N-1)(F+I-W); ZB-H2: (N-1)F
-        assert S.format_table("zb-h1", 4, 8, costs=costs).splitlines()[-1].startswith(f"step {h1} units")
-        assert S.format_table("zb-h2", 4, 8, costs=costs).splitlines()[-1].startswith(f"step {h2} units")
+        assert S.format_table("zb-h1", 4, 8, costs=costs).splitlines()[-2].startswith(f"step {h1} units")
+        assert S.format_table("zb-h2", 4, 8, costs=costs).splitlines()[-2].startswith(f"step {h2} units")
     cost = {Op.FORWARD: 1, Op.INPUT_GRAD: 1, Op.WEIGHT_GRAD: 1}
     assert stream_bound("zb-h2", 4, 8, cost).stream == 3 * 8 + 1  # streamed: no bubble (+ its STEP)
     assert stream_bound("zb-h1", 4, 8, cost).stream > 3 * 8 + 1
@@ -226,3 +228,18 @@ def test_refusals_say_what_to_give():
         S.resolve("interleaved").with_options(chunks=2)
     with pytest.raises(ScheduleError, match="at least one microbatch"):
         S.zbv(2, 0)
+
+
+@pytest.mark.parametrize("name,formula", [("zbv", "(N-1)·max(F, F+I-2W)"), ("interleaved-1f1b", "(N-1)(F+B)"),
+                                          ("zb-h1", "(N-1)·max(F, F+I-W)"), ("1f1b", "(N-1)(F+B)")])
+@pytest.mark.parametrize("costs", [None, "1,1,1", "2,2,1"])
+def test_pipeq_schedule_prints_a_bubble_that_matches_its_formula(capsys, name, formula, costs):
+    from pipeq.launch.cli import main
+
+    if costs is None and name in ("interleaved-1f1b", "1f1b"):
+        costs = "1,1,1"  # (without costs a table of whole backwards prints no bubble)
+    assert main(["schedule", name, "--stages", "4", "--microbatches", "8"] + (["--costs", costs] if costs else [])) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    got, want = re.fullmatch(rf"bubble per process: (\d+) units; formula {re.escape(formula)} = (\d+) units "
+                             r"\(pipeq.schedules.bubbles\)", last).groups()
+    assert got == want

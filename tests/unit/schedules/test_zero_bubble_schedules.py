@@ -166,8 +166,8 @@ def test_format_table_and_cli_print_costs_and_bubble(capsys):
     lines = text.splitlines()
     assert lines[0] == "zb-h1: 4 stages x 8 microbatches (F=1 I=1 W=1, B=I+W)"
     assert lines[1].split("|")[1].split()[:10] == ["F0", "F1", "F2", "F3", ".", ".", ".", "I0", "W0", "F4"]
-    assert lines[-1].startswith("step 27 units before STEP; bubble 11.1%")
-    assert S.format_table("1f1b", 4, 8, costs=(1, 1, 1)).splitlines()[-1].startswith("step 33 units before STEP; bubble 27.3%")
+    assert lines[-2].startswith("step 27 units before STEP; bubble 11.1%")
+    assert S.format_table("1f1b", 4, 8, costs=(1, 1, 1)).splitlines()[-2].startswith("step 33 units before STEP; bubble 27.3%")
     assert S.format_table("1f1b", 3, 4) == S.format_table("1f1b", 3, 4, backward_cost=1)  # unchanged without costs
     assert main(["schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--costs", "1,1,1"]) == 0
     assert capsys.readouterr().out.strip() == text
