@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """pipeq's schedules side by side with torch.distributed.pipelining's (TDP), against their ideal.
 
-    python bench/bench_schedules.py                     # both cost sets + real compute, ~6-8 min
-    python bench/bench_schedules.py --costs 5,5,5 --part sleep --steps 10
-    python bench/bench_schedules.py --only 1f1b --only tdp:zbv --json /tmp/schedules.json
+    PYTHONPATH=. python bench/bench_schedules.py        # both cost sets + real compute, ~6-8 min
+    PYTHONPATH=. python bench/bench_schedules.py --costs 5,5,5 --part sleep --steps 10   # ~3 min
+    PYTHONPATH=. python bench/bench_schedules.py --only 1f1b --only tdp:zbv --json /tmp/schedules.json
+
+(from the repository root: ``PYTHONPATH=.`` measures this checkout's pipeq, not an installed one).
 
 What it measures. **sleep**: N = 4 processes, m = 8 microbatches of 8 x 16, ``pipeq.testing.SleepStage``
 chunks whose forward (F), input gradient (I) and weight gradient (W) each sleep their own time
@@ -15,8 +17,9 @@ A schedule with a whole backward (B) sleeps I + W; stage 0 has no input gradient
 nothing (pipeq's and TDP's split backward both skip it) and the ideal counts it as 0. A sleep costs
 no CPU: four processes on two cores overlap perfectly, so what is measured is the schedule plus each
 runtime's overhead. **mlp** (real compute): 4 x (Linear(512, 512) + ReLU), batch 64, m = 8,
-MSELoss, SGD, one thread per process: 1f1b and zb-h1 on 2 processes x 1 stage (2 blocks each)
-against interleaved-1f1b and zbv on 2 processes x 2 chunks (1 block each).
+MSELoss, SGD, one thread per process, 5x the sleep part's steps (they are short): 1f1b and zb-h1
+on 2 processes x 1 stage (2 blocks each) against interleaved-1f1b and zbv on 2 processes x 2
+chunks (1 block each).
 
 Each row is one schedule on one side. pipeq: ``PipelineRunner(stages, schedule=name,
 microbatches=8, threads_per_stage=1, start_method="forkserver")`` in process mode, inside one
@@ -34,8 +37,10 @@ path of the TDP class's own compute order (its ``pipeline_order``; "-" for the s
 classes, which keep none); **step/ideal** how far from its plan a runtime gets (1.00 = no
 overhead); **vs 1F1B** steps/s against the same side's 1F1B in the same config (> 1: faster).
 **update L1** how far the run's training moved the parameters (sum of |p_end - p_start| after all
-warm-up and timed steps): every row of one config trains the same model on the same data with the
-same SGD, so the rows must agree up to float rounding (a schedule that dropped a W would not).
+warm-up and timed steps): rows of one config that cut the model alike train the same parameters on
+the same data with the same SGD, so they must agree up to float rounding (a schedule that dropped a
+W would not). The MLP's 1-chunk and 2-chunk cuts hold the same layers, so all its rows agree; 8
+sleep chunks hold 8 biases where 4 stages hold 4, so there the 2-chunk rows agree among themselves.
 A row reads "n/a (not in this build)" when pipeq has no schedule of that name yet, "error: ..."
 when a run failed (the exception's first line). The machine is shared: compare rows of one run.
 """
@@ -66,6 +71,7 @@ from pipeq.testing import SleepStage  # noqa: E402
 
 N, M, WIDTH, MB_ROWS = 4, 8, 16, 8
 MLP_WIDTH, MLP_BLOCKS, MLP_BATCH, MLP_PROCS = 512, 4, 64, 2
+MLP_STEPS_X = 5  # the MLP's steps are short (10-40 ms): it runs this many times --steps and --warmup
 #: (pipeq schedule name, TDP class of the same schedule or None)
 SLEEP_ROWS = [("fill-drain", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"), ("zb-h1", "ScheduleInterleavedZeroBubble"),
               ("interleaved-1f1b", "ScheduleInterleaved1F1B"), ("looped-bfs", "ScheduleLoopedBFS"),
@@ -134,7 +140,8 @@ def critical_path(order: list[list[tuple[int, str, int]]], n_stages: int,
                 pc[p] += 1
                 moved = True
         if not moved:
-            raise schedules.ScheduleError(f"plan deadlocks at {[acts[pc[p]] for p, acts in enumerate(order) if pc[p] < len(acts)]}")
+            stuck = [acts[pc[p]] for p, acts in enumerate(order) if pc[p] < len(acts)]
+            raise schedules.ScheduleError(f"plan deadlocks at {stuck}")
     return max(clock)
 
 
@@ -367,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 make = SleepChunks(f / 1e3, i / 1e3, w / 1e3)
                 rows += measure(config, SLEEP_ROWS, make, N, costs, sleep_data(), a)
         if a.part in ("mlp", "both"):
+            a = argparse.Namespace(**{**vars(a), "steps": a.steps * MLP_STEPS_X, "warmup": a.warmup * MLP_STEPS_X})
             rows += measure(f"mlp {MLP_WIDTH}", MLP_ROWS, MlpChunks(), MLP_PROCS, None, mlp_data(), a)
     finally:
         bc.cleanup_children()
@@ -381,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  TDP order 'bad': {impl}.pipeline_order is not what it runs: {why}")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"torch": torch.__version__, "steps": a.steps, "warmup": a.warmup, "rows": rows}, fh, indent=1)
+            json.dump({"torch": torch.__version__, "steps": a.steps, "warmup": a.warmup, "mlp_steps_x": MLP_STEPS_X,
+                       "rows": rows}, fh, indent=1)
     return 0
 
 

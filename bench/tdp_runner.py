@@ -127,8 +127,8 @@ def child_tdp(rank: int, world: int, port: int, job: dict) -> dict:
             _one_step(sched, opt, ids, n_stages, x, y)
             dist.barrier()
             times.append(time.perf_counter() - t0)
-        out: dict[str, Any] = {"times": times[job["warmup"]:],
-                               "update": sum(float((p.detach() - p0).abs().double().sum()) for p, p0 in zip(params, start))}
+        update = sum(float((p.detach() - p0).abs().double().sum()) for p, p0 in zip(params, start))
+        out: dict[str, Any] = {"times": times[job["warmup"]:], "update": update}
         if rank == 0:
             out["order"] = compute_order(sched, world)
         return out
