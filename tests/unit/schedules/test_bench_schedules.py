@@ -1,0 +1,66 @@
+"""bench/bench_schedules.py imports, parses its options and computes its ideals (no process starts)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_schedules", os.path.join(ROOT, "bench", "bench_schedules.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_arguments(bench):
+    a = bench.parse_args(["--costs", "5,5,5", "1,2,0.5", "--only", "zbv", "--only", "tdp:1f1b", "--steps", "4"])
+    assert a.costs == [(5.0, 5.0, 5.0), (1.0, 2.0, 0.5)] and a.steps == 4 and a.part == "both"
+    assert bench.parse_args([]).costs == [(5.0, 5.0, 5.0), (1.0, 1.0, 1.0)]
+    assert bench.wanted(a.only, "pipeq", "zbv") and bench.wanted(a.only, "tdp", "1f1b")
+    assert not bench.wanted(a.only, "pipeq", "1f1b")
+    for bad in ("5,5", "a,b,c", "1,-1,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_costs(bad)
+
+
+def test_ideals(bench):
+    costs = (5.0, 5.0, 5.0)
+    # (m+N-1)(F+I+W), less stage 0's input gradient, which a SleepStage does not sleep
+    assert bench.pipeq_ideal("1f1b", 4, 8, costs) == pytest.approx(11 * 15 - 5)
+    assert bench.pipeq_ideal("fill-drain", 4, 8, costs) == pytest.approx(11 * 15 - 5)
+    zb = bench.pipeq_ideal("zb-h1", 4, 8, costs)
+    assert zb < bench.pipeq_ideal("1f1b", 4, 8, costs)
+    from pipeq import schedules
+    from pipeq.schedules import Op
+
+    plan = schedules.resolve("zb-h1").plan(4, 8)  # the chunk-aware dry run agrees with pipeq's
+    order = [[(p, a.op.value, a.microbatch) for a in acts if a.op is not Op.STEP] for p, acts in enumerate(plan)]
+    assert bench.critical_path(order, 4, lambda s, op: bench.chunk_costs(costs, s, 1)[op]) == pytest.approx(zb)
+    for name in bench.LAYOUT:  # the 2-chunk schedules: None until registered, then below 1F1B's
+        ideal = bench.pipeq_ideal(name, 4, 8, costs)
+        assert ideal is None or ideal < 11 * 15
+    assert bench.chunk_costs(costs, 0, 2) == {"F": 2.5, "I": 0.0, "W": 2.5, "B": 2.5}
+    assert isinstance(bench.order_ideal([[(0, "F", 8)]], 8, costs), str)  # a microbatch out of range
+    v_order = [[(0, "F", 0), (1, "F", 0), (1, "B", 0), (0, "B", 0)]]  # one process holding both stages
+    assert bench.order_ideal(v_order, 1, (2.0, 2.0, 2.0)) == pytest.approx(1 + 1 + 2 + 1)
+
+
+def test_placement_and_table(bench):
+    assert bench.tdp_runner.stage_ids(0, 4, 2, "v") == [0, 7]
+    assert bench.tdp_runner.stage_ids(3, 4, 2, "v") == [3, 4]
+    assert bench.tdp_runner.stage_ids(1, 4, 2, "loop") == [1, 5]
+    rows = [bench._row("sleep 5/5/5", "1f1b", "pipeq", "PipelineRunner", {"times": [0.2, 0.21]}, 160.0, None),
+            bench._row("sleep 5/5/5", "zbv", "pipeq", "PipelineRunner", {"status": "n/a (not in this build)"},
+                       None, None),
+            bench._row("sleep 5/5/5", "zbv", "tdp", "ScheduleZBVZeroBubble", {"times": [0.17]}, None, 127.5)]
+    for r in rows:
+        r["vs_1f1b"] = None
+    text = bench.table(rows)
+    assert "n/a (not in this build)" in text and "127.5*" in text and "1.28" in text
