@@ -30,11 +30,10 @@ spawned on 127.0.0.1 with a free port, one thread each, pinned to core r mod ncp
 ``--steps`` timed ones (TDP: zero_grad, step, opt.step, a barrier; pipeq: ``runner.step``).
 
 Columns: **step ms** the median timed step; **ideal ms** the critical path of pipeq's plan of that
-schedule with those costs (``pipeq.schedules.dry_run``; a 2-chunk plan is dry-run here, a process
-running its chunks' actions in order, messages instant, until pipeq's own dry run takes chunks), or,
-marked ``*``, of TDP's own order where pipeq has no such schedule yet; **TDP order** the critical
-path of the TDP class's own compute order (its ``pipeline_order``; "-" for the single-stage
-classes, which keep none); **step/ideal** how far from its plan a runtime gets (1.00 = no
+schedule with those costs (``pipeq.schedules.dry_run``: each process runs its actions in order,
+messages instant), or, marked ``*``, of TDP's own order where pipeq has no such schedule; **TDP
+order** the critical path of the TDP class's own compute order (its ``pipeline_order``, read as
+pipeq reads a TDP CSV and dry-run alike; "-" for the single-stage classes, which keep none); **step/ideal** how far from its plan a runtime gets (1.00 = no
 overhead); **vs 1F1B** steps/s against the same side's 1F1B in the same config (> 1: faster).
 **update L1** how far the run's training moved the parameters (sum of |p_end - p_start| after all
 warm-up and timed steps): rows of one config that cut the model alike train the same parameters on
@@ -66,7 +65,9 @@ import tdp_runner  # noqa: E402
 
 from pipeq import schedules  # noqa: E402
 from pipeq.schedules import Op  # noqa: E402
-from pipeq.schedules.placement import stage_index  # noqa: E402
+from pipeq.schedules import tdp_csv  # noqa: E402
+from pipeq.schedules.actions import lower_process  # noqa: E402
+from pipeq.schedules.placement import stages_of  # noqa: E402
 from pipeq.testing import SleepStage  # noqa: E402
 
 N, M, WIDTH, MB_ROWS = 4, 8, 16, 8
@@ -111,38 +112,21 @@ class MlpChunks:
 # ---------------------------------------------------------------------------------------------
 # Ideals: the critical path of a schedule's plan with given costs
 # ---------------------------------------------------------------------------------------------
-def chunk_costs(costs: tuple[float, float, float], stage: int, chunks: int) -> dict[str, float]:
+def chunk_costs(costs: tuple[float, float, float], stage: int, chunks: int) -> dict[Op, float]:
     """One chunk's F, I, W, B (ms): the process's costs / chunks; stage 0 has no input gradient."""
     f, i, w = (c / chunks for c in costs)
     i = 0.0 if stage == 0 else i
-    return {"F": f, "I": i, "W": w, "B": i + w}
+    return {Op.FORWARD: f, Op.INPUT_GRAD: i, Op.WEIGHT_GRAD: w, Op.BACKWARD: i + w, Op.STEP: 0.0}
 
 
-def critical_path(order: list[list[tuple[int, str, int]]], n_stages: int,
-                  cost: Callable[[int, str], float]) -> float:
-    """The step's length when each process runs its (stage, op, microbatch) actions in order, an
-    F waiting for stage s-1's F, a B or I for stage s+1's B or I, messages instant."""
-    done: dict[tuple[str, int, int], float] = {}  # (F|G, stage, microbatch) -> end time
-    clock, pc = [0.0] * len(order), [0] * len(order)
-    while any(pc[p] < len(acts) for p, acts in enumerate(order)):
-        moved = False
-        for p, acts in enumerate(order):
-            while pc[p] < len(acts):
-                s, op, j = acts[pc[p]]
-                need = (("F", s - 1, j) if op == "F" and s > 0 else
-                        ("G", s + 1, j) if op in "BI" and s < n_stages - 1 else None)
-                if need is not None and need not in done:
-                    break
-                start = max(clock[p], done[need] if need else 0.0)
-                clock[p] = start + cost(s, op)
-                if op in "FBI":
-                    done[("F" if op == "F" else "G", s, j)] = clock[p]
-                pc[p] += 1
-                moved = True
-        if not moved:
-            stuck = [acts[pc[p]] for p, acts in enumerate(order) if pc[p] < len(acts)]
-            raise schedules.ScheduleError(f"plan deadlocks at {stuck}")
-    return max(clock)
+def _critical_path(lowered: list, v: int, placement: str, costs: tuple[float, float, float]) -> float:
+    """The step's length (ms) of a lowered plan (one list per process) at these per-process costs:
+    pipeq's own dry run, each model stage costing its chunk's share."""
+    n = len(lowered)
+    held = [stages_of(p, n, v, placement) for p in range(n)]
+    per_stage = [chunk_costs(costs, s, v) for s in range(n * v)]
+    timeline = schedules.dry_run(lowered, cost=per_stage, stages=held)
+    return max(t + per_stage[held[k][a.chunk]][a.op] for k, row in enumerate(timeline) for t, a in row)
 
 
 def layout(name: str) -> tuple[int, str]:
@@ -154,39 +138,26 @@ def layout(name: str) -> tuple[int, str]:
 
 
 def pipeq_ideal(name: str, n: int, m: int, costs: tuple[float, float, float]) -> float | None:
-    """The critical path (ms) of pipeq's plan of ``name`` (None: not in this build). One chunk per
-    process: pipeq's own build and dry run; several: the plan's chunks as stages, dry-run above."""
+    """The critical path (ms) of pipeq's plan of ``name`` on ``n`` processes (None: not in this build)."""
     if not isinstance(schedules.SCHEDULES.get(name), schedules.SchedulePolicy):
         return None
     v, placement = layout(name)
-    if v == 1:
-        lowered = schedules.build(name, n, m)
-        per_stage = []
-        for s in range(n):
-            c = chunk_costs(costs, s, 1)
-            per_stage.append({Op.FORWARD: c["F"], Op.INPUT_GRAD: c["I"], Op.WEIGHT_GRAD: c["W"],
-                              Op.BACKWARD: c["B"], Op.STEP: 0.0})
-        timeline = schedules.dry_run(lowered, cost=per_stage)
-        return max(t + per_stage[k][a.op] for k, row in enumerate(timeline) for t, a in row)
-    plan = schedules.resolve(name).plan(n, m)
-    order = [[(stage_index(p, a.chunk, n, placement), a.op.value, a.microbatch) for a in acts if a.op is not Op.STEP]
-             for p, acts in enumerate(plan)]
-    return critical_path(order, v * n, lambda s, op: chunk_costs(costs, s, v)[op])
+    return _critical_path(schedules.build(name, n * v, m), v, placement, costs)
 
 
-def order_ideal(order: list[list[tuple[int, str, int]]] | None, m: int,
-                costs: tuple[float, float, float]) -> float | str | None:
-    """The critical path (ms) of TDP's own compute order (None: the class keeps none; a string:
-    why the order cannot be what the class runs, e.g. a microbatch out of range)."""
+def order_ideal(order: list[list[tuple[int, str, int]]] | None, m: int, costs: tuple[float, float, float],
+                placement: str = "loop") -> float | str | None:
+    """The critical path (ms) of TDP's own compute order, read as pipeq reads a TDP CSV and
+    dry-run (None: the class keeps none; a string: why it cannot be what the class runs)."""
     if not order:
         return None
-    bad = sorted({j for acts in order for _, _, j in acts if not 0 <= j < m})
-    if bad:
-        return f"order names microbatch(es) {bad} of m={m}"
-    n_stages = 1 + max(s for acts in order for s, _, _ in acts)
-    v = n_stages // len(order)
+    text = "\n".join(",".join(f"{s}{op}{j}" for s, op, j in acts) for acts in order) + "\n"
     try:
-        return critical_path(order, n_stages, lambda s, op: chunk_costs(costs, s, v)[op])
+        plan = tdp_csv.loads(text, len(order), placement, n_microbatches=m)
+        v = 1 + max(a.chunk for acts in plan for a in acts)
+        held = [stages_of(p, len(plan), v, placement) for p in range(len(plan))]
+        lowered = [lower_process(acts, held[p], len(plan) * v) for p, acts in enumerate(plan)]
+        return _critical_path(lowered, v, placement, costs)
     except schedules.ScheduleError as e:
         return str(e)[:200]
 
@@ -276,7 +247,7 @@ def measure(config: str, rows: list[tuple[str, str | None]], make: Callable, n_p
             t0 = time.monotonic()
             res = run_tdp(cls, make, n_procs, x, y, a)
             print(f"  .. {config}: TDP {cls} in {time.monotonic() - t0:.0f} s", flush=True)
-            own = order_ideal(res.get("order"), M, costs) if costs else None
+            own = order_ideal(res.get("order"), M, costs, layout(name)[1]) if costs else None
             out.append(_row(config, name, "tdp", cls, res, ideal, own))
     for r in out:
         base = next((b for b in out if b["side"] == r["side"] and b["schedule"] == "1f1b" and b["step_ms"]), None)
