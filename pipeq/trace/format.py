@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from pipeq import schedules
-from pipeq.schedules import Op
+from pipeq.schedules import Action, Op
 from pipeq.schedules.plan import table_costs
 
 __all__ = ["VERSION", "Trace", "Event", "TraceMeta", "load_trace", "trace_from_dict", "planned_trace", "save_trace"]
@@ -433,7 +433,8 @@ def planned_trace(schedule: str | schedules.ScheduleFn, n_stages: int, n_microba
                   ) -> dict[str, Any]:
     """A schedule's planned step (its dry run) as a trace dict in the traced runs' format.
 
-    Forward and optimizer step take one time unit (``unit_us`` microseconds), backward
+    ``n_stages`` counts processes: a schedule of v stages per process plans v·N stages (each
+    its own row, by model stage). Forward and optimizer step take one time unit (``unit_us`` microseconds), backward
     ``backward_cost`` units, communication none; or ``costs`` = (F, I, W) units, a B being I + W
     (see :func:`pipeq.schedules.plan.table_costs`). Draw it with :func:`pipeq.trace.plot.plot_trace`,
     keep it with :func:`save_trace`.
@@ -443,8 +444,10 @@ def planned_trace(schedule: str | schedules.ScheduleFn, n_stages: int, n_microba
     if not unit_us > 0:
         raise ValueError(f"unit_us must be positive, got {unit_us!r}")
     cost = table_costs(costs, backward_cost)
+    n_processes, n_stages = n_stages, n_stages * schedules.resolve(schedule).stages_per_process
+    held = schedules.process_stages(schedule, n_stages)  # with virtual stages, several per process
     lowered = schedules.build(schedule, n_stages, n_microbatches)
-    timeline = schedules.dry_run(lowered, cost=cost)
+    timeline = schedules.dry_run(lowered, cost=cost, stages=held)
     name = schedules.schedule_name(schedule)
     events = _tracks(0, f"plan: {name}", [f"stage {k}" for k in range(n_stages)])
     end = 0
@@ -452,7 +455,8 @@ def planned_trace(schedule: str | schedules.ScheduleFn, n_stages: int, n_microba
         for t, a in row:
             units = cost[a.op]
             end = max(end, t + units)
-            events.append(_stage_span(str(a), _CAT_OF_OP[a.op.value], a.op.value, 0, k, 0, a.microbatch,
+            label = str(Action(a.op, a.microbatch))
+            events.append(_stage_span(label, _CAT_OF_OP[a.op.value], a.op.value, 0, held[k][a.chunk], 0, a.microbatch,
                                       t * unit_us, units * unit_us, 0, True))
     events.append(_step_span(0, n_stages, 0, True, n_microbatches, 0.0, end * unit_us))
     extra: dict[str, Any] = {"planned": True, "backward_cost": cost[Op.BACKWARD], "unit_us": unit_us}

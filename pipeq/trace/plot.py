@@ -58,17 +58,20 @@ def draw_trace(trace: Trace | dict[str, Any], steps: StepSelection = None, title
         raise ValueError(f"{trace.source} has no stage events in step {span_text(sorted(wanted or []))}")
     unit_us, xlabel = time_axis(trace)
     replicas = sorted({e.replica for e in events})
-    row_of = {(r, k): i * trace.n_stages + k for i, r in enumerate(replicas) for k in range(trace.n_stages)}
+    held = process_rows(trace)
+    row_of = {(r, s): i * len(held) + p for i, r in enumerate(replicas) for p, group in enumerate(held) for s in group}
     t0 = min(e.start_us for e in events)
     span = max(max(e.end_us for e in events) - t0, 1.0) / unit_us
-    n_rows = len(row_of)
+    n_rows = len(replicas) * len(held)
     width_in = 13.0
     fig = Figure(figsize=(width_in, 1.4 + 0.55 * n_rows), dpi=120)
     ax = fig.add_subplot(1, 1, 1)
     px_per_unit = width_in * 120 * 0.8 / span
-    _draw_boxes(ax, events, row_of, t0, unit_us, px_per_unit)
+    later = {s for group in held for s in group[1:]}  # a process's later chunks: lower, thinner boxes
+    _draw_boxes(ax, events, row_of, t0, unit_us, px_per_unit, later)
     _draw_step_marks(ax, trace, wanted, events, t0, unit_us)
-    labels = [f"stage {k}" if len(replicas) == 1 else f"r{r} s{k}" for (r, k) in row_of]
+    names = [f"stage {g[0]}" if len(g) == 1 else "proc " + "+".join(map(str, g)) for g in held]
+    labels = [name if len(replicas) == 1 else f"r{r} {name}" for r in replicas for name in names]
     ax.set_yticks(range(n_rows))
     ax.set_yticklabels(labels)
     ax.set_ylim(n_rows - 0.5, -0.5)  # stage 0 on top
@@ -84,6 +87,21 @@ def draw_trace(trace: Trace | dict[str, Any], steps: StepSelection = None, title
     ax.legend(handles=_legend_handles(events), loc="upper left", bbox_to_anchor=(1.005, 1.0),
               frameon=False, fontsize=8)
     return fig
+
+
+def process_rows(trace: Trace) -> list[list[int]]:
+    """The stages each row shows: one per stage, or with virtual stages the stages of one process
+    (from the schedule the trace names; one per stage when it names none pipeq knows)."""
+    from pipeq import schedules
+
+    n = trace.n_stages
+    try:
+        policy = schedules.from_label(str(trace.meta.get("schedule", "")))
+        if policy is not None and policy.stages_per_process > 1:
+            return schedules.process_stages(policy, n)
+    except (ValueError, schedules.ScheduleError):
+        pass
+    return [[k] for k in range(n)]
 
 
 def time_axis(trace: Trace) -> tuple[float, str]:
@@ -135,7 +153,7 @@ def _box_style(e: Event) -> tuple[str, Any, Any, str | None, float]:
 
 
 def _draw_boxes(ax: Any, events: list[Event], row_of: dict[tuple[int, int], int], t0: float,
-                unit_us: float, px_per_unit: float) -> None:
+                unit_us: float, px_per_unit: float, later: set[int] = frozenset()) -> None:  # type: ignore[assignment]
     from matplotlib.collections import PatchCollection
     from matplotlib.patches import Rectangle
 
@@ -146,7 +164,11 @@ def _draw_boxes(ax: Any, events: list[Event], row_of: dict[tuple[int, int], int]
             continue  # waits are left white, like idle time
         y = row_of[(e.replica, e.stage)]
         x, w = (e.start_us - t0) / unit_us, e.dur_us / unit_us
-        top = y + 0.4 - height if kind == "send" else y - height / 2  # sends: a strip at the row's foot
+        if e.stage in later and kind != "send":  # a process's later stage (virtual stages): its lower part
+            height *= 0.6
+            top = y + 0.4 - height
+        else:
+            top = y + 0.4 - height if kind == "send" else y - height / 2  # sends: a strip at the row's foot
         patches, faces, edges = groups.setdefault((kind, hatch), ([], [], []))
         patches.append(Rectangle((x, top), w, height))
         faces.append(face)
