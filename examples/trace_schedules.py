@@ -4,11 +4,13 @@
     python examples/trace_schedules.py --out /tmp/traces --schedules 1f1b pairwise
     python examples/trace_schedules.py --out docs      # refresh the README's pictures (tracked files)
 
-The model: 4 stages of fixed cost (pipeq.testing.SleepStage: forward 10 ms, backward 20 ms;
-pairwise interlocking adds a Linear head per stage but the last), so the pictures show the
-schedule and pipeq's own overhead, not CPU contention on a small machine. Each run trains 3
-steps of 8 microbatches with ``trace=``; the last step is drawn and the report (compute, send,
-wait, bubble against (N-1)/(m+N-1)) is printed.
+The model: 4 processes of fixed cost (pipeq.testing.SleepStage: forward 10 ms, backward 20 ms:
+input gradient 10 ms and weight gradient 10 ms, which the zero-bubble schedules run apart; a
+schedule of v stages per process cuts it into 4v stages of 1/v the cost each; pairwise
+interlocking adds a Linear head per stage but the last), so the pictures show the schedule and
+pipeq's own overhead, not CPU contention on a small machine. Each run trains 3 steps of 8
+microbatches with ``trace=``; the last step is drawn and the report (compute, send, wait, bubble
+against the schedule's own plan) is printed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from pipeq.trace import load_trace
 
 def trace_run(schedule: str, out: str, n: int = 4, m: int = 8) -> str:
     path = os.path.join(out, f"trace-{schedule}.json")
-    stages = [SleepStage(16, 0.010, 0.020) for _ in range(n)]
+    v = pipeq.schedules.resolve(schedule).stages_per_process
+    stages = [SleepStage(16, 0.010 / v, 0.010 / v, weight_s=0.010 / v) for _ in range(n * v)]
     heads = {}
     if schedule in ("local", "pairwise", "nwise"):  # interlocking: a small head per stage but the last
         heads = dict(aux_heads=[nn.Linear(16, 16) for _ in range(n - 1)], aux_loss=nn.MSELoss())
@@ -55,8 +58,10 @@ def main(argv: list[str] | None = None) -> None:
         path = trace_run(schedule, args.out)
         trace = load_trace(path)
         print(report.format_report(report.analyze(trace, skip_first=1)))
+        v = pipeq.schedules.resolve(schedule).stages_per_process
+        shape = "4 stages" if v == 1 else f"4 processes x {v} stages"
         png = plot_trace(trace, path[:-len(".json")] + ".png",
-                         title=f"{schedule}: 4 stages x 8 microbatches (F 10 ms, B 20 ms), measured")
+                         title=f"{schedule}: {shape} x 8 microbatches (per process F 10 ms, I 10 ms, W 10 ms), measured")
         print(f"picture: {png}\n")
 
 

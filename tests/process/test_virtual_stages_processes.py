@@ -78,3 +78,20 @@ def test_a_failing_stage_is_named_by_stage_and_chunk():
         with pytest.raises(pipeq.PipelineError, match=r"stage 2 \(chunk 1 of its process\)") as info:
             r.step(*batches64(1)[0])
     assert info.value.stage == 2
+
+
+def test_checkpoint_resume_in_processes_equals_an_uninterrupted_run(tmp_path):
+    stages = stages64(4)
+    batches = batches64(3)
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "zbv", 4, mode="simulated") as r:
+        whole = [r.step(x, y) for x, y in batches]
+        want = r.state_dict()
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "zbv", 4, **FAST) as r:
+        first = [r.step(x, y) for x, y in batches[:1]]
+        r.save(tmp_path / "ckpt")
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "zbv", 4, **FAST) as r:
+        r.load(tmp_path / "ckpt")
+        rest = [r.step(x, y) for x, y in batches[1:]]
+        got = r.state_dict()
+    assert first + rest == whole
+    assert all(torch.equal(got[k], v) for k, v in want.items())

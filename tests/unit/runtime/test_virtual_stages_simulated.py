@@ -72,16 +72,16 @@ def test_a_stream_equals_the_step_loop():
     assert streamed == pytest.approx(looped, abs=1e-12)
 
 
-def test_checkpoint_and_resume_equal_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv", "zb-h1", "zb-h2"])
+def test_checkpoint_and_resume_equal_an_uninterrupted_run(tmp_path, schedule):
     stages = stages64(4)
     batches = batches64(4)
-    whole, state, _ = run_runner(stages, batches, schedule="interleaved-1f1b", microbatches=4, mode="simulated",
-                                 opt=SGD64)
-    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "interleaved-1f1b", 4,
+    whole, state, _ = run_runner(stages, batches, schedule=schedule, microbatches=4, mode="simulated", opt=SGD64)
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, schedule, 4,
                               mode="simulated") as r:
         first = [r.step(x, y) for x, y in batches[:2]]
         r.save(tmp_path / "ckpt")
-    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "interleaved-1f1b", 4,
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, schedule, 4,
                               mode="simulated") as r:
         r.load(tmp_path / "ckpt")
         rest = [r.step(x, y) for x, y in batches[2:]]
