@@ -356,6 +356,8 @@ def format_choice(choice: Choice) -> str:
         extra += f"  ({row.note})" if row.note and row.name == SEARCHED else ""
         lines.append(f"{mark} {row.name:<22} {row.step_ms:>9.2f} {100 * row.bubble:>6.1f}% "
                      f"{row.memory:>6.2f}x{extra}")
+    if any(r.schedule is not None and r.schedule.stages_per_process > 1 for r in choice.rows) and choice.costs:
+        lines.append("  (two stages per process: the model cut into 2N stages, each process's cost halved)")
     lines.append(f"chosen: {choice.name} ({choice.step_ms:.2f} ms per step, bubble {100 * choice.bubble:.1f}%)")
     return "\n".join(lines)
 
