@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import itertools
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
@@ -258,6 +259,16 @@ class PipelineRunner(RunnerStream, RunnerState):
         """``schedule="auto"``: choose the schedule (profiled with ``batch``, the first step's, when
         there is one), print the ranking once, build and start the backend (:func:`_settle`)."""
         _settle(self, batch)
+
+    def _before_stream(self, batches: Iterable[tuple[Any, ...]]) -> Iterable[tuple[Any, ...]]:
+        """``schedule="auto"``: the stream's first batch profiles the stages (see :meth:`step`)."""
+        if self._auto is None or not self._running:
+            return batches
+        rest = iter(batches)
+        first = next(rest, None)
+        if first is not None:
+            self._settle_auto((first[0], first[1], first[2] if len(first) > 2 else None))
+        return rest if first is None else itertools.chain([first], rest)
 
     def _submit(self, x: Any, target: Any, given: Any = None, stream: bool = False) -> int:
         x, target, n = self._batcher.training_pair(x, target)
