@@ -246,8 +246,14 @@ class RunConfig:
     wire: WireConfig = field(default_factory=WireConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    #: ``schedule="auto"`` was asked for: ``schedule`` is ZB-H1 until the runner settles it at its
+    #: first step (see :mod:`pipeq.control.auto_schedule`)
+    auto: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.schedule, str) and self.schedule == "auto":
+            object.__setattr__(self, "schedule", "zb-h1")
+            object.__setattr__(self, "auto", True)
         object.__setattr__(self, "schedule", _with_chunks(schedules.resolve(self.schedule),
                                                           self.placement.stages_per_process))
         m = self.microbatches
@@ -274,7 +280,7 @@ class RunConfig:
             known = {f.name for f in dataclasses.fields(kind)}
             parts[name] = kind(**{k: settings.pop(k) for k in list(settings) if k in known})
         refuse_moved(settings)
-        return cls(schedules.resolve(schedule), microbatches, trace, **parts)
+        return cls(schedule if schedule == "auto" else schedules.resolve(schedule), microbatches, trace, **parts)
 
     @property
     def queue_capacity(self) -> int:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import itertools
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -37,6 +39,7 @@ from pipeq.control.state import RunnerState
 from pipeq.control.streaming import RunnerStream
 from pipeq.errors import PipelineError
 from pipeq.stage import microbatch
+from pipeq.stage.info import info_of
 from pipeq.stage.numerics import Numerics
 from pipeq.stage.spec import StageBuilder
 
@@ -64,6 +67,8 @@ class PipelineRunner(RunnerStream, RunnerState):
             ``"al"``), a schedule object with its
             options (``pipeq.schedules.Interlock("nwise", distance=2)``,
             ``AsyncOneFOneB(weight_stashing=False)``, ``AssociatedLearning(first_loss="mse")``),
+            ``"auto"`` (chosen at the first ``step`` from two profiled steps on copies of the stages,
+            see :mod:`pipeq.control.auto_schedule`; the ranking is printed and kept as ``auto_choice``),
             or your own schedule function ``(n_stages, n_microbatches) -> per-stage lists of
             F(j), B(j) (or I(j) then W(j)), STEP`` (module level, so that stage processes can import it); it is
             validated and dry-run for deadlock here, before anything starts.
@@ -175,10 +180,10 @@ class PipelineRunner(RunnerStream, RunnerState):
         self._batcher = Batcher(cfg.schedule, model.n_stages, cfg.microbatches, model.loss_fn, model.aux_loss,
                                 place.data_parallel)
         self._aux_heads = model.aux_loss is not None  # heads given, or named by the recipe
-        self._backend = _backend(cfg, model, self.numerics, tp_plans, rendezvous)
-        self._queue_capacity = cfg.queue_capacity
-        self._last_step_lr: float | None = None
-        self._step = 0
+        self.auto_choice: Any = None  # schedule="auto": the ranking that settled it (see _settle_auto)
+        self._auto = (model, tp_plans, rendezvous) if cfg.auto else None  # "auto": no backend until settled
+        self._backend = None if cfg.auto else _backend(cfg, model, self.numerics, tp_plans, rendezvous)
+        self._queue_capacity, self._last_step_lr, self._step = cfg.queue_capacity, None, 0
         self._submitted: collections.deque[int] = collections.deque()  # steps whose loss is not back
         self._losses: dict[int, float] = {}  # losses collected early (settle), not yet handed out
         self._undrained = False  # a stream left work behind (see _settle)
@@ -199,7 +204,8 @@ class PipelineRunner(RunnerStream, RunnerState):
         if self.mode == "process":  # each stage process runs the main script again
             check_main_guard()
         self._used = True
-        self._backend.start()
+        if self._auto is None:  # "auto": the backend starts once the schedule is settled
+            self._backend.start()
         self._running = True
         return self
 
@@ -207,7 +213,8 @@ class PipelineRunner(RunnerStream, RunnerState):
     def close(self) -> None:
         if self._running:
             self._running = False
-            self._backend.close()
+            if self._backend is not None:
+                self._backend.close()
 
     def __enter__(self) -> "PipelineRunner":
         return self.start()
@@ -230,6 +237,8 @@ class PipelineRunner(RunnerStream, RunnerState):
 
     def _require_running(self) -> None:
         """The pipeline runs, and every step sent so far is done (a consistent state)."""
+        if self._auto is not None and self._running:
+            self._settle_auto(None)
         if not self._running and self._used:  # start() would refuse: say what works
             raise PipelineError("this runner is closed (after a failure, or by close()) and cannot start "
                                 "again: build a new runner and load_state_dict the state_dict you kept "
@@ -244,8 +253,25 @@ class PipelineRunner(RunnerStream, RunnerState):
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
         ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0);
         ``stage_inputs``: values handed straight to the stages that take them (see the class)."""
+        if self._auto is not None and self._running:
+            self._settle_auto((x, target, stage_inputs))
         self._require_running()
         return self._hand_out(self._submit(x, target, stage_inputs))
+
+    def _settle_auto(self, batch: tuple[Any, Any, Any] | None) -> None:
+        """``schedule="auto"``: choose the schedule (profiled with ``batch``, the first step's, when
+        there is one), print the ranking once, build and start the backend (:func:`_settle`)."""
+        _settle(self, batch)
+
+    def _before_stream(self, batches: Iterable[tuple[Any, ...]]) -> Iterable[tuple[Any, ...]]:
+        """``schedule="auto"``: the stream's first batch profiles the stages (see :meth:`step`)."""
+        if self._auto is None or not self._running:
+            return batches
+        rest = iter(batches)
+        first = next(rest, None)
+        if first is not None:
+            self._settle_auto((first[0], first[1], first[2] if len(first) > 2 else None))
+        return rest if first is None else itertools.chain([first], rest)
 
     def _submit(self, x: Any, target: Any, given: Any = None, stream: bool = False) -> int:
         x, target, n = self._batcher.training_pair(x, target)
@@ -353,3 +379,39 @@ def _backend(cfg: RunConfig, model: checks.Model, numerics: Numerics, tp_plans: 
 
     return ProcessBackend(checks.process_payloads(model, schedule), cfg, StageSettings.of(cfg, numerics, tp_plans),
                           rendezvous=rendezvous)
+
+
+def _settle(runner: PipelineRunner, batch: tuple[Any, Any, Any] | None) -> None:
+    """``schedule="auto"`` settled: the schedule chosen (profiled with ``batch``, the first step's,
+    when there is one; see :mod:`pipeq.control.auto_schedule`), the ranking printed once, the
+    backend built and started."""
+    from pipeq.control import auto_schedule
+    from pipeq.schedules.choose import format_choice
+
+    assert runner._auto is not None
+    (model, tp_plans, rendezvous), runner._auto = runner._auto, None
+    place, n, m = runner.config.placement, runner.n_stages, runner.microbatches
+    can = place.data_parallel == 1 and place.tensor_parallel == 1 and rendezvous is None
+    args = None
+    if batch is not None and can:
+        x, target, size = runner._batcher.training_pair(batch[0], batch[1])
+        declared = [] if model.builder is not None else [info_of(s.module).inputs for s in model.replicas[0]]
+        inputs = (route(batch[2], declared, size, runner.schedule)
+                  if declared and (batch[2] is not None or any(declared)) else None)
+        args = (runner._batcher.shards(target, size), x, target, inputs)
+    device = place.devices[0] if place.devices else "cpu"
+    try:
+        choice = auto_schedule.decide(model, runner.numerics, n, m, args, device=device, can_profile=can)
+    except Exception as exc:  # a profile that fails is no reason not to train: ZB-H1, said so
+        why = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"pipeq: schedule='auto' could not profile the stages ({type(exc).__name__}: {why}); "
+              "choosing at equal costs", file=sys.stderr)
+        choice = auto_schedule.decide(model, runner.numerics, n, m, None, can_profile=False)
+    runner.auto_choice = choice
+    print(format_choice(choice), file=sys.stderr)
+    runner.config = cfg = dataclasses.replace(runner.config, schedule=choice.schedule, auto=False)
+    runner.schedule = cfg.schedule
+    runner._batcher = Batcher(cfg.schedule, n, m, model.loss_fn, model.aux_loss, place.data_parallel)
+    runner._backend = _backend(cfg, model, runner.numerics, tp_plans, rendezvous)
+    if runner._running:
+        runner._backend.start()

@@ -48,6 +48,7 @@ class RunnerStream:
         ahead (default: one more than the stages, enough to keep every stage busy), so memory
         stays bounded for an endless iterable.
         """
+        batches = self._before_stream(batches)
         self._require_running()
         if in_flight is None:
             in_flight = max(1, min(self.n_stages + 1, self._queue_capacity // self.microbatches))
@@ -59,6 +60,10 @@ class RunnerStream:
                 f"{in_flight * self.microbatches} messages in a stage's queue, over queue_capacity="
                 f"{self._queue_capacity}: lower in_flight or raise the runner's queue_capacity")
         return self._stream(iter(batches), in_flight)
+
+    def _before_stream(self, batches: Iterable[tuple[Any, ...]]) -> Iterable[tuple[Any, ...]]:
+        """What the runner needs of the batches before a stream starts (``schedule="auto"``: the first)."""
+        return batches
 
     def _stream(self, batches: Iterator[tuple[Any, ...]], in_flight: int) -> Iterator[float]:
         mine: collections.deque[int] = collections.deque()

@@ -76,6 +76,8 @@ class Checkpoints:
 
     def _save(self, runner: Any, directory: str, step: int, epoch: int, batch: int) -> None:
         schedule = self.job.schedule
+        if isinstance(schedule, str) and schedule == "auto":  # the one the runner chose
+            schedule = runner.schedule
         runner.save(directory, {"step": step, "epoch": epoch, "batch": batch, "job": self.job.path,
                                 "schedule": schedules.schedule_name(schedule),
                                 "schedule_options": schedules.options_of(schedule),

@@ -4,6 +4,8 @@
     pipeq schedule 1f1b --stages 4 --microbatches 8 --plot plan.png   # ... and draw it
     pipeq schedule zb-h1 --stages 4 --microbatches 8 --costs 1,1,1   # split backward: F, I, W costs
     pipeq schedule zb-h1 --stages 4 --microbatches 8 --csv zb.csv   # ... and write torch's schedule CSV
+    pipeq schedule auto --stages 4 --microbatches 8 --costs 5,5,5   # which schedule these costs (ms) favour
+    pipeq schedule auto --from-trace run.json          # ... with a traced run's measured costs
     pipeq launch examples/digits.toml                 # train a job file (see pipeq.launch)
     pipeq report run.json --skip-first 1 --plot run.png   # where a traced run's time went
     pipeq secret --out job.secret                     # a fresh job secret for a multi-host run
@@ -34,22 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pipeq", description="pipeline-parallel training for PyTorch")
     parser.add_argument("--version", action="version", version=f"pipeq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("schedule", help="print a schedule's planned stage x time table (dry run)")
-    p.add_argument("name", choices=sorted(schedules.SCHEDULES))
-    p.add_argument("--distance", type=int, metavar="D",
-                   help="nwise's distance d >= 1 (its option: pipeq.schedules.Interlock('nwise', distance=d) in Python, "
-                        "schedule = { name = \"nwise\", distance = d } in a job file)")
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--microbatches", type=int, required=True)
-    p.add_argument("--backward-cost", type=int, default=2,
-                   help="time units of a backward relative to a forward's 1 (default 2)")
-    p.add_argument("--costs", type=_costs, metavar="F,I,W",
-                   help="time units of a forward, an input gradient and a weight gradient (a backward B = I + W); "
-                        "the table then ends with the step's length and bubble")
-    p.add_argument("--plot", metavar="OUT.png", help="also draw the planned timeline (needs matplotlib)")
-    p.add_argument("--csv", metavar="OUT.csv",
-                   help="also write the plan as torch.distributed.pipelining's compute-only schedule CSV "
-                        "(run one with pipeq.launch.csv_schedule.from_csv(path))")
+    _schedule_arguments(sub.add_parser("schedule", help="print a schedule's planned stage x time table (dry run)"))
     p = sub.add_parser("report", help="where a traced run's time went: per stage, per step, the bubble",
                        description="Read a trace (PipelineRunner(trace=...) or pipeq launch --trace) and "
                                    "print each stage's compute, send, wait and idle time and the bubble.")
@@ -105,18 +92,65 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _costs(text: str) -> tuple[int, ...]:
-    """``--costs F,I,W``: three positive integers."""
+def _schedule_arguments(p: argparse.ArgumentParser) -> None:
+    """``pipeq schedule``'s arguments."""
+    p.add_argument("name", choices=sorted(schedules.SCHEDULES) + ["auto"],
+                   help="a schedule, or auto: rank the schedules by their dry run with --costs (ms) or a trace's")
+    p.add_argument("--distance", type=int, metavar="D",
+                   help="nwise's distance d >= 1 (its option: pipeq.schedules.Interlock('nwise', distance=d) in Python, "
+                        "schedule = { name = \"nwise\", distance = d } in a job file)")
+    p.add_argument("--stages", type=int, help="pipeline processes (required but with auto --from-trace)")
+    p.add_argument("--microbatches", type=int, help="microbatches per step (required but with auto --from-trace)")
+    p.add_argument("--hop", type=float, metavar="MS", help="auto: latency of one message between processes (ms)")
+    p.add_argument("--memory", type=float, default=1.0, metavar="X",
+                   help="auto: activation memory allowed, relative to 1F1B's peak (default 1)")
+    p.add_argument("--from-trace", metavar="TRACE.json", help="auto: take F, I, W and hop from a traced run")
+    p.add_argument("--backward-cost", type=int, default=2,
+                   help="time units of a backward relative to a forward's 1 (default 2)")
+    p.add_argument("--costs", type=_costs, metavar="F,I,W",
+                   help="time units of a forward, an input gradient and a weight gradient (a backward B = I + W); "
+                        "the table then ends with the step's length and bubble")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw the planned timeline (needs matplotlib)")
+    p.add_argument("--csv", metavar="OUT.csv",
+                   help="also write the plan as torch.distributed.pipelining's compute-only schedule CSV "
+                        "(run one with pipeq.launch.csv_schedule.from_csv(path))")
+
+
+def _costs(text: str) -> tuple[float, ...]:
+    """``--costs F,I,W``: three positive numbers (integers for a table: whole time units)."""
     try:
-        costs = tuple(int(c) for c in text.split(","))
+        costs = tuple(float(c) for c in text.split(","))
     except ValueError:
         costs = ()
-    if len(costs) != 3 or min(costs) < 1:
-        raise argparse.ArgumentTypeError(f"--costs is F,I,W: three positive integers, e.g. 1,1,1; got {text!r}")
-    return costs
+    if len(costs) != 3 or min(costs) <= 0:
+        raise argparse.ArgumentTypeError(f"--costs is F,I,W: three positive numbers, e.g. 1,1,1; got {text!r}")
+    return tuple(int(c) if c == int(c) else c for c in costs)
+
+
+def _auto(args: argparse.Namespace) -> int:
+    """``pipeq schedule auto``: the ranking :func:`pipeq.schedules.choose.choose` makes."""
+    from pipeq.schedules.choose import choose, format_choice, stage_cost
+
+    more = {} if args.hop is None else {"hop": args.hop}
+    if args.from_trace:
+        from pipeq.trace.advice import choice_of
+        from pipeq.trace.format import load_trace
+
+        choice = choice_of(load_trace(args.from_trace), memory_limit=args.memory, **more)
+    else:
+        if args.stages is None or args.microbatches is None:
+            raise ValueError("schedule auto needs --stages and --microbatches (or --from-trace TRACE.json)")
+        f, i, w = args.costs or (1, 1, 1)
+        choice = choose(stage_cost(f, i, w), args.stages, args.microbatches, memory_limit=args.memory, **more)
+    print(format_choice(choice))
+    return 0
 
 
 def _schedule(args: argparse.Namespace) -> int:
+    if args.name == "auto":
+        return _auto(args)
+    if args.stages is None or args.microbatches is None:
+        raise ValueError(f"schedule {args.name} needs --stages and --microbatches")
     entry = schedules.SCHEDULES[args.name]
     takers = [n for n, s in schedules.SCHEDULES.items() if "distance" in getattr(s, "option_names", ())]
     if args.distance is not None and args.name not in takers:

@@ -57,6 +57,9 @@ class SimulatedBackend:
         self.mailbox: dict[tuple[Any, ...], Any] = {}
         self._results: dict[int, float | PipelineError] = {}  # submitted steps, not yet handed out
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
+        #: one list per stage to record its compute actions' trace rows in (:mod:`pipeq.trace`;
+        #: ``schedule="auto"`` times F, I and W so), None: no record
+        self.trace_rows: list[list[tuple[int, ...]]] | None = None
 
     def start(self) -> None:
         pass
@@ -83,7 +86,7 @@ class SimulatedBackend:
             actions, _ = self._guard(k, plan.begin, ex, step, sizes, training, x if k == 0 else None,
                                      target if ex.needs_target else None, weights, aux_weights, stream,
                                      inputs[k] if inputs is not None else None)
-            gens.append(execute(ex, actions))
+            gens.append(execute(ex, actions, self.trace_rows[k] if self.trace_rows is not None else None))
         return self._advance(gens)
 
     def _advance(self, gens: list[Any]) -> list[Tensors]:

@@ -22,6 +22,8 @@ any schedule that would deadlock. Nothing here does I/O.
     plan.py      build(): a validated, lowered, dry-run plan; format_table()
     dryrun.py    consistency checks and the symbolic dry run
     bounds.py    the plan under runner.stream and the time per batch it allows
+    choose.py    choose(): rank the schedules by their dry run with measured costs under a memory
+                 limit, and search I/W placements (``schedule="auto"``, ``pipeq schedule auto``)
     tdp_csv.py   torch.distributed.pipelining's schedule CSV: dumps, loads, CsvSchedule
                  (a file as a schedule: ``pipeq.launch.csv_schedule.from_csv(path)``)
 

@@ -147,7 +147,7 @@ def _channel(k: int, a: Action) -> tuple[int, int, str, int]:
 def dry_run(
     lowered: Schedule, *, cost: "Mapping[Op, float] | Sequence[Mapping[Op, float]] | None" = None,
     capacity: int | None = None, start: Sequence[float] | None = None,
-    stages: Sequence[Sequence[int]] | None = None,
+    stages: Sequence[Sequence[int]] | None = None, hop: float = 0,
 ) -> list[list[tuple[int, Action]]]:
     """Execute lowered action lists symbolically; return each stage's (start time, action) list.
 
@@ -162,7 +162,8 @@ def dry_run(
     unequal cost); communication is instantaneous, but a message sent at time t can be received
     from t on. A send blocks while its receiver already holds ``capacity`` unconsumed messages
     from that sender (None: unbounded). ``start``: the time each stage is free to begin (default
-    0 on every stage). Raises :class:`ScheduleError` naming every blocked stage if no stage can
+    0 on every stage). ``hop``: the latency of a message between two processes (a message sent at t
+    is received from t + hop on; between two stages of one process, from t). Raises :class:`ScheduleError` naming every blocked stage if no stage can
     move.
     """
     n = len(lowered)
@@ -170,6 +171,7 @@ def dry_run(
     if len(where) != n:
         raise ScheduleError(f"stages names {len(where)} processes for {len(lowered)} action lists")
     costs = stage_costs(cost, sum(len(w) for w in where))
+    owner = {s: k for k, w in enumerate(where) for s in w}  # model stage -> its process
     if start is not None and len(start) != n:
         raise ScheduleError(f"start has {len(start)} times for {n} stages")
     pc = [0] * n
@@ -194,7 +196,7 @@ def dry_run(
                         break
                     if ch in sent:
                         raise ScheduleError(f"stage {s}: {a} sends the same message twice")
-                    sent[ch] = clock[k]
+                    sent[ch] = clock[k] + (hop if owner.get(ch[1], k) != k else 0)
                     pending[ch[:2]] = pending.get(ch[:2], 0) + 1
                 else:
                     ch = _channel(s, a)

@@ -13,8 +13,10 @@ the numbers. A step's wall time runs from its first stage event's start to its l
 (the driver's ``"step S"`` spans are used for steps without stage events).
 
 Bubble: the share of a step's wall time a stage does not compute, averaged over the stages. The
-ideal, (N-1)/(m+N-1) for N stages and m microbatches, is that of fill-drain and 1F1B with equal
-stage costs and free communication (and no optimizer step).
+ideal is the traced schedule's own: its dry run's at F = I = W = 1 on every stage (B = 2),
+free communication and no optimizer step ((N-1)/(m+N-1) for fill-drain and 1F1B; a schedule
+this module cannot rebuild, your own function, gets that too). The report ends with the
+advice of :mod:`pipeq.trace.advice`: what 1F1B, ZB-H1 and ZBV would take with the measured costs.
 
 Throughput: training steps per second in the steady state (between the ends of the first and
 the last step covered), beside the schedule's bound (:mod:`pipeq.schedules.bounds`) with each stage's
@@ -25,13 +27,16 @@ measured mean forward, backward and optimizer-step times: the streamed bound for
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterable, Union
 
 from pipeq import schedules
 from pipeq.schedules.bounds import stream_bound
+from pipeq.schedules.plan import process_stages
 from pipeq.errors import ScheduleError
 from pipeq.schedules import Op
+from pipeq.trace.advice import advice_line
 from pipeq.trace.format import BACKWARD_CAT, COMPUTE_CATS, FORWARD_CAT, SEND_CAT, STEP_CAT, WAIT_CAT, Event, Trace
 
 StepSelection = Union[int, str, Iterable[int], None]
@@ -72,7 +77,7 @@ class StepStats:
     microbatches: int
     stages: list[StageStep]
     bubble: float  # mean over the stages of (1 - compute / wall)
-    ideal_bubble: float  # (N-1)/(m+N-1)
+    ideal_bubble: float  # the schedule's dry run's (see ideal_bubble)
     slowest_stage: int  # the stage with the most compute
 
 
@@ -124,9 +129,10 @@ class Report:
     steps: list[StepStats]
     stages: list[StageTotals]
     bubble: float  # mean over steps of the measured bubble
-    ideal_bubble: float  # mean over steps of (N-1)/(m+N-1)
+    ideal_bubble: float  # mean over steps of the schedule's ideal (see ideal_bubble)
     slowest_stage: int  # the stage with the most compute over the run
     throughput: Throughput | None = None  # None: fewer than two training steps covered
+    advice: str | None = None  # which schedule the measured costs favour (pipeq.trace.advice)
 
     @property
     def microbatches(self) -> list[int]:
@@ -138,9 +144,32 @@ def _bubble(compute_us: float, wall_us: float) -> float:
     return min(1.0, max(0.0, 1.0 - compute_us / wall_us)) if wall_us > 0 else 0.0
 
 
-def ideal_bubble(n_stages: int, n_microbatches: int) -> float:
-    """(N-1)/(m+N-1): fill-drain's and 1F1B's bubble with equal stage costs and free communication."""
+def ideal_bubble(n_stages: int, n_microbatches: int, schedule: Any = None) -> float:
+    """The bubble of ``schedule``'s dry run at F = I = W = 1 (B = 2) on each of ``n_stages``
+    model stages, free communication, up to the STEP: the mean over the stages of their idle
+    share, as :func:`analyze` measures it. Without a schedule (or one that cannot be rebuilt at
+    these counts): (N-1)/(m+N-1), fill-drain's and 1F1B's."""
+    if schedule is not None and n_microbatches > 0:
+        try:
+            return _planned_bubble(schedule, n_stages, n_microbatches)
+        except (ScheduleError, ValueError):
+            pass
     return (n_stages - 1) / (n_microbatches + n_stages - 1) if n_microbatches > 0 else 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def _planned_bubble(schedule: Any, n_stages: int, m: int) -> float:
+    """:func:`ideal_bubble` from the dry run (cached: every step of a run asks it)."""
+    unit = {Op.FORWARD: 1, Op.INPUT_GRAD: 1, Op.WEIGHT_GRAD: 1, Op.BACKWARD: 2, Op.STEP: 0}
+    lowered = schedules.build(schedule, n_stages, m)
+    where = process_stages(schedule, n_stages)
+    timeline = schedules.dry_run(lowered, cost=unit, stages=where)
+    span = max(t for row in timeline for t, a in row if a.op is Op.STEP)
+    busy = [0] * n_stages
+    for p, row in enumerate(timeline):
+        for _, a in row:
+            busy[where[p][a.chunk]] += unit[a.op]
+    return sum(1 - b / span for b in busy) / n_stages if span > 0 else 0.0
 
 
 def select_steps(trace: Trace, steps: StepSelection) -> set[int] | None:
@@ -220,6 +249,7 @@ def analyze(trace: Trace, include_predict: bool = False, *, skip_first: int = 0,
         ideal_bubble=sum(s.ideal_bubble for s in stats) / len(stats),
         slowest_stage=max(totals, key=lambda t: t.compute_us).stage,
         throughput=_throughput(trace, [k for k in keys if k[0] == 0 and trace.is_training(k)], by_key),
+        advice=advice_line(trace),
     )
 
 
@@ -305,7 +335,7 @@ def _step_stats(trace: Trace, key: tuple[int, int], events: list[Event]) -> Step
         replica=key[0], step=key[1], training=trace.is_training(key), wall_us=wall,
         microbatches=int(m), stages=rows,
         bubble=sum(r.bubble for r in rows) / len(rows),
-        ideal_bubble=ideal_bubble(trace.n_stages, int(m)),
+        ideal_bubble=ideal_bubble(trace.n_stages, int(m), schedule_of(str(trace.meta.get("schedule", "")))),
         slowest_stage=max(rows, key=lambda r: r.compute_us).stage,
     )
 
@@ -413,11 +443,13 @@ def _summary(report: Report) -> list[str]:
     slow = report.stages[report.slowest_stage]
     ms = report.microbatches
     m = str(ms[0]) if len(ms) == 1 else "/".join(map(str, ms))
+    known = schedule_of(report.schedule) is not None
+    how = f"{report.schedule}'s dry run at F=I=W=1" if known else "(N-1)/(m+N-1)"
     return [
         f"slowest stage: {slow.stage} ({100 * slow.compute_fraction:.0f}% of the step time computing)",
         f"bubble: measured {100 * report.bubble:.1f}% vs ideal {100 * report.ideal_bubble:.1f}% "
-        f"((N-1)/(m+N-1) for N={report.n_stages}, m={m})",
-    ] + _throughput_lines(report.throughput)
+        f"({how} for N={report.n_stages}, m={m})",
+    ] + _throughput_lines(report.throughput) + ([report.advice] if report.advice else [])
 
 
 def _throughput_lines(t: Throughput | None) -> list[str]:

@@ -24,7 +24,7 @@ PACKAGE = os.path.dirname(pipeq.__file__)
 #: Each layer's modules, by dotted name under pipeq: a name ending in "." is a whole folder.
 #: The first pattern that matches a module decides its layer (longest patterns first).
 LAYERS: dict[str, list[str]] = {
-    "control plane": ["__init__", "__main__", "control.", "launch.", "trace.report", "trace.plot"],
+    "control plane": ["__init__", "__main__", "control.", "launch.", "trace.report", "trace.plot", "trace.advice"],
     "event loop": ["runtime."],
     "compute": ["schedules.", "stage.", "research.", "parallel.", "checkpoint.", "models.", "trace.__init__",
                 "trace.format", "balance", "testing", "split."],

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from pipeq import balance as balancing
-from pipeq import schedules
 from pipeq.launch.job.keys import FACTORY_ARGS, KEYS, LENGTH_RULE
 from pipeq.launch.job.names import did_you_mean
-from pipeq.launch.job.schedule import check_schedule_keys
+from pipeq.launch.job.schedule import check_schedule_keys, policy_of
 
 __all__ = ["check_length", "check_types", "check_keys", "placement_nodes"]
 
@@ -151,7 +150,7 @@ def _check_model_keys(path: str, raw: Mapping[str, Any]) -> None:
             raise ValueError(f"job file {path}: split_modules splits the model that model names: set model = "
                              "'pkg.mod:fn' (a function returning it) instead of stages")
         return
-    schedules.resolve(raw["schedule"]).check_job(path, raw)  # e.g. AL refuses model + balance
+    policy_of(raw["schedule"]).check_job(path, raw)  # e.g. AL refuses model + balance
     if "split_modules" in raw:
         mods = raw["split_modules"]
         if "balance" in raw:

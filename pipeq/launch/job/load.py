@@ -35,7 +35,7 @@ def load_job(path: str, overrides: Mapping[str, Any] | None = None) -> Job:
     check_keys(path, raw)
     nodes = placement_nodes(path, raw.pop("placement", None))
     recipe = Recipe(**{"loss": None, "stages": None, **{k: raw.pop(k) for k in list(raw) if k in RECIPE_KEYS}},
-                    sys_path=sys_path, schedule=raw["schedule"])
+                    sys_path=sys_path, schedule=None if raw["schedule"] == "auto" else raw["schedule"])
     return Job(recipe=recipe, placement=nodes, path=os.path.abspath(path), **raw)
 
 

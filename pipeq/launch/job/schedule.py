@@ -6,6 +6,8 @@ allow), and ``"pkg.module:Name"`` names your own (a :class:`~pipeq.schedules.Sch
 class, called with the table's options; an object; or a schedule function).
 ``"csv:plan.csv"`` runs a torch.distributed.pipelining schedule CSV (relative to the job file);
 ``{ name = "csv:zbv.csv", placement = "v" }`` one of two stages per process in a V.
+``"auto"`` lets the runner choose from two profiled steps (:mod:`pipeq.control.auto_schedule`);
+the job is checked as ZB-H1's meanwhile (every candidate needs what ZB-H1 needs).
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from pipeq import schedules
 from pipeq.launch.job.keys import REQUIRED as _REQUIRED
 from pipeq.launch.job.names import did_you_mean, importable, resolve
 
-__all__ = ["parse_schedule", "check_schedule_keys"]
+__all__ = ["parse_schedule", "check_schedule_keys", "policy_of"]
+
+
+def policy_of(schedule: Any) -> schedules.SchedulePolicy:
+    """The parsed schedule as the job is checked with: ``"auto"`` as ZB-H1, what it starts as."""
+    return schedules.resolve("zb-h1" if isinstance(schedule, str) and schedule == "auto" else schedule)
 
 
 def parse_schedule(value: "str | Mapping[str, Any]", sys_path: Sequence[str] = ()) -> Any:
@@ -35,6 +42,8 @@ def parse_schedule(value: "str | Mapping[str, Any]", sys_path: Sequence[str] = (
                         **options)
     if isinstance(name, str) and ":" in name:
         return _users(name, options, sys_path)
+    if name == "auto" and not options:
+        return name
     known = schedules.SCHEDULES
     if not isinstance(name, str) or name not in known:
         what = "a table without a name" if name is None else f"unknown name {name!r}"
@@ -75,7 +84,7 @@ def _users(spec: str, options: dict[str, Any], sys_path: Sequence[str]) -> sched
 def check_schedule_keys(path: str, raw: Mapping[str, Any]) -> None:
     """The keys the job's schedule needs or refuses: a loss (unless the schedule brings its own
     criterion), auxiliary heads only with a schedule that trains with them."""
-    schedule = schedules.resolve(raw["schedule"])
+    schedule = policy_of(raw["schedule"])
     missing = [k for k in _REQUIRED if k not in raw and not (k == "stages" and "model" in raw)]
     missing += ["loss"] if "loss" not in raw and schedule.needs_loss else []
     if missing:

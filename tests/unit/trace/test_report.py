@@ -281,8 +281,9 @@ def test_format_report_hand_trace():
     assert stage0.split() == ["0", "0.65", "0.02", "0.32", "0.00", "65.7%", "34.3%", "0.004"]
     step0 = lines[lines.index("per step") + 2]
     assert step0.split() == ["0", "0.99", "33.8%", "33.3%", "1"]
-    assert lines[-2] == "slowest stage: 1 (67% of the step time computing)"
-    assert lines[-1] == "bubble: measured 33.8% vs ideal 33.3% ((N-1)/(m+N-1) for N=2, m=2)"
+    assert lines[-3] == "slowest stage: 1 (67% of the step time computing)"
+    assert lines[-2] == "bubble: measured 33.8% vs ideal 33.3% (fill-drain's dry run at F=I=W=1 for N=2, m=2)"
+    assert lines[-1].startswith("this run's measured costs: 1F1B ") and "(best: " in lines[-1]
 
 
 def test_format_report_elides_long_runs():

@@ -1,0 +1,98 @@
+"""``schedule="auto"``: profile the stages for two steps on copies, then run the schedule their costs favour.
+
+The runner settles the schedule at the first ``step(x, target)`` (timing anything needs a batch),
+before any stage process starts: :func:`decide` runs two ZB-H1 steps of the stages in this process
+(:class:`~pipeq.runtime.simulated.SimulatedBackend`, on deep copies: the user's modules, the
+optimizers the run will build and the global torch RNG state are left as they were; a recipe's
+stages are built here for it), takes each stage's mean F, I and W times from the second step's
+trace rows and hands them to :func:`pipeq.schedules.choose.choose` with one stage per process (the
+stages are given: a schedule of two stages per process would change the process count, so those
+are not candidates). The runner prints the ranking once (stderr), keeps it as
+``runner.auto_choice``, and starts with the winner (possibly ``zb-search``, a searched plan).
+
+Limits: the profile times compute only (one process: no message costs, ``hop`` 0). Whatever needs
+the running pipeline before a first ``step`` (``predict``, ``stream``, ``state_dict``,
+``load_state_dict``...) settles it unprofiled, as do data- or tensor-parallel and multi-host runs:
+ZB-H1 (1F1B's memory, never slower than 1F1B at equal costs).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+
+from pipeq.schedules import Op
+from pipeq.schedules.choose import Choice, choose, stage_cost
+from pipeq.trace.format import B as TRACE_B
+from pipeq.trace.format import F as TRACE_F
+from pipeq.trace.format import I as TRACE_I
+from pipeq.trace.format import W as TRACE_W
+
+__all__ = ["AUTO", "FALLBACK", "PROFILE_STEPS", "is_auto", "costs_of", "profile", "decide"]
+
+#: the schedule name that asks for this, and the schedule the run is checked and built with until then
+AUTO, FALLBACK = "auto", "zb-h1"
+PROFILE_STEPS = 2
+_CODES = {TRACE_F: Op.FORWARD, TRACE_B: Op.BACKWARD, TRACE_I: Op.INPUT_GRAD, TRACE_W: Op.WEIGHT_GRAD}
+
+
+def is_auto(schedule: Any) -> bool:
+    """Whether ``schedule`` is ``"auto"``."""
+    return isinstance(schedule, str) and schedule == AUTO
+
+
+def costs_of(rows: Sequence[Sequence[tuple[int, ...]]]) -> list[dict[Op, float]]:
+    """Each stage's mean F, I, W (and B) times in ms from its trace rows' last step."""
+    out = []
+    for stage_rows in rows:
+        last = max((r[1] for r in stage_rows), default=0)
+        times: dict[Op, list[float]] = {}
+        for code, step, _, start, end, *_ in stage_rows:
+            if step == last and code in _CODES:
+                times.setdefault(_CODES[code], []).append((end - start) / 1e6)
+        out.append({op: sum(t) / len(t) for op, t in times.items()})
+    return out
+
+
+def profile(specs: Sequence[Any], numerics: Any, device: str, shards: Any, x: Any, target: Any,
+            inputs: Any = None, steps: int = PROFILE_STEPS) -> list[dict[Op, float]]:
+    """Run ``steps`` ZB-H1 steps of ``specs`` (copies) in this process; each stage's costs (ms)."""
+    from pipeq.runtime.simulated import SimulatedBackend
+
+    rng = torch.random.get_rng_state()
+    try:
+        backend = SimulatedBackend(specs, FALLBACK, device, numerics)  # deep-copies every spec
+        backend.trace_rows = [[] for _ in specs]
+        for step in range(1, steps + 1):
+            backend.submit(step, shards, x, target, False, inputs)
+            backend.result(step)
+    finally:
+        torch.random.set_rng_state(rng)
+    return costs_of(backend.trace_rows)
+
+
+def _specs(model: Any, n_stages: int) -> list[Any]:
+    """The stages to profile: the runner's, or a recipe's built here (RNG restored by the caller)."""
+    if model.builder is None:
+        return list(model.replicas[0])
+    builder = model.builder.for_schedule(FALLBACK)
+    return [builder.build(k, n_stages) for k in range(n_stages)]
+
+
+def decide(model: Any, numerics: Any, n_stages: int, microbatches: int, batch: tuple[Any, ...] | None,
+           *, device: str = "cpu", can_profile: bool = True) -> Choice:
+    """The choice for the run: profiled with ``batch`` = (shards, x, target, inputs) when given
+    and ``can_profile``, else at equal unit costs (which chooses ZB-H1)."""
+    costs: list[dict[Op, float]] = [stage_cost(1.0, 1.0, 1.0)] * n_stages
+    if batch is not None and can_profile:
+        rng = torch.random.get_rng_state()
+        try:
+            specs = _specs(model, n_stages)
+        finally:
+            torch.random.set_rng_state(rng)
+        shards, x, target, inputs = batch
+        costs = profile([copy.deepcopy(s) for s in specs], numerics, device, shards, x, target, inputs)
+        costs = [{op: max(t, 1e-6) for op, t in c.items()} for c in costs]  # a stage of no work: still a stage
+    return choose(costs, n_stages, microbatches, stages_per_process=1)
