@@ -27,6 +27,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+import bench_core
+from pipeq.schedules.placement import stages_of
+
 #: TDP class name -> (stages per rank, placement)
 CLASSES: dict[str, tuple[int, str]] = {
     "ScheduleGPipe": (1, "loop"),
@@ -40,24 +43,8 @@ CLASSES: dict[str, tuple[int, str]] = {
 
 
 def stage_ids(rank: int, world: int, chunks: int, placement: str) -> list[int]:
-    """The TDP stage indices rank ``rank`` holds (its chunks in order)."""
-    if placement == "v":
-        return [rank, 2 * world - 1 - rank]
-    return [rank + c * world for c in range(chunks)]
-
-
-def _pin_one_thread(rank: int) -> None:
-    if hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        try:
-            os.sched_setaffinity(0, [cores[rank % len(cores)]])
-        except OSError:
-            pass
-    torch.set_num_threads(1)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
+    """The TDP stage indices rank ``rank`` holds (its chunks in order): pipeq's placement."""
+    return stages_of(rank, world, chunks, placement)
 
 
 def compute_order(sched: Any, world: int) -> list[list[tuple[int, str, int]]] | None:
@@ -106,7 +93,8 @@ def child_tdp(rank: int, world: int, port: int, job: dict) -> dict:
     """One TDP rank: ``job`` = cls, make, microbatches, x, y, warmup, steps. Returns the step
     times (s, after warm-up) and the update's L1 norm, or ``error`` (the exception's first line) if the class refused or
     failed; rank 0 adds the compute ``order``."""
-    _pin_one_thread(rank)
+    bench_core._pin(rank)
+    bench_core._threads(1)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

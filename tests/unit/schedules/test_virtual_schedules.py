@@ -10,6 +10,7 @@ import pytest
 
 import pipeq
 import pipeq.schedules as S
+from plan_cases import peak_in_flight
 from pipeq.errors import ScheduleError
 from pipeq.schedules import Action, Op
 from pipeq.schedules.bounds import stream_bound
@@ -146,13 +147,6 @@ def test_interleaving_and_the_v_shorten_the_step():
 
 
 # -- ZB-H2 ----------------------------------------------------------------------------------------------
-def _peak_in_flight(acts):
-    live = peak = 0
-    for a in acts:
-        live += a.op is Op.FORWARD
-        live -= a.op in (Op.BACKWARD, Op.WEIGHT_GRAD)
-        peak = max(peak, live)
-    return peak
 
 
 @pytest.mark.parametrize("n,m", [(1, 1), (1, 3), (2, 1), (2, 5), (3, 4), (4, 8), (4, 16), (5, 7), (6, 20)])
@@ -162,8 +156,8 @@ def test_zb_h2_is_valid_deadlock_free_fills_the_pipeline_and_holds_2n_minus_1(n,
     for k, acts in enumerate(plan):
         warm = next(i for i, a in enumerate(acts) if a.op is not Op.FORWARD)
         assert warm == min(m, 2 * n - 1 - 2 * k)
-        assert _peak_in_flight(acts) <= 2 * n - 1
-    assert _peak_in_flight(plan[0]) == min(m, 2 * n - 1)
+        assert peak_in_flight(acts) <= 2 * n - 1
+    assert peak_in_flight(plan[0]) == min(m, 2 * n - 1)
 
 
 def test_zb_h2_is_a_parallelogram_at_equal_costs_and_beats_zb_h1_when_w_is_cheaper():

@@ -8,6 +8,7 @@ import pytest
 
 import pipeq
 import pipeq.schedules as S
+from plan_cases import peak_in_flight
 from pipeq.errors import ScheduleError
 from pipeq.launch.cli import main
 from pipeq.schedules import B, F, I, STEP, W, Action, Op
@@ -109,23 +110,13 @@ def _makespan(name, n, m, cost):
     return max(t for row in timeline for t, a in row if a.op is Op.STEP)
 
 
-def _peak_in_flight(acts):
-    """Microbatches forwarded and not yet through their W (or B): the activations a stage holds."""
-    live = peak = 0
-    for a in acts:
-        live += a.op is Op.FORWARD
-        live -= a.op in (Op.BACKWARD, Op.WEIGHT_GRAD)
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize("n,m", [(1, 1), (1, 4), (2, 1), (2, 2), (2, 7), (3, 5), (4, 2), (4, 4), (4, 8), (5, 9), (8, 16)])
 def test_zb_h1_is_valid_deadlock_free_and_holds_1f1b_peak_memory(n, m):
     plan = S.zb_h1(n, m)
     S.check_consistency(plan, n, m, training=True)
     S.build("zb-h1", n, m)  # dry run included
     ref = S.one_f_one_b(n, m)
-    assert max(_peak_in_flight(a) for a in plan) <= max(_peak_in_flight(a) for a in ref)
+    assert max(peak_in_flight(a) for a in plan) <= max(peak_in_flight(a) for a in ref)
     assert all(a.count(W(0)) == 1 for a in plan)
 
 
