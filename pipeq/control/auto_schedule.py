@@ -82,9 +82,10 @@ def _specs(model: Any, n_stages: int) -> list[Any]:
 
 
 def decide(model: Any, numerics: Any, n_stages: int, microbatches: int, batch: tuple[Any, ...] | None,
-           *, device: str = "cpu", can_profile: bool = True) -> Choice:
+           *, device: str = "cpu", can_profile: bool = True, stages_per_process: int = 1) -> Choice:
     """The choice for the run: profiled with ``batch`` = (shards, x, target, inputs) when given
-    and ``can_profile``, else at equal unit costs (which chooses ZB-H1)."""
+    and ``can_profile``, else at equal unit costs (which chooses ZB-H1, or with several stages
+    per process the best of those schedules); among the schedules of ``stages_per_process``."""
     costs: list[dict[Op, float]] = [stage_cost(1.0, 1.0, 1.0)] * n_stages
     if batch is not None and can_profile:
         rng = torch.random.get_rng_state()
@@ -95,4 +96,5 @@ def decide(model: Any, numerics: Any, n_stages: int, microbatches: int, batch: t
         shards, x, target, inputs = batch
         costs = profile([copy.deepcopy(s) for s in specs], numerics, device, shards, x, target, inputs)
         costs = [{op: max(t, 1e-6) for op, t in c.items()} for c in costs]  # a stage of no work: still a stage
-    return choose(costs, n_stages, microbatches, stages_per_process=1)
+    v = stages_per_process
+    return choose(costs, n_stages // v, microbatches, stages_per_process=v)

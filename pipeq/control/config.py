@@ -251,8 +251,9 @@ class RunConfig:
     auto: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.schedule, str) and self.schedule == "auto":
-            object.__setattr__(self, "schedule", "zb-h1")
+        if isinstance(self.schedule, str) and self.schedule == "auto":  # a stand-in until it is settled
+            v = self.placement.stages_per_process
+            object.__setattr__(self, "schedule", "zb-h1" if v is None or v == 1 else "interleaved-1f1b")
             object.__setattr__(self, "auto", True)
         object.__setattr__(self, "schedule", _with_chunks(schedules.resolve(self.schedule),
                                                           self.placement.stages_per_process))

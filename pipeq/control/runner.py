@@ -401,12 +401,14 @@ def _settle(runner: PipelineRunner, batch: tuple[Any, Any, Any] | None) -> None:
         args = (runner._batcher.shards(target, size), x, target, inputs)
     device = place.devices[0] if place.devices else "cpu"
     try:
-        choice = auto_schedule.decide(model, runner.numerics, n, m, args, device=device, can_profile=can)
+        choice = auto_schedule.decide(model, runner.numerics, n, m, args, device=device, can_profile=can,
+                                      stages_per_process=place.stages_per_process or 1)
     except Exception as exc:  # a profile that fails is no reason not to train: ZB-H1, said so
         why = str(exc).splitlines()[0] if str(exc) else ""
         print(f"pipeq: schedule='auto' could not profile the stages ({type(exc).__name__}: {why}); "
               "choosing at equal costs", file=sys.stderr)
-        choice = auto_schedule.decide(model, runner.numerics, n, m, None, can_profile=False)
+        choice = auto_schedule.decide(model, runner.numerics, n, m, None, can_profile=False,
+                                      stages_per_process=place.stages_per_process or 1)
     runner.auto_choice = choice
     print(format_choice(choice), file=sys.stderr)
     runner.config = cfg = dataclasses.replace(runner.config, schedule=choice.schedule, auto=False)

@@ -118,3 +118,15 @@ def test_a_failing_stage_is_named_with_its_chunk():
         with pytest.raises(pipeq.PipelineError, match=r"stage 2 \(chunk 1 of its process\).*microbatch 0") as info:
             r.step(*batches64(1)[0])
     assert info.value.stage == 2
+
+
+def test_auto_with_two_stages_per_process_chooses_among_those_schedules_and_trains_as_its_choice():
+    stages = stages64(4)
+    batches = batches64(3)
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "auto", 4, mode="simulated",
+                              stages_per_process=2) as r:
+        got = [r.step(x, y) for x, y in batches]
+        chosen = r.schedule
+    assert chosen.stages_per_process == 2 and chosen.name in ("zbv", "interleaved-1f1b", "looped-bfs", "dualpipev")
+    losses, _, _ = run_runner(stages, batches, schedule=chosen, microbatches=4, mode="simulated", opt=SGD64)
+    assert got == losses
