@@ -5,15 +5,16 @@ into ``I``, the gradient with respect to the stage's input (what the previous st
 and ``W``, the gradients of the stage's parameters, which the schedule defers to fill its
 bubbles. :meth:`SplitBackward.input_grad` differentiates the microbatch's outputs (the last stage:
 its loss) with respect to the input leaves only (``torch.autograd.grad``, keeping the graph) and
-keeps the outputs and their gradients; :meth:`SplitBackward.weight_grad` then backpropagates the
-same gradients into the parameters only (``torch.autograd.backward(inputs=params)``), which
-frees the graph. The parameters' gradients accumulate exactly as under ``B``: the same
-operations in the same order, so ``I`` then ``W`` gives ``B``'s bits. ``W`` recomputes the
-activation gradients between the outputs and the parameters (``I`` computed them too): simple,
-and exact; a ``W`` costs about a whole backward here.
+keeps, through pre-hooks, the gradients arriving at the *entries* of the parameter side: the
+nodes on the input side with an edge towards a parameter (see :mod:`pipeq.stage.grad_graph`).
+:meth:`SplitBackward.weight_grad` then runs autograd from those nodes only, restricted to the
+parameters (one call per group of parameters), which frees the graph: ``W`` computes only the
+parameter gradients, not the activation gradients ``I`` computed already. Each parameter's
+gradient arrives as under ``B``: the same sums, accumulated in the same order, so ``I`` then ``W``
+gives ``B``'s bits.
 
 Stage 0 has no input gradient: its ``I`` only keeps what the ``W`` needs, and its ``W`` is the
-whole backward. With recomputation the ``I`` recomputes the forward and the ``W`` uses that
+whole backward (so is a stage's whose inputs need no gradient). With recomputation the ``I`` recomputes the forward and the ``W`` uses that
 graph. Gradients are final after the step's last ``W`` (the data-parallel all-reduce starts
 there; clipping, loss scaling and check_finite run at ``STEP``, after every ``W``).
 """
@@ -24,6 +25,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+
+from pipeq.stage.grad_graph import WeightCall, plan_weights, run_weight_calls
 
 __all__ = ["SplitBackward", "Roots"]
 
@@ -43,7 +46,7 @@ class SplitBackward:
     scaler: Any
     stash: dict[int, tuple[Any, Any, Any]]
     #: microbatch -> what its W backpropagates (kept by its I)
-    pending_w: dict[int, Roots]
+    pending_w: dict[int, list[WeightCall]]
 
     _recompute: Callable[[int, Any, Any], Any]  # microbatch j's forward again (recompute)
     _nonfinite: Callable[[str, int, Any], None]  # check_finite='raise' on tensors
@@ -74,12 +77,16 @@ class SplitBackward:
         leaves, outs, keep = self.stash.pop(j)
         if keep is not None:
             outs = self._recompute(j, leaves, keep)
-        roots, gs = self.pending_w[j] = self._roots(j, outs, grads)
-        if self.is_first:
-            return None
+        roots, gs = self._roots(j, outs, grads)
         need = [t for t in leaves if t.requires_grad]
-        got: Any = (torch.autograd.grad(roots, need, gs, retain_graph=True, allow_unused=True)
-                    if roots and need else [None] * len(need))
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if not (roots and need):  # stage 0 (or no input gradient): W is the whole backward
+            self.pending_w[j] = [WeightCall(roots, gs, params)] if roots and params else []
+            return None if self.is_first else tuple(torch.zeros_like(t) for t in need)
+        plan = plan_weights(roots, gs, need, params)
+        with plan.capturing():
+            got = torch.autograd.grad(roots, need, gs, retain_graph=True, allow_unused=True)
+        self.pending_w[j] = plan.calls()
         out = tuple((g if g is not None else torch.zeros_like(t)).detach() for g, t in zip(got, need))
         if self.scaler is None:
             self._nonfinite("the input gradient", j, out)
@@ -87,11 +94,8 @@ class SplitBackward:
 
     def weight_grad(self, j: int) -> None:
         """``W j``: microbatch ``j``'s parameter gradients, accumulated; frees its graph."""
-        roots = self.pending_w.pop(j, None)
-        if roots is None:
+        calls = self.pending_w.pop(j, None)
+        if calls is None:
             raise ValueError(f"stage {self.index}, step {self.step_index}: action W{j} before I{j} "
                              f"(nothing kept for microbatch {j}'s weight gradients)")
-        outs, gs = roots
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if outs and params:
-            torch.autograd.backward(outs, gs, inputs=params)
+        run_weight_calls(calls)
