@@ -5,8 +5,8 @@ into ``I``, the gradient with respect to the stage's input (what the previous st
 and ``W``, the gradients of the stage's parameters, which the schedule defers to fill its
 bubbles. :meth:`SplitBackward.input_grad` differentiates the microbatch's outputs (the last stage:
 its loss) with respect to the input leaves only (``torch.autograd.grad``, keeping the graph) and
-keeps, through pre-hooks, the gradients arriving at the *entries* of the parameter side: the
-nodes on the input side with an edge towards a parameter (see :mod:`pipeq.stage.grad_graph`).
+also returns the gradients arriving at the *entries* of the parameter side, the nodes on the
+input side with an edge towards a parameter (see :mod:`pipeq.stage.grad_graph`).
 :meth:`SplitBackward.weight_grad` then runs autograd from those nodes only, restricted to the
 parameters (one call per group of parameters), which frees the graph: ``W`` computes only the
 parameter gradients, not the activation gradients ``I`` computed already. Each parameter's
@@ -14,8 +14,8 @@ gradient arrives as under ``B``: the same sums, accumulated in the same order, s
 gives ``B``'s bits.
 
 Stage 0 has no input gradient: its ``I`` only keeps what the ``W`` needs, and its ``W`` is the
-whole backward (so is a stage's whose inputs need no gradient). With recomputation the ``I`` recomputes the forward and the ``W`` uses that
-graph. Gradients are final after the step's last ``W`` (the data-parallel all-reduce starts
+whole backward (so is a stage's whose inputs need no gradient). With recomputation the ``I``
+recomputes the forward and the ``W`` uses that graph. Gradients are final after the step's last ``W`` (the data-parallel all-reduce starts
 there; clipping, loss scaling and check_finite run at ``STEP``, after every ``W``).
 """
 
@@ -84,9 +84,9 @@ class SplitBackward:
             self.pending_w[j] = [WeightCall(roots, gs, params)] if roots and params else []
             return None if self.is_first else tuple(torch.zeros_like(t) for t in need)
         plan = plan_weights(roots, gs, need, params)
-        with plan.capturing():
-            got = torch.autograd.grad(roots, need, gs, retain_graph=True, allow_unused=True)
-        self.pending_w[j] = plan.calls()
+        got = torch.autograd.grad(roots, [*need, *plan.captures], gs, retain_graph=True, allow_unused=True)
+        self.pending_w[j] = plan.calls(got[len(need):])
+        got = got[:len(need)]
         out = tuple((g if g is not None else torch.zeros_like(t)).detach() for g, t in zip(got, need))
         if self.scaler is None:
             self._nonfinite("the input gradient", j, out)
