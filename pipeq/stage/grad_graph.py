@@ -30,29 +30,53 @@ import torch
 from torch.autograd import graph as _graph
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightCall", "WeightPlan", "plan_weights", "run_weight_calls"]
+__all__ = ["WeightCall", "WeightPlan", "engine_backward", "engine_grad", "plan_weights", "run_weight_calls"]
 
 Roots = tuple[list[torch.Tensor], list[Any]]  # what a backward starts from: tensors, their gradients
 
 #: the node type that accumulates into a leaf (its ``variable``)
 _ACCUMULATE = type(get_gradient_edge(torch.zeros(1, requires_grad=True)).node)
-#: the engine's entry point under ``torch.autograd.backward`` (which first checks the gradients
-#: it is given: a ``W``'s come from the engine itself, on the very nodes they are given to)
+#: the engine's entry point under ``torch.autograd.backward`` and ``grad``, which first spend
+#: ~20 us of Python checking and converting their arguments (see :func:`engine_grad`)
 _RUN = getattr(_graph, "_engine_run_backward", None)
 
 
+def _grads_for(roots: Sequence[torch.Tensor], grads: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+    """``grads``, a None (a scalar root's) made ones, as ``torch.autograd`` makes it."""
+    return tuple(g if g is not None else torch.ones_like(r, memory_format=torch.preserve_format)
+                 for r, g in zip(roots, grads))
+
+
+def engine_grad(roots: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Sequence[Any]) -> Sequence[Any]:
+    """``torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)``, the
+    same engine call without its Python checks: ``grads`` match ``roots`` in number and shape
+    (the executor checked them; None only for a scalar root)."""
+    if _RUN is None:
+        return torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
+    return _RUN(tuple(roots), _grads_for(roots, grads), True, False, tuple(inputs),
+                allow_unreachable=True, accumulate_grad=False)
+
+
+def engine_backward(roots: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Sequence[Any] = ()) -> None:
+    """``torch.autograd.backward(roots, grads, inputs=inputs or None)`` (frees the graph), the
+    same engine call without its Python checks (as :func:`engine_grad`)."""
+    if _RUN is None:
+        torch.autograd.backward(roots, grads, inputs=list(inputs) or None)
+        return
+    _RUN(tuple(roots), _grads_for(roots, grads), False, False, tuple(inputs), allow_unreachable=True,
+         accumulate_grad=True)
+
+
 class WeightCall:
-    """One ``backward`` of a ``W``: from ``edges`` (GradientEdges, or tensors) with ``grads`` into
-    ``params``; ``checked``: ``edges`` and ``grads`` came from the engine (no need to check them)."""
+    """One ``backward`` of a ``W``: from ``edges`` (GradientEdges, or tensors) with ``grads`` (None
+    only for a scalar tensor) into ``params``."""
 
-    __slots__ = ("edges", "grads", "params", "checked")
+    __slots__ = ("edges", "grads", "params")
 
-    def __init__(self, edges: Sequence[Any], grads: Sequence[Any], params: list[torch.Tensor],
-                 checked: bool = False) -> None:
+    def __init__(self, edges: Sequence[Any], grads: Sequence[Any], params: list[torch.Tensor]) -> None:
         self.edges = edges
         self.grads = grads
         self.params = params
-        self.checked = checked
 
 
 class _Group:
@@ -91,7 +115,7 @@ class WeightPlan:
                 edges.append(edge)
                 grads.append(gr)
             if edges:
-                out.append(WeightCall(edges, grads, g.params, checked=not g.seeds))
+                out.append(WeightCall(edges, grads, g.params))
         return out
 
 
@@ -104,51 +128,67 @@ def _find(parent: dict[Node, Node], n: Node) -> Node:
     return root
 
 
-def _walk(root_nodes: Sequence[Node], inputs: set[int], params: dict[int, torch.Tensor],
-          ) -> tuple[dict[Node, bool], dict[Node, list[tuple[Node, int]]], list[tuple[Node, torch.Tensor]]]:
-    """Every node below ``root_nodes``: whether a leaf of ``inputs`` (ids) is reachable from it,
-    its edges (child, slot); and the nodes that accumulate into ``params`` (by id)."""
-    reaches: dict[Node, bool] = {}
-    children: dict[Node, list[tuple[Node, int]]] = {}
-    found: list[tuple[Node, torch.Tensor]] = []
+def _walk(root_nodes: Sequence[Node], inputs: set[int], params: dict[int, torch.Tensor]) -> _Graph:
+    """The graph below ``root_nodes``: which nodes reach a leaf of ``inputs`` (ids), the entries,
+    the parameter side's parts (union-find over its nodes and entries), the nodes that
+    accumulate into ``params`` (by id)."""
+    g = _Graph()
+    reaches, children, parent, entries, found = g.reaches, g.children, g.parent, g.entries, g.found
     stack: list[tuple[Node, bool]] = [(n, False) for n in root_nodes]
     pop, push = stack.pop, stack.append
     while stack:
         node, done = pop()
-        if done:
-            kids = children[node]
-            if kids:
-                r = False
-                for c, _ in kids:
-                    if reaches[c]:
-                        r = True
-                        break
-                reaches[node] = r
-            elif type(node) is _ACCUMULATE:
+        if not done:
+            if node not in children:
+                kids = [e[0] for e in node.next_functions if e[0] is not None]
+                children[node] = kids
+                push((node, True))
+                for c in kids:
+                    if c not in children:
+                        push((c, False))
+            continue
+        kids = children[node]
+        if not kids:
+            r = False
+            if type(node) is _ACCUMULATE:
                 v = id(node.variable)
-                reaches[node] = v in inputs
+                r = v in inputs
                 p = params.get(v)
                 if p is not None:
                     found.append((node, p))
-            else:
-                reaches[node] = False
-        elif node not in children:
-            kids = [e for e in node.next_functions if e[0] is not None]
-            children[node] = kids
-            push((node, True))
-            for c, _ in kids:
-                if c not in children:
-                    push((c, False))
-    return reaches, children, found
+            reaches[node] = r
+            continue
+        apart = [c for c in kids if not reaches[c]]
+        reaches[node] = len(apart) < len(kids)
+        if apart:
+            if reaches[node]:
+                entries[node] = None
+            a = _find(parent, parent.setdefault(node, node))
+            for c in apart:
+                b = _find(parent, parent.setdefault(c, c))
+                if a is not b:
+                    parent[b] = a
+    return g
 
 
-def _below(start: Node, children: dict[Node, list[tuple[Node, int]]], reaches: dict[Node, bool]) -> set[Node]:
+class _Graph:
+    __slots__ = ("reaches", "children", "parent", "entries", "found")
+
+    def __init__(self) -> None:
+        self.reaches: dict[Node, bool] = {}
+        self.children: dict[Node, list[Node]] = {}
+        self.parent: dict[Node, Node] = {}
+        self.entries: dict[Node, None] = {}  # an ordered set
+        self.found: list[tuple[Node, torch.Tensor]] = []
+
+
+def _below(start: Node, graph: _Graph) -> set[Node]:
     """The input-side nodes below ``start`` (itself excluded)."""
     seen: set[Node] = set()
     todo = [start]
     while todo:
-        for c, _ in children[todo.pop()]:
-            if reaches[c] and c not in seen:
+        for c in graph.children[todo.pop()]:
+            if graph.reaches[c] and c not in seen:
                 seen.add(c)
                 todo.append(c)
     return seen
@@ -160,75 +200,51 @@ def plan_weights(roots: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Se
     reaches, with their entries from the side of ``inputs`` (leaves) and their own roots (module doc)."""
     root_edges = [GradientEdge(r.grad_fn, r.output_nr) if r.grad_fn is not None else get_gradient_edge(r)
                   for r in roots]
-    reaches, children, found = _walk([e.node for e in root_edges], {id(t) for t in inputs},
-                                     {id(p): p for p in params})
-    parent: dict[Node, Node] = {}
-    entries: dict[Node, None] = {}  # an ordered set
-    for node, kids in children.items():
-        for c, _ in kids:
-            if not reaches[c]:
-                if reaches[node]:
-                    entries[node] = None
-                a, b = _find(parent, parent.setdefault(node, node)), _find(parent, parent.setdefault(c, c))
-                if a is not b:
-                    parent[a] = b
+    graph = _walk([e.node for e in root_edges], {id(t) for t in inputs}, {id(p): p for p in params})
+    parent = graph.parent
     groups: dict[Node, _Group] = {}
-    for node, p in found:
+    for node, p in graph.found:
         key = _find(parent, parent.setdefault(node, node))  # (a parameter that is a root: its own)
         g = groups.get(key)
         if g is None:
             g = groups[key] = _Group()
         g.params.append(p)
-    for node in entries:
+    for node in graph.entries:
         g = groups.get(_find(parent, node))
         if g is not None:
             g.entries.append(node)
     for edge, root, gr in zip(root_edges, roots, grads):
-        if not reaches[edge.node] and edge.node in parent:
+        if not graph.reaches[edge.node] and edge.node in parent:
             g = groups.get(_find(parent, edge.node))
             if g is not None:
                 g.seeds.append((edge, gr if gr is not None else torch.ones_like(root)))
-    return WeightPlan(list(groups.values()), _captures(groups.values(), children, reaches, root_edges),
-                      (list(roots), list(grads)))
-
-
-def _captures(groups: Any, children: dict[Node, list[tuple[Node, int]]], reaches: dict[Node, bool],
-              root_edges: list[GradientEdge]) -> list[GradientEdge]:
-    """The input slots of every entry of a group without a chain (marked here), in order; each
-    group notes which are its own."""
-    slots: dict[Node, set[int]] = {}
-    for g in groups:
+    captures: list[GradientEdge] = []
+    for g in groups.values():
+        slots = [_slots(node) for node in g.entries]
         if len(g.entries) > 1:
             mine = set(g.entries)
-            g.chain = any(not mine.isdisjoint(_below(e, children, reaches)) for e in g.entries)
+            g.chain = any(not mine.isdisjoint(_below(e, graph)) for e in g.entries)
+        g.chain = g.chain or None in slots  # (a torch that does not say: the whole backward, exact)
         if not g.chain:
-            for e in g.entries:
-                slots[e] = set()
-    for kids in children.values():
-        for c, k in kids:
-            s = slots.get(c)
-            if s is not None:
-                s.add(k)
-    for e in root_edges:
-        s = slots.get(e.node)
-        if s is not None:
-            s.add(e.output_nr)
-    out: list[GradientEdge] = []
-    for g in groups:
-        if not g.chain:
-            for node in g.entries:
-                for k in sorted(slots[node]):
-                    g.taken.append(len(out))
-                    out.append(GradientEdge(node, k))
-    return out
+            for node, n in zip(g.entries, slots):
+                for k in range(n):  # type: ignore[arg-type]
+                    g.taken.append(len(captures))
+                    captures.append(GradientEdge(node, k))
+    return WeightPlan(list(groups.values()), captures, (list(roots), list(grads)))
+
+
+def _slots(node: Node) -> int | None:
+    """How many gradients ``node`` takes (its forward's outputs); None if this torch does not say."""
+    meta = getattr(node, "_input_metadata", None)
+    return len(meta) if meta is not None else None
 
 
 def run_weight_calls(calls: Sequence[WeightCall]) -> None:
     """Run a ``W``'s calls in order; the graph is kept until the last one, which frees it."""
     last = len(calls) - 1
     for i, call in enumerate(calls):
-        if call.checked and _RUN is not None:
-            _RUN(tuple(call.edges), tuple(call.grads), i < last, False, tuple(call.params),
+        if _RUN is not None:
+            _RUN(tuple(call.edges), _grads_for(call.edges, call.grads), i < last, False, tuple(call.params),
                  allow_unreachable=True, accumulate_grad=True)
         else:
             torch.autograd.backward(call.edges, call.grads, inputs=call.params, retain_graph=i < last)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from pipeq.stage.grad_graph import WeightCall, plan_weights, run_weight_calls
+from pipeq.stage.grad_graph import WeightCall, engine_grad, plan_weights, run_weight_calls
 
 __all__ = ["SplitBackward", "Roots"]
 
@@ -42,9 +42,11 @@ class SplitBackward:
     is_first: bool
     is_last: bool
     device: torch.device
+    _cpu: bool  # the device is the CPU
     module: nn.Module
     scaler: Any
     stash: dict[int, tuple[Any, Any, Any]]
+    _grad_params: list[torch.Tensor] | None  # this step's (see _trained), None until asked
     #: microbatch -> what its W backpropagates (kept by its I)
     pending_w: dict[int, list[WeightCall]]
 
@@ -66,7 +68,16 @@ class SplitBackward:
             raise ValueError(f"got {len(grads)} gradient(s) for outputs {shapes} of microbatch {j}")
         pairs = [(o, g) for o, g in zip(diff_outs, grads) if o.requires_grad]
         self._check_grad_shapes(j, pairs)
+        if self._cpu:
+            return [o for o, _ in pairs], [g for _, g in pairs]
         return [o for o, _ in pairs], [g.to(self.device, non_blocking=True) for _, g in pairs]
+
+    def _trained(self) -> list[torch.Tensor]:
+        """The module's parameters that require grad (looked up once per step: every I of a
+        step would find the same)."""
+        if self._grad_params is None:
+            self._grad_params = [p for p in self.module.parameters() if p.requires_grad]
+        return self._grad_params
 
     def input_grad(self, j: int, grads: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
         """``I j``: the gradient of microbatch ``j`` with respect to the stage's input (None on
@@ -79,12 +90,12 @@ class SplitBackward:
             outs = self._recompute(j, leaves, keep)
         roots, gs = self._roots(j, outs, grads)
         need = [t for t in leaves if t.requires_grad]
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = self._trained()
         if not (roots and need):  # stage 0 (or no input gradient): W is the whole backward
             self.pending_w[j] = [WeightCall(roots, gs, params)] if roots and params else []
             return None if self.is_first else tuple(torch.zeros_like(t) for t in need)
         plan = plan_weights(roots, gs, need, params)
-        got = torch.autograd.grad(roots, [*need, *plan.captures], gs, retain_graph=True, allow_unused=True)
+        got = engine_grad(roots, gs, [*need, *plan.captures])
         self.pending_w[j] = plan.calls(got[len(need):])
         got = got[:len(need)]
         out = tuple((g if g is not None else torch.zeros_like(t)).detach() for g, t in zip(got, need))
