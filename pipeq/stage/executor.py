@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pipeq.stage import microbatch
+from pipeq.stage.grad_graph import engine_backward
 from pipeq.stage.loss import step_weights
 from pipeq.stage.numerics import LossScaler, Numerics, all_finite, peak_memory
 from pipeq.stage.spec import StageSpec
@@ -73,6 +74,7 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
         self.scheduler_interval = spec.lr_scheduler_interval
         self.loss_fn = spec.loss_fn
         self._cuda = device.type == "cuda"
+        self._cpu = device.type == "cpu"  # received tensors are on the stage's device already (no .to())
         # train() would switch on submodules the user put in eval mode (frozen BatchNorm...):
         # training restores the modes the module came with instead.
         self._train_modes = [(m, m.training) for m in self.module.modules()]
@@ -89,6 +91,7 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
         # microbatch -> (input leaves, outputs / scaled loss, what a recompute needs or None)
         self.stash: dict[int, tuple[Tensors, Any, Any]] = {}
         self.pending_w: dict[int, Any] = {}  # a split backward's, between I and W (pipeq.stage.split_backward)
+        self._grad_params: list[torch.Tensor] | None = None
         self.loss_sum: torch.Tensor | None = None
 
     def set_numerics(self, numerics: Numerics) -> None:
@@ -126,6 +129,7 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
         self.kwargs = microbatch.split(microbatch.to_device(inputs, self.device), sizes) if inputs else None
         self.stash.clear()
         self.pending_w.clear()
+        self._grad_params = None  # looked up again (pipeq.stage.split_backward)
         self.loss_sum = None
         if training:
             for m, mode in self._train_modes:
@@ -147,7 +151,7 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
             return (), (), None
         assert received is not None
         tree = microbatch.spec_of(received)
-        args = tuple(t.to(self.device, non_blocking=True) for t in received)
+        args = tuple(received) if self._cpu else tuple(t.to(self.device, non_blocking=True) for t in received)
         if not self.training:
             return args, args, tree
         leaves = tuple(t.requires_grad_() if t.is_floating_point() or t.is_complex() else t for t in args)
@@ -285,7 +289,7 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
             outs = self._recompute(j, leaves, keep)
         roots, gs = self._roots(j, outs, grads)
         if roots:
-            torch.autograd.backward(roots, gs)
+            engine_backward(roots, gs)  # torch.autograd.backward(roots, gs), less its Python
         if self.is_first:
             return None
         out = tuple(

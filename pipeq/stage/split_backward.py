@@ -5,16 +5,17 @@ into ``I``, the gradient with respect to the stage's input (what the previous st
 and ``W``, the gradients of the stage's parameters, which the schedule defers to fill its
 bubbles. :meth:`SplitBackward.input_grad` differentiates the microbatch's outputs (the last stage:
 its loss) with respect to the input leaves only (``torch.autograd.grad``, keeping the graph) and
-keeps the outputs and their gradients; :meth:`SplitBackward.weight_grad` then backpropagates the
-same gradients into the parameters only (``torch.autograd.backward(inputs=params)``), which
-frees the graph. The parameters' gradients accumulate exactly as under ``B``: the same
-operations in the same order, so ``I`` then ``W`` gives ``B``'s bits. ``W`` recomputes the
-activation gradients between the outputs and the parameters (``I`` computed them too): simple,
-and exact; a ``W`` costs about a whole backward here.
+also returns the gradients arriving at the *entries* of the parameter side, the nodes on the
+input side with an edge towards a parameter (see :mod:`pipeq.stage.grad_graph`).
+:meth:`SplitBackward.weight_grad` then runs autograd from those nodes only, restricted to the
+parameters (one call per group of parameters), which frees the graph: ``W`` computes only the
+parameter gradients, not the activation gradients ``I`` computed already. Each parameter's
+gradient arrives as under ``B``: the same sums, accumulated in the same order, so ``I`` then ``W``
+gives ``B``'s bits.
 
 Stage 0 has no input gradient: its ``I`` only keeps what the ``W`` needs, and its ``W`` is the
-whole backward. With recomputation the ``I`` recomputes the forward and the ``W`` uses that
-graph. Gradients are final after the step's last ``W`` (the data-parallel all-reduce starts
+whole backward (so is a stage's whose inputs need no gradient). With recomputation the ``I``
+recomputes the forward and the ``W`` uses that graph. Gradients are final after the step's last ``W`` (the data-parallel all-reduce starts
 there; clipping, loss scaling and check_finite run at ``STEP``, after every ``W``).
 """
 
@@ -24,6 +25,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+
+from pipeq.stage.grad_graph import WeightCall, engine_grad, plan_weights, run_weight_calls
 
 __all__ = ["SplitBackward", "Roots"]
 
@@ -39,11 +42,13 @@ class SplitBackward:
     is_first: bool
     is_last: bool
     device: torch.device
+    _cpu: bool  # the device is the CPU
     module: nn.Module
     scaler: Any
     stash: dict[int, tuple[Any, Any, Any]]
+    _grad_params: list[torch.Tensor] | None  # this step's (see _trained), None until asked
     #: microbatch -> what its W backpropagates (kept by its I)
-    pending_w: dict[int, Roots]
+    pending_w: dict[int, list[WeightCall]]
 
     _recompute: Callable[[int, Any, Any], Any]  # microbatch j's forward again (recompute)
     _nonfinite: Callable[[str, int, Any], None]  # check_finite='raise' on tensors
@@ -63,7 +68,16 @@ class SplitBackward:
             raise ValueError(f"got {len(grads)} gradient(s) for outputs {shapes} of microbatch {j}")
         pairs = [(o, g) for o, g in zip(diff_outs, grads) if o.requires_grad]
         self._check_grad_shapes(j, pairs)
+        if self._cpu:
+            return [o for o, _ in pairs], [g for _, g in pairs]
         return [o for o, _ in pairs], [g.to(self.device, non_blocking=True) for _, g in pairs]
+
+    def _trained(self) -> list[torch.Tensor]:
+        """The module's parameters that require grad (looked up once per step: every I of a
+        step would find the same)."""
+        if self._grad_params is None:
+            self._grad_params = [p for p in self.module.parameters() if p.requires_grad]
+        return self._grad_params
 
     def input_grad(self, j: int, grads: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
         """``I j``: the gradient of microbatch ``j`` with respect to the stage's input (None on
@@ -74,12 +88,16 @@ class SplitBackward:
         leaves, outs, keep = self.stash.pop(j)
         if keep is not None:
             outs = self._recompute(j, leaves, keep)
-        roots, gs = self.pending_w[j] = self._roots(j, outs, grads)
-        if self.is_first:
-            return None
+        roots, gs = self._roots(j, outs, grads)
         need = [t for t in leaves if t.requires_grad]
-        got: Any = (torch.autograd.grad(roots, need, gs, retain_graph=True, allow_unused=True)
-                    if roots and need else [None] * len(need))
+        params = self._trained()
+        if not (roots and need):  # stage 0 (or no input gradient): W is the whole backward
+            self.pending_w[j] = [WeightCall(roots, gs, params)] if roots and params else []
+            return None if self.is_first else tuple(torch.zeros_like(t) for t in need)
+        plan = plan_weights(roots, gs, need, params)
+        got = engine_grad(roots, gs, [*need, *plan.captures])
+        self.pending_w[j] = plan.calls(got[len(need):])
+        got = got[:len(need)]
         out = tuple((g if g is not None else torch.zeros_like(t)).detach() for g, t in zip(got, need))
         if self.scaler is None:
             self._nonfinite("the input gradient", j, out)
@@ -87,11 +105,8 @@ class SplitBackward:
 
     def weight_grad(self, j: int) -> None:
         """``W j``: microbatch ``j``'s parameter gradients, accumulated; frees its graph."""
-        roots = self.pending_w.pop(j, None)
-        if roots is None:
+        calls = self.pending_w.pop(j, None)
+        if calls is None:
             raise ValueError(f"stage {self.index}, step {self.step_index}: action W{j} before I{j} "
                              f"(nothing kept for microbatch {j}'s weight gradients)")
-        outs, gs = roots
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if outs and params:
-            torch.autograd.backward(outs, gs, inputs=params)
+        run_weight_calls(calls)

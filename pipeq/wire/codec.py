@@ -26,7 +26,6 @@ subclass of :class:`CodecError` that says what was wrong.
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
@@ -77,6 +76,7 @@ class FrameLengthError(CodecError):
 
 
 _KINDS = frozenset(int(k) for k in Kind)
+_KIND_OF = {int(k): k for k in Kind}  # (a lookup: Kind(value) costs a microsecond)
 
 # dtype <-> wire code. Codes are part of the format: never renumber, only append.
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -204,7 +204,7 @@ def decode(frames: Sequence[Any], take: Take | None = None, take_device: Take | 
     cuda = extra.pop(CUDA_KEY, None)
     checked = _entries(metas)
     taken = _slotted(checked, len(frames), slot, cuda, take, take_device)
-    return Message(Kind(kind), step, microbatch, _tensors(frames, checked, taken), extra)
+    return Message(_KIND_OF[kind], step, microbatch, _tensors(frames, checked, taken), extra)
 
 
 def _header(frames: Sequence[Any]) -> tuple[int, int, int, list, dict]:
@@ -254,13 +254,16 @@ def _entries(metas: list) -> list[tuple[int, list[int], int, int]]:
             raise DtypeError(f"tensor {i}: unknown dtype code {code!r}")
         if type(shape) is not list or len(shape) > MAX_NDIM:
             raise ShapeError(f"tensor {i}: shape must be a list of at most {MAX_NDIM} dims")
+        # zero dims count as 1 in ``bound``, so an empty tensor cannot smuggle in overflowing strides
+        bound = numel = 1
         for d in shape:
             if type(d) is not int or d < 0:
                 raise ShapeError(f"tensor {i}: bad dimension {d!r} in shape {shape}")
-        # zero dims count as 1 here, so an empty tensor cannot smuggle in overflowing strides
-        if math.prod(max(d, 1) for d in shape) * _ITEMSIZE[code] > MAX_TENSOR_BYTES:
+            numel *= d
+            bound *= d or 1
+        if bound * _ITEMSIZE[code] > MAX_TENSOR_BYTES:
             raise ShapeError(f"tensor {i}: shape {shape} is absurdly large")
-        expected = math.prod(shape) * _ITEMSIZE[code]
+        expected = numel * _ITEMSIZE[code]
         if nbytes != expected or (len(meta) == 4 and expected == 0):
             raise FrameLengthError(f"tensor {i}: shape {shape} x {_ITEMSIZE[code]} bytes = {expected} bytes, "
                                    f"header says {nbytes!r}")
@@ -306,9 +309,12 @@ def _tensors(frames: Sequence[Any], checked: list[tuple[int, list[int], int, int
         else:
             if buf.readonly:  # bytes from a file or a test; ZeroMQ frames are writable
                 buf = memoryview(bytearray(buf))
-            raw = torch.frombuffer(buf, dtype=torch.uint8)
-            if _ITEMSIZE[code] == 16 and raw.data_ptr() % 16:
-                raw = raw.clone()  # complex128 kernels need 16-byte alignment; ZeroMQ's frames are 8 mod 16
-            t = raw.view(dtype).view(shape)
+            if _ITEMSIZE[code] == 16:
+                raw = torch.frombuffer(buf, dtype=torch.uint8)
+                if raw.data_ptr() % 16:
+                    raw = raw.clone()  # complex128 kernels need 16-byte alignment; ZeroMQ's frames are 8 mod 16
+                t = raw.view(dtype).view(shape)
+            else:  # the same bytes as a uint8 view's view(dtype), one view less
+                t = torch.frombuffer(buf, dtype=dtype).view(shape)
         tensors.append(t)
     return tensors

@@ -40,6 +40,9 @@ MAX_FRAMES = 1 << 16
 _SNDBUF = 1 << 20  # asked for; the kernel caps it (net.core.wmem_max) and doubles it
 _ALIGN = 64
 _PADS = [bytes(i) for i in range(_ALIGN)]
+#: a peek at the next datagram's length (a plain int: an IntFlag's ``|`` costs microseconds, per poll)
+_PEEK_LENGTH = int(socket.MSG_PEEK | socket.MSG_TRUNC)
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 def _layout(lengths: Sequence[int]) -> tuple[list[int], int]:
@@ -99,7 +102,7 @@ class Lane:
         if self.broken:
             return True
         try:
-            self.sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
+            self.sock.sendmsg(parts, [], _DONTWAIT)
         except BlockingIOError:
             return False
         except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
@@ -125,12 +128,13 @@ class LaneInbox:
             self.listener.close()
             raise
         self.listener.setblocking(False)
+        self.listener_fd = self.listener.fileno()  # what a poller reports when a connection waits
         self.conns: list[socket.socket] = []
         self._peek = bytearray(1)
         self.changed = False  # conns changed since the owner last looked (re-register the poller)
 
     def fds(self) -> list[int]:
-        return [self.listener.fileno(), *(c.fileno() for c in self.conns)]
+        return [self.listener_fd, *(c.fileno() for c in self.conns)]
 
     def accept(self) -> None:
         """Take every waiting connection from a process of this user."""
@@ -151,7 +155,7 @@ class LaneInbox:
         """The frames of the next datagram on ``conn`` (memoryviews over a buffer of its own),
         or None when none is waiting. A closed connection is dropped."""
         try:
-            n = conn.recv_into(self._peek, 0, socket.MSG_PEEK | socket.MSG_TRUNC)
+            n = conn.recv_into(self._peek, 0, _PEEK_LENGTH)
         except (BlockingIOError, InterruptedError):
             return None
         except OSError:
@@ -159,11 +163,11 @@ class LaneInbox:
         if n == 0:  # the peer closed (a SEQPACKET datagram is never empty: it has a count)
             self._drop(conn)
             return None
-        buf = torch.empty(n, dtype=torch.uint8)  # not zeroed; 64-byte aligned, like torch's own tensors
-        got = conn.recv_into(buf.numpy(), n)
+        buf = torch.empty(n, dtype=torch.uint8).numpy()  # not zeroed; 64-byte aligned, like torch's own tensors
+        got = conn.recv_into(buf, n)
         if got != n:
             raise LaneError(f"{self.where}: a lane datagram of {n} bytes arrived as {got}")
-        return split(memoryview(buf.numpy()), self.where)
+        return split(memoryview(buf), self.where)
 
     def _drop(self, conn: socket.socket) -> None:
         if conn in self.conns:

@@ -188,8 +188,9 @@ class StageInbox:
             return self.group.pump(timeout_ms)
         events = self.poller.poll(timeout_ms)
         for sock, _ in events:
-            if type(sock) is int:
-                self._drain_lane(self._lane_fds[sock], accept=True)
+            if type(sock) is int:  # a lane's connection, or its listener (a connection to take)
+                lane = self._lane_fds[sock]
+                self._drain_lane(lane, accept=sock == self._inboxes[lane].listener_fd)
             else:
                 self._drain(sock)
         return bool(events)
