@@ -76,11 +76,16 @@ MLP_STEPS_X = 5  # the MLP's steps are short (10-40 ms): it runs this many times
 #: (pipeq schedule name, TDP class of the same schedule or None)
 SLEEP_ROWS = [("fill-drain", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"), ("zb-h1", "ScheduleInterleavedZeroBubble"),
               ("interleaved-1f1b", "ScheduleInterleaved1F1B"), ("looped-bfs", "ScheduleLoopedBFS"),
-              ("zb-h2", None), ("zbv", "ScheduleZBVZeroBubble"), ("dualpipev", "ScheduleDualPipeV")]
+              ("zb-h2", None), ("zbv", "ScheduleZBVZeroBubble"), ("dualpipev", "ScheduleDualPipeV"),
+              ("auto", None), ("auto-v2", None)]
 MLP_ROWS = [("1f1b", "Schedule1F1B"), ("zb-h1", "ScheduleInterleavedZeroBubble"),
-            ("interleaved-1f1b", "ScheduleInterleaved1F1B"), ("zbv", "ScheduleZBVZeroBubble")]
+            ("interleaved-1f1b", "ScheduleInterleaved1F1B"), ("zbv", "ScheduleZBVZeroBubble"),
+            ("auto", None), ("auto-v2", None)]
+#: schedule="auto" rows: the model in 4 stages (one per process), or in 8 (two per process)
+AUTO = {"auto": 1, "auto-v2": 2}
 #: chunks per process and placement each schedule needs (pipeq's policy says so once registered)
-LAYOUT = {"interleaved-1f1b": (2, "loop"), "looped-bfs": (2, "loop"), "zbv": (2, "v"), "dualpipev": (2, "v")}
+LAYOUT = {"interleaved-1f1b": (2, "loop"), "looped-bfs": (2, "loop"), "zbv": (2, "v"), "dualpipev": (2, "v"),
+          "auto-v2": (2, "loop")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,7 +191,8 @@ def child_pipeq(rank: int, world: int, names: list[str], make: Callable, n_procs
             stages = [make(s, v * n_procs) for s in range(v * n_procs)]
             start = [p.detach().clone() for st in stages for p in st.parameters()]
             runner = pipeq.PipelineRunner(stages, nn.MSELoss(),
-                                          functools.partial(torch.optim.SGD, lr=0.01), schedule=name,
+                                          functools.partial(torch.optim.SGD, lr=0.01),
+                                          schedule="auto" if name in AUTO else name,
                                           microbatches=M, threads_per_stage=1, start_method="forkserver",
                                           **_runner_extra(v))
             times = []
@@ -198,6 +204,8 @@ def child_pipeq(rank: int, world: int, names: list[str], make: Callable, n_procs
                 end = list(runner.state_dict().values())
             update = sum(float((p - p0).abs().double().sum()) for p, p0 in zip(end, start))
             out[name] = {"times": times[warmup:], "update": update}
+            if name in AUTO:  # which schedule it chose
+                out[name]["chose"] = runner.schedule.name
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}
     return out
@@ -233,13 +241,14 @@ def measure(config: str, rows: list[tuple[str, str | None]], make: Callable, n_p
             a: argparse.Namespace) -> list[dict]:
     """Every selected row of one configuration, measured: pipeq's, then TDP's."""
     x, y = data
-    registered = [n for n, _ in rows if isinstance(schedules.SCHEDULES.get(n), schedules.SchedulePolicy)]
+    registered = [n for n, _ in rows if n in AUTO or isinstance(schedules.SCHEDULES.get(n), schedules.SchedulePolicy)]
     t0 = time.monotonic()
     got = run_pipeq([n for n in registered if wanted(a.only, "pipeq", n)], make, n_procs, x, y, a)
     print(f"  .. {config}: pipeq rows in {time.monotonic() - t0:.0f} s", flush=True)
     out = []
     for name, cls in rows:
-        ideal = pipeq_ideal(name, n_procs, M, costs) if costs else None
+        chose = got.get(name, {}).get("chose")  # schedule="auto": the ideal of what it chose
+        ideal = pipeq_ideal(chose or name, n_procs, M, costs) if costs and (chose or name not in AUTO) else None
         if wanted(a.only, "pipeq", name):
             res = got.get(name, {"status": "n/a (not in this build)"})
             out.append(_row(config, name, "pipeq", "PipelineRunner", res, ideal, None))
@@ -257,6 +266,7 @@ def measure(config: str, rows: list[tuple[str, str | None]], make: Callable, n_p
 
 def _row(config: str, name: str, side: str, impl: str, res: dict, ideal: float | None, own: float | None) -> dict:
     times = res.get("times")
+    impl = f"{impl} (chose {res['chose']})" if res.get("chose") else impl
     step = 1e3 * statistics.median(times) if times else None
     status = res.get("status") or (f"error: {res['error']}" if "error" in res else "ok")
     problem = own if isinstance(own, str) else None
