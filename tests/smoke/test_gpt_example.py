@@ -48,7 +48,9 @@ def test_the_job_file_launches(tmp_path):
     text += 'eval_data_args = { quick = true, n = 16 }\n'
     job = tmp_path / "gpt.toml"
     job.write_text(text)
-    done = _run(["-m", "pipeq", "launch", str(job), "--steps", "3", "--microbatches", "2", "--quiet"], ROOT)
+    from launch_util import launch_here  # in this process: the stages fork from the session's fork server
+
+    done = launch_here("--steps", "3", "--microbatches", "2", job=str(job))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "trained 3 steps (2 stages" in done.stdout and "bits per byte" in done.stdout, done.stdout
     assert (tmp_path / "run" / "model.pt").is_file()
