@@ -145,9 +145,9 @@ def _bubble(compute_us: float, wall_us: float) -> float:
 
 
 def ideal_bubble(n_stages: int, n_microbatches: int, schedule: Any = None) -> float:
-    """The bubble of ``schedule``'s dry run at F = I = W = 1 (B = 2) on each of ``n_stages``
-    model stages, free communication, up to the STEP: the mean over the stages of their idle
-    share, as :func:`analyze` measures it. Without a schedule (or one that cannot be rebuilt at
+    """The bubble of ``schedule``'s dry run at F = I = W = 1 (B = 2) on ``n_stages`` model stages,
+    free communication, up to the STEP: the mean over the processes of their idle share (a
+    process's stages share its time), as :func:`analyze` measures it. Without a schedule (or one that cannot be rebuilt at
     these counts): (N-1)/(m+N-1), fill-drain's and 1F1B's."""
     if schedule is not None and n_microbatches > 0:
         try:
@@ -165,11 +165,20 @@ def _planned_bubble(schedule: Any, n_stages: int, m: int) -> float:
     where = process_stages(schedule, n_stages)
     timeline = schedules.dry_run(lowered, cost=unit, stages=where)
     span = max(t for row in timeline for t, a in row if a.op is Op.STEP)
-    busy = [0] * n_stages
-    for p, row in enumerate(timeline):
-        for _, a in row:
-            busy[where[p][a.chunk]] += unit[a.op]
-    return sum(1 - b / span for b in busy) / n_stages if span > 0 else 0.0
+    busy = [sum(unit[a.op] for _, a in row) for row in timeline]  # each process's (its stages')
+    return sum(1 - b / span for b in busy) / len(busy) if span > 0 else 0.0
+
+
+def _process_groups(trace: Trace) -> list[list[int]]:
+    """The stages each process of the traced run held (one each, unless the schedule the trace
+    names holds several per process)."""
+    schedule = schedule_of(str(trace.meta.get("schedule", "")))
+    if schedule is not None and schedule.stages_per_process > 1:
+        try:
+            return process_stages(schedule, trace.n_stages)
+        except (ScheduleError, ValueError):
+            pass
+    return [[k] for k in range(trace.n_stages)]
 
 
 def select_steps(trace: Trace, steps: StepSelection) -> set[int] | None:
@@ -331,10 +340,11 @@ def _step_stats(trace: Trace, key: tuple[int, int], events: list[Event]) -> Step
         m = trace.meta.get("microbatches") or max(
             (len({e.microbatch for e in events if e.stage == k and e.cat == FORWARD_CAT})
              for k in range(trace.n_stages)), default=0)
+    groups = _process_groups(trace)  # a process's stages share its time (virtual stages)
     return StepStats(
         replica=key[0], step=key[1], training=trace.is_training(key), wall_us=wall,
         microbatches=int(m), stages=rows,
-        bubble=sum(r.bubble for r in rows) / len(rows),
+        bubble=sum(_bubble(sum(rows[k].compute_us for k in g), wall) for g in groups) / len(groups),
         ideal_bubble=ideal_bubble(trace.n_stages, int(m), schedule_of(str(trace.meta.get("schedule", "")))),
         slowest_stage=max(rows, key=lambda r: r.compute_us).stage,
     )
@@ -445,10 +455,13 @@ def _summary(report: Report) -> list[str]:
     m = str(ms[0]) if len(ms) == 1 else "/".join(map(str, ms))
     known = schedule_of(report.schedule) is not None
     how = f"{report.schedule}'s dry run at F=I=W=1" if known else "(N-1)/(m+N-1)"
+    policy = schedule_of(report.schedule)
+    v = policy.stages_per_process if policy is not None else 1
+    shape = f"N={report.n_stages}" if v == 1 else f"{report.n_stages // v} processes x {v} stages"
     return [
         f"slowest stage: {slow.stage} ({100 * slow.compute_fraction:.0f}% of the step time computing)",
         f"bubble: measured {100 * report.bubble:.1f}% vs ideal {100 * report.ideal_bubble:.1f}% "
-        f"({how} for N={report.n_stages}, m={m})",
+        f"({how} for {shape}, m={m})",
     ] + _throughput_lines(report.throughput) + ([report.advice] if report.advice else [])
 
 
