@@ -51,23 +51,27 @@ def test_clipping_combines_every_stage_of_every_process(schedule):
     assert (got["0.weight"] - reference(stages, batches)["0.weight"]).abs().max() > 1e-3  # it did clip
 
 
-@pytest.mark.parametrize("options", [dict(precision="bf16"), dict(recompute=True), dict(check_finite="raise")],
-                         ids=["bf16", "recompute", "check_finite"])
-def test_dualpipev_gives_1f1b_bits_under_the_numerics_options(options):
+@pytest.mark.parametrize("schedule", [name for name, _ in CASES])
+@pytest.mark.parametrize("options", [dict(precision="bf16"), dict(recompute=True), dict(check_finite="raise"),
+                                     dict(clip_grad_norm=0.05)],
+                         ids=["bf16", "recompute", "check_finite", "clip"])
+def test_each_schedule_gives_1f1b_numbers_under_the_numerics_options(schedule, options):
     stages = [nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
               nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4)]
     batches = data(2)
-    got, losses, _ = run_numerics(stages, batches, schedule="dualpipev", microbatches=4, **options)
+    got, losses, _ = run_numerics(stages, batches, schedule=schedule, microbatches=4, **options)
     want, want_losses, _ = run_numerics(stages, batches, schedule="1f1b", microbatches=4, **options)
     assert losses == pytest.approx(want_losses, abs=1e-6)
     assert_close(got, want, atol=1e-6)
 
 
-def test_a_stream_equals_the_step_loop():
-    stages = stages64(4)
+@pytest.mark.parametrize("schedule,n", CASES)
+def test_a_stream_equals_the_step_loop(schedule, n):
+    stages = stages64(n)
     batches = batches64(3)
-    looped, _, _ = run_runner(stages, batches, schedule="zbv", microbatches=4, mode="simulated", opt=SGD64)
-    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, "zbv", 4, mode="simulated") as r:
+    looped, _, _ = run_runner(stages, batches, schedule=schedule, microbatches=4, mode="simulated", opt=SGD64)
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, schedule, 4,
+                              mode="simulated") as r:
         streamed = list(r.stream(batches))
     assert streamed == pytest.approx(looped, abs=1e-12)
 
