@@ -99,7 +99,7 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distance", type=int, metavar="D",
                    help="nwise's distance d >= 1 (its option: pipeq.schedules.Interlock('nwise', distance=d) in Python, "
                         "schedule = { name = \"nwise\", distance = d } in a job file)")
-    p.add_argument("--stages", type=int, help="pipeline processes (required but with auto --from-trace)")
+    p.add_argument("--stages", type=int, help="pipeline processes: a schedule of v stages per process plans v x N stages (required but with auto --from-trace)")
     p.add_argument("--microbatches", type=int, help="microbatches per step (required but with auto --from-trace)")
     p.add_argument("--hop", type=float, metavar="MS", help="auto: latency of one message between processes (ms)")
     p.add_argument("--memory", type=float, default=1.0, metavar="X",
