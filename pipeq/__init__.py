@@ -13,7 +13,8 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
                                carries), interpreter.py (runs a stage's actions), simulated.py (every
                                stage in one process), executors.py, links.py (a stage process's
                                replicas and tie peers); a process of several stages: group.py (its
-                               event loop), chunks.py (its actions, handed over in memory)
+                               event loop), chunks.py (its actions, handed over in memory);
+                               faults.py (PIPEQ_FAULT: failures injected on purpose)
     compute        schedules/  pure: actions as data, the schedule policy protocol (protocol.py), the
                                registry, lowering, dry runs, bounds; placement.py (virtual stages);
                                zero_bubble.py, zb_h2.py, interleaved.py, zbv.py, dualpipe.py

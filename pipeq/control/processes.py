@@ -25,6 +25,7 @@ from pipeq.stage.spec import StageBuilder
 from pipeq.stage.numerics import Numerics
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo
+from pipeq.runtime import faults
 from pipeq.runtime.worker import WorkerConfig, worker_entry
 from pipeq.schedules.placement import process_chunk, stages_of
 
@@ -234,6 +235,7 @@ def worker_configs(
     plan = [by_host[owner[g]] for g in processes]
     if num.shards > 1:
         _check_shards_apart(num, processes, plan)
+    fault = faults.from_environ(n_stages)  # PIPEQ_FAULT: read here, handed over as plain data
     return [
         WorkerConfig(
             stage=num.stage(g), n_stages=n_stages, schedule=schedule, control_addr=control_addr,
@@ -247,6 +249,7 @@ def worker_configs(
             shm_slots=settings.shm_slots, shard=num.shard(g), shards=num.shards,
             tp_store=os.path.join(tp_dir, f"tp-{num.lead(g)}") if num.shards > 1 and tp_dir else None,
             tp_plan=settings.tp_plans[num.stage(g)] if num.shards > 1 and settings.tp_plans else None,
+            fault=fault,
         )
         for g, (dev, cores, threads) in zip(processes, plan)
     ]

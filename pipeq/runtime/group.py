@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from pipeq.runtime.batch_command import batch_parts
 from pipeq.runtime.chunks import ChunkError, execute_chunks
+from pipeq.runtime.faults import inject
 from pipeq.runtime.interpreter import StagePlan
 from pipeq.runtime.links import PeerLinks
 from pipeq.runtime.worker import (EventLoop, WorkerConfig, _make_stage, _orphaned, _prepare_process, _report_error,
@@ -95,6 +96,12 @@ class GroupLoop:
         step = self.step = given[0][1].step
         for loop in self.loops:
             loop.step = step
+        for c, loop in enumerate(self.loops):
+            if training and loop.cfg.fault is not None:
+                try:
+                    inject(loop.cfg.fault, loop.cfg.stage, step, loop.cfg.replica, self._note)
+                except Exception as exc:
+                    raise ChunkError(loop.cfg.stage, c, exc) from exc
         for loop, (cmd, msg) in zip(self.loops, given):
             ex = loop.executor
             x, target, inputs = batch_parts(cmd, msg.tensors, loop.cfg.stage, ex.is_first, ex.needs_target and training)

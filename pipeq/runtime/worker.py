@@ -54,6 +54,7 @@ from pipeq.wire import shm
 from pipeq.trace import format as trace
 from pipeq.runtime import os_process
 from pipeq.runtime.batch_command import batch_parts
+from pipeq.runtime.faults import Fault, inject
 from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import EMIT, TIES, StagePlan, execute
 from pipeq.runtime.links import PeerLinks
@@ -113,6 +114,7 @@ class WorkerConfig:
     shards: int = 1
     tp_store: str | None = None
     tp_plan: Any = None  # how the stage's module is split over its shards (pipeq.parallel.tensor)
+    fault: Fault | None = None  # a failure to inject on purpose (PIPEQ_FAULT: pipeq.runtime.faults)
 
     def shm(self) -> ShmConfig | None:
         """This process's shared-memory payloads: on one host (ipc), where the host has them."""
@@ -236,6 +238,8 @@ class EventLoop:
         ex = self.executor
         training = isinstance(cmd, Train)
         step = self.step = msg.step
+        if training and self.cfg.fault is not None:
+            inject(self.cfg.fault, self.cfg.stage, step, self.cfg.replica, self._note)
         x, target, inputs = batch_parts(cmd, msg.tensors, self.cfg.stage, ex.is_first, ex.needs_target and training)
         weights, aux_weights, stream = ((cmd.weights, cmd.aux_weights, cmd.stream) if isinstance(cmd, Train)
                                         else (None, None, False))

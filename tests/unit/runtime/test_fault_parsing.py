@@ -1,0 +1,34 @@
+"""PIPEQ_FAULT: what it accepts, and its refusals naming what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeq.runtime.faults import Fault, from_environ, parse
+
+
+def test_a_fault_parses_and_hits_its_stage_step_and_replica():
+    f = parse(" stage:2, step:40, kind:kill ")
+    assert f == Fault(2, 40, "kill") and f.text() == "stage:2,step:40,kind:kill"
+    assert f.hits(2, 40, replica=1) and not f.hits(2, 39) and not f.hits(1, 40)
+    one = parse("kind:raise,step:3,stage:0,replica:1")
+    assert one.hits(0, 3, replica=1) and not one.hits(0, 3, replica=0)
+    assert from_environ(3, {}) is None and from_environ(3, {"PIPEQ_FAULT": "stage:2,step:1,kind:hang"}).kind == "hang"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("stage:2,step:40", r"needs kind"),
+    ("stage:2,step:40,kind:explode", r"kind is one of kill, exit, raise, hang, got 'explode'"),
+    ("stage:x,step:1,kind:kill", r"stage must be a whole number >= 0, got 'x'"),
+    ("stage:1,step:0,kind:kill", r"steps count from 1"),
+    ("stage:1,step:1,kind:kill,when:now", r"'when:now' is not one of stage:..., step:..., kind:..., replica:..."),
+    ("stage:1,stage:2,step:1,kind:kill", r"stage is given twice"),
+])
+def test_refusals_name_the_part_at_fault(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse(text)
+
+
+def test_a_stage_the_run_does_not_have_is_refused():
+    with pytest.raises(ValueError, match=r"stage 5 does not exist \(the run has 3 stages\)"):
+        from_environ(3, {"PIPEQ_FAULT": "stage:5,step:1,kind:kill"})
