@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="PATH", help="write a Chrome trace of every stage's actions "
                    "(read it with pipeq report PATH)")
     g.add_argument("--start-timeout", type=float, help="seconds to wait for every stage (and node) to start")
+    g.add_argument("--max-restarts", type=int, metavar="K",
+                   help="after a stage fails, restart the stages from the newest checkpoint, up to K times "
+                        "(default 0: a failure ends the run)")
     run_dir = p.add_mutually_exclusive_group()
     run_dir.add_argument("--resume", action="store_true",
                          help="continue the run in --out from its newest complete checkpoint")
@@ -71,5 +74,5 @@ def job_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The job-file keys the command line sets (None: not given)."""
     keys = ("steps", "epochs", "schedule", "microbatches", "out", "seed", "checkpoint_every", "keep_checkpoints",
             "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout", "trace", "data_parallel",
-            "tensor_parallel")
+            "tensor_parallel", "max_restarts")
     return {k: getattr(args, k) for k in keys}

@@ -15,6 +15,7 @@ from pipeq.launch.checkpoints import Checkpoints
 from pipeq.launch.job import Job
 from pipeq.launch.loop import TrainingLoop
 from pipeq.launch.progress import Progress, print_summary
+from pipeq.launch.restarts import Restarts
 from pipeq.launch.rundir import RunDir, RunDirError
 from pipeq.launch.signals import StopSignals
 
@@ -36,6 +37,8 @@ class Trainer:
         self.out = os.path.abspath(job.out)
         self.run_dir = RunDir(self.out)
         self.checkpoints = Checkpoints(job, self.run_dir, self.log)
+        self._loop: TrainingLoop | None = None  # the running attempt's loop (its step: where a failure hit)
+        self._restarts: Restarts | None = None
 
     def log(self, line: str) -> None:
         print(f"pipeq launch: {line}", file=self.stream, flush=True)
@@ -72,11 +75,27 @@ class Trainer:
         return runner
 
     def _run(self) -> int:
+        """Train; with ``max_restarts``, a stage failure restarts from the newest checkpoint."""
+        restarts = Restarts(self.job.max_restarts, self.run_dir.metrics, self.log)
+        while True:
+            code, failure = self._attempt(restarts)
+            if failure is None or not restarts.again(failure, self._failed_step()):
+                return code
+            self.resume = True
+
+    def _failed_step(self) -> int:
+        loop = self._loop
+        return loop.step + 1 if loop is not None else 1
+
+    def _attempt(self, restarts: "Restarts") -> tuple[int, PipelineError | None]:
+        """One start of the stages and their training: the exit code, and the failure (if a stage failed)."""
+        self._loop = None
+        self._restarts = restarts
         try:
             runner = self._runner()
         except ValueError as exc:
             self.log(str(exc))
-            return 2
+            return 2, None
         try:
             t0 = time.perf_counter()
             with runner:
@@ -94,22 +113,22 @@ class Trainer:
             if exc.remote_traceback:
                 print(f"--- traceback of {where} ---\n{exc.remote_traceback.rstrip()}",
                       file=self.stream, flush=True)
-            return 1
+            return 1, exc
         except KeyboardInterrupt:
             self.log(f"interrupted by {self.signals.name()}; every stage is stopped (the steps in flight "
                      "were abandoned; --resume continues from the newest checkpoint)")
-            return self.signals.exit_code()
+            return self.signals.exit_code(), None
         except checkpoint.NoSpaceError as exc:  # said in full: no traceback adds to it
             newest = checkpoint.latest(self.run_dir.checkpoints)
             self.log(f"{exc}" + (f"; --resume continues from {newest}" if newest is not None else ""))
-            return 1
+            return 1, None
         except (ValueError, TypeError, OSError, checkpoint.CheckpointError) as exc:
             self.log(f"{type(exc).__name__}: {exc}")
             traceback.print_exc(file=self.stream)
-            return 1
+            return 1, None
         if self.signals.stopping:
-            return self.signals.exit_code()
-        return 0
+            return self.signals.exit_code(), None
+        return 0, None
 
     def train(self, runner: Any) -> None:
         """Train the job on ``runner`` (its stages started), from the start or (--resume) the
@@ -117,9 +136,11 @@ class Trainer:
         ends it early, its last step checkpointed (see :class:`~pipeq.launch.signals.StopSignals`)."""
         os.makedirs(self.out, exist_ok=True)
         progress = Progress(quiet=self.quiet, stream=self.stream, log_every=self.job.log_every, log=self.log)
-        loop = TrainingLoop(self.job, runner, self.checkpoints.resume_point(runner, self.resume),
-                            run_dir=self.run_dir, checkpoints=self.checkpoints, signals=self.signals,
-                            progress=progress, log=self.log)
+        loop = self._loop = TrainingLoop(self.job, runner, self.checkpoints.resume_point(runner, self.resume),
+                                         run_dir=self.run_dir, checkpoints=self.checkpoints, signals=self.signals,
+                                         progress=progress, log=self.log)
+        if self._restarts is not None:
+            self._restarts.resumed(loop.step)
         if not loop.run():
             return
         elapsed = loop.tally.elapsed()

@@ -31,6 +31,8 @@ A job file (TOML, read with the standard library's tomllib)::
     steps = 60                                   # or epochs = 3 (one of them: see LENGTH_RULE)
     out = "runs/digits"
     checkpoint_every = 20                        # 0: only the final state
+    max_restarts = 0                             # optional: after a stage fails, go on from the newest
+                                                 # checkpoint, up to this many times
     keep_checkpoints = 3                         # the newest 3 (0: keep all)
     seed = 0
     data_parallel = 1                            # R replicas of the pipeline (R x N processes)

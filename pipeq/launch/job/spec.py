@@ -48,6 +48,7 @@ class Job:
     tensor_parallel: int = field_of("tensor_parallel")
     tp_plan: list[dict[str, str]] | None = field_of("tp_plan")
     stages_per_process: int | None = field_of("stages_per_process")
+    max_restarts: int = field_of("max_restarts")
     tcp_security: str = field_of("tcp_security")
     max_message_mb: int = field_of("max_message_mb")
     shm_slots: int = field_of("shm_slots")

@@ -1,0 +1,68 @@
+"""``--max-restarts``: after a stage fails, the run goes on from its newest checkpoint, by itself.
+
+The failed runner is already stopped (every stage process gone, nothing half-sent); the trainer
+builds a new one and resumes from the newest complete checkpoint, as ``--resume`` does: the same
+data order, RNG streams, lr schedulers and loss scaler, so the final weights equal an
+uninterrupted run's. Each restart is written to metrics.jsonl (``restart``: the error, the stage,
+the first step that did not finish, the step resumed from, the seconds lost). :class:`Restarts` decides: it gives up after K restarts,
+or when the same step fails twice in a row with the same error (a bug, not a fault). An injected
+fault (``PIPEQ_FAULT``) fires in the first start only, so that a restart can show it recovers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable
+
+from pipeq.errors import PipelineError
+from pipeq.runtime.faults import ENV as FAULT_ENV
+
+__all__ = ["Restarts"]
+
+
+class Restarts:
+    """Up to ``limit`` restarts of a run whose metrics go to ``metrics_path``."""
+
+    def __init__(self, limit: int, metrics_path: str, log: Callable[[str], None]) -> None:
+        self.limit = limit
+        self.metrics_path = metrics_path
+        self.log = log
+        self.count = 0
+        self._last: tuple[int, int | None, str] | None = None  # (step, stage, message) of the last failure
+        self._pending: dict | None = None  # the restart record, written once the resume point is known
+        self._failed_at = 0.0
+
+    def again(self, exc: PipelineError, failed_step: int) -> bool:
+        """Whether to restart after ``exc``, ``failed_step`` the first training step that did not
+        finish (steps after it may have been in flight too); saying why not."""
+        key = (failed_step, exc.stage, exc.message)
+        if self.count >= self.limit:
+            if self.limit:
+                self.log(f"gave up after {self.count} restart(s) (--max-restarts {self.limit})")
+            return False
+        if key == self._last:
+            self.log(f"step {failed_step} failed twice in a row with the same error: a bug, not a fault; not "
+                     "restarting")
+            return False
+        self._last = key
+        self.count += 1
+        self._failed_at = time.monotonic()
+        self._pending = {"restart": self.count, "error": exc.message, "stage": exc.stage,
+                         "unfinished_step": failed_step}
+        os.environ.pop(FAULT_ENV, None)  # an injected fault fires once
+        self.log(f"restart {self.count} of {self.limit}: starting the stages again from the newest checkpoint")
+        return True
+
+    def resumed(self, step: int) -> None:
+        """The restarted run resumed from ``step``: write the restart's record to metrics.jsonl."""
+        if self._pending is None:
+            return
+        record = {**self._pending, "step": step, "resumed_from": step,
+                  "seconds_lost": round(time.monotonic() - self._failed_at, 3)}
+        self._pending = None
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.log(f"restart {record['restart']}: resumed from step {step}, {record['seconds_lost']:.1f} s after "
+                 f"stage {record['stage']} failed (step {record['unfinished_step']} unfinished)")

@@ -1,0 +1,51 @@
+"""``pipeq launch --max-restarts``: a killed stage is restarted from the newest checkpoint and the run ends with the uninterrupted run's weights."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch_util import assert_same_state, launch_here, metrics, model_state
+
+pytestmark = pytest.mark.timeout(300)
+
+ARGS = ("--steps", "6", "--checkpoint-every", "2", "--eval-every", "0")
+
+
+def test_a_killed_stage_is_restarted_from_the_newest_checkpoint_and_trains_the_same_weights(tmp_path, monkeypatch):
+    whole = launch_here(*ARGS, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    monkeypatch.setenv("PIPEQ_FAULT", "stage:1,step:4,kind:kill")
+    out = str(tmp_path / "restarted")
+    r = launch_here(*ARGS, "--out", out, "--max-restarts", "2")
+    assert r.returncode == 0, r.stderr
+    assert "stage 1 failed" in r.stderr and "restart 1 of 2" in r.stderr, r.stderr
+    assert_same_state(model_state(out), model_state(str(tmp_path / "whole")))
+    lines = metrics(out)
+    restarts = [ln for ln in lines if "restart" in ln]
+    assert len(restarts) == 1 and restarts[0]["resumed_from"] == 2 and 3 <= restarts[0]["unfinished_step"] <= 4
+    assert restarts[0]["stage"] == 1 and "SIGKILL" in restarts[0]["error"] and restarts[0]["seconds_lost"] > 0
+    assert [ln["step"] for ln in lines if "loss" in ln] == [1, 2, 3, 4, 5, 6]  # each step once
+
+
+def test_without_max_restarts_a_failure_still_ends_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPEQ_FAULT", "stage:2,step:2,kind:raise")
+    r = launch_here(*ARGS, "--out", str(tmp_path / "run"))
+    assert r.returncode == 1 and "stage 2 failed" in r.stderr and "injected fault" in r.stderr, r.stderr
+    assert "restart" not in r.stderr
+
+
+def test_the_same_step_failing_twice_with_the_same_error_is_a_bug_not_a_fault(tmp_path):
+    from pipeq.errors import PipelineError
+    from pipeq.launch.restarts import Restarts
+
+    said = []
+    r = Restarts(5, str(tmp_path / "metrics.jsonl"), said.append)
+    boom = PipelineError("ValueError: bad shape", 1)
+    assert r.again(boom, 3)
+    r.resumed(2)
+    assert not r.again(PipelineError("ValueError: bad shape", 1), 3)
+    assert "a bug, not a fault" in said[-1]
+    assert r.again(PipelineError("ValueError: bad shape", 1), 4)  # another step: a fault again
+    limited = Restarts(1, str(tmp_path / "m2.jsonl"), said.append)
+    assert limited.again(boom, 3) and not limited.again(PipelineError("other", 0), 5)
+    assert "gave up after 1 restart(s)" in said[-1]
