@@ -11,15 +11,22 @@ pytestmark = pytest.mark.timeout(300)
 ARGS = ("--steps", "6", "--checkpoint-every", "2", "--eval-every", "0")
 
 
-def test_a_killed_stage_is_restarted_from_the_newest_checkpoint_and_trains_the_same_weights(tmp_path, monkeypatch):
-    whole = launch_here(*ARGS, "--out", str(tmp_path / "whole"))
-    assert whole.returncode == 0, whole.stderr
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> str:
+    """The uninterrupted run's output directory (the reference of every restart)."""
+    out = str(tmp_path_factory.mktemp("whole") / "run")
+    r = launch_here(*ARGS, "--out", out)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_a_killed_stage_is_restarted_from_the_newest_checkpoint_and_trains_the_same_weights(whole, tmp_path, monkeypatch):
     monkeypatch.setenv("PIPEQ_FAULT", "stage:1,step:4,kind:kill")
     out = str(tmp_path / "restarted")
     r = launch_here(*ARGS, "--out", out, "--max-restarts", "2")
     assert r.returncode == 0, r.stderr
     assert "stage 1 failed" in r.stderr and "restart 1 of 2" in r.stderr, r.stderr
-    assert_same_state(model_state(out), model_state(str(tmp_path / "whole")))
+    assert_same_state(model_state(out), model_state(whole))
     lines = metrics(out)
     restarts = [ln for ln in lines if "restart" in ln]
     assert len(restarts) == 1 and restarts[0]["resumed_from"] == 2 and 3 <= restarts[0]["unfinished_step"] <= 4
@@ -49,3 +56,18 @@ def test_the_same_step_failing_twice_with_the_same_error_is_a_bug_not_a_fault(tm
     limited = Restarts(1, str(tmp_path / "m2.jsonl"), said.append)
     assert limited.again(boom, 3) and not limited.again(PipelineError("other", 0), 5)
     assert "gave up after 1 restart(s)" in said[-1]
+
+
+def test_a_random_kill_is_recovered_too(whole, tmp_path, monkeypatch):
+    """A stage and a step drawn at random (the draw is in the assertion message): the same weights."""
+    import random
+
+    seed = random.SystemRandom().randrange(1 << 30)
+    rng = random.Random(seed)
+    stage, step, kind = rng.randrange(3), rng.randrange(1, 7), rng.choice(["kill", "exit", "raise"])
+    monkeypatch.setenv("PIPEQ_FAULT", f"stage:{stage},step:{step},kind:{kind}")
+    r = launch_here(*ARGS, "--out", str(tmp_path / "run"), "--max-restarts", "1")
+    drawn = f"seed {seed}: stage {stage}, step {step}, {kind}"
+    assert r.returncode == 0, (drawn, r.stderr)
+    assert_same_state(model_state(str(tmp_path / "run")), model_state(whole))
+    assert [ln["step"] for ln in metrics(str(tmp_path / "run")) if "loss" in ln] == [1, 2, 3, 4, 5, 6], drawn
