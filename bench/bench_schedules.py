@@ -83,9 +83,6 @@ MLP_ROWS = [("1f1b", "Schedule1F1B"), ("zb-h1", "ScheduleInterleavedZeroBubble")
             ("auto", None), ("auto-v2", None)]
 #: schedule="auto" rows: the model in 4 stages (one per process), or in 8 (two per process)
 AUTO = {"auto": 1, "auto-v2": 2}
-#: chunks per process and placement each schedule needs (pipeq's policy says so once registered)
-LAYOUT = {"interleaved-1f1b": (2, "loop"), "looped-bfs": (2, "loop"), "zbv": (2, "v"), "dualpipev": (2, "v"),
-          "auto-v2": (2, "loop")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,11 +132,11 @@ def _critical_path(lowered: list, v: int, placement: str, costs: tuple[float, fl
 
 
 def layout(name: str) -> tuple[int, str]:
-    """(chunks per process, placement) of a schedule: its policy's, else what it is known to need."""
-    policy = schedules.SCHEDULES.get(name)
-    if isinstance(policy, schedules.SchedulePolicy):
-        return int(getattr(policy, "stages_per_process", 1)), getattr(policy, "placement", "loop")
-    return LAYOUT.get(name, (1, "loop"))
+    """(chunks per process, placement) of a row: its schedule's, or an auto row's stages per process."""
+    if name in AUTO:
+        return AUTO[name], "loop"
+    policy = schedules.resolve(name)
+    return policy.stages_per_process, policy.placement
 
 
 def pipeq_ideal(name: str, n: int, m: int, costs: tuple[float, float, float]) -> float | None:
@@ -241,7 +238,7 @@ def measure(config: str, rows: list[tuple[str, str | None]], make: Callable, n_p
             a: argparse.Namespace) -> list[dict]:
     """Every selected row of one configuration, measured: pipeq's, then TDP's."""
     x, y = data
-    registered = [n for n, _ in rows if n in AUTO or isinstance(schedules.SCHEDULES.get(n), schedules.SchedulePolicy)]
+    registered = [n for n, _ in rows if n in AUTO or n in schedules.SCHEDULES]
     t0 = time.monotonic()
     got = run_pipeq([n for n in registered if wanted(a.only, "pipeq", n)], make, n_procs, x, y, a)
     print(f"  .. {config}: pipeq rows in {time.monotonic() - t0:.0f} s", flush=True)

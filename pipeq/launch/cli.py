@@ -41,9 +41,6 @@ def main(argv: list[str] | None = None) -> int:
                        description="Read a trace (PipelineRunner(trace=...) or pipeq launch --trace) and "
                                    "print each stage's compute, send, wait and idle time and the bubble.")
     p.add_argument("trace", help="the trace file (JSON)")
-    p.add_argument("--costs", type=_costs, metavar="F,I,W",
-                   help="time units of a forward, an input gradient and a weight gradient (a backward B = I + W); "
-                        "the table then ends with the step's length and bubble")
     p.add_argument("--plot", metavar="OUT.png", help="also draw a stage x time picture (needs matplotlib)")
     p.add_argument("--steps", metavar="all|N|N-M",
                    help="the steps to cover (report and picture); default: every step in the report, "
@@ -99,7 +96,8 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distance", type=int, metavar="D",
                    help="nwise's distance d >= 1 (its option: pipeq.schedules.Interlock('nwise', distance=d) in Python, "
                         "schedule = { name = \"nwise\", distance = d } in a job file)")
-    p.add_argument("--stages", type=int, help="pipeline processes: a schedule of v stages per process plans v x N stages (required but with auto --from-trace)")
+    p.add_argument("--stages", type=int, help="pipeline processes (a schedule of v stages per process plans "
+                                              "v x N stages); required but with auto --from-trace")
     p.add_argument("--microbatches", type=int, help="microbatches per step (required but with auto --from-trace)")
     p.add_argument("--hop", type=float, metavar="MS", help="auto: latency of one message between processes (ms)")
     p.add_argument("--memory", type=float, default=1.0, metavar="X",

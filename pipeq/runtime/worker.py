@@ -155,6 +155,7 @@ class EventLoop:
         self.trace: collections.deque[tuple[int, ...]] | None = (
             collections.deque(maxlen=trace.MAX_ROWS) if cfg.trace else None
         )
+        self._rec = self.trace.append if self.trace is not None else None  # (the deque lives as long)
         # the compute action under way: (trace code, microbatch, monotonic start), None between
         # actions (waiting for a message or a command); read by the heartbeat thread
         self.current: tuple[int, int, float] | None = None
@@ -269,8 +270,7 @@ class EventLoop:
     def carry_out(self, req: tuple[Any, ...], step: int, keys: Any) -> Any:
         """One request of the interpreter (see :mod:`pipeq.runtime.interpreter`), carried out
         with this stage's transport; what the interpreter gets back (a receive's tensors)."""
-        transport = self.transport
-        rec = self.trace.append if self.trace is not None else None
+        transport, rec = self.transport, self._rec
         op = req[0]
         t0 = time.perf_counter_ns() if rec else 0
         s, j = keys[req[1]] if keys is not None else (step, req[1])

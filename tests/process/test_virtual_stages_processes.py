@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipeq
-from models import Chain, batches64, flat_state, stages64
+from models import batches64, flat_state, reference_train, stages64
 from runner_cases import assert_matches_reference
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,16 +31,7 @@ def test_data_parallel_2_with_clipping_equals_full_batch_training(schedule, n):
         pids = {w["stage"]: w["pid"] for w in r._backend.worker_info if w["replica"] == 0}
     if schedule == "zbv":  # V placement: stages 0 and 3 in one process, 1 and 2 in another
         assert pids[0] == pids[3] and pids[1] == pids[2] and pids[0] != pids[1]
-    model = Chain(*copy.deepcopy(stages))
-    opt = SGD64(model.parameters())
-    want = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        want.append(loss.item())
+    model, want = reference_train(stages, nn.CrossEntropyLoss(), SGD64, batches, clip=0.5)
     assert losses == pytest.approx(want, abs=1e-9)
     for name, ref in flat_state(model).items():
         torch.testing.assert_close(state[name], ref, atol=1e-9, rtol=0, msg=name)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 
 import pipeq
-from models import Chain, flat_state, float64_data, float64_stages3
+from models import flat_state, float64_data, float64_stages3, reference_train
 from runner_cases import assert_matches_reference
 
 pytestmark = pytest.mark.timeout(240)
@@ -44,16 +43,7 @@ def test_zb_h1_with_clipping_and_data_parallel_2_equals_full_batch_training():
     stages = float64_stages3()
     data = [float64_data(12, seed) for seed in (3, 4)]  # each replica: 6 samples in 3 microbatches
     losses, state = _train(stages, data, 3, data_parallel=2, clip_grad_norm=0.5)
-    model = Chain(*copy.deepcopy(stages))
-    opt = SGD64(model.parameters())
-    ref_losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        ref_losses.append(loss.item())
+    model, ref_losses = reference_train(stages, nn.CrossEntropyLoss(), SGD64, data, clip=0.5)
     assert losses == pytest.approx(ref_losses, abs=1e-9)
     for name, want in flat_state(model).items():
         torch.testing.assert_close(state[name], want, atol=1e-9, rtol=0, msg=name)

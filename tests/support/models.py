@@ -54,8 +54,9 @@ def flat_state(stages) -> dict[str, torch.Tensor]:
     return flat_model(stages).state_dict()
 
 
-def reference_train(stages, loss_fn, make_opt, batches):
-    """Plain single-process training of the chained stages on full batches."""
+def reference_train(stages, loss_fn, make_opt, batches, clip=None):
+    """Plain single-process training of the chained stages on full batches (``clip``: by the
+    global norm, as torch.nn.utils.clip_grad_norm_)."""
     model = Chain(*copy.deepcopy(stages))
     opt = make_opt(model.parameters())
     losses = []
@@ -63,6 +64,8 @@ def reference_train(stages, loss_fn, make_opt, batches):
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     return model, losses
