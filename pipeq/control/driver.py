@@ -36,7 +36,7 @@ from pipeq.control.processes import Numbering, StageSettings
 from pipeq.control.rendezvous import Rendezvous
 from pipeq.stage.executor import Tensors
 from pipeq.control.startup import StageProcesses
-from pipeq.control.supervisor import Supervisor
+from pipeq.control.supervisor import Supervisor, take_kept
 from pipeq.control.trace_collector import TraceRecorder
 from pipeq.wire.control_link import ControlServer
 
@@ -78,6 +78,7 @@ class ProcessBackend:
         self._submitted: dict[int, tuple[int, int, int]] = {}  # step -> (sent at ns, replicas, microbatches)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
+        self._snapshots: dict[int, int] = {}  # request id -> the step of the snapshot asked for
 
     # -- lifecycle (pipeq.control.startup) ----------------------------------------------------------
     def start(self) -> None:
@@ -266,6 +267,38 @@ class ProcessBackend:
                 sup = self._usable()
                 raise sup.fail(sup.error(f"malformed snapshot: {exc}", k))
         return out
+
+    def request_snapshots(self, step: int) -> None:
+        """Ask every stage (replica 0's) for its snapshot after the commands already sent; the
+        answers are kept as they come (:meth:`take_snapshots`), labelled ``step``."""
+        sup = self._usable()
+        req = self._next_request_id()
+        self._send_all(sup, [(k, Message(Kind.GET_SNAPSHOT, req)) for k in range(self.n_stages)])
+        sup.awaited.add((Kind.SNAPSHOT, req))
+        self._snapshots[req] = step
+
+    def take_snapshots(self) -> list[tuple[int, list[dict[str, Any]]]]:
+        """The snapshots asked for whose every stage has answered, as (step, per stage); never
+        waits, and works after a failure (what had arrived is kept)."""
+        sup = self.sup
+        if sup is None or not self._snapshots:
+            return []
+        if sup.failure is None:
+            try:
+                sup.drain_pending()
+            except PipelineError:  # the run fails: the ERROR is raised by whoever waits next
+                pass
+        done = []
+        for req, step in list(self._snapshots.items()):
+            got = take_kept(sup, Kind.SNAPSHOT, req, self.n_stages)
+            if got is None:
+                continue
+            del self._snapshots[req]
+            try:
+                done.append((step, [control.state_of(got[k]) for k in range(self.n_stages)]))
+            except (ValueError, KeyError):  # a malformed snapshot is no snapshot to restart from
+                continue
+        return done
 
     def restore(self, snapshots: list[dict[str, Any]]) -> None:
         sup = self._usable()

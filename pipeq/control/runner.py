@@ -35,6 +35,7 @@ from pipeq.control.exclusive import CallGuard, exclusive
 from pipeq.control.main_guard import check_main_guard
 from pipeq.control.processes import StageSettings
 from pipeq.control.stage_inputs import StageInputs, route
+from pipeq.control.snapshots import RunnerSnapshots
 from pipeq.control.state import RunnerState
 from pipeq.control.streaming import RunnerStream
 from pipeq.errors import PipelineError
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["PipelineRunner"]
 
 
-class PipelineRunner(RunnerStream, RunnerState):
+class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
     """Train ``stages`` (one ``nn.Module`` per pipeline stage) with a pipeline schedule.
 
     Args:
@@ -280,6 +281,7 @@ class PipelineRunner(RunnerStream, RunnerState):
         self._step += 1
         self._backend.submit(self._step, shards, x, target, stream, inputs)
         self._submitted.append(self._step)
+        self._snapshot_after_submit(self._step, stream)
         self._undrained |= stream and self.schedule.streams_across_batches
         return self._step
 

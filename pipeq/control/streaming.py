@@ -115,3 +115,4 @@ class RunnerStream:
         if self._undrained:
             self._undrained = False
             self._backend.drain()
+            self._snapshot_after_drain()  # type: ignore[attr-defined]  # (RunnerSnapshots)

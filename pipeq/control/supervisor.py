@@ -44,7 +44,7 @@ from pipeq.wire.errors import PeerUnreachable
 _POLL_MS = 100
 
 
-__all__ = ["Supervisor", "unreachable"]
+__all__ = ["Supervisor", "take_kept", "unreachable"]
 
 
 def _raised_at(reply: ErrorReply) -> float:
@@ -348,6 +348,17 @@ class Supervisor:
             self.server.send_many(messages)
         except PeerUnreachable as exc:
             raise unreachable(self, exc)
+
+
+def take_kept(sup: Supervisor, kind: Kind, step: int, count: int) -> dict[int, Message] | None:
+    """The ``(kind, step)`` replies ``sup`` kept (they were awaited), by process, once ``count``
+    processes have sent one (then no longer awaited); None until then. Never waits."""
+    kept = sup._early.get((kind, step), [])
+    if len({g for g, _ in kept}) < count:
+        return None
+    del sup._early[(kind, step)]
+    sup.awaited.discard((kind, step))
+    return dict(kept)
 
 
 def unreachable(sup: Supervisor, exc: PeerUnreachable) -> PipelineError:

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", type=int, metavar="K",
                    help="after a stage fails, restart the stages from the newest checkpoint, up to K times "
                         "(default 0: a failure ends the run)")
+    g.add_argument("--snapshot-every", type=int, metavar="N",
+                   help="every N steps, keep the stages' state in the driver's memory, so that a restart "
+                        "(--max-restarts) goes on from it without reading the disk (default 0: none)")
     run_dir = p.add_mutually_exclusive_group()
     run_dir.add_argument("--resume", action="store_true",
                          help="continue the run in --out from its newest complete checkpoint")
@@ -74,5 +77,5 @@ def job_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The job-file keys the command line sets (None: not given)."""
     keys = ("steps", "epochs", "schedule", "microbatches", "out", "seed", "checkpoint_every", "keep_checkpoints",
             "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout", "trace", "data_parallel",
-            "tensor_parallel", "max_restarts")
+            "tensor_parallel", "max_restarts", "snapshot_every")
     return {k: getattr(args, k) for k in keys}

@@ -11,7 +11,7 @@ from pipeq import checkpoint
 from pipeq.checkpoint.export import model_state
 from pipeq import schedules
 from pipeq.launch.job import Job
-from pipeq.launch.rundir import RunDir
+from pipeq.launch.rundir import RunDir, checkpoint_step
 
 __all__ = ["Checkpoints"]
 
@@ -25,18 +25,29 @@ class Checkpoints:
         self.job = job
         self.run_dir = run_dir
         self.log = log
+        self.source = "start"  # where the last resume_point came from: "start", "disk" or "memory"
 
-    def resume_point(self, runner: Any, resume: bool) -> tuple[int, int, int]:
+    def resume_point(self, runner: Any, resume: bool, memory: Any = None) -> tuple[int, int, int]:
         """(step, epoch, batch index in it) to start from: 0s, or (``resume``) the newest complete
         checkpoint's, loaded into ``runner``: of checkpoints/, or final/ (a finished run given
-        more steps)."""
+        more steps); or ``memory``'s, an in-memory snapshot and the position after its step
+        (:class:`~pipeq.launch.snapshots.Snapshots`), when it is as new or newer (no disk read)."""
+        self.source = "start"
         if not resume:
             return 0, 0, 0
         found = self.run_dir.newest_checkpoint()
+        on_disk = checkpoint_step(found) if found is not None else None
+        if memory is not None and (on_disk is None or memory[0].step >= on_disk):
+            snap, (epoch, skip) = memory
+            runner.restore_snapshot(snap)
+            self.source = "memory"
+            self.log(f"resumed from the in-memory snapshot of step {snap.step} (epoch {epoch})")
+            return snap.step, epoch, skip
         if found is None:
             self.log(f"--resume: no complete checkpoint under {self.run_dir.checkpoints}; starting fresh")
             return 0, 0, 0
         meta = runner.load(found)
+        self.source = "disk"
         step, epoch, skip = int(meta["step"]), int(meta["epoch"]), int(meta["batch"])
         self.log(f"resumed from {found} (step {step}, epoch {epoch})")
         return step, epoch, skip

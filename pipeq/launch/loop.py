@@ -12,6 +12,7 @@ from pipeq.launch.metrics import MetricsLog
 from pipeq.launch.progress import Progress, Tally
 from pipeq.launch.rundir import RunDir
 from pipeq.launch.signals import StopSignals
+from pipeq.launch.snapshots import Snapshots
 from pipeq.launch.stream import EpochEnd, StepDone, train_steps
 
 __all__ = ["TrainingLoop"]
@@ -24,7 +25,7 @@ class TrainingLoop:
 
     def __init__(self, job: Job, runner: Any, start: tuple[int, int, int], *, run_dir: RunDir,
                  checkpoints: Checkpoints, signals: StopSignals, progress: Progress,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], snapshots: Snapshots | None = None) -> None:
         step, epoch, skip = start
         self.job = job
         self.runner = runner
@@ -44,6 +45,8 @@ class TrainingLoop:
         self.progress.start(self.total, step)
         self.last_eval: dict[str, float] = {}
         self.last: dict[str, Any] | None = None  # the last step's line, written with the final evaluation
+        self.snapshots = snapshots if snapshots is not None else Snapshots(0)
+        self.snapshots.attach(runner, step)
 
     def run(self) -> bool:
         """Train; True: to the end (the final state is due), False: a signal stopped it (its
@@ -53,6 +56,8 @@ class TrainingLoop:
                 self.log(f"already trained {self.step} of {self.total} steps; writing the final state")
             source = Batches(job_batches(self.job, *self.pos), self.pos[0])
             every = (self.evaluator.every, self.job.checkpoint_every)
+            if self.runner.schedule.streams_across_batches:  # its snapshots wait for a drain
+                every += (self.snapshots.every,)
             for done in train_steps(self.runner, source, self.step, self.total, every, self.by_epoch, self.signals):
                 if isinstance(done, EpochEnd):  # resumed at the end of an epoch: its step first
                     metric, _ = self.evaluator.epoch_metric(self.runner, done.epoch, None, self.losses)
@@ -90,6 +95,7 @@ class TrainingLoop:
         if self.checkpoints.due(self.step):
             # at an epoch's end: before its schedulers' step (a resumed run takes it, see EpochEnd)
             self.checkpoints.save(self.runner, self.step, self.pos)
+        self.snapshots.finished(self.runner, self.step, self.pos)
         if final:  # its line is written by _finish, with the final evaluation
             self.last = line
             return True

@@ -24,6 +24,7 @@ class Progress:
         self.log = log
         self.total: int | None = None
         self._bar: Any = None
+        self.restarts = 0  # the run's restarts so far (--max-restarts): shown beside each step
 
     def start(self, total: int | None, initial: int) -> None:
         """Steps ``initial`` (a resumed run's) of ``total`` (None: unknown) are done."""
@@ -45,6 +46,8 @@ class Progress:
             if "eval_accuracy" in line:
                 post["eval acc"] = f"{line['eval_accuracy']:.3f}"
             post.update({k[len("eval_"):]: f"{v:.4g}" for k, v in extra.items()})
+            if self.restarts:
+                post["restarts"] = str(self.restarts)
             self._bar.set_postfix(post, refresh=False)
             self._bar.update(1)
             return
@@ -54,6 +57,7 @@ class Progress:
             lr = f" lr {line['lr']:.4g}" if "lr" in line else ""
             ev = f" eval_accuracy {line['eval_accuracy']:.4f}" if "eval_accuracy" in line else ""
             ev += "".join(f" {k} {v:.4f}" for k, v in extra.items())
+            ev += f" ({self.restarts} restart{'s' if self.restarts > 1 else ''} so far)" if self.restarts else ""
             self.log(f"step {step}{of} loss {line['loss']:.4f} {sps or 0:.0f} samples/s{lr}{ev}")
 
     def close(self) -> None:

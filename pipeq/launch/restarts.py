@@ -3,7 +3,8 @@
 The failed runner is already stopped (every stage process gone, nothing half-sent); the trainer
 builds a new one and resumes from the newest complete checkpoint, as ``--resume`` does: the same
 data order, RNG streams, lr schedulers and loss scaler, so the final weights equal an
-uninterrupted run's. Each restart is written to metrics.jsonl (``restart``: the error, the stage,
+uninterrupted run's; or from the newest in-memory snapshot (``snapshot_every``) when it is newer,
+with no disk read. Each restart is written to metrics.jsonl (``restart``: the error, the stage,
 the first step that did not finish, the step resumed from, the seconds lost). :class:`Restarts` decides: it gives up after K restarts,
 or when the same step fails twice in a row with the same error (a bug, not a fault). An injected
 fault (``PIPEQ_FAULT``) fires in the first start only, so that a restart can show it recovers.
@@ -52,17 +53,20 @@ class Restarts:
         self._pending = {"restart": self.count, "error": exc.message, "stage": exc.stage,
                          "unfinished_step": failed_step}
         os.environ.pop(FAULT_ENV, None)  # an injected fault fires once
-        self.log(f"restart {self.count} of {self.limit}: starting the stages again from the newest checkpoint")
+        self.log(f"restart {self.count} of {self.limit}: starting the stages again from the newest checkpoint or "
+                 "snapshot")
         return True
 
-    def resumed(self, step: int) -> None:
-        """The restarted run resumed from ``step``: write the restart's record to metrics.jsonl."""
+    def resumed(self, step: int, source: str = "disk") -> None:
+        """The restarted run resumed from ``step``, its state from ``source`` ("disk": a
+        checkpoint, "memory": an in-memory snapshot, "start": none, the initial weights): write
+        the restart's record to metrics.jsonl."""
         if self._pending is None:
             return
-        record = {**self._pending, "step": step, "resumed_from": step,
+        record = {**self._pending, "step": step, "resumed_from": step, "state_from": source,
                   "seconds_lost": round(time.monotonic() - self._failed_at, 3)}
         self._pending = None
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        self.log(f"restart {record['restart']}: resumed from step {step}, {record['seconds_lost']:.1f} s after "
+        self.log(f"restart {record['restart']}: resumed from step {step} ({source}), {record['seconds_lost']:.1f} s after "
                  f"stage {record['stage']} failed (step {record['unfinished_step']} unfinished)")

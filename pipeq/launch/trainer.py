@@ -18,6 +18,7 @@ from pipeq.launch.progress import Progress, print_summary
 from pipeq.launch.restarts import Restarts
 from pipeq.launch.rundir import RunDir, RunDirError
 from pipeq.launch.signals import StopSignals
+from pipeq.launch.snapshots import Snapshots
 
 __all__ = ["Trainer"]
 
@@ -39,6 +40,7 @@ class Trainer:
         self.checkpoints = Checkpoints(job, self.run_dir, self.log)
         self._loop: TrainingLoop | None = None  # the running attempt's loop (its step: where a failure hit)
         self._restarts: Restarts | None = None
+        self.snapshots = Snapshots(job.snapshot_every)  # outlives each attempt's runner
 
     def log(self, line: str) -> None:
         print(f"pipeq launch: {line}", file=self.stream, flush=True)
@@ -108,6 +110,8 @@ class Trainer:
                 finally:
                     self.signals.graceful = False
         except PipelineError as exc:
+            if self._loop is not None:  # the snapshots that had arrived, for a restart
+                self.snapshots.adopt(runner, self._loop.step)
             where = f"stage {exc.stage}" if exc.stage is not None else "the pipeline"
             self.log(f"{where} failed: {exc.message}")
             if exc.remote_traceback:
@@ -136,12 +140,19 @@ class Trainer:
         ends it early, its last step checkpointed (see :class:`~pipeq.launch.signals.StopSignals`)."""
         os.makedirs(self.out, exist_ok=True)
         progress = Progress(quiet=self.quiet, stream=self.stream, log_every=self.job.log_every, log=self.log)
-        loop = self._loop = TrainingLoop(self.job, runner, self.checkpoints.resume_point(runner, self.resume),
-                                         run_dir=self.run_dir, checkpoints=self.checkpoints, signals=self.signals,
-                                         progress=progress, log=self.log)
+        progress.restarts = self._restarts.count if self._restarts is not None else 0
+        start = self.checkpoints.resume_point(runner, self.resume, self.snapshots.newest())
+        loop = self._loop = TrainingLoop(self.job, runner, start, run_dir=self.run_dir, checkpoints=self.checkpoints,
+                                         signals=self.signals, progress=progress, log=self.log,
+                                         snapshots=self.snapshots)
         if self._restarts is not None:
-            self._restarts.resumed(loop.step)
-        if not loop.run():
+            self._restarts.resumed(loop.step, self.checkpoints.source)
+        try:
+            finished = loop.run()
+        except BaseException:
+            progress.close()  # the failure's lines below a finished bar, not through it
+            raise
+        if not finished:
             return
         elapsed = loop.tally.elapsed()
         self.checkpoints.write_final(runner, loop.step, loop.pos, loop.tally.samples)

@@ -51,6 +51,7 @@ class SimulatedBackend:
         # the stages each process holds (virtual stages: several, pipeq.runtime.chunks), by chunk
         self.groups = process_stages(schedule, n)
         self.chunked = len(self.groups) < n
+        self._taken: list[tuple[int, list[dict[str, Any]]]] = []  # request_snapshots' snapshots
         self.plans = [StagePlan(schedule, k, n) for k in range(len(self.groups))]
         # messages sent and not yet received: (destination, kind, microbatch), or tied gradients'
         # (destination, "tie", sender, exchange); a stream's outlive a batch
@@ -204,6 +205,15 @@ class SimulatedBackend:
 
     def get_snapshots(self) -> list[dict[str, Any]]:
         return [ex.snapshot() for ex in self.executors]
+
+    def request_snapshots(self, step: int) -> None:
+        """Every stage's snapshot now (the steps sent have run), labelled ``step``."""
+        self._taken.append((step, self.get_snapshots()))
+
+    def take_snapshots(self) -> list[tuple[int, list[dict[str, Any]]]]:
+        """The snapshots taken since the last call (see the process backend's)."""
+        taken, self._taken = self._taken, []
+        return taken
 
     def restore(self, snapshots: list[dict[str, Any]]) -> None:
         for k, (ex, snap) in enumerate(zip(self.executors, snapshots)):

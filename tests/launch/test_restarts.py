@@ -26,6 +26,7 @@ def test_a_killed_stage_is_restarted_from_the_newest_checkpoint_and_trains_the_s
     r = launch_here(*ARGS, "--out", out, "--max-restarts", "2")
     assert r.returncode == 0, r.stderr
     assert "stage 1 failed" in r.stderr and "restart 1 of 2" in r.stderr, r.stderr
+    assert "step 6/6 loss" in r.stderr and "(1 restart so far)" in r.stderr, r.stderr  # the progress says so
     assert_same_state(model_state(out), model_state(whole))
     lines = metrics(out)
     restarts = [ln for ln in lines if "restart" in ln]
@@ -71,3 +72,28 @@ def test_a_random_kill_is_recovered_too(whole, tmp_path, monkeypatch):
     assert r.returncode == 0, (drawn, r.stderr)
     assert_same_state(model_state(str(tmp_path / "run")), model_state(whole))
     assert [ln["step"] for ln in metrics(str(tmp_path / "run")) if "loss" in ln] == [1, 2, 3, 4, 5, 6], drawn
+
+
+def test_a_restart_after_a_stage_death_loads_the_in_memory_snapshot_without_reading_the_disk(whole, tmp_path,
+                                                                                              monkeypatch):
+    """Snapshots every step, no checkpoint: stage 2 killed as step 5 starts resumes from the
+    snapshot of step 3 (the newest step the driver had finished: its line written), and no
+    checkpoint is read."""
+    from pipeq import checkpoint
+    from pipeq.control.state import RunnerState
+
+    def no_disk(*args, **kwargs):
+        raise AssertionError("a checkpoint was read from the disk")
+
+    monkeypatch.setattr(checkpoint, "load", no_disk)
+    monkeypatch.setattr(RunnerState, "load", no_disk)
+    monkeypatch.setenv("PIPEQ_FAULT", "stage:2,step:5,kind:kill")
+    out = str(tmp_path / "snapshots")
+    r = launch_here(*ARGS, "--out", out, "--max-restarts", "1", "--snapshot-every", "1", "--checkpoint-every", "0")
+    assert r.returncode == 0, r.stderr
+    restart = [ln for ln in metrics(out) if "restart" in ln]
+    assert len(restart) == 1 and restart[0]["state_from"] == "memory", restart
+    assert restart[0]["resumed_from"] == 3 and restart[0]["unfinished_step"] == 4, restart
+    assert "in-memory snapshot of step 3" in r.stderr
+    assert_same_state(model_state(out), model_state(whole))
+    assert [ln["step"] for ln in metrics(out) if "loss" in ln] == [1, 2, 3, 4, 5, 6]

@@ -33,6 +33,8 @@ A job file (TOML, read with the standard library's tomllib)::
     checkpoint_every = 20                        # 0: only the final state
     max_restarts = 0                             # optional: after a stage fails, go on from the newest
                                                  # checkpoint, up to this many times
+    snapshot_every = 10                          # optional: every 10 steps, the stages' state kept in
+                                                 # the driver's memory (a restart loads it, no disk)
     keep_checkpoints = 3                         # the newest 3 (0: keep all)
     seed = 0
     data_parallel = 1                            # R replicas of the pipeline (R x N processes)
