@@ -351,6 +351,8 @@ class Supervisor:
         self.drain_pending()
         self.begin_wait()
         self.check_health()
+        if self.ignored:  # a dropped replica's processes are gone: nothing for them
+            messages = [(g, m) for g, m in messages if g not in self.ignored]
         try:
             self.server.send_many(messages)
         except PeerUnreachable as exc:

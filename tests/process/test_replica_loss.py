@@ -87,3 +87,21 @@ def test_without_fault_tolerance_the_same_failure_ends_the_run(monkeypatch):
             r.step(*data[1])
     assert (info.value.stage, info.value.replica) == (1, 1)
     assert not wait_no_strays(5.0)
+
+
+def test_pipeq_launch_records_the_step_with_fewer_replicas(monkeypatch, tmp_path):
+    """``fault_tolerance = "replicas"`` in a job file: the launch goes on, and metrics.jsonl says
+    which steps had one replica. pipeq launch streams its batches: step 4 was sent with step 3
+    (4 in flight with 3 stages), so replica 1, lost as step 3 starts, misses both."""
+    from launch_util import DIGITS_JOB, launch_here, metrics
+
+    job = tmp_path / "job.toml"
+    job.write_text(open(DIGITS_JOB).read() + 'fault_tolerance = "replicas"\ndata_parallel = 2\n')
+    monkeypatch.setenv("PIPEQ_FAULT", "stage:1,step:3,kind:kill,replica:1")
+    out = str(tmp_path / "out")
+    r = launch_here("--steps", "4", "--out", out, job=str(job))
+    assert r.returncode == 0, r.stderr
+    steps = [m for m in metrics(out) if "step" in m and "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert [m.get("replicas") for m in steps] == [None, None, 1, 1]
+    assert not wait_no_strays(5.0)

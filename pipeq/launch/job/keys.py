@@ -107,6 +107,9 @@ KEYS: dict[str, Key] = {
     "out": Key(str, "pipeq-run", "the output directory: checkpoints, final state, metrics.jsonl", "output"),
     "max_restarts": Key(int, 0, "after a stage fails, restart from the newest checkpoint up to K times (0: a "
                         "failure ends the run)", "processes", minimum=0),
+    "fault_tolerance": Key(str, None, '"replicas" (data_parallel >= 2): a replica whose stage fails is left out of '
+                           "that step (the mean over the other replicas' samples) and rebuilt from a healthy one "
+                           "for the next; the run goes on", "processes"),
     "checkpoint_every": Key(int, 0, "checkpoint every N steps (0: only the final state)", "output", minimum=0),
     "keep_checkpoints": Key(int, 0, "keep the newest K checkpoints (0: keep all)", "output", minimum=0),
     "eval_every": Key(int, 0, "evaluate every N steps (0: at the end only)", "evaluation", minimum=0),
