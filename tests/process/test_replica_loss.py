@@ -30,14 +30,15 @@ ADAM = functools.partial(torch.optim.Adam, lr=0.01)
 STEPS, FAILS_AT, BATCH = 5, 3, 10  # replica 0 trains on samples 0..4, replica 1 on 5..9
 
 
-def reference(stages, data, degraded_step):
-    """Single-process training; at ``degraded_step`` only replica 0's samples (the first half)."""
+def reference(stages, data, degraded_step, keep=slice(0, BATCH // 2)):
+    """Single-process training; at ``degraded_step`` only the samples ``keep`` (by default
+    replica 0's of two: the first half)."""
     model = Chain(*copy.deepcopy(stages))
     opt = ADAM(model.parameters())
     losses = []
     for step, (x, y) in enumerate(data, start=1):
         if step == degraded_step:
-            x, y = x[:BATCH // 2], y[:BATCH // 2]
+            x, y = x[keep], y[keep]
         opt.zero_grad()
         loss = nn.CrossEntropyLoss()(model(x), y)
         loss.backward()
@@ -76,6 +77,24 @@ def test_a_failed_replica_is_left_out_of_its_step_and_rebuilt(monkeypatch, capfd
     for key in ref:
         torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
         assert torch.equal(state[key], rebuilt[key]), key  # the replicas are alike again
+
+
+def test_three_replicas_lose_replica_0_and_rebuild_it_from_replica_1(monkeypatch):
+    """Replica 0's last stage raises at step 2: replicas 1 and 2 (3 + 3 of the 10 samples) finish
+    the step, their sum scaled by 10 / 6; replica 0 is rebuilt from replica 1 (state_dict reads it)."""
+    monkeypatch.setenv("PIPEQ_FAULT", "stage:1,step:2,kind:raise,replica:0")
+    stages, data = stages64(2), batches64(3, BATCH)
+    ref, ref_losses = reference(stages, data, 2, keep=slice(4, BATCH))  # replica 0 holds samples 0..3
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "fill-drain", 1, data_parallel=3,
+                                  fault_tolerance="replicas", **FAST)
+    with runner:
+        losses = [runner.step(x, y) for x, y in data]
+        assert runner.degraded_steps == {2: 2}
+        state = runner.state_dict()
+    assert losses == pytest.approx(ref_losses, abs=1e-12)
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+    assert not wait_no_strays(5.0)
 
 
 def test_without_fault_tolerance_the_same_failure_ends_the_run(monkeypatch):
