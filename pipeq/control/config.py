@@ -32,11 +32,12 @@ from pipeq.stage.numerics import Numerics
 from pipeq.wire.security import SECURITY_MODES
 
 __all__ = ["RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig", "MODES", "TRANSPORTS",
-           "START_METHODS", "check_step_timeout", "setting_fields"]
+           "START_METHODS", "FAULT_TOLERANCE", "check_step_timeout", "setting_fields"]
 
 MODES = ("process", "simulated")
 TRANSPORTS = ("ipc", "tcp")
 START_METHODS = ("spawn", "forkserver")
+FAULT_TOLERANCE = (None, "replicas")  # see FaultConfig.fault_tolerance
 
 
 def _whole(value: Any, lo: int, hi: int) -> bool:
@@ -138,6 +139,10 @@ class FaultConfig:
         start_timeout: seconds to wait for every stage to start.
         stop_timeout: seconds ``close()`` lets the stages finish what they were sent before they
             are terminated (a failure is raised then).
+        fault_tolerance: None (default: any stage failure ends the run) or ``"replicas"`` (with
+            ``data_parallel >= 2``): when a replica's stage fails in a training step, the other
+            replicas finish that step without it, and the lost replica is rebuilt from a healthy
+            one's live state to rejoin at the next step (see :mod:`pipeq.control.replica_loss`).
     """
 
     heartbeat_interval: float = 1.0
@@ -145,8 +150,12 @@ class FaultConfig:
     step_timeout: float | None = None
     start_timeout: float = 120.0
     stop_timeout: float = 60.0
+    fault_tolerance: str | None = None
 
     def __post_init__(self) -> None:
+        if self.fault_tolerance not in FAULT_TOLERANCE:
+            raise ValueError(f"fault_tolerance must be None (a failure ends the run) or 'replicas', got "
+                             f"{self.fault_tolerance!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         check_step_timeout(self.step_timeout, self.heartbeat_interval)

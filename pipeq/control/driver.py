@@ -12,11 +12,16 @@ raised.
     predict: PREDICT to each stage (x to stage 0, each stage's inputs) -> OUTPUT per microbatch
              from the output stage
     state:   GET_STATE / SET_STATE, GET_SNAPSHOT / RESTORE, GET_LR, STEP_SCHEDULER, GET_STATS
+
+With ``fault_tolerance="replicas"`` a replica whose stage fails in a training step is dropped,
+the step finishes on the others and the replica is rebuilt before the next command
+(:mod:`pipeq.control.replica_loss`); :attr:`ProcessBackend.degraded` records those steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pipeq.control.stage_handle import StageHandle
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
@@ -34,6 +39,8 @@ from pipeq.wire.control import (GetStats, Loss, Lrs, Output, Predict, Restore, S
 from pipeq.wire.messages import Kind, Message
 from pipeq.control.processes import Numbering, StageSettings
 from pipeq.control.rendezvous import Rendezvous
+from pipeq.control.replica_loss import ReplicaLoss
+from pipeq.parallel.data import survivor_scale
 from pipeq.stage.executor import Tensors
 from pipeq.control.startup import StageProcesses
 from pipeq.control.supervisor import Supervisor, take_kept
@@ -75,7 +82,15 @@ class ProcessBackend:
         self.processes = StageProcesses(payloads, config, settings, self.numbering, rendezvous=rendezvous,
                                         recorder=self.recorder)
         self._request_id = 0
-        self._submitted: dict[int, tuple[int, int, int]] = {}  # step -> (sent at ns, replicas, microbatches)
+        # step -> (sent at ns, replicas, microbatches, each replica's loss-weight share, the replicas sent to)
+        self._submitted: dict[int, tuple[int, int, int, list[float], list[int]]] = {}
+        self._rounds = 0  # training steps sent: every replica's gradient rounds so far
+        self._sending = False  # a TRAIN is being sent (a failure then is a training step's)
+        self._done: dict[int, float] = {}  # losses collected before a rebuild, until result() asks
+        #: fault_tolerance="replicas": training step -> how many replicas completed it, when fewer than all
+        self.degraded: dict[int, int] = {}
+        self.replica_loss = (ReplicaLoss(self.processes, lambda: bool(self._submitted) or self._sending)
+                             if config.fault.fault_tolerance == "replicas" else None)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
         self._snapshots: dict[int, int] = {}  # request id -> the step of the snapshot asked for
@@ -151,7 +166,24 @@ class ProcessBackend:
             self.sup.check_usable()
         if self.server is None or self.sup is None:
             raise PipelineError("the pipeline is not running; use 'with runner:' or runner.start()")
+        loss = self.replica_loss
+        if loss is not None and loss.down and not self._submitted:  # nothing in flight: rebuild now
+            loss.rebuild(self._rounds, self._next_request_id)
         return self.sup
+
+    def _rebuild_lost(self) -> None:
+        """A replica was lost: finish the steps in flight (their losses kept for result()), then
+        rebuild it, so that the next step runs on every replica again."""
+        loss = self.replica_loss
+        if loss is not None and loss.down:
+            for step in sorted(self._submitted):
+                self._done[step] = self._result(step)
+            self._usable()
+
+    @property
+    def replica_failures(self) -> list[PipelineError]:
+        """fault_tolerance="replicas": the failures absorbed so far (each dropped a replica)."""
+        return list(self.replica_loss.failures) if self.replica_loss is not None else []
 
     def _ask_each(self, kind: Kind, reply: Kind, what: str, processes: Sequence[int]) -> dict[int, Message]:
         """Send ``kind`` to each of ``processes`` and collect one ``reply`` from each."""
@@ -173,10 +205,13 @@ class ProcessBackend:
         stage's ``inputs``). It does not wait: each stage starts the step as soon as it is done
         with the ones sent before. With ``stream``, a schedule that need not drain between
         batches (asynchronous 1F1B) does not; :meth:`drain` ends the stream."""
+        self._rebuild_lost()
         sup = self._usable()
         sup.drain_pending()
+        shares = [math.fsum(weights) for _, weights, _ in shards]
+        live = self.replica_loss.live() if self.replica_loss is not None else list(range(len(shards)))
         if sup.deferred is not None:  # a stage failed in an earlier step: this one cannot run;
-            self._submitted[step] = (0, len(shards), len(shards[0][0]))  # result() raises the error
+            self._submitted[step] = (0, len(shards), len(shards[0][0]), shares, live)  # result() raises the error
             return
         msgs = []
         offset = 0
@@ -186,29 +221,52 @@ class ProcessBackend:
             ts, t_tree = microbatch.pack(microbatch.narrow(target, offset, n))
             mine = _packed(inputs, offset, n)
             offset += n
+            if r not in live:
+                continue  # lost (while other steps were in flight): its samples are not trained on
             for k in range(self.n_stages):
                 part = _batch_part(xs if k == 0 else None, x_tree, ts if k in self.loss_stages else None, t_tree,
                                    mine[k] if mine is not None else None)
                 train = Train(sizes=sizes, weights=weights, aux_weights=aux_weights, stream=stream, x=part.x,
-                              nx=part.nx, inputs=part.inputs, ninputs=part.ninputs, target=part.target)
+                              nx=part.nx, inputs=part.inputs, ninputs=part.ninputs, target=part.target,
+                              shares=shares if self.replica_loss is not None else None)
                 msgs.append((r * self.n_stages + k, control.message(train, step, 0, part.tensors)))
         t0 = time.perf_counter_ns()
-        self._send_all(sup, msgs)
+        self._sending = True
+        try:
+            self._send_all(sup, msgs)
+        finally:
+            self._sending = False
+        self._rounds += 1
         sup.awaited.add((Kind.LOSS, step))
-        self._submitted[step] = (t0, len(shards), len(shards[0][0]))
+        self._submitted[step] = (t0, len(shards), len(shards[0][0]), shares, live)
 
     def result(self, step: int) -> float:
-        """Wait for a submitted step's loss (the whole batch's)."""
+        """Wait for a submitted step's loss (the whole batch's; with replicas lost in the step,
+        the mean over the samples of the replicas that completed it)."""
+        if step in self._done:
+            return self._done.pop(step)
+        return self._result(step)
+
+    def _result(self, step: int) -> float:
         sup = self._usable()
-        t0, n_shards, microbatches = self._submitted.pop(step)
-        lasts = {r * self.n_stages + self.n_stages - 1: 1 for r in range(n_shards)}
-        replies = sup.collect(Kind.LOSS, lasts, step=step, what=f"step {step}")
+        t0, n_shards, microbatches, shares, live = self._submitted[step]
+        lasts = {r * self.n_stages + self.n_stages - 1: 1 for r in live}
+        try:
+            replies = sup.collect(Kind.LOSS, lasts, step=step, what=f"step {step}")
+        finally:
+            del self._submitted[step]
         if self.recorder is not None:
             self.recorder.span(step, True, t0, microbatches)
-        losses = {g: control.read(msgs[0], Loss) for g, msgs in replies.items()}  # checked as they came
-        self.step_lrs[step] = losses[self.n_stages - 1].lr  # replica 0's: every replica's is the same
+        # checked as they came; a replica dropped during the step sent none
+        losses = {g: control.read(msgs[0], Loss) for g, msgs in replies.items() if msgs}
+        self.step_lrs[step] = losses[min(losses)].lr  # the first replica's: every replica's is the same
         # each replica's loss is already weighted by its share of the batch: they add up
-        return sum(losses[g].loss for g in lasts)
+        total = sum(losses[g].loss for g in sorted(losses))
+        if len(losses) < n_shards:  # the mean over the completed replicas' samples
+            done = sorted(g // self.n_stages for g in losses)
+            self.degraded[step] = len(done)
+            total *= survivor_scale(shares, done, n_shards)
+        return total
 
     def train(self, step: int, shards: list[Shard], x: Any, target: Any, inputs: StageInputs | None = None) -> float:
         self.submit(step, shards, x, target, inputs=inputs)

@@ -111,7 +111,12 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
             - wire (:class:`~pipeq.control.config.WireConfig`): ``transport``, ``host``,
               ``tcp_security``, ``max_message_mb``, ``shm_slots``, ``queue_capacity``, ``spin``;
             - faults (:class:`~pipeq.control.config.FaultConfig`): ``heartbeat_interval``,
-              ``heartbeat_timeout``, ``step_timeout``, ``start_timeout``, ``stop_timeout``;
+              ``heartbeat_timeout``, ``step_timeout``, ``start_timeout``, ``stop_timeout``,
+              ``fault_tolerance`` (``"replicas"``: with ``data_parallel >= 2``, a replica whose
+              stage fails in a training step is dropped for that step, whose update and loss are
+              then the mean over the other replicas' samples, and rebuilt from a healthy
+              replica's state for the next; see :mod:`pipeq.control.replica_loss`,
+              :attr:`degraded_steps`);
             - placement (:class:`~pipeq.control.config.PlacementConfig`): ``mode``
               (``"process"``, the default, or ``"simulated"``), ``devices``,
               ``threads_per_stage``, ``start_method``, ``placement``, ``data_parallel``,
@@ -372,6 +377,9 @@ def _configure(config: RunConfig | None, schedule: Any, microbatches: int | None
 def _backend(cfg: RunConfig, model: checks.Model, numerics: Numerics, tp_plans: list[Any] | None,
              rendezvous: Rendezvous | None) -> Any:
     """The backend that runs the stages: this process's (simulated) or one process per stage."""
+    from pipeq.control.replica_loss import check_replicas_mode
+
+    check_replicas_mode(cfg, multi_host=rendezvous is not None)
     place, schedule = cfg.placement, cfg.schedule
     if place.mode == "simulated":
         from pipeq.runtime.simulated import SimulatedBackend

@@ -88,6 +88,11 @@ class StageProcesses:
         self.ipc_dir: str | None = None
         self.tp_dir: str | None = None  # where each stage's shards meet (tensor parallelism over tcp)
         self.ready: list[Ready] = []
+        # fault_tolerance="replicas": the supervisor's absorb (pipeq.control.replica_loss)
+        self.absorb: Callable[[int, Any], bool] | None = None
+        self._bind: BindTo | None = None
+        self._auth: WireAuth | None = None
+        self._base_seed: int | None = None
 
     def _with_shards(self, leads: Sequence[int]) -> list[int]:
         """A node's processes: its leads and their other shards (a stage's shards share a host)."""
@@ -105,6 +110,7 @@ class StageProcesses:
 
     def _start(self, request_id: Callable[[], int]) -> None:
         bind, auth = self._open()
+        self._bind, self._auth = bind, auth
         self._spawn(bind, auth)
         assert self.sup is not None and self.server is not None
         replies = self.sup.collect(Kind.READY, dict.fromkeys(range(self.n_all), 1),
@@ -140,32 +146,42 @@ class StageProcesses:
                               numbering=self.numbering, n_nodes=len(self.placement),
                               heartbeat_timeout=self.heartbeat_timeout, step_timeout=self.step_timeout,
                               teardown=self.teardown)
+        self.sup.absorb = self.absorb
         if rz is not None:  # tell the other nodes where to find us and what each of them runs
             self._publish(rz)
         return bind, auth
 
-    def _spawn(self, bind: BindTo, auth: WireAuth | None) -> None:
-        """Start this node's processes."""
+    def _spawn(self, bind: BindTo, auth: WireAuth | None, processes: Sequence[int] | None = None) -> None:
+        """Start this node's processes (or ``processes`` of them: a rebuilt replica's, with the
+        seeds they had)."""
         assert self.server is not None
         ctx = process_context(self.start_method)
         # stage seeds come from the caller's RNG: torch.manual_seed before the runner repeats a run
-        base_seed = int(torch.randint(0, 2**62, ()).item())
+        if self._base_seed is None:
+            self._base_seed = int(torch.randint(0, 2**62, ()).item())
+        base_seed = self._base_seed
 
         def seed_of(g: int) -> int:
             payload = self.payloads[g]
             return payload.seed_for(g % self.n_stages) if isinstance(payload, StageBuilder) else base_seed + g
 
         configs = worker_configs(
-            self.placement[0], self.n_stages, self.replicas, self.schedule, self.settings,
+            self.placement[0] if processes is None else processes, self.n_stages, self.replicas, self.schedule, self.settings,
             control_addr=self.server.address, bind=bind, seed_of=seed_of, rendezvous=self.rendezvous,
             die_with_parent=threading.current_thread() is threading.main_thread(), auth=auth,
             tp_dir=self.tp_dir,
         )
         self.procs.update(start_workers(ctx, configs, lambda g: self.payloads[self.numbering.lead(g)]))
 
-    def _peers(self, ready: list[Ready], joined: int) -> list[tuple[int, Message]]:
+    def respawn(self, processes: Sequence[int]) -> None:
+        """Start ``processes`` again (a lost replica's, fault_tolerance="replicas")."""
+        assert self._bind is not None
+        self._spawn(self._bind, self._auth, processes)
+
+    def _peers(self, ready: list[Ready], joined: int, rejoin_round: int | None = None) -> list[tuple[int, Message]]:
         """Each lead's PEERS: its neighbours within the replica and, with data parallelism, its
-        stage's replicas (by replica; with tensor parallelism too, by shard)."""
+        stage's replicas (by replica; with tensor parallelism too, by shard); ``rejoin_round``:
+        for a rebuilt replica (see :class:`~pipeq.wire.control.Peers`)."""
         n, num = self.n_stages, self.numbering
         ties = self._tie_links(ready)
         out = []
@@ -173,7 +189,8 @@ class StageProcesses:
             k = g % n
             peers = Peers(next_forward=ready[g + 1].forward if k + 1 < n else None,
                           prev_backward=ready[g - 1].backward if k > 0 else None,
-                          tie_links=ties[g // n] if ready[g].tie_link is not None else None)
+                          tie_links=ties[g // n] if ready[g].tie_link is not None else None,
+                          rejoin_round=rejoin_round)
             if self.replicas > 1 and num.shards > 1:  # every shard's replicas, by shard
                 groups = [num.group(r * n + k) for r in range(self.replicas)]
                 peers.replica_shards = [[self._replica_link(ready, group[s]) for group in groups]
@@ -238,7 +255,7 @@ class StageProcesses:
         merged = None
         try:
             req = request_id()
-            everyone = range(self.n_processes)
+            everyone = [g for g in range(self.n_processes) if g not in sup.ignored]  # (a dropped replica's: gone)
             sup.send_all([(g, control.message(Stop(), req)) for g in everyone])
             sup.collect(Kind.ACK, dict.fromkeys(everyone, 1), step=req, timeout=self.stop_timeout, what="stop")
             if self.recorder is not None:

@@ -101,10 +101,35 @@ class RunnerStream:
         return self._backend.result(step)
 
     def _hand_out(self, step: int) -> float:
-        """Step ``step``'s loss, noting the learning rate it trained with (:attr:`last_step_lr`)."""
+        """Step ``step``'s loss, noting the learning rate it trained with (:attr:`last_step_lr`)
+        and the replicas that completed it (:attr:`degraded_steps`)."""
         loss = self._result(step)
         self._last_step_lr = self._backend.step_lrs.pop(step, None)
+        self._trained = getattr(self, "_trained", 0) + 1
+        replicas = getattr(self._backend, "degraded", {}).pop(step, None)
+        self._last_step_replicas = replicas
+        if replicas is not None:
+            self._degraded_steps = {**getattr(self, "_degraded_steps", {}), self._trained: replicas}
         return loss
+
+    @property
+    def degraded_steps(self) -> dict[int, int]:
+        """``fault_tolerance="replicas"``: the training steps some replica did not complete (it
+        failed), each with how many replicas did, e.g. ``{5: 1}``. Steps count from 1, in the
+        order this runner handed their losses back (``step`` calls and stream batches alike)."""
+        return dict(getattr(self, "_degraded_steps", {}))
+
+    @property
+    def last_step_replicas(self) -> int | None:
+        """How many replicas completed the last step handed back, when fewer than all (a replica
+        failed in it, ``fault_tolerance="replicas"``); None when every replica did."""
+        return getattr(self, "_last_step_replicas", None)
+
+    @property
+    def replica_failures(self) -> list[PipelineError]:
+        """``fault_tolerance="replicas"``: the failures the run carried on after, in order (each
+        names the stage and replica; the replica was rebuilt)."""
+        return list(getattr(self._backend, "replica_failures", []))
 
     def _settle(self) -> None:
         """Wait until every step sent so far is done (their losses are kept for their stream),

@@ -25,6 +25,11 @@ With several training steps in flight (``runner.stream``), a stage that fails in
 its part of every earlier step (a stage runs its steps in order), so those can still finish: the
 failure is *deferred* until the caller waits for step s, then raised. Every message read on the
 way is filed, never dropped: a reply someone will wait for is kept until then.
+
+With ``fault_tolerance="replicas"`` a failure is first offered to ``absorb(g, error)``
+(:mod:`pipeq.control.replica_loss`): when it takes it, the failed process's replica is dropped
+and its processes *ignored* (their messages, deaths and silence) instead of the run ending; a
+collect then waits for the others only.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from pipeq.wire.errors import PeerUnreachable
 _POLL_MS = 100
 
 
-__all__ = ["Supervisor", "take_kept", "unreachable"]
+__all__ = ["Supervisor", "take_kept", "unreachable", "origin_shard"]
 
 
 def _raised_at(reply: ErrorReply) -> float:
@@ -91,6 +96,10 @@ class Supervisor:
         self.deferred: tuple[int, PipelineError] | None = None
         self._excused: set[int] = set()  # processes that failed with a deferred error
         self._collecting: int | None = None  # the training step whose loss collect() waits for
+        # fault_tolerance="replicas": absorb(g, error) -> True when process g's failure is taken
+        # (its replica dropped) rather than ending the run; the processes of a dropped replica
+        self.absorb: Callable[[int, PipelineError], bool] | None = None
+        self.ignored: set[int] = set()
 
     # -- naming the culprit ------------------------------------------------------------------
     def known(self, peer: Peer | None) -> bool:
@@ -134,6 +143,22 @@ class Supervisor:
         self.teardown()
         return err
 
+    def _give_up(self, err: PipelineError, g: int | None) -> None:
+        """Process g has failed: absorbed (its replica dropped, fault_tolerance="replicas"), or
+        the run's end (raised)."""
+        if g is not None and self.absorb is not None and g not in self.ignored and self.absorb(g, err):
+            return
+        raise self.fail(err)
+
+    def ignore(self, processes: list[int]) -> None:
+        """A dropped replica's processes: from now on nothing of theirs counts (their replies kept
+        for later are dropped too)."""
+        self.ignored.update(processes)
+        for g in processes:
+            self.doing.pop(g, None)
+        for key, got in list(self._early.items()):
+            self._early[key] = [(g, m) for g, m in got if g not in self.ignored]
+
     # -- health --------------------------------------------------------------------------------
     def expect_heartbeats(self) -> None:
         """Every stage is READY: from now on a silent one is failed."""
@@ -149,25 +174,25 @@ class Supervisor:
     def check_health(self) -> None:
         now = time.monotonic()
         self._last_health = now
-        for g, p in self.procs.items():
-            code = p.exitcode
+        for g, p in list(self.procs.items()):
+            code = p.exitcode if g not in self.ignored else None
             if code is not None and g not in self._excused:
-                self._error_in_flight(lambda: g in self._excused)
-                if g not in self._excused:
-                    raise self.fail(self.error(f"stage process (pid {p.pid}) {exit_reason(code)}", g))
+                self._error_in_flight(lambda: g in self._excused or g in self.ignored)
+                if g not in self._excused and g not in self.ignored:
+                    self._give_up(self.error(f"stage process (pid {p.pid}) {exit_reason(code)}", g), g)
         for g in range(self.n_processes):
-            if now - self.last_beat[g] > self.heartbeat_timeout and g not in self._excused:
-                raise self.fail(self.error(
+            if now - self.last_beat[g] > self.heartbeat_timeout and g not in self._excused | self.ignored:
+                self._give_up(self.error(
                     f"no heartbeat for {now - self.last_beat[g]:.1f} s (heartbeat_timeout="
-                    f"{self.heartbeat_timeout}); the stage is hung or unreachable", g))
+                    f"{self.heartbeat_timeout}); the stage is hung or unreachable", g), g)
         if self.step_timeout is not None:
             stuck = [(age, g, what) for g, (what, age) in self.doing.items()
-                     if age > self.step_timeout and g not in self._excused]
+                     if age > self.step_timeout and g not in self._excused | self.ignored]
             if stuck:
                 age, g, what = max(stuck)  # the longest stuck: any other is waiting on it
-                raise self.fail(self.error(
+                self._give_up(self.error(
                     f"stuck: has been in {what} for {age:.1f} s with no progress (step_timeout="
-                    f"{self.step_timeout} s); its neighbours are waiting for it", g))
+                    f"{self.step_timeout} s); its neighbours are waiting for it", g), g)
 
     def _error_in_flight(self, done: Callable[[], bool]) -> None:
         """Half a second for the ERROR a stage sent just before it exited (until ``done()``): it
@@ -208,8 +233,8 @@ class Supervisor:
             if r is None:
                 return None
             peer, msg = r
-            if not self.known(peer):
-                continue  # not one of our workers: ignored
+            if not self.known(peer) or (peer is not None and peer.role != AGENT and peer.index in self.ignored):
+                continue  # not one of our workers (or one of a dropped replica's): ignored
             assert peer is not None
             payload = self.payload_of(peer, msg)
             if peer.role != AGENT:
@@ -236,34 +261,13 @@ class Supervisor:
             steps.append(self._collecting)
         return min(steps, default=None)
 
-    def _origin_shard(self, g: int, reply: ErrorReply, err: PipelineError) -> PipelineError:
-        """Tensor parallelism: the shards of a stage compute together, so one shard's failure
-        makes the others fail too (their collective's peer is gone). Of the errors and deaths of
-        process g's stage within half a second, the first is the one named: a shard killed by a
-        signal (it reports nothing), else the ERROR raised first (``at``: the shards share a host,
-        hence a monotonic clock)."""
-        num = self.numbering
-        if num.shards == 1 or g >= num.total:
-            return err
-        group = set(num.group(num.lead(g)))
-        first = {g: (_raised_at(reply), err)}
-        end = time.monotonic() + 0.5  # a killed process's sockets close a moment before it is reaped
-        while time.monotonic() < end and len(first) < len(group):
-            for other in sorted(group - set(first)):
-                p = self.procs.get(other)
-                if p is not None and p.exitcode is not None and p.exitcode < 0:
-                    return self.error(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}; then "
-                                      f"{num.where(g)} failed: {err.message}", other)
-            got = self._read(20)
-            if got is not None and got[0].role == STAGE and got[0].index in group:
-                first.setdefault(got[0].index, (_raised_at(got[1]), self.error_of(*got)))
-        return min(first.values(), key=lambda pair: pair[0])[1]
-
     def _error(self, peer: Peer, reply: ErrorReply) -> None:
         """An ERROR: raised now, or deferred while an earlier step than its own is outstanding."""
         err = self.error_of(peer, reply)
         if peer.role == STAGE:
-            err = self._origin_shard(peer.index, reply, err)
+            err = origin_shard(self, peer.index, reply, err)
+            if self.absorb is not None and peer.index not in self.ignored and self.absorb(peer.index, err):
+                return
         step, oldest = reply.step, self._oldest_outstanding()
         if (peer.role == STAGE and step is not None and oldest is not None and step > oldest
                 and ((Kind.LOSS, step) in self.awaited or step == self._collecting)):
@@ -295,7 +299,7 @@ class Supervisor:
                  on_timeout: Callable[[set[int]], str] | None) -> dict[int, list[Message]]:
         start = self.begin_wait()
         got: dict[int, list[Message]] = {g: [] for g in counts}
-        missing = {g for g, c in counts.items() if c > 0}
+        missing = {g for g, c in counts.items() if c > 0 and g not in self.ignored}
         self.awaited.discard((kind, step))
 
         def take(g: int, msg: Message) -> None:
@@ -309,7 +313,9 @@ class Supervisor:
         while missing:
             r = self._recv(_POLL_MS)
             now = time.monotonic()
-            if r is not None and self.known(r[0]):  # anything else is not one of ours: ignored
+            if r is not None and self.known(r[0]) and not (r[0] is not None and r[0].role != AGENT  # type: ignore[union-attr]
+                                                           and r[0].index in self.ignored):
+                # (anything else is not one of ours, or one of a dropped replica's: ignored)
                 peer, msg = r
                 assert peer is not None
                 payload = self.payload_of(peer, msg)
@@ -324,6 +330,7 @@ class Supervisor:
                         self._keep(peer.index, msg)
             if r is None or now - self._last_health > _POLL_MS / 1000:
                 self.check_health()
+            missing -= self.ignored  # a replica dropped meanwhile: not waited for
             if deadline is not None and now > deadline:
                 hint = on_timeout(missing) if on_timeout is not None else ""
                 raise self.fail(PipelineError(
@@ -344,6 +351,8 @@ class Supervisor:
         self.drain_pending()
         self.begin_wait()
         self.check_health()
+        if self.ignored:  # a dropped replica's processes are gone: nothing for them
+            messages = [(g, m) for g, m in messages if g not in self.ignored]
         try:
             self.server.send_many(messages)
         except PeerUnreachable as exc:
@@ -369,3 +378,27 @@ def unreachable(sup: Supervisor, exc: PeerUnreachable) -> PipelineError:
         raise sup.fail(sup.deferred[1])
     sup.check_health()  # names the stage and how it ended if it exited
     return sup.fail(sup.error("its control socket is gone", exc.process))
+
+
+def origin_shard(self: Supervisor, g: int, reply: ErrorReply, err: PipelineError) -> PipelineError:
+    """(Of ``self``, a supervisor.) Tensor parallelism: the shards of a stage compute together, so one shard's failure
+    makes the others fail too (their collective's peer is gone). Of the errors and deaths of
+    process g's stage within half a second, the first is the one named: a shard killed by a
+    signal (it reports nothing), else the ERROR raised first (``at``: the shards share a host,
+    hence a monotonic clock)."""
+    num = self.numbering
+    if num.shards == 1 or g >= num.total:
+        return err
+    group = set(num.group(num.lead(g)))
+    first = {g: (_raised_at(reply), err)}
+    end = time.monotonic() + 0.5  # a killed process's sockets close a moment before it is reaped
+    while time.monotonic() < end and len(first) < len(group):
+        for other in sorted(group - set(first)):
+            p = self.procs.get(other)
+            if p is not None and p.exitcode is not None and p.exitcode < 0:
+                return self.error(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}; then "
+                                  f"{num.where(g)} failed: {err.message}", other)
+        got = self._read(20)
+        if got is not None and got[0].role == STAGE and got[0].index in group:
+            first.setdefault(got[0].index, (_raised_at(got[1]), self.error_of(*got)))
+    return min(first.values(), key=lambda pair: pair[0])[1]

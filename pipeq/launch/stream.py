@@ -27,13 +27,18 @@ class StepDone:
     # lr_scheduler_interval "epoch": the last step of an epoch that another follows (that epoch's
     # number); the schedulers step after it, before the next epoch's first batch
     next_epoch: int | None = None
+    # fault_tolerance = "replicas": how many replicas completed it, when a replica failed in it
+    replicas: int | None = None
 
     def line(self) -> dict[str, Any]:
-        """Its line of metrics.jsonl: step, epoch, loss, samples_per_s, and lr (when known)."""
+        """Its line of metrics.jsonl: step, epoch, loss, samples_per_s, lr (when known), and
+        ``replicas`` for a step that fewer replicas than the run's completed."""
         line: dict[str, Any] = {"step": self.step, "epoch": self.epoch, "loss": self.loss,
                                 "samples_per_s": self.size / self.seconds if self.seconds > 0 else None}
         if self.lr is not None:
             line["lr"] = self.lr
+        if self.replicas is not None:
+            line["replicas"] = self.replicas
         return line
 
 
@@ -71,7 +76,8 @@ def train_steps(runner: Any, source: Batches, step: int, total: int | None, ever
             # The stages work on several batches at once, so a batch has no time of its own:
             # its time is the wall time since the previous loss (a segment's first also covers
             # filling the pipeline), hence samples_per_s = its samples / that time.
-            done = StepDone(step, epoch, index, size, loss, now - t, runner.last_step_lr)
+            done = StepDone(step, epoch, index, size, loss, now - t, runner.last_step_lr,
+                            replicas=getattr(runner, "last_step_replicas", None))
             t = now
             if last is not None:
                 yield last

@@ -19,13 +19,23 @@ the very same bits (for the small R pipeq runs this moves as many bytes as a rin
     replica 1, stage k | ... B6 B7 [send buckets] ..... [wait, add 0+1] ST
                                     \\________ both ways ________/
 
+With ``fault_tolerance="replicas"`` a replica may be lost mid-step (the driver's LOST says so,
+:mod:`pipeq.control.replica_loss`): a stage then sums, in replica order, the buckets of the replicas
+whose same stage delivered *all* of its buckets for the round (never part of one), and scales the
+sum by ``survivor_scale``: the whole batch's loss weight over the weight of the replicas summed,
+``fsum(shares) / fsum(shares[r] for r summed)`` (each replica's share, the sum of its microbatches'
+weights, rides in TRAIN). Since every microbatch's loss is weighted by its share of the whole
+batch, the scaled sum is the gradient of the mean loss over the samples of the replicas summed.
+
 A CUDA stage copies each bucket to pinned host memory before sending it and adds on the host, so
 replicas on different devices add alike; the sum goes back to the device once.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import collections
+import math
+from typing import Callable, Sequence
 
 import torch
 
@@ -34,7 +44,8 @@ from pipeq.wire.replica_link import ReplicaLink
 from pipeq.wire.sockets import BindTo
 from pipeq.wire.stage_link import StageTransport
 
-__all__ = ["BUCKET_BYTES", "WEIGHTS_STEP", "FlatLayout", "to_host", "to_device", "sum_in_order", "GradSync",
+__all__ = ["BUCKET_BYTES", "WEIGHTS_STEP", "FlatLayout", "to_host", "to_device", "sum_in_order", "survivor_scale",
+           "GradSync",
            "broadcast_from_replica_0", "Replicas"]
 
 BUCKET_BYTES = 25 << 20
@@ -145,6 +156,25 @@ def sum_in_order(buckets: Sequence[torch.Tensor], mine: int) -> torch.Tensor:
     return acc
 
 
+def survivor_scale(shares: Sequence[float] | None, summed: Sequence[int], replicas: int) -> float:
+    """What a gradient summed over the replicas ``summed`` only is multiplied by, so that it is
+    the gradient of the mean loss over their samples: the whole batch's loss weight over theirs,
+    ``fsum(shares) / fsum(shares[r] for r in summed)`` (each sum rounded once; 1.0 when every
+    replica is summed). Without ``shares``, equal shares: ``replicas / len(summed)``."""
+    if len(summed) == replicas:
+        return 1.0
+    if not summed:
+        raise ValueError("no replica to sum")
+    if shares is None:
+        return replicas / len(summed)
+    if len(shares) != replicas:
+        raise ValueError(f"{len(shares)} shares for {replicas} replicas")
+    part = math.fsum(shares[r] for r in summed)
+    if not part > 0:
+        raise ValueError(f"the replicas {list(summed)} summed hold no loss weight ({part})")
+    return math.fsum(shares) / part
+
+
 class GradSync:
     """Sums the parameters' gradients over the replicas, in buckets, without blocking.
 
@@ -160,11 +190,19 @@ class GradSync:
         self.round = 0
         self.started = False
         self.pending: list[torch.Tensor] = []  # this replica's buckets of the round (host), as sent
+        # fault_tolerance="replicas": each coming round's replica shares (TRAIN's), in order
+        self.shares: collections.deque[list[float]] = collections.deque()
+        self.round_shares: list[float] | None = None
+        self.summed: list[int] = list(range(link.replicas))  # the replicas the last round summed
+        # told True as the round starts waiting for the other replicas, False when it computes
+        # again: waiting for a peer is not being stuck in one's own computation (step_timeout)
+        self.note_wait: Callable[[bool], None] | None = None
 
     def start(self) -> None:
         """After the step's last backward: send every bucket to every other replica."""
         self.round += 1
         self.started = True
+        self.round_shares = self.shares.popleft() if self.shares else None
         grads = []
         for p in self.params:  # a parameter this replica did not use still takes part (zeros)
             if p.grad is None:
@@ -180,14 +218,41 @@ class GradSync:
         if not self.started:
             self.start()  # no backward ran (nothing to learn in this step): still take part
         link, layout = self.link, self.layout
+        if self.note_wait is not None:
+            self.note_wait(True)
+        try:
+            received = self._receive()
+        finally:
+            if self.note_wait is not None:
+                self.note_wait(False)
+        summed = self.summed = sorted([link.replica, *received])
+        scale = survivor_scale(self.round_shares, summed, link.replicas)
         with torch.no_grad():
             grads = [self.local(p.grad) for p in self.params]
             for b, mine in enumerate(self.pending):
-                got = [mine if r == link.replica else layout.check(b, link.wait(r, self.round, b), r, "gradient")
-                       for r in range(link.replicas)]
-                layout.scatter(b, to_device(sum_in_order(got, link.replica), layout.devices[b]), grads)
+                got = [mine if r == link.replica else received[r][b] for r in summed]
+                acc = sum_in_order(got, summed.index(link.replica)) if len(got) > 1 else mine.clone()
+                if scale != 1.0:
+                    acc.mul_(scale)
+                layout.scatter(b, to_device(acc, layout.devices[b]), grads)
         self.pending.clear()
         self.started = False
+
+    def _receive(self) -> dict[int, list[torch.Tensor]]:
+        """The round's buckets of every other replica that delivered them all: a replica lost
+        (LOST) before its last bucket came is left out of the whole round."""
+        link, layout = self.link, self.layout
+        received: dict[int, list[torch.Tensor]] = {}
+        for r in link.others():
+            mine: list[torch.Tensor] = []
+            for b in range(len(self.pending)):
+                got = None if r in link.gone else link.wait_replica(r, self.round, b)
+                if got is None:
+                    break
+                mine.append(layout.check(b, got, r, "gradient"))
+            if len(mine) == len(self.pending):
+                received[r] = mine
+        return received
 
 
 def broadcast_from_replica_0(link: ReplicaLink, tensors: Sequence[torch.Tensor],
@@ -231,10 +296,16 @@ class Replicas:
     def address(self) -> str:
         return self.link.address
 
-    def join(self, addresses: Sequence[str]) -> None:
-        """Connect to the other replicas and start from replica 0's parameters and buffers."""
+    def join(self, addresses: Sequence[str], rejoin_round: int | None = None) -> None:
+        """Connect to the other replicas and start from replica 0's parameters and buffers; a
+        rebuilt replica (``rejoin_round``: the rounds the others have made) gets no weights from
+        replica 0 (the driver restores a healthy replica's state into it) and goes on counting
+        rounds from there."""
         self.link.connect(addresses)
-        broadcast_from_replica_0(self.link, self.weights, self.bucket_bytes)
+        if rejoin_round is None:
+            broadcast_from_replica_0(self.link, self.weights, self.bucket_bytes)
+        else:
+            self.sync.round = rejoin_round
 
     def close(self, linger_ms: int = 0) -> None:
         self.link.close(linger_ms)

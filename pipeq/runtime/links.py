@@ -57,8 +57,25 @@ class PeerLinks:
             self.ties.join(peers.tie_links or [])
         if self.replicas is None:
             return False
-        self.replicas.join(self._replica_addresses(peers))  # before any step: replicas never start apart
+        # before any step: replicas never start apart (a rebuilt one: restored by the driver next)
+        self.replicas.join(self._replica_addresses(peers), peers.rejoin_round)
         return True
+
+    def note_train(self, shares: list[float] | None) -> None:
+        """A TRAIN's replica shares (fault_tolerance="replicas"), for its gradient round."""
+        if shares is not None and self.replicas is not None:
+            self.replicas.sync.shares.append(shares)
+
+    def replica_lost(self, replica: int) -> None:
+        """LOST (read between steps): sum without ``replica`` until it is back."""
+        if self.replicas is not None:
+            self.replicas.link.forget(replica)
+
+    def replica_back(self, replica: int, address: str, after_round: int) -> None:
+        """REJOIN: ``replica`` is rebuilt, at ``address``; its messages up to ``after_round`` are stale."""
+        if self.replicas is None:
+            raise RuntimeError(f"stage {self.stage}: REJOIN, but this stage has no replicas")
+        self.replicas.link.rejoin(replica, address, after_round)
 
     def _replica_addresses(self, peers: Peers) -> list[str]:
         """The same stage's (and shard's) other replicas, from PEERS: with tensor parallelism,

@@ -19,6 +19,9 @@ The loop waits for a command on the control channel and carries it out:
     GET_STATS  reply STATS: peak memory (``reset``: start a new peak), skipped steps
     STEP_SCHEDULER  step the lr schedulers once (with the metric it carries), reply ACK
     GET_LR     reply LR (the learning rate of every parameter group)
+    LOST       a replica is lost (fault_tolerance="replicas"): gradients are summed without it (no
+               reply; a stage waiting for that replica's gradients takes it from the queue at once)
+    REJOIN     the lost replica is rebuilt: reconnect to it, reply ACK
     STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
     EXIT       leave the loop
 
@@ -61,7 +64,8 @@ from pipeq.runtime.links import PeerLinks
 from pipeq.stage.numerics import Numerics
 from pipeq.wire import control
 from pipeq.wire.control import (Ack, Clock, Drain, ErrorReply, Exit, GetLr, GetSnapshot, GetState, GetStats,
-                                GetTrace, HeartbeatInfo, Loss, Lrs, Output, Payload, Peers, Predict, Ready, Restore,
+                                GetTrace, HeartbeatInfo, Loss, Lost, Lrs, Output, Payload, Peers, Predict, Ready,
+                                Rejoin, Restore,
                                 SetState, Snapshot, State, Stats, StepScheduler, Stop, Time, Train, TraceRows)
 from pipeq.wire.messages import Message
 from pipeq.schedules import Op
@@ -160,6 +164,17 @@ class EventLoop:
         # actions (waiting for a message or a command); read by the heartbeat thread
         self.current: tuple[int, int, float] | None = None
         self._keys: Any = None  # the running batch's microbatch -> (step, microbatch), see run
+        if links is not None and links.replicas is not None:  # waiting for the replicas is no compute
+            links.replicas.sync.note_wait = self._waiting
+        self._paused: tuple[int, int, float] | None = None
+
+    def _waiting(self, waits: bool) -> None:
+        """The optimizer step waits for the other replicas' gradients (True), or goes on (False)."""
+        if waits:
+            self._paused, self.current = self.current, None
+        elif self._paused is not None:
+            code, j, _ = self._paused
+            self._paused, self.current = None, (code, j, time.monotonic())
 
     def _note(self, code: int, j: int) -> None:
         """The interpreter starts compute action ``code`` on microbatch ``j``."""
@@ -230,6 +245,11 @@ class EventLoop:
             self.transport.connect(cmd.next_forward, cmd.prev_backward)
             if self.links is None or not self.links.join(cmd):
                 return None  # (with replicas, the driver waits for their ACK)
+        elif isinstance(cmd, Lost) and self.links is not None:
+            self.links.replica_lost(cmd.replica)
+            return None
+        elif isinstance(cmd, Rejoin) and self.links is not None:
+            self.links.replica_back(cmd.replica, cmd.address, cmd.round)
         elif not isinstance(cmd, Stop):
             raise RuntimeError(f"stage {self.cfg.stage}: unexpected command {msg.kind.name}")
         return control.message(Ack(), step)
@@ -239,6 +259,8 @@ class EventLoop:
         ex = self.executor
         training = isinstance(cmd, Train)
         step = self.step = msg.step
+        if training and self.links is not None:
+            self.links.note_train(cmd.shares)  # type: ignore[union-attr]
         if training and self.cfg.fault is not None:
             inject(self.cfg.fault, self.cfg.stage, step, self.cfg.replica, self._note)
         x, target, inputs = batch_parts(cmd, msg.tensors, self.cfg.stage, ex.is_first, ex.needs_target and training)

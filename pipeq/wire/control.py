@@ -22,6 +22,8 @@ hostile, meets a clear refusal, never a KeyError deep in the driver. Nothing is 
     STEP_SCHEDULER  StepScheduler           ERROR      ErrorReply (a stage's, or a node agent's)
     GET_LR          GetLr                   HEARTBEAT  HeartbeatInfo
     GET_STATS       GetStats
+    LOST            Lost
+    REJOIN          Rejoin                  (reply ACK)
     STOP            Stop
     EXIT            Exit (to stages and node agents)
 
@@ -45,7 +47,7 @@ __all__ = [
     "ControlError", "Payload", "DATA_KINDS", "encode", "decode", "read", "message", "data_tree",
     "state_message", "state_of",
     "Peers", "Train", "Predict", "GetState", "SetState", "GetSnapshot", "Restore", "Clock", "GetTrace", "Drain",
-    "StepScheduler", "GetLr", "GetStats", "Stop", "Exit",
+    "StepScheduler", "GetLr", "GetStats", "Stop", "Exit", "Lost", "Rejoin",
     "Ready", "AgentReady", "Loss", "Output", "State", "Ack", "Snapshot", "Time", "TraceRows", "Lrs", "Stats",
     "ErrorReply", "HeartbeatInfo",
 ]
@@ -172,6 +174,26 @@ class Peers(Payload):
     replica_shards: list[list[str]] | None = wire(list_of(list_of(TEXT)), default=None)
     replicas: list[str] | None = wire(list_of(TEXT), default=None)
     tie_links: list[str | None] | None = wire(list_of(nullable(TEXT)), default=None)
+    # a rebuilt replica (fault_tolerance="replicas"): no start-up weights from replica 0 (the
+    # driver restores a healthy replica's state); its gradient rounds go on from this number
+    rejoin_round: int | None = wire(COUNT, default=None)
+
+
+@_control(Kind.LOST)
+class Lost(Payload):
+    """Replica ``replica`` is lost: every gradient sum not yet made goes on without it (no reply)."""
+
+    replica: int = wire(COUNT)
+
+
+@_control(Kind.REJOIN)
+class Rejoin(Payload):
+    """Replica ``replica`` is back, rebuilt, at ``address`` (its new replica link): connect to it;
+    messages of gradient rounds up to ``round`` from it are stale. Reply ACK."""
+
+    replica: int = wire(COUNT)
+    address: str = wire(TEXT)
+    round: int = wire(COUNT)
 
 
 @dataclass(kw_only=True)
@@ -206,6 +228,9 @@ class Train(_Batch):
     aux_weights: list[float] | None = wire(list_of(FLOAT), default=None)
     stream: bool = wire(FLAG, default=False)
     target: Any = wire(DATA, default=None)
+    # fault_tolerance="replicas": each replica's share of the batch's loss weights (the sum of its
+    # microbatches' weights), so that survivors can rescale a sum made without a lost replica
+    shares: list[float] | None = wire(list_of(FLOAT), default=None)
 
     def refuse(self, n_tensors: int) -> tuple[str, str] | None:
         for name, w in (("weights", self.weights), ("aux_weights", self.aux_weights)):

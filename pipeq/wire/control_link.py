@@ -60,6 +60,9 @@ class ControlServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         tune_socket(self.sock)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # a stage process started again under the same number (a rebuilt replica) takes over its
+        # identity at once, even before this socket has noticed that the old one is gone
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if tcp:
             secure_server(self.sock, auth)
         self.address = bind.bind(self.sock, "control")

@@ -72,10 +72,13 @@ class GroupLink:
         others = self.others() if seals_data(auth, tcp) else []
         self._mac_in = {m: FrameMac(auth, label(m, me)) for m in others}  # type: ignore[arg-type]
         self._mac_out = {m: FrameMac(auth, label(me, m)) for m in others}  # type: ignore[arg-type]
+        self._label = label
         self._origin = struct.pack(">I", me)
         self._out: dict[int, zmq.Socket] = {}
         self._inbox: dict[tuple[int, int, int], Sequence[torch.Tensor]] = {}
         self._bad_origin = 0
+        self.gone: set[int] = set()  # members whose messages are dropped (lost, until they are back)
+        self._stale: dict[int, int] = {}  # member -> its messages of steps up to this one are dropped
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(transport.ctrl, zmq.POLLIN)
@@ -156,6 +159,8 @@ class GroupLink:
         msg = codec.decode(body)
         if msg.kind is not self.kind:
             raise ProtocolError(f"{self.who}: {msg.kind.name} on the {self.kind.name} channel")
+        if sender in self.gone or msg.step <= self._stale.get(sender, -1):
+            return  # from a member lost meanwhile (or from before it was rebuilt): stale
         key = (sender, msg.step, msg.microbatch)
         if key in self._inbox:
             raise ProtocolError(f"{self.who}: duplicate message ({msg.step}, {msg.microbatch}) from "
@@ -165,14 +170,18 @@ class GroupLink:
                                 "waiting; one is running ahead")
         self._inbox[key] = msg.tensors
 
-    def wait(self, sender: int, step: int, index: int) -> Sequence[torch.Tensor]:
+    def wait(self, sender: int, step: int, index: int,
+             give_up: Callable[[], bool] | None = None) -> Sequence[torch.Tensor]:
         """Block until member ``sender``'s message ``(step, index)`` is here and return its
         tensors (views over the received frames: this member's to keep, and to write to).
-        An EXIT from the driver interrupts the wait (:class:`~pipeq.wire.errors.Stopped`)."""
+        An EXIT from the driver interrupts the wait (:class:`~pipeq.wire.errors.Stopped`);
+        ``give_up()`` turning true ends it with an empty list (see :meth:`forget`)."""
         key = (sender, step, index)
         got = self._inbox.pop(key, None)
         slice_ms = 5 if self.transport.has_lanes else SLICE_MS  # lanes are not in this poller: look often
         while got is None:
+            if give_up is not None and give_up():
+                return []
             events = dict(self.poller.poll(slice_ms))
             if self.sock in events:
                 self._drain()
@@ -181,6 +190,31 @@ class GroupLink:
             if got is None:
                 self.transport.check_exit()
         return got
+
+    # -- a member lost and rebuilt ---------------------------------------------------------------
+    def forget(self, member: int) -> None:
+        """``member`` is lost: drop what it sent and will still be found to have sent."""
+        self.gone.add(member)
+        for key in [k for k in self._inbox if k[0] == member]:
+            del self._inbox[key]
+
+    def rejoin(self, member: int, address: str, after_step: int) -> None:
+        """``member`` is back, rebuilt, at ``address``: a new socket to it (what the old one still
+        held for the lost process is discarded), and its messages of steps up to ``after_step``
+        are stale (its lost process's, still in flight)."""
+        if member not in self.members or member == self.me:
+            raise ValueError(f"{self.who}: {member} is not another {self.peer} of the group")
+        old = self._out.pop(member, None)
+        if old is not None:
+            old.close(linger=0)
+        self.forget(member)
+        self._stale[member] = after_step
+        self.gone.discard(member)
+        self._out[member] = data_outlet(self.transport.ctx, self.transport.auth, address)
+        if member in self._mac_out:  # the rebuilt process counts its sequence numbers from 1 again
+            auth = self.transport.auth
+            self._mac_out[member] = FrameMac(auth, self._label(self.me, member))  # type: ignore[arg-type]
+            self._mac_in[member] = FrameMac(auth, self._label(member, self.me))  # type: ignore[arg-type]
 
     def close(self, linger_ms: int = 0) -> None:
         for s in (self.sock, *self._out.values()):

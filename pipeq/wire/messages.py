@@ -10,7 +10,7 @@ Kinds by channel::
              REPLICA (stage k of replica r -> stage k of replica r': gradient buckets, start-up weights)
              TIE (stage a -> stage b of one replica: the gradients of the weights both hold a copy of)
     command  PEERS TRAIN DRAIN PREDICT GET_STATE SET_STATE GET_SNAPSHOT RESTORE CLOCK GET_TRACE
-             STEP_SCHEDULER GET_LR GET_STATS STOP EXIT
+             STEP_SCHEDULER GET_LR GET_STATS STOP EXIT LOST REJOIN
     reply    READY LOSS OUTPUT STATE SNAPSHOT TIME TRACE LR STATS ACK ERROR HEARTBEAT
 
 ``TRAIN`` is the command "train on one batch" (a schedule's optimizer step is the action
@@ -60,6 +60,9 @@ class Kind(enum.IntEnum):
     STATS = 41
     # data plane, tied weights
     TIE = 42  # stage a -> stage b of the same replica: gradient buckets of their tied weights
+    # driver -> worker, fault_tolerance="replicas" (pipeq.control.replica_loss)
+    LOST = 43  # a replica is lost: sum the gradients without it until it is back
+    REJOIN = 44  # a lost replica is back (rebuilt): reconnect to it, reply ACK
     # worker (or agent) -> driver
     READY = 20
     LOSS = 21

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from pipeq.wire import control
 from pipeq.wire.group_link import GroupLink
 from pipeq.wire.messages import Kind
 from pipeq.wire.sockets import BindTo
@@ -25,7 +26,9 @@ class ReplicaLink(GroupLink):
 
     Replica r of stage k binds one more inbound socket and pushes to each sibling on a socket of
     its own. What travels is whole tensors for one ``(step, index)``: the gradient buckets of a
-    step, replica 0's weights at start. In "authenticate" mode a message's MAC is that of the link
+    step, replica 0's weights at start. With ``fault_tolerance="replicas"`` the driver's LOST names a
+replica that is gone: :meth:`wait_replica` gives up on it at once, even in the middle of a wait
+(the notice is taken from the stage's queued commands), and REJOIN brings it back. In "authenticate" mode a message's MAC is that of the link
     ``origin -> this replica`` (its label names the stage, the shard and both ends)."""
 
     def __init__(self, transport: StageTransport, bind: BindTo, *, stage: int, replica: int, replicas: int,
@@ -46,3 +49,27 @@ class ReplicaLink(GroupLink):
             raise ValueError(f"stage {self.stage}, replica {self.replica}: expected the addresses of "
                              f"{self.replicas} replicas, got {addresses!r}")
         super().connect(addresses)
+
+    def take_notices(self) -> None:
+        """Act on every LOST the driver has sent that is queued for the event loop (and take it
+        out of the queue): that replica is forgotten until it rejoins."""
+        queue = getattr(self.transport, "control_queue", None)
+        if not queue or not any(m.kind is Kind.LOST for m in queue):
+            return
+        rest = []
+        for m in queue:
+            if m.kind is Kind.LOST:
+                self.forget(control.read(m, control.Lost).replica)
+            else:
+                rest.append(m)
+        queue.clear()
+        queue.extend(rest)
+
+    def wait_replica(self, sender: int, step: int, index: int) -> Sequence | None:
+        """Replica ``sender``'s message ``(step, index)``, or None once it is known to be lost."""
+        def lost() -> bool:
+            self.take_notices()
+            return sender in self.gone
+
+        got = self.wait(sender, step, index, give_up=lost)
+        return None if sender in self.gone and not got else got

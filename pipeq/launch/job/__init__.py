@@ -38,6 +38,8 @@ A job file (TOML, read with the standard library's tomllib)::
     keep_checkpoints = 3                         # the newest 3 (0: keep all)
     seed = 0
     data_parallel = 1                            # R replicas of the pipeline (R x N processes)
+    fault_tolerance = "replicas"                 # optional, data_parallel >= 2: a replica whose stage
+                                                 # fails is left out of that step and rebuilt; the run goes on
     tensor_parallel = 1                          # optional: T processes per stage (R x N x T), with
     tp_plan = [{ "0" = "colwise", "2" = "rowwise" }, {}]   # one table per stage (pipeq.parallel.tensor)
     stages_per_process = 1                       # optional: model stages per process (virtual stages:

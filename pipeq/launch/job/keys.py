@@ -110,6 +110,9 @@ KEYS: dict[str, Key] = {
     "snapshot_every": Key(int, 0, "every N steps, keep every stage's state in the driver's memory, which a "
                           "restart (max_restarts) loads instead of the newest checkpoint when it is newer; "
                           "0: none", "processes", minimum=0),
+    "fault_tolerance": Key(str, None, '"replicas" (data_parallel >= 2): a replica whose stage fails is left out of '
+                           "that step (the mean over the other replicas' samples) and rebuilt from a healthy one "
+                           "for the next; the run goes on", "processes"),
     "checkpoint_every": Key(int, 0, "checkpoint every N steps (0: only the final state)", "output", minimum=0),
     "keep_checkpoints": Key(int, 0, "keep the newest K checkpoints (0: keep all)", "output", minimum=0),
     "eval_every": Key(int, 0, "evaluate every N steps (0: at the end only)", "evaluation", minimum=0),

@@ -50,6 +50,7 @@ class Job:
     stages_per_process: int | None = field_of("stages_per_process")
     max_restarts: int = field_of("max_restarts")
     snapshot_every: int = field_of("snapshot_every")
+    fault_tolerance: str | None = field_of("fault_tolerance")
     tcp_security: str = field_of("tcp_security")
     max_message_mb: int = field_of("max_message_mb")
     shm_slots: int = field_of("shm_slots")
@@ -132,7 +133,7 @@ class Job:
                            self.recompute),
             WireConfig(tcp_security=self.tcp_security, max_message_mb=self.max_message_mb, shm_slots=self.shm_slots),
             FaultConfig(heartbeat_timeout=self.heartbeat_timeout, step_timeout=self.step_timeout or None,  # 0: off
-                        start_timeout=self.start_timeout),
+                        start_timeout=self.start_timeout, fault_tolerance=self.fault_tolerance),
             PlacementConfig(threads_per_stage=self.threads_per_stage, start_method="forkserver",
                             placement=self.placement, data_parallel=self.data_parallel, tensor_parallel=tp,
                             tp_plan=self.tp_plan if tp > 1 else None,  # --tensor-parallel 1: no plan

@@ -20,7 +20,8 @@ from pipeq.errors import CodecError, PipelineError
 from pipeq.wire import codec, control
 from pipeq.wire.control import (
     DATA_KINDS, Ack, AgentReady, Clock, ControlError, Drain, ErrorReply, Exit, GetLr, GetSnapshot, GetState,
-    GetStats, GetTrace, HeartbeatInfo, Loss, Lrs, Output, Payload, Peers, Predict, Ready, Restore, SetState,
+    GetStats, GetTrace, HeartbeatInfo, Loss, Lost, Lrs, Output, Payload, Peers, Predict, Ready, Rejoin, Restore,
+    SetState,
     Snapshot, State, Stats, StepScheduler, Stop, Time, TraceRows, Train,
 )
 from pipeq.wire.messages import Kind, Message
@@ -36,7 +37,10 @@ EXAMPLES: list[tuple[Payload, int]] = [
     (Peers(next_forward="tcp://10.0.0.2:5001", prev_backward="tcp://10.0.0.1:5000",
            replicas=["tcp://10.0.0.1:6000", "tcp://10.0.0.3:6000"]), 0),
     (Peers(replica_shards=[["tcp://a:1", "tcp://b:1"], ["tcp://a:2", "tcp://b:2"]]), 0),
+    (Peers(next_forward="ipc:///tmp/x/s4-fwd", replicas=["ipc:///tmp/x/s1-r", "ipc:///tmp/x/s4-r"], rejoin_round=7), 0),
     (Train(sizes=[3, 3, 2], weights=[0.375, 0.375, 0.25]), 0),
+    (Train(sizes=[2, 2], weights=[0.25, 0.25], shares=[0.5, 0.5]), 0),
+    (Lost(replica=1), 0), (Rejoin(replica=1, address="ipc:///tmp/x/s4-replicas", round=12), 0),
     (Train(sizes=[2, 2], weights=[0.5, 0.5], aux_weights=[0.5, 0.5], stream=True,
            x=["t", [["T", 0], ["T", 1]]], nx=2, target=["T", 2]), 3),
     (Predict(sizes=[4]), 1),

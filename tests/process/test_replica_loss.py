@@ -1,0 +1,130 @@
+"""``fault_tolerance="replicas"``: a replica whose stage fails is dropped for the step and rebuilt.
+
+With ``data_parallel=2``, replica 1's stage 1 fails (PIPEQ_FAULT: killed, raising, or stuck) as
+step K starts. The run goes on: step K is the mean over replica 0's samples only (its update and
+its loss), replica 1 is rebuilt from replica 0's live state and every later step runs on both.
+So the weights after the run equal a single-process reference that trains on the whole batch at
+every step but K, and on replica 0's half of it at step K.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import pipeq
+from pipeq.checkpoint import global_state
+from pipeq.wire.messages import Kind
+
+from models import Chain, batches64, flat_state, stages64
+from strays import wait_no_strays
+
+pytestmark = pytest.mark.timeout(90)
+
+FAST = dict(start_method="forkserver", threads_per_stage=1)
+ADAM = functools.partial(torch.optim.Adam, lr=0.01)
+STEPS, FAILS_AT, BATCH = 5, 3, 10  # replica 0 trains on samples 0..4, replica 1 on 5..9
+
+
+def reference(stages, data, degraded_step, keep=slice(0, BATCH // 2)):
+    """Single-process training; at ``degraded_step`` only the samples ``keep`` (by default
+    replica 0's of two: the first half)."""
+    model = Chain(*copy.deepcopy(stages))
+    opt = ADAM(model.parameters())
+    losses = []
+    for step, (x, y) in enumerate(data, start=1):
+        if step == degraded_step:
+            x, y = x[keep], y[keep]
+        opt.zero_grad()
+        loss = nn.CrossEntropyLoss()(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return flat_state(model), losses
+
+
+def replica_state(runner, r):
+    """Replica r's parameters and buffers, keyed like ``state_dict()`` (which reads replica 0)."""
+    be = runner._backend
+    procs = [r * be.n_stages + k for k in range(be.n_stages)]
+    got = be._ask_each(Kind.GET_STATE, Kind.STATE, f"replica {r}'s state", procs)
+    per_stage = [(got[g].extra["names"], [t.clone() for t in got[g].tensors]) for g in procs]
+    return dict(global_state(per_stage, runner._layouts()))
+
+
+@pytest.mark.parametrize("kind,wire", [("kill", "ipc"), ("raise", "ipc"), ("hang", "ipc"), ("kill", "tcp")])
+def test_a_failed_replica_is_left_out_of_its_step_and_rebuilt(monkeypatch, capfd, kind, wire):
+    """(Over tcp with a MAC per message, the rebuilt replica's links are new sockets whose
+    sequence numbers start again.)"""
+    monkeypatch.setenv("PIPEQ_FAULT", f"stage:1,step:{FAILS_AT},kind:{kind},replica:1")
+    stages, data = stages64(3), batches64(STEPS, BATCH)
+    ref, ref_losses = reference(stages, data, FAILS_AT)
+    kw: dict = dict(step_timeout=1.0, heartbeat_interval=0.2) if kind == "hang" else {}
+    if wire == "tcp":
+        kw.update(transport="tcp", tcp_security="authenticate")
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "1f1b", 2, data_parallel=2,
+                                  fault_tolerance="replicas", **FAST, **kw)
+    with runner:
+        losses = [runner.step(x, y) for x, y in data]
+        state = runner.state_dict()
+        rebuilt = replica_state(runner, 1)
+        assert runner.degraded_steps == {FAILS_AT: 1}
+        failures = runner.replica_failures
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    assert len(failures) == 1 and (failures[0].stage, failures[0].replica) == (1, 1)
+    assert "the other replicas finish the step without replica 1" in capfd.readouterr().err
+    assert losses == pytest.approx(ref_losses, abs=1e-12)
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+        assert torch.equal(state[key], rebuilt[key]), key  # the replicas are alike again
+
+
+def test_three_replicas_lose_replica_0_and_rebuild_it_from_replica_1(monkeypatch):
+    """Replica 0's last stage raises at step 2: replicas 1 and 2 (3 + 3 of the 10 samples) finish
+    the step, their sum scaled by 10 / 6; replica 0 is rebuilt from replica 1 (state_dict reads it)."""
+    monkeypatch.setenv("PIPEQ_FAULT", "stage:1,step:2,kind:raise,replica:0")
+    stages, data = stages64(2), batches64(3, BATCH)
+    ref, ref_losses = reference(stages, data, 2, keep=slice(4, BATCH))  # replica 0 holds samples 0..3
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "fill-drain", 1, data_parallel=3,
+                                  fault_tolerance="replicas", **FAST)
+    with runner:
+        losses = [runner.step(x, y) for x, y in data]
+        assert runner.degraded_steps == {2: 2}
+        state = runner.state_dict()
+    assert losses == pytest.approx(ref_losses, abs=1e-12)
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+    assert not wait_no_strays(5.0)
+
+
+def test_without_fault_tolerance_the_same_failure_ends_the_run(monkeypatch):
+    monkeypatch.setenv("PIPEQ_FAULT", "stage:1,step:2,kind:kill,replica:1")
+    data = batches64(2, BATCH)
+    with pipeq.PipelineRunner(stages64(2), nn.CrossEntropyLoss(), ADAM, "1f1b", 2, data_parallel=2, **FAST) as r:
+        r.step(*data[0])
+        with pytest.raises(pipeq.PipelineError, match=r"replica 1, stage 1: stage process") as info:
+            r.step(*data[1])
+    assert (info.value.stage, info.value.replica) == (1, 1)
+    assert not wait_no_strays(5.0)
+
+
+def test_pipeq_launch_records_the_step_with_fewer_replicas(monkeypatch, tmp_path):
+    """``fault_tolerance = "replicas"`` in a job file: the launch goes on, and metrics.jsonl says
+    which steps had one replica. pipeq launch streams its batches: step 4 was sent with step 3
+    (4 in flight with 3 stages), so replica 1, lost as step 3 starts, misses both."""
+    from launch_util import DIGITS_JOB, launch_here, metrics
+
+    job = tmp_path / "job.toml"
+    job.write_text(open(DIGITS_JOB).read() + 'fault_tolerance = "replicas"\ndata_parallel = 2\n')
+    monkeypatch.setenv("PIPEQ_FAULT", "stage:1,step:3,kind:kill,replica:1")
+    out = str(tmp_path / "out")
+    r = launch_here("--steps", "4", "--out", out, job=str(job))
+    assert r.returncode == 0, r.stderr
+    steps = [m for m in metrics(out) if "step" in m and "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert [m.get("replicas") for m in steps] == [None, None, 1, 1]
+    assert not wait_no_strays(5.0)
