@@ -43,7 +43,8 @@ from pipeq.control.replica_loss import ReplicaLoss
 from pipeq.parallel.data import survivor_scale
 from pipeq.stage.executor import Tensors
 from pipeq.control.startup import StageProcesses
-from pipeq.control.supervisor import Supervisor, take_kept
+from pipeq.control import snapshots
+from pipeq.control.supervisor import Supervisor
 from pipeq.control.trace_collector import TraceRecorder
 from pipeq.wire.control_link import ControlServer
 
@@ -93,7 +94,7 @@ class ProcessBackend:
                              if config.fault.fault_tolerance == "replicas" else None)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
-        self._snapshots: dict[int, int] = {}  # request id -> the step of the snapshot asked for
+        self.snapshot_requests: dict[int, int] = {}  # request id -> the step of the snapshot asked for
 
     # -- lifecycle (pipeq.control.startup) ----------------------------------------------------------
     def start(self) -> None:
@@ -180,11 +181,6 @@ class ProcessBackend:
                 self._done[step] = self._result(step)
             self._usable()
 
-    @property
-    def replica_failures(self) -> list[PipelineError]:
-        """fault_tolerance="replicas": the failures absorbed so far (each dropped a replica)."""
-        return list(self.replica_loss.failures) if self.replica_loss is not None else []
-
     def _ask_each(self, kind: Kind, reply: Kind, what: str, processes: Sequence[int]) -> dict[int, Message]:
         """Send ``kind`` to each of ``processes`` and collect one ``reply`` from each."""
         sup = self._usable()
@@ -268,10 +264,6 @@ class ProcessBackend:
             total *= survivor_scale(shares, done, n_shards)
         return total
 
-    def train(self, step: int, shards: list[Shard], x: Any, target: Any, inputs: StageInputs | None = None) -> float:
-        self.submit(step, shards, x, target, inputs=inputs)
-        return self.result(step)
-
     def drain(self) -> None:
         """End a stream: every stage finishes its leftover work (asynchronous 1F1B's last backwards)."""
         self._ask_each(Kind.DRAIN, Kind.ACK, "drain", range(self.n_processes))
@@ -327,36 +319,12 @@ class ProcessBackend:
         return out
 
     def request_snapshots(self, step: int) -> None:
-        """Ask every stage (replica 0's) for its snapshot after the commands already sent; the
-        answers are kept as they come (:meth:`take_snapshots`), labelled ``step``."""
-        sup = self._usable()
-        req = self._next_request_id()
-        self._send_all(sup, [(k, Message(Kind.GET_SNAPSHOT, req)) for k in range(self.n_stages)])
-        sup.awaited.add((Kind.SNAPSHOT, req))
-        self._snapshots[req] = step
+        """Ask every stage for its snapshot after the commands sent (:func:`~pipeq.control.snapshots.request`)."""
+        snapshots.request(self, step)
 
     def take_snapshots(self) -> list[tuple[int, list[dict[str, Any]]]]:
-        """The snapshots asked for whose every stage has answered, as (step, per stage); never
-        waits, and works after a failure (what had arrived is kept)."""
-        sup = self.sup
-        if sup is None or not self._snapshots:
-            return []
-        if sup.failure is None:
-            try:
-                sup.drain_pending()
-            except PipelineError:  # the run fails: the ERROR is raised by whoever waits next
-                pass
-        done = []
-        for req, step in list(self._snapshots.items()):
-            got = take_kept(sup, Kind.SNAPSHOT, req, self.n_stages)
-            if got is None:
-                continue
-            del self._snapshots[req]
-            try:
-                done.append((step, [control.state_of(got[k]) for k in range(self.n_stages)]))
-            except (ValueError, KeyError):  # a malformed snapshot is no snapshot to restart from
-                continue
-        return done
+        """The snapshots complete so far (:func:`~pipeq.control.snapshots.take`); never waits."""
+        return snapshots.take(self)
 
     def restore(self, snapshots: list[dict[str, Any]]) -> None:
         sup = self._usable()

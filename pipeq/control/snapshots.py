@@ -20,8 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeq.control.exclusive import exclusive
+from pipeq.control.supervisor import take_kept
+from pipeq.errors import PipelineError
+from pipeq.wire import control
+from pipeq.wire.messages import Kind, Message
 
-__all__ = ["MemorySnapshot", "RunnerSnapshots"]
+__all__ = ["MemorySnapshot", "RunnerSnapshots", "request", "take"]
 
 
 @dataclass(frozen=True)
@@ -111,3 +115,37 @@ class RunnerSnapshots:
         if self._snap_after_drain:
             self._snap_after_drain = False
             self._backend.request_snapshots(self._snap_first + self._step)
+
+
+def request(backend: Any, step: int) -> None:
+    """Ask every stage of a process backend (replica 0's) for its snapshot, behind the commands
+    already sent; the answers are kept as they come (:func:`take`), labelled ``step``."""
+    sup = backend._usable()
+    req = backend._next_request_id()
+    backend._send_all(sup, [(k, Message(Kind.GET_SNAPSHOT, req)) for k in range(backend.n_stages)])
+    sup.awaited.add((Kind.SNAPSHOT, req))
+    backend.snapshot_requests[req] = step
+
+
+def take(backend: Any) -> list[tuple[int, list[dict[str, Any]]]]:
+    """The snapshots :func:`request` asked of ``backend`` whose every stage has answered, as
+    (step, per stage); never waits, and works after a failure (what had arrived is kept)."""
+    sup, asked, n = backend.sup, backend.snapshot_requests, backend.n_stages
+    if sup is None or not asked:
+        return []
+    if sup.failure is None:
+        try:
+            sup.drain_pending()
+        except PipelineError:  # the run fails: the ERROR is raised by whoever waits next
+            pass
+    done = []
+    for req, step in list(asked.items()):
+        got = take_kept(sup, Kind.SNAPSHOT, req, n)
+        if got is None:
+            continue
+        del asked[req]
+        try:
+            done.append((step, [control.state_of(got[k]) for k in range(n)]))
+        except (ValueError, KeyError):  # a malformed snapshot is no snapshot to restart from
+            continue
+    return done

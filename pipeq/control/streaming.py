@@ -129,7 +129,8 @@ class RunnerStream:
     def replica_failures(self) -> list[PipelineError]:
         """``fault_tolerance="replicas"``: the failures the run carried on after, in order (each
         names the stage and replica; the replica was rebuilt)."""
-        return list(getattr(self._backend, "replica_failures", []))
+        loss = getattr(self._backend, "replica_loss", None)  # (process mode's)
+        return list(loss.failures) if loss is not None else []
 
     def _settle(self) -> None:
         """Wait until every step sent so far is done (their losses are kept for their stream),
