@@ -112,25 +112,11 @@ class ProcessBackend:
         return self.processes.start_hint(missing)
 
     # the processes' state, under the names the runner and the tests know
-    @property
-    def sup(self) -> Supervisor | None:
-        return self.processes.sup
-
-    @property
-    def server(self) -> ControlServer | None:
-        return self.processes.server
-
-    @property
-    def procs(self) -> dict[int, StageHandle]:
-        return self.processes.procs
-
-    @property
-    def ipc_dir(self) -> str | None:
-        return self.processes.ipc_dir
-
-    @property
-    def placement(self) -> list[list[int]]:
-        return self.processes.placement
+    sup: "Supervisor | None" = property(lambda self: self.processes.sup)  # type: ignore[assignment]
+    server: "ControlServer | None" = property(lambda self: self.processes.server)  # type: ignore[assignment]
+    procs: "dict[int, StageHandle]" = property(lambda self: self.processes.procs)  # type: ignore[assignment]
+    ipc_dir: "str | None" = property(lambda self: self.processes.ipc_dir)  # type: ignore[assignment]
+    placement: "list[list[int]]" = property(lambda self: self.processes.placement)  # type: ignore[assignment]
 
     @property
     def store(self) -> Any:
@@ -263,6 +249,10 @@ class ProcessBackend:
             self.degraded[step] = len(done)
             total *= survivor_scale(shares, done, n_shards)
         return total
+
+    def train(self, step: int, shards: list[Shard], x: Any, target: Any, inputs: StageInputs | None = None) -> float:
+        self.submit(step, shards, x, target, inputs=inputs)
+        return self.result(step)
 
     def drain(self) -> None:
         """End a stream: every stage finishes its leftover work (asynchronous 1F1B's last backwards)."""
