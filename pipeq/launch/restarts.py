@@ -55,6 +55,11 @@ class Restarts:
         self.log(f"restart {self.count} of {self.limit}: starting the stages again from the newest checkpoint")
         return True
 
+    def note(self, **fields: object) -> None:
+        """Add ``fields`` to the pending restart's record (e.g. the nodes it runs on after a node was lost)."""
+        if self._pending is not None:
+            self._pending.update(fields)
+
     def resumed(self, step: int) -> None:
         """The restarted run resumed from ``step``: write the restart's record to metrics.jsonl."""
         if self._pending is None:

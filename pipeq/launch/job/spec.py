@@ -49,6 +49,8 @@ class Job:
     tp_plan: list[dict[str, str]] | None = field_of("tp_plan")
     stages_per_process: int | None = field_of("stages_per_process")
     max_restarts: int = field_of("max_restarts")
+    rejoin_timeout: float = field_of("rejoin_timeout")
+    min_nodes: int | None = field_of("min_nodes")
     tcp_security: str = field_of("tcp_security")
     max_message_mb: int = field_of("max_message_mb")
     shm_slots: int = field_of("shm_slots")
