@@ -141,3 +141,25 @@ def test_a_lost_node_with_min_nodes_1_has_its_stages_re_placed_on_node_0(hosts, 
     assert record["nodes"] == 1 and record["lost_nodes"] == [1] and record["replaced"], record
     assert [m["step"] for m in metrics(out) if "loss" in m] == list(range(1, REFERENCE_STEPS + 1))
     assert_same_state(model_state(out), model_state(request.getfixturevalue("single_host_digits")))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.xdist_group("single_host_digits")
+def test_a_live_agent_takes_part_in_the_restart_after_a_stage_of_node_0_dies(hosts, request, tmp_path):
+    """Node 0's stage 0 kills itself at step 4: node 1's agent, told the start failed, waits for
+    the next one and starts its stages again (no node is lost, so nobody is waited for)."""
+    h = hosts
+    out = str(tmp_path / "run")
+    node1 = Node(h, 1, out + "-node1")
+    node0 = Node(h, 0, out, PIPEQ_FAULT="stage:0,step:4,kind:kill")
+    try:
+        assert node0.finish(60) == 0, node0.err
+        assert node1.finish(20) == 0, node1.err
+    finally:
+        node0.kill()
+        node1.kill()
+    assert "stage 0 failed" in node0.err and "lost" not in node0.err, node0.err
+    assert "waiting up to" in node1.err and node1.err.count("started stage(s) [1, 2]") == 2, node1.err
+    record = _restart_record(out)
+    assert record["nodes"] == 2 and record["lost_nodes"] == [] and record["stage"] == 0, record
+    assert_same_state(model_state(out), model_state(request.getfixturevalue("single_host_digits")))
