@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import CodecError
 from pipeq.launch import elastic
+from pipeq.runtime.faults import ENV as FAULT_ENV
 from pipeq.stage.spec import StageBuilder
 from pipeq.wire import control as protocol  # (``control`` names the driver's address here)
 from pipeq.wire.control import AgentReady, ErrorReply, Exit
@@ -163,7 +164,11 @@ def run_agent(
     store.set(me, rz.sign(me, {"node": rz.node_rank, "host": os.uname().nodename, "pid": os.getpid()}))
     last = -1  # the generation this agent last ran
     while True:
-        generation = _next_generation(store, rz, last, deadline, start_timeout, log)
+        try:
+            generation = _next_generation(store, rz, last, deadline, start_timeout, log)
+        except _NotNeeded as exc:  # not a failure: nothing (torchrun, a batch system) should start it again
+            log(str(exc))
+            return 0
         try:
             code = _run_generation(rz.at(generation), store, builder, n_stages, config, settings,
                                    driver_grace, deadline, log)
@@ -176,6 +181,7 @@ def run_agent(
         if point is None:
             return 1 if code == _ABORTED else code
         last = generation
+        os.environ.pop(FAULT_ENV, None)  # an injected fault fires in the first start only (as on node 0)
         wait = float(point.get("rejoin_timeout") or 0) + start_timeout
         deadline = time.monotonic() + wait
         log(f"node {rz.node_rank}: the run failed; waiting up to {wait:.0f} s for node 0 to start it again")
@@ -183,6 +189,10 @@ def run_agent(
 
 class _Moved(Exception):
     """Node 0 started a newer generation while this agent was joining another."""
+
+
+class _NotNeeded(Exception):
+    """The run went on without this node (its stages re-placed on the others)."""
 
 
 _ABORTED = -1  # _watch's code for an EXIT after a failure (a restart may follow)
@@ -201,6 +211,10 @@ def _next_generation(store: Any, rz: Rendezvous, last: int, deadline: float, tim
                              f"({lost}): node 0 ended the run, or its host became unreachable") from None
         if point is None and last < 0:
             return 0
+        nodes = point.get("nodes") if point is not None else None
+        if isinstance(nodes, list) and rz.node_rank not in nodes:
+            raise _NotNeeded(f"node {rz.node_rank}: the run goes on without this node (its stages were re-placed "
+                             f"on node(s) {nodes} after it was lost); nothing to do here")
         if point is not None and point["generation"] > last:
             return point["generation"]
         if time.monotonic() > deadline:

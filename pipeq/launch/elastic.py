@@ -6,12 +6,14 @@ With ``--max-restarts`` on a multi-host run, node 0 hosts the rendezvous store f
 entries for it are signed under ``g<n>/``, and the signed entry "generation" points at it::
 
     a start fails (any stage: a raise, a death, a lost node); its stages are all stopped
-    node 0:   "generation" = {generation: n + 1, rejoin_timeout: s}
+    node 0:   "generation" = {generation: n + 1, rejoin_timeout: s, nodes: the nodes taking part}
     agents:   each live agent (told EXIT abort) and any agent started anew with --node-rank r
               sees it and says "g<n+1>/agent/r" = {node: r, generation: n + 1}
     node 0:   waits up to rejoin_timeout for every node of the run to say so, then (decide):
                 every node there       -> the same placement again   ("node 1 rejoined")
-                lost nodes, >= min     -> placement_over the nodes left ("re-placing stages ...")
+                lost nodes, >= min     -> placement_over the nodes left ("re-placing stages ..."),
+                                        which are the run's nodes from then on (a node re-placed
+                                        that comes back later is told the run goes on without it)
                 fewer than min_nodes   -> the run ends, naming the lost nodes and what to do
     node 0:   starts generation n + 1 (its entries under g<n+1>/); training resumes from the
               newest checkpoint (checkpoints name the flat model's parameters: any placement loads them)
@@ -66,7 +68,8 @@ def decide(alive: Sequence[int], present: Iterable[int], min_nodes: int, timed_o
 
 
 def pointer(store: Any, rz: Rendezvous) -> dict | None:
-    """Node 0's "generation" entry (``{"generation": n, "rejoin_timeout": s}``) if a valid one
+    """Node 0's "generation" entry (``{"generation": n, "rejoin_timeout": s, "nodes": [...]}``:
+    the nodes that take part) if a valid one
     is there, else None. ``store`` is the run's store at generation 0's prefix."""
     state, value = rz.at(0).read(store, rdzv.GENERATION)
     if state != rdzv.VALID or not isinstance(value, dict) or type(value.get("generation")) is not int:
@@ -123,7 +126,7 @@ class Elastic:
 
     def _point(self) -> None:
         """Say which generation the agents are to join (and keep saying it)."""
-        entry = {"generation": self.generation, "rejoin_timeout": self.rejoin_timeout}
+        entry = {"generation": self.generation, "rejoin_timeout": self.rejoin_timeout, "nodes": self.alive}
         signed = {rdzv.GENERATION: self.rz.at(0).sign(rdzv.GENERATION, entry)}
         if self._republisher is not None:
             self._republisher.stop()
@@ -163,6 +166,7 @@ class Elastic:
         self._said(decision, n_processes, placement)
         if decision.action == REPLACE:
             self.alive = list(decision.nodes)
+            self._point()  # the nodes that take part from now on
         return decision
 
     def _there(self, scoped: Rendezvous, store: Any, node: int) -> bool:

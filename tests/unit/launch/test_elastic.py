@@ -73,7 +73,7 @@ def test_regroup_goes_on_with_the_nodes_that_say_they_are_there(port) -> None:
     el = Elastic(_rz(0, port, 3), rejoin_timeout=5, min_nodes=None, start_timeout=5, log=said.append)
     el.open()
     try:
-        assert elastic.pointer(el.store, el.rz) == {"generation": 0, "rejoin_timeout": 5.0}
+        assert elastic.pointer(el.store, el.rz) == {"generation": 0, "rejoin_timeout": 5.0, "nodes": [0, 1, 2]}
         _announce(port, 1, 1)
         _announce(port, 2, 1)
         t0 = time.monotonic()
@@ -138,6 +138,7 @@ def test_regroup_re_places_or_gives_up_after_the_rejoin_timeout(port) -> None:
         assert said[-1] == "node 1 did not rejoin within 60 s; re-placing stages [1] on nodes [0, 2] (min_nodes = 2)"
         rz = el.rendezvous()
         assert rz.nodes == (0, 2) and rdzv.placement_over(3, 3, rz.nodes) == [[0], [], [1, 2]]
+        assert elastic.pointer(el.store, el.rz)["nodes"] == [0, 2]  # node 1, if it comes now, is told
         # the next failure: node 2 is lost too, and one node is fewer than min_nodes
         assert el.regroup(3) == Decision(GIVE_UP, (0,), (2,))
         assert "node 2 did not rejoin within 60 s, and the 1 node(s) left are fewer than min_nodes = 2" in said[-1]
@@ -148,7 +149,7 @@ def test_regroup_re_places_or_gives_up_after_the_rejoin_timeout(port) -> None:
 
 @pytest.mark.timeout(30)
 def test_an_agent_joins_the_generation_node_0_points_at(port) -> None:
-    from pipeq.launch.agent import AgentError, _next_generation
+    from pipeq.launch.agent import AgentError, _next_generation, _NotNeeded
 
     node0, agent = _rz(0, port), _rz(1, port)
     store = agent.store(5)
@@ -162,6 +163,10 @@ def test_an_agent_joins_the_generation_node_0_points_at(port) -> None:
         _next_generation(store, agent, 3, time.monotonic() + 0.3, 1, lines.append)
     store.set(rdzv.GENERATION, node0.sign(rdzv.GENERATION, {"generation": 4, "rejoin_timeout": 9}))
     assert _next_generation(store, agent, 3, time.monotonic() + 1, 1, lines.append) == 4
+    # the run went on without node 1 (its stages re-placed): it is told so, and exits 0
+    store.set(rdzv.GENERATION, node0.sign(rdzv.GENERATION, {"generation": 5, "rejoin_timeout": 9, "nodes": [0]}))
+    with pytest.raises(_NotNeeded, match="the run goes on without this node"):
+        _next_generation(store, agent, -1, time.monotonic() + 1, 1, lines.append)
 
 
 def test_rejoin_timeout_and_min_nodes_keys_and_flags(tmp_path) -> None:
