@@ -106,10 +106,9 @@ class Trainer:
 
     def _regroup(self, elastic: Elastic, restarts: Restarts) -> bool:
         """Multi-host: wait for the nodes to say they are there for the restart; whether it goes on."""
-        try:
-            n_processes = self.job.recipe.count_stages() * self.job.data_parallel
-        except Exception:  # only names the stages re-placed in the log
-            n_processes = None
+        # the processes each node leads (only to name the stages re-placed in the log)
+        runner = self._loop.runner if self._loop is not None else None
+        n_processes = runner.n_stages * self.job.data_parallel if runner is not None else None
         decision = elastic.regroup(n_processes, self.job.placement)
         if decision.action == GIVE_UP:
             return False
