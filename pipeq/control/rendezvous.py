@@ -70,7 +70,9 @@ class Rendezvous:
     master_port: int
     bind: str  # the address this node's processes bind to and tell their peers
     run_id: str = "pipeq"
-    agent_store: bool = False  # torchrun's elastic agent hosts the store: connect as a client
+    # the store is hosted elsewhere (torchrun's elastic agent, or node 0's pipeq.launch.elastic for a
+    # run that restarts): connect as a client
+    agent_store: bool = False
     local_rank: int | None = None
     local_world_size: int | None = None
     secret: JobSecret | None = None  # the job's secret: keys of every socket, store signatures

@@ -18,6 +18,11 @@ entries for it are signed under ``g<n>/``, and the signed entry "generation" poi
     node 0:   starts generation n + 1 (its entries under g<n+1>/); training resumes from the
               newest checkpoint (checkpoints name the flat model's parameters: any placement loads them)
 
+The rejoin timeout (job key ``rejoin_timeout``) defaults to 60 s: enough for a process on a live
+host to be started again (by hand, torchrun's ``--max-restarts`` or a batch system: an interpreter
+importing torch and an agent, ~5-10 s), short beside the minutes of training a checkpoint
+interval holds; a job whose lost hosts must first be replaced sets it longer.
+
 An agent only joins a generation whose entries are there (node 0 removes them once every stage
 is READY), so a late or stale agent waits for the next start instead of joining a running one;
 an entry of another generation is signed for another full key and never verifies. Node 0
@@ -35,9 +40,8 @@ from typing import Any, Callable, Iterable, Sequence
 from pipeq.control import rendezvous as rdzv
 from pipeq.control.rendezvous import Rendezvous
 
-__all__ = ["DEFAULT_REJOIN_TIMEOUT", "Decision", "decide", "Elastic", "pointer", "WAIT", "GO", "REPLACE", "GIVE_UP"]
+__all__ = ["Decision", "decide", "Elastic", "pointer", "WAIT", "GO", "REPLACE", "GIVE_UP"]
 
-DEFAULT_REJOIN_TIMEOUT = 60.0
 WAIT, GO, REPLACE, GIVE_UP = "wait", "go", "re-place", "give up"
 _GRACE = 2.0  # seconds the live agents have to say they are there before a node is said lost
 _POLL = 0.1
@@ -119,6 +123,7 @@ class Elastic:
         self._point()
 
     def close(self) -> None:
+        """Stop pointing (the run is over); the store closes with the last reference to it."""
         if self._republisher is not None:
             self._republisher.stop()
             self._republisher = None
