@@ -43,7 +43,9 @@ from pipeq.control.rendezvous import Rendezvous
 __all__ = ["Decision", "decide", "Elastic", "pointer", "WAIT", "GO", "REPLACE", "GIVE_UP"]
 
 WAIT, GO, REPLACE, GIVE_UP = "wait", "go", "re-place", "give up"
-_GRACE = 2.0  # seconds the live agents have to say they are there before a node is said lost
+# seconds the live agents have to say they are there before a node is said lost (an agent told
+# the start failed gives its stages up to 2 s to exit first); at most half the rejoin timeout
+_GRACE = 3.0
 _POLL = 0.1
 
 
@@ -160,7 +162,7 @@ class Elastic:
             decision = decide(self.alive, present, self.min_nodes, waited >= self.rejoin_timeout)
             if decision.action != WAIT:
                 break
-            if not warned and waited >= min(_GRACE, self.rejoin_timeout):
+            if not warned and waited >= min(_GRACE, self.rejoin_timeout / 2):
                 warned = decision.lost
                 self.log(f"{_nodes_text(warned)} lost; waiting up to {self.rejoin_timeout:.0f} s for "
                          f"{'it' if len(warned) == 1 else 'them'} to rejoin (pipeq launch ... --node-rank "

@@ -114,7 +114,9 @@ def test_a_killed_node_started_again_rejoins_and_the_run_ends_with_the_same_weig
         node0.kill()
         if again is not None:
             again.kill()
-    assert "stage 1 failed" in node0.err and "node 1 rejoined" in node0.err, node0.err
+    # either of node 1's stages is named first (their heartbeats stopped together)
+    assert ("stage 1 failed" in node0.err or "stage 2 failed" in node0.err), node0.err
+    assert "node 1 rejoined" in node0.err, node0.err
     assert "started stage(s) [1, 2]" in again.err, again.err
     record = _restart_record(out)
     assert record["nodes"] == 2 and record["lost_nodes"] == [1] and record["rejoined"] == [1], record
