@@ -22,6 +22,24 @@
 #               --master-addr hostA --master-port 29500 --secret-file ~/job.secret \
 #               --steps 200 --out runs/digits
 #
+# A run that survives a lost node: MAX_RESTARTS=3 (pipeq's --max-restarts; REJOIN_TIMEOUT, MIN_NODES
+# as below) on every node. When a node's stages fail (a stage died, or the node's host died or was
+# cut off), node 0 stops the run, waits up to REJOIN_TIMEOUT seconds (default 60) for every node
+# to be there again, and resumes from the newest checkpoint (checkpoint_every). Live nodes take part
+# by themselves; a lost node rejoins when its command is started again, on the same host or on
+# another one (the same NODE_RANK, MASTER_ADDR, secret and arguments):
+#
+#   host A$ MAX_RESTARTS=3 SECRET_FILE=~/job.secret workers/local.sh 0 hostA --steps 200 --out runs/digits
+#   host B$ MAX_RESTARTS=3 SECRET_FILE=~/job.secret workers/local.sh 1 hostA --steps 200 --out runs/digits
+#   (host B dies)
+#   host C$ MAX_RESTARTS=3 SECRET_FILE=~/job.secret workers/local.sh 1 hostA --steps 200 --out runs/digits
+#
+# or, with MIN_NODES=1 on node 0, a node that does not come back in time has its stages re-placed
+# on the nodes left (here node 0 runs all three) and the run goes on with fewer nodes:
+#
+#   host A$ MAX_RESTARTS=3 MIN_NODES=1 REJOIN_TIMEOUT=120 SECRET_FILE=~/job.secret \
+#               workers/local.sh 0 hostA --steps 200 --out runs/digits
+#
 # Instead of SECRET_FILE, `export PIPEQ_SECRET=<the secret>` on every host (pipeq reads it).
 # Without either, the script refuses to start: nobody without the secret can join the run.
 #
@@ -37,6 +55,9 @@
 #                             (default: the local address that routes to MASTER_ADDR)
 #   PYTHON=python             the interpreter that has pipeq installed
 #   WORKDIR=<repo root>       where to run (the job's importable names resolve from there)
+#   MAX_RESTARTS=K            passed as --max-restarts: restart the stages after a failure, up to K times
+#   REJOIN_TIMEOUT=SECONDS    passed as --rejoin-timeout: how long a lost node has to rejoin (default 60)
+#   MIN_NODES=N               passed as --min-nodes: re-place a lost node's stages while N nodes remain
 set -euo pipefail
 
 prog=${0##*/}
@@ -49,7 +70,7 @@ usage: $prog NODE_RANK MASTER_ADDR [extra pipeq launch args...]
   the job's secret, the same on every host: SECRET_FILE=job.secret (make it once with
        \`python -m pipeq secret --out job.secret\` and copy it) or PIPEQ_SECRET exported
   env: NNODES (2), MASTER_PORT (29500), JOB (examples/digits.toml), BIND, PYTHON (python),
-       WORKDIR (the repository root); see the header of $0
+       WORKDIR (the repository root), MAX_RESTARTS, REJOIN_TIMEOUT, MIN_NODES; see the header of $0
 USAGE
 }
 
@@ -93,8 +114,13 @@ if [[ -n ${BIND:-} ]]; then
     bind=(--bind "$BIND")
 fi
 
+elastic=()  # pipeq's restarts: the same on every node (only node 0's driver acts on them)
+[[ -z ${MAX_RESTARTS:-} ]] || elastic+=(--max-restarts "$MAX_RESTARTS")
+[[ -z ${REJOIN_TIMEOUT:-} ]] || elastic+=(--rejoin-timeout "$REJOIN_TIMEOUT")
+[[ -z ${MIN_NODES:-} ]] || elastic+=(--min-nodes "$MIN_NODES")
+
 cmd=("$PYTHON" -m pipeq launch "$JOB" --nnodes "$NNODES" --node-rank "$NODE_RANK"
      --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" ${secret[@]+"${secret[@]}"}
-     ${bind[@]+"${bind[@]}"} "$@")
+     ${bind[@]+"${bind[@]}"} ${elastic[@]+"${elastic[@]}"} "$@")
 echo "$prog: node $NODE_RANK of $NNODES in $PWD:$(printf ' %q' "${cmd[@]}")" >&2
 exec "${cmd[@]}"

@@ -40,6 +40,23 @@
 # its share of the host's (GPUs / NPROC_PER_NODE; so NPROC_PER_NODE x T x stages per node <= the
 # host's GPUs), or its share of the CPU cores.
 #
+# A run that survives a lost node: MAX_RESTARTS=K on every host. pipeq's driver (node 0) gets
+# --max-restarts K (REJOIN_TIMEOUT, MIN_NODES: pipeq's --rejoin-timeout, --min-nodes), and every host
+# but host 0 also gets torchrun's own --max-restarts K: when this host's pipeq node dies (its host
+# alive), torchrun starts it again, and it rejoins the run within the rejoin timeout. A host that
+# dies is replaced by running this script with its NODE_RANK on another host (torchrun's static
+# rendezvous gives it the same rank); or, with MIN_NODES, node 0 re-places its stages on the
+# hosts left. Host 0 gets no torchrun restarts: a torchrun restart of its workers would restart
+# the driver, which is the run (pipeq restarts the stages by itself instead).
+#
+#   host A$ MAX_RESTARTS=3 MIN_NODES=1 workers/torchrun.sh 0 hostA --steps 200 --out runs/digits
+#   host B$ MAX_RESTARTS=3 workers/torchrun.sh 1 hostA --steps 200 --out runs/digits
+#
+# torchrun's other elastic flags are not used: --nnodes MIN:MAX needs its dynamic (c10d) rendezvous,
+# where any change of membership restarts every worker, node 0's driver included; pipeq keeps the
+# driver and its rendezvous store running and waits for or re-places the lost node itself
+# (MIN_NODES is the MIN of MIN:MAX; a run never grows past its --nnodes).
+#
 # Without a secret the script refuses to start: nobody without it can join the run.
 #
 # Environment:
@@ -54,6 +71,9 @@
 #   BIND=ADDR_OR_IFACE        passed as pipeq's --bind (default: the address routing to MASTER_ADDR)
 #   PYTHON=python             the interpreter that has torch and pipeq installed
 #   WORKDIR=<repo root>       where to run (the job's importable names resolve from there)
+#   MAX_RESTARTS=K            pipeq's --max-restarts K, and torchrun's on every host but host 0
+#   REJOIN_TIMEOUT=SECONDS    pipeq's --rejoin-timeout: how long a lost node has to rejoin (default 60)
+#   MIN_NODES=N               pipeq's --min-nodes: re-place a lost node's stages while N nodes remain
 set -euo pipefail
 
 prog=${0##*/}
@@ -67,7 +87,8 @@ usage: $prog NODE_RANK MASTER_ADDR [extra pipeq launch args...]
   the job's secret, the same on every host: PIPEQ_SECRET exported (make one with
        \`python -m pipeq secret\`) or SECRET_FILE=job.secret (mode 0600)
   env: NNODES (2), NPROC_PER_NODE (1), MASTER_PORT (29500), JOB (examples/digits.toml), BIND,
-       PYTHON (python), WORKDIR (the repository root); see the header of $0
+       PYTHON (python), WORKDIR (the repository root), MAX_RESTARTS, REJOIN_TIMEOUT, MIN_NODES;
+       see the header of $0
 USAGE
 }
 
@@ -112,8 +133,18 @@ if [[ -n ${BIND:-} ]]; then
     bind=(--bind "$BIND")
 fi
 
+elastic=()  # pipeq's restarts: the same on every node (only node 0's driver acts on them)
+[[ -z ${MAX_RESTARTS:-} ]] || elastic+=(--max-restarts "$MAX_RESTARTS")
+[[ -z ${REJOIN_TIMEOUT:-} ]] || elastic+=(--rejoin-timeout "$REJOIN_TIMEOUT")
+[[ -z ${MIN_NODES:-} ]] || elastic+=(--min-nodes "$MIN_NODES")
+restarts=()  # torchrun's: this host's workers started again when one dies (not the driver's host)
+if [[ -n ${MAX_RESTARTS:-} && $NODE_RANK != 0 ]]; then
+    restarts=(--max-restarts "$MAX_RESTARTS")
+fi
+
 cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
      --nproc-per-node "$NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-     -m pipeq launch "$JOB" ${secret[@]+"${secret[@]}"} ${bind[@]+"${bind[@]}"} "$@")
+     ${restarts[@]+"${restarts[@]}"} -m pipeq launch "$JOB" ${secret[@]+"${secret[@]}"}
+     ${bind[@]+"${bind[@]}"} ${elastic[@]+"${elastic[@]}"} "$@")
 echo "$prog: host $NODE_RANK of $NNODES in $PWD:$(printf ' %q' "${cmd[@]}")" >&2
 exec "${cmd[@]}"

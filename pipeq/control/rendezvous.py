@@ -25,13 +25,22 @@ ignored, whoever wrote it. A store ``set`` overwrites, so a reader waits for a v
 instead of giving up on a forged one, and node 0 writes its entries again every half second
 while the run starts (:class:`Republisher`)::
 
-    node 0 (driver):  "control", "placement", "job", "options"   (re-published until all READY)
+    node 0 (driver):  "control", "placement", "job", "options"   (re-published until all READY,
+                                                                  then removed)
     node r (agent):   "agent/r"                                  (node 0 names a node with
     stage process g:  "stage/g"                                   another secret from these)
+
+A run that restarts (``--max-restarts``, multi-host: :mod:`pipeq.launch.elastic`) starts its
+stages again as a new *generation* n: its entries live under ``g<n>/`` (:attr:`Rendezvous.prefix`),
+so an entry of an earlier start, signed for its own full key, never verifies as one of this
+start's; node 0 keeps the signed entry "generation" (``{"generation": n, "rejoin_timeout": s}``,
+outside every generation) pointing at the start the agents are to join, and each agent says it
+is there for it with "g<n>/agent/r".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import ipaddress
 import os
@@ -49,6 +58,8 @@ DEFAULT_PORT = 29500
 _ABSENT = b"\0pipeq: no entry"
 #: What :meth:`Rendezvous.read` found under a key.
 VALID, FOREIGN, MISSING = "valid", "foreign", "missing"
+#: Node 0's entry naming the generation (start) of the run the agents are to join.
+GENERATION = "generation"
 
 
 @dataclass
@@ -59,14 +70,23 @@ class Rendezvous:
     master_port: int
     bind: str  # the address this node's processes bind to and tell their peers
     run_id: str = "pipeq"
-    agent_store: bool = False  # torchrun's elastic agent hosts the store: connect as a client
+    # the store is hosted elsewhere (torchrun's elastic agent, or node 0's pipeq.launch.elastic for a
+    # run that restarts): connect as a client
+    agent_store: bool = False
     local_rank: int | None = None
     local_world_size: int | None = None
     secret: JobSecret | None = None  # the job's secret: keys of every socket, store signatures
+    generation: int = 0  # which start of the run (a restart is a new one): its entries' namespace
+    nodes: tuple[int, ...] | None = None  # the nodes that take part (None: all; fewer after a re-placement)
 
     @property
     def prefix(self) -> str:
-        return f"pipeq/{self.run_id}/"
+        """Where this generation's entries are (generation 0's where a run without restarts has them)."""
+        return f"pipeq/{self.run_id}/" + (f"g{self.generation}/" if self.generation else "")
+
+    def at(self, generation: int, **changes: Any) -> "Rendezvous":
+        """This rendezvous for the run's ``generation`` (and ``changes`` to other fields)."""
+        return dataclasses.replace(self, generation=generation, **changes)
 
     def store(self, timeout: float, *, client: bool = False):  # -> torch.distributed.Store
         """The rendezvous store: hosted here on node 0 (unless torchrun's agent hosts it, or
@@ -88,6 +108,13 @@ class Rendezvous:
                 "and that node 0 is started" + (" (is the port already in use?)" if host else "")
             ) from None
         return PrefixStore(self.prefix, base)
+
+    def on(self, store: Any) -> Any:
+        """``store`` (a connection to this run's store, at any generation's prefix) at this
+        generation's prefix: the same connection, no new one."""
+        from torch.distributed import PrefixStore
+
+        return PrefixStore(self.prefix, getattr(store, "underlying_store", store))
 
     def _wait_for_store(self, timeout: float) -> None:
         """Wait until the store's port accepts connections (quietly: TCPStore's own retries log
@@ -279,6 +306,22 @@ def resolve_bind(bind: str | None, master_addr: str, master_port: int) -> str:
         except OSError as exc:
             raise ValueError(f"no route to the master address {master_addr} ({exc})") from None
         return s.getsockname()[0]
+
+
+def placement_over(n_stages: int, nnodes: int, alive: Sequence[int] | None,
+                   nodes: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """Which stages run on which node when only the nodes ``alive`` take part (None: all): the
+    job's placement with every node, else contiguous and even over the nodes alive (in rank
+    order; a node not alive runs nothing, its list empty)."""
+    if alive is None or sorted(alive) == list(range(nnodes)):
+        return placement(n_stages, nnodes, nodes)
+    alive = sorted(set(alive))
+    if not alive or alive[0] != 0 or alive[-1] >= nnodes:
+        raise ValueError(f"nodes {alive} cannot run a {nnodes}-node run: node 0 (the driver) must be one of them")
+    plan: list[list[int]] = [[] for _ in range(nnodes)]
+    for r, stages in zip(alive, placement(n_stages, len(alive))):
+        plan[r] = stages
+    return plan
 
 
 def placement(n_stages: int, nnodes: int, nodes: Sequence[Sequence[int]] | None = None) -> list[list[int]]:

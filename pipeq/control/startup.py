@@ -76,8 +76,8 @@ class StageProcesses:
         self.stop_timeout = fault.stop_timeout
         self.rendezvous = rendezvous
         placement = config.placement.placement
-        self.placement = ([self._with_shards(node) for node in rdzv.placement(self.n_processes, rendezvous.nnodes,
-                                                                                placement)]
+        self.placement = ([self._with_shards(node) for node in rdzv.placement_over(
+                              self.n_processes, rendezvous.nnodes, rendezvous.nodes, placement)]
                           if rendezvous is not None else [list(range(self.n_all))])
         self.recorder = recorder
         self.store: Any = None
@@ -116,6 +116,7 @@ class StageProcesses:
         replies = self.sup.collect(Kind.READY, dict.fromkeys(range(self.n_all), 1),
                                    timeout=self.start_timeout, what="start", on_timeout=self.start_hint)
         self._stop_republishing()  # every node has read our entries: nothing reads them any more
+        self._unpublish()  # so an agent that comes later waits for a start it can join (a restart's)
         self.sup.expect_heartbeats()
         ready = [control.read(replies[g][0], Ready) for g in range(self.n_all)]  # checked as it came
         joined = request_id() if self.replicas > 1 else 0
@@ -232,6 +233,16 @@ class StageProcesses:
         for key, raw in signed.items():
             self.store.set(key, raw)
         self._republisher = rdzv.Republisher(rz, signed, timeout=min(self.start_timeout, 10.0)).start()
+
+    def _unpublish(self) -> None:
+        """Remove node 0's entries (best effort: whoever comes later finds nothing to join)."""
+        if self.store is None:
+            return
+        for key in ("control", "placement", "job", "options"):
+            try:
+                self.store.delete_key(key)
+            except Exception:  # the store is going away: nothing to join there either
+                return
 
     def _stop_republishing(self) -> None:
         if self._republisher is not None:

@@ -44,8 +44,9 @@ files), :mod:`~pipeq.launch.trainer` (the driver), :mod:`~pipeq.launch.loop` (th
 :mod:`~pipeq.launch.stream` (the batches through the pipeline), :mod:`~pipeq.launch.data`,
 :mod:`~pipeq.launch.evaluator`, :mod:`~pipeq.launch.checkpoints`, :mod:`~pipeq.launch.metrics`
 (metrics.jsonl), :mod:`~pipeq.launch.progress`, :mod:`~pipeq.launch.rundir` (the output
-directory and its lock), :mod:`~pipeq.launch.signals` and :mod:`~pipeq.launch.agent` (the
-other nodes).
+directory and its lock), :mod:`~pipeq.launch.signals`, :mod:`~pipeq.launch.restarts` (``--max-restarts``),
+:mod:`~pipeq.launch.elastic` (restarts of a multi-host run: a lost node rejoins or its stages are
+re-placed) and :mod:`~pipeq.launch.agent` (the other nodes).
 """
 
 __all__: list[str] = []

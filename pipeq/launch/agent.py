@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import CodecError
+from pipeq.launch import elastic
+from pipeq.runtime.faults import ENV as FAULT_ENV
 from pipeq.stage.spec import StageBuilder
 from pipeq.wire import control as protocol  # (``control`` names the driver's address here)
 from pipeq.wire.control import AgentReady, ErrorReply, Exit
@@ -54,14 +56,15 @@ class AgentError(RuntimeError):
 
 
 def _fetch(store: Any, key: str, what: str, rz: Rendezvous, deadline: float, timeout: float,
-           log: Callable[[str], None]) -> Any:
+           log: Callable[[str], None], moved: Callable[[], bool] = lambda: False) -> Any:
     """Node 0's entry ``key`` (its ``what``), once one signed with this node's secret is there.
 
     Anything else under the key (unsigned, signed with another secret, moved from another key)
     is ignored, whoever wrote it: anyone who reaches the store's port can write it, and node 0
     writes its entries again every half second, so this keeps polling until ``deadline``
     (time.monotonic()) instead of giving up on a forged entry. The first foreign one is logged at
-    once; if one is still there at the deadline, the secrets most likely differ."""
+    once; if one is still there at the deadline, the secrets most likely differ. ``moved()``
+    true: node 0 started a newer generation (raises :class:`_Moved`)."""
     warned = False
     where = f"{key!r} at the rendezvous {rz.master_addr}:{rz.master_port}"
     while True:
@@ -78,6 +81,11 @@ def _fetch(store: Any, key: str, what: str, rz: Rendezvous, deadline: float, tim
                              f"{what} ({lost}): node 0 ended, or its host became unreachable") from None
         if state == rdzv.VALID:
             return value
+        try:
+            if moved():
+                raise _Moved()
+        except RuntimeError:  # the store went away: said on the next read
+            pass
         if state == rdzv.FOREIGN and not warned:
             warned = True
             log(f"node {rz.node_rank}: ignoring the rendezvous store's {key!r} entry: it is not signed "
@@ -142,17 +150,95 @@ def run_agent(
 
     ``config`` is the job's run configuration (its schedule, timeouts, replicas and start method:
     see :func:`pipeq.control.processes.process_context`), ``settings`` what its stages are told;
-    ``settings.trace`` is taken from node 0 (the driver decides whether the run is traced)."""
-    schedule, start_timeout = config.schedule, config.fault.start_timeout
+    ``settings.trace`` is taken from node 0 (the driver decides whether the run is traced).
+
+    A run with restarts (node 0's "generation" entry: :mod:`pipeq.launch.elastic`) is joined at
+    the generation node 0 points at, also in progress (as a lost node's replacement); after a
+    failed start this agent waits for the next one instead of exiting."""
+    start_timeout = config.fault.start_timeout
     _auth(rz)  # no secret: refused before the store is touched
     store = rz.store(start_timeout)
     deadline = time.monotonic() + start_timeout
     # signed: node 0 names this node if its secret is another (ProcessBackend._start_hint)
     me = f"agent/{rz.node_rank}"
     store.set(me, rz.sign(me, {"node": rz.node_rank, "host": os.uname().nodename, "pid": os.getpid()}))
+    last = -1  # the generation this agent last ran
+    while True:
+        try:
+            generation = _next_generation(store, rz, last, deadline, start_timeout, log)
+        except _NotNeeded as exc:  # not a failure: nothing (torchrun, a batch system) should start it again
+            log(str(exc))
+            return 0
+        try:
+            code = _run_generation(rz.at(generation), store, builder, n_stages, config, settings,
+                                   driver_grace, deadline, log)
+        except _Moved:  # node 0 points at a newer start than the one being joined: join that one
+            continue
+        try:
+            point = elastic.pointer(store, rz) if code == _ABORTED else None
+        except RuntimeError:  # the store is gone with node 0: no restart to wait for
+            point = None
+        if point is None:
+            return 1 if code == _ABORTED else code
+        last = generation
+        os.environ.pop(FAULT_ENV, None)  # an injected fault fires in the first start only (as on node 0)
+        wait = float(point.get("rejoin_timeout") or 0) + start_timeout
+        deadline = time.monotonic() + wait
+        log(f"node {rz.node_rank}: the run failed; waiting up to {wait:.0f} s for node 0 to start it again")
+
+
+class _Moved(Exception):
+    """Node 0 started a newer generation while this agent was joining another."""
+
+
+class _NotNeeded(Exception):
+    """The run went on without this node (its stages re-placed on the others)."""
+
+
+_ABORTED = -1  # _watch's code for an EXIT after a failure (a restart may follow)
+
+
+def _next_generation(store: Any, rz: Rendezvous, last: int, deadline: float, timeout: float,
+                     log: Callable[[str], None]) -> int:
+    """The generation to join: node 0's newest after ``last`` (0 in a run without restarts, whose
+    node 0 points at none), once node 0 points at one."""
+    while True:
+        try:
+            point = elastic.pointer(store, rz)
+        except RuntimeError as exc:  # the store went away: node 0 ended the run
+            lost = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise AgentError(f"node {rz.node_rank}: lost the rendezvous store at {rz.master_addr}:{rz.master_port} "
+                             f"({lost}): node 0 ended the run, or its host became unreachable") from None
+        if point is None and last < 0:
+            return 0
+        nodes = point.get("nodes") if point is not None else None
+        if isinstance(nodes, list) and rz.node_rank not in nodes:
+            raise _NotNeeded(f"node {rz.node_rank}: the run goes on without this node (its stages were re-placed "
+                             f"on node(s) {nodes} after it was lost); nothing to do here")
+        if point is not None and point["generation"] > last:
+            return point["generation"]
+        if time.monotonic() > deadline:
+            raise AgentError(f"node {rz.node_rank}: node 0 did not start the run again within {timeout:.0f} s")
+        time.sleep(_POLL_S)
+
+
+def _run_generation(rz: Rendezvous, base: Any, builder: StageBuilder, n_stages: int, config: RunConfig,
+                    settings: StageSettings, driver_grace: float, deadline: float,
+                    log: Callable[[str], None]) -> int:
+    """Join generation ``rz.generation``: fetch node 0's entries, start this node's stages, watch
+    them until the driver ends the start; the exit code (:data:`_ABORTED` after a failure)."""
+    schedule, start_timeout = config.schedule, config.fault.start_timeout
+    store = rz.on(base) if rz.generation else base
+    me = f"agent/{rz.node_rank}"
+    if rz.generation:  # node 0 waits for this before a restart
+        store.set(me, rz.sign(me, {"node": rz.node_rank, "generation": rz.generation, "pid": os.getpid()}))
+
+    def moved() -> bool:
+        point = elastic.pointer(base, rz)
+        return point is not None and point["generation"] > rz.generation
 
     def fetch(key: str, what: str) -> Any:
-        return _fetch(store, key, what, rz, deadline, start_timeout, log)
+        return _fetch(store, key, what, rz, max(deadline, time.monotonic() + 1.0), start_timeout, log, moved)
 
     control = fetch("control", "control address")
     plan = fetch("placement", "stage placement")
@@ -166,6 +252,9 @@ def run_agent(
                settings.tensor_parallel)
     _check_job(rz, control, fetch("job", "job description"), builder, schedule, settings)
     mine: list[int] = plan[rz.node_rank]
+    if not mine:
+        log(f"node {rz.node_rank}: the run goes on without this node (its stages were re-placed on the others)")
+        return 0
     ctx = process_context(config.placement.start_method)
     procs: dict[int, StageHandle] = {}
     settings = StageSettings(**{**vars(settings), "trace": traced, "tcp_security": auth.mode})
@@ -265,7 +354,7 @@ def _watch(
                 time.sleep(0.05)
             if abort:
                 log(f"node {rz.node_rank}: the driver ended the run after a failure")
-            return 1 if abort else (143 if terminated else 0)
+            return _ABORTED if abort else (143 if terminated else 0)
         if terminated:
             if not told:
                 told = True

@@ -66,6 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--master-port", type=int, help=f"the rendezvous store's port (default {rdzv.DEFAULT_PORT})")
     m.add_argument("--bind", help="address or interface this node's processes bind to (default: "
                                   "the one that routes to the master address)")
+    m.add_argument("--rejoin-timeout", type=float, metavar="SECONDS",
+                   help="with --max-restarts: after a node is lost (its agent died or was cut off), wait this "
+                        "long for it to join again, i.e. for `pipeq launch --node-rank R` started anew on any "
+                        "host (default 60)")
+    m.add_argument("--min-nodes", type=int, metavar="N",
+                   help="with --max-restarts: if a lost node does not rejoin within --rejoin-timeout, re-place "
+                        "its stages on the nodes left, as long as at least N remain (default: every node, i.e. "
+                        "the run ends instead)")
     m.add_argument("--run-id", help="keeps concurrent runs on one store apart")
     m.add_argument("--secret-file", metavar="PATH",
                    help="the job's secret, the same on every node, in a file only its owner may read "
@@ -77,5 +85,5 @@ def job_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The job-file keys the command line sets (None: not given)."""
     keys = ("steps", "epochs", "schedule", "microbatches", "out", "seed", "checkpoint_every", "keep_checkpoints",
             "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout", "trace", "data_parallel",
-            "tensor_parallel", "max_restarts", "snapshot_every")
+            "tensor_parallel", "max_restarts", "snapshot_every", "rejoin_timeout", "min_nodes")
     return {k: getattr(args, k) for k in keys}

@@ -88,7 +88,7 @@ def print_summary(job: Job, run_dir: RunDir, steps: int, n_stages: int, nnodes: 
                   ev: dict[str, float], elapsed: float) -> None:
     """The run in a few lines on stdout: steps, processes, speed, losses, evaluation, where the
     state and metrics are."""
-    nodes = f", {nnodes} nodes" if nnodes is not None else ""
+    nodes = f", {nnodes} node{'' if nnodes == 1 else 's'}" if nnodes is not None else ""
     first, last, samples = tally.first_loss, tally.last_loss, tally.samples
     lines = [
         f"pipeq launch: trained {steps} steps ({n_stages} stages{nodes}, {job.schedule}, "

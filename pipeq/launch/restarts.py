@@ -57,6 +57,11 @@ class Restarts:
                  "snapshot")
         return True
 
+    def note(self, **fields: object) -> None:
+        """Add ``fields`` to the pending restart's record (e.g. the nodes it runs on after a node was lost)."""
+        if self._pending is not None:
+            self._pending.update(fields)
+
     def resumed(self, step: int, source: str = "disk") -> None:
         """The restarted run resumed from ``step``, its state from ``source`` ("disk": a
         checkpoint, "memory": an in-memory snapshot, "start": none, the initial weights): write

@@ -12,6 +12,7 @@ from pipeq import checkpoint
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import PipelineError
 from pipeq.launch.checkpoints import Checkpoints
+from pipeq.launch.elastic import GIVE_UP, REPLACE, Elastic
 from pipeq.launch.job import Job
 from pipeq.launch.loop import TrainingLoop
 from pipeq.launch.progress import Progress, print_summary
@@ -77,13 +78,45 @@ class Trainer:
         return runner
 
     def _run(self) -> int:
-        """Train; with ``max_restarts``, a stage failure restarts from the newest checkpoint."""
+        """Train; with ``max_restarts``, a stage failure restarts from the newest checkpoint (multi-host:
+        after the nodes regroup, see :mod:`pipeq.launch.elastic`)."""
         restarts = Restarts(self.job.max_restarts, self.run_dir.metrics, self.log)
-        while True:
-            code, failure = self._attempt(restarts)
-            if failure is None or not restarts.again(failure, self._failed_step()):
-                return code
-            self.resume = True
+        try:
+            elastic = Elastic.of(self.job, self.rz, self.log)
+        except ValueError as exc:
+            self.log(str(exc))
+            return 2
+        if elastic is not None:
+            try:
+                elastic.open()
+            except RuntimeError as exc:  # the rendezvous store cannot be hosted (its port in use)
+                self.log(str(exc))
+                return 1
+        try:
+            while True:
+                if elastic is not None:
+                    self.rz = elastic.rendezvous()
+                code, failure = self._attempt(restarts)
+                if failure is None or not restarts.again(failure, self._failed_step()):
+                    return code
+                if elastic is not None and not self._regroup(elastic, restarts):
+                    return code
+                self.resume = True
+        finally:
+            if elastic is not None:
+                elastic.close()
+
+    def _regroup(self, elastic: Elastic, restarts: Restarts) -> bool:
+        """Multi-host: wait for the nodes to say they are there for the restart; whether it goes on."""
+        # the processes each node leads (only to name the stages re-placed in the log)
+        runner = self._loop.runner if self._loop is not None else None
+        n_processes = runner.n_stages * self.job.data_parallel if runner is not None else None
+        decision = elastic.regroup(n_processes, self.job.placement)
+        if decision.action == GIVE_UP:
+            return False
+        restarts.note(nodes=len(decision.nodes), lost_nodes=list(decision.lost or decision.rejoined),
+                      rejoined=list(decision.rejoined), replaced=decision.action == REPLACE)
+        return True
 
     def _failed_step(self) -> int:
         loop = self._loop
@@ -156,5 +189,5 @@ class Trainer:
             return
         elapsed = loop.tally.elapsed()
         self.checkpoints.write_final(runner, loop.step, loop.pos, loop.tally.samples)
-        nnodes = self.rz.nnodes if self.rz is not None else None
+        nnodes = (len(self.rz.nodes) if self.rz.nodes else self.rz.nnodes) if self.rz is not None else None
         print_summary(self.job, self.run_dir, loop.step, runner.n_stages, nnodes, loop.tally, loop.last_eval, elapsed)

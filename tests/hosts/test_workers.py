@@ -42,7 +42,8 @@ def _env(**extra: str) -> dict[str, str]:
     # the caller's own multi-host settings must not leak into the recipes
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "NNODES", "NPROC_PER_NODE", "NODE_RANK", "JOB", "BIND", "WORKDIR",
-              "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "PIPEQ_SECRET", "SECRET_FILE"):
+              "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "PIPEQ_SECRET", "SECRET_FILE",
+              "MAX_RESTARTS", "REJOIN_TIMEOUT", "MIN_NODES"):
         env.pop(k, None)
     for k in [k for k in env if k.startswith(("SLURM_", "SRUN_"))]:
         env.pop(k)
@@ -104,7 +105,9 @@ echo 127.0.0.1
 FAKE_SRUN = """#!/usr/bin/env bash
 # fake srun: start $SLURM_NTASKS copies of the command with SLURM_PROCID=i, wait for all of them
 set -uo pipefail
-while [[ $# -gt 0 && $1 == -* ]]; do shift; done   # srun's own options
+opts=()
+while [[ $# -gt 0 && $1 == -* ]]; do opts+=("$1"); shift; done   # srun's own options
+echo "${opts[*]}" >> "$FAKE_SLURM_LOG.srun-options"
 echo "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT $*" >> "$FAKE_SLURM_LOG.srun"
 pids=()
 for ((i = 0; i < SLURM_NTASKS; i++)); do
@@ -234,6 +237,51 @@ def test_slurm_sbatch_default_port_and_bind(tmp_path) -> None:
                                 "--steps", "3"]
     with open(log + ".srun") as f:
         assert f.read().startswith(f"MASTER_ADDR=127.0.0.1 MASTER_PORT={20000 + 123457 % 40000} ")
+
+
+ELASTIC = {"MAX_RESTARTS": "3", "REJOIN_TIMEOUT": "30", "MIN_NODES": "1"}
+PIPEQ_ELASTIC = "--max-restarts 3 --rejoin-timeout 30 --min-nodes 1"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_local_sh_and_torchrun_sh_pass_the_restart_settings(tmp_path, rank) -> None:
+    """MAX_RESTARTS / REJOIN_TIMEOUT / MIN_NODES become pipeq's flags on every node; torchrun's own
+    --max-restarts (its workers started again) is given to every host but host 0, whose worker is
+    the driver (python is ``echo`` here: the commands are printed, nothing trains)."""
+    env = _env(PYTHON="echo", PIPEQ_SECRET=SECRET, **ELASTIC)
+    local = subprocess.run([LOCAL, rank, "127.0.0.1", "--steps", "3"], env=env, cwd=str(tmp_path),
+                           capture_output=True, text=True, timeout=20)
+    assert local.returncode == 0, local.stderr
+    assert local.stdout.split() == (f"-m pipeq launch examples/digits.toml --nnodes 2 --node-rank {rank} "
+                                    f"--master-addr 127.0.0.1 --master-port 29500 {PIPEQ_ELASTIC} --steps 3").split()
+    tr = subprocess.run([TORCHRUN, rank, "127.0.0.1", "--steps", "3"], env=env, cwd=str(tmp_path),
+                        capture_output=True, text=True, timeout=20)
+    assert tr.returncode == 0, tr.stderr
+    torchrun_restarts = "--max-restarts 3 " if rank != "0" else ""
+    assert tr.stdout.split() == (f"-m torch.distributed.run --nnodes 2 --node-rank {rank} --nproc-per-node 1 "
+                                 f"--master-addr 127.0.0.1 --master-port 29500 {torchrun_restarts}-m pipeq launch "
+                                 f"examples/digits.toml {PIPEQ_ELASTIC} --steps 3").split()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", ["plain", "restarts", "requeued"])
+def test_slurm_sbatch_restarts_keep_the_job_and_a_requeued_job_resumes(tmp_path, case) -> None:
+    """With MAX_RESTARTS a task that dies does not end the others (srun --kill-on-bad-exit=0):
+    pipeq waits for the lost node or re-places its stages; a job SLURM requeued (sbatch --requeue,
+    SLURM_RESTART_COUNT) continues from the newest checkpoint (--resume)."""
+    bin_dir, log = _fake_slurm(tmp_path)
+    extra = {"plain": {}, "restarts": ELASTIC, "requeued": {"SLURM_RESTART_COUNT": "1"}}[case]
+    env = _env(PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), FAKE_SLURM_LOG=log,
+               SLURM_JOB_NODELIST="node[01-02]", SLURM_NTASKS="2", SLURM_JOB_ID="78", SLURM_SUBMIT_DIR=ROOT,
+               PYTHON="echo", PIPEQ_SECRET=SECRET, **extra)
+    r = subprocess.run(["bash", SLURM, "--steps", "3"], env=env, cwd=str(tmp_path), capture_output=True,
+                       text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+    flags = {"plain": "", "restarts": PIPEQ_ELASTIC + " ", "requeued": "--resume "}[case]
+    assert r.stdout.splitlines() == [f"-m pipeq launch examples/digits.toml {flags}--steps 3"] * 2, r.stdout
+    with open(log + ".srun-options") as f:
+        assert f.read().split() == [f"--kill-on-bad-exit={0 if case == 'restarts' else 1}"]
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash

@@ -35,6 +35,10 @@ A job file (TOML, read with the standard library's tomllib)::
                                                  # checkpoint, up to this many times
     snapshot_every = 10                          # optional: every 10 steps, the stages' state kept in
                                                  # the driver's memory (a restart loads it, no disk)
+    rejoin_timeout = 60                          # optional, multi-host with max_restarts: seconds a lost
+                                                 # node has to join again (--node-rank r started anew)
+    min_nodes = 1                                # optional: then go on with fewer nodes, its stages
+                                                 # re-placed (default: every node, never fewer)
     keep_checkpoints = 3                         # the newest 3 (0: keep all)
     seed = 0
     data_parallel = 1                            # R replicas of the pipeline (R x N processes)

@@ -43,6 +43,8 @@ def check_keys(path: str, raw: Mapping[str, Any]) -> None:
     _check_factory_keys(path, raw)
     _check_tp_plan(path, raw)
     _check_counts(path, raw)
+    if "rejoin_timeout" in raw and not raw["rejoin_timeout"] > 0:
+        raise ValueError(f"job file {path}: rejoin_timeout must be more than 0 seconds, got {raw['rejoin_timeout']}")
     if "steps" not in raw and "epochs" not in raw:
         raise ValueError(f"job file {path}: set steps or epochs (or pass --steps / --epochs)")
 

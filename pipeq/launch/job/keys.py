@@ -134,6 +134,12 @@ KEYS: dict[str, Key] = {
     "stages_per_process": Key(int, None, "model stages per process (virtual stages): interleaved-1f1b and "
                               "looped-bfs take any number >= 2; zbv and dualpipev hold 2", "processes", minimum=1),
     "tp_plan": Key(list, None, 'one table per stage: submodule names to "colwise" / "rowwise"', "processes"),
+    "rejoin_timeout": Key(NUMBER, 60.0, "with max_restarts: seconds to wait for a lost node to join again (the "
+                          "same --node-rank started anew) before its stages are re-placed or the run ends",
+                          "multi-host"),
+    "min_nodes": Key(int, None, "with max_restarts: the fewest nodes the run goes on with; a node that does not "
+                     "rejoin in rejoin_timeout has its stages re-placed on the others (default: every node, "
+                     "no re-placement)", "multi-host", minimum=1),
     "tcp_security": Key(str, "encrypt", 'TCP between hosts: "encrypt" (CURVE on every socket) or "authenticate" '
                         "(an HMAC on every data message, not encrypted)", "multi-host"),
     "max_message_mb": Key(int, 256, "the largest tensor (MiB) one stage sends another", "processes"),

@@ -51,6 +51,8 @@ class Job:
     max_restarts: int = field_of("max_restarts")
     snapshot_every: int = field_of("snapshot_every")
     fault_tolerance: str | None = field_of("fault_tolerance")
+    rejoin_timeout: float = field_of("rejoin_timeout")
+    min_nodes: int | None = field_of("min_nodes")
     tcp_security: str = field_of("tcp_security")
     max_message_mb: int = field_of("max_message_mb")
     shm_slots: int = field_of("shm_slots")
