@@ -145,7 +145,7 @@ class ReplicaLoss:
                     path = lane_path(address)
                     if path is not None and os.path.exists(path):
                         os.unlink(path)
-        p.respawn(mine)
+        p.spawn(mine)
         now = time.monotonic()
         for g in mine:  # they count again, judged for heartbeats from now on
             sup.ignored.discard(g)

@@ -111,12 +111,12 @@ class StageProcesses:
     def _start(self, request_id: Callable[[], int]) -> None:
         bind, auth = self._open()
         self._bind, self._auth = bind, auth
-        self._spawn(bind, auth)
+        self.spawn()
         assert self.sup is not None and self.server is not None
         replies = self.sup.collect(Kind.READY, dict.fromkeys(range(self.n_all), 1),
                                    timeout=self.start_timeout, what="start", on_timeout=self.start_hint)
         self._stop_republishing()  # every node has read our entries: nothing reads them any more
-        self._unpublish()  # so an agent that comes later waits for a start it can join (a restart's)
+        _unpublish(self.store)  # so an agent that comes later waits for a start it can join (a restart's)
         self.sup.expect_heartbeats()
         ready = [control.read(replies[g][0], Ready) for g in range(self.n_all)]  # checked as it came
         joined = request_id() if self.replicas > 1 else 0
@@ -152,10 +152,11 @@ class StageProcesses:
             self._publish(rz)
         return bind, auth
 
-    def _spawn(self, bind: BindTo, auth: WireAuth | None, processes: Sequence[int] | None = None) -> None:
-        """Start this node's processes (or ``processes`` of them: a rebuilt replica's, with the
-        seeds they had)."""
-        assert self.server is not None
+    def spawn(self, processes: Sequence[int] | None = None) -> None:
+        """Start this node's processes (or ``processes`` of them again: a lost replica's,
+        fault_tolerance="replicas", with the seeds they had)."""
+        assert self.server is not None and self._bind is not None
+        bind, auth = self._bind, self._auth
         ctx = process_context(self.start_method)
         # stage seeds come from the caller's RNG: torch.manual_seed before the runner repeats a run
         if self._base_seed is None:
@@ -173,11 +174,6 @@ class StageProcesses:
             tp_dir=self.tp_dir,
         )
         self.procs.update(start_workers(ctx, configs, lambda g: self.payloads[self.numbering.lead(g)]))
-
-    def respawn(self, processes: Sequence[int]) -> None:
-        """Start ``processes`` again (a lost replica's, fault_tolerance="replicas")."""
-        assert self._bind is not None
-        self._spawn(self._bind, self._auth, processes)
 
     def _peers(self, ready: list[Ready], joined: int, rejoin_round: int | None = None) -> list[tuple[int, Message]]:
         """Each lead's PEERS: its neighbours within the replica and, with data parallelism, its
@@ -233,16 +229,6 @@ class StageProcesses:
         for key, raw in signed.items():
             self.store.set(key, raw)
         self._republisher = rdzv.Republisher(rz, signed, timeout=min(self.start_timeout, 10.0)).start()
-
-    def _unpublish(self) -> None:
-        """Remove node 0's entries (best effort: whoever comes later finds nothing to join)."""
-        if self.store is None:
-            return
-        for key in ("control", "placement", "job", "options"):
-            try:
-                self.store.delete_key(key)
-            except Exception:  # the store is going away: nothing to join there either
-                return
 
     def _stop_republishing(self) -> None:
         if self._republisher is not None:
@@ -358,3 +344,15 @@ class StageProcesses:
             return rz.read(self.store, key)[0]
         except Exception:  # the store is gone: no hint from it
             return rdzv.MISSING
+
+
+def _unpublish(store: Any) -> None:
+    """Remove node 0's start entries from ``store`` (None: no store; best effort: whoever comes
+    later finds nothing to join)."""
+    if store is None:
+        return
+    for key in ("control", "placement", "job", "options"):
+        try:
+            store.delete_key(key)
+        except Exception:  # the store is going away: nothing to join there either
+            return
