@@ -7,6 +7,7 @@
     pipeq launch examples/digits_async.toml            # asynchronous 1F1B (PipeDream)
     pipeq launch examples/digits_al.toml               # Associated Learning, al_stages
     pipeq launch examples/digits_plateau.toml          # ReduceLROnPlateau per epoch, top3 metric
+    pipeq launch examples/digits_faults.toml           # Adam, StepLR, dropout; restarts by itself
 
 A job file names these functions as ``examples.digits_job:NAME``; every stage process imports
 this module and builds its own stage (the same weights on every host: the launcher seeds it).
@@ -59,6 +60,13 @@ def al_stages(width: int = 128, n_layers: int = 3) -> list[nn.Module]:
 
     blocks = [nn.Sequential(nn.Linear(64 if i == 0 else width, width), nn.ReLU()) for i in range(n_layers)]
     return build_al(blocks, [width] * n_layers, 10)
+
+
+def dropout_stages(p: float = 0.1) -> list[nn.Module]:
+    """The three stages with dropout after each hidden layer (examples/digits_faults.toml): a
+    restarted run must also bring back every stage's random stream to train the same weights."""
+    l = layers()
+    return [nn.Sequential(*l[0:2], nn.Dropout(p)), nn.Sequential(*l[2:4], nn.Dropout(p)), nn.Sequential(*l[4:])]
 
 
 def two_stages() -> list[nn.Module]:
