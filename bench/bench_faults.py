@@ -192,7 +192,7 @@ def kills(tmp: str, rng: random.Random, count: int = 10) -> bool:
     ref_out, out = os.path.join(tmp, "kills-ref"), os.path.join(tmp, "kills")
     ref = Run(job, ref_out, "--max-restarts", "0").finish()
     run = Run(job, out)
-    waits = _strike(run, rng, signal.SIGKILL, count, (0.05, 0.6))
+    waits = _strike(run, rng, signal.SIGKILL, count, (0.0, 0.15))
     return _report(f"digits_faults: {len(waits)} SIGKILLs", ref, run.finish(), ref_out, out, waits)
 
 
@@ -210,7 +210,7 @@ def research(tmp: str, rng: random.Random) -> bool:
     ok = True
     for name, base in RESEARCH_JOBS.items():
         job = _job_with(base, tmp, "step_timeout = 4\nheartbeat_timeout = 3")
-        common = ("--steps", "120", "--checkpoint-every", "20", "--eval-every", "0")
+        common = ("--steps", "120", "--checkpoint-every", "40", "--snapshot-every", "10", "--eval-every", "0")
         ref_out = os.path.join(tmp, f"{name}-ref")
         ref = Run(job, ref_out, *common).finish()
         for kind in ("raise", "hang"):
