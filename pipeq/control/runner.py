@@ -190,6 +190,7 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         self._auto = (model, tp_plans, rendezvous) if cfg.auto else None  # "auto": no backend until settled
         self._backend = None if cfg.auto else _backend(cfg, model, self.numerics, tp_plans, rendezvous)
         self._queue_capacity, self._last_step_lr, self._step = cfg.queue_capacity, None, 0
+        self._sent_training = 0  # training steps submitted (self._step counts predict's batches too)
         self._submitted: collections.deque[int] = collections.deque()  # steps whose loss is not back
         self._losses: dict[int, float] = {}  # losses collected early (settle), not yet handed out
         self._undrained = False  # a stream left work behind (see _settle)
@@ -286,7 +287,8 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         self._step += 1
         self._backend.submit(self._step, shards, x, target, stream, inputs)
         self._submitted.append(self._step)
-        self._snapshot_after_submit(self._step, stream)
+        self._sent_training += 1
+        self._snapshot_after_submit(stream)
         self._undrained |= stream and self.schedule.streams_across_batches
         return self._step
 

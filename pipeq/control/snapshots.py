@@ -31,7 +31,7 @@ __all__ = ["MemorySnapshot", "RunnerSnapshots", "request", "take"]
 @dataclass(frozen=True)
 class MemorySnapshot:
     """Every stage's state (``stages[k]``: what :meth:`PipelineRunner.save` writes for stage k,
-    replica 0's, CPU tensors) after step ``step`` (the runner's count, plus ``first_step``)."""
+    replica 0's, CPU tensors) after training step ``step`` (the runner's count, plus ``first_step``)."""
 
     step: int
     stages: list[dict[str, Any]]
@@ -58,7 +58,7 @@ class RunnerSnapshots:
 
     _backend: Any
     schedule: Any
-    _step: int
+    _sent_training: int  # training steps submitted (predict's batches do not count)
     n_stages: int
     _snap_every: int = 0
     _snap_first: int = 0
@@ -69,14 +69,15 @@ class RunnerSnapshots:
         raise NotImplementedError
 
     def keep_snapshots(self, every: int, first_step: int = 0) -> None:
-        """Take an in-memory snapshot after every ``every``-th step (0: none), counting steps from
-        ``first_step`` (a resumed run's step: the runner's own count starts at 0), so that a
-        snapshot's :attr:`MemorySnapshot.step` is the caller's step number."""
+        """Take an in-memory snapshot after every ``every``-th training step (0: none), counting
+        steps from ``first_step`` (a resumed run's step: the runner's own count starts at 0;
+        ``predict`` and ``evaluate`` do not count), so that a snapshot's
+        :attr:`MemorySnapshot.step` is the caller's step number."""
         if type(every) is not int or every < 0:
             raise ValueError(f"snapshot_every must be a non-negative integer, got {every!r}")
         if type(first_step) is not int or first_step < 0:
             raise ValueError(f"first_step must be a non-negative integer, got {first_step!r}")
-        self._snap_every, self._snap_first = every, first_step - self._step
+        self._snap_every, self._snap_first = every, first_step - self._sent_training
 
     @property
     @exclusive
@@ -100,21 +101,21 @@ class RunnerSnapshots:
                              "restore it into a runner of the same stages (or save and load a checkpoint)")
         self._backend.restore(snap.stages)
 
-    def _snapshot_after_submit(self, step: int, stream: bool) -> None:
-        """Step ``step`` was just sent: ask for a snapshot after it, if one is due."""
-        every = self._snap_every
-        if not every or (self._snap_first + step) % every:
+    def _snapshot_after_submit(self, stream: bool) -> None:
+        """A training step was just sent (the ``_sent_training``-th): ask for a snapshot after it, if one is due."""
+        every, step = self._snap_every, self._snap_first + self._sent_training
+        if not every or step % every:
             return
         if stream and self.schedule.streams_across_batches:
             self._snap_after_drain = True  # its state is whole only once the stream drains
             return
-        self._backend.request_snapshots(self._snap_first + step)
+        self._backend.request_snapshots(step)
 
     def _snapshot_after_drain(self) -> None:
         """A stream drained: the snapshot that waited for it (see :meth:`_snapshot_after_submit`)."""
         if self._snap_after_drain:
             self._snap_after_drain = False
-            self._backend.request_snapshots(self._snap_first + self._step)
+            self._backend.request_snapshots(self._snap_first + self._sent_training)
 
 
 def request(backend: Any, step: int) -> None:

@@ -13,6 +13,7 @@ fault (``PIPEQ_FAULT``) fires in the first start only, so that a restart can sho
 from __future__ import annotations
 
 import json
+import re
 import os
 import time
 from typing import Callable
@@ -38,7 +39,8 @@ class Restarts:
     def again(self, exc: PipelineError, failed_step: int) -> bool:
         """Whether to restart after ``exc``, ``failed_step`` the first training step that did not
         finish (steps after it may have been in flight too); saying why not."""
-        key = (failed_step, exc.stage, exc.message)
+        # the runner numbers its steps from each start: "(step 1)" after a restart is step 3 before it
+        key = (failed_step, exc.stage, re.sub(r"\bstep \d+", "step N", exc.message))
         if self.count >= self.limit:
             if self.limit:
                 self.log(f"gave up after {self.count} restart(s) (--max-restarts {self.limit})")

@@ -97,3 +97,20 @@ def test_a_restart_after_a_stage_death_loads_the_in_memory_snapshot_without_read
     assert "in-memory snapshot of step 3" in r.stderr
     assert_same_state(model_state(out), model_state(whole))
     assert [ln["step"] for ln in metrics(out) if "loss" in ln] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_bug_that_fails_the_same_step_again_ends_the_run_with_its_error(tmp_path):
+    """A stage that raises on step 3's batch: one restart, the same error at the same step, the end."""
+    from launch_util import SUPPORT
+
+    job = tmp_path / "picky.toml"
+    job.write_text('stages = "launch_jobs:picky_stages"\nloss = "torch.nn:CrossEntropyLoss"\n'
+                   'optimizer = "torch.optim:SGD"\noptimizer_args = { lr = 0.1 }\n'
+                   'data = "launch_jobs:poisoned_batches"\nmicrobatches = 2\nsteps = 5\nseed = 0\n')
+    r = launch_here("--out", str(tmp_path / "run"), "--max-restarts", "5", "--checkpoint-every", "1",
+                    job=str(job), cwd=SUPPORT)
+    assert r.returncode == 1, r.stderr
+    failed = [ln for ln in r.stderr.splitlines() if ln.startswith("pipeq launch: stage 0 failed:")]
+    assert len(failed) == 2 and all("a value over 1e6 in this batch" in ln for ln in failed), r.stderr
+    assert "restart 1 of 5" in r.stderr and "restart 2 of 5" not in r.stderr
+    assert "step 3 failed twice in a row with the same error: a bug, not a fault" in r.stderr

@@ -78,3 +78,30 @@ def pair_stages() -> list[nn.Module]:
 def pair_batches(epoch: int) -> list[tuple[tuple, torch.Tensor]]:
     """train_batches with x as a tuple (features[:4], {"rest": features[4:]})."""
     return [((x[:, :FEATURES // 2], {"rest": x[:, FEATURES // 2:]}), y) for x, y in train_batches(epoch)]
+
+
+class _Picky(nn.Module):
+    """A stage that raises on an input holding a value over 1e6 (a bug that comes back at the same step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > 1e6:
+            raise ValueError("a value over 1e6 in this batch")
+        return self.inner(x)
+
+
+def picky_stages() -> list[nn.Module]:
+    """mlp_stages whose stage 0 raises on poisoned_batches' third batch, every time it meets it."""
+    return [_Picky(), nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, CLASSES)]
+
+
+def poisoned_batches(epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """train_batches with the third batch's first value set to 1e9."""
+    out = train_batches(epoch)
+    x = out[2][0].clone()
+    x[0, 0] = 1e9
+    out[2] = (x, out[2][1])
+    return out

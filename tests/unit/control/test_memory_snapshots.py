@@ -57,8 +57,17 @@ def test_a_restored_snapshot_trains_on_exactly_as_the_uninterrupted_run(schedule
 def test_snapshot_steps_count_from_first_step_and_bad_settings_are_refused():
     with _runner() as r:
         r.keep_snapshots(4, first_step=10)  # a run resumed at step 10: snapshots at 12, 16
-        list(r.stream(_batches(3)))
-        assert r.snapshot.step == 12
+        data = _batches(6)
+        list(r.stream(data[:1]))
+        r.predict(data[0][0])  # an evaluation's batches are no training steps
+        list(r.stream(data[1:3]))
+        at_12, after_12 = r.snapshot, r.state_dict()
+        assert at_12.step == 12
+        list(r.stream(data[3:]))
+        assert r.snapshot.step == 16
+        with _runner() as again:
+            again.restore_snapshot(at_12)
+            assert all(torch.equal(after_12[k], v) for k, v in again.state_dict().items())
         with pytest.raises(ValueError, match="snapshot_every must be a non-negative integer"):
             r.keep_snapshots(-1)
         wrong = MemorySnapshot(3, r.snapshot.stages[:2])
