@@ -90,7 +90,8 @@ class ProcessBackend:
         self._done: dict[int, float] = {}  # losses collected before a rebuild, until result() asks
         #: fault_tolerance="replicas": training step -> how many replicas completed it, when fewer than all
         self.degraded: dict[int, int] = {}
-        self.replica_loss = (ReplicaLoss(self.processes, lambda: bool(self._submitted) or self._sending)
+        self.replica_loss = (ReplicaLoss(self.processes, lambda: bool(self._submitted) or self._sending,
+                                         lambda: self._rounds - len(self._submitted) + 1, self._next_request_id)
                              if config.fault.fault_tolerance == "replicas" else None)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it

@@ -3,8 +3,17 @@
 When a stage of replica r fails during a training step (it raises, dies, stops heart-beating or
 is stuck past ``step_timeout``), the driver does not end the run:
 
-1. it stops every process of replica r and tells the other replicas' stages (LOST) to sum the
-   gradients without it: a stage waiting for r's gradient buckets stops waiting at once;
+1. it stops the failed process and tells the other replicas' stages (LOST) to sum the gradients
+   without replica r from the step's gradient round on (the oldest step outstanding: the
+   failed process's step, or an earlier one): a stage waiting for r's buckets of that round (or
+   a later one) stops waiting at once. A step before it is not degraded by the loss: a stage still
+   summing one (runner.step() sends the next step once a step's loss is in, while the first
+   stages may still be finishing it) still waits for r's buckets of it, which r's stages that did
+   not fail, still running, send; each stage ACKs the LOST once it is past those rounds, and r's
+   other processes are stopped only then (or when one of them dies: what its stage sent before
+   is summed; or when they have not delivered within ``step_timeout``, else
+   ``heartbeat_timeout``: they are stopped, and that earlier round is summed without them at
+   those stages, with a warning);
 2. each surviving stage sums, in replica order, the buckets of the replicas whose copy of that
    stage delivered all of them for the step, and scales the sum by the whole batch's loss weight
    over theirs (:func:`pipeq.parallel.data.survivor_scale`). Every microbatch's loss is weighted
@@ -22,9 +31,12 @@ The run never stops and never rolls back. The steps that had fewer replicas are 
 
 A failure of the last healthy replica, a failure while a replica is being rebuilt, and a failure
 outside a training step (an evaluation, a save) still end the run, as without this setting. A
-lost replica's samples of the step are not trained on; a stage of the lost replica that had
-already delivered its gradients for the step when another of its stages failed is counted for
-that stage (the sums are made per stage), which a failure at a step's start never causes.
+lost replica's samples of the step are not trained on (nor those of later steps already sent to
+it, in a stream); the sums are made per stage: a stage of the lost replica that had already
+delivered its gradients for the step when another of its stages failed is counted for that stage,
+and a stage of it that died before delivering its gradients of an earlier step (one whose loss
+was in: the first stages finish a step last) is left out of that step at that stage. A failure
+at a step's start causes neither.
 Supported on one host, one stage per process, without tensor parallelism, with schedules that
 finish every batch before the next (not asynchronous 1F1B).
 """
@@ -34,9 +46,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from pipeq.control.processes import stop_processes
+from pipeq.control.supervisor import take_early
 from pipeq.errors import PipelineError
 from pipeq.wire import control, shm
 from pipeq.wire.control import GetSnapshot, Lost, Ready, Rejoin, Restore
@@ -77,16 +91,32 @@ def check_replicas_mode(cfg: "RunConfig", *, multi_host: bool) -> None:
                          "(pipeq launch --max-restarts restarts a run from its checkpoint)")
 
 
+@dataclass
+class _Parting:
+    """A dropped replica whose processes that did not fail are still running: until every
+    survivor has ACKed its LOST (request ``request``), summed its rounds before ``from_round``."""
+
+    from_round: int
+    request: int
+    deadline: float
+    dead: set[int]  # its stages whose process is dead or stopped
+    acked: set[int] = field(default_factory=set)  # the survivors' processes that ACKed
+
+
 class ReplicaLoss:
     """The driver's side: drops a failed replica (the supervisor's ``absorb``) and rebuilds it.
 
-    ``busy()`` says whether a training step is outstanding: only then is a failure absorbed."""
+    ``busy()`` says whether a training step is outstanding: only then is a failure absorbed;
+    ``first_round()`` is the gradient round of the oldest step outstanding (the first a dropped
+    replica misses); ``request_id()`` numbers a LOST, which the survivors ACK."""
 
-    def __init__(self, processes: "StageProcesses", busy: Callable[[], bool]) -> None:
+    def __init__(self, processes: "StageProcesses", busy: Callable[[], bool], first_round: Callable[[], int],
+                 request_id: Callable[[], int]) -> None:
         self.p = processes
-        self.busy = busy
+        self.busy, self.first_round, self.request_id = busy, first_round, request_id
         self.down: dict[int, PipelineError] = {}  # replica -> the failure that dropped it
         self.failures: list[PipelineError] = []  # every failure absorbed, in order
+        self.parting: dict[int, _Parting] = {}  # dropped replicas whose other processes still run
         processes.absorb = self.absorb
 
     def live(self) -> list[int]:
@@ -103,29 +133,86 @@ class ReplicaLoss:
         r = self.p.numbering.replica(g)
         if not self.busy() or r in self.down or len(self.live()) < 2:
             return False
-        self._drop(r, err)
+        self._drop(r, g, err)
         return True
 
-    def _drop(self, r: int, err: PipelineError) -> None:
+    def _drop(self, r: int, g: int, err: PipelineError) -> None:
         p, sup = self.p, self.p.sup
-        assert sup is not None and sup.server is not None
+        assert sup is not None
         self.down[r] = err
         self.failures.append(err)
-        mine = self.processes_of(r)
-        sup.ignore(mine)
-        stop_processes([p.procs.pop(g) for g in mine if g in p.procs])
-        lost = control.message(Lost(replica=r))
-        try:
-            sup.server.send_many([(g, lost) for s in self.live() for g in self.processes_of(s)])
-        except PeerUnreachable as exc:  # a survivor is gone too: that one ends the run
-            raise sup.fail(sup.error("its control socket is gone", exc.process))
+        sup.ignore(self.processes_of(r))
+        sup.watch = self.watch
+        grace = sup.step_timeout or sup.heartbeat_timeout
+        part = self.parting[r] = _Parting(self.first_round(), self.request_id(), time.monotonic() + grace, set())
+        sup.awaited.add((Kind.ACK, part.request))  # kept as they come, whoever is waiting then
+        self._stop(r, part, {g} | {h for h in self._running(r) if p.procs[h].exitcode is not None})
         print(f"pipeq: {_where(err)}: {err.message}; the other replicas finish the step without replica {r}, "
               "which is rebuilt for the next step", file=sys.stderr)
+
+    def _running(self, r: int) -> list[int]:
+        """Replica r's processes not stopped yet."""
+        return [h for h in self.processes_of(r) if h in self.p.procs]
+
+    def _survivors(self) -> list[int]:
+        return [g for s in self.live() for g in self.processes_of(s)]
+
+    def _stop(self, r: int, part: _Parting, processes: set[int]) -> None:
+        """Stop ``processes`` of dropped replica r, and tell the survivors that have not ACKed yet
+        (LOST) which of its stages are dead now."""
+        p, sup = self.p, self.p.sup
+        assert sup is not None and sup.server is not None
+        stop_processes([p.procs.pop(h) for h in sorted(processes) if h in p.procs])
+        part.dead |= {h % p.n_stages for h in processes}
+        lost = control.message(Lost(replica=r, from_round=part.from_round, dead=sorted(part.dead)), part.request)
+        try:
+            sup.server.send_many([(g, lost) for g in self._survivors() if g not in part.acked])
+        except PeerUnreachable as exc:  # a survivor is gone too: that one ends the run
+            raise sup.fail(sup.error("its control socket is gone", exc.process))
+
+    def watch(self) -> None:
+        """(At each of the supervisor's health checks.) A dropped replica's other processes are
+        stopped once every survivor ACKed its LOST; one that died meanwhile, and every one after
+        the grace, are stopped before (the survivors are told)."""
+        sup = self.p.sup
+        assert sup is not None
+        for r, part in list(self.parting.items()):
+            part.acked.update(g for g, _ in take_early(sup, Kind.ACK, part.request))
+            late = [g for g in self._survivors() if g not in part.acked]
+            if not late:
+                stop_processes([self.p.procs.pop(h) for h in self._running(r)])
+                sup.awaited.discard((Kind.ACK, part.request))
+                del self.parting[r]
+                continue
+            died = {h for h in self._running(r) if self.p.procs[h].exitcode is not None}
+            if time.monotonic() > part.deadline:
+                part.deadline = float("inf")
+                died = set(self._running(r))
+                print(f"pipeq: replica {r}'s processes {sorted(died)} had not sent the gradients that processes "
+                      f"{late} wait for (gradient round {part.from_round - 1}) in time: stopped, that round is "
+                      "summed without them there", file=sys.stderr)
+            if died:
+                self._stop(r, part, died)
+
+    def _part(self, r: int) -> None:
+        """Wait until replica r's processes are all stopped (every survivor ACKed its LOST)."""
+        sup = self.p.sup
+        assert sup is not None
+        end = sup.begin_wait() + 2 * (sup.step_timeout or sup.heartbeat_timeout) + 5.0
+        while r in self.parting:
+            if time.monotonic() > end:
+                late = sorted(set(self._survivors()) - self.parting[r].acked)
+                raise sup.fail(PipelineError(f"processes {late} never summed the gradients of the steps before "
+                                             f"replica {r} was lost (no ACK to its LOST)"))
+            sup.drain_pending()
+            sup.check_health()  # (watches the parting)
+            time.sleep(0.01)
 
     def rebuild(self, rounds: int, request_id: Callable[[], int]) -> None:
         """Start every lost replica again from a healthy one's state (nothing may be in flight);
         ``rounds``: the gradient rounds every replica has made so far (the training steps sent)."""
         for r in sorted(self.down):
+            self._part(r)
             self._rebuild(r, rounds, request_id)
             del self.down[r]
 

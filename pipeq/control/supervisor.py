@@ -49,7 +49,7 @@ from pipeq.wire.errors import PeerUnreachable
 _POLL_MS = 100
 
 
-__all__ = ["Supervisor", "take_kept", "unreachable", "origin_shard"]
+__all__ = ["Supervisor", "take_kept", "take_early", "unreachable", "origin_shard"]
 
 
 def _raised_at(reply: ErrorReply) -> float:
@@ -60,19 +60,9 @@ def _raised_at(reply: ErrorReply) -> float:
 class Supervisor:
     """Files the replies the driver waits for; fails the run on an error, a death or silence."""
 
-    def __init__(
-        self,
-        server: ControlServer,
-        procs: dict[int, StageHandle],
-        *,
-        n_stages: int,
-        n_processes: int,
-        n_nodes: int,
-        heartbeat_timeout: float,
-        teardown: Callable[[], None],
-        step_timeout: float | None = None,
-        numbering: Numbering | None = None,
-    ) -> None:
+    def __init__(self, server: ControlServer, procs: dict[int, StageHandle], *, n_stages: int, n_processes: int,
+                 n_nodes: int, heartbeat_timeout: float, teardown: Callable[[], None],
+                 step_timeout: float | None = None, numbering: Numbering | None = None) -> None:
         """``numbering`` names a process's replica, stage and shard (default: one shard each)."""
         self.server = server
         self.procs = procs  # this host's stage processes, by process number g
@@ -100,6 +90,7 @@ class Supervisor:
         # (its replica dropped) rather than ending the run; the processes of a dropped replica
         self.absorb: Callable[[int, PipelineError], bool] | None = None
         self.ignored: set[int] = set()
+        self.watch: Callable[[], None] | None = None  # called at every health check (replica_loss)
 
     # -- naming the culprit ------------------------------------------------------------------
     def known(self, peer: Peer | None) -> bool:
@@ -193,6 +184,8 @@ class Supervisor:
                 self._give_up(self.error(
                     f"stuck: has been in {what} for {age:.1f} s with no progress (step_timeout="
                     f"{self.step_timeout} s); its neighbours are waiting for it", g), g)
+        if self.watch is not None:
+            self.watch()
 
     def _error_in_flight(self, done: Callable[[], bool]) -> None:
         """Half a second for the ERROR a stage sent just before it exited (until ``done()``): it
@@ -368,6 +361,12 @@ def take_kept(sup: Supervisor, kind: Kind, step: int, count: int) -> dict[int, M
     del sup._early[(kind, step)]
     sup.awaited.discard((kind, step))
     return dict(kept)
+
+
+def take_early(sup: Supervisor, kind: Kind, step: int) -> list[tuple[int, Message]]:
+    """The ``(kind, step)`` replies ``sup`` kept so far, as (process, message), taken out of its
+    keeping (they stay awaited). Never waits."""
+    return sup._early.pop((kind, step), [])
 
 
 def unreachable(sup: Supervisor, exc: PeerUnreachable) -> PipelineError:

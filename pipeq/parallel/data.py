@@ -19,9 +19,11 @@ the very same bits (for the small R pipeq runs this moves as many bytes as a rin
     replica 1, stage k | ... B6 B7 [send buckets] ..... [wait, add 0+1] ST
                                     \\________ both ways ________/
 
-With ``fault_tolerance="replicas"`` a replica may be lost mid-step (the driver's LOST says so,
-:mod:`pipeq.control.replica_loss`): a stage then sums, in replica order, the buckets of the replicas
-whose same stage delivered *all* of its buckets for the round (never part of one), and scales the
+With ``fault_tolerance="replicas"`` a replica may be lost mid-step (the driver's LOST says so, and
+from which round on: :mod:`pipeq.control.replica_loss`): a stage then sums, in replica order, the
+buckets of the replicas whose same stage delivered *all* of its buckets for the round (never part
+of one; a round before the lost replica's first missed one still waits for its buckets, unless
+its process of this stage is dead), and scales the
 sum by ``survivor_scale``: the whole batch's loss weight over the weight of the replicas summed,
 ``fsum(shares) / fsum(shares[r] for r summed)`` (each replica's share, the sum of its microbatches'
 weights, rides in TRAIN). Since every microbatch's loss is weighted by its share of the whole
@@ -237,16 +239,17 @@ class GradSync:
                 layout.scatter(b, to_device(acc, layout.devices[b]), grads)
         self.pending.clear()
         self.started = False
+        link.round_done(self.round)  # (a LOST that waited for this round is ACKed)
 
     def _receive(self) -> dict[int, list[torch.Tensor]]:
         """The round's buckets of every other replica that delivered them all: a replica lost
-        (LOST) before its last bucket came is left out of the whole round."""
+        (LOST) for this round before its last bucket came is left out of the whole round."""
         link, layout = self.link, self.layout
         received: dict[int, list[torch.Tensor]] = {}
         for r in link.others():
             mine: list[torch.Tensor] = []
             for b in range(len(self.pending)):
-                got = None if r in link.gone else link.wait_replica(r, self.round, b)
+                got = link.wait_replica(r, self.round, b)
                 if got is None:
                     break
                 mine.append(layout.check(b, got, r, "gradient"))
@@ -305,7 +308,7 @@ class Replicas:
         if rejoin_round is None:
             broadcast_from_replica_0(self.link, self.weights, self.bucket_bytes)
         else:
-            self.sync.round = rejoin_round
+            self.sync.round = self.link.done_round = rejoin_round
 
     def close(self, linger_ms: int = 0) -> None:
         self.link.close(linger_ms)

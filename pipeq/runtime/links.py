@@ -16,7 +16,7 @@ import torch
 from pipeq.parallel.data import Replicas
 from pipeq.parallel.ties import TieSync
 from pipeq.stage.executor import StageExecutor
-from pipeq.wire.control import Peers
+from pipeq.wire.control import Lost, Peers
 from pipeq.wire.sockets import BindTo
 from pipeq.wire.stage_link import StageTransport
 
@@ -66,10 +66,11 @@ class PeerLinks:
         if shares is not None and self.replicas is not None:
             self.replicas.sync.shares.append(shares)
 
-    def replica_lost(self, replica: int) -> None:
-        """LOST (read between steps): sum without ``replica`` until it is back."""
+    def replica_lost(self, notice: Lost, request: int) -> None:
+        """LOST (read between steps, message step ``request``): sum without its replica from its
+        ``from_round`` on, until it is back (:meth:`~pipeq.wire.replica_link.ReplicaLink.lose`)."""
         if self.replicas is not None:
-            self.replicas.link.forget(replica)
+            self.replicas.link.lose(notice, request)
 
     def replica_back(self, replica: int, address: str, after_round: int) -> None:
         """REJOIN: ``replica`` is rebuilt, at ``address``; its messages up to ``after_round`` are stale."""

@@ -19,8 +19,9 @@ The loop waits for a command on the control channel and carries it out:
     GET_STATS  reply STATS: peak memory (``reset``: start a new peak), skipped steps
     STEP_SCHEDULER  step the lr schedulers once (with the metric it carries), reply ACK
     GET_LR     reply LR (the learning rate of every parameter group)
-    LOST       a replica is lost (fault_tolerance="replicas"): gradients are summed without it (no
-               reply; a stage waiting for that replica's gradients takes it from the queue at once)
+    LOST       a replica is lost (fault_tolerance="replicas"): gradients are summed without it from
+               the round it names on (a stage waiting for that replica's gradients takes it from the
+               queue at once); reply ACK once the rounds before are summed
     REJOIN     the lost replica is rebuilt: reconnect to it, reply ACK
     STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
     EXIT       leave the loop
@@ -246,7 +247,7 @@ class EventLoop:
             if self.links is None or not self.links.join(cmd):
                 return None  # (with replicas, the driver waits for their ACK)
         elif isinstance(cmd, Lost) and self.links is not None:
-            self.links.replica_lost(cmd.replica)
+            self.links.replica_lost(cmd, step)  # (its ACK, if any, is the link's to send)
             return None
         elif isinstance(cmd, Rejoin) and self.links is not None:
             self.links.replica_back(cmd.replica, cmd.address, cmd.round)

@@ -22,7 +22,7 @@ hostile, meets a clear refusal, never a KeyError deep in the driver. Nothing is 
     STEP_SCHEDULER  StepScheduler           ERROR      ErrorReply (a stage's, or a node agent's)
     GET_LR          GetLr                   HEARTBEAT  HeartbeatInfo
     GET_STATS       GetStats
-    LOST            Lost
+    LOST            Lost                    (with from_round: reply ACK once the rounds before it are summed)
     REJOIN          Rejoin                  (reply ACK)
     STOP            Stop
     EXIT            Exit (to stages and node agents)
@@ -181,9 +181,15 @@ class Peers(Payload):
 
 @_control(Kind.LOST)
 class Lost(Payload):
-    """Replica ``replica`` is lost: every gradient sum not yet made goes on without it (no reply)."""
+    """Replica ``replica`` is lost: every gradient sum of a round from ``from_round`` on (None:
+    every sum not yet made) goes on without it. A round before ``from_round`` still waits for
+    its buckets, unless this stage is among ``dead`` (the replica's stages whose process is dead
+    or stopped: what it sent before is summed, nothing more is waited for). With ``from_round``
+    the stage replies ACK (the message's step) once its rounds before ``from_round`` are summed."""
 
     replica: int = wire(COUNT)
+    from_round: int | None = wire(COUNT, default=None)
+    dead: list[int] | None = wire(list_of(COUNT), default=None)
 
 
 @_control(Kind.REJOIN)

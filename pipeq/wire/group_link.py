@@ -77,7 +77,8 @@ class GroupLink:
         self._out: dict[int, zmq.Socket] = {}
         self._inbox: dict[tuple[int, int, int], Sequence[torch.Tensor]] = {}
         self._bad_origin = 0
-        self.gone: set[int] = set()  # members whose messages are dropped (lost, until they are back)
+        # member lost (until it is back) -> the first step of its messages dropped (0: all of them)
+        self.gone: dict[int, int] = {}
         self._stale: dict[int, int] = {}  # member -> its messages of steps up to this one are dropped
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -159,7 +160,7 @@ class GroupLink:
         msg = codec.decode(body)
         if msg.kind is not self.kind:
             raise ProtocolError(f"{self.who}: {msg.kind.name} on the {self.kind.name} channel")
-        if sender in self.gone or msg.step <= self._stale.get(sender, -1):
+        if msg.step >= self.gone.get(sender, msg.step + 1) or msg.step <= self._stale.get(sender, -1):
             return  # from a member lost meanwhile (or from before it was rebuilt): stale
         key = (sender, msg.step, msg.microbatch)
         if key in self._inbox:
@@ -192,10 +193,11 @@ class GroupLink:
         return got
 
     # -- a member lost and rebuilt ---------------------------------------------------------------
-    def forget(self, member: int) -> None:
-        """``member`` is lost: drop what it sent and will still be found to have sent."""
-        self.gone.add(member)
-        for key in [k for k in self._inbox if k[0] == member]:
+    def forget(self, member: int, from_step: int = 0) -> None:
+        """``member`` is lost: drop what it sent and will still be found to have sent, for steps
+        from ``from_step`` on (what it sent for earlier steps is still filed and waited for)."""
+        first = self.gone[member] = min(from_step, self.gone.get(member, from_step))
+        for key in [k for k in self._inbox if k[0] == member and k[1] >= first]:
             del self._inbox[key]
 
     def rejoin(self, member: int, address: str, after_step: int) -> None:
@@ -209,7 +211,7 @@ class GroupLink:
             old.close(linger=0)
         self.forget(member)
         self._stale[member] = after_step
-        self.gone.discard(member)
+        self.gone.pop(member, None)
         self._out[member] = data_outlet(self.transport.ctx, self.transport.auth, address)
         if member in self._mac_out:  # the rebuilt process counts its sequence numbers from 1 again
             auth = self.transport.auth

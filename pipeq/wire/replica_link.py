@@ -26,10 +26,17 @@ class ReplicaLink(GroupLink):
 
     Replica r of stage k binds one more inbound socket and pushes to each sibling on a socket of
     its own. What travels is whole tensors for one ``(step, index)``: the gradient buckets of a
-    step, replica 0's weights at start. With ``fault_tolerance="replicas"`` the driver's LOST names a
-replica that is gone: :meth:`wait_replica` gives up on it at once, even in the middle of a wait
-(the notice is taken from the stage's queued commands), and REJOIN brings it back. In "authenticate" mode a message's MAC is that of the link
-    ``origin -> this replica`` (its label names the stage, the shard and both ends)."""
+    step, replica 0's weights at start. In "authenticate" mode a message's MAC is that of the link
+    ``origin -> this replica`` (its label names the stage, the shard and both ends).
+
+    With ``fault_tolerance="replicas"`` the driver's LOST names a replica that is gone and the
+    first gradient round it misses: :meth:`wait_replica` gives up on it at once for that round
+    and later ones, even in the middle of a wait (the notice is taken from the stage's queued
+    commands), but still waits for its buckets of an earlier round, which its processes, still
+    running, send; unless its process of this stage is dead (LOST's ``dead``): then what it sent
+    before it died is all there is. The stage ACKs the LOST once its rounds before the first one
+    missed are summed (:meth:`round_done`): only then does the driver stop the lost replica's
+    other processes. REJOIN brings the replica back."""
 
     def __init__(self, transport: StageTransport, bind: BindTo, *, stage: int, replica: int, replicas: int,
                  capacity: int, shard: int = 0) -> None:
@@ -42,6 +49,9 @@ replica that is gone: :meth:`wait_replica` gives up on it at once, even in the m
         super().__init__(transport, bind, me=replica, members=range(replicas), kind=Kind.REPLICA, capacity=capacity,
                          label=lambda a, b: f"{prefix}:{a}>{b}", who=f"stage {stage}, replica {replica}",
                          peer="replica", socket_name=f"s{transport.process}-replicas")
+        self.dead: set[int] = set()  # lost replicas whose process of this stage is dead
+        self.done_round = 0  # the last gradient round summed (pipeq.parallel.data.GradSync)
+        self._acks: list[tuple[int, int]] = []  # LOSTs to ACK: (the round to sum first, their step)
 
     def connect(self, addresses: Sequence[str | None]) -> None:
         """Connect to every other replica; ``addresses[r]`` is replica r's bound address."""
@@ -59,17 +69,55 @@ replica that is gone: :meth:`wait_replica` gives up on it at once, even in the m
         rest = []
         for m in queue:
             if m.kind is Kind.LOST:
-                self.forget(control.read(m, control.Lost).replica)
+                self.lose(control.read(m, control.Lost), m.step)
             else:
                 rest.append(m)
         queue.clear()
         queue.extend(rest)
 
+    def lose(self, notice: control.Lost, request: int) -> None:
+        """LOST (message step ``request``): forget its replica for the rounds from its
+        ``from_round`` on (for every round when it has none, or when this stage is among its
+        ``dead`` and nothing more comes); ACK once the rounds before are summed."""
+        self.forget(notice.replica, notice.from_round or 0)
+        if self.stage in (notice.dead or ()):
+            self.dead.add(notice.replica)
+        if notice.from_round is not None:
+            self._acks.append((notice.from_round - 1, request))
+            self.round_done(self.done_round)
+
+    def round_done(self, n: int) -> None:
+        """Gradient round ``n`` is summed: ACK every LOST that waited for it."""
+        self.done_round = n
+        due = [req for before, req in self._acks if before <= n]
+        self._acks = [(before, req) for before, req in self._acks if before > n]
+        for req in due:
+            self.transport.send_control(control.message(control.Ack(), req))
+
+    def skips(self, sender: int, step: int) -> bool:
+        """Whether round ``step`` goes on without replica ``sender`` (once what it sent is read)."""
+        return step >= self.gone.get(sender, step + 1) or (sender in self.gone and sender in self.dead)
+
     def wait_replica(self, sender: int, step: int, index: int) -> Sequence | None:
-        """Replica ``sender``'s message ``(step, index)``, or None once it is known to be lost."""
+        """Replica ``sender``'s message ``(step, index)``, or None once it is known that it
+        will not come (its replica is lost for that round, or its process is dead)."""
+        gave_up = False
+
         def lost() -> bool:
+            nonlocal gave_up
             self.take_notices()
-            return sender in self.gone
+            if not self.skips(sender, step):
+                return False
+            if step < self.gone[sender]:  # its process died: what it sent may be in the socket still
+                self._drain()
+                if (sender, step, index) in self._inbox:
+                    return False
+            gave_up = True
+            return True
 
         got = self.wait(sender, step, index, give_up=lost)
-        return None if sender in self.gone and not got else got
+        return None if gave_up else got
+
+    def rejoin(self, member: int, address: str, after_step: int) -> None:
+        self.dead.discard(member)
+        super().rejoin(member, address, after_step)

@@ -20,7 +20,7 @@ import pipeq
 from pipeq.checkpoint import global_state
 from pipeq.wire.messages import Kind
 
-from models import Chain, batches64, flat_state, stages64
+from models import Chain, SlowBackwardAt, batches64, flat_state, stages64
 from strays import wait_no_strays
 
 pytestmark = pytest.mark.timeout(90)
@@ -128,3 +128,28 @@ def test_pipeq_launch_records_the_step_with_fewer_replicas(monkeypatch, tmp_path
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert [m.get("replicas") for m in steps] == [None, None, 1, 1]
     assert not wait_no_strays(5.0)
+
+
+def test_a_step_still_summing_when_the_next_one_fails_is_not_degraded(monkeypatch):
+    """The step before the failing one is never degraded by the driver's own stop of the lost
+    replica. runner.step() sends step 3 once step 2's loss is in, while replica 1's stage 0 is
+    still in its last backward of step 2 (slowed here, 1.5 s): replica 1's stage 1 raises as
+    step 3 starts. Replica 1's processes are stopped only once replica 0's stage 0 has summed
+    step 2 with replica 1's gradients, so only step 3 is the mean over replica 0's samples."""
+    monkeypatch.setenv("PIPEQ_FAULT", f"stage:1,step:{FAILS_AT},kind:raise,replica:1")
+    stages, data = stages64(3), batches64(STEPS, BATCH)
+    marker = 42.0
+    data[FAILS_AT - 2][0][BATCH - 1, 0] = marker  # in replica 1's last microbatch of step FAILS_AT - 1
+    slow = [SlowBackwardAt(stages[0], marker, 1.5), *stages[1:]]
+    calm = [SlowBackwardAt(stages[0], marker, 1.5, armed=False), *stages[1:]]
+    ref, ref_losses = reference(calm, data, FAILS_AT)
+    runner = pipeq.PipelineRunner(slow, nn.CrossEntropyLoss(), ADAM, "1f1b", 2, data_parallel=2,
+                                  fault_tolerance="replicas", **FAST)
+    with runner:
+        losses = [runner.step(x, y) for x, y in data]
+        state = runner.state_dict()
+        assert runner.degraded_steps == {FAILS_AT: 1}
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    assert losses == pytest.approx(ref_losses, abs=1e-12)
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)

@@ -322,3 +322,34 @@ def batches64(n_steps: int, batch: int = 10, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (batch,), generator=g))
             for _ in range(n_steps)]
+
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward sleeps ``seconds`` first."""
+
+    @staticmethod
+    def forward(ctx, y, seconds):
+        ctx.seconds = seconds
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.seconds > 0:
+            time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SlowBackwardAt(nn.Module):
+    """``inner``, except that the backward of a microbatch whose input holds the value ``marker``
+    sleeps ``seconds`` first (when it reaches ``inner``'s output): it slows one replica's stage at
+    one step, picked by the data (``armed=False``: never; the same numbers either way)."""
+
+    def __init__(self, inner: nn.Module, marker: float, seconds: float, armed: bool = True) -> None:
+        super().__init__()
+        self.inner = inner
+        self.marker, self.seconds, self.armed = marker, seconds, armed
+
+    def forward(self, x):
+        slow = self.armed and bool((x == self.marker).any())
+        return _SlowBackward.apply(self.inner(x), self.seconds if slow else 0.0)

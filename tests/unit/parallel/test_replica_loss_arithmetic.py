@@ -72,6 +72,9 @@ class FakeLink:
     def send(self, step, index, tensors, to=None):
         self.sent.append((step, index))
 
+    def round_done(self, n):
+        self.done_round = n
+
     def wait_replica(self, sender, step, index):
         if index >= self.lost_after.get(sender, 1 << 30):
             self.gone.add(sender)

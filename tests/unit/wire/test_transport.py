@@ -450,3 +450,39 @@ def test_nobody_without_the_keys_joins_the_replicas_channel(mode):
             s.close(linger=0)
         ctx.term()
         _close(stages, links)
+
+
+@pytest.mark.timeout(30)
+def test_a_lost_replica_is_waited_for_before_its_first_missed_round_and_acked_past_it():
+    """LOST(from_round=3): replica 1 of stage 1 still waits for replica 0's buckets of round 2
+    (they come later), gives up on round 3 at once (what comes of it is dropped), and ACKs the
+    LOST once round 2 is summed. With stage 1 among ``dead``: round 2 is what came, nothing more."""
+    from pipeq.wire import control
+
+    where = make_ipc_dir()
+    server = ControlServer(BindTo.ipc(where))
+    stages, links = _replica_pair(BindTo.ipc(where), server_addr=server.address)
+    try:
+        a, b = links
+        stages[1].send_control(Message(Kind.READY))  # connect the stage's control socket
+        wait_for(lambda: server.recv(100))
+        b.round_done(1)
+        b.lose(control.Lost(replica=0, from_round=3), -7)
+        assert server.recv(200) is None  # round 2 is not summed yet: no ACK
+        a.send(3, 0, [torch.ones(1)])
+        a.send(2, 0, [torch.full((1,), 2.0)])
+        assert torch.equal(b.wait_replica(0, 2, 0)[0], torch.full((1,), 2.0))
+        assert b.wait_replica(0, 3, 0) is None and not b.skips(0, 2) and b.skips(0, 3)
+        b.round_done(2)
+        peer, ack = server.recv(2000)
+        assert (peer.index, ack.kind, ack.step) == (3, Kind.ACK, -7)
+        b.lose(control.Lost(replica=0, from_round=3, dead=[1]), -8)  # its stage 1 died: ACKed at once
+        assert server.recv(2000)[1].step == -8
+        a.send(2, 1, [torch.full((1,), 3.0)])
+        wait_for(lambda: True if b._drain() or (0, 2, 1) in b._inbox else None)  # (arrived before it died)
+        assert torch.equal(b.wait_replica(0, 2, 1)[0], torch.full((1,), 3.0))  # sent before it died
+        assert b.wait_replica(0, 2, 2) is None  # never sent
+    finally:
+        _close(stages, links)
+        server.close()
+        remove_ipc_dir(where)
