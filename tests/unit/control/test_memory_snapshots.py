@@ -60,10 +60,10 @@ def test_snapshot_steps_count_from_first_step_and_bad_settings_are_refused():
         data = _batches(6)
         list(r.stream(data[:1]))
         r.predict(data[0][0])  # an evaluation's batches are no training steps
-        list(r.stream(data[1:3]))
+        list(r.stream(data[1:2]))
         at_12, after_12 = r.snapshot, r.state_dict()
         assert at_12.step == 12
-        list(r.stream(data[3:]))
+        list(r.stream(data[2:]))
         assert r.snapshot.step == 16
         with _runner() as again:
             again.restore_snapshot(at_12)
