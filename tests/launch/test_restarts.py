@@ -77,8 +77,8 @@ def test_a_random_kill_is_recovered_too(whole, tmp_path, monkeypatch):
 def test_a_restart_after_a_stage_death_loads_the_in_memory_snapshot_without_reading_the_disk(whole, tmp_path,
                                                                                               monkeypatch):
     """Snapshots every step, no checkpoint: stage 2 killed as step 5 starts resumes from the
-    snapshot of step 3 (the newest step the driver had finished: its line written), and no
-    checkpoint is read."""
+    snapshot of step 3 (the newest step the driver had finished: its line written; an older one
+    if its answers had not come in), and no checkpoint is read."""
     from pipeq import checkpoint
     from pipeq.control.state import RunnerState
 
@@ -93,8 +93,10 @@ def test_a_restart_after_a_stage_death_loads_the_in_memory_snapshot_without_read
     assert r.returncode == 0, r.stderr
     restart = [ln for ln in metrics(out) if "restart" in ln]
     assert len(restart) == 1 and restart[0]["state_from"] == "memory", restart
-    assert restart[0]["resumed_from"] == 3 and restart[0]["unfinished_step"] == 4, restart
-    assert "in-memory snapshot of step 3" in r.stderr
+    # step 3's snapshot, or under load (its answers not in when the failure came) an older one
+    step = restart[0]["resumed_from"]
+    assert 1 <= step <= 3 and restart[0]["unfinished_step"] == 4, restart
+    assert f"in-memory snapshot of step {step}" in r.stderr
     assert_same_state(model_state(out), model_state(whole))
     assert [ln["step"] for ln in metrics(out) if "loss" in ln] == [1, 2, 3, 4, 5, 6]
 
