@@ -22,22 +22,12 @@ import pytest
 import store_forger
 from launch_util import (REFERENCE_STEPS, ROOT, SECRET, SUPPORT, assert_same_state, free_port, launch_cmd, launch_here,
                          metrics, model_state, secret_env)
-from netns import TwoHosts, netns_available
+from netns import TwoHosts
 
 pytestmark = pytest.mark.timeout(240)
 
 PORT = 29517  # each namespace has its own port space: no clash with anything on the machine
 STEPS = REFERENCE_STEPS  # the steps of conftest.py's single_host_digits (shared with test_workers)
-
-
-@pytest.fixture
-def hosts():
-    reason = netns_available()
-    # .ci/run installs iproute2; a machine where this still fails must not pass silently
-    assert reason is None, f"network namespaces are needed for this test: {reason}"
-    with TwoHosts() as h:
-        yield h
-    assert h.leftover == {h.a: [], h.b: []}, f"processes left in the namespaces: {h.leftover}"
 
 
 def _node(h: TwoHosts, ns: str, rank: int, out: str, *extra: str) -> subprocess.Popen:

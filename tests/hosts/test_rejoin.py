@@ -22,20 +22,11 @@ import time
 import pytest
 
 from launch_util import REFERENCE_STEPS, ROOT, assert_same_state, launch_cmd, metrics, model_state, secret_env
-from netns import TwoHosts, netns_available
+from netns import TwoHosts
 
 PORT = 29518
 ARGS = ("--steps", str(REFERENCE_STEPS), "--checkpoint-every", "2", "--max-restarts", "2", "--heartbeat-timeout", "2")
 HANG = "stage:1,step:4,kind:hang"  # node 1's stage 1 stops making progress at step 4 (heartbeats go on)
-
-
-@pytest.fixture
-def hosts():
-    reason = netns_available()
-    assert reason is None, f"network namespaces are needed for this test: {reason}"
-    with TwoHosts() as h:
-        yield h
-    assert h.leftover == {h.a: [], h.b: []}, f"processes left in the namespaces: {h.leftover}"
 
 
 class Node:
