@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from pipeq.control import rendezvous as rdzv
-from pipeq.launch.job.keys import LENGTH_RULE
+from pipeq.launch.job.keys import KEYS, LENGTH_RULE
 
 __all__ = ["EPILOG", "add_arguments", "job_overrides"]
 
@@ -31,13 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     length.add_argument("--epochs", type=int, help="passes over the job's data (replaces the file's steps or epochs)")
     g.add_argument("--schedule", help="schedule name, e.g. 1f1b or pairwise (replaces the job's schedule "
                    "table; options need the table)")
-    g.add_argument("--microbatches", type=int)
+    g.add_argument("--microbatches", type=int, metavar="M", help=f"{KEYS['microbatches'].help} (default {KEYS['microbatches'].default})")
     g.add_argument("--out", help="output directory")
     g.add_argument("--seed", type=int, help="seed of the stages' initial weights")
     g.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps (0: never)")
     g.add_argument("--keep-checkpoints", type=int, metavar="K", help="keep the newest K checkpoints (0: all)")
     g.add_argument("--eval-every", type=int, metavar="N", help="evaluate every N steps (0: at the end)")
-    g.add_argument("--threads-per-stage", type=int)
+    g.add_argument("--threads-per-stage", type=int, metavar="T", help=KEYS["threads_per_stage"].help)
     g.add_argument("--data-parallel", type=int, metavar="R", help="R replicas of the pipeline, gradients all-reduced")
     g.add_argument("--tensor-parallel", type=int, metavar="T",
                    help="each stage split over T processes of one host, as the job's tp_plan says")

@@ -63,13 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="where to write it (a new directory for dcp, a file otherwise)")
     from pipeq import launch
     from pipeq.launch import args as launch_args
-    from pipeq.launch import command as launch_command
 
     p = sub.add_parser("launch", help="train a job file (TOML), on one host or several",
                        description=launch.__doc__.split("\n\n")[0] if launch.__doc__ else None)
     launch_args.add_arguments(p)
     args = parser.parse_args(argv)
     if args.command == "launch":
+        from pipeq.launch import command as launch_command  # torch: only now, not for --help
+
         return launch_command.run(args)
     try:
         if args.command == "schedule":
