@@ -12,12 +12,13 @@ from pipeq import checkpoint
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import PipelineError
 from pipeq.launch.checkpoints import Checkpoints
+from pipeq.launch.data import total_steps
 from pipeq.launch.elastic import GIVE_UP, REPLACE, Elastic
 from pipeq.launch.job import Job
 from pipeq.launch.loop import TrainingLoop
 from pipeq.launch.progress import Progress, print_summary
 from pipeq.launch.restarts import Restarts
-from pipeq.launch.rundir import RunDir, RunDirError
+from pipeq.launch.rundir import RunDir, RunDirError, checkpoint_step
 from pipeq.launch.signals import StopSignals
 from pipeq.launch.snapshots import Snapshots
 
@@ -61,9 +62,33 @@ class Trainer:
         try:
             if gone:
                 self.log(f"--overwrite: deleted the previous run's {', '.join(gone)} in {self.out}")
+            done = self._finished()
+            if done is not None:
+                self.log(done)
+                return 0
             return self._run()
         finally:
             self.run_dir.release()
+
+    def _finished(self) -> str | None:
+        """--resume of a run whose final state already holds the job's last step (one host): what
+        to say instead of starting the stages. None: there is more to train, or the job's length
+        is only known as it trains (a generator's epochs), or other nodes wait for this one."""
+        if not self.resume or self.rz is not None:
+            return None
+        final_step = checkpoint_step(self.run_dir.final)
+        newest = self.run_dir.newest_checkpoint()
+        if final_step is None or newest is None or checkpoint_step(newest) != final_step:
+            return None
+        try:
+            total = total_steps(self.job)
+        except Exception:  # the data's own error: said where the run checks its data
+            return None
+        if total is None or final_step < total:
+            return None
+        return (f"--resume: this run already trained all {total} steps of the job (its final state is "
+                f"step {final_step}); no new step, no stage started. Pass a larger --steps or --epochs to "
+                "train it further")
 
     def _runner(self) -> Any:
         """The job's PipelineRunner, not started yet (a ``ValueError`` names what is wrong)."""
@@ -132,11 +157,10 @@ class Trainer:
             self.log(str(exc))
             return 2, None
         try:
+            self.log(f"starting {self._processes(runner)}...")
             t0 = time.perf_counter()
             with runner:
-                job = self.job
-                self.log(f"{runner.n_stages * job.data_parallel * job.tensor_parallel} stage processes started in "
-                         f"{time.perf_counter() - t0:.1f} s")
+                self.log(f"stages ready in {time.perf_counter() - t0:.1f} s")
                 self.signals.graceful = True
                 try:
                     self.train(runner)
@@ -166,6 +190,14 @@ class Trainer:
         if self.signals.stopping:
             return self.signals.exit_code(), None
         return 0, None
+
+    def _processes(self, runner: Any) -> str:
+        """What the runner starts: "3 stages", or "12 stage processes (3 stages x 2 replicas x 2 shards)"."""
+        n, dp, tp = runner.n_stages, self.job.data_parallel, self.job.tensor_parallel
+        if dp * tp == 1:
+            return f"{n} stage{'s' if n != 1 else ''}"
+        parts = [f"{n} stages"] + ([f"{dp} replicas"] if dp > 1 else []) + ([f"{tp} shards"] if tp > 1 else [])
+        return f"{n * dp * tp} stage processes ({' x '.join(parts)})"
 
     def train(self, runner: Any) -> None:
         """Train the job on ``runner`` (its stages started), from the start or (--resume) the

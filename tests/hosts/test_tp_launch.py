@@ -42,7 +42,7 @@ def test_job_file_tensor_parallel_over_two_nodes_matches_t1(tmp_path, capfd) -> 
                 p.communicate()
     for r, p in nodes.items():
         assert p.returncode == 0, f"node {r}: {results[r][1][-3000:]}"
-    assert "6 stage processes started" in results[0][1]  # 3 stages x 2 shards
+    assert "starting 6 stage processes (3 stages x 2 shards)" in results[0][1]
     # node 1 runs stages 1 and 2 (the default placement of 3 stages on 2 nodes): their leads
     # (processes 1, 2) and their shards 1 (processes 3 + 1, 3 + 2), all on the node's host
     started = re.search(r"node 1: started stage\(s\) (\[[\d, ]*\])", results[1][1])

@@ -28,7 +28,7 @@ def test_launch_measures_once_and_trains_data_parallel(tmp_path, capsys) -> None
     finally:
         os.chdir(cwd)
     assert wait_no_strays() == []
-    assert "4 stage processes started" in capsys.readouterr().err
+    assert "starting 4 stage processes (2 stages x 2 replicas)..." in capsys.readouterr().err
     losses = [line["loss"] for line in metrics(str(out))]
     assert len(losses) == 4
     # two replicas, each on half of every batch: a step is still one full-batch step (seed 0: the job's)

@@ -110,6 +110,27 @@ def test_resume_continues_to_the_same_parameters(uninterrupted: str, launched, t
     assert [ln["step"] for ln in metrics(out)] == list(range(1, 41))
 
 
+def test_resume_of_a_finished_run_starts_no_stage(launched, tmp_path, monkeypatch) -> None:
+    """--resume of a run that trained all its steps says so, and starts no process (exit 0)."""
+    from pipeq.control.runner import PipelineRunner
+
+    out = str(tmp_path / "run")
+    first_out, first = launched["fresh"]  # 20 steps: its final state is step 20
+    assert first.returncode == 0, first.stderr
+    shutil.copytree(first_out, out)
+    before = metrics(out)
+
+    def refuse(self):
+        raise AssertionError("a finished run's --resume started the stages")
+
+    monkeypatch.setattr(PipelineRunner, "start", refuse)
+    again = launch_here("--steps", "20", "--checkpoint-every", "20", "--out", out, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "already trained all 20 steps" in again.stderr and "no stage started" in again.stderr
+    assert "starting" not in again.stderr and again.stdout == ""
+    assert metrics(out) == before
+
+
 def test_resume_without_checkpoint_starts_fresh(launched) -> None:
     out, r = launched["fresh"]
     assert r.returncode == 0, r.stderr
