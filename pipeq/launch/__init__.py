@@ -20,9 +20,14 @@ across batches; it drains only before an evaluation, a checkpoint and the end), 
     final/                       the same, for the final state
     model.pt                     the final parameters and buffers, a plain state_dict of the
                                  flat model nn.Sequential(*layers) (global names)
-    metrics.jsonl                one JSON line per step: step, epoch, loss, samples_per_s, lr (the
-                                 learning rate the step trained with), and eval_loss /
-                                 eval_accuracy / eval_NAME (the job's metrics) where evaluated
+    metrics.jsonl                one JSON line per step: step, epoch, loss, samples_per_s (the
+                                 step's own), samples_per_s_avg (over the last 20 steps: what the
+                                 progress shows), lr (the learning rate the step trained with), and
+                                 eval_loss / eval_accuracy / eval_NAME (the job's metrics) where
+                                 evaluated
+
+Epochs: messages count them from 1 (the first epoch is epoch 1); metrics.jsonl's ``epoch`` field
+and a checkpoint's counts them from 0, as the job's ``data(epoch)`` receives them.
 
 With ``lr_scheduler_interval = "epoch"`` the stream also drains at the end of each epoch that
 another follows, and the schedulers step there (``runner.scheduler_step``), before the next

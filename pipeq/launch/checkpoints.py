@@ -11,6 +11,7 @@ from pipeq import checkpoint
 from pipeq.checkpoint.export import model_state
 from pipeq import schedules
 from pipeq.launch.job import Job
+from pipeq.launch.progress import shown_epoch
 from pipeq.launch.rundir import RunDir, checkpoint_step
 
 __all__ = ["Checkpoints"]
@@ -41,7 +42,7 @@ class Checkpoints:
             snap, (epoch, skip) = memory
             runner.restore_snapshot(snap)
             self.source = "memory"
-            self.log(f"resumed from the in-memory snapshot of step {snap.step} (epoch {epoch})")
+            self.log(f"resumed from the in-memory snapshot of step {snap.step} (epoch {shown_epoch(epoch, skip)})")
             return snap.step, epoch, skip
         if found is None:
             self.log(f"--resume: no complete checkpoint under {self.run_dir.checkpoints}; starting fresh")
@@ -49,7 +50,7 @@ class Checkpoints:
         meta = runner.load(found)
         self.source = "disk"
         step, epoch, skip = int(meta["step"]), int(meta["epoch"]), int(meta["batch"])
-        self.log(f"resumed from {found} (step {step}, epoch {epoch})")
+        self.log(f"resumed from {found} (step {step}, epoch {shown_epoch(epoch, skip)})")
         return step, epoch, skip
 
     def due(self, step: int) -> bool:

@@ -65,7 +65,7 @@ class EpochLosses:
     def mean(self, epoch: int) -> float:
         """``epoch``'s train_loss: the mean of its step losses."""
         if epoch != self.epoch or not self.losses:
-            raise ValueError(f"lr_scheduler_monitor = 'train_loss': no step loss of epoch {epoch} to average")
+            raise ValueError(f"lr_scheduler_monitor = 'train_loss': no step loss of epoch {epoch + 1} to average")
         return sum(self.losses) / len(self.losses)
 
 

@@ -9,7 +9,7 @@ from pipeq.launch.data import Batches, EpochLosses, job_batches, total_steps
 from pipeq.launch.evaluator import Evaluator
 from pipeq.launch.job import Job
 from pipeq.launch.metrics import MetricsLog
-from pipeq.launch.progress import Progress, Tally
+from pipeq.launch.progress import MovingRate, Progress, Tally
 from pipeq.launch.rundir import RunDir
 from pipeq.launch.signals import StopSignals
 from pipeq.launch.snapshots import Snapshots
@@ -42,6 +42,7 @@ class TrainingLoop:
         self.losses = EpochLosses(epoch, self.metrics.losses(epoch))
         self.total = total_steps(job)
         self.tally = Tally()
+        self.rate = MovingRate()  # samples/s over the last steps (metrics.jsonl: samples_per_s_avg)
         self.progress.start(self.total, step)
         self.last_eval: dict[str, float] = {}
         self.last: dict[str, Any] | None = None  # the last step's line, written with the final evaluation
@@ -80,6 +81,9 @@ class TrainingLoop:
         self.tally.add(done.size, done.loss)
         self.losses.add(done.epoch, done.loss)
         line = done.line()
+        average = self.rate.add(done.size, done.seconds)
+        if average is not None:
+            line["samples_per_s_avg"] = average
         final = self.total is not None and self.step >= self.total
         evaluated = None
         # train_steps ends a segment at these steps: the state is this step's

@@ -10,8 +10,8 @@ __all__ = ["MetricsLog"]
 
 
 class MetricsLog:
-    """The run's metrics.jsonl: one JSON line per step (step, epoch, loss, samples_per_s, lr, and
-    eval_* where evaluated). Open (``with``) to append lines."""
+    """The run's metrics.jsonl: one JSON line per step (step, epoch counted from 0, loss,
+    samples_per_s, samples_per_s_avg, lr, and eval_* where evaluated). Open (``with``) to append lines."""
 
     def __init__(self, path: str) -> None:
         self.path = path

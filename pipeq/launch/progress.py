@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from dataclasses import dataclass, field
@@ -10,7 +11,35 @@ from typing import Any, Callable, TextIO
 from pipeq.launch.job import Job
 from pipeq.launch.rundir import RunDir
 
-__all__ = ["Progress", "Tally", "print_summary"]
+__all__ = ["Progress", "Tally", "MovingRate", "print_summary", "shown_epoch"]
+
+#: The steps samples/s is averaged over, in the progress bar, the log lines and metrics.jsonl.
+RATE_WINDOW = 20
+
+
+def shown_epoch(epoch: int, batch: int) -> int:
+    """The epoch, counted from 1 as every message counts them, of the step before position
+    (``epoch``, ``batch``): a checkpoint's (counted from 0, as ``data(epoch)`` receives it, and as
+    metrics.jsonl's ``epoch`` field keeps it) names the next batch, which may begin an epoch."""
+    return epoch + 1 if batch > 0 or epoch == 0 else epoch
+
+
+class MovingRate:
+    """samples/s over the last ``window`` steps: their samples over their seconds. One step's own
+    figure jumps (a step's time is the wait since the previous loss, and the pipeline fills and
+    drains around evaluations and checkpoints); this one moves smoothly."""
+
+    def __init__(self, window: int = RATE_WINDOW) -> None:
+        self.steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=max(1, window))
+
+    def add(self, samples: int, seconds: float) -> float | None:
+        """One more step's samples and seconds; the average so far (None: no time measured yet)."""
+        self.steps.append((samples, seconds))
+        return self.rate()
+
+    def rate(self) -> float | None:
+        seconds = sum(t for _, t in self.steps)
+        return sum(n for n, _ in self.steps) / seconds if seconds > 0 else None
 
 
 class Progress:
@@ -36,7 +65,7 @@ class Progress:
 
     def report(self, line: dict[str, Any]) -> None:
         """A step's metrics.jsonl line, shown."""
-        sps = line["samples_per_s"]
+        sps = line.get("samples_per_s_avg", line["samples_per_s"])  # the moving average, when there is one
         # the job's own metrics beside the accuracy (eval_loss stays in metrics.jsonl)
         extra = {k: v for k, v in line.items() if k.startswith("eval_") and k not in ("eval_loss", "eval_accuracy")}
         if self._bar is not None:
