@@ -5,7 +5,8 @@
 
 Each stage runs in its own process (pinned to its share of the CPU cores, or to cuda:k when CUDA
 is there); activations and gradients travel between them over ZeroMQ. The run prints the loss
-per epoch and the held-out accuracy, and checks the result against nothing but the labels.
+per epoch (with a progress bar of its steps) and the held-out accuracy, and checks the result
+against nothing but the labels. It says what it does at once: torch is imported after that line.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import argparse
 import functools
 import time
 
-import torch
-from torch import nn
-
-import pipeq
+import pipeq  # light: no torch (it comes in with the first function that needs it)
 
 
 def load_digits(seed: int = 0):
     """sklearn's bundled 8x8 digits (1797 images, offline): standardized train/test tensors."""
+    import torch
+
     try:
         from sklearn.datasets import load_digits as _load
     except ImportError:  # an optional dependency: pipeq itself does not need it
@@ -41,6 +41,9 @@ def load_digits(seed: int = 0):
 
 
 def make_stages(seed: int = 0) -> list[nn.Module]:
+    import torch
+    from torch import nn
+
     torch.manual_seed(seed)
     return [
         nn.Sequential(nn.Linear(64, 128), nn.ReLU()),
@@ -52,6 +55,10 @@ def make_stages(seed: int = 0) -> list[nn.Module]:
 def train(schedule: str = "1f1b", mode: str = "process", epochs: int = 8, batch: int = 64,
           microbatches: int = 4, lr: float = 0.05, verbose: bool = True) -> float:
     """Train on digits through a PipelineRunner; returns the held-out accuracy."""
+    import torch
+    from torch import nn
+    from tqdm import tqdm
+
     x_train, y_train, x_test, y_test = load_digits()
     runner = pipeq.PipelineRunner(
         make_stages(),
@@ -62,16 +69,26 @@ def train(schedule: str = "1f1b", mode: str = "process", epochs: int = 8, batch:
         mode=mode,
     )
     g = torch.Generator().manual_seed(1)
+    steps_per_epoch = -(-len(x_train) // batch)
+    if verbose:
+        print(f"starting {runner.n_stages} stages...", flush=True)
+    t_start = time.perf_counter()
     with runner:
+        if verbose:
+            print(f"stages ready in {time.perf_counter() - t_start:.1f} s; training {epochs} epochs of "
+                  f"{steps_per_epoch} steps", flush=True)
         t0 = time.perf_counter()
-        for epoch in range(epochs):
-            perm = torch.randperm(len(x_train), generator=g)
-            losses = []
-            for i in range(0, len(perm), batch):
-                idx = perm[i : i + batch]
-                losses.append(runner.step(x_train[idx], y_train[idx]))
-            if verbose:
-                print(f"epoch {epoch + 1}: mean loss {sum(losses) / len(losses):.4f}")
+        with tqdm(total=epochs * steps_per_epoch, unit="step", disable=not verbose, dynamic_ncols=True) as bar:
+            for epoch in range(epochs):
+                perm = torch.randperm(len(x_train), generator=g)
+                losses = []
+                for i in range(0, len(perm), batch):
+                    idx = perm[i : i + batch]
+                    losses.append(runner.step(x_train[idx], y_train[idx]))
+                    bar.set_postfix(epoch=epoch + 1, loss=f"{losses[-1]:.4f}", refresh=False)
+                    bar.update(1)
+                if verbose:
+                    bar.write(f"epoch {epoch + 1}: mean loss {sum(losses) / len(losses):.4f}")
         elapsed = time.perf_counter() - t0
         accuracy = (runner.predict(x_test).argmax(1) == y_test).float().mean().item()
     if verbose:
@@ -89,4 +106,6 @@ if __name__ == "__main__":  # required: stage processes re-import this file
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)
     args = p.parse_args()
+    print(f"pipeq example: a 3-stage MLP learns scikit-learn's digits ({args.schedule}, {args.mode} mode, "
+          f"{args.epochs} epochs)", flush=True)
     train(args.schedule, args.mode, args.epochs, microbatches=args.microbatches)

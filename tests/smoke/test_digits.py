@@ -44,3 +44,30 @@ def test_three_stage_mlp_learns_digits():
     assert before < 0.3
     assert last < first / 4
     assert accuracy > 0.90, f"held-out accuracy {accuracy:.1%}"
+
+
+@pytest.mark.timeout(30)
+def test_train_digits_says_what_it_does_within_a_second():
+    """``python examples/train_digits.py`` prints what it does before torch's import (seconds) and
+    the stages' start-up: its first line comes within a second (then it is stopped: simulated mode,
+    no stage process to leave behind)."""
+    import os
+    import select
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, os.path.join(root, "examples", "train_digits.py"), "--mode", "simulated",
+                          "--epochs", "1"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "PYTHONPATH": root, "PYTHONUNBUFFERED": "1"})
+    try:
+        ready, _, _ = select.select([p.stdout], [], [], 1.0)
+        first = p.stdout.readline().decode() if ready else ""
+        waited = time.perf_counter() - t0
+    finally:
+        p.kill()
+        p.communicate()
+    assert first.startswith("pipeq example: a 3-stage MLP learns scikit-learn's digits"), (first, waited)
+    assert waited < 1.0, waited
