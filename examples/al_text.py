@@ -113,6 +113,9 @@ import sys
 import time
 from typing import Any, Sequence
 
+if __name__ == "__main__":  # said at once: importing torch takes a second or two
+    print(f"pipeq example: {__doc__.splitlines()[0]}", flush=True)
+
 import torch
 from torch import nn
 from torch.nn import functional as F

@@ -39,6 +39,9 @@ import os
 import sys
 import time
 
+if __name__ == "__main__":  # said at once: importing torch takes a second or two
+    print(f"pipeq example: {__doc__.splitlines()[0]}", flush=True)
+
 import torch
 from torch import nn
 

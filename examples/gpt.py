@@ -29,6 +29,9 @@ import zlib
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
+if __name__ == "__main__":  # said at once: importing torch takes a second or two
+    print(f"pipeq example: {__doc__.splitlines()[0]}", flush=True)
+
 import torch
 import torch.nn.functional as F
 from torch import nn

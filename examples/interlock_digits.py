@@ -51,6 +51,9 @@ import functools
 import re
 import time
 
+if __name__ == "__main__":  # said at once: importing torch takes a second or two
+    print(f"pipeq example: {__doc__.splitlines()[0]}", flush=True)
+
 import torch
 from torch import nn
 

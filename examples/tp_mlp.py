@@ -95,6 +95,9 @@ import time
 import os
 import sys
 
+if __name__ == "__main__":  # said at once: importing torch takes a second or two
+    print(f"pipeq example: {__doc__.splitlines()[0]}", flush=True)
+
 import torch
 from torch import nn
 
