@@ -51,6 +51,7 @@ if __name__ == "__main__":  # said at once: importing torch takes a second or tw
     print(f"pipeq example: {__doc__.splitlines()[0]}", flush=True)
 
 import torch
+from tqdm import tqdm
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -116,7 +117,9 @@ def train(method: str, mode: str = "process", epochs: int = 10, batch: int = 64,
             t0 = time.perf_counter()
             for epoch in range(epochs):
                 perm = torch.randperm(len(x_train), generator=g)
-                losses = [runner.step(x_train[idx], y_train[idx]) for idx in perm.split(batch)]
+                bar = tqdm(perm.split(batch), desc=f"{method} epoch {epoch + 1}", unit="step", leave=False,
+                           disable=not verbose)
+                losses = [runner.step(x_train[idx], y_train[idx]) for idx in bar]
                 if verbose:
                     what = "associated loss (last layer)" if method == "AL" else "cross-entropy"
                     print(f"  {method:4s} epoch {epoch + 1}: mean {what} {sum(losses) / len(losses):.4f}",

@@ -43,6 +43,7 @@ if __name__ == "__main__":  # said at once: importing torch takes a second or tw
     print(f"pipeq example: {__doc__.splitlines()[0]}", flush=True)
 
 import torch
+from tqdm import tqdm
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,13 +72,17 @@ def train(replicas: int = 2, epochs: int = 8, batch: int = 64, microbatches: int
     t_start = time.perf_counter()
     with runner:
         t0 = time.perf_counter()
-        for _ in range(epochs):
-            perm = torch.randperm(len(x_train), generator=g)
-            losses = []
-            for i in range(0, len(perm), batch):
-                idx = perm[i:i + batch]
-                losses.append(runner.step(x_train[idx], y_train[idx]))
-                steps += 1
+        per_epoch = -(-len(x_train) // batch)
+        with tqdm(total=epochs * per_epoch, desc=f"R = {replicas}", unit="step", leave=False,
+                  disable=not verbose) as bar:
+            for _ in range(epochs):
+                perm = torch.randperm(len(x_train), generator=g)
+                losses = []
+                for i in range(0, len(perm), batch):
+                    idx = perm[i:i + batch]
+                    losses.append(runner.step(x_train[idx], y_train[idx]))
+                    steps += 1
+                    bar.update(1)
         seconds = time.perf_counter() - t0
         accuracy = (runner.predict(x_test).argmax(1) == y_test).float().mean().item()
         state = runner.state_dict()

@@ -55,6 +55,7 @@ if __name__ == "__main__":  # said at once: importing torch takes a second or tw
     print(f"pipeq example: {__doc__.splitlines()[0]}", flush=True)
 
 import torch
+from tqdm import tqdm
 from torch import nn
 
 import pipeq
@@ -128,7 +129,8 @@ def train(scheme: str, mode: str = "process", epochs: int = 6, batch: int = 64,
         for epoch in range(epochs):
             perm = torch.randperm(len(x_train), generator=g)
             batches = perm.split(batch)[:steps_per_epoch]
-            losses = [runner.step(x_train[idx], y_train[idx]) for idx in batches]
+            bar = tqdm(batches, desc=f"{scheme} epoch {epoch + 1}", unit="step", leave=False, disable=not verbose)
+            losses = [runner.step(x_train[idx], y_train[idx]) for idx in bar]
             if verbose:
                 print(f"  {scheme:9s} epoch {epoch + 1}: mean loss {sum(losses) / len(losses):.4f}",
                       flush=True)
