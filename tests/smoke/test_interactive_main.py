@@ -72,9 +72,10 @@ def _trained(out: str) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_script_piped_through_stdin_trains(tmp_path):
-    """``python - < train.py`` with the default start method: the stages do not run ``<stdin>``
-    again (FileNotFoundError before), and get the script's stage class by value."""
-    r = subprocess.run([sys.executable, "-"], input=SCRIPT.format(start_method="spawn"), cwd=tmp_path,
+    """``python - < train.py``: the stages do not run ``<stdin>`` again (FileNotFoundError before),
+    and get the script's stage class by value. (With the fork server, one torch import fewer than
+    spawn's; both prepare a stage's ``__main__`` alike: tests/unit/test_main_by_value.py.)"""
+    r = subprocess.run([sys.executable, "-"], input=SCRIPT.format(start_method="forkserver"), cwd=tmp_path,
                        env=_env(), capture_output=True, text=True, timeout=80)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
