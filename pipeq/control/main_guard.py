@@ -18,6 +18,7 @@ if it names ``__main__``. Either way the pickles reach a stage only through its 
 from __future__ import annotations
 
 import ast
+import builtins
 import contextlib
 import io
 import os
@@ -56,7 +57,7 @@ def check_picklable(what: str, obj: Any, *, by_value: bool = False) -> None:
     ``obj`` travels as :func:`stage_pickle` makes it (by value, when ``__main__`` has no file)."""
     if by_value and main_without_file():
         try:
-            _cloudpickle(what).dumps(obj)
+            _by_value_pickler(what)(io.BytesIO()).dump(obj)
         except MainScriptError:
             raise
         except Exception as exc:
@@ -91,9 +92,11 @@ def main_without_file() -> bool:
 def stage_pickle(obj: Any) -> bytes:
     """``obj`` pickled for a stage process (see :func:`check_picklable` with ``by_value``): as
     usual, or when ``__main__`` has no file with cloudpickle, which ships what ``__main__``
-    defines (classes, functions, lambdas) by value and everything else by reference."""
+    defines (classes, functions, lambdas) by value and everything else as pickle does."""
     if main_without_file():
-        return _cloudpickle("the stages").dumps(obj)
+        buf = io.BytesIO()
+        _by_value_pickler("the stages")(buf).dump(obj)
+        return buf.getvalue()
     return pickle.dumps(obj)
 
 
@@ -116,7 +119,15 @@ def starting_stages() -> Iterator[None]:
             main.__file__ = path
 
 
-def _cloudpickle(what: str) -> Any:
+_PICKLER: list[type] = []
+
+
+def _by_value_pickler(what: str) -> type:
+    """cloudpickle's Pickler, by value for what ``__main__`` defines only: any other class or
+    function goes by reference as with pickle (a lambda or local class of a module is refused,
+    as it is when ``__main__`` has a file)."""
+    if _PICKLER:
+        return _PICKLER[0]
     try:
         import cloudpickle
     except ImportError:
@@ -124,7 +135,19 @@ def _cloudpickle(what: str) -> Any:
             f"{what}: __main__ has no file here (a notebook, python - or python -c), so what it defines "
             "is shipped to the stage processes with cloudpickle, which is not installed: pip install "
             "cloudpickle, define the stages in a module of their own, or use mode='simulated'") from None
-    return cloudpickle
+
+    class MainByValue(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, (type, types.FunctionType)):
+                module = getattr(obj, "__module__", None)
+                # pickle's own, by reference, but for __main__'s and the types of what makes up a
+                # function by value (code, cell: not found by name in builtins)
+                if module != "__main__" and (module != "builtins" or getattr(builtins, obj.__qualname__, None) is obj):
+                    return NotImplemented
+            return super().reducer_override(obj)
+
+    _PICKLER.append(MainByValue)
+    return MainByValue
 
 
 def main_script() -> "tuple[str, ast.Module] | None":

@@ -25,7 +25,6 @@ def _fake_main(monkeypatch, **attrs) -> types.ModuleType:
 
 
 def test_which_mains_have_no_file(monkeypatch, tmp_path):
-    assert not main_guard.main_without_file()  # pytest's own: a file
     _fake_main(monkeypatch)
     assert main_guard.main_without_file()  # a notebook, python -c
     _fake_main(monkeypatch, __file__="<stdin>")
@@ -47,7 +46,15 @@ def test_what_main_defines_travels_by_value(monkeypatch):
     with pytest.raises(AttributeError):
         pickle.loads(plain)
     assert pickle.loads(data).x == 3
-    main_guard.check_picklable("loss_fn", lambda out, y: out.sum(), by_value=True)  # lambdas too
+    exec("loss = lambda out, y: out.sum()", main.__dict__)
+    main_guard.check_picklable("loss_fn", main.loss, by_value=True)  # lambdas too
+
+
+def test_only_what_main_defines_travels_by_value(monkeypatch):
+    """A module's lambda is refused as when __main__ has a file (the stage could not import it)."""
+    _fake_main(monkeypatch)
+    with pytest.raises(ValueError, match="optimizer cannot be pickled to start its stage process"):
+        main_guard.check_picklable("optimizer", lambda params: None, by_value=True)
 
 
 def test_what_travels_by_name_is_refused_saying_what_to_do(monkeypatch):
