@@ -61,8 +61,9 @@ def check_picklable(what: str, obj: Any, *, by_value: bool = False) -> None:
         except MainScriptError:
             raise
         except Exception as exc:
-            raise ValueError(f"{what} cannot be pickled to start its stage process ({exc}); define it in a "
-                             "module of its own and import it, or use mode='simulated'") from exc
+            raise ValueError(f"{what} cannot be pickled to start its stage process ({exc}); define classes "
+                             "and functions in the notebook or script itself or at module level of a module "
+                             "(no lambdas or local classes there), or use mode='simulated'") from exc
         return
     pickler = _MainNames(io.BytesIO())
     try:
