@@ -9,7 +9,6 @@ and refuses. :func:`process_payloads` makes what each stage process is started w
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -18,7 +17,7 @@ from torch import nn
 
 from pipeq import schedules
 from pipeq.control import ties as tied
-from pipeq.control.main_guard import check_picklable
+from pipeq.control.main_guard import check_picklable, stage_pickle
 from pipeq.control.stage_inputs import check_declared
 from pipeq.stage.spec import StageBuilder, StageSpec
 from pipeq.schedules import SchedulePolicy
@@ -280,6 +279,6 @@ def process_payloads(model: Model, schedule: SchedulePolicy) -> list["bytes | St
                               ("loss_fn", spec.loss_fn), ("optimizer", spec.optimizer),
                               ("lr_scheduler", spec.lr_scheduler), (f"aux_heads[{k}]", spec.aux_head),
                               ("aux_loss", spec.aux_loss)):
-                check_picklable(what, obj)
-            out.append(pickle.dumps(spec))
+                check_picklable(what, obj, by_value=True)
+            out.append(stage_pickle(spec))
     return out

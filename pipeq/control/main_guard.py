@@ -6,21 +6,35 @@ refers to ``__main__`` from that; a package's ``__main__.py`` (python -m pkg) is
 :func:`check_picklable` pickles what a stage is started with and refuses, before any process
 starts, a class or function the stage could not find; :func:`check_main_guard` refuses a runner
 started from the top level of the main script.
+
+A main module with no file to run again (a notebook kernel, an interactive session, ``python -c``,
+a script read from standard input with ``python -``) is another matter: the stage processes cannot
+find what it defines by name, so :func:`stage_pickle` ships it by value, with cloudpickle (as Ray,
+Dask and joblib do), and :func:`starting_stages` keeps multiprocessing from having each stage run
+``<stdin>`` again. What travels by reference (a schedule, a tensor-parallel plan) is refused there
+if it names ``__main__``. Either way the pickles reach a stage only through its process start.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
+import contextlib
 import io
 import os
 import pickle
 import sys
+import threading
 import types
-from typing import Any
+from multiprocessing import process
+from typing import Any, Iterator
 
 from pipeq.errors import MainScriptError
 
-__all__ = ["check_picklable", "check_main_guard", "main_script"]
+__all__ = ["check_picklable", "check_main_guard", "main_script", "main_without_file", "stage_pickle",
+           "starting_stages"]
+
+_STARTING = threading.Lock()  # one start at a time hides __main__.__file__ (starting_stages)
 
 
 class _MainNames(pickle.Pickler):
@@ -38,7 +52,19 @@ class _MainNames(pickle.Pickler):
 
 
 
-def check_picklable(what: str, obj: Any) -> None:
+def check_picklable(what: str, obj: Any, *, by_value: bool = False) -> None:
+    """Refuse, before any process starts, what a stage process could not unpickle. ``by_value``:
+    ``obj`` travels as :func:`stage_pickle` makes it (by value, when ``__main__`` has no file)."""
+    if by_value and main_without_file():
+        try:
+            _by_value_pickler(what)(io.BytesIO()).dump(obj)
+        except MainScriptError:
+            raise
+        except Exception as exc:
+            raise ValueError(f"{what} cannot be pickled to start its stage process ({exc}); define classes "
+                             "and functions in the notebook or script itself or at module level of a module "
+                             "(no lambdas or local classes there), or use mode='simulated'") from exc
+        return
     pickler = _MainNames(io.BytesIO())
     try:
         pickler.dump(obj)
@@ -49,6 +75,80 @@ def check_picklable(what: str, obj: Any) -> None:
         ) from exc
     if pickler.names:
         _check_main_names(what, pickler.names)
+
+
+def main_without_file() -> bool:
+    """True when ``__main__`` has no file a stage process could run again, nor a name to import it
+    by: a notebook kernel, an interactive session, ``python -c``, or ``python -`` (whose
+    ``__file__`` is ``<stdin>``)."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None):
+        return False  # python -m: imported by name
+    path = getattr(main, "__file__", None)
+    if path and not os.path.isabs(path) and process.ORIGINAL_DIR is not None:
+        path = os.path.join(process.ORIGINAL_DIR, path)  # where multiprocessing would look
+    return not path or not os.path.isfile(path)
+
+
+def stage_pickle(obj: Any) -> bytes:
+    """``obj`` pickled for a stage process (see :func:`check_picklable` with ``by_value``): as
+    usual, or when ``__main__`` has no file with cloudpickle, which ships what ``__main__``
+    defines (classes, functions, lambdas) by value and everything else as pickle does."""
+    if main_without_file():
+        buf = io.BytesIO()
+        _by_value_pickler("the stages")(buf).dump(obj)
+        return buf.getvalue()
+    return pickle.dumps(obj)
+
+
+@contextlib.contextmanager
+def starting_stages() -> Iterator[None]:
+    """Around starting stage processes. With spawn and forkserver, multiprocessing has each child
+    run ``__main__.__file__`` again; under ``python -`` that is ``<stdin>``, and every stage would
+    die of FileNotFoundError. So a ``__file__`` that names no file is hidden from multiprocessing
+    while they start (the stages get what ``__main__`` defines by value: :func:`stage_pickle`)."""
+    main = sys.modules.get("__main__")
+    if main is None or not getattr(main, "__file__", None) or not main_without_file():
+        yield
+        return
+    with _STARTING:
+        path = main.__file__
+        del main.__file__
+        try:
+            yield
+        finally:
+            main.__file__ = path
+
+
+_PICKLER: list[type] = []
+
+
+def _by_value_pickler(what: str) -> type:
+    """cloudpickle's Pickler, by value for what ``__main__`` defines only: any other class or
+    function goes by reference as with pickle (a lambda or local class of a module is refused,
+    as it is when ``__main__`` has a file)."""
+    if _PICKLER:
+        return _PICKLER[0]
+    try:
+        import cloudpickle
+    except ImportError:
+        raise MainScriptError(
+            f"{what}: __main__ has no file here (a notebook, python - or python -c), so what it defines "
+            "is shipped to the stage processes with cloudpickle, which is not installed: pip install "
+            "cloudpickle, define the stages in a module of their own, or use mode='simulated'") from None
+
+    class MainByValue(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, (type, types.FunctionType)):
+                module = getattr(obj, "__module__", None)
+                # pickle's own, by reference, but for __main__'s and the types of what makes up a
+                # function by value (code, cell: not found by name in builtins)
+                if module != "__main__" and (module != "builtins" or getattr(builtins, obj.__qualname__, None) is obj):
+                    return NotImplemented
+            return super().reducer_override(obj)
+
+    _PICKLER.append(MainByValue)
+    return MainByValue
 
 
 def main_script() -> "tuple[str, ast.Module] | None":
@@ -136,6 +236,11 @@ def _check_main_names(what: str, names: list[str]) -> None:
             f"{what}: {names[0]} is defined in {main.__file__}; stage processes do not run a package's "
             "__main__.py again, so they cannot find it. Define it in another module of the package "
             "and import it from there")
+    if main_without_file():
+        raise MainScriptError(
+            f"{what}: {names[0]} is defined in __main__, which has no file here (a notebook, python - or "
+            f"python -c), and {what} is handed to the stage processes by name, so they cannot find it. "
+            f"Define {names[0]} in a module of its own and import it, or use mode='simulated'")
     found = main_script()
     if found is None:
         return

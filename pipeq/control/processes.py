@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from pipeq.control import forkserver
+from pipeq.control.main_guard import starting_stages
 from pipeq.control.stage_handle import StageHandle
 from pipeq import schedules
 from pipeq.stage.spec import StageBuilder
@@ -286,7 +287,8 @@ def start_workers(ctx: Any, configs: Sequence[WorkerConfig], payload_of: Callabl
         name = "pipeq-stage" + "+".join(str(c.stage) for c in group)
         proc = ctx.Process(target=group_entry, args=(group, [payload_of(c.process) for c in group], p),
                            name=name, daemon=True)
-        proc.start()
+        with starting_stages():
+            proc.start()
         handle = StageHandle(proc)
         procs.update({c.process: handle for c in group})
     return procs
@@ -338,7 +340,8 @@ def process_context(start_method: str) -> Any:
 def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> StageHandle:
     """Start one stage process; watched and stopped by its pid (see :class:`StageHandle`)."""
     p = ctx.Process(target=worker_entry, args=(cfg, payload), name=f"pipeq-stage{cfg.stage}", daemon=True)
-    p.start()
+    with starting_stages():
+        p.start()
     return StageHandle(p)
 
 
