@@ -188,6 +188,8 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         self._aux_heads = model.aux_loss is not None  # heads given, or named by the recipe
         self.auto_choice: Any = None  # schedule="auto": the ranking that settled it (see _settle_auto)
         self._auto = (model, tp_plans, rendezvous) if cfg.auto else None  # "auto": no backend until settled
+        # the first training batch checks the shapes between the stages (pipeq.control.shape_check)
+        self._shape_model = model if (cfg.auto or cfg.schedule.plain_backprop) and place.tensor_parallel == 1 else None
         self._backend = None if cfg.auto else _backend(cfg, model, self.numerics, tp_plans, rendezvous)
         self._queue_capacity, self._last_step_lr, self._step = cfg.queue_capacity, None, 0
         self._sent_training = 0  # training steps submitted (self._step counts predict's batches too)
@@ -260,10 +262,22 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
         ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0);
         ``stage_inputs``: values handed straight to the stages that take them (see the class)."""
-        if self._auto is not None and self._running:
-            self._settle_auto((x, target, stage_inputs))
+        self._first_batch(x, target, stage_inputs)
         self._require_running()
         return self._hand_out(self._submit(x, target, stage_inputs))
+
+    def _first_batch(self, x: Any, target: Any, stage_inputs: Any) -> None:
+        """The first training batch (once running): the shapes between the stages checked, before any
+        is sent (:mod:`pipeq.control.shape_check`); with ``schedule="auto"`` the schedule settled."""
+        if not self._running:
+            return
+        if self._shape_model is not None:
+            from pipeq.control.shape_check import check_first_batch
+
+            checked, _, n = self._batcher.training_pair(x, target)  # a bad batch: said here as by _submit
+            check_first_batch(self, checked, n, stage_inputs)
+        if self._auto is not None:
+            self._settle_auto((x, target, stage_inputs))
 
     def _settle_auto(self, batch: tuple[Any, Any, Any] | None) -> None:
         """``schedule="auto"``: choose the schedule (profiled with ``batch``, the first step's, when
@@ -272,12 +286,12 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
 
     def _before_stream(self, batches: Iterable[tuple[Any, ...]]) -> Iterable[tuple[Any, ...]]:
         """``schedule="auto"``: the stream's first batch profiles the stages (see :meth:`step`)."""
-        if self._auto is None or not self._running:
+        if (self._auto is None and self._shape_model is None) or not self._running:
             return batches
         rest = iter(batches)
         first = next(rest, None)
-        if first is not None:
-            self._settle_auto((first[0], first[1], first[2] if len(first) > 2 else None))
+        if isinstance(first, (tuple, list)) and len(first) in (2, 3):  # else: the stream says what is wrong
+            self._first_batch(first[0], first[1], first[2] if len(first) > 2 else None)
         return rest if first is None else itertools.chain([first], rest)
 
     def _submit(self, x: Any, target: Any, given: Any = None, stream: bool = False) -> int:
