@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pipeq import schedules
-from pipeq.control import checks
+from pipeq.control import checks, shape_check
 from pipeq.control.batching import Batcher, check_batch
 from pipeq.control.config import RunConfig, setting_fields
 from pipeq.control.exclusive import CallGuard, exclusive
@@ -189,7 +189,7 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         self.auto_choice: Any = None  # schedule="auto": the ranking that settled it (see _settle_auto)
         self._auto = (model, tp_plans, rendezvous) if cfg.auto else None  # "auto": no backend until settled
         # the first training batch checks the shapes between the stages (pipeq.control.shape_check)
-        self._shape_model = model if (cfg.auto or cfg.schedule.plain_backprop) and place.tensor_parallel == 1 else None
+        self._shape_model = shape_check.candidate(model, cfg.auto or cfg.schedule.plain_backprop, place.tensor_parallel)
         self._backend = None if cfg.auto else _backend(cfg, model, self.numerics, tp_plans, rendezvous)
         self._queue_capacity, self._last_step_lr, self._step = cfg.queue_capacity, None, 0
         self._sent_training = 0  # training steps submitted (self._step counts predict's batches too)
@@ -213,6 +213,8 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         if self.mode == "process":  # each stage process runs the main script again
             check_main_guard()
         self._used = True
+        if self._shape_model is not None:
+            shape_check.warm_up()
         if self._auto is None:  # "auto": the backend starts once the schedule is settled
             self._backend.start()
         self._running = True
@@ -272,10 +274,8 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         if not self._running:
             return
         if self._shape_model is not None:
-            from pipeq.control.shape_check import check_first_batch
-
             checked, _, n = self._batcher.training_pair(x, target)  # a bad batch: said here as by _submit
-            check_first_batch(self, checked, n, stage_inputs)
+            shape_check.check_first_batch(self, checked, n, stage_inputs)
         if self._auto is not None:
             self._settle_auto((x, target, stage_inputs))
 

@@ -23,7 +23,10 @@ mismatch between two stages (an op the meta device lacks, a data-dependent shape
 from __future__ import annotations
 
 import copy
+import importlib
 import re
+import sys
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -32,7 +35,7 @@ from torch import nn
 from pipeq.errors import PipelineError
 from pipeq.tree import as_args, map_tensors, tensors_of
 
-__all__ = ["check_first_batch", "check_stages", "checkable"]
+__all__ = ["candidate", "check_first_batch", "check_stages", "checkable", "warm_up"]
 
 #: Where the layers come from whose forward runs here: code with no side effects of its own.
 TRUSTED = ("torch.", "torchvision.", "pipeq.split", "pipeq.models")
@@ -107,21 +110,38 @@ def check_stages(modules: Sequence[nn.Module], x: Any) -> None:
         return
 
 
-def check_first_batch(runner: Any, x: Any, batch: int, stage_inputs: Any) -> None:
-    """``runner``'s first training batch: check the shapes between its stages (once; see the module)."""
-    model, runner._shape_model = runner._shape_model, None
-    if model is None or stage_inputs is not None or not model.replicas:
-        return
+def candidate(model: Any, plain: bool, tensor_parallel: int) -> list[nn.Module] | None:
+    """The stages to check at the first batch (None: the check does not apply; see the module)."""
+    if model.builder is not None or not model.replicas or not plain or tensor_parallel != 1:
+        return None
     modules = [spec.module for spec in model.replicas[0]]
     try:
         from pipeq.stage.info import info_of
 
-        if any(info_of(m).inputs for m in modules) or not checkable(modules):
-            return
-        size = runner._batcher.sizes(batch)[0]
+        if len(modules) < 2 or any(info_of(m).inputs for m in modules) or not checkable(modules):
+            return None
+    except Exception:  # noqa: BLE001
+        return None
+    return modules
+
+
+def warm_up() -> None:
+    """Import, in the background while the stages start, what the meta device's first op imports
+    (``torch._dynamo``, 1-2 s), so that the check at the first batch takes milliseconds."""
+    if "torch._dynamo" not in sys.modules:
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True,
+                         name="pipeq-shape-check").start()
+
+
+def check_first_batch(runner: Any, x: Any, batch: int, stage_inputs: Any) -> None:
+    """``runner``'s first training batch: check the shapes between its stages (once; see the module)."""
+    modules, runner._shape_model = runner._shape_model, None
+    if modules is None or stage_inputs is not None:
+        return
+    try:
         from pipeq.stage import microbatch
 
-        first = microbatch.narrow(x, 0, size)
+        first = microbatch.narrow(x, 0, runner._batcher.sizes(batch)[0])
     except Exception:  # noqa: BLE001
         return
     check_stages(modules, first)
