@@ -264,20 +264,9 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
         ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0);
         ``stage_inputs``: values handed straight to the stages that take them (see the class)."""
-        self._first_batch(x, target, stage_inputs)
+        _first_batch(self, x, target, stage_inputs)
         self._require_running()
         return self._hand_out(self._submit(x, target, stage_inputs))
-
-    def _first_batch(self, x: Any, target: Any, stage_inputs: Any) -> None:
-        """The first training batch (once running): the shapes between the stages checked, before any
-        is sent (:mod:`pipeq.control.shape_check`); with ``schedule="auto"`` the schedule settled."""
-        if not self._running:
-            return
-        if self._shape_model is not None:
-            checked, _, n = self._batcher.training_pair(x, target)  # a bad batch: said here as by _submit
-            shape_check.check_first_batch(self, checked, n, stage_inputs)
-        if self._auto is not None:
-            self._settle_auto((x, target, stage_inputs))
 
     def _settle_auto(self, batch: tuple[Any, Any, Any] | None) -> None:
         """``schedule="auto"``: choose the schedule (profiled with ``batch``, the first step's, when
@@ -285,13 +274,13 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         _settle(self, batch)
 
     def _before_stream(self, batches: Iterable[tuple[Any, ...]]) -> Iterable[tuple[Any, ...]]:
-        """``schedule="auto"``: the stream's first batch profiles the stages (see :meth:`step`)."""
+        """The stream's first batch checks the shapes, and profiles the stages with "auto" (see :meth:`step`)."""
         if (self._auto is None and self._shape_model is None) or not self._running:
             return batches
         rest = iter(batches)
         first = next(rest, None)
         if isinstance(first, (tuple, list)) and len(first) in (2, 3):  # else: the stream says what is wrong
-            self._first_batch(first[0], first[1], first[2] if len(first) > 2 else None)
+            _first_batch(self, first[0], first[1], first[2] if len(first) > 2 else None)
         return rest if first is None else itertools.chain([first], rest)
 
     def _submit(self, x: Any, target: Any, given: Any = None, stream: bool = False) -> int:
@@ -360,6 +349,18 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         trained with: the last stage's first parameter group's, as that step began. None before
         any step, or when the last stage has no optimizer."""
         return self._last_step_lr
+
+
+def _first_batch(runner: PipelineRunner, x: Any, target: Any, stage_inputs: Any) -> None:
+    """The first training batch (once running): the shapes between the stages checked, before any
+    is sent (:mod:`pipeq.control.shape_check`); with ``schedule="auto"`` the schedule settled."""
+    if not runner._running:
+        return
+    if runner._shape_model is not None:
+        checked, _, n = runner._batcher.training_pair(x, target)  # a bad batch: said here as by _submit
+        shape_check.check_first_batch(runner, checked, n, stage_inputs)
+    if runner._auto is not None:
+        runner._settle_auto((x, target, stage_inputs))
 
 
 def _signature() -> inspect.Signature:
