@@ -8,14 +8,17 @@ weights are never touched or copied, nothing is computed, no random number is dr
 :class:`~pipeq.errors.PipelineError` naming both stages and the shapes at the first stage that
 cannot take its predecessor's output::
 
-    stage 0 returns (4, 64) float32, but stage 1 expects (*, 128): mat1 and mat2 shapes cannot be ...
+    stage 0 returns (4, 64) float32, but stage 1 expects (*, 128): a and b must have same reduction dim ...
 
 The check runs only where it is sound and cheap, and is quietly skipped otherwise (the stages then
 fail as before, in their processes): every stage is a module this process holds (not a recipe
 built in the stage processes), made only of ``torch`` / ``torchvision`` layers and pipeq's own
 (``pipeq.split``'s stages, ``pipeq.models``) -- a forward of your own class may do anything (sleep,
-write files, talk to other processes), so it is not run here --, one stage per process, plain
-backprop, no tensor parallelism and no ``stage_inputs``. Any error that is not a clear shape
+write files, talk to other processes), so it is not run here --, plain backprop (or
+``schedule="auto"``), no tensor parallelism and no ``stage_inputs``. The runner calls it from the
+first ``step`` or ``stream`` batch: before any stage process starts with ``schedule="auto"``
+(which starts them then), after they started with the runner otherwise, but before anything is
+sent. :func:`warm_up` loads torch's meta kernels in the background while the stages start. Any error that is not a clear shape
 mismatch between two stages (an op the meta device lacks, a data-dependent shape, stage 0 refusing
 ``x``, which its process names as before) skips it too.
 """
