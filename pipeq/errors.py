@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 
 class PipelineError(RuntimeError):
     """A stage failed, died or could not be reached.
@@ -25,6 +27,24 @@ class PipelineError(RuntimeError):
         if remote_traceback:
             text += f"\n\n--- traceback in {where} ---\n{remote_traceback.rstrip()}"
         super().__init__(text)
+
+
+def format_remote(exc: BaseException) -> str:
+    """``exc``'s traceback as a stage sends it to the driver: like ``traceback.format_exception``, but
+    an error that wraps its cause to add context (``raise RuntimeError(f"forward of microbatch 0 ...:
+    {exc}") from exc``, whose message already holds the cause's, and is the first line of the driver's
+    PipelineError) is one traceback: the wrapper's frames, then the cause's, ending with the cause
+    itself (``ValueError: ...``), not the two chained tracebacks Python prints."""
+    cause = exc.__cause__
+    if (cause is None or cause.__traceback__ is None or not str(cause) or str(cause) not in str(exc)
+            or cause.__cause__ is not None or (cause.__context__ is not None and not cause.__suppress_context__)):
+        return "".join(traceback.format_exception(exc))
+    outer, inner = traceback.extract_tb(exc.__traceback__), traceback.extract_tb(cause.__traceback__)
+    if outer and inner and (outer[-1].filename, outer[-1].name) == (inner[0].filename, inner[0].name):
+        outer = outer[:-1]  # the frame that wrapped it: shown at the line that failed, not at the raise
+    frames = list(outer) + list(inner)
+    return ("Traceback (most recent call last):\n" + "".join(traceback.StackSummary.from_list(frames).format())
+            + "".join(traceback.format_exception_only(cause)))
 
 
 class MainScriptError(PipelineError, ValueError):

@@ -71,7 +71,16 @@ def exclusive(method: F) -> F:
         guard.enter(what)
         try:
             return method(self, *args, **kwargs)
+        except PipelineError as exc:
+            raise answer_first(exc)
         finally:
             guard.leave()
 
     return guarded  # type: ignore[return-value]
+
+
+def answer_first(exc: PipelineError) -> PipelineError:
+    """A stage's failure without the driver's frames (the runner's plumbing, which says nothing of it):
+    printed uncaught, it is the caller's line, then the error naming the stage, then the stage's own
+    traceback (in its text). Other PipelineErrors keep their traceback."""
+    return exc.with_traceback(None) if exc.stage is not None else exc

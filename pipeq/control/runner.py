@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pipeq import schedules
-from pipeq.control import checks
+from pipeq.control import checks, shape_check
 from pipeq.control.batching import Batcher, check_batch
 from pipeq.control.config import RunConfig, setting_fields
 from pipeq.control.exclusive import CallGuard, exclusive
@@ -188,6 +188,8 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         self._aux_heads = model.aux_loss is not None  # heads given, or named by the recipe
         self.auto_choice: Any = None  # schedule="auto": the ranking that settled it (see _settle_auto)
         self._auto = (model, tp_plans, rendezvous) if cfg.auto else None  # "auto": no backend until settled
+        # the first training batch checks the shapes between the stages (pipeq.control.shape_check)
+        self._shape_model = shape_check.candidate(model, cfg.auto or cfg.schedule.plain_backprop, place.tensor_parallel)
         self._backend = None if cfg.auto else _backend(cfg, model, self.numerics, tp_plans, rendezvous)
         self._queue_capacity, self._last_step_lr, self._step = cfg.queue_capacity, None, 0
         self._sent_training = 0  # training steps submitted (self._step counts predict's batches too)
@@ -211,6 +213,8 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         if self.mode == "process":  # each stage process runs the main script again
             check_main_guard()
         self._used = True
+        if self._shape_model is not None:
+            shape_check.warm_up()
         if self._auto is None:  # "auto": the backend starts once the schedule is settled
             self._backend.start()
         self._running = True
@@ -260,8 +264,7 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
         ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0);
         ``stage_inputs``: values handed straight to the stages that take them (see the class)."""
-        if self._auto is not None and self._running:
-            self._settle_auto((x, target, stage_inputs))
+        _first_batch(self, x, target, stage_inputs)
         self._require_running()
         return self._hand_out(self._submit(x, target, stage_inputs))
 
@@ -271,13 +274,13 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         _settle(self, batch)
 
     def _before_stream(self, batches: Iterable[tuple[Any, ...]]) -> Iterable[tuple[Any, ...]]:
-        """``schedule="auto"``: the stream's first batch profiles the stages (see :meth:`step`)."""
-        if self._auto is None or not self._running:
+        """The stream's first batch checks the shapes, and profiles the stages with "auto" (see :meth:`step`)."""
+        if (self._auto is None and self._shape_model is None) or not self._running:
             return batches
         rest = iter(batches)
         first = next(rest, None)
-        if first is not None:
-            self._settle_auto((first[0], first[1], first[2] if len(first) > 2 else None))
+        if isinstance(first, (tuple, list)) and len(first) in (2, 3):  # else: the stream says what is wrong
+            _first_batch(self, first[0], first[1], first[2] if len(first) > 2 else None)
         return rest if first is None else itertools.chain([first], rest)
 
     def _submit(self, x: Any, target: Any, given: Any = None, stream: bool = False) -> int:
@@ -346,6 +349,18 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         trained with: the last stage's first parameter group's, as that step began. None before
         any step, or when the last stage has no optimizer."""
         return self._last_step_lr
+
+
+def _first_batch(runner: PipelineRunner, x: Any, target: Any, stage_inputs: Any) -> None:
+    """The first training batch (once running): the shapes between the stages checked, before any
+    is sent (:mod:`pipeq.control.shape_check`); with ``schedule="auto"`` the schedule settled."""
+    if not runner._running:
+        return
+    if runner._shape_model is not None:
+        checked, _, n = runner._batcher.training_pair(x, target)  # a bad batch: said here as by _submit
+        shape_check.check_first_batch(runner, checked, n, stage_inputs)
+    if runner._auto is not None:
+        runner._settle_auto((x, target, stage_inputs))
 
 
 def _signature() -> inspect.Signature:

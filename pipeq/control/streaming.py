@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Iterable, Iterator
 
-from pipeq.control.exclusive import CallGuard, exclusive
+from pipeq.control.exclusive import CallGuard, answer_first, exclusive
 from pipeq.control.stage_inputs import batch_item
 from pipeq.errors import PipelineError
 
@@ -90,6 +90,8 @@ class RunnerStream:
             if not isinstance(exc, (PipelineError, KeyboardInterrupt)) and self._running:
                 with guard.held("stream"):
                     self._settle()
+            if isinstance(exc, PipelineError):
+                raise answer_first(exc)
             raise
         with guard.held("stream"):
             self._settle()  # the end of the batches: drained once

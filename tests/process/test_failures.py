@@ -6,6 +6,7 @@ import functools
 import os
 import signal
 import time
+import traceback
 
 import pytest
 import torch
@@ -58,6 +59,12 @@ def test_stage_that_raises(schedule):
                                   **FAST)
     err = expect_failure(runner, lambda r: r.step(*xy()), stage=1, match="boom from the stage")
     assert "Traceback" in err.remote_traceback and "models.py" in err.remote_traceback
+    # the answer first, then the stage's traceback once: no chained duplicate, no driver plumbing
+    first = traceback.format_exception_only(err)[0]
+    assert first.startswith("pipeq.errors.PipelineError: stage 1: ") and "forward of microbatch 0" in first
+    shown = "".join(traceback.format_exception(err))
+    assert shown.count("ValueError: boom from the stage") == 1 and "direct cause" not in shown
+    assert "supervisor.py" not in shown, shown
 
 
 def test_stage_that_raises_on_a_later_step():

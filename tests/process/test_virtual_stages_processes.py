@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipeq
-from models import batches64, flat_state, reference_train, stages64
+from models import Raises, batches64, flat_state, reference_train, stages64
 from runner_cases import assert_matches_reference
 
 pytestmark = pytest.mark.timeout(240)
@@ -66,7 +66,7 @@ def test_bf16_with_recompute_gives_the_simulated_bits():
 
 def test_a_failing_stage_is_named_by_stage_and_chunk():
     stages = stages64(4)
-    stages[2] = nn.Linear(7, 10).double()  # process 1's chunk 1 (V placement) gets width 10
+    stages[2] = Raises(7).double()  # process 1's chunk 1 (V placement) raises in its forward
     with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD64, "zbv", 4, **FAST) as r:
         with pytest.raises(pipeq.PipelineError, match=r"stage 2 \(chunk 1 of its process\)") as info:
             r.step(*batches64(1)[0])

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import pipeq
-from models import Chain, batches64, flat_state, stages64
+from models import Chain, Raises, batches64, flat_state, stages64
 from numerics_cases import assert_close, data, reference
 from numerics_cases import run as run_numerics
 from runner_cases import assert_matches_reference
@@ -117,7 +117,7 @@ def test_refusals_name_the_setting(kw, match):
 
 def test_a_failing_stage_is_named_with_its_chunk():
     stages = stages64(4)
-    stages[2] = nn.Linear(7, 10).double()  # stage 2 (process 1's chunk 1, V placement) gets width 10
+    stages[2] = Raises(7).double()  # stage 2 (process 1's chunk 1, V placement) raises in its forward
     with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD64, "zbv", 4, mode="simulated") as r:
         with pytest.raises(pipeq.PipelineError, match=r"stage 2 \(chunk 1 of its process\).*microbatch 0") as info:
             r.step(*batches64(1)[0])
