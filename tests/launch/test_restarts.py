@@ -94,8 +94,9 @@ def test_a_restart_after_a_stage_death_loads_the_in_memory_snapshot_without_read
     restart = [ln for ln in metrics(out) if "restart" in ln]
     assert len(restart) == 1 and restart[0]["state_from"] == "memory", restart
     # step 3's snapshot, or under load (its answers not in when the failure came) an older one
-    step = restart[0]["resumed_from"]
-    assert 1 <= step <= 3 and restart[0]["unfinished_step"] == 4, restart
+    # (the driver may notice the death before it has read step 4's loss: then step 3 is unfinished)
+    step, unfinished = restart[0]["resumed_from"], restart[0]["unfinished_step"]
+    assert 1 <= step < unfinished <= 4, restart
     assert f"in-memory snapshot of step {step}" in r.stderr
     assert_same_state(model_state(out), model_state(whole))
     assert [ln["step"] for ln in metrics(out) if "loss" in ln] == [1, 2, 3, 4, 5, 6]
