@@ -1,10 +1,10 @@
-"""The seed tutorial's asynchronous two-stage pipeline, run by pipeq, from the tutorial's own weights.
+"""A data/tensor/pipeline-parallelism tutorial's asynchronous two-stage pipeline, run by pipeq from its own weights.
 
     python examples/async_tutorial.py                     # 10 000 batches, two stage processes
     python examples/async_tutorial.py --mode simulated    # both stages in this process
     python examples/async_tutorial.py --batches 1100      # the first two printed losses only
 
-The tutorial notebook (seed 000) ends with a 16-8-1 MLP split into two stages (Linear(16, 8) +
+The tutorial's notebook (a DP/TP/PP walk-through on a tiny MLP) ends with a 16-8-1 MLP split into two stages (Linear(16, 8) +
 ReLU | Linear(8, 1) + Sigmoid), BCE loss, SGD lr 0.5 on each stage after every batch's backward,
 stage 0 forwarding 3 batches before it alternates backward and forward, no flush. Here that is
 ``AsyncOneFOneB(warmup=3)`` with one microbatch per batch, and ``runner.stream`` over the
