@@ -352,21 +352,19 @@ class Supervisor:
             raise unreachable(self, exc)
 
 
-def take_kept(sup: Supervisor, kind: Kind, step: int, count: int) -> dict[int, Message] | None:
-    """The ``(kind, step)`` replies ``sup`` kept (they were awaited), by process, once ``count``
-    processes have sent one (then no longer awaited); None until then. Never waits."""
-    kept = sup._early.get((kind, step), [])
-    if len({g for g, _ in kept}) < count:
-        return None
-    del sup._early[(kind, step)]
-    sup.awaited.discard((kind, step))
-    return dict(kept)
-
-
 def take_early(sup: Supervisor, kind: Kind, step: int) -> list[tuple[int, Message]]:
     """The ``(kind, step)`` replies ``sup`` kept so far, as (process, message), taken out of its
     keeping (they stay awaited). Never waits."""
     return sup._early.pop((kind, step), [])
+
+
+def take_kept(sup: Supervisor, kind: Kind, step: int, count: int) -> dict[int, Message] | None:
+    """:func:`take_early`'s replies by process, once ``count`` processes have sent one (then no
+    longer awaited); None until then (they stay kept). Never waits."""
+    if len({g for g, _ in sup._early.get((kind, step), [])}) < count:
+        return None
+    sup.awaited.discard((kind, step))
+    return dict(take_early(sup, kind, step))
 
 
 def unreachable(sup: Supervisor, exc: PeerUnreachable) -> PipelineError:
