@@ -10,8 +10,9 @@ heads by ``pipeq.resnet.resnet`` from spec strings as in the interlocking-backpr
 architecture ``16,1/32,1/64,1`` (16 planes at 8x8, 32 at 4x4, 64 at 2x2) cut into 4 stages, the
 stem | a block | a block | the last block and the classifier, and each stage but the last owns an
 auxiliary head ``conv32_bn_gbpl_fc`` (conv3x3 -> 32 channels, BN, ReLU, global average pool,
-Linear -> 10 classes). The schemes differ in which loss trains each stage's main path (arXiv
-2010.04116; ``/work/shared/notes/algorithms.md``):
+Linear -> 10 classes). The schemes differ in which loss trains each stage's main path (Gomez et
+al., "Interlocking Backpropagation: Improving depthwise model-parallelism", arXiv 2010.04116;
+docs/guides/research.md states the losses):
 
 - global: plain end-to-end backprop (the heads learn beside it, from detached outputs);
 - local: every stage learns from its own head only; no gradient crosses a stage boundary;

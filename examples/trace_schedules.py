@@ -2,7 +2,7 @@
 
     python examples/trace_schedules.py                 # writes runs/traces/trace-<schedule>.{json,png}
     python examples/trace_schedules.py --out /tmp/traces --schedules 1f1b pairwise
-    python examples/trace_schedules.py --out docs      # refresh the README's pictures (tracked files)
+    python examples/trace_schedules.py --out docs/traces   # refresh the docs' pictures (tracked files)
 
 The model: 4 processes of fixed cost (pipeq.testing.SleepStage: forward 10 ms, backward 20 ms:
 input gradient 10 ms and weight gradient 10 ms, which the zero-bubble schedules run apart; a
@@ -49,7 +49,7 @@ def trace_run(schedule: str, out: str, n: int = 4, m: int = 8) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join("runs", "traces"),
-                   help="output directory (default runs/traces; docs refreshes the README's pictures)")
+                   help="output directory (default runs/traces; docs/traces refreshes the pictures of the docs)")
     p.add_argument("--schedules", nargs="+", default=["fill-drain", "1f1b", "pairwise"])
     return p.parse_args(argv)
 

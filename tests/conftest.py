@@ -33,10 +33,10 @@ from strays import wait_no_strays  # noqa: E402
 
 #: a test folder -> the marker its tests carry
 FOLDER_MARKERS = {"unit": "unit", "process": "process", "launch": "launch", "hosts": "hosts",
-                  "smoke": "smoke", "gpu": "cuda"}
+                  "smoke": "smoke", "docs": "docs", "gpu": "cuda"}
 #: the order folders run in: the longest tests first, so that with several workers (pytest-xdist)
 #: the many short unit tests fill the gaps at the end instead of one long test running alone
-FOLDER_ORDER = ["hosts", "launch", "smoke", "process", "gpu", "unit"]
+FOLDER_ORDER = ["hosts", "launch", "smoke", "docs", "process", "gpu", "unit"]
 
 
 def _runs_tests(config) -> bool:

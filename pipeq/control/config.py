@@ -37,6 +37,8 @@ __all__ = ["RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "Placemen
 MODES = ("process", "simulated")
 TRANSPORTS = ("ipc", "tcp")
 START_METHODS = ("spawn", "forkserver")
+#: the environment variable that sets the start method of every runner not given one (a test suite, a docs run)
+START_METHOD_ENV = "PIPEQ_START_METHOD"
 FAULT_TOLERANCE = (None, "replicas")  # see FaultConfig.fault_tolerance
 
 
@@ -176,7 +178,8 @@ class PlacementConfig:
             from a server that imports torch once: 2-4 s for the first runner of a process,
             ~0.1 s for later ones; the server lives on until this process exits).
             Both run the main script again in each stage: start the runner under
-            ``if __name__ == "__main__":`` (it refuses otherwise).
+            ``if __name__ == "__main__":`` (it refuses otherwise). The environment variable
+            ``PIPEQ_START_METHOD`` sets the default for every runner of a process.
         placement: stages per node, e.g. ``[[0], [1, 2]]`` (default: an even, contiguous split).
         data_parallel: R replicas of the pipeline (R x N processes), gradients all-reduced.
         tensor_parallel, tp_plan: each stage split over T processes of one host (R x N x T
@@ -207,7 +210,7 @@ class PlacementConfig:
     mode: str = "process"
     devices: Sequence[str] | None = None
     threads_per_stage: int | None = None
-    start_method: str = "spawn"
+    start_method: str = field(default_factory=lambda: os.environ.get(START_METHOD_ENV) or "spawn")
     placement: Sequence[Sequence[int]] | None = None
     data_parallel: int = 1
     tensor_parallel: int = 1
@@ -223,7 +226,9 @@ class PlacementConfig:
                                                    or self.threads_per_stage < 1):
             raise ValueError(f"threads_per_stage must be a positive integer, got {self.threads_per_stage!r}")
         if self.start_method not in START_METHODS:
-            raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {self.start_method!r}")
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {self.start_method!r}"
+                             + (f" (from {START_METHOD_ENV})" if os.environ.get(START_METHOD_ENV) == self.start_method
+                                else ""))
         for k, d in enumerate(self.devices or ()):
             try:
                 dev = torch.device(d)

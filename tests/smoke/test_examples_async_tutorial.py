@@ -1,4 +1,4 @@
-"""examples/async_tutorial.py reproduces the seed tutorial's printed pipeline losses (its first two).
+"""examples/async_tutorial.py reproduces the parallelism tutorial's printed pipeline losses (its first two).
 
 Iteration 3 prints batch 0's loss, before any update: it checks the initial weights, i.e. the
 RNG draws the example replays (without cell 4's four throwaway layers it is 0.717). Iteration
