@@ -45,13 +45,15 @@ import importlib.util
 import sys
 from typing import Any
 
-from pipeq.errors import CodecError, MainScriptError, PipelineError, ScheduleError
+from pipeq.errors import CodecError, MainScriptError, PipelineError, ScheduleError, install_excepthook
 from pipeq.schedules import SCHEDULES, format_table
 from pipeq import research  # noqa: F401  (registers the research schedules)
 
 __all__ = ["PipelineRunner", "Recipe", "balance", "split", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
            "SCHEDULES", "format_table"]
 __version__ = "0.1.0"
+
+install_excepthook()  # an uncaught stage error's first line is the error (pipeq.errors.excepthook)
 
 # Imported on first use: ``import pipeq`` stays light (no torch), so that ``pipeq launch`` can start
 # its fork server before it imports torch itself (pipeq.forkserver).

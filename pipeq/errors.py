@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import traceback
+from types import TracebackType
 
 
 class PipelineError(RuntimeError):
@@ -59,3 +62,41 @@ class ScheduleError(ValueError):
 
 class CodecError(ValueError):
     """A message on the wire is malformed; see the subclasses in :mod:`pipeq.wire.codec`."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def format_stage_error(exc: PipelineError) -> str:
+    """How an uncaught stage error is shown: the PipelineError's own line first (stage,
+    microbatch, shapes), then the stage's traceback, then where your code called pipeq (pipeq's
+    own frames left out), and the error's line again at the end, where one looks for it."""
+    where = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_PACKAGE)]
+    head, sep, stage_tb = str(exc).partition("\n\n--- traceback in ")
+    first = f"{type(exc).__module__}.{type(exc).__qualname__}: {head}"
+    text = f"{first}\n\n--- traceback in {stage_tb.rstrip()}\n" if sep else first + "\n"
+    if where:
+        text += "\n--- called from ---\n" + "".join(traceback.StackSummary.from_list(where).format())
+    return text + first.split("\n")[0] + "\n"
+
+
+def excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None,
+               then=sys.__excepthook__) -> None:
+    """``sys.excepthook`` while pipeq is imported: a stage's error (a PipelineError carrying the
+    stage's traceback, not chained to another) is shown by :func:`format_stage_error`; anything
+    else goes to the hook that was there before."""
+    if (isinstance(exc, PipelineError) and exc.remote_traceback and exc.__cause__ is None
+            and (exc.__context__ is None or exc.__suppress_context__)):
+        sys.stderr.write(format_stage_error(exc))
+        sys.stderr.flush()
+        return
+    then(kind, exc, tb)
+
+
+def install_excepthook() -> bool:
+    """Show uncaught stage errors with :func:`excepthook`, unless ``sys.excepthook`` is already
+    somebody's own (IPython, rich...): it is left alone. True when installed."""
+    if sys.excepthook is not sys.__excepthook__:
+        return False
+    sys.excepthook = excepthook
+    return True

@@ -4,6 +4,8 @@ traceback (pipeq.errors.format_remote), with no chained duplicate."""
 
 from __future__ import annotations
 
+import os
+import sys
 import traceback
 
 import pytest
@@ -59,3 +61,31 @@ def test_a_stage_error_reads_first_line_first():
     assert shown.count("ValueError: boom from the stage") == 1  # the stage's own last line, once
     assert "direct cause" not in shown and "During handling" not in shown
     assert "pipeq/runtime" not in shown.split("--- traceback in stage 1 ---")[0]  # no driver plumbing
+
+
+def test_an_uncaught_stage_error_is_shown_first_line_first(capsys):
+    runner = pipeq.PipelineRunner([nn.Linear(8, 8), Raises(8), nn.Linear(8, 3)], nn.CrossEntropyLoss(),
+                                  lambda p: torch.optim.SGD(p, lr=0.1), microbatches=4, mode="simulated")
+    with runner, pytest.raises(pipeq.PipelineError) as info:
+        runner.step(torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    pipeq.errors.excepthook(type(info.value), info.value, info.value.__traceback__)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("pipeq.errors.PipelineError: stage 1: ") and "forward of microbatch 0" in lines[0]
+    assert lines[2] == "--- traceback in stage 1 ---" and "ValueError: boom from the stage" in lines
+    called = lines[lines.index("--- called from ---"):]
+    assert any("test_error_display.py" in line for line in called)  # the caller's own frames...
+    assert not any(f"pipeq{os.sep}control" in line for line in called)  # ...not pipeq's plumbing
+    assert lines[-1] == lines[0]  # and the answer again where one looks last
+
+
+def test_other_errors_and_other_hooks_are_left_alone(monkeypatch, capsys):
+    seen = []
+    pipeq.errors.excepthook(ValueError, ValueError("x"), None, then=lambda *a: seen.append(a[1]))
+    wrapped = pipeq.PipelineError("died", stage=0)  # no stage traceback: Python's own display
+    pipeq.errors.excepthook(pipeq.PipelineError, wrapped, None, then=lambda *a: seen.append(a[1]))
+    assert [type(e) for e in seen] == [ValueError, pipeq.PipelineError] and capsys.readouterr().err == ""
+    mine = lambda *a: None  # noqa: E731  (a notebook's or rich's hook)
+    monkeypatch.setattr(sys, "excepthook", mine)
+    assert pipeq.errors.install_excepthook() is False and sys.excepthook is mine
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    assert pipeq.errors.install_excepthook() is True and sys.excepthook is pipeq.errors.excepthook
