@@ -11,40 +11,17 @@ import time
 
 import pytest
 
+from doc_blocks import python_blocks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-#: the README's example, small: a stage class defined in __main__, two steps, one thread a stage
-SCRIPT = """\
-import functools, torch
-from torch import nn
-import pipeq
-
-
-class Doubled(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.lin(x) * 2
-
-
-stages = [nn.Sequential(nn.Linear(16, 8), nn.ReLU()), Doubled()]
-
-if __name__ == "__main__":
-    runner = pipeq.PipelineRunner(stages, loss_fn=nn.CrossEntropyLoss(),
-                                  optimizer=functools.partial(torch.optim.SGD, lr=0.1), microbatches=2,
-                                  threads_per_stage=1, start_method={start_method!r})
-    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    with runner:
-        for _ in range(2):
-            print("loss", runner.step(x, y))
-        print("pids", *[w["pid"] for w in runner._backend.worker_info])
-"""
+#: the README's example as it is, and then the pids of its stage processes (gone with the runner)
+SCRIPT = python_blocks("README.md")[0].code + 'print("pids", *[w["pid"] for w in runner._backend.worker_info])\n'
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "PIPEQ_START_METHOD": "forkserver"}  # one torch import fewer than spawn's for the stages
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
@@ -62,11 +39,11 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 
 
 def _trained(out: str) -> None:
-    """Two finite losses printed, and the stage processes gone with their runner."""
-    losses = [float(line.split()[1]) for line in out.splitlines() if line.startswith("loss ")]
-    assert len(losses) == 2 and all(0 < v < 10 for v in losses), out
+    """Five finite, falling losses printed, and the stage processes gone with their runner."""
+    losses = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 5 and all(0 < v < 10 for v in losses) and losses[-1] < losses[0], out
     pids = [int(p) for p in out.split("pids", 1)[1].split()]
-    assert len(pids) == 2
+    assert len(pids) == 3
     assert all(_gone(pid) for pid in pids), "a stage process outlived its runner"
 
 
@@ -75,7 +52,7 @@ def test_a_script_piped_through_stdin_trains(tmp_path):
     """``python - < train.py``: the stages do not run ``<stdin>`` again (FileNotFoundError before),
     and get the script's stage class by value. (With the fork server, one torch import fewer than
     spawn's; both prepare a stage's ``__main__`` alike: tests/unit/test_main_by_value.py.)"""
-    r = subprocess.run([sys.executable, "-"], input=SCRIPT.format(start_method="forkserver"), cwd=tmp_path,
+    r = subprocess.run([sys.executable, "-"], input=SCRIPT, cwd=tmp_path,
                        env=_env(), capture_output=True, text=True, timeout=80)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
@@ -90,7 +67,7 @@ def test_a_notebook_cell_defining_a_stage_class_trains(tmp_path):
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(SCRIPT.format(start_method="forkserver"))]
+    nb.cells = [nbformat.v4.new_code_cell(SCRIPT)]
     client = nbclient.NotebookClient(nb, timeout=60, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute(env=_env())  # raises CellExecutionError, with the cell's traceback, on any error

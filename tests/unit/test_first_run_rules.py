@@ -251,11 +251,11 @@ def test_trace_schedules_writes_outside_docs_by_default():
     assert os.path.abspath(trace_schedules.parse_args(["--out", "docs"]).out) == os.path.abspath("docs")
 
 
-# ---------------------------------------------------------------- the README says what is true
+# ---------------------------------------------------------------- the docs say what is true
 
-def test_readme_names_checkpoint_directories_as_they_are():
+def test_the_docs_name_checkpoint_directories_as_they_are():
     from pipeq import checkpoint
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "guides", "checkpoints.md")).read()
     assert "step-N/" not in readme
     assert os.path.basename(checkpoint.checkpoint_dir("x", 50)) + "/" in readme
