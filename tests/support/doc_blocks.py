@@ -66,7 +66,8 @@ def python_blocks(page: str) -> list[Block]:
         k += 1
         body = []
         while k < len(lines) and not lines[k].strip().startswith(fence):
-            body.append(lines[k][indent:] if lines[k][:indent].isspace() else lines[k].lstrip())
+            line = lines[k]
+            body.append(line[indent:] if line[:indent].strip() == "" else line.lstrip())  # an indented fence's body
             k += 1
         k += 1
         if m.group("info").lower() not in ("python", "py"):
