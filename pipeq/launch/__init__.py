@@ -36,12 +36,12 @@ or the mean of the epoch's step losses). An epoch is one pass over ``data(epoch)
 that counts steps. A checkpoint at an epoch's last step holds the state before that step of the
 schedulers; a run resumed from it takes it first (:class:`pipeq.launch.stream.EpochEnd`).
 
-Runs with auxiliary heads (interlocking) or Associated Learning cannot be checkpointed yet: such
-a job with ``checkpoint_every`` > 0 or ``--resume`` is refused, and at the end it writes model.pt
-(``runner.state_dict()``, under the same flat-model names: the main path, or the AL layers) but
-no final/.
+Runs with auxiliary heads (interlocking) or Associated Learning checkpoint and resume like the
+others (their heads and layers are part of the state); model.pt holds ``runner.state_dict()``
+under the flat-model names (the main path, or the AL layers).
 
-A failing stage ends the command with exit code 1 and that stage's traceback.
+A failing stage ends the command with exit code 1 and that stage's traceback, unless
+``max_restarts`` lets the run restart from its newest state (:mod:`pipeq.launch.restarts`).
 
 Its modules: :mod:`~pipeq.launch.cli` (the ``pipeq`` command), :mod:`~pipeq.launch.args` (this
 command's arguments), :mod:`~pipeq.launch.command` (what it runs), :mod:`~pipeq.launch.job` (job
