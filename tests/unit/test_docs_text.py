@@ -6,6 +6,7 @@ project's source documents."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 
@@ -33,6 +34,7 @@ def test_the_readme_is_short():
         assert len(f.read().splitlines()) <= 200
 
 
+@functools.cache
 def _texts() -> list[tuple[str, str]]:
     """(path, text) of every page, and of every docstring of the library, examples, benches,
     recipes and tests."""
