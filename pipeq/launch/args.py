@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heartbeat-timeout", type=float, help="seconds of silence before a stage is failed")
     g.add_argument("--trace", metavar="PATH", help="write a Chrome trace of every stage's actions "
                    "(read it with pipeq report PATH)")
+    g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="write TensorBoard event files of the metrics in OUT/tb/ (default: when the tensorboard "
+                        "package is installed; --tensorboard: an error when it is not)")
     g.add_argument("--start-timeout", type=float, help="seconds to wait for every stage (and node) to start")
     g.add_argument("--max-restarts", type=int, metavar="K",
                    help="after a stage fails, restart the stages from the newest checkpoint, up to K times "
@@ -55,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_dir.add_argument("--resume", action="store_true",
                          help="continue the run in --out from its newest complete checkpoint")
     run_dir.add_argument("--overwrite", action="store_true",
-                         help="delete the files of the run in --out (metrics, checkpoints, final/, model.pt) "
+                         help="delete the files of the run in --out (metrics, checkpoints, final/, model.pt, tb/) "
                               "and start a new one there")
     p.add_argument("--quiet", action="store_true", help="plain log lines instead of a progress bar")
     m = p.add_argument_group("multi-host (default: torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, "
@@ -85,5 +88,5 @@ def job_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The job-file keys the command line sets (None: not given)."""
     keys = ("steps", "epochs", "schedule", "microbatches", "out", "seed", "checkpoint_every", "keep_checkpoints",
             "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout", "trace", "data_parallel",
-            "tensor_parallel", "max_restarts", "snapshot_every", "rejoin_timeout", "min_nodes")
+            "tensor_parallel", "max_restarts", "snapshot_every", "rejoin_timeout", "min_nodes", "tensorboard")
     return {k: getattr(args, k) for k in keys}

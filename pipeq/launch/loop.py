@@ -14,6 +14,7 @@ from pipeq.launch.rundir import RunDir
 from pipeq.launch.signals import StopSignals
 from pipeq.launch.snapshots import Snapshots
 from pipeq.launch.stream import EpochEnd, StepDone, train_steps
+from pipeq.launch.tensorboard import Board
 
 __all__ = ["TrainingLoop"]
 
@@ -21,11 +22,12 @@ __all__ = ["TrainingLoop"]
 class TrainingLoop:
     """One launch's training on a started runner, from ``start`` (step, epoch, batch index in
     it: where a resumed run continues) to the job's last step, the end of its data, or a stop
-    signal. Made before it runs: the metrics log trimmed to ``start``, the eval set resolved."""
+    signal. Made before it runs: the metrics log trimmed to ``start``, the eval set resolved.
+    Each metrics.jsonl line also goes to ``board`` (TensorBoard's event files; its owner closes it)."""
 
     def __init__(self, job: Job, runner: Any, start: tuple[int, int, int], *, run_dir: RunDir,
                  checkpoints: Checkpoints, signals: StopSignals, progress: Progress,
-                 log: Callable[[str], None], snapshots: Snapshots | None = None) -> None:
+                 log: Callable[[str], None], snapshots: Snapshots | None = None, board: Board | None = None) -> None:
         step, epoch, skip = start
         self.job = job
         self.runner = runner
@@ -48,6 +50,7 @@ class TrainingLoop:
         self.last: dict[str, Any] | None = None  # the last step's line, written with the final evaluation
         self.snapshots = snapshots if snapshots is not None else Snapshots(0)
         self.snapshots.attach(runner, step)
+        self.board = board if board is not None else Board(run_dir.tb)  # without a writer: writes nothing
 
     def run(self) -> bool:
         """Train; True: to the end (the final state is due), False: a signal stopped it (its
@@ -103,7 +106,7 @@ class TrainingLoop:
         if final:  # its line is written by _finish, with the final evaluation
             self.last = line
             return True
-        self.metrics.write(line)
+        self._write(line)
         self.progress.report(line)
         if done.next_epoch is not None:
             self.runner.scheduler_step(metric)
@@ -120,6 +123,11 @@ class TrainingLoop:
                 self.last = {"step": self.step, "epoch": self.pos[0]}
         if self.last is not None:
             self.last.update(self.last_eval)
-            self.metrics.write(self.last)
+            self._write(self.last)
             if "loss" in self.last:
                 self.progress.report(self.last)
+
+    def _write(self, line: dict[str, Any]) -> None:
+        """A step's line, to metrics.jsonl and TensorBoard's pending scalars."""
+        self.metrics.write(line)
+        self.board.record(line)

@@ -114,9 +114,9 @@ class Tally:
 
 
 def print_summary(job: Job, run_dir: RunDir, steps: int, n_stages: int, nnodes: int | None, tally: Tally,
-                  ev: dict[str, float], elapsed: float) -> None:
+                  ev: dict[str, float], elapsed: float, tensorboard: bool = False) -> None:
     """The run in a few lines on stdout: steps, processes, speed, losses, evaluation, where the
-    state and metrics are."""
+    state and metrics are (and with ``tensorboard`` its event files)."""
     nodes = f", {nnodes} node{'' if nnodes == 1 else 's'}" if nnodes is not None else ""
     first, last, samples = tally.first_loss, tally.last_loss, tally.samples
     lines = [
@@ -129,5 +129,6 @@ def print_summary(job: Job, run_dir: RunDir, steps: int, n_stages: int, nnodes: 
                   if k not in ("eval_loss", "eval_accuracy")),
         f"  state: {run_dir.model} and {run_dir.final}",
         f"  metrics: {run_dir.metrics}",
-    ] + ([f"  trace: {job.trace} (pipeq report {job.trace})"] if job.trace else [])
+    ] + ([f"  tensorboard: {run_dir.tb} (tensorboard --logdir {run_dir.tb})"] if tensorboard else []) + (
+        [f"  trace: {job.trace} (pipeq report {job.trace})"] if job.trace else [])
     print("\n".join(lines), flush=True)

@@ -64,12 +64,12 @@ class Restarts:
         if self._pending is not None:
             self._pending.update(fields)
 
-    def resumed(self, step: int, source: str = "disk") -> None:
+    def resumed(self, step: int, source: str = "disk") -> dict | None:
         """The restarted run resumed from ``step``, its state from ``source`` ("disk": a
         checkpoint, "memory": an in-memory snapshot, "start": none, the initial weights): write
-        the restart's record to metrics.jsonl."""
+        the restart's record to metrics.jsonl; the record (None: no restart is pending)."""
         if self._pending is None:
-            return
+            return None
         record = {**self._pending, "step": step, "resumed_from": step, "state_from": source,
                   "seconds_lost": round(time.monotonic() - self._failed_at, 3)}
         self._pending = None
@@ -77,3 +77,4 @@ class Restarts:
             f.write(json.dumps(record) + "\n")
         self.log(f"restart {record['restart']}: resumed from step {step} ({source}), {record['seconds_lost']:.1f} s after "
                  f"stage {record['stage']} failed (step {record['unfinished_step']} unfinished)")
+        return record

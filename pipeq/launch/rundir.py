@@ -16,7 +16,7 @@ __all__ = ["RunDir", "RunDirError", "LOCK", "METRICS", "RUN_FILES", "checkpoint_
 METRICS = "metrics.jsonl"
 LOCK = ".lock"
 #: What a run leaves in its output directory (and the leftovers of its interrupted writes).
-RUN_FILES = re.compile(r"metrics\.jsonl(\.tmp)?|model\.pt(\.tmp)?|checkpoints|final|\.final\.(old|[0-9a-f]{16}\.tmp)")
+RUN_FILES = re.compile(r"metrics\.jsonl(\.tmp)?|model\.pt(\.tmp)?|checkpoints|final|tb|\.final\.(old|[0-9a-f]{16}\.tmp)")
 
 
 def checkpoint_step(directory: str) -> int | None:
@@ -44,6 +44,7 @@ class RunDir:
         self.final = os.path.join(out, "final")  # the final state, as a checkpoint
         self.model = os.path.join(out, "model.pt")  # final/'s model state, a plain state_dict
         self.metrics = os.path.join(out, METRICS)
+        self.tb = os.path.join(out, "tb")  # TensorBoard's event files (pipeq.launch.tensorboard)
         self._fd: int | None = None
 
     def newest_checkpoint(self) -> str | None:

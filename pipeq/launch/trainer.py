@@ -21,6 +21,7 @@ from pipeq.launch.restarts import Restarts
 from pipeq.launch.rundir import RunDir, RunDirError, checkpoint_step
 from pipeq.launch.signals import StopSignals
 from pipeq.launch.snapshots import Snapshots
+from pipeq.launch.tensorboard import Board, stage_times, writer_class
 
 __all__ = ["Trainer"]
 
@@ -43,6 +44,8 @@ class Trainer:
         self._loop: TrainingLoop | None = None  # the running attempt's loop (its step: where a failure hit)
         self._restarts: Restarts | None = None
         self.snapshots = Snapshots(job.snapshot_every)  # outlives each attempt's runner
+        self._writer: Any = None  # TensorBoard's SummaryWriter class (None: no event files), found by _run
+        self._board = Board(self.run_dir.tb)  # each attempt's event files (this one: none)
 
     def log(self, line: str) -> None:
         print(f"pipeq launch: {line}", file=self.stream, flush=True)
@@ -107,6 +110,7 @@ class Trainer:
         after the nodes regroup, see :mod:`pipeq.launch.elastic`)."""
         restarts = Restarts(self.job.max_restarts, self.run_dir.metrics, self.log)
         try:
+            self._writer = writer_class(self.job.tensorboard, self.log)  # tensorboard = true: installed, or refused
             elastic = Elastic.of(self.job, self.rz, self.log)
         except ValueError as exc:
             self.log(str(exc))
@@ -121,7 +125,11 @@ class Trainer:
             while True:
                 if elastic is not None:
                     self.rz = elastic.rendezvous()
-                code, failure = self._attempt(restarts)
+                self._board = Board(self.run_dir.tb, self._writer, self.log)
+                try:
+                    code, failure = self._attempt(restarts)
+                finally:  # a failed attempt's too: its writer's thread ends
+                    self._board.close()
                 if failure is None or not restarts.again(failure, self._failed_step()):
                     return code
                 if elastic is not None and not self._regroup(elastic, restarts):
@@ -166,6 +174,7 @@ class Trainer:
                     self.train(runner)
                 finally:
                     self.signals.graceful = False
+            self._stage_times()  # the runner wrote its trace as it stopped
         except PipelineError as exc:
             if self._loop is not None:  # the snapshots that had arrived, for a restart
                 self.snapshots.adopt(runner, self._loop.step)
@@ -191,6 +200,17 @@ class Trainer:
             return self.signals.exit_code(), None
         return 0, None
 
+    def _stage_times(self) -> None:
+        """With ``trace`` and TensorBoard: each stage's busy time and bubble in each step this
+        attempt trained, from its trace (:func:`pipeq.launch.tensorboard.stage_times`)."""
+        loop = self._loop
+        if not self.job.trace or not self._board.active or loop is None or loop.step <= loop.start_step:
+            return
+        try:
+            self._board.scalars(stage_times(self.job.trace, loop.step))
+        except (OSError, ValueError) as exc:  # the run itself went well: only these scalars are missing
+            self.log(f"TensorBoard: no stage times from the trace {self.job.trace}: {exc}")
+
     def _processes(self, runner: Any) -> str:
         """What the runner starts: "3 stages", or "12 stage processes (3 stages x 2 replicas x 2 shards)"."""
         n, dp, tp = runner.n_stages, self.job.data_parallel, self.job.tensor_parallel
@@ -207,11 +227,14 @@ class Trainer:
         progress = Progress(quiet=self.quiet, stream=self.stream, log_every=self.job.log_every, log=self.log)
         progress.restarts = self._restarts.count if self._restarts is not None else 0
         start = self.checkpoints.resume_point(runner, self.resume, self.snapshots.newest())
+        self._board.start(start[0])
         loop = self._loop = TrainingLoop(self.job, runner, start, run_dir=self.run_dir, checkpoints=self.checkpoints,
                                          signals=self.signals, progress=progress, log=self.log,
-                                         snapshots=self.snapshots)
+                                         snapshots=self.snapshots, board=self._board)
         if self._restarts is not None:
-            self._restarts.resumed(loop.step, self.checkpoints.source)
+            restart = self._restarts.resumed(loop.step, self.checkpoints.source)
+            if restart is not None:
+                self._board.record(restart)
         try:
             finished = loop.run()
         except BaseException:
@@ -222,4 +245,5 @@ class Trainer:
         elapsed = loop.tally.elapsed()
         self.checkpoints.write_final(runner, loop.step, loop.pos, loop.tally.samples)
         nnodes = (len(self.rz.nodes) if self.rz.nodes else self.rz.nnodes) if self.rz is not None else None
-        print_summary(self.job, self.run_dir, loop.step, runner.n_stages, nnodes, loop.tally, loop.last_eval, elapsed)
+        print_summary(self.job, self.run_dir, loop.step, runner.n_stages, nnodes, loop.tally, loop.last_eval, elapsed,
+                      tensorboard=self._board.active)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launch_util import ROOT, assert_same_state, digits_model, launch_here, metrics, model_state
+from launch_util import ROOT, assert_same_state, digits_model, launch_here, metrics, model_state, tensorboard_scalars
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -70,7 +70,7 @@ def uninterrupted(launched) -> str:
     return out
 
 
-def test_launch_trains_and_writes_state_and_metrics(uninterrupted: str) -> None:
+def test_launch_trains_and_writes_state_and_metrics(uninterrupted: str, launched) -> None:
     out = uninterrupted
     lines = metrics(out)
     assert [ln["step"] for ln in lines] == list(range(1, 41))
@@ -95,6 +95,18 @@ def test_launch_trains_and_writes_state_and_metrics(uninterrupted: str) -> None:
         with open(os.path.join(out, d, "manifest.json")) as f:
             manifest = json.load(f)
         assert manifest["n_stages"] == 3 and manifest["meta"]["step"] == int(d[-2:]) if "step" in d else True
+    # TensorBoard's event files (the tensorboard key's default): the same numbers at the same steps
+    tb = tensorboard_scalars(out)
+    if tb is not None:
+        assert f"tensorboard: {out}/tb (tensorboard --logdir {out}/tb)" in launched["full"][1].stdout
+        assert tb["train/loss"] == [(ln["step"], pytest.approx(ln["loss"], rel=1e-6)) for ln in lines]
+        assert tb["train/lr"] == [(ln["step"], pytest.approx(ln["lr"], rel=1e-6)) for ln in lines]
+        assert [s for s, _ in tb["train/samples_per_s"]] == list(range(1, 41))
+        assert tb["eval/accuracy"] == [(ln["step"], pytest.approx(ln["eval_accuracy"], rel=1e-6)) for ln in evaluated]
+        # the run is traced: each stage's busy time and bubble in each step, from the trace
+        for k in range(3):
+            assert [s for s, v in tb[f"busy_ms/stage{k}"] if v > 0] == list(range(1, 41))
+            assert all(0 <= v <= 1 for _, v in tb[f"bubble/stage{k}"])
 
 
 def test_resume_continues_to_the_same_parameters(uninterrupted: str, launched, tmp_path) -> None:
@@ -108,6 +120,10 @@ def test_resume_continues_to_the_same_parameters(uninterrupted: str, launched, t
     # the same parameters as 40 steps in one go: weights, momentum, lr schedule and data order
     assert_same_state(model_state(out), model_state(uninterrupted))
     assert [ln["step"] for ln in metrics(out)] == list(range(1, 41))
+    tb = tensorboard_scalars(out)  # the resumed run appended an event file of its own
+    if tb is not None:
+        assert len(os.listdir(os.path.join(out, "tb"))) == 2
+        assert tb["train/loss"] == [(ln["step"], pytest.approx(ln["loss"], rel=1e-6)) for ln in metrics(out)]
 
 
 def test_resume_of_a_finished_run_starts_no_stage(launched, tmp_path, monkeypatch) -> None:

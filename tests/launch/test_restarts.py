@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch_util import assert_same_state, launch_here, metrics, model_state
+from launch_util import assert_same_state, launch_here, metrics, model_state, tensorboard_scalars
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -92,6 +92,12 @@ def test_a_restart_after_a_stage_death_loads_the_in_memory_snapshot_without_read
     assert f"in-memory snapshot of step {step}" in r.stderr
     assert_same_state(model_state(out), model_state(whole))
     assert [ln["step"] for ln in metrics(out) if "loss" in ln] == [1, 2, 3, 4, 5, 6]
+    # TensorBoard: each attempt's event file; the steps trained again show once, the restart at its step
+    tb = tensorboard_scalars(out)
+    if tb is not None:
+        assert tb["train/loss"] == [(ln["step"], pytest.approx(ln["loss"], rel=1e-6)) for ln in metrics(out)
+                                    if "loss" in ln]
+        assert tb["run/restarts"] == [(step, 1.0)]
 
 
 def test_a_bug_that_fails_the_same_step_again_ends_the_run_with_its_error(tmp_path):

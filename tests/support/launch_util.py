@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -128,3 +129,16 @@ def digits_model(state: dict[str, torch.Tensor]) -> torch.nn.Module:
     m = torch.nn.Sequential(*layers())
     m.load_state_dict(state)
     return m
+
+
+def tensorboard_scalars(out: str) -> dict[str, list[tuple[int, float]]] | None:
+    """The run's TensorBoard scalars (OUT/tb/, read as TensorBoard reads them): tag -> [(step,
+    value)]; None without the tensorboard package (then the run wrote no tb/)."""
+    if importlib.util.find_spec("tensorboard") is None:
+        assert not os.path.exists(os.path.join(out, "tb"))
+        return None
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(out, "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

@@ -40,6 +40,8 @@ A job file (TOML, read with the standard library's tomllib)::
     min_nodes = 1                                # optional: then go on with fewer nodes, its stages
                                                  # re-placed (default: every node, never fewer)
     keep_checkpoints = 3                         # the newest 3 (0: keep all)
+    tensorboard = false                          # optional: no TensorBoard event files in out/tb/ (default:
+                                                 # written when the tensorboard package is installed)
     seed = 0
     data_parallel = 1                            # R replicas of the pipeline (R x N processes)
     fault_tolerance = "replicas"                 # optional, data_parallel >= 2: a replica whose stage

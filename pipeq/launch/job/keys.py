@@ -104,7 +104,7 @@ KEYS: dict[str, Key] = {
     "microbatches": Key(int, 8, "microbatches each batch is split into", "training", minimum=1),
     "steps": Key(int, None, f"optimizer steps to train ({LENGTH_RULE})", "training", minimum=1),
     "epochs": Key(int, None, "passes over the data to train (instead of steps)", "training", minimum=1),
-    "out": Key(str, "pipeq-run", "the output directory: checkpoints, final state, metrics.jsonl", "output"),
+    "out": Key(str, "pipeq-run", "the output directory: checkpoints, final state, metrics.jsonl, tb/", "output"),
     "max_restarts": Key(int, 0, "after a stage fails, restart from the newest checkpoint up to K times (0: a "
                         "failure ends the run)", "processes", minimum=0),
     "snapshot_every": Key(int, 0, "every N steps, keep every stage's state in the driver's memory, which a "
@@ -117,6 +117,10 @@ KEYS: dict[str, Key] = {
     "keep_checkpoints": Key(int, 0, "keep the newest K checkpoints (0: keep all)", "output", minimum=0),
     "eval_every": Key(int, 0, "evaluate every N steps (0: at the end only)", "evaluation", minimum=0),
     "log_every": Key(int, 10, "with --quiet: a log line every N steps", "output", minimum=0),
+    "tensorboard": Key(bool, True, "TensorBoard event files of the metrics (loss, lr, samples/s, eval metrics, "
+                       "restarts; each stage's busy time and bubble with trace) in OUT/tb/: by default when the "
+                       "tensorboard package is installed (pip install pipeq[tensorboard]); true: an error when it "
+                       "is not; false: never", "output"),
     "placement": Key(dict, None, "[placement] nodes = [[0], [1, 2]]: the processes each node runs (process "
                      "r * n_stages + k is replica r's stage k)", "multi-host"),
     "threads_per_stage": Key(int, None, "torch threads per stage process (default: cores / stages)", "processes",
