@@ -141,7 +141,7 @@ KEYS: dict[str, Key] = {
                      "rejoin in rejoin_timeout has its stages re-placed on the others (default: every node, "
                      "no re-placement)", "multi-host", minimum=1),
     "tcp_security": Key(str, "encrypt", 'TCP between hosts: "encrypt" (CURVE on every socket) or "authenticate" '
-                        "(an HMAC on every data message, not encrypted)", "multi-host"),
+                        "(a Poly1305 MAC on every data message, not encrypted)", "multi-host"),
     "max_message_mb": Key(int, 256, "the largest tensor (MiB) one stage sends another", "processes"),
     "shm_slots": Key(int, 4, "one host: shared-memory slots per data channel (0: every tensor in ZeroMQ frames)",
                      "processes"),

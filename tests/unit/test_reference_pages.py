@@ -1,0 +1,86 @@
+"""The docs site's generated reference pages hold everything they are generated from: every flag
+of every ``pipeq`` subcommand, every job-file key (a key or flag added later appears without
+anyone editing a page), and every argument and setting of ``PipelineRunner`` in its grouped
+docstring, with the setting's type. Starts no process."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+import griffe
+
+import pipeq
+from pipeq.control import config, runner
+from pipeq.launch import reference
+from pipeq.launch.cli import build_parser
+from pipeq.launch.job.keys import KEYS, SECTIONS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _hook():
+    """docs/_hooks/generate.py, the MkDocs hook that fills the pages' markers."""
+    spec = importlib.util.spec_from_file_location("docs_generate", os.path.join(ROOT, "docs", "_hooks", "generate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cli_page_has_every_subcommand_and_flag():
+    page = reference.cli_markdown()
+    subs = reference.subcommands(build_parser())
+    assert set(subs) >= {"launch", "schedule", "report", "secret", "export"}
+    for name, (_, parser) in subs.items():
+        assert f"## pipeq {name}" in page
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            for flag in action.option_strings or [action.dest]:
+                assert f"`{flag}" in page or f"<code>{flag}" in page, f"pipeq {name}: {flag} missing"
+            if action.help:
+                first = action.help.split()[0].strip("`")
+                assert first in page, f"pipeq {name} {action.dest}: its help is missing"
+
+
+def test_the_job_file_page_has_every_key():
+    page = reference.job_keys_markdown()
+    for name, key in KEYS.items():
+        assert f"| `{name}` |" in page, name
+        assert f"### {SECTIONS[key.section]}" in page
+    flags = reference.launch_flags()
+    assert flags["steps"] == "--steps" and flags["checkpoint_every"] == "--checkpoint-every"
+    assert set(flags) <= set(KEYS)
+
+
+def test_the_schedule_options_table_has_every_option():
+    table = reference.schedule_options_markdown()
+    for name, entry in pipeq.SCHEDULES.items():
+        for option in getattr(entry, "option_names", ()):
+            assert f"`{name}`" in table and f"`{option}`" in table
+
+
+def test_the_hook_fills_the_markers_the_pages_hold():
+    hook = _hook()
+    for page, markers in hook.EXPECTED.items():
+        text = open(os.path.join(ROOT, "docs", page)).read()
+        out = hook.render(text, page)
+        assert all(m in text for m in markers) and not any(m in out for m in hook.GENERATORS)
+    assert "| `microbatches` |" in hook.render("<!-- generated: job-keys -->")
+
+
+def _documented() -> dict[str, griffe.DocstringParameter]:
+    """PipelineRunner's documented arguments (every group), as the API reference renders them."""
+    doc = griffe.Docstring(runner.PipelineRunner.__doc__, parser="google")
+    kinds = (griffe.DocstringSectionParameters, griffe.DocstringSectionOtherParameters)
+    return {p.name: p for s in doc.parse() if isinstance(s, kinds) for p in s.value}
+
+
+def test_every_runner_argument_and_setting_is_documented_in_a_group():
+    documented = _documented()
+    params = [p for p in list(runner._signature().parameters)]
+    assert sorted(set(params) - set(documented)) == []
+    assert sorted(set(documented) - set(params)) == []
+    for field in config.setting_fields():  # the settings (**settings) carry their type in the docstring
+        assert str(documented[field.name].annotation) == field.type, field.name
