@@ -93,3 +93,13 @@ def test_every_runner_argument_and_setting_is_documented_in_a_group():
     assert sorted(set(documented) - set(params)) == []
     for field in config.setting_fields():  # the settings (**settings) carry their type in the docstring
         assert documented[field.name] == field.type, field.name
+
+
+def test_the_api_page_lists_every_public_runner_method():
+    """reference/api.md lists the runner's members by name (to order them): none may be left out."""
+    page = open(os.path.join(ROOT, "docs", "reference", "api.md")).read()
+    block = page[page.index("::: pipeq.PipelineRunner"):]
+    listed = re.search(r"members: \[([^\]]*)\]", block)[1]
+    names = {n.strip() for n in listed.split(",")}
+    public = {n for n in dir(runner.PipelineRunner) if not n.startswith("_")}
+    assert sorted(public - names) == []
