@@ -43,11 +43,16 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeq.errors import CodecError, MainScriptError, PipelineError, ScheduleError, install_excepthook
 from pipeq.schedules import SCHEDULES, format_table
 from pipeq import research  # noqa: F401  (registers the research schedules)
+
+if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers and the API reference
+    from pipeq import balance, split
+    from pipeq.control.runner import PipelineRunner
+    from pipeq.launch.job.recipe import Recipe
 
 __all__ = ["PipelineRunner", "Recipe", "balance", "split", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
            "SCHEDULES", "format_table"]

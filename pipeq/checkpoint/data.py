@@ -10,8 +10,11 @@ import torch
 __all__ = ["FORMAT", "VERSION", "MANIFEST", "CheckpointError", "NoSpaceError", "StageSnapshot", "Checkpoint"]
 
 FORMAT = "pipeq-checkpoint"
+"""The ``format`` a checkpoint's manifest names."""
 VERSION = 1
+"""The checkpoint format's version, in the manifest."""
 MANIFEST = "manifest.json"
+"""The file of a checkpoint directory that describes it (written last: a checkpoint without one is incomplete)."""
 
 
 class CheckpointError(ValueError):

@@ -180,6 +180,7 @@ def to_global(local: str, offset: int, sequential: bool) -> str:
 
 #: The first part of an auxiliary head's names in a checkpoint (see the module docstring).
 AUX_PREFIX = "aux_heads"
+"""The prefix of the auxiliary heads' names in a state (interlocking schedules)."""
 
 
 def aux_name(stage: int, local: str) -> str:

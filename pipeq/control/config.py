@@ -67,8 +67,9 @@ class NumericsConfig:
         recompute: True, or one boolean per stage: the stage keeps only its inputs between a
             microbatch's forward and backward and recomputes the forward in the backward (the same
             RNG state, so the same dropout masks): the same numbers, less activation memory.
-        Precision, clipping, check_finite and recompute run with fill-drain, 1F1B, ZB-H1 and your own
-        schedules (interlocking, async and AL compute their own way).
+
+    Precision, clipping, check_finite and recompute run with fill-drain, 1F1B, ZB-H1 and your own
+    schedules (interlocking, async and AL compute their own way).
     """
 
     precision: str = "fp32"

@@ -32,7 +32,7 @@ from pipeq.control import checks, shape_check
 from pipeq.control.batching import Batcher, check_batch
 from pipeq.control.config import RunConfig, setting_fields
 from pipeq.control.exclusive import CallGuard, exclusive
-from pipeq.control.main_guard import check_main_guard
+from pipeq.control.lifecycle import RunnerLifecycle
 from pipeq.control.processes import StageSettings
 from pipeq.control.stage_inputs import StageInputs, route
 from pipeq.control.snapshots import RunnerSnapshots
@@ -50,10 +50,13 @@ if TYPE_CHECKING:
 __all__ = ["PipelineRunner"]
 
 
-class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
+class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots):
     """Train ``stages`` (one ``nn.Module`` per pipeline stage) with a pipeline schedule.
 
-    Args:
+    The settings (keyword arguments, grouped below) build a :class:`~pipeq.control.config.RunConfig`,
+    whose parts' classes document them in full; ``config=`` gives one whole.
+
+    Args: Model and training
         stages: the model, split into stages; stage k's output is stage k+1's input: a tuple is
             spread over its arguments, anything else (a tensor, a list, a dict of tensors and
             constants) is its one argument. ``step``, ``stream`` and ``predict`` take ``x`` and
@@ -63,17 +66,6 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
             recipe names them). Multi-host runs need a recipe.
         loss_fn: ``loss_fn(output, target)`` on the last stage; reduction 'mean' or 'sum'.
         optimizer: called with one stage's parameters, e.g. ``partial(torch.optim.SGD, lr=0.1)``.
-        schedule: a name (``"1f1b"``, ``"fill-drain"`` alias ``"gpipe"``, ``"zb-h1"`` alias
-            ``"zb1p"`` (split backward), ``"global"``, ``"local"``, ``"pairwise"``, ``"async"``,
-            ``"al"``), a schedule object with its
-            options (``pipeq.schedules.Interlock("nwise", distance=2)``,
-            ``AsyncOneFOneB(weight_stashing=False)``, ``AssociatedLearning(first_loss="mse")``),
-            ``"auto"`` (chosen at the first ``step`` from two profiled steps on copies of the stages,
-            see :mod:`pipeq.control.auto_schedule`; the ranking is printed and kept as ``auto_choice``),
-            or your own schedule function ``(n_stages, n_microbatches) -> per-stage lists of
-            F(j), B(j) (or I(j) then W(j)), STEP`` (module level, so that stage processes can import it); it is
-            validated and dry-run for deadlock here, before anything starts.
-        microbatches: microbatches per step (a smaller batch uses one sample per microbatch).
         lr_scheduler: called with each stage's optimizer, e.g.
             ``partial(torch.optim.lr_scheduler.StepLR, step_size=10)``; stepped with the
             optimizer on every stage: once per training step (once per microbatch with
@@ -83,8 +75,6 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
             replica's) once, e.g. at the end of each epoch, with the metric a
             ``ReduceLROnPlateau`` monitors (which needs ``"epoch"``). With a recipe, the recipe
             sets it.
-        aux_heads, aux_loss: interlocking schedules: one head per stage but the last (stage k's
-            reads stage k's output) and their loss (default cross-entropy).
         balance: layer counts per stage (``[3, 2, 1]``, or ``pipeq.balance(model, n_stages,
             sample)``, which measures them) when ``stages`` is the whole model as one
             ``nn.Sequential``: its children are split into stages of that many layers each
@@ -95,39 +85,97 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
             numbers), and :meth:`state_dict` and checkpoints hold the tensor once, under the first
             name (see :mod:`pipeq.control.ties`). Sharing between stages that is not tied is refused.
 
-        rendezvous: a :class:`pipeq.rendezvous.Rendezvous` for a multi-host run (this process
-            is node 0; the other nodes run ``pipeq launch ... --node-rank r``); its stages bind
-            to ``rendezvous.bind`` over TCP.
-        trace: a file path: every stage records each action it runs (forward, backward,
-            optimizer step, send, waiting for input) and ``close()`` writes one merged Chrome
-            trace-event JSON file there (Perfetto, chrome://tracing; ``pipeq report`` reads it).
+    Args: Schedule
+        schedule: a name (``"1f1b"``, the default; ``"fill-drain"`` alias ``"gpipe"``, ``"zb-h1"`` alias
+            ``"zb1p"`` (split backward), ``"global"``, ``"local"``, ``"pairwise"``, ``"async"``,
+            ``"al"``; ``pipeq.SCHEDULES`` has them all), a schedule object with its
+            options (``pipeq.schedules.Interlock("nwise", distance=2)``,
+            ``AsyncOneFOneB(weight_stashing=False)``, ``AssociatedLearning(first_loss="mse")``),
+            ``"auto"`` (chosen at the first ``step`` from two profiled steps on copies of the stages,
+            see :mod:`pipeq.control.auto_schedule`; the ranking is printed and kept as ``auto_choice``),
+            or your own schedule function ``(n_stages, n_microbatches) -> per-stage lists of
+            F(j), B(j) (or I(j) then W(j)), STEP`` (module level, so that stage processes can import it); it is
+            validated and dry-run for deadlock here, before anything starts.
+        microbatches: microbatches per step (default 8; a smaller batch uses one sample per microbatch).
+        aux_heads: interlocking schedules: one head per stage but the last (stage k's reads stage
+            k's output).
+        aux_loss: interlocking schedules: the auxiliary heads' loss (default cross-entropy).
+
+    Keyword Args: Numerics
+        precision (str): ``"fp32"`` (default), ``"bf16"`` (autocast to bfloat16; parameters,
+            gradients and the optimizer stay float32) or ``"fp16"`` (autocast with dynamic loss
+            scaling, every stage and replica stepping or skipping together).
+        clip_grad_norm (float | None): clip the gradients by their global norm over every stage,
+            as ``torch.nn.utils.clip_grad_norm_`` on the whole model does. Default None: no clipping.
+        clip_norm_type (float): the p of ``clip_grad_norm``'s norm (default 2.0, or ``float('inf')``).
+        check_finite (bool | str): ``"raise"`` (or True): fail naming the stage and microbatch
+            where the first NaN or Inf appeared, before any weight changes; ``"skip"``: skip the
+            step on every stage when a gradient is not finite. Default False: no checks.
+        recompute (bool | Sequence[bool]): True, or one boolean per stage: recompute the forward
+            in the backward (the same numbers, less activation memory). Default False.
+
+    Keyword Args: Wire and transport
+        transport (str): ``"ipc"`` (default: Unix sockets, one host) or ``"tcp"``.
+        host (str): the address stages bind to with ``transport="tcp"`` (default ``"127.0.0.1"``).
+        tcp_security (str): ``"encrypt"`` (default: CURVE on every socket) or ``"authenticate"``
+            (a Poly1305 MAC on every data message, not encrypted); only holders of the job's
+            secret get in either way.
+        max_message_mb (int): the largest tensor (MiB) one stage sends another (default 256).
+        shm_slots (int): one host (``"ipc"``): shared-memory slots per channel for tensors of 64 KiB
+            or more (default 4; 0: every tensor in ZeroMQ frames).
+        queue_capacity (int | None): messages a stage's queue holds, at least ``microbatches``
+            (default None: four steps' worth, at least 64).
+        spin (float): seconds a waiting stage busy-polls before it blocks (default 0.01; 0 never spins).
+
+    Keyword Args: Faults and timeouts
+        heartbeat_interval (float): seconds between a stage's heartbeats (default 1.0).
+        heartbeat_timeout (float): seconds of silence before a stage is failed (default 15.0).
+        step_timeout (float | None): seconds one compute action (a forward, a backward, an
+            optimizer step) may take before the run fails naming the stage and the action;
+            longer than ``heartbeat_interval``; process mode only. Default None: off
+            (``pipeq launch`` sets 300).
+        start_timeout (float): seconds to wait for every stage to start (default 120.0).
+        stop_timeout (float): seconds ``close()`` lets the stages finish what they were sent
+            before they are terminated (default 60.0).
+        fault_tolerance (str | None): None (default: any stage failure ends the run) or
+            ``"replicas"``: with ``data_parallel >= 2``, a replica whose stage fails in a
+            training step is dropped for that step, whose update and loss are then the mean over
+            the other replicas' samples, and rebuilt from a healthy replica's state for the next;
+            see :mod:`pipeq.control.replica_loss`, :attr:`degraded_steps`.
+
+    Keyword Args: Placement and parallelism
+        mode (str): ``"process"`` (the default: one process per stage) or ``"simulated"`` (all in this one).
+        devices (Sequence[str] | None): one device string per stage (default: ``cuda:k``
+            round-robin when CUDA is available, else ``cpu`` with each stage pinned to its share
+            of the cores).
+        threads_per_stage (int | None): torch threads per stage process (default: cores / stages).
+        start_method (str): ``"spawn"`` (default) or ``"forkserver"`` (stages fork from a server
+            that imports torch once); the environment variable ``PIPEQ_START_METHOD`` sets the
+            default. Either way, start the runner under ``if __name__ == "__main__":``.
+        placement (Sequence[Sequence[int]] | None): stages per node in a multi-host run, e.g.
+            ``[[0], [1, 2]]`` (default: an even, contiguous split).
+        rendezvous: a :class:`pipeq.rendezvous.Rendezvous` for a multi-host run (this process is node 0;
+            the others run ``pipeq launch ... --node-rank r``); its stages bind to ``rendezvous.bind`` over TCP.
+        data_parallel (int): R replicas of the pipeline (R x N processes), gradients all-reduced (default 1).
+        tensor_parallel (int): each stage split over T processes of one host (default 1), as
+            ``tp_plan`` says (:mod:`pipeq.parallel.tensor`).
+        tp_plan (Sequence[Any] | None): one plan per stage: submodule names to ``"colwise"`` or
+            ``"rowwise"``, ``{}`` for a stage left whole, or a callable ``(stage_module, mesh) -> module``.
+        stages_per_process (int | None): v model stages per process (virtual stages):
+            interleaved-1f1b and looped-bfs take any v >= 2, zbv and dualpipev hold 2
+            (default: as the schedule says).
+
+    Keyword Args: Observability and configuration
+        trace (str | os.PathLike[str] | None): a file path: every stage records each action it
+            runs (forward, backward, optimizer step, send, waiting for input) and ``close()``
+            writes one merged Chrome trace-event JSON file there (Perfetto, chrome://tracing;
+            ``pipeq report`` reads it). Process mode only.
         config: a :class:`~pipeq.control.config.RunConfig` holding the schedule, microbatches
-            and every setting below, instead of keyword arguments.
-        **settings: the run's settings by keyword, in four groups, each documented on its class
-            in :mod:`pipeq.control.config`:
+            and every setting above, instead of keyword arguments (not both).
 
-            - numerics (:class:`~pipeq.control.config.NumericsConfig`): ``precision``,
-              ``clip_grad_norm``, ``clip_norm_type``, ``check_finite``, ``recompute``;
-            - wire (:class:`~pipeq.control.config.WireConfig`): ``transport``, ``host``,
-              ``tcp_security``, ``max_message_mb``, ``shm_slots``, ``queue_capacity``, ``spin``;
-            - faults (:class:`~pipeq.control.config.FaultConfig`): ``heartbeat_interval``,
-              ``heartbeat_timeout``, ``step_timeout``, ``start_timeout``, ``stop_timeout``,
-              ``fault_tolerance`` (``"replicas"``: with ``data_parallel >= 2``, a replica whose
-              stage fails in a training step is dropped for that step, whose update and loss are
-              then the mean over the other replicas' samples, and rebuilt from a healthy
-              replica's state for the next; see :mod:`pipeq.control.replica_loss`,
-              :attr:`degraded_steps`);
-            - placement (:class:`~pipeq.control.config.PlacementConfig`): ``mode``
-              (``"process"``, the default, or ``"simulated"``), ``devices``,
-              ``threads_per_stage``, ``start_method``, ``placement``, ``data_parallel``,
-              ``tensor_parallel``, ``tp_plan``.
-
-    Names: :meth:`state_dict`, :meth:`load_state_dict`, :meth:`save` / :meth:`load` and
-    ``pipeq launch``'s model.pt all name tensors as the flat model ``nn.Sequential(*layers)``
-    does (``pipeq.checkpoint.flat_model(stages)``): a stage that is an ``nn.Sequential``
-    contributes each of its children as one layer. Checkpoints hold every stage's parameters,
-    optimizer and scheduler state; one loads into another split of the same layers.
-
+    Names: :meth:`state_dict`, :meth:`save` / :meth:`load` (every stage's parameters, optimizer and
+    scheduler state; into another split of the same layers too) and ``pipeq launch``'s model.pt name
+    tensors as the flat model ``nn.Sequential(*layers)`` does (see :meth:`state_dict`).
     ``runner.lr_schedule`` (a :class:`pipeq.stage.lr_schedulers.LRSchedule`) says how the lr schedulers
     are stepped: its ``interval``, and whether they take a metric (ReduceLROnPlateau).
 
@@ -198,53 +246,6 @@ class PipelineRunner(RunnerStream, RunnerState, RunnerSnapshots):
         self._undrained = False  # a stream left work behind (see _settle)
         self._running = False
         self._used = False
-
-    # -- lifecycle -------------------------------------------------------------------------
-    @exclusive
-    def start(self) -> "PipelineRunner":
-        if self._running:
-            return self
-        if self._used:
-            raise PipelineError(
-                "this runner has already run and been closed; a restart would begin again from "
-                "the stages' initial weights. Create a new runner (and load_state_dict the "
-                "state_dict you kept) instead"
-            )
-        if self.mode == "process":  # each stage process runs the main script again
-            check_main_guard()
-        self._used = True
-        if self._shape_model is not None:
-            shape_check.warm_up()
-        if self._auto is None:  # "auto": the backend starts once the schedule is settled
-            self._backend.start()
-        self._running = True
-        return self
-
-    @exclusive
-    def close(self) -> None:
-        if self._running:
-            self._running = False
-            if self._backend is not None:
-                self._backend.close()
-
-    def __enter__(self) -> "PipelineRunner":
-        return self.start()
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # do not mask the exception in flight with a shutdown error
-            try:
-                self.close()
-            except PipelineError:
-                pass
-
-    def __del__(self) -> None:
-        try:
-            if getattr(self, "_running", False):
-                self.close()
-        except Exception:
-            pass
 
     def _require_running(self) -> None:
         """The pipeline runs, and every step sent so far is done (a consistent state)."""

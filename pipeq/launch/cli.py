@@ -23,7 +23,7 @@ from pipeq import __version__
 from pipeq import schedules
 from pipeq.wire.keys import SECRET_ENV, JobSecret
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +33,32 @@ def main(argv: list[str] | None = None) -> int:
         from pipeq.control import forkserver
 
         forkserver.start()  # its imports (torch) run while this process imports launch's
+    args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        from pipeq.launch import command as launch_command  # torch: only now, not for --help
+
+        return launch_command.run(args)
+    try:
+        if args.command == "schedule":
+            return _schedule(args)
+        if args.command == "report":
+            return _report(args)
+        if args.command == "secret":
+            return _secret(args)
+        if args.command == "export":
+            from pipeq.checkpoint.export import export
+
+            print(f"wrote {export(args.source, args.format, args.out)} ({args.format})")
+            return 0
+    except (ValueError, OSError, RuntimeError) as exc:  # ScheduleError is a ValueError; RuntimeError: no matplotlib
+        print(f"pipeq: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pipeq`` command's parser, every subcommand's too (what :func:`main` parses, and the
+    docs' command-line reference renders: :mod:`pipeq.launch.reference`). Imports no torch."""
     parser = argparse.ArgumentParser(prog="pipeq", description="pipeline-parallel training for PyTorch")
     parser.add_argument("--version", action="version", version=f"pipeq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,27 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("launch", help="train a job file (TOML), on one host or several",
                        description=launch.__doc__.split("\n\n")[0] if launch.__doc__ else None)
     launch_args.add_arguments(p)
-    args = parser.parse_args(argv)
-    if args.command == "launch":
-        from pipeq.launch import command as launch_command  # torch: only now, not for --help
-
-        return launch_command.run(args)
-    try:
-        if args.command == "schedule":
-            return _schedule(args)
-        if args.command == "report":
-            return _report(args)
-        if args.command == "secret":
-            return _secret(args)
-        if args.command == "export":
-            from pipeq.checkpoint.export import export
-
-            print(f"wrote {export(args.source, args.format, args.out)} ({args.format})")
-            return 0
-    except (ValueError, OSError, RuntimeError) as exc:  # ScheduleError is a ValueError; RuntimeError: no matplotlib
-        print(f"pipeq: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return parser
 
 
 def _schedule_arguments(p: argparse.ArgumentParser) -> None:

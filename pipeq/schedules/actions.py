@@ -21,6 +21,9 @@ __all__ = ["Op", "Action", "COMPUTE_OPS", "GRAD_OPS", "WEIGHT_DONE_OPS", "F", "B
            "ScheduleFn", "lower_stage", "lower", "lower_process"]
 
 class Op(enum.Enum):
+    """What an action does: compute (``F``, ``B``, ``I``, ``W``, ``STEP``) or, once lowered,
+    communication (``recvF``/``sendF``, ``recvB``/``sendB``)."""
+
     FORWARD = "F"
     BACKWARD = "B"
     INPUT_GRAD = "I"  # the input gradient only (B's part the previous stage waits for)
@@ -33,10 +36,11 @@ class Op(enum.Enum):
 
 
 COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.STEP, Op.INPUT_GRAD, Op.WEIGHT_GRAD)
-#: the compute ops that take the gradient from the next stage and send one to the previous
+"""The compute ops (the rest are communication)."""
 GRAD_OPS = (Op.BACKWARD, Op.INPUT_GRAD)
-#: the compute ops after which a microbatch's weight gradients are complete
+"""The compute ops that take the gradient from the next stage and send one to the previous."""
 WEIGHT_DONE_OPS = (Op.BACKWARD, Op.WEIGHT_GRAD)
+"""The compute ops after which a microbatch's weight gradients are complete."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +58,12 @@ class Action:
 
 
 def F(j: int) -> Action:
+    """The forward of microbatch ``j``."""
     return Action(Op.FORWARD, j)
 
 
 def B(j: int) -> Action:
+    """The backward of microbatch ``j`` (input and weight gradients at once)."""
     return Action(Op.BACKWARD, j)
 
 
@@ -72,9 +78,12 @@ def W(j: int) -> Action:
 
 
 STEP = Action(Op.STEP)
+"""The optimizer step, a stage's last action of a training step."""
 
 Schedule = list[list[Action]]
+"""A schedule's plan: one list of actions per stage (or per process)."""
 ScheduleFn = Callable[[int, int], Schedule]
+"""A schedule function: ``(n_stages, n_microbatches) -> Schedule``."""
 
 
 def lower_stage(

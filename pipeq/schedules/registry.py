@@ -50,7 +50,6 @@ class NeedsOptions:
         return self.example
 
 
-#: Every schedule name pipeq knows, and the schedule it names.
 SCHEDULES: dict[str, "SchedulePolicy | NeedsOptions"] = {
     "fill-drain": FunctionSchedule(fill_drain, "fill-drain"),
     "gpipe": FunctionSchedule(fill_drain, "gpipe"),
@@ -65,6 +64,7 @@ SCHEDULES: dict[str, "SchedulePolicy | NeedsOptions"] = {
     "zbv": ZBV(),  # zero bubble in a V (arXiv 2401.10241)
     "dualpipev": DualPipeV(),  # DeepSeek's DualPipe in a V (arXiv 2412.19437)
 }
+"""Every schedule name pipeq knows, and the schedule it names (``pipeq schedule NAME`` prints its plan)."""
 #: Names plug-ins add to :mod:`pipeq.schedules` (their schedule classes), by name.
 EXPORTS: dict[str, Any] = {}
 #: classes whose from_label reads trace labels back (with their options)

@@ -44,6 +44,7 @@ from pipeq.schedules.plan import table_costs
 __all__ = ["VERSION", "Trace", "Event", "TraceMeta", "load_trace", "trace_from_dict", "planned_trace", "save_trace"]
 
 VERSION = 1
+"""The trace format's version, in the file's metadata."""
 
 # what an event's time was (its "cat"): compute, sending, waiting for an input, a driver's step
 FORWARD_CAT, BACKWARD_CAT, STEP_CAT, SEND_CAT, WAIT_CAT, DRIVER_CAT = (
@@ -146,6 +147,8 @@ def _to_driver(samples: Sequence[ClockSample]) -> Any:
 
 @dataclass
 class TraceMeta:
+    """What a trace is of: the schedule, the stage and microbatch counts, the replicas, and more."""
+
     schedule: str
     n_stages: int
     microbatches: int

@@ -1,0 +1,105 @@
+"""The docs site's generated reference pages hold everything they are generated from: every flag
+of every ``pipeq`` subcommand, every job-file key (a key or flag added later appears without
+anyone editing a page), and every argument and setting of ``PipelineRunner`` in its grouped
+docstring, with the setting's type. Starts no process."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import textwrap
+
+import pipeq
+from pipeq.control import config, runner
+from pipeq.launch import reference
+from pipeq.launch.cli import build_parser
+from pipeq.launch.job.keys import KEYS, SECTIONS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _hook():
+    """docs/_hooks/generate.py, the MkDocs hook that fills the pages' markers."""
+    spec = importlib.util.spec_from_file_location("docs_generate", os.path.join(ROOT, "docs", "_hooks", "generate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cli_page_has_every_subcommand_and_flag():
+    page = reference.cli_markdown()
+    subs = reference.subcommands(build_parser())
+    assert set(subs) >= {"launch", "schedule", "report", "secret", "export"}
+    for name, (_, parser) in subs.items():
+        assert f"## pipeq {name}" in page
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            for flag in action.option_strings or [action.dest]:
+                assert f"`{flag}" in page or f"<code>{flag}" in page, f"pipeq {name}: {flag} missing"
+            if action.help:
+                first = action.help.split()[0].strip("`")
+                assert first in page, f"pipeq {name} {action.dest}: its help is missing"
+
+
+def test_the_job_file_page_has_every_key():
+    page = reference.job_keys_markdown()
+    for name, key in KEYS.items():
+        assert f"| `{name}` |" in page, name
+        assert f"### {SECTIONS[key.section]}" in page
+    flags = reference.launch_flags()
+    assert flags["steps"] == "--steps" and flags["checkpoint_every"] == "--checkpoint-every"
+    assert set(flags) <= set(KEYS)
+
+
+def test_the_schedule_options_table_has_every_option():
+    table = reference.schedule_options_markdown()
+    for name, entry in pipeq.SCHEDULES.items():
+        for option in getattr(entry, "option_names", ()):
+            assert f"`{name}`" in table and f"`{option}`" in table
+
+
+def test_the_hook_fills_the_markers_the_pages_hold():
+    hook = _hook()
+    for page, markers in hook.EXPECTED.items():
+        text = open(os.path.join(ROOT, "docs", page)).read()
+        out = hook.render(text, page)
+        assert all(m in text for m in markers) and not any(m in out for m in hook.GENERATORS)
+    assert "| `microbatches` |" in hook.render("<!-- generated: job-keys -->")
+
+
+def _documented() -> dict[str, str | None]:
+    """PipelineRunner's documented arguments, name -> the type written beside it (None: none), from
+    the Google-style ``Args: <group>`` and ``Keyword Args: <group>`` sections the API reference
+    renders as one table per group."""
+    out: dict[str, str | None] = {}
+    in_section = False
+    for line in textwrap.dedent(runner.PipelineRunner.__doc__.split("\n", 1)[1]).splitlines():
+        if re.match(r"(Args|Keyword Args): \S", line):
+            in_section = True
+        elif line and not line.startswith(" "):
+            in_section = False
+        elif in_section and (m := re.match(r"    (\w+)(?: \((.+?)\))?: ", line)):
+            out[m[1]] = m[2]
+    return out
+
+
+def test_every_runner_argument_and_setting_is_documented_in_a_group():
+    documented = _documented()
+    params = [p for p in list(runner._signature().parameters)]
+    assert sorted(set(params) - set(documented)) == []
+    assert sorted(set(documented) - set(params)) == []
+    for field in config.setting_fields():  # the settings (**settings) carry their type in the docstring
+        assert documented[field.name] == field.type, field.name
+
+
+def test_the_api_page_lists_every_public_runner_method():
+    """reference/api.md lists the runner's members by name (to order them): none may be left out."""
+    page = open(os.path.join(ROOT, "docs", "reference", "api.md")).read()
+    block = page[page.index("::: pipeq.PipelineRunner"):]
+    listed = re.search(r"members: \[([^\]]*)\]", block)[1]
+    names = {n.strip() for n in listed.split(",")}
+    public = {n for n in dir(runner.PipelineRunner) if not n.startswith("_")}
+    assert sorted(public - names) == []
