@@ -66,7 +66,7 @@ def python_blocks(page: str) -> list[Block]:
         k += 1
         body = []
         while k < len(lines) and not lines[k].strip().startswith(fence):
-            body.append(lines[k][indent:] if lines[k][:indent].isspace() else lines[k].lstrip())
+            body.append(lines[k][indent:] if not lines[k][:indent].strip() else lines[k].lstrip())
             k += 1
         k += 1
         if m.group("info").lower() not in ("python", "py"):
