@@ -25,7 +25,7 @@ it; 16 s in all, about half of it starting the stage processes)::
     $ python examples/al_digits.py
     ...
     method     held-out accuracy   wall time
-    AL                     99.2%        7.0s
+    AL                     98.6%        7.0s
     1F1B                   97.8%        3.3s
     (359 held-out images, 10 epochs of 23 batches, process mode)
 
