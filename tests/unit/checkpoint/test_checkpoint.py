@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+import pipeq
+
 from pipeq.checkpoint import (
     CheckpointError,
     StageSnapshot,
@@ -409,3 +411,18 @@ def test_split_state_takes_flat_or_stage_prefixed_names():
         split_state({k: v for k, v in flat.items() if k != "5.bias"}, layouts)
     with pytest.raises(ValueError, match=r"state_dict\['3.weight'\] has shape \(2,\), stage 1 expects \(8,\)"):
         split_state({**flat, "3.weight": torch.zeros(2)}, layouts)
+
+
+def test_stages_sliced_from_a_sequential_are_named_as_the_whole_model():
+    """``model[2:4]`` keeps its children's names (2, 3): the state still loads into ``model``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    stages = [model[0:2], model[2:4], model[4:]]
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), lambda p: torch.optim.SGD(p, lr=0.1),
+                                  microbatches=2, mode="simulated")
+    with runner:
+        runner.step(torch.randn(8, 4), torch.randint(0, 3, (8,)))
+        state = runner.state_dict()
+    assert list(state) == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    model.load_state_dict(state)  # strict: every name is the whole model's
+    assert list(stages[1]._modules) == ["2", "3"]  # the caller's stage is left as it was
