@@ -50,6 +50,16 @@ def format_remote(exc: BaseException) -> str:
             + "".join(traceback.format_exception_only(cause)))
 
 
+class StageComputeError(RuntimeError):
+    """A stage's own computation failed (its forward, its loss): the message says which microbatch
+    and shapes, and ends with the cause's type and message, so :func:`error_line` shows it as is."""
+
+
+def error_line(exc: BaseException) -> str:
+    """``exc`` as one line for the driver: ``ValueError: boom``, or a StageComputeError's message."""
+    return str(exc) if isinstance(exc, StageComputeError) else f"{type(exc).__name__}: {exc}"
+
+
 class MainScriptError(PipelineError, ValueError):
     """The main script cannot start stage processes as written: the runner is started outside
     its ``if __name__ == "__main__":`` block, or a stage uses a class or function defined under

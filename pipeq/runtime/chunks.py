@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Generator, Mapping, Sequence
 
+from pipeq.errors import error_line
 from pipeq.runtime.interpreter import EMIT, STATS, Request, _split_backward
 from pipeq.schedules import Action, Op
 from pipeq.stage.executor import StageExecutor, Tensors
@@ -38,7 +39,7 @@ class ChunkError(RuntimeError):
     """An action of stage ``stage`` (chunk ``chunk`` of its process) failed; the cause is chained."""
 
     def __init__(self, stage: int, chunk: int, exc: BaseException) -> None:
-        super().__init__(f"stage {stage} (chunk {chunk} of its process): {type(exc).__name__}: {exc}")
+        super().__init__(f"stage {stage} (chunk {chunk} of its process): {error_line(exc)}")
         self.stage, self.chunk = stage, chunk
 
 

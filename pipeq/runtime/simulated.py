@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pipeq.errors import PipelineError, format_remote
+from pipeq.errors import PipelineError, error_line, format_remote
 from pipeq.runtime.chunks import ChunkError, execute_chunks
 from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import EMIT, TIES, StagePlan, execute
@@ -153,7 +153,7 @@ class SimulatedBackend:
         except ChunkError as exc:  # a process of several stages: the stage that failed
             raise PipelineError(str(exc), exc.stage, format_remote(exc)) from None  # its traceback is in the text
         except Exception as exc:
-            raise PipelineError(f"{type(exc).__name__}: {exc}", k, format_remote(exc)) from None
+            raise PipelineError(error_line(exc), k, format_remote(exc)) from None
 
     def train(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
               x: Any, target: Any, stream: bool = False, inputs: Sequence[dict[str, Any] | None] | None = None) -> float:

@@ -78,7 +78,7 @@ from pipeq.wire.errors import Stopped
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, remove_ipc_dir, tune_process_allocator
 from pipeq.wire.stage_link import StageTransport
-from pipeq.errors import format_remote
+from pipeq.errors import error_line, format_remote
 
 __all__ = ["WorkerConfig", "EventLoop", "worker_entry", "select_device"]
 
@@ -490,7 +490,7 @@ def _report_error(transport: StageTransport, exc: BaseException, loop: EventLoop
     """Tell the driver why this stage fails, with the traceback (if the driver is still there)."""
     try:
         transport.send_control(control.message(ErrorReply(
-            message=f"{type(exc).__name__}: {exc}", traceback=format_remote(exc),
+            message=error_line(exc), traceback=format_remote(exc),
             step=loop.step if loop is not None else None,
             at=time.monotonic())))  # which of a stage's shards failed first (pipeq.control.supervisor)
     except Exception:

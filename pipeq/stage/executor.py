@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
+from pipeq.errors import StageComputeError, error_line
 from pipeq.stage import microbatch
 from pipeq.stage.grad_graph import engine_backward
 from pipeq.stage.loss import step_weights
@@ -174,13 +175,13 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
         except Exception as exc:
             raise self._forward_error(j, value, exc) from exc
 
-    def _forward_error(self, j: int, value: Any, exc: Exception) -> RuntimeError:
+    def _forward_error(self, j: int, value: Any, exc: Exception) -> StageComputeError:
         """The error of a forward of microbatch ``j`` that failed on ``value`` (its input) with ``exc``."""
         shapes = describe(tensors_of(value)) or f"(no tensor: {type(value).__name__})"
         if self.kwargs is not None and j < len(self.kwargs):
             shapes += "".join(f", {name}={describe(tensors_of(v)) or f'{v!r:.40}'}" for name, v in self.kwargs[j].items())
-        return RuntimeError(
-            f"forward of microbatch {j} (step {self.step_index}) failed on input of shape {shapes}: {exc}")
+        return StageComputeError(f"forward of microbatch {j} (step {self.step_index}) failed on input of shape "
+                                 f"{shapes}: {error_line(exc)}")
 
     def _loss(self, j: int, out: Any) -> torch.Tensor | None:
         """The last stage's weighted loss of microbatch ``j`` (None: it weighs nothing)."""
@@ -189,9 +190,9 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
             with self.autocast():
                 loss = self.loss_fn(out, target)  # type: ignore[misc]
         except Exception as exc:
-            raise RuntimeError(
+            raise StageComputeError(
                 f"loss_fn failed on output {describe(tensors_of(out))} and target "
-                f"{describe(tensors_of(target))} (microbatch {j}, step {self.step_index}): {exc}"
+                f"{describe(tensors_of(target))} (microbatch {j}, step {self.step_index}): {error_line(exc)}"
             ) from exc
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(

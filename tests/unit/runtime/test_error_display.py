@@ -58,7 +58,8 @@ def test_a_stage_error_reads_first_line_first():
     assert first.startswith("pipeq.errors.PipelineError: stage 1: ") and "forward of microbatch 0" in first
     assert shown.count("Traceback (most recent call last)") == 2  # the caller's line, then the stage's
     assert shown.count("forward of microbatch 0") == 1  # the answer, once
-    assert shown.count("ValueError: boom from the stage") == 1  # the stage's own last line, once
+    assert first.splitlines()[0].endswith("float32: ValueError: boom from the stage")  # the cause's own type
+    assert shown.count("ValueError: boom from the stage") == 2  # the answer, and the stage traceback's last line
     assert "direct cause" not in shown and "During handling" not in shown
     assert "pipeq/runtime" not in shown.split("--- traceback in stage 1 ---")[0]  # no driver plumbing
 
