@@ -78,11 +78,13 @@ class Batcher:
         return x, target, n
 
     def check_input(self, x: Any) -> None:
-        """Only plain backprop's schedules (fill-drain, 1F1B, your own) take x that is not one tensor."""
+        """Only plain backprop's schedules (fill-drain, 1F1B, zero-bubble, interleaved, DualPipeV, your own)
+        take x that is not one tensor."""
         if not isinstance(x, torch.Tensor) and not self.schedule.plain_backprop:
             raise ValueError(
                 f"schedule {self.schedule.name!r} takes x as one tensor, got a "
-                f"{type(x).__name__}: tuples and dicts of inputs run with fill-drain, 1F1B and your own schedules")
+                f"{type(x).__name__}: tuples and dicts of inputs run with the backprop schedules (fill-drain, 1F1B, "
+                f"the zero-bubble, interleaved and DualPipeV ones, and your own)")
 
     def shards(self, target: Any, batch: int) -> list[Shard]:
         """Replica r's microbatch sizes and loss weights, relative to the whole batch."""

@@ -89,7 +89,7 @@ class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots
         schedule: a name (``"1f1b"``, the default; ``"fill-drain"`` alias ``"gpipe"``, ``"zb-h1"`` alias
             ``"zb1p"`` (split backward), ``"global"``, ``"local"``, ``"pairwise"``, ``"async"``,
             ``"al"``; ``pipeq.SCHEDULES`` has them all), a schedule object with its
-            options (``pipeq.schedules.Interlock("nwise", distance=2)``,
+            options (``pipeq.research.Interlock("nwise", distance=2)``,
             ``AsyncOneFOneB(weight_stashing=False)``, ``AssociatedLearning(first_loss="mse")``),
             ``"auto"`` (chosen at the first ``step`` from two profiled steps on copies of the stages,
             see :mod:`pipeq.control.auto_schedule`; the ranking is printed and kept as ``auto_choice``),
@@ -154,7 +154,7 @@ class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots
             default. Either way, start the runner under ``if __name__ == "__main__":``.
         placement (Sequence[Sequence[int]] | None): stages per node in a multi-host run, e.g.
             ``[[0], [1, 2]]`` (default: an even, contiguous split).
-        rendezvous: a :class:`pipeq.rendezvous.Rendezvous` for a multi-host run (this process is node 0;
+        rendezvous: a :class:`pipeq.control.rendezvous.Rendezvous` for a multi-host run (this process is node 0;
             the others run ``pipeq launch ... --node-rank r``); its stages bind to ``rendezvous.bind`` over TCP.
         data_parallel (int): R replicas of the pipeline (R x N processes), gradients all-reduced (default 1).
         tensor_parallel (int): each stage split over T processes of one host (default 1), as

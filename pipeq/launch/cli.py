@@ -101,7 +101,7 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=sorted(schedules.SCHEDULES) + ["auto"],
                    help="a schedule, or auto: rank the schedules by their dry run with --costs (ms) or a trace's")
     p.add_argument("--distance", type=int, metavar="D",
-                   help="nwise's distance d >= 1 (its option: pipeq.schedules.Interlock('nwise', distance=d) in Python, "
+                   help="nwise's distance d >= 1 (its option: pipeq.research.Interlock('nwise', distance=d) in Python, "
                         "schedule = { name = \"nwise\", distance = d } in a job file)")
     p.add_argument("--stages", type=int, help="pipeline processes (a schedule of v stages per process plans "
                                               "v x N stages); required but with auto --from-trace")

@@ -35,8 +35,8 @@ schedule. :func:`stages` and :func:`heads` take the same (keyword) arguments and
 each, so that a job file can name them (the runner builds both under the job's seed, so the two
 calls build the same network)::
 
-    stages = "pipeq.resnet:stages"
-    aux_heads = "pipeq.resnet:heads"
+    stages = "pipeq.models.resnet:stages"
+    aux_heads = "pipeq.models.resnet:heads"
     # ... the job's other keys, then its tables (TOML's inline tables take one line each)
     [stages_args]
     block = "basic"

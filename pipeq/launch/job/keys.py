@@ -117,7 +117,7 @@ KEYS: dict[str, Key] = {
     "keep_checkpoints": Key(int, 0, "keep the newest K checkpoints (0: keep all)", "output", minimum=0),
     "eval_every": Key(int, 0, "evaluate every N steps (0: at the end only)", "evaluation", minimum=0),
     "log_every": Key(int, 10, "with --quiet: a log line every N steps", "output", minimum=0),
-    "tensorboard": Key(bool, True, "TensorBoard event files of the metrics (loss, lr, samples/s, eval metrics, "
+    "tensorboard": Key(bool, None, "TensorBoard event files of the metrics (loss, lr, samples/s, eval metrics, "
                        "restarts; each stage's busy time and bubble with trace) in OUT/tb/: by default when the "
                        "tensorboard package is installed (pip install pipeq[tensorboard]); true: an error when it "
                        "is not; false: never", "output"),

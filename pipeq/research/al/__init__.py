@@ -1,4 +1,4 @@
-"""Associated Learning (Kao and Chen, ICLR 2022): local losses, messages that flow forward only.
+"""Associated Learning (Kao and Chen, Neural Computation 2021; Wu et al., ICLR 2022): local losses, messages that flow forward only.
 
 The schedule (:class:`AssociatedLearning`) is imported with :mod:`pipeq.research`; the layers,
 builders and executor (torch) when first named here (``pipeq.research.al.build_al``, which

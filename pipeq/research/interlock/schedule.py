@@ -40,8 +40,8 @@ class Interlock(SchedulePolicy):
     waits on, plus one (1F1B's N-k when d = N-1), then alternates one backward and one forward;
     STEP ends each stage's list.
 
-        pipeq.schedules.Interlock("pairwise")
-        pipeq.schedules.Interlock("nwise", distance=2)   # "global", "local", "pairwise" as strings too
+        pipeq.research.Interlock("pairwise")
+        pipeq.research.Interlock("nwise", distance=2)   # "global", "local", "pairwise" as strings too
     """
 
     KINDS = ("global", "local", "pairwise", "nwise")
@@ -55,7 +55,7 @@ class Interlock(SchedulePolicy):
             if type(distance) is not int or distance < 1:
                 raise ValueError(
                     f"Interlock('nwise') needs distance=d, an integer >= 1, got {distance!r}: "
-                    "e.g. pipeq.schedules.Interlock('nwise', distance=2)"
+                    "e.g. pipeq.research.Interlock('nwise', distance=2)"
                 )
         elif distance is not None:
             raise ValueError(f"distance applies to Interlock('nwise') only, not {kind!r}")
