@@ -15,7 +15,7 @@ from torch import nn
 import pipeq
 from strays import wait_no_strays
 from pipeq.testing import SleepStage
-from models import Exits, FailingStepSGD, Raises, Sleeps, StallsOnce, mlp_stages
+from models import Exits, FailingStepSGD, Raises, StallsOnce, mlp_stages
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 pytestmark = pytest.mark.timeout(60)
