@@ -2,9 +2,10 @@
 
 Host A runs the driver and stage 0, host B stages 1 and 2 (``pipeq launch --nnodes 2``); the
 result must equal the single-host run, even with a foreign client of the rendezvous store on host
-B forging, moving, overwriting and deleting every entry the nodes read; a lost host, a dead driver
-and SIGTERM must end the run with no process left in either namespace (a killed node's stages are
-named, and recovered, in test_rejoin.py). And (two nodes over loopback) a node
+B forging, moving, overwriting and deleting every entry the nodes read; a dead driver and SIGTERM
+must end the run with no process left in either namespace (a lost host, killed or cut off, is named
+and its stages recovered in test_rejoin.py, which also checks that a cut-off host's agent stops
+its stages on its own). And (two nodes over loopback) a node
 started with another secret is refused, and both nodes say so.
 """
 
@@ -15,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -115,31 +115,6 @@ def test_driver_death_takes_the_remote_workers_with_it(hosts: TwoHosts, tmp_path
         assert node1.returncode != 0
         assert "lost the driver" in err1, err1
         _wait_for(lambda: not h.procs(h.a) and not h.procs(h.b), 15, "all processes to exit")
-
-
-def test_host_cut_off_is_named_and_both_sides_clean_up(hosts: TwoHosts, tmp_path) -> None:
-    """Host B's link goes down (no FIN, no RST): heartbeats name its stage, and B's agent, which
-    lost the driver, stops its stages on its own."""
-    h = hosts
-    with training(h, tmp_path, "--heartbeat-timeout", "2") as (node0, node1):
-        lines: list[tuple[float, str]] = []  # node 0's stderr, each line with when it came
-        reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), ln) for ln in node0.stderr))
-        reader.start()
-        threading.Thread(target=node0.stdout.read, daemon=True).start()  # its stdout never fills up
-        subprocess.run(h.cmd(h.b, ["ip", "link", "set", h.veth_b, "down"]), check=True)
-        t0 = time.monotonic()
-        node0.wait(timeout=60)
-        reader.join(30)
-        err0 = "".join(ln for _, ln in lines)
-        assert node0.returncode == 1, err0
-        assert "no heartbeat" in err0 and ("stage 1 failed" in err0 or "stage 2 failed" in err0), err0
-        # when node 0 said so (not when its interpreter had exited: a busy machine slows that down)
-        took = next(t for t, ln in lines if "no heartbeat" in ln) - t0
-        assert took < 2 + 5, f"the driver took {took:.1f} s to notice the lost host"
-        _, err1 = node1.communicate(timeout=30)
-        assert node1.returncode != 0
-        assert "lost the driver" in err1, err1
-        _wait_for(lambda: not h.procs(h.a) and not h.procs(h.b), 10, "all processes to exit")
 
 
 # -- the job secret (loopback) ---------------------------------------------------------------------

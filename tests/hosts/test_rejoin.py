@@ -2,9 +2,11 @@
 
 Two "hosts" (network namespaces joined by a veth pair): node 0 (driver + stage 0) on host A,
 node 1 (stages 1 and 2) on host B. Node 1's stage 1 hangs at step 4 (``PIPEQ_FAULT``, so that the
-loss comes mid-run, after step 2's checkpoint), and the test SIGKILLs node 1's whole process group (its
-agent and stages): a lost node. Either the test starts node 1 again and the run resumes with it,
-or (``--min-nodes 1``) nobody comes and node 0 runs every stage itself. Both end with the
+loss comes mid-run, after step 2's checkpoint), and the test loses node 1: it SIGKILLs node 1's
+whole process group (its agent and stages) and starts node 1 again, and the run resumes with it;
+or it cuts host B's link (no FIN, no RST: heartbeats name node 1's stages, and node 1's agent,
+which lost the driver, stops its stages on its own) and (``--min-nodes 1``) node 0 runs every
+stage itself. Both end with the
 single-host run's weights, bit for bit: every start resumes from the newest checkpoint (step 2)
 with the same data order and RNG streams, and each stage computes the same operations with one
 thread wherever it runs, so there is no tolerance to argue for (the plain multi-host test allows
@@ -37,13 +39,18 @@ class Node:
                           "--master-port", str(PORT), "--out", out, *ARGS, *extra)
         self.p = h.popen(h.a if rank == 0 else h.b, argv, cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, env=secret_env(**env), start_new_session=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.p.stderr), daemon=True)
+        self.lines: list[tuple[float, str]] = []  # each stderr line with when it came
+        self._reader = threading.Thread(target=lambda: self.lines.extend((time.monotonic(), ln) for ln in self.p.stderr),
+                                        daemon=True)
         self._reader.start()
 
     @property
     def err(self) -> str:
-        return "".join(self.lines)
+        return "".join(ln for _, ln in self.lines)
+
+    def said_at(self, text: str) -> float:
+        """When the first line holding ``text`` came."""
+        return next(t for t, ln in self.lines if text in ln)
 
     def wait_for(self, text: str, timeout: float) -> None:
         end = time.monotonic() + timeout
@@ -63,8 +70,9 @@ class Node:
             self.p.wait(10)
 
 
-def _lose_node_1(h: TwoHosts, out: str, *extra: str) -> tuple[Node, Node]:
-    """Node 0 training, node 1 killed (its process group) while its stage 1 hangs at step 4."""
+def _lose_node_1(h: TwoHosts, out: str, *extra: str, cut: bool = False) -> tuple[Node, Node, float]:
+    """Node 0 training, node 1 killed (its process group), or cut off (host B's link down, its
+    processes left running), while its stage 1 hangs at step 4; and when that was done."""
     node1 = Node(h, 1, out + "-node1", *extra, PIPEQ_FAULT=HANG)
     node0 = Node(h, 0, out, *extra)
     try:
@@ -75,12 +83,16 @@ def _lose_node_1(h: TwoHosts, out: str, *extra: str) -> tuple[Node, Node]:
             assert node0.p.poll() is None and time.monotonic() < end, node0.err + node1.err
             time.sleep(0.1)
         time.sleep(0.5)
-        node1.kill()
+        if cut:
+            subprocess.run(h.cmd(h.b, ["ip", "link", "set", h.veth_b, "down"]), check=True)
+        else:
+            node1.kill()
+        lost_at = time.monotonic()
     except BaseException:
         node0.kill()
         node1.kill()
         raise
-    return node0, node1
+    return node0, node1, lost_at
 
 
 def _restart_record(out: str) -> dict:
@@ -94,7 +106,7 @@ def _restart_record(out: str) -> dict:
 def test_a_killed_node_started_again_rejoins_and_the_run_ends_with_the_same_weights(hosts, request, tmp_path):
     h = hosts
     out = str(tmp_path / "run")
-    node0, _ = _lose_node_1(h, out, "--rejoin-timeout", "40")
+    node0, _, _ = _lose_node_1(h, out, "--rejoin-timeout", "40")
     again = None
     try:
         node0.wait_for("node 1 lost; waiting up to 40 s for it to rejoin", 30)
@@ -116,17 +128,27 @@ def test_a_killed_node_started_again_rejoins_and_the_run_ends_with_the_same_weig
     assert_same_state(model_state(out), model_state(request.getfixturevalue("single_host_digits")))
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 @pytest.mark.xdist_group("single_host_digits")
-def test_a_lost_node_with_min_nodes_1_has_its_stages_re_placed_on_node_0(hosts, request, tmp_path):
+def test_a_cut_off_node_with_min_nodes_1_has_its_stages_re_placed_on_node_0(hosts, request, tmp_path):
+    """Host B's link goes down (no FIN, no RST): node 0's heartbeats name node 1's stages within
+    seconds, node 1 is waited for and its stages re-placed on node 0; node 1's agent, which lost
+    the driver, stops its stages on its own, and no process is left on either host."""
     h = hosts
     out = str(tmp_path / "run")
-    node0, _ = _lose_node_1(h, out, "--rejoin-timeout", "3", "--min-nodes", "1")
+    node0, node1, cut_at = _lose_node_1(h, out, "--rejoin-timeout", "3", "--min-nodes", "1", cut=True)
     try:
         assert node0.finish(60) == 0, node0.err
+        assert node1.finish(30) != 0, node1.err
     finally:
         node0.kill()
+        node1.kill()
     err = node0.err
+    assert "no heartbeat" in err and ("stage 1 failed" in err or "stage 2 failed" in err), err
+    # when node 0 said so (not when it had exited: a busy machine slows that down); heartbeat timeout 2 s
+    took = node0.said_at("no heartbeat") - cut_at
+    assert took < 2 + 5, f"the driver took {took:.1f} s to notice the lost host"
+    assert "lost the driver" in node1.err, node1.err
     assert "node 1 lost; waiting up to 3 s" in err, err
     assert "node 1 did not rejoin within 3 s; re-placing stages [1, 2] on node 0 (min_nodes = 1)" in err, err
     assert "starting 3 stages..." in err.split("re-placing")[1], err  # all three on node 0
@@ -134,6 +156,10 @@ def test_a_lost_node_with_min_nodes_1_has_its_stages_re_placed_on_node_0(hosts, 
     assert record["nodes"] == 1 and record["lost_nodes"] == [1] and record["replaced"], record
     assert [m["step"] for m in metrics(out) if "loss" in m] == list(range(1, REFERENCE_STEPS + 1))
     assert_same_state(model_state(out), model_state(request.getfixturevalue("single_host_digits")))
+    end = time.monotonic() + 10
+    while (h.procs(h.a) or h.procs(h.b)) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not h.procs(h.a) and not h.procs(h.b), "processes left on the hosts"
 
 
 @pytest.mark.timeout(90)

@@ -251,40 +251,21 @@ def test_steps_flag_replaces_the_files_epochs_and_a_used_directory_is_refused(jo
 
 
 @pytest.mark.timeout(240)
-def test_sigint_checkpoints_the_last_step_and_resume_continues_it(job, run25, tmp_path) -> None:
-    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: exit 130
-    within seconds, a checkpoint of the last step in metrics.jsonl; --resume then trains the
-    rest: every step exactly once, and the same parameters as a run never interrupted (run25)."""
+def test_a_live_run_refuses_a_second_launch_and_signals_checkpoint_and_resume(job, run25, tmp_path, capsys) -> None:
+    """A second launch into a live run is refused; SIGTERM to the driver only (``kill PID``)
+    checkpoints the last step and exits 143; the lock went with it: --resume is not refused, and
+    Ctrl-C of the resumed run (SIGINT to the whole process group, as a terminal sends it: the
+    stages leave the stopping to the driver) exits 130 within seconds with a checkpoint of its
+    last step; --resume then trains the rest: every step exactly once, and the same parameters as a
+    run never interrupted (run25). (A batch system's cancel, SIGTERM to every process group of a
+    run, is tests/hosts/test_multihost.py's test_sigterm_to_every_node_checkpoints_and_each_exits_143.)"""
     out = str(tmp_path / "run")
     _, ref_r, reference = run25
     assert ref_r.returncode == 0, ref_r.stderr
-    p = _start(job, "--steps", "25", "--out", out, delay=0.1)
+    # 0.25 s a batch: the 25 steps outlast the two stops (each finishes the steps in flight)
+    p = _start(job, "--steps", "25", "--out", out, delay=0.25)
     try:
-        _wait_for_steps(p, out, 13)  # not a checkpoint step: the stop writes its own
-    except BaseException:
-        _finish(p, timeout=1)
-        raise
-    last = _stop(p, out, lambda sig: os.killpg(p.pid, sig), signal.SIGINT)[0][-1]
-    assert 13 <= last < 25
-    assert not os.path.exists(os.path.join(out, "model.pt"))  # not finished: no final state
-
-    resumed = launch_here("--steps", "25", "--out", out, "--resume", job=job, cwd=os.path.dirname(job))
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"(step {last}, epoch" in resumed.stderr
-    assert _steps(out) == list(range(1, 26))  # strictly consecutive: none twice, none missing
-    assert_same_state(model_state(out), reference)
-
-
-@pytest.mark.timeout(240)
-def test_a_second_launch_into_a_live_run_is_refused_and_sigterm_exits_143(job, tmp_path, capsys) -> None:
-    """A second launch into a live run is refused; SIGTERM to the driver only (``kill PID``)
-    checkpoints the last step and exits 143; the lock went with it: --resume is not refused, and
-    a batch system's cancel of that run (SIGTERM to the whole process group: the stages leave
-    the stopping to the driver) checkpoints its last step and exits 143 too."""
-    out = str(tmp_path / "run")
-    p = _start(job, "--steps", "400", "--out", out, delay=0.1)  # far more than it gets to
-    try:
-        _wait_for_steps(p, out, 5)
+        _wait_for_steps(p, out, 3)
         from pipeq.launch.cli import main  # refused before anything starts: in this process
 
         assert main(["launch", job, "--quiet", "--steps", "3", "--out", out, "--overwrite"]) == 2
@@ -294,19 +275,28 @@ def test_a_second_launch_into_a_live_run_is_refused_and_sigterm_exits_143(job, t
     except BaseException:
         _finish(p, timeout=1)
         raise
-    last = _stop(p, out, p.send_signal, signal.SIGTERM)[0][-1]  # to the driver only, as `kill PID` does
+    first = _stop(p, out, p.send_signal, signal.SIGTERM)[0][-1]  # to the driver only, as `kill PID` does
+    assert first < 25 - 4, first
+    assert not os.path.exists(os.path.join(out, "model.pt"))  # not finished: no final state
 
-    # the lock went with the run: resuming needs no --overwrite and is not refused; then the
-    # whole process group gets SIGTERM
-    p = _start(job, "--steps", "400", "--out", out, "--resume", delay=0.1)
+    # the lock went with the run: resuming needs no --overwrite and is not refused; then Ctrl-C
+    p = _start(job, "--steps", "25", "--out", out, "--resume", delay=0.25)
     try:
-        _wait_for_steps(p, out, last + 3)
+        _wait_for_steps(p, out, first + 2)
     except BaseException:
         _finish(p, timeout=1)
         raise
-    steps, err = _stop(p, out, lambda sig: os.killpg(p.pid, sig), signal.SIGTERM)
-    assert f"(step {last}, epoch" in err, err  # it did resume
-    assert last + 3 <= steps[-1] < 400
+    steps, err = _stop(p, out, lambda sig: os.killpg(p.pid, sig), signal.SIGINT)
+    assert f"(step {first}, epoch" in err, err  # it did resume
+    last = steps[-1]
+    assert first + 2 <= last < 25
+    assert not os.path.exists(os.path.join(out, "model.pt"))
+
+    resumed = launch_here("--steps", "25", "--out", out, "--resume", job=job, cwd=os.path.dirname(job))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"(step {last}, epoch" in resumed.stderr
+    assert _steps(out) == list(range(1, 26))  # strictly consecutive: none twice, none missing
+    assert_same_state(model_state(out), reference)
 
 
 # -- Ctrl-C between the per-stage sends of a command -------------------------------------------------

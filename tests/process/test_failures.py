@@ -15,7 +15,7 @@ from torch import nn
 import pipeq
 from strays import wait_no_strays
 from pipeq.testing import SleepStage
-from models import Exits, FailingStepSGD, Raises, Sleeps, StallsOnce, mlp_stages
+from models import Exits, FailingStepSGD, Raises, StallsOnce, mlp_stages
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 pytestmark = pytest.mark.timeout(60)
@@ -83,10 +83,20 @@ def test_stage_that_calls_os_exit():
 
 
 def test_stage_killed_by_sigkill():
-    # spawn (the default) on purpose: the killed stage is the driver's own child here
-    runner = pipeq.PipelineRunner(three_stages(Sleeps(8)), nn.CrossEntropyLoss(), SGD)
+    """spawn (the default) on purpose: the killed stage is the driver's own child here. Before the
+    kill, the spawned stages train 1F1B as one process does (the default start method's numbers;
+    tests/process/test_runner.py checks the fork server's)."""
+    from runner_cases import assert_matches_reference, batches
+
+    stages, data = mlp_stages(), batches(4, 48)
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, schedule="1f1b", microbatches=4)
 
     def work(r):
+        losses = [r.step(x, y) for x, y in data]
+        state, out = r.state_dict(), r.predict(data[0][0])
+        model = assert_matches_reference(stages, data, losses, state, opt=SGD)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(data[0][0]), atol=1e-5, rtol=0)
         victim = r._backend.worker_info[1]["pid"]
         os.kill(victim, signal.SIGKILL)
         r.step(*xy())

@@ -14,13 +14,13 @@ pytestmark = pytest.mark.timeout(120)
 
 
 # tests about numbers, not start-up: stages fork from a server with torch imported (~0.1 s each
-# instead of ~3 s); test_process_mode_equals_single_process_training[1f1b] keeps the default
-# (spawn) on purpose: a fresh interpreter per stage, the start-up most users get
+# instead of ~3 s); the default (spawn: a fresh interpreter per stage, the start-up most users
+# get) trains 1F1B to the same numbers in test_failures.py's test_stage_killed_by_sigkill, which
+# needs spawned stages anyway
 FAST = {"start_method": "forkserver"}
 
 
-@pytest.mark.parametrize(("schedule", "start"), [("fill-drain", FAST), ("1f1b", {})],  # {}: spawn
-                         ids=["fill-drain", "1f1b"])
+@pytest.mark.parametrize(("schedule", "start"), [("fill-drain", FAST), ("1f1b", FAST)], ids=["fill-drain", "1f1b"])
 def test_process_mode_equals_single_process_training(schedule, start):
     stages = mlp_stages()
     data = batches(4, 48)
