@@ -63,7 +63,8 @@ def test_stage_that_raises(schedule):
     first = traceback.format_exception_only(err)[0]
     assert first.startswith("pipeq.errors.PipelineError: stage 1: ") and "forward of microbatch 0" in first
     shown = "".join(traceback.format_exception(err))
-    assert shown.count("ValueError: boom from the stage") == 1 and "direct cause" not in shown
+    assert first.splitlines()[0].endswith(": ValueError: boom from the stage")  # the cause's own type
+    assert shown.count("ValueError: boom from the stage") == 2 and "direct cause" not in shown  # and the stage's last line
     assert "supervisor.py" not in shown, shown
 
 
