@@ -32,9 +32,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from pipeq.stage.info import info_of
+from pipeq.stage.info import ATTRIBUTE, info_of
 
-__all__ = ["StageLayout", "StageNames", "is_sequential", "layers_of", "dtype_name", "naming_of", "layout_of",
+__all__ = ["StageLayout", "StageNames", "is_sequential", "positional", "layers_of", "dtype_name", "naming_of", "layout_of",
            "flat_model", "layer_of", "to_global", "AUX_PREFIX", "aux_name", "global_names", "global_state",
            "split_state", "tie_aliases"]
 
@@ -101,6 +101,19 @@ def is_sequential(module: nn.Module) -> bool:
     all lives in its children (one with parameters or buffers of its own is one layer)."""
     return isinstance(module, nn.Sequential) and all(
         name.partition(".")[0].isdigit() for name in module.state_dict())
+
+
+def positional(module: nn.Module) -> nn.Module:
+    """A plain nn.Sequential stage whose children are not named 0, 1, ... (a slice ``model[2:4]``
+    keeps the names 2, 3) as one that names them so, holding the same children: :func:`to_global`
+    counts a stage's layers from its first, so the sliced names would be counted twice. Any other
+    stage (one that declares its names with a StageInfo among them) as it is."""
+    if (type(module) is not nn.Sequential or getattr(module, ATTRIBUTE, None) is not None
+            or list(module._modules) == [str(i) for i in range(len(module))]):
+        return module
+    renamed = nn.Sequential(*module)
+    renamed.training = module.training  # the children keep their own modes
+    return renamed
 
 
 def layers_of(module: nn.Module) -> int:

@@ -18,6 +18,7 @@ from torch import nn
 from pipeq import schedules
 from pipeq.control import ties as tied
 from pipeq.control.main_guard import check_picklable, stage_pickle
+from pipeq.checkpoint.names import positional
 from pipeq.control.stage_inputs import check_declared
 from pipeq.stage.spec import StageBuilder, StageSpec
 from pipeq.schedules import SchedulePolicy
@@ -198,25 +199,13 @@ def _replica_lists(stages: Any, data_parallel: int) -> list[list[nn.Module]]:
     for k, s in enumerate(first):
         if not isinstance(s, nn.Module):
             raise ValueError(f"stage {k} is a {type(s).__name__}, not an nn.Module")
-    copies = [[_positional(s) for s in copy] for copy in copies]
+    copies = [[positional(s) for s in copy] for copy in copies]
     shapes = [[{n: tuple(t.shape) for n, t in s.state_dict().items()} for s in copy] for copy in copies]
     for r in range(1, len(copies)):
         if shapes[r] != shapes[0]:
             raise ValueError(f"replica {r}'s stages differ from replica 0's (names or shapes)")
     return [list(c) for c in copies]
 
-
-
-def _positional(stage: nn.Module) -> nn.Module:
-    """A plain nn.Sequential stage whose children are not named 0, 1, ... (a slice ``model[2:4]``
-    keeps the names 2, 3) as one that names them so, holding the same children: the flat model's
-    names count a stage's layers from its first (stage 1's ``0`` is the model's ``2``), so the
-    sliced names would be counted twice. Any other stage as it is."""
-    if type(stage) is not nn.Sequential or list(stage._modules) == [str(i) for i in range(len(stage))]:
-        return stage
-    renamed = nn.Sequential(*stage)
-    renamed.training = stage.training  # the children keep their own modes
-    return renamed
 
 
 def _check_heads(schedule: SchedulePolicy, n: int, aux_heads: Any, aux_loss: Any, hint: str | None = None) -> None:

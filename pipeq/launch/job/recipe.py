@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pipeq import balance as balancing
+from pipeq.checkpoint.names import positional
 from pipeq.launch.job.keys import field_of
 from pipeq.launch.job.names import check_args, importable, required_positional, resolve
 from pipeq import schedules
@@ -256,7 +257,7 @@ class Recipe(StageBuilder):
     def build(self, stage: int, n_stages: int) -> StageSpec:
         """Stage ``stage``'s spec: the loss on the stages the schedule computes it on (the last;
         every AL layer, their local criterion), and with auxiliary heads stage k's head and their loss."""
-        module = self.build_stage(stage, n_stages)
+        module = positional(self.build_stage(stage, n_stages))  # model[2:4] named as the model
         policy = schedules.resolve("1f1b" if self.schedule is None else self.schedule)
         loss = self.loss_fn() if policy.computes_loss(stage, n_stages) else None
         heads = self.heads(n_stages)

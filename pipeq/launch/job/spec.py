@@ -44,9 +44,9 @@ class Job:
     step_timeout: float | None = field_of("step_timeout")  # 0 (in a job file) or None: off
     start_timeout: float = field_of("start_timeout")
     trace: str | None = field_of("trace")
-    # None: not set, i.e. KEYS' default (true) but only when the tensorboard package is installed;
+    # None (not set): event files when the tensorboard package is installed;
     # set true, a missing package is an error (pipeq.launch.tensorboard.writer_class)
-    tensorboard: bool | None = None
+    tensorboard: bool | None = field_of("tensorboard")
     data_parallel: int = field_of("data_parallel")
     tensor_parallel: int = field_of("tensor_parallel")
     tp_plan: list[dict[str, str]] | None = field_of("tp_plan")

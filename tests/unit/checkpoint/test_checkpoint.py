@@ -426,3 +426,17 @@ def test_stages_sliced_from_a_sequential_are_named_as_the_whole_model():
     assert list(state) == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
     model.load_state_dict(state)  # strict: every name is the whole model's
     assert list(stages[1]._modules) == ["2", "3"]  # the caller's stage is left as it was
+
+
+def test_positional_renames_a_slice_only():
+    """What both the runner and a job's recipe do to a stage: a slice's children named 0, 1, ...;
+    a stage named as it should be, or declaring its names (a StageInfo), is the same object."""
+    from pipeq.checkpoint.names import positional
+    from pipeq.stage.info import set_info
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    sliced = positional(model[1:].eval())
+    assert list(sliced._modules) == ["0", "1"] and sliced[1] is model[2] and not sliced.training
+    assert positional(model) is model and positional(model[0]) is model[0]
+    declared = set_info(model[1:], model_names=True)
+    assert positional(declared) is declared
