@@ -7,12 +7,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 
-from strays import wait_no_strays
+from strays import gone, wait_no_strays
 from launch_util import run_at_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -87,20 +86,6 @@ def first_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     return run_at_once(argvs, timeout=100, cwd=where, env=_env())
 
 
-def _gone(pid: int, timeout: float = 10.0) -> bool:
-    """Process ``pid`` has exited (a zombie waiting for its reaper counts)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except OSError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _one_error(r: subprocess.CompletedProcess) -> str:
     """The script failed with exactly one traceback (none from the multiprocessing bootstrap):
     its last line."""
@@ -158,4 +143,4 @@ def test_a_guarded_script_with_module_level_classes_runs(first_runs):
     assert "loss" in r.stdout
     pids = [int(p) for p in r.stdout.split("pids", 1)[1].split()]
     assert len(pids) == 2
-    assert all(_gone(pid) for pid in pids)  # the stage processes went with the script
+    assert all(gone(pid) for pid in pids)  # the stage processes went with the script

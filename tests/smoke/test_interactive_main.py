@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from doc_blocks import python_blocks
+from strays import gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
@@ -24,27 +24,13 @@ def _env() -> dict[str, str]:
             "PIPEQ_START_METHOD": "forkserver"}  # one torch import fewer than spawn's for the stages
 
 
-def _gone(pid: int, timeout: float = 10.0) -> bool:
-    """Process ``pid`` has exited (a zombie waiting for its reaper counts)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except OSError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _trained(out: str) -> None:
     """Five finite, falling losses printed, and the stage processes gone with their runner."""
     losses = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 5 and all(0 < v < 10 for v in losses) and losses[-1] < losses[0], out
     pids = [int(p) for p in out.split("pids", 1)[1].split()]
     assert len(pids) == 3
-    assert all(_gone(pid) for pid in pids), "a stage process outlived its runner"
+    assert all(gone(pid) for pid in pids), "a stage process outlived its runner"
 
 
 @pytest.mark.timeout(90)

@@ -60,3 +60,17 @@ def wait_no_strays(timeout: float = 5.0) -> list[tuple[int, str, str]]:
         if not strays or time.monotonic() > end:
             return strays
         time.sleep(0.05)
+
+
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    """Process ``pid`` has exited (a zombie waiting for its reaper counts)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
