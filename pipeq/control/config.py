@@ -309,7 +309,7 @@ class RunConfig:
 
     def check_stages(self, n_stages: int) -> None:
         """What depends on the number of stages: one device per stage; with several stages per
-        process, whole processes (sharing a device), one host, no tensor parallelism."""
+        process, whole processes (sharing a device)."""
         devices = self.placement.devices
         if devices is not None and len(devices) != n_stages:
             raise ValueError(f"devices names {len(devices)} device(s) for {n_stages} stages")
@@ -320,10 +320,6 @@ class RunConfig:
             groups = schedules.process_stages(sched, n_stages)
         except schedules.ScheduleError as exc:
             raise ValueError(f"schedule {sched.name!r}: {exc}") from None
-        if self.placement.tensor_parallel > 1:
-            raise ValueError(f"schedule {sched.name!r} holds {sched.stages_per_process} stages per process, which "
-                             "does not work with tensor_parallel > 1 yet; use tensor_parallel=1 or a schedule of "
-                             "one stage per process")
         for p, group in enumerate(groups):
             if devices is not None and len({devices[s] for s in group}) > 1:
                 raise ValueError(f"stages {group} share process {p} ({sched.name}, {sched.placement} placement) but "

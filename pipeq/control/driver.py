@@ -24,7 +24,7 @@ import dataclasses
 import math
 from pipeq.control.stage_handle import StageHandle
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ from pipeq.wire import control
 from pipeq.wire.control import (GetStats, Loss, Lrs, Output, Predict, Restore, SetState, State, Stats,
                                 StepScheduler, Train)
 from pipeq.wire.messages import Kind, Message
-from pipeq.control.processes import Numbering, StageSettings
+from pipeq.control.processes import Numbering, RunSetup
 from pipeq.control.rendezvous import Rendezvous
 from pipeq.control.replica_loss import ReplicaLoss
 from pipeq.parallel.data import survivor_scale
@@ -48,9 +48,6 @@ from pipeq.control.supervisor import Supervisor
 from pipeq.control.trace_collector import TraceRecorder
 from pipeq.wire.control_link import ControlServer
 
-if TYPE_CHECKING:
-    from pipeq.control.config import RunConfig
-
 __all__ = ["ProcessBackend"]
 
 
@@ -60,27 +57,29 @@ class ProcessBackend:
     ``payloads[g]`` is what process g (replica g // N's stage g % N) is built from: a pickled
     :class:`~pipeq.runtime.executors.StageSpec`, or a :class:`~pipeq.runtime.executors.StageBuilder`
     (required for stages on other nodes, which their node's agent starts and which never receive
-    pickles). ``config`` is the run's (:class:`~pipeq.control.config.RunConfig`); ``settings`` what
-    every stage process is told, derived from it (:meth:`StageSettings.of`).
+    pickles). ``setup`` is the run's configuration (:class:`~pipeq.control.config.RunConfig`) with
+    what was checked against its stages (:class:`~pipeq.control.processes.RunSetup`): what every
+    stage process is told is derived from it.
 
-    With ``settings.tensor_parallel = T > 1`` each stage runs on T processes (see
+    With ``tensor_parallel = T > 1`` each stage runs on T processes (see
     :class:`~pipeq.control.processes.Numbering`): the driver commands shard 0 of each stage, which
     shares every command with its other shards (:mod:`pipeq.wire.shard_link`); it starts and
     watches them all.
     """
 
-    def __init__(self, payloads: Sequence["bytes | StageBuilder"], config: RunConfig, settings: StageSettings, *,
+    def __init__(self, payloads: Sequence["bytes | StageBuilder"], setup: RunSetup, *,
                  rendezvous: Rendezvous | None = None) -> None:
+        config = setup.config
         self.replicas = replicas = config.placement.data_parallel
         self.n_processes = len(payloads)  # the processes the driver commands: each stage's shard 0
         self.n_stages = n = self.n_processes // replicas
-        self.numbering = Numbering(n, replicas, settings.tensor_parallel)
+        self.numbering = Numbering(n, replicas, setup.shards)
         self.loss_stages = set(config.schedule.loss_stages(n))  # get the batch's target
         self.output_stage = config.schedule.output_stage(n)  # returns predict's output
         trace = config.trace_path
         self.recorder = (TraceRecorder(trace, config.schedule, n, config.microbatches, replicas)
                          if trace is not None else None)
-        self.processes = StageProcesses(payloads, config, settings, self.numbering, rendezvous=rendezvous,
+        self.processes = StageProcesses(payloads, setup, self.numbering, rendezvous=rendezvous,
                                         recorder=self.recorder)
         self._request_id = 0
         # step -> (sent at ns, replicas, microbatches, each replica's loss-weight share, the replicas sent to)

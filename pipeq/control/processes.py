@@ -3,12 +3,17 @@
 Used by both halves of the control plane that start stages: the driver (every stage on one host,
 or node 0's in a multi-host run) and a node's agent (the stages of node r > 0). A run's processes
 are numbered by :class:`Numbering` (``g = replica * n_stages + stage`` for shard 0 of each stage,
-the other shards of tensor-parallel stages after them); :func:`worker_configs` is the one place a
-:class:`~pipeq.runtime.worker.WorkerConfig` is made.
+the other shards of tensor-parallel stages after them). What a stage process is told comes from
+the run's :class:`~pipeq.control.config.RunConfig` here and nowhere else: :meth:`RunSetup.stage_settings`
+is the one place a :class:`~pipeq.runtime.config.StageSettings` is made, :func:`worker_configs` the
+one place a :class:`~pipeq.runtime.config.WorkerConfig` is. A process may hold several stages
+(virtual stages): its processes' numbers ``g`` are then its stages', and :func:`host_process` says
+which process holds which.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -27,7 +32,8 @@ from pipeq.stage.numerics import Numerics
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo
 from pipeq.runtime import faults
-from pipeq.runtime.worker import WorkerConfig, worker_entry
+from pipeq.runtime.config import ChunkConfig, StageSettings, WorkerConfig
+from pipeq.runtime.worker import worker_entry
 from pipeq.schedules.placement import process_chunk, stages_of
 
 if TYPE_CHECKING:
@@ -84,29 +90,37 @@ class Numbering:
 
 
 @dataclass(frozen=True)
-class StageSettings:
-    """How every stage process of a run is set up (the runner's and the job file's knobs)."""
+class RunSetup:
+    """A run's configuration with what was checked against its stages: the numerics of its
+    ``n_stages`` (:meth:`~pipeq.control.config.RunConfig.numerics_for`) and, with tensor
+    parallelism, each stage's plan (``tp_plans``, None without). The driver and a node's agent
+    each make one; every stage process's settings are derived from it (:meth:`stage_settings`)."""
 
-    devices: Sequence[str] | None = None  # one per stage index; None: CUDA round-robin, else CPU
-    threads_per_stage: int | None = None  # None: this host's cores / its stages, at least 1
-    queue_capacity: int = 64
-    heartbeat_interval: float = 1.0
-    spin_s: float = 0.01
-    trace: bool = False
-    tcp_security: str = "encrypt"  # see pipeq.wire.security.WireAuth
-    max_message_mb: int = 256  # the largest tensor frame a stage accepts from a peer
-    numerics: Numerics = Numerics()  # precision, clipping, checks, recomputation (pipeq.stage.numerics)
-    shm_slots: int = 4  # shared-memory slots per data channel on one host (pipeq.wire.shm); 0: none
-    tensor_parallel: int = 1  # shards per stage (pipeq.parallel.tensor)
-    tp_plans: Sequence[Any] | None = None  # with tensor_parallel > 1: each stage's plan
+    config: "RunConfig"
+    numerics: Numerics
+    tp_plans: Sequence[Any] | None
 
-    @classmethod
-    def of(cls, config: "RunConfig", numerics: Numerics, tp_plans: Sequence[Any] | None = None) -> "StageSettings":
-        """What a run's configuration tells each stage process (``numerics`` checked for its stages)."""
-        place, wire = config.placement, config.wire
-        return cls(place.devices, place.threads_per_stage, config.queue_capacity, config.fault.heartbeat_interval,
-                   wire.spin, config.trace is not None, wire.tcp_security, wire.max_message_mb, numerics,
-                   wire.shm_slots, place.tensor_parallel, tp_plans)
+    @property
+    def shards(self) -> int:
+        return self.config.placement.tensor_parallel
+
+    def traced(self) -> bool:
+        return self.config.trace is not None
+
+    def stage_settings(self, traced: bool | None = None) -> StageSettings:
+        """What every stage process is told (``traced``: whether the run records its actions, when
+        another process decides it: a node's agent takes node 0's word)."""
+        config = self.config
+        return StageSettings(
+            queue_capacity=config.queue_capacity, max_frame_bytes=config.wire.max_message_mb << 20,
+            heartbeat_interval=config.fault.heartbeat_interval, spin_s=config.wire.spin,
+            shm_slots=config.wire.shm_slots, trace=self.traced() if traced is None else traced,
+            numerics=self.numerics)
+
+    def with_security(self, tcp_security: str) -> "RunSetup":
+        """This setup with another ``tcp_security`` (a node's agent takes node 0's)."""
+        wire = dataclasses.replace(self.config.wire, tcp_security=tcp_security)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, wire=wire))
 
 
 def plan_devices(
@@ -200,8 +214,7 @@ def worker_configs(
     processes: Sequence[int],
     n_stages: int,
     replicas: int,
-    schedule: Any,
-    settings: StageSettings,
+    setup: RunSetup,
     *,
     control_addr: str,
     bind: BindTo,
@@ -210,8 +223,10 @@ def worker_configs(
     die_with_parent: bool = True,
     auth: WireAuth | None = None,
     tp_dir: str | None = None,
+    traced: bool | None = None,
 ) -> list[WorkerConfig]:
-    """The start-up configuration of each of this host's ``processes`` (numbers g).
+    """The start-up configuration of each OS process that holds this host's ``processes``
+    (numbers g; with several stages per process, one configuration holds several g).
 
     ``auth`` carries the job secret to stages on tcp. ``seed_of(g)`` seeds process g's torch
     RNG. The workers watch this process (``driver_pid``) and exit when it is gone;
@@ -219,78 +234,84 @@ def worker_configs(
     thread (it fires when the *thread* that started them exits). ``tp_dir``: with tensor
     parallelism, this host's private directory where each stage's shards meet (pipeq.parallel.tensor).
     Every shard of a stage gets its lead's seed (the same dropout masks outside split layers).
+    ``traced``: see :meth:`RunSetup.stage_settings`.
     """
-    schedule = schedules.resolve(schedule)
-    num = Numbering(n_stages, replicas, settings.tensor_parallel)
+    schedule = setup.config.schedule
+    num = Numbering(n_stages, replicas, setup.shards)
     if num.shards > 1 and tp_dir is None:
         raise ValueError("tensor-parallel stages need a private directory to meet in (tp_dir)")
-    # the OS process each stage runs in: its own, or its group's (virtual stages: pipeq.runtime.group)
+    # the OS process each stage runs in: its own, or its group's (virtual stages)
     owner = {g: host_process(num, g, schedule) for g in processes}
     hosts = list(dict.fromkeys(owner.values()))
-    first = {h: next(g for g in processes if owner[g] == h) for h in hosts}
-    devices = [settings.devices[num.stage(first[h])] for h in hosts] if settings.devices is not None else None
+    held = {h: sorted((g for g in processes if owner[g] == h), key=lambda g: _chunk(num, g, schedule)) for h in hosts}
+    devices = setup.config.placement.devices
+    host_devices = [devices[num.stage(held[h][0])] for h in hosts] if devices is not None else None
     # each process's stage's place among this host's stages, and its shard (see plan_devices)
-    stages = {lead: j for j, lead in enumerate(dict.fromkeys(num.lead(first[h]) for h in hosts))}
-    places = [(stages[num.lead(first[h])], num.shard(first[h])) for h in hosts]
-    by_host = dict(zip(hosts, plan_devices(len(hosts), devices, rendezvous, places=places, shards=num.shards)))
-    plan = [by_host[owner[g]] for g in processes]
+    stages = {lead: j for j, lead in enumerate(dict.fromkeys(num.lead(held[h][0]) for h in hosts))}
+    places = [(stages[num.lead(held[h][0])], num.shard(held[h][0])) for h in hosts]
+    plan = plan_devices(len(hosts), host_devices, rendezvous, places=places, shards=num.shards)
     if num.shards > 1:
-        _check_shards_apart(num, processes, plan)
+        _check_shards_apart(num, [held[h][0] for h in hosts], plan)
+    settings = setup.stage_settings(traced)
     fault = faults.from_environ(n_stages)  # PIPEQ_FAULT: read here, handed over as plain data
-    return [
-        WorkerConfig(
-            stage=num.stage(g), n_stages=n_stages, schedule=schedule, control_addr=control_addr,
-            bind=bind, process=g, device=dev, cores=cores,
-            threads=settings.threads_per_stage or threads, queue_capacity=settings.queue_capacity,
-            max_frame_bytes=settings.max_message_mb << 20, auth=auth,
-            heartbeat_interval=settings.heartbeat_interval, spin_s=settings.spin_s,
-            die_with_parent=die_with_parent, driver_pid=os.getpid(), seed=seed_of(num.lead(g)),
-            store=rendezvous.store_address() if rendezvous is not None else None,
-            trace=settings.trace, replica=num.replica(g), replicas=replicas, numerics=settings.numerics,
-            shm_slots=settings.shm_slots, shard=num.shard(g), shards=num.shards,
-            tp_store=os.path.join(tp_dir, f"tp-{num.lead(g)}") if num.shards > 1 and tp_dir else None,
-            tp_plan=settings.tp_plans[num.stage(g)] if num.shards > 1 and settings.tp_plans else None,
-            fault=fault,
-        )
-        for g, (dev, cores, threads) in zip(processes, plan)
-    ]
+    threads_per_stage = setup.config.placement.threads_per_stage
+    tp_plans = setup.tp_plans
+    configs = []
+    for h, (dev, cores, threads) in zip(hosts, plan):
+        first = held[h][0]
+        chunks = tuple(ChunkConfig(stage=num.stage(g), process=g, seed=seed_of(num.lead(g)),
+                                   tp_plan=tp_plans[num.stage(g)] if num.shards > 1 and tp_plans else None)
+                       for g in held[h])
+        configs.append(WorkerConfig(
+            chunks=chunks, index=_index(num, first, schedule), n_stages=n_stages, schedule=schedule,
+            settings=settings, control_addr=control_addr, bind=bind, device=dev, cores=cores,
+            threads=threads_per_stage or threads, replica=num.replica(first), replicas=replicas,
+            shard=num.shard(first), shards=num.shards,
+            tp_store=os.path.join(tp_dir, f"tp-{num.lead(first)}") if num.shards > 1 and tp_dir else None,
+            auth=auth, driver_pid=os.getpid(), die_with_parent=die_with_parent,
+            store=rendezvous.store_address() if rendezvous is not None else None, fault=fault))
+    return configs
+
+
+def _chunk(num: Numbering, g: int, schedule: Any) -> int:
+    """The chunk of its process that holds process g's stage."""
+    policy = schedules.resolve(schedule)
+    v = policy.stages_per_process
+    return 0 if v == 1 else process_chunk(num.stage(g), num.n_stages // v, policy.placement)[1]
+
+
+def _index(num: Numbering, g: int, schedule: Any) -> int:
+    """The place in its replica's pipeline of the process that holds process g's stage."""
+    policy = schedules.resolve(schedule)
+    v = policy.stages_per_process
+    return num.stage(g) if v == 1 else process_chunk(num.stage(g), num.n_stages // v, policy.placement)[0]
 
 
 def host_process(num: Numbering, g: int, schedule: Any) -> int:
     """The OS process that runs process g's stage: g itself, or with several stages per process
-    (the schedule's ``stages_per_process``) the lowest g of the stages its process holds."""
+    (the schedule's ``stages_per_process``) the lowest g of the stages its process holds (of
+    the same replica and shard)."""
     policy = schedules.resolve(schedule)
     v = policy.stages_per_process
     if v == 1:
         return g
     n = num.n_stages // v
-    p = process_chunk(num.stage(g), n, policy.placement)[0]
-    return num.replica(g) * num.n_stages + min(stages_of(p, n, v, policy.placement))
+    lead = num.replica(g) * num.n_stages + min(stages_of(_index(num, g, schedule), n, v, policy.placement))
+    return num.group(lead)[num.shard(g)]
 
 
 def start_workers(ctx: Any, configs: Sequence[WorkerConfig], payload_of: Callable[[int], "bytes | StageBuilder"],
                   ) -> dict[int, StageHandle]:
-    """Start every process of ``configs`` (by g); stages that share a process (virtual stages)
-    share its handle."""
-    schedule = schedules.resolve(configs[0].schedule) if configs else None
-    if schedule is None or schedule.stages_per_process == 1:
-        return {cfg.process: start_worker(ctx, cfg, payload_of(cfg.process)) for cfg in configs}
-    from pipeq.runtime.group import group_entry
-
-    n = configs[0].n_stages // schedule.stages_per_process
-    groups: dict[tuple[int, int], list[WorkerConfig]] = {}
-    for cfg in configs:
-        groups.setdefault((cfg.replica, process_chunk(cfg.stage, n, schedule.placement)[0]), []).append(cfg)
+    """Start one OS process per configuration; the handle of each process g it holds (the
+    stages of one process share its handle)."""
     procs: dict[int, StageHandle] = {}
-    for (_, p), group in groups.items():
-        group.sort(key=lambda c: process_chunk(c.stage, n, schedule.placement)[1])
-        name = "pipeq-stage" + "+".join(str(c.stage) for c in group)
-        proc = ctx.Process(target=group_entry, args=(group, [payload_of(c.process) for c in group], p),
-                           name=name, daemon=True)
+    for cfg in configs:
+        proc = ctx.Process(target=worker_entry, args=(cfg, [payload_of(c.process) for c in cfg.chunks]),
+                           name=cfg.name(), daemon=True)
         with starting_stages():
             proc.start()
         handle = StageHandle(proc)
-        procs.update({c.process: handle for c in group})
+        procs.update({c.process: handle for c in cfg.chunks})
     return procs
 
 
@@ -335,14 +356,6 @@ def process_context(start_method: str) -> Any:
     if start_method == "forkserver":
         forkserver.start()
     return mp.get_context(start_method)
-
-
-def start_worker(ctx: Any, cfg: WorkerConfig, payload: "bytes | StageBuilder") -> StageHandle:
-    """Start one stage process; watched and stopped by its pid (see :class:`StageHandle`)."""
-    p = ctx.Process(target=worker_entry, args=(cfg, payload), name=f"pipeq-stage{cfg.stage}", daemon=True)
-    with starting_stages():
-        p.start()
-    return StageHandle(p)
 
 
 def stop_processes(procs: Sequence[StageHandle]) -> None:

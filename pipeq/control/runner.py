@@ -33,7 +33,7 @@ from pipeq.control.batching import Batcher, check_batch
 from pipeq.control.config import RunConfig, setting_fields
 from pipeq.control.exclusive import CallGuard, exclusive
 from pipeq.control.lifecycle import RunnerLifecycle
-from pipeq.control.processes import StageSettings
+from pipeq.control.processes import RunSetup
 from pipeq.control.stage_inputs import StageInputs, route
 from pipeq.control.snapshots import RunnerSnapshots
 from pipeq.control.state import RunnerState
@@ -222,9 +222,6 @@ class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots
                                    aux_loss=aux_loss, data_parallel=place.data_parallel, mode=place.mode,
                                    rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval, ties=ties)
         cfg.check_stages(model.n_stages)
-        if rendezvous is not None and cfg.schedule.stages_per_process > 1:
-            raise ValueError(f"schedule {cfg.schedule.name!r} holds several stages per process, which does not run "
-                             "across hosts yet: use it on one host, or a schedule of one stage per process")
         self.numerics = cfg.numerics_for(model.n_stages)
         tp_plans = checks.check_tensor_parallel(model, cfg.schedule, place.tensor_parallel, place.tp_plan,
                                                 mode=place.mode, numerics=self.numerics)
@@ -405,7 +402,7 @@ def _backend(cfg: RunConfig, model: checks.Model, numerics: Numerics, tp_plans: 
         return SimulatedBackend(model.replicas[0], schedule, place.devices[0] if place.devices else "cpu", numerics)
     from pipeq.control.driver import ProcessBackend
 
-    return ProcessBackend(checks.process_payloads(model, schedule), cfg, StageSettings.of(cfg, numerics, tp_plans),
+    return ProcessBackend(checks.process_payloads(model, schedule), RunSetup(cfg, numerics, tp_plans),
                           rendezvous=rendezvous)
 
 

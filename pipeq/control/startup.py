@@ -21,12 +21,12 @@ from __future__ import annotations
 from pipeq.control.stage_handle import StageHandle
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from pipeq.control import rendezvous as rdzv
-from pipeq.control.processes import (Numbering, StageSettings, job_identity, process_context, start_workers,
+from pipeq.control.processes import (Numbering, RunSetup, job_identity, process_context, start_workers,
                                      stop_processes, worker_configs)
 from pipeq.control.rendezvous import Rendezvous
 from pipeq.control.supervisor import Supervisor
@@ -41,9 +41,6 @@ from pipeq.wire.control_link import AGENT, STAGE, ControlServer
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
 
-if TYPE_CHECKING:
-    from pipeq.control.config import RunConfig
-
 __all__ = ["StageProcesses"]
 
 
@@ -56,13 +53,14 @@ class StageProcesses:
     """
 
     def __init__(
-        self, payloads: Sequence["bytes | StageBuilder"], config: RunConfig, settings: StageSettings,
+        self, payloads: Sequence["bytes | StageBuilder"], setup: RunSetup,
         numbering: Numbering, *, rendezvous: Rendezvous | None, recorder: TraceRecorder | None,
     ) -> None:
+        config = setup.config
         wire, fault = config.wire, config.fault
         self.payloads = list(payloads)
         self.schedule = config.schedule
-        self.settings = settings
+        self.setup = setup
         self.numbering = numbering
         self.n_stages, self.replicas = numbering.n_stages, numbering.replicas
         self.n_processes = numbering.leads  # the processes the driver commands: each stage's shard 0
@@ -139,7 +137,7 @@ class StageProcesses:
             bind, auth = BindTo.ipc(self.ipc_dir), None
         else:  # tcp: the job's secret (multi-host), or one of our own (one host)
             secret = rz.secret if rz is not None and rz.secret is not None else JobSecret.generate()
-            bind, auth = BindTo.tcp(self.host), WireAuth(secret, self.settings.tcp_security)
+            bind, auth = BindTo.tcp(self.host), WireAuth(secret, self.setup.config.wire.tcp_security)
         if self.numbering.shards > 1:
             self.tp_dir = self.ipc_dir if self.ipc_dir is not None else make_ipc_dir()
         self.server = ControlServer(bind, auth)
@@ -168,7 +166,7 @@ class StageProcesses:
             return payload.seed_for(g % self.n_stages) if isinstance(payload, StageBuilder) else base_seed + g
 
         configs = worker_configs(
-            self.placement[0] if processes is None else processes, self.n_stages, self.replicas, self.schedule, self.settings,
+            self.placement[0] if processes is None else processes, self.n_stages, self.replicas, self.setup,
             control_addr=self.server.address, bind=bind, seed_of=seed_of, rendezvous=self.rendezvous,
             die_with_parent=threading.current_thread() is threading.main_thread(), auth=auth,
             tp_dir=self.tp_dir,
@@ -220,9 +218,9 @@ class StageProcesses:
         there until every stage is READY (see :class:`pipeq.control.rendezvous.Republisher`)."""
         entries: dict[str, object] = {
             "placement": self.placement,
-            "job": job_identity(self.payloads[0], self.schedule, self.settings.numerics, self.settings.tp_plans),
+            "job": job_identity(self.payloads[0], self.schedule, self.setup.numerics, self.setup.tp_plans),
             "options": {"trace": self.recorder is not None, "replicas": self.replicas,
-                        "tcp_security": self.settings.tcp_security, "shards": self.numbering.shards},
+                        "tcp_security": self.setup.config.wire.tcp_security, "shards": self.numbering.shards},
             "control": self.server.address if self.server is not None else None,
         }
         signed = {key: rz.sign(key, value) for key, value in entries.items()}

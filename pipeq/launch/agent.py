@@ -24,7 +24,7 @@ from pipeq.control.stage_handle import StageHandle
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import CodecError
@@ -34,15 +34,12 @@ from pipeq.stage.spec import StageBuilder
 from pipeq.wire import control as protocol  # (``control`` names the driver's address here)
 from pipeq.wire.control import AgentReady, ErrorReply, Exit
 from pipeq.wire.messages import Kind, Message
-from pipeq.control.processes import (StageSettings, exit_reason, job_identity, process_context, start_worker, stop_processes,
-                        worker_configs)
+from pipeq.control.processes import (RunSetup, exit_reason, job_identity, process_context, start_workers,
+                                     stop_processes, worker_configs)
 from pipeq.control.rendezvous import Rendezvous
 from pipeq.wire.control_link import DriverLink
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
-
-if TYPE_CHECKING:
-    from pipeq.control.config import RunConfig
 
 __all__ = ["run_agent", "AgentError", "TERM_GRACE"]
 
@@ -140,22 +137,22 @@ def run_agent(
     rz: Rendezvous,
     builder: StageBuilder,
     n_stages: int,
-    config: RunConfig,
-    settings: StageSettings,
+    setup: RunSetup,
     *,
     driver_grace: float = 2.0,
     log: Callable[[str], None] = print,
 ) -> int:
     """Run node ``rz.node_rank``'s stages until the driver ends the run; the exit code (0 = ok).
 
-    ``config`` is the job's run configuration (its schedule, timeouts, replicas and start method:
-    see :func:`pipeq.control.processes.process_context`), ``settings`` what its stages are told;
-    ``settings.trace`` is taken from node 0 (the driver decides whether the run is traced).
+    ``setup`` is the job's run configuration (its schedule, timeouts, replicas and start method:
+    see :func:`pipeq.control.processes.process_context`) with its checked numerics, from which
+    what its stages are told is derived; whether the run is traced, and its ``tcp_security``,
+    are node 0's (the driver decides them).
 
     A run with restarts (node 0's "generation" entry: :mod:`pipeq.launch.elastic`) is joined at
     the generation node 0 points at, also in progress (as a lost node's replacement); after a
     failed start this agent waits for the next one instead of exiting."""
-    start_timeout = config.fault.start_timeout
+    start_timeout = setup.config.fault.start_timeout
     _auth(rz)  # no secret: refused before the store is touched
     store = rz.store(start_timeout)
     deadline = time.monotonic() + start_timeout
@@ -170,8 +167,7 @@ def run_agent(
             log(str(exc))
             return 0
         try:
-            code = _run_generation(rz.at(generation), store, builder, n_stages, config, settings,
-                                   driver_grace, deadline, log)
+            code = _run_generation(rz.at(generation), store, builder, n_stages, setup, driver_grace, deadline, log)
         except _Moved:  # node 0 points at a newer start than the one being joined: join that one
             continue
         try:
@@ -222,11 +218,11 @@ def _next_generation(store: Any, rz: Rendezvous, last: int, deadline: float, tim
         time.sleep(_POLL_S)
 
 
-def _run_generation(rz: Rendezvous, base: Any, builder: StageBuilder, n_stages: int, config: RunConfig,
-                    settings: StageSettings, driver_grace: float, deadline: float,
-                    log: Callable[[str], None]) -> int:
+def _run_generation(rz: Rendezvous, base: Any, builder: StageBuilder, n_stages: int, setup: RunSetup,
+                    driver_grace: float, deadline: float, log: Callable[[str], None]) -> int:
     """Join generation ``rz.generation``: fetch node 0's entries, start this node's stages, watch
     them until the driver ends the start; the exit code (:data:`_ABORTED` after a failure)."""
+    config = setup.config
     schedule, start_timeout = config.schedule, config.fault.start_timeout
     store = rz.on(base) if rz.generation else base
     me = f"agent/{rz.node_rank}"
@@ -248,17 +244,16 @@ def _run_generation(rz: Rendezvous, base: Any, builder: StageBuilder, n_stages: 
     shards = options.get("shards", 1) if isinstance(options, dict) else 1
     security = options.get("tcp_security", "encrypt") if isinstance(options, dict) else "encrypt"
     auth = WireAuth(_auth(rz).secret, str(security))
-    _check_run(rz, control, plan, n_stages, replicas, shards, config.placement.data_parallel,
-               settings.tensor_parallel)
-    _check_job(rz, control, fetch("job", "job description"), builder, schedule, settings)
+    _check_run(rz, control, plan, n_stages, replicas, shards, config.placement.data_parallel, setup.shards)
+    _check_job(rz, control, fetch("job", "job description"), builder, schedule, setup)
     mine: list[int] = plan[rz.node_rank]
     if not mine:
         log(f"node {rz.node_rank}: the run goes on without this node (its stages were re-placed on the others)")
         return 0
     ctx = process_context(config.placement.start_method)
     procs: dict[int, StageHandle] = {}
-    settings = StageSettings(**{**vars(settings), "trace": traced, "tcp_security": auth.mode})
-    interval = settings.heartbeat_interval
+    setup = setup.with_security(auth.mode)
+    interval = config.fault.heartbeat_interval
     link = DriverLink(control, rz.node_rank, heartbeat_s=(interval, config.fault.heartbeat_timeout), auth=auth)
     # SIGTERM (a batch system's cancel reaches node 0 too): let the driver finish the steps in
     # flight and checkpoint; it ends the run with EXIT. Only if it does not within
@@ -268,12 +263,12 @@ def _run_generation(rz: Rendezvous, base: Any, builder: StageBuilder, n_stages: 
     code = 1
     tp_dir = make_ipc_dir() if shards > 1 else None  # where this node's stages' shards meet
     try:
-        for cfg in worker_configs(mine, n_stages, replicas, schedule, settings, control_addr=control,
-                                  bind=BindTo.tcp(rz.bind), seed_of=lambda g: builder.seed_for(g % n_stages),
-                                  rendezvous=rz, auth=auth, tp_dir=tp_dir):
-            procs[cfg.process] = start_worker(ctx, cfg, builder)
+        configs = worker_configs(mine, n_stages, replicas, setup, control_addr=control, bind=BindTo.tcp(rz.bind),
+                                 seed_of=lambda g: builder.seed_for(g % n_stages), rendezvous=rz, auth=auth,
+                                 tp_dir=tp_dir, traced=traced)
+        procs.update(start_workers(ctx, configs, lambda g: builder))
         log(f"node {rz.node_rank}: started stage(s) {mine} (pids "
-            f"{[p.pid for p in procs.values()]}), driver at {control}")
+            f"{sorted({p.pid for p in procs.values()})}), driver at {control}")
         link.send(protocol.message(AgentReady(agent=rz.node_rank, stages=mine, pids=[procs[g].pid for g in mine])))
         code = _watch(rz, link, procs, interval, driver_grace, start_timeout, log, terminated)
     except KeyboardInterrupt:
@@ -318,9 +313,9 @@ def _check_run(rz: Rendezvous, control: Any, plan: Any, n_stages: int, replicas:
 
 
 def _check_job(rz: Rendezvous, control: str, theirs: Any, builder: StageBuilder, schedule: Any,
-               settings: StageSettings) -> None:
+               setup: RunSetup) -> None:
     """Node 0's job description (``theirs``) is this node's: the same recipe, schedule and numerics."""
-    ours = job_identity(builder, schedule, settings.numerics, settings.tp_plans)
+    ours = job_identity(builder, schedule, setup.numerics, setup.tp_plans)
     ours = json.loads(json.dumps(ours))  # as it came through JSON
     if theirs != ours:
         differ = _differences(theirs, ours) if isinstance(theirs, dict) else ["everything"]

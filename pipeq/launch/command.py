@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
 
 def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
     """Node ``rz.node_rank``'s agent: its stages, as the job and node 0 say, until the run ends."""
-    from pipeq.control.processes import StageSettings
+    from pipeq.control.processes import RunSetup
     from pipeq.launch.agent import AgentError, run_agent
 
     def log(line: str) -> None:
@@ -56,8 +56,7 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
 
             tp_plans = tensorpar.check_plans(None, job.tp_plan, job.tensor_parallel, n)
         config = job.run_config()
-        settings = StageSettings.of(config, config.numerics_for(n), tp_plans)
-        return run_agent(rz, job.recipe, n, config, settings, log=log)
+        return run_agent(rz, job.recipe, n, RunSetup(config, config.numerics_for(n), tp_plans), log=log)
     except (AgentError, RuntimeError, ValueError) as exc:
         log(str(exc))
         return 1

@@ -44,7 +44,8 @@ import torch
 from pipeq.stage.transfer import pinned_copies
 from pipeq.wire.replica_link import ReplicaLink
 from pipeq.wire.sockets import BindTo
-from pipeq.wire.stage_link import StageTransport
+from pipeq.wire.stage_inbox import StageInbox
+from pipeq.wire.stage_link import StageSender
 
 __all__ = ["BUCKET_BYTES", "WEIGHTS_STEP", "FlatLayout", "to_host", "to_device", "sum_in_order", "survivor_scale",
            "GradSync",
@@ -281,17 +282,17 @@ class Replicas:
     :meth:`join` runs when the driver's PEERS names the other replicas' addresses.
     """
 
-    def __init__(self, transport: StageTransport, bind: BindTo, *, stage: int, replica: int, replicas: int,
-                 params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], shard: int = 0) -> None:
+    def __init__(self, receiver: StageInbox, sender: StageSender, bind: BindTo, *, stage: int, replica: int,
+                 replicas: int, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], shard: int = 0) -> None:
         # a bucket is one data frame: never over the frame cap
-        self.bucket_bytes = min(BUCKET_BYTES, transport.max_frame_bytes)
+        self.bucket_bytes = min(BUCKET_BYTES, receiver.max_frame_bytes)
         self.params = list(params)
         self.weights = self.params + list(buffers)
         n_grads = len(FlatLayout([_local(p) for p in self.params], self.bucket_bytes))
         n_weights = len(FlatLayout([_local(w) for w in self.weights], self.bucket_bytes))
         # what may wait, per sibling: its weights and a round of buckets, or two rounds (a replica
         # is never more than one round ahead of another: each round waits for everyone's buckets)
-        self.link = ReplicaLink(transport, bind, stage=stage, replica=replica, replicas=replicas, shard=shard,
+        self.link = ReplicaLink(receiver, sender, bind, stage=stage, replica=replica, replicas=replicas, shard=shard,
                                 capacity=(replicas - 1) * (n_weights + 2 * n_grads + 1))
         self.sync = GradSync(self.params, self.link, self.bucket_bytes)
 

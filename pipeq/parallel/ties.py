@@ -18,7 +18,7 @@ import torch
 
 from pipeq.parallel.data import BUCKET_BYTES, FlatLayout, to_host
 from pipeq.wire.sockets import BindTo
-from pipeq.wire.stage_link import StageTransport
+from pipeq.wire.stage_inbox import StageInbox
 from pipeq.wire.tie_link import TieLink
 
 __all__ = ["TieSync"]
@@ -28,15 +28,15 @@ class TieSync:
     """Stage ``stage`` of replica ``replica``'s side of its tied weights' exchange: ``peers[s]``
     are the parameters whose gradients go to stage s (and come from it), in message order."""
 
-    def __init__(self, transport: StageTransport, bind: BindTo, *, stage: int, replica: int,
+    def __init__(self, receiver: StageInbox, bind: BindTo, *, stage: int, replica: int,
                  peers: Mapping[int, Sequence[torch.Tensor]]) -> None:
         self.stage = stage
-        bucket_bytes = min(BUCKET_BYTES, transport.max_frame_bytes)  # a bucket is one data frame
+        bucket_bytes = min(BUCKET_BYTES, receiver.max_frame_bytes)  # a bucket is one data frame
         self.layouts = {p: FlatLayout(list(params), bucket_bytes) for p, params in peers.items()}
         self.shapes = {p: [(tuple(t.shape), t.dtype) for t in params] for p, params in peers.items()}
         # what may wait, per peer: two exchanges' buckets (a stage is never more than one ahead:
         # each exchange waits for every peer's buckets)
-        self.link = TieLink(transport, bind, stage=stage, replica=replica, peers=sorted(peers),
+        self.link = TieLink(receiver, bind, stage=stage, replica=replica, peers=sorted(peers),
                             capacity=sum(2 * len(lay) for lay in self.layouts.values()) + 1)
 
     @property
@@ -54,6 +54,11 @@ class TieSync:
 
     def exchange(self, n: int, outgoing: Mapping[int, Sequence[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
         """Exchange number ``n``: send ``outgoing[s]`` to each peer s and return what each sent."""
+        self.send(n, outgoing)
+        return self.receive(n, list(outgoing))
+
+    def send(self, n: int, outgoing: Mapping[int, Sequence[torch.Tensor]]) -> None:
+        """Exchange number ``n``'s sends: ``outgoing[s]`` to each peer s (every peer)."""
         if set(outgoing) != set(self.layouts):
             raise RuntimeError(f"stage {self.stage}: tied gradients for stages {sorted(outgoing)}, but its tie "
                                f"peers are {sorted(self.layouts)}")
@@ -62,7 +67,11 @@ class TieSync:
                 layout = self.layouts[peer]
                 for b in range(len(layout)):
                     self.link.send(n, b, [to_host(layout.gather(b, list(tensors)))], to=[peer])
-            return {peer: self._receive(n, peer) for peer in outgoing}
+
+    def receive(self, n: int, peers: Sequence[int]) -> dict[int, list[torch.Tensor]]:
+        """What each of ``peers`` sent in exchange number ``n``, as new host tensors."""
+        with torch.no_grad():
+            return {peer: self._receive(n, peer) for peer in peers}
 
     def _receive(self, n: int, peer: int) -> list[torch.Tensor]:
         """Stage ``peer``'s tensors of exchange ``n``, as new host tensors."""

@@ -49,9 +49,6 @@ def check_ties(schedule: SchedulePolicy, index: int, spec: StageSpec, sharded: b
     if not ties:
         return
     keys = ", ".join(t.key for t in ties)
-    if schedule.stages_per_process > 1:
-        raise ValueError(f"stage {index} holds tied weights ({keys}), which do not work with several stages per "
-                         f"process (schedule {schedule.name!r}) yet: untie them, or use 1f1b, zb-h1 or fill-drain")
     if not schedule.plain_backprop:
         raise ValueError(f"stage {index} holds tied weights ({keys}), which train with fill-drain, 1f1b and your "
                          f"own schedules of F, B and STEP, not with schedule {schedule.name!r}: untie them, or "

@@ -1,40 +1,43 @@
-"""Runs one stage's lowered action list against its :class:`~pipeq.stage.executor.StageExecutor`.
+"""Runs one stage process's lowered action list against the executors of the stages it holds.
 
-:func:`execute` is a generator: compute actions run inline, and each communication action is
-*yielded* as a request for the caller to carry out. The worker event loop answers requests with
-blocking socket operations; the simulated engine answers them from in-memory queues and switches
-to another stage when a message is not there yet. One interpreter, so both modes run the very same
-actions in the very same order.
+A process holds ``v >= 1`` stages, its chunks (v > 1 with virtual stages:
+:mod:`pipeq.schedules.placement`), and the schedule gives it one list of actions, each naming
+its ``chunk``. :func:`execute` is a generator: compute actions run inline on the chunk's
+:class:`~pipeq.stage.executor.StageExecutor`, and everything that needs another process is
+*yielded* as a typed request (:mod:`pipeq.runtime.requests`) for the caller to carry out. The
+worker's event loop answers requests with its transport; the simulated engine answers them from
+in-memory queues and switches to another process when a message is not there yet. One
+interpreter, so both modes, and one stage or several per process, run the very same actions in
+the very same order.
 
-A split backward's ``I j`` and ``W j`` (zero-bubble schedules) run inline like a ``B``: ``I``
-yields nothing itself (its gradient goes out with the ``SEND_GRAD`` that follows it), ``W`` never
-communicates.
+- A message between two stages of this process (V placement's turn, stage N-1 to stage N) is
+  handed over here, in memory: no request, no copy (the receiving stage detaches it, as always).
+- A split backward's ``I j`` and ``W j`` (zero-bubble schedules) run inline like a ``B``: ``I``
+  yields nothing itself (its gradient goes out with the ``SEND_GRAD`` that follows it), ``W``
+  never communicates.
+- A ``SEND_GRAD`` right after a forward (interlocking backpropagation) sends the stage's early
+  input gradients; a backward in evaluation (Associated Learning's decode path) ends on stage 0
+  with an :class:`~pipeq.runtime.requests.Emit`.
+- A run of consecutive ``STEP`` actions (one per chunk: a process's last actions) runs as one
+  optimizer step of those chunks (with one stage per process, every ``STEP`` is one step; a
+  schedule may step after every microbatch, as Associated Learning does):
 
-Requests (first element an :class:`~pipeq.schedules.Op`, or ``EMIT``)::
+  1. with data parallelism the replicas' gradients are summed first (each executor's);
+  2. tied weights (:mod:`pipeq.stage.ties`): the stages holding a copy swap their gradients and
+     each adds all of them in stage order; between chunks of this process in memory, with
+     other processes through one :class:`~pipeq.runtime.requests.SwapTies` that sends
+     everything before it waits for anything;
+  3. when the stages must agree before an optimizer step (clipping by the global norm, fp16's
+     found-inf, ``check_finite``: see :mod:`pipeq.stage.numerics`), their statistics go up
+     the pipeline chain in stage order as microbatch ``STATS`` on the data channels (received
+     from stage k-1 as an activation, combined, sent on) and the total comes back down as a
+     gradient (:func:`combined`).
 
-    (Op.RECV_ACT, j)            -> caller sends back the received activation tensors
-    (Op.RECV_GRAD, j)           -> caller sends back the received gradient tensors
-    (Op.SEND_ACT, j, tensors)   -> caller sends them to the next stage
-    (Op.SEND_GRAD, j, tensors)  -> caller sends them to the previous stage
-    (EMIT, j, tensors)          -> a forward-only result (the last stage's output, or the end
-                                   of a decode path on stage 0): the caller returns it
-    (TIES, STATS, outgoing, n)  -> tied weights' exchange number n (counted from 1 alike on every
-                                   stage): ``outgoing[s]`` goes to stage s (the caller sends copies);
-                                   the caller sends back ``{s: tensors}``, every peer's
+  Every process reaches its ``STEP`` only after its last send of the step, so neither exchange
+  can deadlock a validated schedule.
 
-Tensors that belong to a tree (a stage output that is not a tensor or a tuple of tensors) come
-as a :class:`pipeq.stage.microbatch.Packed`, whose ``spec`` the caller sends with them.
-
-When the stages must agree before an optimizer step (clipping by the global norm, fp16's
-found-inf, ``check_finite``: see :mod:`pipeq.stage.numerics`), ``STEP`` first combines the stages'
-statistics along the pipeline, as microbatch :data:`STATS` on the same channels: received from
-stage k-1 (``RECV_ACT``), combined and sent on (``SEND_ACT``); the total comes back from the last
-stage (``RECV_GRAD``) and is passed down (``SEND_GRAD``). Every stage reaches its ``STEP`` only
-after its last send of the step, so this cannot deadlock a validated schedule.
-
-A stage holding tied weights (:mod:`pipeq.stage.ties`) first sums their gradients with the other
-stages holding a copy (``TIES``), after the replicas' all-reduce: every stage reaches its ``STEP``
-without waiting for another's, so neither can that.
+A failure of an action in a process of several stages is raised as a :class:`ChunkError` naming
+the stage and chunk; with one stage, as it is.
 """
 
 from __future__ import annotations
@@ -43,61 +46,76 @@ import time
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 from pipeq import schedules
+from pipeq.errors import error_line
+from pipeq.runtime.requests import STATS, Emit, Recv, Request, Send, SwapTies
 from pipeq.schedules import Action, Op, lower_stage
-from pipeq.stage.numerics import StepStats, combine
 from pipeq.stage.executor import StageExecutor, Tensors
+from pipeq.stage.numerics import StepStats, combine
 from pipeq.trace.format import B as TRACE_B
 from pipeq.trace.format import F as TRACE_F
 from pipeq.trace.format import I as TRACE_I
-from pipeq.trace.format import W as TRACE_W
 from pipeq.trace.format import OPT_STEP as TRACE_OPT_STEP
+from pipeq.trace.format import W as TRACE_W
 
-EMIT = "emit"
-TIES = "ties"  # the request that swaps tied weights' gradients (see the module docstring)
-STATS = -2  # the microbatch number of the step statistics' messages (never a real microbatch)
+__all__ = ["ProcessPlan", "execute", "combined", "ChunkError", "Note"]
 
-Request = tuple[Any, ...]
+#: ``note(code, microbatch)``: a compute action starts (the event loop's record for ``step_timeout``)
+Note = Callable[[int, int], None]
+Keys = Mapping[int, tuple[int, int]]
 
 
-class StagePlan:
-    """Which actions one stage runs for each batch it is given: the schedule's validated plan of
-    one batch, or, for a schedule that streams across batches (asynchronous 1F1B), the next stretch
-    of the stage's stream (the schedule's :meth:`~pipeq.schedules.SchedulePolicy.cursor`:
-    microbatches numbered across batches, no drain between them unless asked). Shared by the
-    worker and the simulated engine, so both run the same actions."""
+class ChunkError(RuntimeError):
+    """An action of stage ``stage`` (chunk ``chunk`` of its process) failed; the cause is chained."""
 
-    def __init__(self, schedule: Any, stage: int, n_stages: int) -> None:
+    def __init__(self, stage: int, chunk: int, exc: BaseException) -> None:
+        super().__init__(f"stage {stage} (chunk {chunk} of its process): {error_line(exc)}")
+        self.stage, self.chunk = stage, chunk
+
+
+class ProcessPlan:
+    """Which actions process ``process`` (of a run of ``n_stages`` model stages) runs for each
+    batch it is given: the schedule's validated plan of one batch, or, for a schedule that
+    streams across batches (asynchronous 1F1B), the next stretch of the process's stream (the
+    schedule's :meth:`~pipeq.schedules.SchedulePolicy.cursor`: microbatches numbered across
+    batches, no drain between them unless asked). Shared by the event loop and the simulated
+    engine, so both run the same actions."""
+
+    def __init__(self, schedule: Any, process: int, n_stages: int) -> None:
         self.schedule = schedule = schedules.resolve(schedule)
-        self.stage = stage
+        self.process = process
         self.n_stages = n_stages
         self._plans: dict[tuple[int, bool], list[Action]] = {}
-        self.cursor = schedule.cursor(stage, n_stages) if schedule.streams_across_batches else None
+        self.cursor = schedule.cursor(process, n_stages) if schedule.streams_across_batches else None
         self.keys: dict[int, tuple[int, int]] = {}  # stream microbatch -> (step, microbatch) on the wire
 
     def actions(self, m: int, training: bool) -> list[Action]:
         key = (m, training)
         acts = self._plans.get(key)
         if acts is None:
-            acts = self._plans[key] = schedules.build(self.schedule, self.n_stages, m, training=training)[self.stage]
+            acts = self._plans[key] = schedules.build(self.schedule, self.n_stages, m, training=training)[self.process]
         return acts
 
-    def begin(self, ex: StageExecutor, step: int, sizes: list[int], training: bool, x: Any, target: Any,
-              weights: Any = None, aux_weights: Any = None, stream: bool = False, inputs: Any = None,
-              ) -> tuple[list[Action], Mapping[int, tuple[int, int]] | None]:
-        """Start batch ``step`` on ``ex``: its actions, and (a stream) the wire key of each
-        microbatch number they use (None: microbatch j of this step is ``(step, j)``). ``inputs``:
-        the stage's keyword arguments for this batch (``stage_inputs``), None without (an executor
-        that predates them is never handed the argument then)."""
-        more = {"inputs": inputs} if inputs is not None else {}
+    def begin(self, exs: Sequence[StageExecutor], step: int, sizes: list[int], training: bool,
+              parts: Sequence[Mapping[str, Any]], stream: bool = False) -> tuple[list[Action], Keys | None]:
+        """Start batch ``step`` on every chunk's executor (``parts[c]``: chunk c's ``x``,
+        ``target``, ``weights``, ``aux_weights`` and ``inputs``, each None when it has none):
+        the actions, and (a stream) the wire key of each microbatch number they use (None:
+        microbatch j of this step is ``(step, j)``). An executor that predates ``inputs`` is
+        never handed the argument when there are none."""
         if not (training and self.cursor is not None):
-            ex.begin(step, sizes, training, x, target, weights, aux_weights=aux_weights, **more)
+            for ex, part in zip(exs, parts):
+                more = {"inputs": part["inputs"]} if part.get("inputs") is not None else {}
+                ex.begin(step, sizes, training, part.get("x"), part.get("target"), part.get("weights"),
+                         aux_weights=part.get("aux_weights"), **more)
             return self.actions(len(sizes), training), None
+        (ex,), (part,) = exs, parts  # a schedule that streams holds one stage per process
         done = [g for g in self.keys if g < self.cursor.next_b]
         for g in done:
             del self.keys[g]
         first = self.cursor.add(len(sizes))
         self.keys.update({first + j: (step, j) for j in range(len(sizes))})
-        ex.extend(step, first, sizes, x, target, **more)  # type: ignore[attr-defined]  (a streaming schedule's)
+        more = {"inputs": part["inputs"]} if part.get("inputs") is not None else {}
+        ex.extend(step, first, sizes, part.get("x"), part.get("target"), **more)  # type: ignore[attr-defined]
         return self._lower(self.cursor.take(drain=not stream)), self.keys
 
     def drain(self) -> list[Action]:
@@ -105,127 +123,220 @@ class StagePlan:
         return self._lower(self.cursor.take(drain=True)) if self.cursor is not None else []
 
     def _lower(self, acts: list[Action]) -> list[Action]:
-        k, n = self.stage, self.n_stages
+        k, n = self.process, self.n_stages
         return lower_stage(acts, recv_act=k > 0, send_act=k < n - 1, recv_grad=k < n - 1, send_grad=k > 0)
 
 
-def execute(
-    ex: StageExecutor, actions: Sequence[Action], trace: Any = None,
-    keys: Mapping[int, tuple[int, int]] | None = None, note: Callable[[int, int], None] | None = None,
-) -> Generator[Request, Any, None]:
-    """Run ``actions``; with ``trace`` (a list or deque), append ``(code, step, microbatch, start_ns,
-    end_ns, 0)`` for each compute action (see :mod:`pipeq.trace`; ``keys`` maps a stream's
-    microbatch numbers to their (step, microbatch)). ``note(code, microbatch)`` is called as each
-    compute action starts (the worker's record of what it is computing, for ``step_timeout``).
-    A process holding several stages runs :func:`pipeq.runtime.chunks.execute_chunks` instead."""
-    return _execute_one(ex, actions, trace, keys, note)
+def execute(exs: Sequence[StageExecutor], actions: Sequence[Action], traces: Sequence[Any] | None = None,
+            keys: Keys | None = None, note: Note | None = None) -> Generator[Request, Any, None]:
+    """Run a process's ``actions`` on its chunks' executors ``exs`` (by chunk; see the module).
+    ``traces``: per chunk, a list or deque to append ``(code, step, microbatch, start_ns, end_ns,
+    0)`` to for each compute action (see :mod:`pipeq.trace`), or None; ``keys`` maps a stream's
+    microbatch numbers to their (step, microbatch); ``note(code, microbatch)`` is called as each
+    compute action starts."""
+    run = _Process(exs, traces, keys, note)
+    many = len(exs) > 1
+    i, n = 0, len(actions)
+    while i < n:
+        a = actions[i]
+        end = i + 1
+        if a.op is Op.STEP:  # the run of STEPs this one starts: taken together
+            while end < n and actions[end].op is Op.STEP:
+                end += 1
+        try:
+            if a.op is Op.STEP:
+                yield from run.step([b.chunk for b in actions[i:end]])
+            else:
+                yield from run.act(a)
+        except ChunkError:
+            raise
+        except Exception as exc:
+            if not many:
+                raise
+            raise ChunkError(exs[a.chunk].index, a.chunk, exc) from exc
+        i = end
 
 
-def _execute_one(
-    ex: StageExecutor, actions: Sequence[Action], trace: Any,
-    keys: Mapping[int, tuple[int, int]] | None, note: Callable[[int, int], None] | None,
-) -> Generator[Request, Any, None]:
-    """:func:`execute` on one stage."""
-    received: dict[int, Tensors] = {}
-    grads: dict[int, Tensors] = {}
-    acts_out: dict[int, Tensors] = {}
-    grads_out: dict[int, Tensors] = {}
-    rec = trace.append if trace is not None else None
-    clock = time.perf_counter_ns
-    step = ex.step_index
-    for a in actions:
-        op = a.op
-        j = a.microbatch
-        if op is Op.FORWARD:
-            if note is not None:
-                note(TRACE_F, j)
-            t0 = clock() if rec else 0
-            out = ex.forward(j, received.pop(j, None))
-            if rec:
-                rec((TRACE_F, *(keys[j] if keys is not None else (step, j)), t0, clock(), 0))
-            if out is not None:
-                if ex.is_last:
-                    yield (EMIT, j, ex.to_host(out))
-                else:
-                    acts_out[j] = out
-        elif op is Op.BACKWARD:
-            if note is not None:
-                note(TRACE_B, j)
-            t0 = clock() if rec else 0
-            gin = ex.backward(j, grads.pop(j, None))
-            if rec:
-                rec((TRACE_B, *(keys[j] if keys is not None else (step, j)), t0, clock(), 0))
-            if ex.training:
-                ex.backward_done()
-            if gin is not None:
-                if ex.is_first and not ex.training:  # a decode path (AL) ends here: the output
-                    yield (EMIT, j, ex.to_host(gin))
-                else:
-                    grads_out[j] = gin
-        elif op is Op.RECV_ACT:
-            received[j] = yield (op, j)
-        elif op is Op.RECV_GRAD:
-            grads[j] = yield (op, j)
-        elif op is Op.SEND_ACT:
-            yield (op, j, ex.for_peer(acts_out.pop(j)))
-        elif op is Op.SEND_GRAD:
-            # after its backward; or (interlocking) right after its forward: the head's gradient
-            out = grads_out.pop(j, None)
-            yield (op, j, ex.for_peer(out if out is not None else ex.early_input_grads(j)))
-        elif op is Op.STEP:
-            yield from _step(ex, rec, note)
+class _Process:
+    """The messages a process's chunks have in hand (by chunk) while its actions run."""
+
+    def __init__(self, exs: Sequence[StageExecutor], traces: Sequence[Any] | None, keys: Keys | None,
+                 note: Note | None) -> None:
+        self.exs, self.keys, self.note = exs, keys, note
+        at = {ex.index: c for c, ex in enumerate(exs)}
+        #: per chunk, the chunk of this process holding the next stage and the previous one
+        self.nxt = [at.get(ex.index + 1) for ex in exs]
+        self.prv = [at.get(ex.index - 1) for ex in exs]
+        n = len(exs)
+        self.received: list[dict[int, Any]] = [{} for _ in range(n)]
+        self.grads: list[dict[int, Tensors]] = [{} for _ in range(n)]
+        self.acts_out: list[dict[int, Any]] = [{} for _ in range(n)]
+        self.grads_out: list[dict[int, Tensors]] = [{} for _ in range(n)]
+        self.recs = ([t.append if t is not None else None for t in traces] if traces is not None else [None] * n)
+
+    def _key(self, ex: StageExecutor, j: int) -> tuple[int, int]:
+        return self.keys[j] if self.keys is not None else (ex.step_index, j)
+
+    def act(self, a: Action) -> Generator[Request, Any, None]:
+        """Run one action (the requests it needs yielded)."""
+        op, j, c = a.op, a.microbatch, a.chunk
+        ex = self.exs[c]
+        if op is Op.FORWARD or op is Op.BACKWARD:
+            yield from self._compute(op, j, c)
+        elif op is Op.RECV_ACT or op is Op.RECV_GRAD:
+            local, box = (self.prv, self.received) if op is Op.RECV_ACT else (self.nxt, self.grads)
+            if local[c] is None:
+                box[c][j] = yield Recv(op, c, j)
+            elif j not in box[c]:  # cannot happen in a dry-run plan
+                raise RuntimeError(f"microbatch {j}'s message from stage {self.exs[local[c]].index} "  # type: ignore[index]
+                                   "was not handed over yet")
+        elif op is Op.SEND_ACT or op is Op.SEND_GRAD:
+            if op is Op.SEND_ACT:
+                out, to, box = self.acts_out[c].pop(j), self.nxt[c], self.received
+            else:  # after its backward; or (interlocking) right after its forward: the head's gradient
+                out, to, box = self.grads_out[c].pop(j, None), self.prv[c], self.grads
+                if out is None:
+                    out = ex.early_input_grads(j)
+            if to is None:
+                yield Send(op, c, j, ex.for_peer(out))
+            else:  # in memory: the receiving stage detaches it as it would a message
+                box[to][j] = out
         elif op is Op.INPUT_GRAD or op is Op.WEIGHT_GRAD:  # a split backward: after F and B, which stay lean
-            _split_backward(ex, op, j, grads, grads_out, rec, keys, note)
+            self._split_backward(op, j, c)
         else:  # pragma: no cover - schedules are validated before they reach here
             raise ValueError(f"stage {ex.index}: cannot execute action {a}")
 
+    def _compute(self, op: Op, j: int, c: int) -> Generator[Request, Any, None]:
+        """``F j`` or ``B j`` on chunk ``c``, traced; its output kept for the send that follows
+        (or emitted: the last stage's forward-only output, the end of a decode path)."""
+        ex, rec, note = self.exs[c], self.recs[c], self.note
+        code = TRACE_F if op is Op.FORWARD else TRACE_B
+        if note is not None:
+            note(code, j)
+        t0 = time.perf_counter_ns() if rec else 0
+        if op is Op.FORWARD:
+            out = ex.forward(j, self.received[c].pop(j, None))
+        else:
+            out = ex.backward(j, self.grads[c].pop(j, None))
+        if rec:
+            rec((code, *self._key(ex, j), t0, time.perf_counter_ns(), 0))
+        if op is Op.BACKWARD and ex.training:
+            ex.backward_done()
+        if out is None:
+            return
+        if op is Op.FORWARD:
+            if ex.is_last:
+                yield Emit(c, j, ex.to_host(out))
+            else:
+                self.acts_out[c][j] = out
+        elif ex.is_first and not ex.training:  # a decode path (AL) ends here: the output
+            yield Emit(c, j, ex.to_host(out))
+        else:
+            self.grads_out[c][j] = out
 
-def _step(ex: StageExecutor, rec: Any, note: Callable[[int, int], None] | None) -> Generator[Request, Any, None]:
-    """The optimizer step: tied weights' gradients summed, the stages' statistics combined."""
-    if note is not None:
-        note(TRACE_OPT_STEP, -1)
-    t0 = time.perf_counter_ns() if rec else 0
-    if ex.tied is not None:  # replicas first, then the stages holding a copy
-        ex.sync_replicas()
-        ex.tied.add((yield (TIES, STATS, ex.tied.outgoing(), ex.tied.rounds)))
-    if ex.numerics.combines:
-        ex.apply_step((yield from _combined(ex, ex.step_stats())))
-    else:
-        ex.optimizer_step()
-    if rec:
-        rec((TRACE_OPT_STEP, ex.step_index, -1, t0, time.perf_counter_ns(), 0))
+    def _split_backward(self, op: Op, j: int, c: int) -> None:
+        """``I j`` (the input gradient, to send back as a ``B``'s) or ``W j`` (the weight
+        gradients; after the step's last one, the data-parallel all-reduce starts), traced like a ``B``."""
+        ex, rec, note = self.exs[c], self.recs[c], self.note
+        code = TRACE_I if op is Op.INPUT_GRAD else TRACE_W
+        if note is not None:
+            note(code, j)
+        t0 = time.perf_counter_ns() if rec else 0
+        if code == TRACE_I:
+            gin = ex.input_grad(j, self.grads[c].pop(j, None))
+            if gin is not None:
+                self.grads_out[c][j] = gin
+        else:
+            ex.weight_grad(j)
+        if rec:
+            rec((code, *self._key(ex, j), t0, time.perf_counter_ns(), 0))
+        if code == TRACE_W:
+            ex.backward_done()
+
+    def step(self, chunks: Sequence[int]) -> Generator[Request, Any, None]:
+        """The optimizer step of ``chunks`` (every chunk of the process, in a plan of several):
+        the replicas' sums, tied weights, statistics (see the module)."""
+        exs = [self.exs[c] for c in chunks]
+        if self.note is not None:
+            self.note(TRACE_OPT_STEP, -1)
+        t0 = time.perf_counter_ns()
+        tied = [c for c in chunks if self.exs[c].tied is not None]
+        if tied:
+            for c in tied:  # the replicas first, then the stages holding a copy
+                self.exs[c].sync_replicas()
+            yield from self._swap_ties(tied)
+        if exs[0].numerics.combines:
+            at = {ex.index: i for i, ex in enumerate(exs)}
+            nxt, prv = [at.get(ex.index + 1) for ex in exs], [at.get(ex.index - 1) for ex in exs]
+            total = yield from combined(exs, [ex.step_stats() for ex in exs], nxt, prv, chunks)
+            for ex in exs:
+                ex.apply_step(total)
+        else:
+            for ex in exs:
+                ex.optimizer_step()
+        t1 = time.perf_counter_ns()
+        for c in chunks:
+            rec = self.recs[c]
+            if rec:
+                rec((TRACE_OPT_STEP, self.exs[c].step_index, -1, t0, t1, 0))
+
+    def _swap_ties(self, tied: list[int]) -> Generator[Request, Any, None]:
+        """Each tied chunk's gradients of its tied weights, summed with every other copy's: the
+        copies held by this process's chunks handed over in memory (as copies: each stage adds
+        into one of the parts it received), the others' through one :class:`SwapTies`."""
+        exs = self.exs
+        held = {ex.index: c for c, ex in enumerate(exs)}
+        outgoing = {c: exs[c].tied.outgoing() for c in tied}  # type: ignore[union-attr]
+        got: dict[int, dict[int, Any]] = {c: {} for c in tied}
+        remote: dict[int, dict[int, Any]] = {}
+        for c in tied:
+            for peer, tensors in outgoing[c].items():
+                d = held.get(peer)
+                if d is None:
+                    remote.setdefault(c, {})[peer] = tensors
+                else:
+                    got[d][exs[c].index] = [t.detach().clone() for t in tensors]
+        if remote:
+            answer = yield SwapTies(remote, exs[tied[0]].tied.rounds)  # type: ignore[union-attr]
+            for c, by_peer in answer.items():
+                got[c].update(by_peer)
+        for c in tied:
+            exs[c].tied.add(got[c])  # type: ignore[union-attr]
 
 
-def _split_backward(ex: StageExecutor, op: Op, j: int, grads: dict[int, Tensors], grads_out: dict[int, Tensors],
-                    rec: Any, keys: Mapping[int, tuple[int, int]] | None, note: Callable[[int, int], None] | None,
-                    ) -> None:
-    """``I j`` (the input gradient, to send back as a ``B``'s) or ``W j`` (the weight gradients;
-    after the step's last one, the data-parallel all-reduce starts), traced like a ``B``."""
-    code = TRACE_I if op is Op.INPUT_GRAD else TRACE_W
-    if note is not None:
-        note(code, j)
-    t0 = time.perf_counter_ns() if rec else 0
-    if code == TRACE_I:
-        gin = ex.input_grad(j, grads.pop(j, None))
-        if gin is not None:
-            grads_out[j] = gin
-    else:
-        ex.weight_grad(j)
-    if rec:
-        rec((code, *(keys[j] if keys is not None else (ex.step_index, j)), t0, time.perf_counter_ns(), 0))
-    if code == TRACE_W:
-        ex.backward_done()
-
-
-def _combined(ex: StageExecutor, own: StepStats) -> Generator[Request, Any, StepStats]:
-    """Every stage's statistics combined (see the module docstring): the chain 0 -> N-1 and back."""
-    k, n, p = ex.index, ex.n_stages, ex.numerics.clip_norm_type
-    acc = own
-    if k > 0:
-        acc = combine(StepStats.from_tensors((yield (Op.RECV_ACT, STATS)), f"stage {k - 1}"), acc, p)
-    if k < n - 1:
-        yield (Op.SEND_ACT, STATS, (acc.to_tensor(),))
-        acc = StepStats.from_tensors((yield (Op.RECV_GRAD, STATS)), f"stage {k + 1}")
-    if k > 0:
-        yield (Op.SEND_GRAD, STATS, (acc.to_tensor(),))
-    return acc
+def combined(exs: Sequence[StageExecutor], owns: Sequence[StepStats], nxt: Sequence[int | None],
+             prv: Sequence[int | None], chunks: Sequence[int] | None = None) -> Generator[Request, Any, StepStats]:
+    """Every stage's statistics combined: up the chain 0 -> S-1 through this process's stages
+    ``exs`` in stage order (``nxt``, ``prv``: the position in ``exs`` of the next and previous
+    stage, None when another process holds it; ``chunks``: each one's chunk, default its
+    position), then the total back down in reverse order (hops within the process in memory)."""
+    chunks = list(range(len(exs))) if chunks is None else chunks
+    n, p = exs[0].n_stages, exs[0].numerics.clip_norm_type
+    up: dict[int, StepStats] = {}
+    total: StepStats | None = None
+    for c, ex in enumerate(exs):  # a process's chunks hold increasing stages (looped and V alike)
+        k, acc = ex.index, owns[c]
+        if k > 0:
+            got = up.pop(c) if prv[c] is not None else StepStats.from_tensors(
+                (yield Recv(Op.RECV_ACT, chunks[c], STATS)), f"stage {k - 1}")
+            acc = combine(got, acc, p)
+        if k == n - 1:
+            total = acc
+        elif nxt[c] is not None:
+            up[nxt[c]] = acc  # type: ignore[index]
+        else:
+            yield Send(Op.SEND_ACT, chunks[c], STATS, (acc.to_tensor(),))
+    down: dict[int, StepStats] = {}
+    for c in reversed(range(len(exs))):
+        k = exs[c].index
+        if k < n - 1:
+            total = down.pop(c) if nxt[c] is not None else StepStats.from_tensors(
+                (yield Recv(Op.RECV_GRAD, chunks[c], STATS)), f"stage {k + 1}")
+        assert total is not None
+        if k > 0:
+            if prv[c] is not None:
+                down[prv[c]] = total  # type: ignore[index]
+            else:
+                yield Send(Op.SEND_GRAD, chunks[c], STATS, (total.to_tensor(),))
+    assert total is not None
+    return total

@@ -9,7 +9,7 @@ driver's PEERS names the others'.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 
@@ -18,29 +18,33 @@ from pipeq.parallel.ties import TieSync
 from pipeq.stage.executor import StageExecutor
 from pipeq.wire.control import Lost, Peers
 from pipeq.wire.sockets import BindTo
-from pipeq.wire.stage_link import StageTransport
+from pipeq.wire.stage_inbox import StageInbox
+from pipeq.wire.stage_link import StageSender
 
-__all__ = ["PeerLinks"]
+__all__ = ["PeerLinks", "swap_ties"]
 
 
 class PeerLinks:
     """Stage ``stage``'s (of replica ``replica``, shard ``shard`` of ``shards``) links to its
-    replicas (``replicas > 1``) and tie peers (its executor holds tied weights); the executor's
-    gradient sync is the replicas'."""
+    replicas (``replicas > 1``) and to its tie peers in other processes (its executor holds tied
+    weights; ``held``: the stages of its own process, whose copies are summed in memory); the
+    executor's gradient sync is the replicas'. ``receiver``, ``sender``: the stage's own channels."""
 
-    def __init__(self, transport: StageTransport, bind: BindTo, executor: StageExecutor, *, stage: int,
-                 replica: int = 0, replicas: int = 1, shard: int = 0, shards: int = 1) -> None:
+    def __init__(self, receiver: StageInbox, sender: StageSender, bind: BindTo, executor: StageExecutor, *,
+                 stage: int, replica: int, replicas: int, shard: int, shards: int, held: Collection[int]) -> None:
         self.stage, self.shard, self.shards = stage, shard, shards
         self.replicas: Replicas | None = None
         self.ties: TieSync | None = None
         try:
             if replicas > 1:  # replica 0's weights, summed gradients
-                self.replicas = Replicas(transport, bind, stage=stage, replica=replica, replicas=replicas,
+                self.replicas = Replicas(receiver, sender, bind, stage=stage, replica=replica, replicas=replicas,
                                          params=executor.optimizer_params(), buffers=list(executor.module.buffers()),
                                          shard=shard)
                 executor.grad_sync = self.replicas.sync
-            if executor.tied is not None:  # the tied weights' summed gradients
-                self.ties = TieSync(transport, bind, stage=stage, replica=replica, peers=executor.tied.peer_params())
+            remote = {s: params for s, params in (executor.tied.peer_params().items() if executor.tied else ())
+                      if s not in held}
+            if remote:  # the tied weights' summed gradients, with the stages of other processes
+                self.ties = TieSync(receiver, bind, stage=stage, replica=replica, peers=remote)
         except BaseException:
             self.close()
             raise
@@ -88,14 +92,25 @@ class PeerLinks:
             raise ValueError(f"stage {self.stage}, shard {self.shard}: bad replica_shards {by_shard!r} in PEERS")
         return by_shard[self.shard]
 
-    def exchange_ties(self, n: int, outgoing: Mapping[int, Sequence[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        """The tied gradients' exchange number ``n`` (see :meth:`~pipeq.parallel.ties.TieSync.exchange`)."""
-        if self.ties is None:
-            raise RuntimeError(f"stage {self.stage}: tied gradients to exchange, but no tie link")
-        return self.ties.exchange(n, outgoing)
-
     def close(self, linger_ms: int = 0) -> None:
         """Close both links (their sockets share the transport's context: before it)."""
         for link in (self.replicas, self.ties):
             if link is not None:
                 link.close(linger_ms)
+
+
+def swap_ties(links: Sequence[PeerLinks | None], n: int,
+              outgoing: Mapping[int, Mapping[int, Sequence[torch.Tensor]]]) -> dict[int, dict[int, list[torch.Tensor]]]:
+    """The tied gradients' exchange number ``n`` of a process's chunks with other processes:
+    ``outgoing[c][s]`` goes from chunk c over its tie link to stage s. Every chunk sends before
+    any waits (a chunk waiting first could wait for a peer that waits for another of this
+    process's chunks); what each peer sent each chunk comes back, as new host tensors."""
+    ties = {}
+    for c in outgoing:
+        link = links[c]
+        if link is None or link.ties is None:
+            raise RuntimeError(f"chunk {c}: tied gradients to exchange, but no tie link")
+        ties[c] = link.ties
+    for c, by_peer in outgoing.items():
+        ties[c].send(n, by_peer)
+    return {c: ties[c].receive(n, list(by_peer)) for c, by_peer in outgoing.items()}

@@ -1,13 +1,15 @@
 """Simulated mode: every stage in this process, the same schedules and actions as process mode.
 
-The engine keeps one :func:`~pipeq.runtime.interpreter.execute` generator per stage and advances them in
-turn: a stage runs until it needs a message that has not been sent yet, then the next stage runs.
-The interpreter runs every action, a split backward's ``I`` and ``W`` too (zero-bubble
-schedules), so nothing here depends on the schedule. Messages are cloned tensors in a dictionary, so nothing is shared between stages that process
-mode would not share either; so are tied weights' gradients (the interpreter's ``TIES``: each stage
-posts its copies' gradients for its tie peers and waits for theirs, then adds them in stage order,
-as a stage process does). Use it to debug a model or a schedule, for research and for fast
-tests; process mode gives the same numbers.
+The engine keeps one :func:`~pipeq.runtime.interpreter.execute` generator per stage process the
+schedule plans (each over the stages that process would hold: one, or several with virtual
+stages) and advances them in turn: a process runs until it needs a message that has not been sent
+yet, then the next one runs. The interpreter runs every action, a split backward's ``I`` and
+``W`` too (zero-bubble schedules), so nothing here depends on the schedule. Messages are cloned
+tensors in a dictionary, so nothing is shared between processes that process mode would not share
+either; so are tied weights' gradients (the interpreter's :class:`~pipeq.runtime.requests.SwapTies`:
+each stage posts its copies' gradients for its tie peers in other processes and waits for theirs,
+then adds them in stage order, as a stage process does). Use it to debug a model or a schedule,
+for research and for fast tests; process mode gives the same numbers.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pipeq.errors import PipelineError, error_line, format_remote
-from pipeq.runtime.chunks import ChunkError, execute_chunks
 from pipeq.runtime.executors import make_executor
-from pipeq.runtime.interpreter import EMIT, TIES, StagePlan, execute
+from pipeq.runtime.interpreter import ChunkError, ProcessPlan, execute
+from pipeq.runtime.requests import Emit, Recv, Send, SwapTies
 from pipeq.stage.microbatch import rewrap
 from pipeq.stage.numerics import Numerics
 from pipeq.schedules import Op, ScheduleFn
@@ -30,11 +32,20 @@ from pipeq.stage.info import info_of
 from pipeq.stage.spec import StageSpec
 
 
-def _awaited(k: int, req: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-    """The mailbox keys stage ``k``'s blocked request ``req`` waits for."""
-    if req[0] is TIES:
-        return [(k, "tie", peer, req[3]) for peer in req[2]]
-    return [(k, "act" if req[0] is Op.RECV_ACT else "grad", req[1])]
+def _ties_answer(req: SwapTies, got: list[Any]) -> dict[int, dict[int, Any]]:
+    """What a SwapTies gets back: the tensors taken from the mailbox, by chunk and sender."""
+    answer: dict[int, dict[int, Any]] = {}
+    it = iter(got)
+    for c, by_peer in req.outgoing.items():
+        answer[c] = {peer: next(it) for peer in by_peer}
+    return answer
+
+
+def _awaited(held: Sequence[int], req: Any) -> list[tuple[Any, ...]]:
+    """The mailbox keys a process holding stages ``held`` (by chunk) waits for with ``req``."""
+    if type(req) is SwapTies:
+        return [(held[c], "tie", peer, req.round) for c, by_peer in req.outgoing.items() for peer in by_peer]
+    return [(held[req.chunk], "act" if req.op is Op.RECV_ACT else "grad", req.microbatch)]
 
 
 class SimulatedBackend:
@@ -47,11 +58,10 @@ class SimulatedBackend:
         dev = torch.device(device)
         self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev, numerics)
                           for k, spec in enumerate(specs)]
-        # the stages each process holds (virtual stages: several, pipeq.runtime.chunks), by chunk
+        # the stages each process holds (virtual stages: several), by chunk
         self.groups = process_stages(schedule, n)
-        self.chunked = len(self.groups) < n
         self._taken: list[tuple[int, list[dict[str, Any]]]] = []  # request_snapshots' snapshots
-        self.plans = [StagePlan(schedule, k, n) for k in range(len(self.groups))]
+        self.plans = [ProcessPlan(schedule, p, n) for p in range(len(self.groups))]
         # messages sent and not yet received: (destination, kind, microbatch), or tied gradients'
         # (destination, "tie", sender, exchange); a stream's outlive a batch
         self.mailbox: dict[tuple[Any, ...], Any] = {}
@@ -73,79 +83,72 @@ class SimulatedBackend:
         inputs: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[Tensors]:
         gens = []
-        if self.chunked:  # each process runs its chunks' actions in its one order
-            for k, ex in enumerate(self.executors):
-                more = {"inputs": inputs[k]} if inputs is not None and inputs[k] is not None else {}
-                self._guard(k, ex.begin, step, sizes, training, x if k == 0 else None,
-                            target if ex.needs_target else None, weights, aux_weights, **more)
-            for p, group in enumerate(self.groups):
-                gens.append(execute_chunks([self.executors[s] for s in group],
-                                           self.plans[p].actions(len(sizes), training)))
-            return self._advance(gens)
-        for k, (ex, plan) in enumerate(zip(self.executors, self.plans)):
-            actions, _ = self._guard(k, plan.begin, ex, step, sizes, training, x if k == 0 else None,
-                                     target if ex.needs_target else None, weights, aux_weights, stream,
-                                     inputs[k] if inputs is not None else None)
-            gens.append(execute(ex, actions, self.trace_rows[k] if self.trace_rows is not None else None))
+        for p, (held, plan) in enumerate(zip(self.groups, self.plans)):
+            exs = [self.executors[k] for k in held]
+            parts = [{"x": x if k == 0 else None, "target": target if self.executors[k].needs_target else None,
+                      "weights": weights, "aux_weights": aux_weights,
+                      "inputs": inputs[k] if inputs is not None else None} for k in held]
+            actions, _ = self._guard(held[0], plan.begin, exs, step, sizes, training, parts, stream)
+            traces = [self.trace_rows[k] for k in held] if self.trace_rows is not None else None
+            gens.append(execute(exs, actions, traces))
         return self._advance(gens)
 
     def _advance(self, gens: list[Any]) -> list[Tensors]:
-        """Advance every stage's interpreter in turn until all are done; the EMITted outputs."""
+        """Advance every process's interpreter in turn until all are done; the EMITted outputs."""
         n = len(gens)
         mailbox = self.mailbox
         outputs: dict[int, Tensors] = {}
-        pending: list[Any] = [None] * n  # request a stage is blocked on
-        stage_of = list(range(n))  # the stage whose message a blocked process waits for
+        pending: list[Any] = [None] * n  # request a process is blocked on
         values: list[Any] = [None] * n
         done = [False] * n
         while not all(done):
             progressed = False
-            for k in range(n):
-                while not done[k]:
-                    req = pending[k]
+            for p in range(n):
+                held = self.groups[p]
+                while not done[p]:
+                    req = pending[p]
                     if req is not None:  # blocked on a receive: is the message there yet?
-                        keys = _awaited(stage_of[k], req)
+                        keys = _awaited(held, req)
                         if not all(key in mailbox for key in keys):
                             break
                         got = [mailbox.pop(key) for key in keys]
-                        values[k] = dict(zip(req[2], got)) if req[0] is TIES else got[0]
-                        pending[k] = None
+                        values[p] = _ties_answer(req, got) if type(req) is SwapTies else got[0]
+                        pending[p] = None
                     try:
-                        req = self._guard(k, gens[k].send, values[k])
+                        req = self._guard(held[0], gens[p].send, values[p])
                     except StopIteration:
-                        done[k] = True
+                        done[p] = True
                         progressed = True
                         break
                     progressed = True
-                    values[k] = None
-                    op = req[0]
-                    if self.chunked and op is not TIES:  # (..., chunk): that chunk's stage
-                        s = self.groups[k][req[-1]]
-                        req = (op, *req[1:-1])
-                    else:
-                        s = k
-                    if op is Op.RECV_ACT or op is Op.RECV_GRAD:
-                        pending[k] = req
-                        stage_of[k] = s
-                    elif op is Op.SEND_ACT:
-                        mailbox[(s + 1, "act", req[1])] = rewrap(req[2], [t.clone() for t in req[2]])
-                    elif op is Op.SEND_GRAD:
-                        mailbox[(s - 1, "grad", req[1])] = tuple(t.clone() for t in req[2])
-                    elif op is EMIT:
-                        outputs[req[1]] = req[2]
-                    elif op is TIES:  # post this stage's tied gradients, then wait for the peers'
-                        for peer, tensors in req[2].items():
-                            mailbox[(peer, "tie", k, req[3])] = [t.detach().clone() for t in tensors]
-                        pending[k] = req
+                    values[p] = None
+                    if type(req) is Recv:
+                        pending[p] = req
+                    elif type(req) is Send:
+                        s = held[req.chunk]
+                        if req.op is Op.SEND_ACT:
+                            mailbox[(s + 1, "act", req.microbatch)] = rewrap(req.tensors, [t.clone() for t in req.tensors])
+                        else:
+                            mailbox[(s - 1, "grad", req.microbatch)] = tuple(t.clone() for t in req.tensors)
+                    elif type(req) is Emit:
+                        outputs[req.microbatch] = req.tensors
+                    elif type(req) is SwapTies:  # post the tied gradients, then wait for the peers'
+                        for c, by_peer in req.outgoing.items():
+                            for peer, tensors in by_peer.items():
+                                mailbox[(peer, "tie", held[c], req.round)] = [t.detach().clone() for t in tensors]
+                        pending[p] = req
             if not progressed:  # cannot happen for a validated schedule
                 raise PipelineError(f"simulated pipeline stalled on {pending}")
         return [outputs[j] for j in sorted(outputs)]
 
     def drain(self) -> None:
         """Finish a stream's leftover work (asynchronous 1F1B's last backwards)."""
-        self._advance([execute(ex, plan.drain()) for ex, plan in zip(self.executors, self.plans)])
+        self._advance([execute([self.executors[k] for k in held], plan.drain())
+                       for held, plan in zip(self.groups, self.plans)])
 
     def _guard(self, k: int, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args)``, a failure raised as the PipelineError of stage ``k`` (or of the stage a
+        ChunkError names)."""
         try:
             return fn(*args, **kwargs)
         except StopIteration:

@@ -19,11 +19,11 @@ import zmq
 
 from pipeq.wire import codec
 from pipeq.wire.errors import ProtocolError
+from pipeq.wire.inbox import Inbox
 from pipeq.wire.messages import Kind
-from pipeq.wire.security import FrameMac, seals_data
+from pipeq.wire.queues import KeyedQueue
+from pipeq.wire.security import FrameMac, WireAuth, seals_data
 from pipeq.wire.sockets import BindTo, data_inlet, data_outlet
-from pipeq.wire.stage_inbox import SLICE_MS
-from pipeq.wire.stage_link import StageTransport
 
 __all__ = ["GroupLink"]
 
@@ -46,28 +46,29 @@ class GroupLink:
     link it was sealed for; a forged, replayed or misdirected one is dropped without a word, like
     on the pipeline's channels.
 
-    Arrivals are filed under ``(sender, step, index)`` (at most ``capacity`` at once);
-    :meth:`wait` blocks for one, and an EXIT from the driver (read from the stage's control
-    socket, which it polls too) interrupts it with :class:`~pipeq.wire.errors.Stopped`: a member
-    whose peer died waits until the driver, which watches every process, ends the run. The link
-    shares the stage transport's ZeroMQ context (and so its ZAP handler); close it before the transport.
+    Its socket is read by the process's :class:`~pipeq.wire.inbox.Inbox`, like every other:
+    arrivals are filed in a :class:`~pipeq.wire.queues.KeyedQueue` under ``(sender, step,
+    index)`` (at most ``capacity`` at once); :meth:`wait` blocks for one, and an EXIT from the
+    driver interrupts it with :class:`~pipeq.wire.errors.Stopped`: a member whose peer died waits
+    until the driver, which watches every process, ends the run. The link shares the process's
+    ZeroMQ context (and so its ZAP handler); close it before the transport.
     """
 
-    def __init__(self, transport: StageTransport, bind: BindTo, *, me: int, members: Sequence[int], kind: Kind,
-                 capacity: int, label: Callable[[int, int], str], who: str, peer: str, socket_name: str) -> None:
-        """``kind``: the messages' kind; ``who``: this member in errors ("stage 1, replica 0");
-        ``peer``: what a member is called ("replica"); ``socket_name``: the ipc file's name."""
+    def __init__(self, inbox: Inbox, bind: BindTo, *, auth: WireAuth | None, max_frame_bytes: int, me: int,
+                 members: Sequence[int], kind: Kind, capacity: int, label: Callable[[int, int], str], who: str,
+                 peer: str, socket_name: str) -> None:
+        """``inbox``: the process's receiving loop (its context too); ``kind``: the messages'
+        kind; ``who``: this member in errors ("stage 1, replica 0"); ``peer``: what a member is
+        called ("replica"); ``socket_name``: the ipc file's name."""
         if me not in members:
             raise ValueError(f"{who}: {peer} {me} is not a member of its group {list(members)}")
         tcp = bind.scheme == "tcp"
-        if tcp and transport.auth is None:
+        if tcp and auth is None:
             raise ValueError(f"{who}: a link bound on tcp needs the job's secret (WireAuth)")
-        self.transport = transport
+        self.inbox, self.auth, self.max_frame_bytes = inbox, auth, max_frame_bytes
         self.me, self.members, self.kind = me, list(members), kind
-        self.capacity = capacity
         self.who, self.peer = who, peer
-        auth = transport.auth
-        self.sock = data_inlet(transport.ctx, auth, tcp, transport.max_frame_bytes)
+        self.sock = data_inlet(inbox.ctx, auth, tcp, max_frame_bytes)
         self.address = bind.bind(self.sock, socket_name)
         others = self.others() if seals_data(auth, tcp) else []
         self._mac_in = {m: FrameMac(auth, label(m, me)) for m in others}  # type: ignore[arg-type]
@@ -75,18 +76,22 @@ class GroupLink:
         self._label = label
         self._origin = struct.pack(">I", me)
         self._out: dict[int, zmq.Socket] = {}
-        self._inbox: dict[tuple[int, int, int], Sequence[torch.Tensor]] = {}
+        #: what has arrived, by (sender, step, index), until :meth:`wait` takes it
+        self.queue: KeyedQueue[Sequence[torch.Tensor]] = KeyedQueue(
+            f"{who}: the other {peer}s'", capacity, describe=lambda k: f"({k[1]}, {k[2]}) from {peer} {k[0]}")
         self._bad_origin = 0
         # member lost (until it is back) -> the first step of its messages dropped (0: all of them)
         self.gone: dict[int, int] = {}
         self._stale: dict[int, int] = {}  # member -> its messages of steps up to this one are dropped
-        self.poller = zmq.Poller()
-        self.poller.register(self.sock, zmq.POLLIN)
-        self.poller.register(transport.ctrl, zmq.POLLIN)
-        # data keeps being filed while this member waits: a neighbour waiting for one of this
-        # stage's shared-memory slots to come free must not wait on the group
-        self.poller.register(transport.fwd_in, zmq.POLLIN)
-        self.poller.register(transport.bwd_in, zmq.POLLIN)
+        inbox.watch(self.sock, self._drain)
+
+    @property
+    def capacity(self) -> int:
+        return self.queue.capacity
+
+    @capacity.setter
+    def capacity(self, n: int) -> None:
+        self.queue.capacity = n
 
     def others(self) -> list[int]:
         """The group's other members."""
@@ -99,7 +104,7 @@ class GroupLink:
             raise ValueError(f"{self.who}: no address for {self.peer}(s) {bad} among {addresses!r}")
         for m in self.others():
             if m not in self._out:
-                self._out[m] = data_outlet(self.transport.ctx, self.transport.auth, addresses[m])  # type: ignore[arg-type]
+                self._out[m] = data_outlet(self.inbox.ctx, self.auth, addresses[m])  # type: ignore[arg-type]
 
     @property
     def dropped(self) -> int:
@@ -113,10 +118,10 @@ class GroupLink:
         Does not block (short of ZeroMQ's high-water mark, far above what a step sends)."""
         frames = codec.encode(self.kind, step, index, tensors)
         for i, f in enumerate(frames[1:]):
-            if f.nbytes > self.transport.max_frame_bytes:
+            if f.nbytes > self.max_frame_bytes:
                 raise ValueError(
                     f"{self.who}: tensor {i} of message ({step}, {index}) to the other {self.peer}s is "
-                    f"{f.nbytes / 2**20:.1f} MiB, over the {self.transport.max_frame_bytes / 2**20:.0f} MiB "
+                    f"{f.nbytes / 2**20:.1f} MiB, over the {self.max_frame_bytes / 2**20:.0f} MiB "
                     "cap of a data frame")
         for m in self.others() if to is None else to:
             sock = self._out.get(m)
@@ -134,7 +139,7 @@ class GroupLink:
                 return m
         return None
 
-    def _drain(self) -> None:
+    def _drain(self, sock: Any = None) -> None:
         """File every message waiting on the inbound socket."""
         while True:
             try:
@@ -162,43 +167,25 @@ class GroupLink:
             raise ProtocolError(f"{self.who}: {msg.kind.name} on the {self.kind.name} channel")
         if msg.step >= self.gone.get(sender, msg.step + 1) or msg.step <= self._stale.get(sender, -1):
             return  # from a member lost meanwhile (or from before it was rebuilt): stale
-        key = (sender, msg.step, msg.microbatch)
-        if key in self._inbox:
-            raise ProtocolError(f"{self.who}: duplicate message ({msg.step}, {msg.microbatch}) from "
-                                f"{self.peer} {sender}")
-        if len(self._inbox) >= self.capacity:
-            raise ProtocolError(f"{self.who}: {self.capacity} messages from the other {self.peer}s are "
-                                "waiting; one is running ahead")
-        self._inbox[key] = msg.tensors
+        self.queue.put((sender, msg.step, msg.microbatch), msg.tensors)
 
     def wait(self, sender: int, step: int, index: int,
              give_up: Callable[[], bool] | None = None) -> Sequence[torch.Tensor]:
         """Block until member ``sender``'s message ``(step, index)`` is here and return its
-        tensors (views over the received frames: this member's to keep, and to write to).
+        tensors (views over the received frames: this member's to keep, and to write to),
+        filing the process's other traffic meanwhile (:meth:`pipeq.wire.inbox.Inbox.wait`).
         An EXIT from the driver interrupts the wait (:class:`~pipeq.wire.errors.Stopped`);
         ``give_up()`` turning true ends it with an empty list (see :meth:`forget`)."""
         key = (sender, step, index)
-        got = self._inbox.pop(key, None)
-        slice_ms = 5 if self.transport.has_lanes else SLICE_MS  # lanes are not in this poller: look often
-        while got is None:
-            if give_up is not None and give_up():
-                return []
-            events = dict(self.poller.poll(slice_ms))
-            if self.sock in events:
-                self._drain()
-            self.transport.file_ready(events)  # commands and data queue up for the event loop
-            got = self._inbox.pop(key, None)
-            if got is None:
-                self.transport.check_exit()
-        return got
+        got = self.inbox.wait(lambda: self.queue.pop(key), give_up=give_up)
+        return [] if got is None else got
 
     # -- a member lost and rebuilt ---------------------------------------------------------------
     def forget(self, member: int, from_step: int = 0) -> None:
         """``member`` is lost: drop what it sent and will still be found to have sent, for steps
         from ``from_step`` on (what it sent for earlier steps is still filed and waited for)."""
         first = self.gone[member] = min(from_step, self.gone.get(member, from_step))
-        for key in [k for k in self._inbox if k[0] == member and k[1] >= first]:
-            del self._inbox[key]
+        self.queue.discard(keep=lambda k: k[0] != member or k[1] < first)
 
     def rejoin(self, member: int, address: str, after_step: int) -> None:
         """``member`` is back, rebuilt, at ``address``: a new socket to it (what the old one still
@@ -212,13 +199,14 @@ class GroupLink:
         self.forget(member)
         self._stale[member] = after_step
         self.gone.pop(member, None)
-        self._out[member] = data_outlet(self.transport.ctx, self.transport.auth, address)
+        self._out[member] = data_outlet(self.inbox.ctx, self.auth, address)
         if member in self._mac_out:  # the rebuilt process counts its sequence numbers from 1 again
-            auth = self.transport.auth
+            auth = self.auth
             self._mac_out[member] = FrameMac(auth, self._label(self.me, member))  # type: ignore[arg-type]
             self._mac_in[member] = FrameMac(auth, self._label(member, self.me))  # type: ignore[arg-type]
 
     def close(self, linger_ms: int = 0) -> None:
+        self.inbox.unwatch(self.sock)
         for s in (self.sock, *self._out.values()):
             s.close(linger=linger_ms)
         self._out.clear()

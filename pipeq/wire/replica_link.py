@@ -15,7 +15,8 @@ from pipeq.wire import control
 from pipeq.wire.group_link import GroupLink
 from pipeq.wire.messages import Kind
 from pipeq.wire.sockets import BindTo
-from pipeq.wire.stage_link import StageTransport
+from pipeq.wire.stage_inbox import StageInbox
+from pipeq.wire.stage_link import StageSender
 
 __all__ = ["ReplicaLink"]
 
@@ -38,17 +39,21 @@ class ReplicaLink(GroupLink):
     missed are summed (:meth:`round_done`): only then does the driver stop the lost replica's
     other processes. REJOIN brings the replica back."""
 
-    def __init__(self, transport: StageTransport, bind: BindTo, *, stage: int, replica: int, replicas: int,
-                 capacity: int, shard: int = 0) -> None:
-        """``shard``: with tensor parallelism, the stage's shard this link sums (its MACs name it)."""
+    def __init__(self, receiver: StageInbox, sender: StageSender, bind: BindTo, *, stage: int, replica: int,
+                 replicas: int, capacity: int, shard: int = 0) -> None:
+        """``receiver``, ``sender``: the stage's own channels (the link reads LOST notices from
+        its commands and ACKs them); ``shard``: with tensor parallelism, the stage's shard this
+        link sums (its MACs name it)."""
         if not 0 <= replica < replicas:
             raise ValueError(f"replica {replica} of {replicas}")
         self.stage, self.shard = stage, shard
         self.replica, self.replicas = replica, replicas
+        self.commands, self.reply = receiver.control_queue, sender.send_control
         prefix = f"R{stage}" + (f".{shard}" if shard else "")
-        super().__init__(transport, bind, me=replica, members=range(replicas), kind=Kind.REPLICA, capacity=capacity,
+        super().__init__(receiver.inbox, bind, auth=receiver.auth, max_frame_bytes=receiver.max_frame_bytes,
+                         me=replica, members=range(replicas), kind=Kind.REPLICA, capacity=capacity,
                          label=lambda a, b: f"{prefix}:{a}>{b}", who=f"stage {stage}, replica {replica}",
-                         peer="replica", socket_name=f"s{transport.process}-replicas")
+                         peer="replica", socket_name=f"s{receiver.process}-replicas")
         self.dead: set[int] = set()  # lost replicas whose process of this stage is dead
         self.done_round = 0  # the last gradient round summed (pipeq.parallel.data.GradSync)
         self._acks: list[tuple[int, int]] = []  # LOSTs to ACK: (the round to sum first, their step)
@@ -63,7 +68,7 @@ class ReplicaLink(GroupLink):
     def take_notices(self) -> None:
         """Act on every LOST the driver has sent that is queued for the event loop (and take it
         out of the queue): that replica is forgotten until it rejoins."""
-        queue = getattr(self.transport, "control_queue", None)
+        queue = self.commands
         if not queue or not any(m.kind is Kind.LOST for m in queue):
             return
         rest = []
@@ -92,7 +97,7 @@ class ReplicaLink(GroupLink):
         due = [req for before, req in self._acks if before <= n]
         self._acks = [(before, req) for before, req in self._acks if before > n]
         for req in due:
-            self.transport.send_control(control.message(control.Ack(), req))
+            self.reply(control.message(control.Ack(), req))
 
     def skips(self, sender: int, step: int) -> bool:
         """Whether round ``step`` goes on without replica ``sender`` (once what it sent is read)."""
@@ -110,7 +115,7 @@ class ReplicaLink(GroupLink):
                 return False
             if step < self.gone[sender]:  # its process died: what it sent may be in the socket still
                 self._drain()
-                if (sender, step, index) in self._inbox:
+                if (sender, step, index) in self.queue:
                     return False
             gave_up = True
             return True

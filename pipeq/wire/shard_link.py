@@ -90,11 +90,12 @@ class ShardLink:
         self.where = where
         self.max_bytes = max_bytes  # the most a shared message may carry (frames and lengths)
         self.host_copies = host_copies
-        self._head = torch.empty(2, dtype=torch.int64)
+        self._head = torch.empty(3, dtype=torch.int64)
 
-    def share(self, msg: Message) -> None:
-        """Shard 0: hand ``msg`` to the other shards (two broadcasts: its size, its frames); its
-        device tensors as host copies (:func:`host_tensors`), ``msg`` itself left as it is."""
+    def share(self, msg: Message, chunk: int = 0) -> None:
+        """Shard 0: hand ``msg``, which its chunk ``chunk`` consumed, to the other shards (two
+        broadcasts: its size and chunk, its frames); its device tensors as host copies
+        (:func:`host_tensors`), ``msg`` itself left as it is."""
         tensors = host_tensors(msg.tensors, self.host_copies)
         frames = frames_of(msg if tensors is msg.tensors else dataclasses.replace(msg, tensors=tensors))
         views = [memoryview(f).cast("B") for f in frames]
@@ -109,15 +110,16 @@ class ShardLink:
         raw[:8 * len(views)].view("<i8")[:] = [v.nbytes for v in views]
         for off, v in zip(offsets, views):
             raw[off:off + v.nbytes] = v
-        self._head[0], self._head[1] = len(views), end
+        self._head[0], self._head[1], self._head[2] = len(views), end, chunk
         self._dist.broadcast(self._head, 0, group=self.group)
         self._dist.broadcast(buf, 0, group=self.group)
 
-    def receive(self) -> Message:
-        """Another shard: the next message shard 0 shared, checked as any message from the wire."""
-        head = torch.empty(2, dtype=torch.int64)
+    def receive(self) -> tuple[int, Message]:
+        """Another shard: the next message shard 0 shared and the chunk it was for, checked as
+        any message from the wire."""
+        head = torch.empty(3, dtype=torch.int64)
         self._dist.broadcast(head, 0, group=self.group)
-        n, total = int(head[0]), int(head[1])
+        n, total, chunk = int(head[0]), int(head[1]), int(head[2])
         if not 1 <= n <= MAX_FRAMES or not 0 <= total <= self.max_bytes:
             raise CodecError(f"{self.where}: shard 0 shared a message of {n} frames, {total} bytes "
                              f"(at most {MAX_FRAMES} frames, {self.max_bytes} bytes)")
@@ -136,72 +138,85 @@ class ShardLink:
                                  f"{total} bytes")
             frames.append(memoryview(raw[off:off + length]))
             off = _round(off + length)
-        return codec.decode(frames)
+        return chunk, codec.decode(frames)
 
 
 class LeadTransport:
-    """Shard 0's transport: the stage's own, sharing every message it hands the event loop."""
+    """Shard 0's transport: the process's own (a :class:`~pipeq.wire.transport.ProcessTransport`),
+    sharing every message it hands the event loop, with the chunk it is for."""
 
     def __init__(self, transport: Any, link: ShardLink) -> None:
         self._inner = transport
         self.link = link
-        self.forward_queue = transport.forward_queue
-        self.backward_queue = transport.backward_queue
-        # sends, replies and wiring: the stage's own, bound once (the event loop calls them per action)
+        # sends, replies and wiring: the process's own, bound once (the event loop calls them per action)
         self.send_activation = transport.send_activation
         self.send_gradient = transport.send_gradient
         self.send_control = transport.send_control
         self.connect = transport.connect
+        self.addresses = transport.addresses
+        self.shm_waits = transport.shm_waits
         self.device_payloads = transport.device_payloads
 
-    @property
-    def shm_waits(self) -> int:
-        return self._inner.shm_waits
+    def next_command(self, ready: Sequence[int], timeout_ms: int) -> tuple[int, Message] | None:
+        got = self._inner.next_command(ready, timeout_ms)
+        if got is not None:
+            self.link.share(got[1], got[0])
+        return got
 
-    def next_control(self, timeout_ms: int) -> Message | None:
-        msg = self._inner.next_control(timeout_ms)
-        if msg is not None:
-            self.link.share(msg)
+    def wait_activation(self, c: int, step: int, mb: int) -> Message:
+        msg = self._inner.wait_activation(c, step, mb)
+        self.link.share(msg, c)
         return msg
 
-    def wait_data(self, queue: Any, step: int, mb: int) -> Message:
-        msg = self._inner.wait_data(queue, step, mb)
-        self.link.share(msg)
+    def wait_gradient(self, c: int, step: int, mb: int) -> Message:
+        msg = self._inner.wait_gradient(c, step, mb)
+        self.link.share(msg, c)
         return msg
 
 
 class FollowerTransport:
     """Shard s > 0's transport as its event loop sees it: commands and data are what shard 0
     shares, in its order; sends and replies go nowhere (shard 0 makes them). Errors and
-    heartbeats still reach the driver on the process's own control channel (the worker's)."""
+    heartbeats still reach the driver on the process's own control channels (the worker's)."""
 
     def __init__(self, transport: Any, link: ShardLink) -> None:
         self._inner = transport
         self.link = link
-        self.forward_queue = transport.forward_queue
-        self.backward_queue = transport.backward_queue
-        self.shm_waits = 0
+        self.addresses = transport.addresses
         self.device_payloads = False
 
-    def next_control(self, timeout_ms: int) -> Message | None:
-        return self.link.receive()
+    def next_command(self, ready: Sequence[int], timeout_ms: int) -> tuple[int, Message] | None:
+        c, msg = self.link.receive()
+        if c not in ready:
+            raise RuntimeError(f"{self.link.where}: shard 0 shared a command for chunk {c}, which is not ready "
+                               f"here (chunks {list(ready)}): the shards are out of step")
+        return c, msg
 
-    def wait_data(self, queue: Any, step: int, mb: int) -> Message:
-        msg = self.link.receive()
-        kind = Kind.ACTIVATION if queue is self.forward_queue else Kind.GRADIENT
-        if msg.kind is not kind or msg.step != step or msg.microbatch != mb:
-            raise RuntimeError(f"{self.link.where}: waited for {kind.name} ({step}, {mb}), shard 0 shared "
-                               f"{msg.kind.name} ({msg.step}, {msg.microbatch}): the shards are out of step")
+    def wait_activation(self, c: int, step: int, mb: int) -> Message:
+        return self._follow(Kind.ACTIVATION, c, step, mb)
+
+    def wait_gradient(self, c: int, step: int, mb: int) -> Message:
+        return self._follow(Kind.GRADIENT, c, step, mb)
+
+    def _follow(self, kind: Kind, c: int, step: int, mb: int) -> Message:
+        got, msg = self.link.receive()
+        if msg.kind is not kind or msg.step != step or msg.microbatch != mb or got != c:
+            raise RuntimeError(f"{self.link.where}: waited for {kind.name} ({step}, {mb}) of chunk {c}, shard 0 "
+                               f"shared {msg.kind.name} ({msg.step}, {msg.microbatch}) of chunk {got}: the shards "
+                               "are out of step")
         return msg
 
-    def send_control(self, msg: Message) -> None:
+    def shm_waits(self, c: int) -> int:
+        return 0
+
+    def send_control(self, c: int, msg: Message) -> None:
         pass
 
-    def send_activation(self, step: int, mb: int, tensors: Sequence[torch.Tensor], tree: Any = None) -> None:
+    def send_activation(self, c: int, step: int, mb: int, tensors: Sequence[torch.Tensor], tree: Any = None) -> None:
         pass
 
-    def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
+    def send_gradient(self, c: int, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         pass
 
-    def connect(self, next_forward: str | None, prev_backward: str | None) -> None:
+    def connect(self, c: int, next_forward: str | None, prev_backward: str | None) -> None:
         pass

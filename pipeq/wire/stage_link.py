@@ -1,4 +1,4 @@
-"""A stage process's transport: its receiving half (:class:`StageInbox`) and the sends to its neighbours.
+"""One stage's sending half: its sends to its neighbours and its replies to the driver.
 
 Stages form a chain; each one's outbound sockets connect to its neighbours' inbound ones::
 
@@ -7,7 +7,11 @@ Stages form a chain; each one's outbound sockets connect to its neighbours' inbo
 
 A message goes out as the codec's frames (:mod:`pipeq.wire.codec`), its large tensors through
 a shared-memory slot (or CUDA IPC) on one host, through a lane when it fits one, and sealed with
-a :class:`~pipeq.wire.security.FrameMac` on tcp in "authenticate" mode.
+a :class:`~pipeq.wire.security.FrameMac` on tcp in "authenticate" mode. :class:`StageSender`
+works beside the stage's receiving half (:class:`~pipeq.wire.stage_inbox.StageInbox`): it
+replies on that half's control socket, and while a slot or lane is full it files the process's
+arrivals (:meth:`pipeq.wire.inbox.Inbox.pump`), so two stages sending to each other never wait
+on each other.
 """
 
 from __future__ import annotations
@@ -22,54 +26,63 @@ from pipeq.wire import codec
 from pipeq.wire.frames import frames_of
 from pipeq.wire.lanes import Lane, lane_path
 from pipeq.wire.messages import Kind, Message
-from pipeq.wire.security import FrameMac
+from pipeq.wire.security import FrameMac, seals_data
 from pipeq.wire.shm import CudaSlotWriter, SlotWriter
 from pipeq.wire.sockets import data_outlet
 from pipeq.wire.stage_inbox import StageInbox
 
-__all__ = ["StageTransport"]
+__all__ = ["StageSender", "Outlet"]
 
 
-class StageTransport(StageInbox):
-    """The sockets and queues of one stage process. Not thread-safe: the event loop owns it.
+class Outlet:
+    """One outbound data channel: its socket, lane, shared-memory slot writers and MAC."""
 
-    It is made as its receiving half, :class:`StageInbox`, is (the arguments are described
-    there), and sends once :meth:`connect` has named its neighbours.
-    """
+    def __init__(self, sock: zmq.Socket, lane: Lane | None, slots: SlotWriter | None, dev: CudaSlotWriter | None,
+                 mac: FrameMac | None) -> None:
+        self.sock, self.lane, self.slots, self.dev, self.mac = sock, lane, slots, dev, mac
 
-    # The sending half's sockets, lanes and slot writers: none until :meth:`connect` names the neighbours.
-    fwd_out: zmq.Socket | None = None
-    bwd_out: zmq.Socket | None = None
-    _lane_fwd: Lane | None = None
-    _lane_bwd: Lane | None = None
-    _slots_fwd: SlotWriter | None = None
-    _slots_bwd: SlotWriter | None = None
-    _dev_fwd: CudaSlotWriter | None = None
-    _dev_bwd: CudaSlotWriter | None = None
+    def close(self, linger_ms: int) -> None:
+        self.sock.close(linger=linger_ms)
+        for w in (self.slots, self.dev, self.lane):
+            if w is not None:
+                w.close()
+
+
+class StageSender:
+    """What one stage sends (see the module); sends once :meth:`connect` has named its neighbours.
+    Not thread-safe: the event loop owns it."""
+
+    def __init__(self, receiver: StageInbox) -> None:
+        self.receiver = receiver
+        self.process = receiver.process
+        self.max_frame_bytes = receiver.max_frame_bytes
+        self._seals = seals_data(receiver.auth, receiver.tcp)
+        self.forward: Outlet | None = None
+        self.backward: Outlet | None = None
 
     # -- wiring --------------------------------------------------------------------------------
     def connect(self, next_forward: str | None, prev_backward: str | None) -> None:
         if next_forward:
-            self.fwd_out, self._lane_fwd, self._slots_fwd, self._dev_fwd = self._open_out(next_forward, "F")
+            self.forward = self._open(next_forward, "F")
         if prev_backward:
-            self.bwd_out, self._lane_bwd, self._slots_bwd, self._dev_bwd = self._open_out(prev_backward, "B")
+            self.backward = self._open(prev_backward, "B")
 
-    def _open_out(self, address: str, direction: str) -> tuple[zmq.Socket, Lane | None, SlotWriter | None,
-                                                                CudaSlotWriter | None]:
-        """The socket, lane and slot writers of this stage's output in ``direction`` ("F" or
-        "B") to the neighbour bound at ``address``."""
-        sock = data_outlet(self.ctx, self.auth, address)
-        lane = self._connect_lane(address)
+    def _open(self, address: str, direction: str) -> Outlet:
+        """The outlet of this stage's output in ``direction`` ("F" or "B") to the neighbour bound
+        at ``address``."""
+        rx = self.receiver
+        channel = f"{direction}{self.process}"
+        sock = data_outlet(rx.inbox.ctx, rx.auth, address)
         slots = dev = None
-        if self.shm is not None:
-            channel = f"{direction}{self.process}"
-            slots = SlotWriter(self.shm, channel, self._idle)
-            if self.device_payloads:
-                dev = CudaSlotWriter(self.shm, channel, self.device, self._idle)
-        return sock, lane, slots, dev
+        if rx.shm is not None:
+            slots = SlotWriter(rx.shm, channel, self._idle)
+            if rx.device_payloads:
+                dev = CudaSlotWriter(rx.shm, channel, rx.device, self._idle)
+        mac = FrameMac(rx.auth, channel) if self._seals else None  # type: ignore[arg-type]
+        return Outlet(sock, self._connect_lane(address), slots, dev, mac)
 
     def _connect_lane(self, address: str) -> Lane | None:
-        path = lane_path(address) if self.shm is not None else None
+        path = lane_path(address) if self.receiver.shm is not None else None
         if path is None:
             return None
         try:
@@ -78,29 +91,32 @@ class StageTransport(StageInbox):
             return None
 
     def _idle(self) -> None:
-        """Every shared-memory slot of a channel is busy: file what has arrived meanwhile (its
-        slots are freed, so two stages sending to each other never wait on each other) and give
-        up on the driver's EXIT. Does not block: the caller comes back at once to look again."""
-        self.pump(0)
-        self.check_exit()
+        """Every shared-memory slot of a channel (or a lane) is busy: file what has arrived
+        meanwhile (its slots are freed, so two stages sending to each other never wait on each
+        other) and give up on the driver's EXIT. Does not block: the caller looks again at once."""
+        inbox = self.receiver.inbox
+        inbox.pump(0)
+        inbox.check_exit()
         os.sched_yield()
 
     @property
     def shm_waits(self) -> int:
         """How often a send found every shared-memory slot of its channel busy."""
-        return sum(w.waits for w in (self._slots_fwd, self._slots_bwd, self._dev_fwd, self._dev_bwd) if w is not None)
+        return sum(w.waits for o in (self.forward, self.backward) if o is not None
+                   for w in (o.slots, o.dev) if w is not None)
 
-    def _data_frames(self, kind: Kind, step: int, mb: int, tensors: Sequence[torch.Tensor],
-                     mac: FrameMac | None, extra: dict[str, Any] | None = None,
-                     slots: SlotWriter | None = None, dev: CudaSlotWriter | None = None) -> list[Any]:
+    def data_frames(self, kind: Kind, step: int, mb: int, tensors: Sequence[torch.Tensor], out: Outlet,
+                    extra: dict[str, Any] | None = None) -> list[Any]:
+        """The frames of a data message through ``out`` (its large tensors placed in its slots)."""
         place = None
+        slots = out.slots
         if slots is not None:
             low = slots.cfg.min_bytes
             big = [n for n in (t.numel() * t.element_size() for t in tensors if not t.is_cuda) if n >= low]
             if big and slots.fits(big):
                 place = slots.put
-        frames = codec.encode(kind, step, mb, tensors, extra, place, slots.cfg.min_bytes if place else 0,
-                              dev.put if dev is not None else None)
+        frames = codec.encode(kind, step, mb, tensors, extra, place, slots.cfg.min_bytes if place else 0,  # type: ignore[union-attr]
+                              out.dev.put if out.dev is not None else None)
         for f in frames[1:]:
             if f.nbytes > self.max_frame_bytes:
                 t = next(t for t in tensors if t.numel() * t.element_size() == f.nbytes)
@@ -109,7 +125,7 @@ class StageTransport(StageInbox):
                     f"holds a tensor of {f.nbytes / 2**20:.1f} MiB (shape {list(t.shape)}, {t.dtype}), over "
                     f"the {self.max_frame_bytes / 2**20:.0f} MiB cap of a data frame; raise max_message_mb "
                     "(PipelineRunner / the job file) or use smaller microbatches")
-        return mac.seal(frames) if mac is not None else frames
+        return out.mac.seal(frames) if out.mac is not None else frames
 
     # -- sending -------------------------------------------------------------------------------
     # Sends block only past the high-water mark, which the bounded queues keep far away; a stage
@@ -117,35 +133,30 @@ class StageTransport(StageInbox):
     def send_activation(self, step: int, mb: int, tensors: Sequence[torch.Tensor], tree: Any = None) -> None:
         """``tree``: the description of a stage output that is not a tuple of tensors
         (:mod:`pipeq.stage.microbatch`), sent in the header."""
-        assert self.fwd_out is not None, "stage has no next stage"
+        assert self.forward is not None, "stage has no next stage"
         extra = {"tree": tree} if tree is not None else None
-        self._send(self.fwd_out, self._lane_fwd, self._data_frames(Kind.ACTIVATION, step, mb, tensors, self._mac_fwd,
-                                                                   extra, self._slots_fwd, self._dev_fwd))
+        self._send(self.forward, self.data_frames(Kind.ACTIVATION, step, mb, tensors, self.forward, extra))
 
     def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
-        assert self.bwd_out is not None, "stage has no previous stage"
-        self._send(self.bwd_out, self._lane_bwd, self._data_frames(Kind.GRADIENT, step, mb, tensors, self._mac_bwd,
-                                                                   None, self._slots_bwd, self._dev_bwd))
+        assert self.backward is not None, "stage has no previous stage"
+        self._send(self.backward, self.data_frames(Kind.GRADIENT, step, mb, tensors, self.backward))
 
-    def _send(self, sock: zmq.Socket, lane: Lane | None, frames: list[Any]) -> None:
+    def _send(self, out: Outlet, frames: list[Any]) -> None:
         """Through the lane when there is one and the message fits a datagram, else ZeroMQ. A
-        full lane is waited out filing this stage's own arrivals (see :meth:`_idle`)."""
+        full lane is waited out filing this process's own arrivals (see :meth:`_idle`)."""
+        lane = out.lane
         parts = lane.datagram(frames) if lane is not None else None
         if parts is not None:
             while not lane.send(parts):  # type: ignore[union-attr]
                 self._idle()
             return
-        sock.send_multipart(frames, copy=False)
+        out.sock.send_multipart(frames, copy=False)
 
     def send_control(self, msg: Message) -> None:
-        """Send ``msg`` to the driver (replies, errors)."""
-        self.ctrl.send_multipart(frames_of(msg), copy=False)
+        """Send ``msg`` to the driver (replies, errors), on the stage's control socket."""
+        self.receiver.ctrl.send_multipart(frames_of(msg), copy=False)
 
     def close(self, linger_ms: int = 0) -> None:
-        for s in (self.fwd_out, self.bwd_out):
-            if s is not None:
-                s.close(linger=linger_ms)
-        for w in (self._slots_fwd, self._slots_bwd, self._dev_fwd, self._dev_bwd, self._lane_fwd, self._lane_bwd):
-            if w is not None:
-                w.close()
-        super().close(linger_ms)
+        for out in (self.forward, self.backward):
+            if out is not None:
+                out.close(linger_ms)

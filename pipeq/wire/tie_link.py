@@ -14,7 +14,7 @@ from typing import Sequence
 from pipeq.wire.group_link import GroupLink
 from pipeq.wire.messages import Kind
 from pipeq.wire.sockets import BindTo
-from pipeq.wire.stage_link import StageTransport
+from pipeq.wire.stage_inbox import StageInbox
 
 __all__ = ["TieLink"]
 
@@ -26,12 +26,13 @@ class TieLink(GroupLink):
     replica (label ``T{replica}:{sender}>{receiver}``), so it verifies on no other link, the
     replicas' included."""
 
-    def __init__(self, transport: StageTransport, bind: BindTo, *, stage: int, replica: int, peers: Sequence[int],
+    def __init__(self, receiver: StageInbox, bind: BindTo, *, stage: int, replica: int, peers: Sequence[int],
                  capacity: int) -> None:
         if not peers or stage in peers:
             raise ValueError(f"stage {stage}: a tie link's peers are other stages, got {list(peers)!r}")
         self.stage, self.replica = stage, replica
-        super().__init__(transport, bind, me=stage, members=sorted({stage, *peers}), kind=Kind.TIE, capacity=capacity,
+        super().__init__(receiver.inbox, bind, auth=receiver.auth, max_frame_bytes=receiver.max_frame_bytes, me=stage,
+                         members=sorted({stage, *peers}), kind=Kind.TIE, capacity=capacity,
                          label=lambda a, b: f"T{replica}:{a}>{b}",
                          who=f"stage {stage}" + (f", replica {replica}" if replica else ""), peer="stage",
-                         socket_name=f"s{transport.process}-ties")
+                         socket_name=f"s{receiver.process}-ties")

@@ -3,10 +3,10 @@ loops in threads, and an in-memory wire between them (no process, no socket).
 
 What runs is pipeq's own code on both ends: :class:`pipeq.control.driver.ProcessBackend` builds
 the commands and reads the replies, :class:`pipeq.control.supervisor.Supervisor` watches every
-wait, and each stage is a :class:`pipeq.runtime.worker.EventLoop` over a real executor. Only the
-transport is replaced: :class:`Wire` plays the driver's ``ControlServer`` and every stage's
-``StageTransport`` (messages are handed over as objects, their tensors copied, as a socket
-would). So the unit tests that use it assert what a user sees (losses, states, the errors that
+wait, and each stage is a :class:`pipeq.runtime.loop.EventLoop` over a real executor. Only the
+transport is replaced: :class:`Wire` plays the driver's ``ControlServer`` and every stage
+process's ``ProcessTransport`` (messages are handed over as objects, their tensors copied, as a
+socket would). So the unit tests that use it assert what a user sees (losses, states, the errors that
 name a stage) without naming what the messages carry.
 
 Two things a stage *process* does are done here the same way: a stage's exception reaches the
@@ -31,10 +31,12 @@ import torch
 from pipeq.control.config import FaultConfig, RunConfig
 from pipeq.control.batching import Batcher
 from pipeq.control.driver import ProcessBackend
-from pipeq.control.processes import StageSettings
+from pipeq.control.processes import RunSetup
 from pipeq.control.supervisor import Supervisor
+from pipeq.runtime.config import ChunkConfig, WorkerConfig
 from pipeq.runtime.executors import StageSpec, make_executor
-from pipeq.runtime.worker import EventLoop, WorkerConfig
+from pipeq.runtime.loop import Chunk, EventLoop
+from pipeq.stage.numerics import Numerics
 from pipeq.wire import control
 from pipeq.wire.control import ErrorReply, HeartbeatInfo
 from pipeq.wire.messages import Kind, Message
@@ -73,41 +75,51 @@ def _copy(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class StageEnd:
-    """Stage g's transport, as its event loop uses it."""
+    """Stage g's transport, as its event loop uses it (a process of one stage: chunk 0)."""
 
     def __init__(self, wire: "Wire", g: int) -> None:
         self.wire = wire
         self.g = g
         self.forward_queue = _Inbox()
         self.backward_queue = _Inbox()
-        self.shm_waits = 0
         self.device_payloads = False
 
-    def connect(self, next_forward: str | None, prev_backward: str | None) -> None:
+    def shm_waits(self, c: int) -> int:
+        return 0
+
+    def connect(self, c: int, next_forward: str | None, prev_backward: str | None) -> None:
         pass  # the wire knows the neighbours
 
-    def next_control(self, timeout_ms: int) -> Message | None:
+    def next_command(self, ready: Sequence[int], timeout_ms: int) -> tuple[int, Message] | None:
+        if not ready:
+            raise AssertionError("a process of one stage is always ready for its next command")
         end = time.monotonic() + timeout_ms / 1000
         while not self.wire.closed:
             try:
-                return self.wire.commands[self.g].get(timeout=_TICK)
+                return 0, self.wire.commands[self.g].get(timeout=_TICK)
             except queue.Empty:
                 if time.monotonic() > end:
                     return None
         raise Stopped()
 
-    def send_control(self, msg: Message) -> None:
+    def send_control(self, c: int, msg: Message) -> None:
         self.wire.replies.put((Peer(STAGE, self.g), Message(msg.kind, msg.step, msg.microbatch,
                                                               _copy(msg.tensors), dict(msg.extra))))
 
-    def send_activation(self, step: int, mb: int, tensors: Sequence[torch.Tensor], tree: Any = None) -> None:
+    def send_activation(self, c: int, step: int, mb: int, tensors: Sequence[torch.Tensor], tree: Any = None) -> None:
         extra = {"tree": tree} if tree is not None else {}  # (only lone tensors cross in these tests)
         self.wire.ends[self.g + 1].forward_queue.put(Message(Kind.ACTIVATION, step, mb, _copy(tensors), extra))
 
-    def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
+    def send_gradient(self, c: int, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         self.wire.ends[self.g - 1].backward_queue.put(Message(Kind.GRADIENT, step, mb, _copy(tensors)))
 
-    def wait_data(self, inbox: _Inbox, step: int, mb: int) -> Message:
+    def wait_activation(self, c: int, step: int, mb: int) -> Message:
+        return self._wait(self.forward_queue, step, mb)
+
+    def wait_gradient(self, c: int, step: int, mb: int) -> Message:
+        return self._wait(self.backward_queue, step, mb)
+
+    def _wait(self, inbox: _Inbox, step: int, mb: int) -> Message:
         with inbox.cond:
             while (step, mb) not in inbox.items:
                 if self.wire.closed:
@@ -157,6 +169,15 @@ class Wire:
         self.closed = True
 
 
+def worker_config(k: int, n: int, schedule: Any, trace: bool) -> WorkerConfig:
+    """Stage k's process, as the driver describes it (its plumbing unused here: no process starts)."""
+    setup = RunSetup(RunConfig(schedule, 2, "trace.json" if trace else None), Numerics(), None)
+    return WorkerConfig(chunks=(ChunkConfig(stage=k, process=k, seed=0, tp_plan=None),), index=k, n_stages=n,
+                        schedule=setup.config.schedule, settings=setup.stage_settings(), control_addr=Wire.address,
+                        bind=None, device="cpu", cores=[], threads=1, replica=0, replicas=1, shard=0, shards=1,
+                        tp_store=None, auth=None, driver_pid=0, die_with_parent=False, store=None, fault=None)
+
+
 class Stage(threading.Thread):
     """Stage k's event loop in a thread of this process, over a real executor, with its
     heartbeats (every ``beat_s`` seconds, until :attr:`silent` is set)."""
@@ -168,10 +189,9 @@ class Stage(threading.Thread):
         self.beat_s = beat_s
         self.silent = threading.Event()
         self.loop: EventLoop | None = None
-        cfg = WorkerConfig(stage=k, n_stages=n, schedule=schedule, control_addr=Wire.address, bind=None,
-                           process=k, trace=trace)
+        cfg = worker_config(k, n, schedule, trace)
         executor = make_executor(schedule, k, n, spec, torch.device("cpu")) if spec is not None else None
-        self.loop = EventLoop(cfg, wire.ends[k], executor)
+        self.loop = EventLoop(cfg, wire.ends[k], [Chunk(0, cfg.chunks[0], executor, None, trace)])
         self._beats = threading.Thread(target=self._beat, name=f"inproc-beat{k}", daemon=True)
 
     def start(self) -> None:
@@ -185,7 +205,7 @@ class Stage(threading.Thread):
         except Stopped:
             pass
         except BaseException as exc:  # noqa: BLE001 (reported, as a stage process does)
-            end.send_control(error_reply(exc, self.loop))
+            end.send_control(0, error_reply(exc, self.loop))
 
     def _beat(self) -> None:
         n = 0
@@ -221,7 +241,7 @@ class InProcessPipeline:
         config = RunConfig(schedule, microbatches, trace_path,
                            fault=FaultConfig(heartbeat_interval=beat_s, heartbeat_timeout=heartbeat_timeout,
                                              step_timeout=step_timeout))
-        self.backend = ProcessBackend([b""] * n, config, StageSettings())
+        self.backend = ProcessBackend([b""] * n, RunSetup(config, Numerics(), None))
         self.batcher = Batcher(schedule, n, microbatches, loss_fn) if loss_fn is not None else None
         self.sup = attach(self.backend, self.wire, self._teardown, procs or {})
         self._step = 0

@@ -10,7 +10,7 @@ import time
 from pipeq.wire import shm
 from pipeq.wire.shm import ShmConfig
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
-from pipeq.wire.stage_link import StageTransport
+from one_stage import OneStage
 
 
 def segment_names(prefix: str) -> list[str]:
@@ -27,8 +27,8 @@ def transport_pair(slots: int = 4, min_bytes: int = 64 << 10, capacity: int = 64
     own = where is None
     where = make_ipc_dir() if where is None else where
     cfg = ShmConfig(shm.run_prefix(where), slots=slots, min_bytes=min_bytes)
-    a = StageTransport(0, control, bind=BindTo.ipc(where), queue_capacity=capacity, shm=cfg)
-    b = StageTransport(1, control, bind=BindTo.ipc(where), queue_capacity=capacity, shm=cfg)
+    a = OneStage(0, control, bind=BindTo.ipc(where), queue_capacity=capacity, shm=cfg)
+    b = OneStage(1, control, bind=BindTo.ipc(where), queue_capacity=capacity, shm=cfg)
     done = False
     try:
         a.connect(b.addresses["forward"], None)

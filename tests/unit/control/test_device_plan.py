@@ -14,7 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeq.control.processes import Numbering, StageSettings, plan_devices, worker_configs
+from pipeq.control.config import PlacementConfig, RunConfig
+from pipeq.control.processes import Numbering, RunSetup, plan_devices, worker_configs
+from pipeq.stage.numerics import Numerics
 from pipeq.wire.sockets import BindTo
 
 
@@ -31,14 +33,14 @@ def placed(n_stages: int, shards: int = 1, replicas: int = 1, devices=None, proc
     """{(replica, stage): [shard 0's device, shard 1's...]} of worker_configs' plan for the run's
     processes on one host (or ``processes``, a node's)."""
     num = Numbering(n_stages, replicas, shards)
-    settings = StageSettings(devices=devices, tensor_parallel=shards,
-                             tp_plans=[{}] * n_stages if shards > 1 else None)
+    config = RunConfig(placement=PlacementConfig(devices=devices, tensor_parallel=shards, data_parallel=replicas))
+    setup = RunSetup(config, Numerics(), [{}] * n_stages if shards > 1 else None)
     configs = worker_configs(processes if processes is not None else range(num.total), n_stages, replicas,
-                             "1f1b", settings, control_addr="ipc:///nowhere", bind=BindTo.ipc("/nowhere"),
+                             setup, control_addr="ipc:///nowhere", bind=BindTo.ipc("/nowhere"),
                              seed_of=lambda g: g, die_with_parent=False, tp_dir="/nowhere")
     out: dict = {}
-    for cfg in sorted(configs, key=lambda c: (c.replica, c.stage, c.shard)):
-        out.setdefault((cfg.replica, cfg.stage), []).append(cfg.device)
+    for cfg in sorted(configs, key=lambda c: (c.replica, c.chunks[0].stage, c.shard)):
+        out.setdefault((cfg.replica, cfg.chunks[0].stage), []).append(cfg.device)
     return out
 
 

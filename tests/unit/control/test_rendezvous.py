@@ -355,11 +355,12 @@ def test_start_hint_names_a_node_with_another_secret(store) -> None:
     secret, which registered, and which never came."""
     from pipeq.control.config import RunConfig
     from pipeq.control.driver import ProcessBackend
-    from pipeq.control.processes import StageSettings
+    from pipeq.control.processes import RunSetup
+    from pipeq.stage.numerics import Numerics
 
     port, s = store
     rz = _rz(node_rank=0, port=port)
-    backend = ProcessBackend([b""] * 3, RunConfig(microbatches=2), StageSettings(), rendezvous=rz)
+    backend = ProcessBackend([b""] * 3, RunSetup(RunConfig(microbatches=2), Numerics(), None), rendezvous=rz)
     backend.store = s
     assert backend.placement == [[0], [1, 2]]
     hint = backend._start_hint({1, 2})

@@ -12,15 +12,15 @@ from pipeq.parallel.ties import TieSync
 from pipeq.wire.keys import JobSecret
 from pipeq.wire.security import FrameMac, WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
-from pipeq.wire.stage_link import StageTransport
+from one_stage import OneStage
 
 
 def _pair(bind, auth=None, max_frame_bytes=256 << 20):
     """Stages 0 and 2 of one replica, holding two tied tensors (a big one and a small one)."""
     params = [torch.zeros(40, 30), torch.zeros(7, dtype=torch.float64)]
-    stages = {k: StageTransport(k, "inproc://unused", bind=bind, queue_capacity=4, auth=auth,
+    stages = {k: OneStage(k, "inproc://unused", bind=bind, queue_capacity=4, auth=auth,
                                 max_frame_bytes=max_frame_bytes) for k in (0, 2)}
-    syncs = {k: TieSync(t, bind, stage=k, replica=0, peers={2 - k: params}) for k, t in stages.items()}
+    syncs = {k: TieSync(t.rx, bind, stage=k, replica=0, peers={2 - k: params}) for k, t in stages.items()}
     for s in syncs.values():
         s.join([syncs[0].address, None, syncs[2].address])
     return stages, syncs
@@ -83,6 +83,6 @@ def test_a_message_sealed_for_another_link_is_dropped():
         assert torch.equal(link0.wait(2, 1, 0)[0], torch.full((3,), 2.0))
         time.sleep(0.2)
         link0._drain()
-        assert link0.dropped == 3 and link0._inbox == {}
+        assert link0.dropped == 3 and len(link0.queue) == 0
     finally:
         _close(stages, syncs)

@@ -1,5 +1,5 @@
-"""pipeq.runtime.interpreter.execute driven by hand: each stage's generator is advanced by a small loop that
-plays the transport (a dict mailbox), so what is tested is the interpreter and the executor alone,
+"""pipeq.runtime.interpreter.execute driven by hand: each stage process's generator (one stage each) is advanced
+by a small loop that plays the transport (a dict mailbox), so what is tested is the interpreter and the executor alone,
 with no engine, process or socket in between."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pipeq.trace import format as trace
 from pipeq.control.batching import split_sizes
 from pipeq.runtime.executors import make_executor
 from pipeq.stage.spec import StageSpec
-from pipeq.runtime.interpreter import EMIT, execute
+from pipeq.runtime.interpreter import execute
+from pipeq.runtime.requests import Emit, Recv, Send
 from pipeq.schedules import Op
 from pipeq.stage.loss import microbatch_weights
 
@@ -41,7 +42,7 @@ def drive(exs, plan, *, traces=None, log=None):
 
     Returns {microbatch: tensors} of the EMIT requests and, per stage, the requests it yielded."""
     n = len(exs)
-    gens = [execute(ex, plan[k], traces[k] if traces else None) for k, ex in enumerate(exs)]
+    gens = [execute([ex], plan[k], [traces[k]] if traces else None) for k, ex in enumerate(exs)]
     mailbox: dict[tuple[int, str, int], tuple] = {}
     requests: list[list[tuple]] = [[] for _ in range(n)]
     emitted: dict[int, tuple] = {}
@@ -53,7 +54,7 @@ def drive(exs, plan, *, traces=None, log=None):
         for k in range(n):
             while not done[k]:
                 if waiting[k] is not None:
-                    op, j = waiting[k]
+                    op, j = waiting[k].op, waiting[k].microbatch
                     key = (k, "act" if op is Op.RECV_ACT else "grad", j)
                     if key not in mailbox:
                         break
@@ -65,18 +66,18 @@ def drive(exs, plan, *, traces=None, log=None):
                     break
                 moved, value[k] = True, None
                 requests[k].append(req)
+                assert req.chunk == 0  # one stage per process
                 if log is not None:
-                    log[k].append(f"{req[0].value}{req[1]}" if isinstance(req[0], Op) else f"{req[0]}{req[1]}")
-                op = req[0]
-                if op in (Op.RECV_ACT, Op.RECV_GRAD):
+                    log[k].append(f"{req.op.value}{req.microbatch}" if type(req) is not Emit else f"emit{req.microbatch}")
+                if type(req) is Recv:
                     waiting[k] = req
-                elif op is Op.SEND_ACT:
-                    mailbox[(k + 1, "act", req[1])] = tuple(t.clone() for t in req[2])
-                elif op is Op.SEND_GRAD:
-                    mailbox[(k - 1, "grad", req[1])] = tuple(t.clone() for t in req[2])
+                elif type(req) is Send and req.op is Op.SEND_ACT:
+                    mailbox[(k + 1, "act", req.microbatch)] = tuple(t.clone() for t in req.tensors)
+                elif type(req) is Send:
+                    mailbox[(k - 1, "grad", req.microbatch)] = tuple(t.clone() for t in req.tensors)
                 else:
-                    assert op == EMIT
-                    emitted[req[1]] = req[2]
+                    assert type(req) is Emit
+                    emitted[req.microbatch] = req.tensors
         assert moved, f"hand-driven pipeline stalled: {waiting}"
     assert not mailbox, f"messages never received: {list(mailbox)}"
     return emitted, requests
@@ -140,7 +141,7 @@ def test_requests_and_compute_follow_the_lowered_plan(schedule):
     for k in range(len(exs)):
         assert log[k] == [str(a) for a in plan[k]], f"stage {k}"
         comm = [(a.op, a.microbatch) for a in plan[k] if a.op not in schedules.COMPUTE_OPS]
-        assert [r[:2] for r in requests[k]] == comm, f"stage {k}"
+        assert [(r.op, r.microbatch) for r in requests[k]] == comm, f"stage {k}"
     # the plan really interleaves (1F1B: stage 0 runs B0 before F3), so the order is checked
     if schedule == "1f1b":
         assert log[0].index("B0") < log[0].index("F3")
@@ -155,9 +156,9 @@ def test_forward_only_emits_each_microbatch_output_from_the_last_stage():
         ex.begin(5, sizes, False, x if k == 0 else None)
     plan = schedules.build("1f1b", 3, len(sizes), training=False)
     emitted, requests = drive(exs, plan)
-    assert [r[0] for r in requests[2]].count(EMIT) == len(sizes)
-    assert all(r[0] != EMIT for k in (0, 1) for r in requests[k])  # only the last stage emits
-    assert [r[1] for r in requests[2] if r[0] == EMIT] == list(range(len(sizes)))  # in order
+    assert [type(r) for r in requests[2]].count(Emit) == len(sizes)
+    assert all(type(r) is not Emit for k in (0, 1) for r in requests[k])  # only the last stage emits
+    assert [r.microbatch for r in requests[2] if type(r) is Emit] == list(range(len(sizes)))  # in order
     with torch.no_grad():
         full = nn.Sequential(*stages)(x)
     for j, chunk in enumerate(full.split(sizes)):
@@ -170,11 +171,11 @@ def test_tensors_yielded_for_sending_carry_no_autograd_graph():
     exs = executors(float64_stages3())
     x, y = float64_data(10)
     _, _, (_, requests) = train_step(exs, 0, x, y, m=4)
-    sent = [(k, r) for k, reqs in enumerate(requests) for r in reqs if r[0] in (Op.SEND_ACT, Op.SEND_GRAD)]
+    sent = [(k, r) for k, reqs in enumerate(requests) for r in reqs if type(r) is Send]
     # stages 0 and 1 send activations, stages 1 and 2 gradients: 4 microbatches each
-    assert sorted((k, r[0].value) for k, r in sent) == sorted(
+    assert sorted((k, r.op.value) for k, r in sent) == sorted(
         [(0, "sendF")] * 4 + [(1, "sendF")] * 4 + [(1, "sendB")] * 4 + [(2, "sendB")] * 4)
-    for k, (op, j, tensors) in sent:
+    for k, (op, _, j, tensors) in ((k, (r.op, r.chunk, r.microbatch, r.tensors)) for k, r in sent):
         assert isinstance(tensors, tuple) and tensors
         for t in tensors:
             assert t.grad_fn is None and not t.requires_grad, f"stage {k} {op.value}{j}"
@@ -209,15 +210,15 @@ def test_error_in_forward_propagates_out_of_the_generator_naming_microbatch_and_
     for k, ex in enumerate(exs):
         ex.begin(3, sizes, True, x if k == 0 else None, y if k == 1 else None)
     plan = schedules.build("1f1b", 2, 4)
-    g0 = execute(exs[0], plan[0])
-    g1 = execute(exs[1], plan[1])
+    g0 = execute([exs[0]], plan[0])
+    g1 = execute([exs[1]], plan[1])
     req = next(g0)
-    while req[0] is not Op.SEND_ACT:
+    while not (type(req) is Send and req.op is Op.SEND_ACT):
         req = g0.send(None)
-    assert next(g1) == (Op.RECV_ACT, 0)
+    assert next(g1) == Recv(Op.RECV_ACT, 0, 0)
     with pytest.raises(RuntimeError, match=r"forward of microbatch 0 \(step 3\) failed on input of shape "
                                            r"\(3, 10\) float64: .*mat1 and mat2") as info:
-        g1.send(req[2])
+        g1.send(req.tensors)
     assert isinstance(info.value.__cause__, RuntimeError)  # the module's own error is kept
     with pytest.raises(StopIteration):  # the generator is finished, not left half-way
         next(g1)

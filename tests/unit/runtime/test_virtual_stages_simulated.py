@@ -105,7 +105,6 @@ def test_the_state_keeps_the_flat_models_names():
     (dict(schedule="1f1b", stages_per_process=2), r"schedule '1f1b' runs 1 stage\(s\) per process"),
     (dict(schedule="zbv", stages_per_process=3), r"schedule 'zbv' runs 2 stage\(s\) per process"),
     (dict(schedule="interleaved-1f1b", stages_per_process=0), r"stages_per_process must be a positive integer"),
-    (dict(schedule="zbv", tensor_parallel=2), r"does not work with tensor_parallel > 1 yet"),
     (dict(schedule="zbv", devices=["cpu", "cpu", "cpu", "meta"]), r"devices\[3\]|give them one device"),
 ])
 def test_refusals_name_the_setting(kw, match):

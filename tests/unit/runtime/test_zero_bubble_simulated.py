@@ -132,7 +132,7 @@ def test_the_interpreter_traces_I_and_W_rows_and_counts_the_backwards_at_W():
     ex.grad_sync = Sync()
     ex.begin(0, [2, 2], True, x=torch.randn(4, 3), target=torch.randn(4, 2), weights=[0.5, 0.5])
     rows: list = []
-    for _ in execute(ex, build("zb-h1", 1, 2)[0], trace=rows):
+    for _ in execute([ex], build("zb-h1", 1, 2)[0], [rows]):
         raise AssertionError("one stage communicates nothing")
     assert [(trace.OPS[r[0]][0], r[1], r[2]) for r in rows] == [
         ("F", 0, 0), ("I", 0, 0), ("W", 0, 0), ("F", 0, 1), ("I", 0, 1), ("W", 0, 1), ("STEP", 0, -1)]

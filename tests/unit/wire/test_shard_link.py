@@ -62,28 +62,37 @@ MESSAGES = [
 
 def test_followers_receive_every_shared_message_whole_and_in_order(links) -> None:
     lead, follower = links
-    for msg in MESSAGES:
-        lead.share(msg)
-    for msg in MESSAGES:
-        assert same(follower.receive(), msg)
+    for c, msg in enumerate(MESSAGES):
+        lead.share(msg, c % 2)
+    for c, msg in enumerate(MESSAGES):
+        chunk, got = follower.receive()
+        assert chunk == c % 2 and same(got, msg)
 
 
 class Inner:
-    """Shard 0's own transport: commands and data as they arrive; what it sends is recorded."""
+    """Shard 0's own transport (a process of two stages): commands and data as they arrive;
+    what it sends is recorded."""
 
     def __init__(self) -> None:
-        self.forward_queue, self.backward_queue = object(), object()
-        self.commands = [Message(Kind.TRAIN, 0, 0, [], {"sizes": [1]}), None, Message(Kind.STOP, -1)]
+        self.commands = [(1, Message(Kind.TRAIN, 0, 0, [], {"sizes": [1]})), None, (0, Message(Kind.STOP, -1))]
         self.data = {(0, 0): Message(Kind.ACTIVATION, 0, 0, [torch.ones(2)]),
                      (0, 1): Message(Kind.GRADIENT, 0, 1, [torch.ones(3)])}
         self.sent: list = []
-        self.shm_waits = 5
         self.device_payloads = False
 
-    def next_control(self, timeout_ms):
+    def shm_waits(self, c):
+        return 5
+
+    def addresses(self, c):
+        return {}
+
+    def next_command(self, ready, timeout_ms):
         return self.commands.pop(0)
 
-    def wait_data(self, queue, step, mb):
+    def wait_activation(self, c, step, mb):
+        return self.data[(step, mb)]
+
+    def wait_gradient(self, c, step, mb):
         return self.data[(step, mb)]
 
     def send_activation(self, *args, **kwargs):
@@ -92,8 +101,8 @@ class Inner:
     def send_gradient(self, *args):
         self.sent.append(("grad", args))
 
-    def send_control(self, msg):
-        self.sent.append(("control", msg.kind))
+    def send_control(self, c, msg):
+        self.sent.append(("control", c, msg.kind))
 
     def connect(self, *addresses):
         self.sent.append(("connect", addresses))
@@ -104,39 +113,50 @@ def test_a_follower_sees_what_the_lead_consumed_and_sends_nothing(links) -> None
     inner, theirs = Inner(), Inner()
     lead, follower = LeadTransport(inner, lead_link), FollowerTransport(theirs, follower_link)
     # the lead's event loop: a command, a poll that found nothing, its data, another command
-    got = [lead.next_control(10), lead.next_control(10), lead.wait_data(inner.forward_queue, 0, 0),
-           lead.wait_data(inner.backward_queue, 0, 1), lead.next_control(10)]
-    assert got[1] is None and lead.shm_waits == 5
-    # the follower's, the same calls: the same messages (nothing for the empty poll)
-    assert same(follower.next_control(10), got[0])
-    assert same(follower.wait_data(follower.forward_queue, 0, 0), got[2])
-    assert same(follower.wait_data(follower.backward_queue, 0, 1), got[3])
-    assert same(follower.next_control(10), got[4])
+    got = [lead.next_command([0, 1], 10), lead.next_command([0, 1], 10), lead.wait_activation(1, 0, 0),
+           lead.wait_gradient(0, 0, 1), lead.next_command([0], 10)]
+    assert got[1] is None and lead.shm_waits(0) == 5
+    # the follower's, the same calls: the same messages, for the same chunks (nothing for the empty poll)
+    c, cmd = follower.next_command([0, 1], 10)
+    assert c == 1 and same(cmd, got[0][1])
+    assert same(follower.wait_activation(1, 0, 0), got[2])
+    assert same(follower.wait_gradient(0, 0, 1), got[3])
+    c, cmd = follower.next_command([0], 10)
+    assert c == 0 and same(cmd, got[4][1])
     # a follower's outputs and replies go nowhere: shard 0 sends the stage's
-    follower.send_activation(0, 0, [torch.ones(1)])
-    follower.send_gradient(0, 0, [torch.ones(1)])
-    follower.send_control(Message(Kind.LOSS, 0))
-    follower.connect("ipc://a", "ipc://b")
-    assert theirs.sent == [] and follower.shm_waits == 0
-    lead.send_control(Message(Kind.LOSS, 0))
-    assert inner.sent == [("control", Kind.LOSS)]
+    follower.send_activation(0, 0, 0, [torch.ones(1)])
+    follower.send_gradient(0, 0, 0, [torch.ones(1)])
+    follower.send_control(0, Message(Kind.LOSS, 0))
+    follower.connect(0, "ipc://a", "ipc://b")
+    assert theirs.sent == [] and follower.shm_waits(0) == 0
+    lead.send_control(1, Message(Kind.LOSS, 0))
+    assert inner.sent == [("control", 1, Kind.LOSS)]
 
 
 @pytest.mark.parametrize("waited, shared", [
     ((Kind.ACTIVATION, 0, 1), Message(Kind.ACTIVATION, 0, 0, [torch.ones(1)])),  # another microbatch
     ((Kind.ACTIVATION, 0, 0), Message(Kind.GRADIENT, 0, 0, [torch.ones(1)])),  # another channel
     ((Kind.GRADIENT, 1, 0), Message(Kind.GRADIENT, 0, 0, [torch.ones(1)])),  # another step
+    ((Kind.GRADIENT, 0, 0, 1), Message(Kind.GRADIENT, 0, 0, [torch.ones(1)])),  # another chunk
 ])
 def test_a_follower_out_of_step_with_its_lead_fails_saying_so(links, waited, shared) -> None:
     lead_link, follower_link = links
     theirs = Inner()
     follower = FollowerTransport(theirs, follower_link)
     lead_link.share(shared)
-    kind, step, mb = waited
-    queue = follower.forward_queue if kind is Kind.ACTIVATION else follower.backward_queue
+    kind, step, mb, *chunk = waited
+    wait = follower.wait_activation if kind is Kind.ACTIVATION else follower.wait_gradient
     with pytest.raises(RuntimeError, match="out of step") as info:
-        follower.wait_data(queue, step, mb)
+        wait(chunk[0] if chunk else 0, step, mb)
     assert "stage 1, shard 1" in str(info.value)
+
+
+def test_a_follower_refuses_a_command_for_a_stage_that_is_not_ready(links) -> None:
+    lead_link, follower_link = links
+    follower = FollowerTransport(Inner(), follower_link)
+    lead_link.share(Message(Kind.STOP, -1), 1)  # chunk 1 of the lead's process was ready, not the follower's
+    with pytest.raises(RuntimeError, match="chunk 1, which is not ready here .*out of step"):
+        follower.next_command([0], 10)
 
 
 def test_a_shared_message_larger_than_allowed_is_refused_before_it_is_read(links) -> None:
@@ -149,7 +169,7 @@ def test_a_shared_message_larger_than_allowed_is_refused_before_it_is_read(links
 
 
 def head(n: int, total: int) -> torch.Tensor:
-    return torch.tensor([n, total], dtype=torch.int64)
+    return torch.tensor([n, total, 0], dtype=torch.int64)
 
 
 @pytest.mark.parametrize("frames, body, message", [
@@ -225,14 +245,13 @@ def test_the_lead_shares_host_copies_of_what_it_received_on_its_device(links) ->
     inner.data = {(0, 0): Message(Kind.ACTIVATION, 0, 0, [OnDevice(x, "cuda:0"), y], {"tree": [1, 2]}),
                   (0, 1): Message(Kind.GRADIENT, 0, 1, [OnDevice(g, "cuda:0")])}
     lead, follower = LeadTransport(inner, lead_link), FollowerTransport(theirs, follower_link)
-    act = lead.wait_data(inner.forward_queue, 0, 0)
-    grad = lead.wait_data(inner.backward_queue, 0, 1)
+    act = lead.wait_activation(0, 0, 0)
+    grad = lead.wait_gradient(0, 0, 1)
     assert act is inner.data[(0, 0)] and isinstance(act.tensors[0], OnDevice)
     assert grad is inner.data[(0, 1)] and isinstance(grad.tensors[0], OnDevice)
     assert pinned.calls == [(torch.device("cuda:0"), 1)] * 2
-    assert same(follower.wait_data(follower.forward_queue, 0, 0),
-                Message(Kind.ACTIVATION, 0, 0, [x, y], {"tree": [1, 2]}))
-    assert same(follower.wait_data(follower.backward_queue, 0, 1), Message(Kind.GRADIENT, 0, 1, [g]))
+    assert same(follower.wait_activation(0, 0, 0), Message(Kind.ACTIVATION, 0, 0, [x, y], {"tree": [1, 2]}))
+    assert same(follower.wait_gradient(0, 0, 1), Message(Kind.GRADIENT, 0, 1, [g]))
 
 
 def test_a_real_tensor_on_another_device_is_moved_before_encoding(links) -> None:

@@ -20,7 +20,7 @@ from pipeq.wire.shm import ShmConfig, SlotError, SlotReader, SlotWriter
 from pipeq.wire.control_link import ControlServer
 from pipeq.wire.errors import Stopped
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
-from pipeq.wire.stage_link import StageTransport
+from one_stage import OneStage
 from shm_helpers import mapped_segments, transport_pair, wait_until
 
 
@@ -68,8 +68,8 @@ def test_every_dtype_and_layout_crosses_intact():
     g = torch.Generator().manual_seed(5)
     min_bytes = 64 << 10
     with transport_pair(slots=2, min_bytes=min_bytes) as (a, b, cfg):
-        fwd = record_puts(a._slots_fwd)
-        bwd = record_puts(b._slots_bwd)
+        fwd = record_puts(a.tx.forward.slots)
+        bwd = record_puts(b.tx.backward.slots)
         for mb, dtype in enumerate(codec._DTYPES):
             item = torch.empty((), dtype=dtype).element_size()
             big = random_tensor(dtype, (min_bytes // item + 64) // 64 * 64 * 2, g)  # > 2 x min_bytes
@@ -127,7 +127,7 @@ def test_the_receiver_borrows_slots_and_one_always_circulates():
     import threading
 
     with transport_pair(slots=3, min_bytes=1024) as (a, b, cfg):
-        reader = b._readers[b.fwd_in]
+        reader = b.rx._readers[b.rx.fwd_in]
         sent = [torch.full((256, 16), float(i)) for i in range(8)]
         kept: list[torch.Tensor] = []
 
@@ -143,7 +143,7 @@ def test_the_receiver_borrows_slots_and_one_always_circulates():
         assert not t.is_alive()
         assert all(torch.equal(x, r) for x, r in zip(sent, kept))
         assert reader.lent == 2  # slots - 1 lent, the others copied out and handed back at once
-        writer = a._slots_fwd
+        writer = a.tx.forward.slots
         assert sum(seg.state != shm.FREE for seg in writer._slots if seg is not None) == 2
         kept[0].add_(1)  # a lent tensor is the receiver's to write
         assert torch.equal(kept[0], sent[0] + 1)
@@ -160,9 +160,9 @@ def test_tensors_that_fit_a_slot_only_unaligned_still_cross():
     or in a slot that holds it), not fail the sender."""
     where = make_ipc_dir()
     cfg = ShmConfig(shm.run_prefix(where), slots=1, max_bytes=1 << 20)
-    a = StageTransport(0, "inproc://unused", bind=BindTo.ipc(where), queue_capacity=4, shm=cfg,
+    a = OneStage(0, "inproc://unused", bind=BindTo.ipc(where), queue_capacity=4, shm=cfg,
                        max_frame_bytes=1 << 20)
-    b = StageTransport(1, "inproc://unused", bind=BindTo.ipc(where), queue_capacity=4, shm=cfg,
+    b = OneStage(1, "inproc://unused", bind=BindTo.ipc(where), queue_capacity=4, shm=cfg,
                        max_frame_bytes=1 << 20)
     try:
         a.connect(b.addresses["forward"], None)
@@ -196,7 +196,7 @@ def watch_idle(writer: SlotWriter) -> threading.Event:
 def test_a_full_pool_blocks_the_sender_until_the_receiver_takes():
     n, hold = 6, 0.3
     with transport_pair(slots=2, min_bytes=1024) as (a, b, cfg):
-        blocked = watch_idle(a._slots_fwd)
+        blocked = watch_idle(a.tx.forward.slots)
         sent = [torch.full((64, 64), float(mb)) + torch.randn(64, 64) for mb in range(n)]
         took: list[float] = []
         errors: list[BaseException] = []
@@ -239,7 +239,7 @@ def test_exit_interrupts_a_sender_blocked_on_a_full_pool():
             a.send_control(Message(Kind.READY))  # the server knows stage process 0 from here on
             got = wait_until(lambda: server.recv(100), 10, "stage 0 on the control channel")
             assert got[1].kind is Kind.READY
-            blocked = watch_idle(a._slots_fwd)
+            blocked = watch_idle(a.tx.forward.slots)
             a.send_activation(1, 0, [torch.randn(64, 64)])  # fills the only slot; b never takes
             timer = threading.Thread(target=lambda: blocked.wait(10) and server.send(0, Message(Kind.EXIT)))
             timer.start()

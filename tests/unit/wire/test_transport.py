@@ -17,7 +17,7 @@ from pipeq.wire.errors import PeerUnreachable, ProtocolError
 from pipeq.wire.queues import KeyedQueue
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
-from pipeq.wire.stage_link import StageTransport
+from one_stage import OneStage
 
 AUTH = WireAuth(JobSecret.generate())
 
@@ -34,14 +34,14 @@ def msg(step: int, mb: int) -> Message:
 def test_keyed_queue_is_order_free_and_bounded():
     q = KeyedQueue("stage 1 forward", capacity=3)
     for key in [(1, 2), (1, 0), (2, 0)]:  # any arrival order
-        q.put(msg(*key))
-    assert q.pop(1, 0).microbatch == 0
-    assert q.pop(1, 1) is None
-    q.put(msg(1, 1))
+        q.put(key, msg(*key))
+    assert q.pop((1, 0)).microbatch == 0
+    assert q.pop((1, 1)) is None
+    q.put((1, 1), msg(1, 1))
     with pytest.raises(ProtocolError, match="stage 1 forward queue is full"):
-        q.put(msg(3, 0))
+        q.put((3, 0), msg(3, 0))
     with pytest.raises(ProtocolError, match="duplicate message for step 1 microbatch 2"):
-        q.put(msg(1, 2))
+        q.put((1, 2), msg(1, 2))
     assert len(q) == 3
 
 
@@ -51,8 +51,8 @@ def test_activation_and_gradient_between_two_stages(kind):
     where = make_ipc_dir() if kind == "ipc" else "127.0.0.1"
     bind = BindTo.ipc(where) if kind == "ipc" else BindTo.tcp(where)
     auth = None if kind == "ipc" else WireAuth(AUTH.secret, kind.split("-")[1])
-    a = StageTransport(0, "inproc://unused", bind=bind, queue_capacity=4, auth=auth)
-    b = StageTransport(1, "inproc://unused", bind=bind, queue_capacity=4, auth=auth)
+    a = OneStage(0, "inproc://unused", bind=bind, queue_capacity=4, auth=auth)
+    b = OneStage(1, "inproc://unused", bind=bind, queue_capacity=4, auth=auth)
     try:
         a.connect(b.addresses["forward"], None)
         b.connect(None, a.addresses["backward"])
@@ -81,8 +81,8 @@ def test_small_received_tensors_sit_where_torch_would_put_them(kind):
     where = make_ipc_dir() if kind == "ipc" else "127.0.0.1"
     bind = BindTo.ipc(where) if kind == "ipc" else BindTo.tcp(where)
     auth = None if kind == "ipc" else WireAuth(AUTH.secret, kind.split("-")[1])
-    a = StageTransport(0, "inproc://unused", bind=bind, queue_capacity=200, auth=auth)
-    b = StageTransport(1, "inproc://unused", bind=bind, queue_capacity=200, auth=auth)
+    a = OneStage(0, "inproc://unused", bind=bind, queue_capacity=200, auth=auth)
+    b = OneStage(1, "inproc://unused", bind=bind, queue_capacity=200, auth=auth)
     try:
         a.connect(b.addresses["forward"], None)
         sent = [torch.randn(n) for n in range(1, 3000, 23)]  # back to back: many share a read
@@ -112,7 +112,7 @@ def wait_for(fn, timeout=10.0):
 def test_control_channel_both_ways_and_a_batch_is_all_or_nothing():
     where = make_ipc_dir()
     server = ControlServer(BindTo.ipc(where))
-    stage = StageTransport(3, server.address, bind=BindTo.ipc(where), queue_capacity=4)
+    stage = OneStage(3, server.address, bind=BindTo.ipc(where), queue_capacity=4)
     try:
         # a stage's message arrives decoded, with the sender named by role and process number
         stage.send_control(Message(Kind.READY, 0, 0, [torch.arange(6.0).view(2, 3)], {"pid": 42}))
@@ -187,7 +187,7 @@ def test_tcp_sockets_refuse_to_exist_without_the_secret():
     with pytest.raises(ValueError, match="secret"):
         ControlServer(BindTo.tcp("127.0.0.1"))
     with pytest.raises(ValueError, match="secret"):
-        StageTransport(0, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=4)
+        OneStage(0, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=4)
     with pytest.raises(ValueError, match="secret"):
         DriverLink("tcp://127.0.0.1:1", 1)
 
@@ -200,8 +200,8 @@ def test_a_peer_without_the_keys_is_refused_at_the_handshake(mode):
     auth = WireAuth(AUTH.secret, mode)
     other = WireAuth(JobSecret.generate(), mode)
     server = ControlServer(BindTo.tcp("127.0.0.1"), auth)
-    stage = StageTransport(1, server.address, bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
-    peer0 = StageTransport(0, server.address, bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
+    stage = OneStage(1, server.address, bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
+    peer0 = OneStage(0, server.address, bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
     ctx = zmq.Context()
     socks = []
     try:
@@ -246,8 +246,8 @@ def test_authenticate_mode_drops_forged_and_replayed_data_messages():
     from pipeq.wire.security import secure_client
 
     auth = WireAuth(AUTH.secret, "authenticate")
-    a = StageTransport(0, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
-    b = StageTransport(1, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
+    a = OneStage(0, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
+    b = OneStage(1, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth)
     ctx = zmq.Context()
     sniffer = ctx.socket(zmq.PUSH)
     sniffer.setsockopt(zmq.LINGER, 0)
@@ -255,9 +255,9 @@ def test_authenticate_mode_drops_forged_and_replayed_data_messages():
     sniffer.connect(b.addresses["forward"])
     try:
         a.connect(b.addresses["forward"], None)
-        sealed = a._data_frames(Kind.ACTIVATION, 3, 0, [torch.full((4,), 7.0)], a._mac_fwd)
+        sealed = a.tx.data_frames(Kind.ACTIVATION, 3, 0, [torch.full((4,), 7.0)], a.tx.forward)
         copies = [bytes(memoryview(f)) for f in sealed]
-        a.fwd_out.send_multipart(sealed)
+        a.tx.forward.sock.send_multipart(sealed)
         assert torch.equal(b.wait_data(b.forward_queue, 3, 0).tensors[0], torch.full((4,), 7.0))
         tampered = list(copies)
         tampered[2] = bytes(torch.full((4,), 9.0).numpy().tobytes())
@@ -267,7 +267,7 @@ def test_authenticate_mode_drops_forged_and_replayed_data_messages():
         wait_for(lambda: True if (b.pump(50), b.dropped == 5)[1] else None)
         a.send_activation(3, 1, [torch.ones(4)])  # the real next message
         assert torch.equal(b.wait_data(b.forward_queue, 3, 1).tensors[0], torch.ones(4))
-        assert b.forward_queue.pop(3, 0) is None and len(b.forward_queue) == 0 and b.dropped == 5
+        assert b.forward_queue.pop((3, 0)) is None and len(b.forward_queue) == 0 and b.dropped == 5
     finally:
         sniffer.close()
         ctx.term()
@@ -279,9 +279,9 @@ def test_authenticate_mode_drops_forged_and_replayed_data_messages():
 @pytest.mark.parametrize("mode", ["encrypt", "authenticate"])
 def test_an_oversized_frame_is_refused_before_it_is_buffered(mode):
     auth = WireAuth(AUTH.secret, mode)
-    a = StageTransport(0, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth,
+    a = OneStage(0, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth,
                        max_frame_bytes=1 << 20)
-    b = StageTransport(1, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth,
+    b = OneStage(1, "inproc://unused", bind=BindTo.tcp("127.0.0.1"), queue_capacity=8, auth=auth,
                        max_frame_bytes=1 << 20)
     try:
         a.connect(b.addresses["forward"], None)
@@ -289,11 +289,11 @@ def test_an_oversized_frame_is_refused_before_it_is_buffered(mode):
         with pytest.raises(ValueError, match=r"stage process 0: the activation of step 1 microbatch 0 .*2\.0 MiB "
                                              r".*shape \[2097152\].*max_message_mb"):
             a.send_activation(1, 0, [big])
-        a.max_frame_bytes = 4 << 20  # a misconfigured (or hostile) key holder sends it anyway
+        a.tx.max_frame_bytes = 4 << 20  # a misconfigured (or hostile) key holder sends it anyway
         a.send_activation(1, 0, [big])
         a.send_activation(1, 1, [torch.ones(2)])
         assert not b.pump(500) or len(b.forward_queue) == 0  # libzmq dropped the connection
-        assert b.forward_queue.pop(1, 0) is None
+        assert b.forward_queue.pop((1, 0)) is None
     finally:
         a.close()
         b.close()
@@ -310,7 +310,7 @@ def test_the_ipc_directory_must_be_private(tmp_path):
         check_private_dir(where)
         os.chmod(where, 0o755)
         with pytest.raises(PermissionError, match="open to others .*0700"):
-            StageTransport(0, "inproc://unused", bind=BindTo.ipc(where), queue_capacity=4)
+            OneStage(0, "inproc://unused", bind=BindTo.ipc(where), queue_capacity=4)
     finally:
         remove_ipc_dir(where)
     link = tmp_path / "link"
@@ -324,8 +324,8 @@ def _replica_pair(bind, auth=None, server_addr="inproc://unused"):
     """Stage 1's processes of replicas 0 and 1 (processes 1 and 3 of a 2-stage run), linked."""
     from pipeq.wire.replica_link import ReplicaLink
 
-    stages = [StageTransport(r * 2 + 1, server_addr, bind=bind, queue_capacity=4, auth=auth) for r in (0, 1)]
-    links = [ReplicaLink(t, bind, stage=1, replica=r, replicas=2, capacity=8) for r, t in enumerate(stages)]
+    stages = [OneStage(r * 2 + 1, server_addr, bind=bind, queue_capacity=4, auth=auth) for r in (0, 1)]
+    links = [ReplicaLink(t.rx, t.tx, bind, stage=1, replica=r, replicas=2, capacity=8) for r, t in enumerate(stages)]
     for link in links:
         link.connect([links[0].address, links[1].address])
     return stages, links
@@ -440,7 +440,7 @@ def test_nobody_without_the_keys_joins_the_replicas_channel(mode):
         time.sleep(0.5)
         a.send(1, 1, [torch.full((4,), 2.0)])  # the next genuine one
         assert torch.equal(b.wait(0, 1, 1)[0], torch.full((4,), 2.0))
-        assert b._inbox == {}  # nothing forged was filed
+        assert len(b.queue) == 0  # nothing forged was filed
         if mode == "authenticate":
             assert b.dropped == 5  # the sniffer's four (one with a bad origin) and the misdirected one
         else:
@@ -479,7 +479,7 @@ def test_a_lost_replica_is_waited_for_before_its_first_missed_round_and_acked_pa
         b.lose(control.Lost(replica=0, from_round=3, dead=[1]), -8)  # its stage 1 died: ACKed at once
         assert server.recv(2000)[1].step == -8
         a.send(2, 1, [torch.full((1,), 3.0)])
-        wait_for(lambda: True if b._drain() or (0, 2, 1) in b._inbox else None)  # (arrived before it died)
+        wait_for(lambda: True if b._drain() or (0, 2, 1) in b.queue else None)  # (arrived before it died)
         assert torch.equal(b.wait_replica(0, 2, 1)[0], torch.full((1,), 3.0))  # sent before it died
         assert b.wait_replica(0, 2, 2) is None  # never sent
     finally:
