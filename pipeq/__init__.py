@@ -21,7 +21,7 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
                    research/   plug-in schedules with their executors: interlock/, async1f1b/, al/
                    stage/      one stage's forward, backward (or split: split_backward.py) and step;
                                numerics, microbatches, lr, what a stage says of itself (info.py),
-                               tied weights (ties.py)
+                               tied weights: declared (tie_groups.py), their gradients (ties.py)
                    parallel/   data parallelism (replicas), tensor parallelism (shards), tied
                                weights' exchange between stage processes (ties.py)
                    checkpoint/ global names, snapshots, atomic writes, re-splitting

@@ -26,6 +26,7 @@ from pipeq.stage import lr_schedulers
 from pipeq.stage.loss import loss_weight_mode
 from pipeq.stage.lr_schedulers import LRSchedule
 from pipeq.stage.numerics import Numerics
+from pipeq.stage.tie_groups import refuse_ties
 
 if TYPE_CHECKING:
     from pipeq.control.rendezvous import Rendezvous
@@ -114,8 +115,7 @@ def check_model(
             "recipe (pipeq.job.Recipe, or use pipeq launch) instead of modules")
     copies = [tied.apply_ties(c, ties) for c in _replica_lists(stages, data_parallel)]
     stages = copies[0]
-    if tied.has_ties(stages):
-        tied.refuse_ties(schedule)
+    refuse_ties(schedule, stages)
     n = len(stages)
     if loss_fn is None:
         loss_fn = schedule.default_loss()
@@ -173,10 +173,10 @@ def _check_recipe(builder: StageBuilder, loss_fn: Any, optimizer: Any, lr_schedu
     weigh_aux = (aux_loss if aux_loss is not None else nn.CrossEntropyLoss()) if heads is not None else None
     if mode == "simulated":  # build them here, as the stage processes would
         specs = [builder.build(k, n) for k in range(n)]
-        has_ties = tied.has_ties([spec.module for spec in specs])
-        if has_ties:
-            tied.refuse_ties(schedule)
-        return Model(n, 1, loss, [specs], aux_loss=weigh_aux, lr_schedule=lr_schedule, ties=has_ties)
+        modules = [spec.module for spec in specs]
+        refuse_ties(schedule, modules)
+        return Model(n, 1, loss, [specs], aux_loss=weigh_aux, lr_schedule=lr_schedule,
+                     ties=tied.has_ties(modules))
     return Model(n, data_parallel, loss, [], builder, weigh_aux, lr_schedule)
 
 
@@ -233,7 +233,7 @@ def check_tensor_parallel(model: Model, schedule: SchedulePolicy, tensor_paralle
     None without tensor parallelism. Checked against the stages' modules when this process has
     them; a recipe's stages are built on the meta device to be checked (no memory, no data)."""
     if model.ties and tensor_parallel != 1:
-        tied.refuse_ties(schedule, tensor_parallel=tensor_parallel)
+        refuse_ties(schedule, [spec.module for spec in model.replicas[0]], sharded=True)
     if tensor_parallel == 1 and tp_plan is None:
         return None
     if type(tensor_parallel) is not int or tensor_parallel < 1:

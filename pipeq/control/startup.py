@@ -32,7 +32,7 @@ from pipeq.control.rendezvous import Rendezvous
 from pipeq.control.supervisor import Supervisor
 from pipeq.control.trace_collector import TraceRecorder
 from pipeq.stage.spec import StageBuilder
-from pipeq.stage.ties import tie_mismatch
+from pipeq.stage.tie_groups import tie_mismatch
 from pipeq.wire import control, shm
 from pipeq.wire.control import Exit, Peers, Ready, Stop
 from pipeq.wire.keys import JobSecret

@@ -12,8 +12,9 @@ parameters and buffers to the others, which load them before anything else: repl
 apart. Then every step, :class:`GradSync` sends the stage's gradients, in flat buckets, to every
 other replica as soon as the stage's last backward of the step is done (without blocking: the
 stage still sends its last gradient down meanwhile); the optimizer step waits for the other
-replicas' buckets and adds all R of them in replica order 0, 1, ..., R-1, so every replica holds
-the very same bits (for the small R pipeq runs this moves as many bytes as a ring would)::
+replicas' buckets and adds all R of them in replica order 0, 1, ..., R-1
+(:func:`~pipeq.stage.transfer.ordered_sum`), so every replica holds the very same bits (for the
+small R pipeq runs this moves as many bytes as a ring would)::
 
     replica 0, stage k | ... B6 B7 [send buckets] ..... [wait, add 0+1] ST
     replica 1, stage k | ... B6 B7 [send buckets] ..... [wait, add 0+1] ST
@@ -41,14 +42,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from pipeq.stage.transfer import pinned_copies
+from pipeq.stage.transfer import ordered_sum, pinned_copies
 from pipeq.wire.replica_link import ReplicaLink
 from pipeq.wire.sockets import BindTo
 from pipeq.wire.stage_inbox import StageInbox
 from pipeq.wire.stage_link import StageSender
 
-__all__ = ["BUCKET_BYTES", "WEIGHTS_STEP", "FlatLayout", "to_host", "to_device", "sum_in_order", "survivor_scale",
-           "GradSync",
+__all__ = ["BUCKET_BYTES", "WEIGHTS_STEP", "FlatLayout", "to_host", "to_device", "survivor_scale", "GradSync",
            "broadcast_from_replica_0", "Replicas"]
 
 BUCKET_BYTES = 25 << 20
@@ -146,19 +146,6 @@ def to_device(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
     return flat if device.type == "cpu" else flat.to(device)
 
 
-def sum_in_order(buckets: Sequence[torch.Tensor], mine: int) -> torch.Tensor:
-    """``buckets[0] + buckets[1] + ... + buckets[R-1]``, added in that order, into a received
-    buffer: never into ``buckets[mine]``, this replica's own, which ZeroMQ may still be sending.
-    (b0 + b1 is computed as b1 + b0 when b0 is one's own: IEEE addition is commutative, so every
-    replica gets the same bits.)"""
-    first, second = buckets[0], buckets[1]
-    acc, other = (second, first) if mine == 0 else (first, second)
-    acc.add_(other)
-    for b in buckets[2:]:
-        acc.add_(b)
-    return acc
-
-
 def survivor_scale(shares: Sequence[float] | None, summed: Sequence[int], replicas: int) -> float:
     """What a gradient summed over the replicas ``summed`` only is multiplied by, so that it is
     the gradient of the mean loss over their samples: the whole batch's loss weight over theirs,
@@ -234,7 +221,7 @@ class GradSync:
             grads = [self.local(p.grad) for p in self.params]
             for b, mine in enumerate(self.pending):
                 got = [mine if r == link.replica else received[r][b] for r in summed]
-                acc = sum_in_order(got, summed.index(link.replica)) if len(got) > 1 else mine.clone()
+                acc = ordered_sum(got, summed.index(link.replica)) if len(got) > 1 else mine.clone()
                 if scale != 1.0:
                     acc.mul_(scale)
                 layout.scatter(b, to_device(acc, layout.devices[b]), grads)

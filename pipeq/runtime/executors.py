@@ -6,8 +6,8 @@ from here too). :func:`make_executor` builds the executor the schedule asks for
 (:meth:`pipeq.schedules.SchedulePolicy.executor`): plain backprop's
 :class:`~pipeq.stage.executor.StageExecutor` with the run's numerics when it names none, the
 tensor-parallel one (:mod:`pipeq.parallel.tensor`) when the stage is sharded. The worker process
-and the simulated engine both build theirs here, and a stage with tied weights
-(:mod:`pipeq.stage.ties`) is refused here with a schedule or a split that cannot sum them.
+and the simulated engine both build theirs here, and a stage with tied weights is refused here
+with a schedule or a split that cannot sum them (:func:`pipeq.stage.tie_groups.refuse_ties`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import torch
 from pipeq.schedules.protocol import SchedulePolicy
 from pipeq.schedules.registry import resolve
 from pipeq.stage.executor import StageExecutor
-from pipeq.stage.info import info_of
 from pipeq.stage.numerics import Numerics
 from pipeq.stage.spec import StageBuilder, StageSpec
+from pipeq.stage.tie_groups import refuse_ties
 
-__all__ = ["StageSpec", "StageBuilder", "make_executor", "check_ties"]
+__all__ = ["StageSpec", "StageBuilder", "make_executor"]
 
 
 def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, spec: StageSpec, device: torch.device,
@@ -30,7 +30,7 @@ def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, s
     """Stage ``index``'s executor; ``numerics`` (precision, clipping...) apply to plain backprop's
     (the runner refuses them with the other schedules). ``sharded``: the module is split over
     its tensor-parallel shards (plain backprop only: pipeq.parallel.tensor)."""
-    check_ties(resolve(schedule), index, spec, sharded)
+    refuse_ties(resolve(schedule), [spec.module], first=index, sharded=sharded)
     if sharded:
         from pipeq.parallel.tensor import ShardedStageExecutor
 
@@ -41,18 +41,3 @@ def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, s
         if numerics is not None:
             ex.set_numerics(numerics)
     return ex
-
-
-def check_ties(schedule: SchedulePolicy, index: int, spec: StageSpec, sharded: bool = False) -> None:
-    """A stage holding tied weights runs plain backprop's schedules, unsharded (ValueError otherwise)."""
-    ties = info_of(spec.module).ties
-    if not ties:
-        return
-    keys = ", ".join(t.key for t in ties)
-    if not schedule.plain_backprop:
-        raise ValueError(f"stage {index} holds tied weights ({keys}), which train with fill-drain, 1f1b and your "
-                         f"own schedules of F, B and STEP, not with schedule {schedule.name!r}: untie them, or "
-                         "pick one of those schedules")
-    if sharded:
-        raise ValueError(f"stage {index} holds tied weights ({keys}): tied weights do not work with "
-                         "tensor_parallel > 1 yet; use tensor_parallel=1")

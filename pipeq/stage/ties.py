@@ -16,29 +16,16 @@ stage unscales them; the found-inf check and the global norm then see the sum.
 
 from __future__ import annotations
 
-import difflib
 from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from pipeq.stage.info import Tie, info_of
+from pipeq.stage.tie_groups import tied_parameters
+from pipeq.stage.transfer import ordered_sum
 
-__all__ = ["TiedGrads", "ordered_sum", "tie_mismatch"]
-
-
-def ordered_sum(parts: Sequence[torch.Tensor], mine: int) -> torch.Tensor:
-    """``parts[0] + parts[1] + ... + parts[-1]``, added in that order into one of the other
-    parts' buffers, never into ``parts[mine]`` (this stage's own, which may be its gradient or a
-    buffer still being sent). ``parts[0] + parts[1]`` is computed as ``parts[1] + parts[0]``
-    when ``mine`` is 0: IEEE addition is commutative, so every stage gets the same bits."""
-    if len(parts) < 2:
-        raise ValueError("a tie sums two or more copies")
-    acc, other = (parts[1], parts[0]) if mine == 0 else (parts[0], parts[1])
-    acc.add_(other)
-    for t in parts[2:]:
-        acc.add_(t)
-    return acc
+__all__ = ["TiedGrads"]
 
 
 class TiedGrads:
@@ -46,18 +33,9 @@ class TiedGrads:
     one of ``module``'s parameters) and their gradients' exchange (see the module)."""
 
     def __init__(self, module: nn.Module, index: int, ties: Sequence[Tie]) -> None:
-        params = dict(module.named_parameters())
-        for tie in ties:
-            if tie.name not in params:
-                close = difflib.get_close_matches(tie.name, list(params), n=3)
-                raise ValueError(f"stage {index}: tie {tie.key!r} names {tie.name!r}, which is not a parameter "
-                                 f"of the stage module" + (f" (close: {', '.join(close)})" if close else ""))
-            if index not in tie.stages:
-                raise ValueError(f"stage {index} holds tie {tie.key!r}, whose stages {list(tie.stages)} do not "
-                                 "include it")
         self.index = index
         self.ties = sorted(ties, key=lambda t: t.key)
-        self.params = {t.key: params[t.name] for t in self.ties}
+        self.params = tied_parameters(module, index, self.ties)
         #: the other stages holding a copy of one of this stage's tied parameters
         self.peers = sorted({s for t in self.ties for s in t.stages} - {index})
         self.rounds = 0  # exchanges so far (each :meth:`outgoing` starts one)
@@ -112,19 +90,3 @@ class TiedGrads:
                         raise RuntimeError(f"stage {self.index}: stage {s} sent tie {tie.key!r}'s gradient as "
                                            f"{list(t.shape)} {t.dtype}, expected {list(own.shape)} {own.dtype}")
                 grad.copy_(ordered_sum(parts, tie.stages.index(self.index)))
-
-
-def tie_mismatch(tie_stages: Sequence[Mapping[str, Sequence[int]]]) -> tuple[int, str] | None:
-    """The first stage whose ties the others do not match, and what is wrong; None if nothing.
-    ``tie_stages[k]`` maps each tie key of stage k to the stages holding a copy (its layout's);
-    each of those stages must name the same key with the same stages."""
-    for k, mine in enumerate(tie_stages):
-        for key, stages in mine.items():
-            if k not in stages:
-                return k, f"stage {k}'s tie {key!r} lists stages {list(stages)}, without stage {k}"
-            for s in stages:
-                theirs = tie_stages[s].get(key) if 0 <= s < len(tie_stages) else None
-                if theirs is None or list(theirs) != list(stages):
-                    return k, (f"stage {k} ties {key!r} with stages {list(stages)}, but stage {s} "
-                               + ("does not hold it" if theirs is None else f"ties it with stages {list(theirs)}"))
-    return None

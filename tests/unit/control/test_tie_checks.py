@@ -34,7 +34,7 @@ def test_undeclared_sharing_is_refused_naming_the_ties_that_fix_it():
 
 
 @pytest.mark.parametrize("ties, match", [
-    ([["0.weight", "3.wieght"]], r"'3.wieght' is not a name of runner.state_dict\(\); close matches: '3.weight'"),
+    ([["0.weight", "3.wieght"]], r"'3.wieght' is not a name of runner.state_dict\(\); did you mean '3.weight'"),
     ([["0.weight"]], "a list of lists of two or more names"),
     ("0.weight", "a list of lists of two or more names"),
     ([["0.weight", "3.weight"], ["3.weight", "1.weight"]], "'3.weight' is named twice"),
@@ -63,7 +63,7 @@ def test_ties_train_with_plain_backprop_only(schedule):
 
 
 def test_ties_with_tensor_parallelism_or_a_recipe_are_refused():
-    with pytest.raises(ValueError, match="tensor_parallel=2"):
+    with pytest.raises(ValueError, match=r"tensor parallelism \(tensor_parallel > 1\)"):
         runner(lm_stages(), ties=[TIE], tensor_parallel=2, mode="process")
 
     class Recipe(pipeq.stage.spec.StageBuilder):
@@ -120,3 +120,15 @@ def test_data_parallel_replicas_of_one_list_are_tied_alike():
         assert mods[2][1].weight is not mods[0][0].weight
         ties.check_untied(mods)
     assert all(info_of(spec.module).ties for spec in (model.replicas[1][0], model.replicas[1][2]))
+
+
+def test_the_runner_and_a_stage_process_refuse_by_one_rule():
+    """The runner's check before anything starts and the stage process's (a recipe's stages are
+    built there) are one rule, pipeq.stage.tie_groups.refuse_ties: the same refusal, word for word."""
+    with pytest.raises(ValueError) as up_front:
+        runner(lm_stages(), ties=[TIE], schedule="async")
+    stage = set_info(nn.Linear(2, 2), ties=[Tie("weight", "0.weight", (0, 2))])
+    with pytest.raises(ValueError) as in_process:
+        make_executor("async", 0, 3, StageSpec(stage, SGD), torch.device("cpu"))
+    assert str(up_front.value) == str(in_process.value)
+    assert str(up_front.value).startswith("stage 0 holds tied weights (0.weight), which train with fill-drain")

@@ -45,7 +45,7 @@ def test_flat_layout_cuts_by_dtype_and_size_and_puts_back_in_place():
 
 
 def test_the_sum_is_added_in_replica_order_and_never_into_ones_own_bucket():
-    from pipeq.parallel.data import sum_in_order
+    from pipeq.stage.transfer import ordered_sum
 
     g = torch.Generator().manual_seed(1)
     buckets = [torch.randn(1000, generator=g) * 10 ** e for e in (0, 7, -7)]
@@ -53,7 +53,7 @@ def test_the_sum_is_added_in_replica_order_and_never_into_ones_own_bucket():
     for mine in range(3):
         got = [b.clone() for b in buckets]
         own = got[mine].clone()
-        total = sum_in_order(got, mine)
+        total = ordered_sum(got, mine)
         assert torch.equal(total, expect)  # the same bits on every replica
         assert torch.equal(got[mine], own)  # ZeroMQ may still be sending it
 

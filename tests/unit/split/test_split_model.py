@@ -174,3 +174,23 @@ def test_a_constant_made_in_the_forward_survives_pickling_and_stays_out_of_the_s
     with torch.no_grad():
         assert torch.allclose(_chain(stages, idx, {}), model(idx), atol=1e-6)
     assert set(stages[0].state_dict()) | set(stages[1].state_dict()) == set(model.state_dict())
+
+
+def test_declared_ties_are_checked_as_the_runners_are_and_keep_the_first_names_value():
+    """``pipeq.split(..., ties=)`` goes through the runner's checks (pipeq.stage.tie_groups): names,
+    buffers, groups, shapes and dtypes; every copy starts as the group's first name's value."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4).double())
+    for ties, match in [
+        ([["0.weight", "2.weight"]], r"'0.weight' is \(4, 4\) torch.float32 but '2.weight' is \(4, 4\) torch.float64"),
+        ([["0.bias", "1.running_mean"]], "'1.running_mean' is a buffer, not a parameter"),
+        ([["0.weight", "1.weight"], ["1.weight", "0.bias"]], "'1.weight' is named twice"),
+        ([["0.weight"]], "a list of lists of two or more names"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            pipeq.split(model, modules=[["0"], ["1", "2"]], ties=ties)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    stages = pipeq.split(model, modules=[["0"], ["1"]], ties=[["1.weight", "0.weight"]])
+    assert [(t.name, t.key, t.stages) for t in info_of(stages[0]).ties] == [("0.weight", "1.weight", (0, 1))]
+    assert torch.equal(stages[0].get_parameter("0.weight"), model[1].weight)
+    assert torch.equal(stages[1].get_parameter("1.weight"), model[1].weight)
+    assert not torch.equal(model[0].weight, model[1].weight)  # the model is left as it was

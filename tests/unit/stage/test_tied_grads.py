@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from pipeq.stage.info import Tie, set_info
-from pipeq.stage.ties import TiedGrads, ordered_sum, tie_mismatch
+from pipeq.stage.tie_groups import tie_mismatch
+from pipeq.stage.ties import TiedGrads
+from pipeq.stage.transfer import ordered_sum
 
 
 def test_the_ordered_sum_is_the_same_bits_on_every_member_and_never_writes_into_its_own_part():
@@ -63,7 +65,7 @@ def test_a_peer_sending_the_wrong_gradients_is_named():
 def test_a_tie_naming_no_parameter_of_the_stage_is_refused():
     module = nn.Linear(3, 2)
     set_info(module, ties=[Tie("weigth", "0.weight", (0, 1))])
-    with pytest.raises(ValueError, match="names 'weigth', which is not a parameter .*close: weight"):
+    with pytest.raises(ValueError, match="names 'weigth', which is not a parameter .*did you mean 'weight'"):
         TiedGrads.of(module, 0)
     assert TiedGrads.of(nn.Linear(3, 2), 0) is None
 
