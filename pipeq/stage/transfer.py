@@ -6,7 +6,9 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["pinned_copies"]
+from pipeq.stage import microbatch
+
+__all__ = ["pinned_copies", "to_host"]
 
 
 def pinned_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -19,3 +21,11 @@ def pinned_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list
         host.append(buf)
     torch.cuda.current_stream(device).synchronize()
     return host
+
+
+def to_host(tensors: Sequence[torch.Tensor], device: torch.device) -> Sequence[torch.Tensor]:
+    """CPU copies of ``tensors`` (on ``device``) for sending: the same tensors when already on the
+    CPU; a tree's description (:mod:`pipeq.stage.microbatch`) stays with them."""
+    if device.type != "cuda":
+        return tensors
+    return microbatch.rewrap(tensors, pinned_copies(tensors, device))
