@@ -19,7 +19,7 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
                                registry, lowering, dry runs, bounds; placement.py (virtual stages);
                                zero_bubble.py, zb_h2.py, interleaved.py, zbv.py, dualpipe.py
                    research/   plug-in schedules with their executors: interlock/, async1f1b/, al/
-                   stage/      one stage's forward, backward (or split: split_backward.py) and step;
+                   stage/      one stage's forward, backward (whole or split: backprop.py) and step;
                                numerics, microbatches, lr, what a stage says of itself (info.py),
                                tied weights: declared (tie_groups.py), their gradients (ties.py)
                    parallel/   data parallelism (replicas), tensor parallelism (shards), tied

@@ -41,6 +41,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipeq.stage.executor import StageExecutor, Tensors
+from pipeq.stage.spec import StageSpec
+from pipeq.stage.state import StateIO
 
 __all__ = ["STYLES", "GROUP_TIMEOUT", "check_plans", "check_stage", "styles", "join", "leave", "parallelize", "whole",
            "like", "ShardedStageExecutor"]
@@ -220,23 +222,16 @@ def like(full: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
                              src_data_rank=None)
 
 
-class ShardedStageExecutor(StageExecutor):
-    """A stage split over its shards (fill-drain, 1F1B and schedules of F, B and STEP).
+class ShardedStateIO(StateIO):
+    """A sharded stage's state, handed out whole: gathered from the shards' DTensors, and loaded
+    cut to each shard's piece (so it loads at any T, and without tensor parallelism)."""
 
-    Computes as :class:`~pipeq.stage.executor.StageExecutor` does, on the parallelized module; hands
-    whole tensors to its neighbours, and whole states to the driver."""
-
-    def _call(self, j: int, args: Tensors, tree: Any, grad: bool,
-              buffers: dict[str, torch.Tensor] | None = None) -> Any:
-        # a user's style with use_local_output=False may leave a DTensor: whole for the neighbour
-        return whole(super()._call(j, args, tree, grad, buffers))
-
-    def state_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+    def tensors(self) -> tuple[list[str], list[torch.Tensor]]:
         sd = self.module.state_dict()
         names = list(sd)
         return names, [whole(sd[n].detach()).to("cpu") for n in names]
 
-    def load_state(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    def load(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
         current = self.module.state_dict()
         self.module.load_state_dict({n: like(t, current[n]) if n in current else t
                                      for n, t in zip(names, tensors)}, strict=True)
@@ -256,3 +251,19 @@ class ShardedStageExecutor(StageExecutor):
                      for k, v in (entry.get("state") or {}).items()}
             resharded[name] = {**entry, "state": state}
         super().restore({**snap, "model": model, "optim": resharded})
+
+
+class ShardedStageExecutor(StageExecutor):
+    """A stage split over its shards (fill-drain, 1F1B and schedules of F, B and STEP).
+
+    Computes as :class:`~pipeq.stage.executor.StageExecutor` does, on the parallelized module; hands
+    whole tensors to its neighbours, and whole states to the driver (a :class:`ShardedStateIO`)."""
+
+    def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device) -> None:
+        super().__init__(index, n_stages, spec, device)
+        self.state_io = ShardedStateIO(index, self.module, device, self.stepper)
+
+    def _call(self, j: int, args: Tensors, tree: Any, grad: bool,
+              buffers: dict[str, torch.Tensor] | None = None) -> Any:
+        # a user's style with use_local_output=False may leave a DTensor: whole for the neighbour
+        return whole(super()._call(j, args, tree, grad, buffers))

@@ -6,35 +6,45 @@ numbers. Boundaries detach: stage k+1 receives stage k's output as fresh leaves 
 and sends their gradients back. Each microbatch's loss is weighted by its share of the batch (see
 :mod:`pipeq.stage.loss`), so the gradients accumulated over a step are the full batch's.
 
-Its other parts: the optimizer step (:mod:`pipeq.stage.step`) and its state, snapshots and
-restores (:mod:`pipeq.stage.state`); the backward split into input and weight gradients
-(:mod:`pipeq.stage.split_backward`); what it is built from is a :class:`~pipeq.stage.spec.StageSpec`.
+The executor runs the forward and keeps what each microbatch's backward needs. Three
+collaborators, each with one job, do the rest, and the executor's public methods forward to them:
+
+- ``stepper``, a :class:`~pipeq.stage.step.Stepper`: the optimizers, lr schedulers, loss scaler,
+  clipping and the replicas' sync (``optimizer_step``, ``step_stats``, ``apply_step``...);
+- ``backprop``, a :class:`~pipeq.stage.backprop.Backprop`: the backward, whole or split into input
+  and weight gradients, and the weight gradients' graphs kept between the two;
+- ``state_io``, a :class:`~pipeq.stage.state.StateIO`: the state tensors, checkpoint layout,
+  snapshots and restores.
+
+An executor that holds more (an auxiliary head, a sharded module) holds its own kind of
+collaborator. What an executor is built from is a :class:`~pipeq.stage.spec.StageSpec`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from pipeq.errors import StageComputeError, error_line
 from pipeq.stage import microbatch
-from pipeq.stage.grad_graph import engine_backward
-from pipeq.stage.loss import step_weights
-from pipeq.stage.numerics import LossScaler, Numerics, all_finite, peak_memory
+from pipeq.stage.backprop import Backprop
+from pipeq.stage.loss import step_weights, weighted_loss
+from pipeq.stage.microbatch import describe
+from pipeq.stage.numerics import Numerics, StepStats, all_finite, peak_memory
 from pipeq.stage.spec import StageSpec
-from pipeq.stage.split_backward import SplitBackward
-from pipeq.stage.state import StageState
-from pipeq.stage.step import OptimizerStep
+from pipeq.stage.state import StateIO
+from pipeq.stage.step import Stepper
 from pipeq.stage.ties import TiedGrads
-from pipeq.stage.transfer import pinned_copies
+from pipeq.stage.transfer import to_host
 from pipeq.tree import as_args, tensors_of
 
-__all__ = ["StageExecutor", "Tensors", "as_tuple", "describe"]
+__all__ = ["StageExecutor", "Tensors", "as_tuple", "describe", "forward_error", "rng_state", "rng_replayed"]
 
 Tensors = tuple[torch.Tensor, ...]
+RngState = tuple[torch.Tensor, "torch.Tensor | None"]  # the CPU's, and a CUDA device's
 
 
 def as_tuple(value: Any) -> Tensors:
@@ -42,12 +52,41 @@ def as_tuple(value: Any) -> Tensors:
     return tuple(value) if isinstance(value, list) else as_args(value)
 
 
-def describe(tensors: Sequence[torch.Tensor]) -> str:
-    """Shapes and dtypes of ``tensors`` for an error message: ``"(4, 8) float32, (4,) int64"``."""
-    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors)
+def forward_error(j: int, step: int, value: Any, kwargs: dict[str, Any] | None, exc: Exception) -> StageComputeError:
+    """The error of a forward of microbatch ``j`` (step ``step``) that failed with ``exc`` on
+    ``value`` (its input) and ``kwargs`` (its stage inputs, if any)."""
+    shapes = describe(tensors_of(value)) or f"(no tensor: {type(value).__name__})"
+    if kwargs is not None:
+        shapes += "".join(f", {name}={describe(tensors_of(v)) or f'{v!r:.40}'}" for name, v in kwargs.items())
+    return StageComputeError(f"forward of microbatch {j} (step {step}) failed on input of shape {shapes}: "
+                             f"{error_line(exc)}")
 
 
-class StageExecutor(StageState, OptimizerStep, SplitBackward):
+def rng_state(device: torch.device) -> RngState:
+    """The RNG state a forward on ``device`` starts from: the CPU's, and the CUDA device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: RngState, device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+@contextlib.contextmanager
+def rng_replayed(state: RngState, device: torch.device) -> Iterator[None]:
+    """Within: the RNG at ``state`` (a forward's :func:`rng_state`: a recompute draws that
+    forward's dropout masks). After: the RNG as it was, as if the forward had run once."""
+    now = rng_state(device)
+    _set_rng_state(state, device)
+    try:
+        yield
+    finally:
+        _set_rng_state(now, device)
+
+
+class StageExecutor:
     """Runs stage ``index`` of ``n_stages``: the module, its optimizer and (last stage) the loss.
 
     Subclasses for other schedules take the same arguments plus the schedule object they run.
@@ -64,22 +103,15 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
         self.module = spec.module.to(device)
         params = [p for p in (trains or self.module).parameters() if p.requires_grad]
         self.needs_target = self.is_last  # which stages get the batch's target
-        self.grad_sync: Any = None  # data parallelism: a pipeq.parallel.data.GradSync
         self.tied = TiedGrads.of(self.module, index)  # tied weights (pipeq.stage.ties), or None
-        self._backwards = 0
-        self._synced = False
-        self.optimizer = self.make_optimizer(spec, params)
-        # stepped once per training step, right after the optimizer (every stage alike), or
-        # (interval "epoch") by scheduler_step only
-        self.scheduler = self.make_scheduler(spec, self.optimizer)
-        self.scheduler_interval = spec.lr_scheduler_interval
+        self.stepper = Stepper(index, self.module, device, spec, params, self.tied)
+        self.backprop = Backprop(index, n_stages, self.module, device)
+        self.state_io = StateIO(index, self.module, device, self.stepper)
         self.loss_fn = spec.loss_fn
-        self._cuda = device.type == "cuda"
         self._cpu = device.type == "cpu"  # received tensors are on the stage's device already (no .to())
         # train() would switch on submodules the user put in eval mode (frozen BatchNorm...):
         # training restores the modes the module came with instead.
         self._train_modes = [(m, m.training) for m in self.module.modules()]
-        self.skipped_steps = 0  # steps skipped for non-finite gradients (fp16, check_finite='skip')
         self.set_numerics(Numerics())
         # per step
         self.step_index = 0
@@ -91,8 +123,6 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
         self.kwargs: list[dict[str, Any]] | None = None  # microbatches of its stage inputs (forward's keywords)
         # microbatch -> (input leaves, outputs / scaled loss, what a recompute needs or None)
         self.stash: dict[int, tuple[Tensors, Any, Any]] = {}
-        self.pending_w: dict[int, Any] = {}  # a split backward's, between I and W (pipeq.stage.split_backward)
-        self._grad_params: list[torch.Tensor] | None = None
         self.loss_sum: torch.Tensor | None = None
 
     def set_numerics(self, numerics: Numerics) -> None:
@@ -100,21 +130,13 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
         self.numerics = numerics
         self.autocast = lambda: numerics.autocast(self.device)
         self.recompute = numerics.recomputes(self.index)
-        self.scaler = LossScaler(self.device) if numerics.scales_loss else None
         self._check = numerics.check_finite == "raise"
+        self.stepper.set_numerics(numerics)
 
     # -- step boundaries -------------------------------------------------------------------
-    def begin(
-        self,
-        step: int,
-        sizes: Sequence[int],
-        training: bool,
-        x: Any = None,
-        target: Any = None,
-        weights: Sequence[float] | None = None,
-        aux_weights: Sequence[float] | None = None,
-        inputs: dict[str, Any] | None = None,
-    ) -> None:
+    def begin(self, step: int, sizes: Sequence[int], training: bool, x: Any = None, target: Any = None,
+              weights: Sequence[float] | None = None, aux_weights: Sequence[float] | None = None,
+              inputs: dict[str, Any] | None = None) -> None:
         """Start a step: ``weights`` scale the microbatch losses (see :func:`~pipeq.stage.loss.step_weights`),
         ``aux_weights`` the auxiliary heads' losses (interlocking). ``x``, ``target`` and ``inputs``
         (the stage's keyword arguments, ``stage_inputs``) are trees (see :mod:`pipeq.stage.microbatch`),
@@ -129,23 +151,20 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
             self.targets = microbatch.split(microbatch.to_device(target, self.device), sizes)
         self.kwargs = microbatch.split(microbatch.to_device(inputs, self.device), sizes) if inputs else None
         self.stash.clear()
-        self.pending_w.clear()
-        self._grad_params = None  # looked up again (pipeq.stage.split_backward)
+        self.backprop.begin(step)
         self.loss_sum = None
         if training:
             for m, mode in self._train_modes:
                 m.training = mode
         else:
             self.module.eval()
-        if training and self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        self._backwards = 0
-        self._synced = False
+        self.stepper.begin(training, len(self.weights))
 
     def mean_loss(self) -> float:
         """The step's loss: the sum of the weighted microbatch losses (NaN without any)."""
         return float(self.loss_sum) if self.loss_sum is not None else float("nan")
-    # -- compute -----------------------------------------------------------------------------
+
+    # -- forward -----------------------------------------------------------------------------
     def _inputs(self, j: int, received: Tensors | None) -> tuple[Tensors, Tensors, Any]:
         """Microbatch ``j``'s (input leaves, the tensors the module gets, their tree)."""
         if self.is_first:
@@ -173,36 +192,12 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
                     return torch.func.functional_call(self.module, buffers, call, kwargs, strict=False)
                 return self.module(*call, **kwargs) if kwargs else self.module(*call)
         except Exception as exc:
-            raise self._forward_error(j, value, exc) from exc
-
-    def _forward_error(self, j: int, value: Any, exc: Exception) -> StageComputeError:
-        """The error of a forward of microbatch ``j`` that failed on ``value`` (its input) with ``exc``."""
-        shapes = describe(tensors_of(value)) or f"(no tensor: {type(value).__name__})"
-        if self.kwargs is not None and j < len(self.kwargs):
-            shapes += "".join(f", {name}={describe(tensors_of(v)) or f'{v!r:.40}'}" for name, v in self.kwargs[j].items())
-        return StageComputeError(f"forward of microbatch {j} (step {self.step_index}) failed on input of shape "
-                                 f"{shapes}: {error_line(exc)}")
+            raise forward_error(j, self.step_index, value, kwargs, exc) from exc
 
     def _loss(self, j: int, out: Any) -> torch.Tensor | None:
         """The last stage's weighted loss of microbatch ``j`` (None: it weighs nothing)."""
-        target = self.targets[j]
-        try:
-            with self.autocast():
-                loss = self.loss_fn(out, target)  # type: ignore[misc]
-        except Exception as exc:
-            raise StageComputeError(
-                f"loss_fn failed on output {describe(tensors_of(out))} and target "
-                f"{describe(tensors_of(target))} (microbatch {j}, step {self.step_index}): {error_line(exc)}"
-            ) from exc
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(
-                f"loss_fn must return a scalar tensor, got "
-                f"{describe((loss,)) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
-            )
-        w = self.weights[j]
-        if w == 0.0:  # nothing counts in this microbatch (all targets ignored): no gradient
-            return None
-        return loss.reshape(()) * w
+        return weighted_loss(self.loss_fn, out, self.targets[j], self.weights[j],  # type: ignore[arg-type]
+                             self.autocast(), f"microbatch {j}, step {self.step_index}")
 
     def _nonfinite(self, what: str, j: int, tensors: Sequence[torch.Tensor]) -> None:
         if self._check and not all_finite(tensors):
@@ -216,7 +211,7 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
         if self._check and self.training and self.is_first:
             self._nonfinite("the input x", j, tensors_of(self.inputs[j]))
         redo = self.training and self.recompute
-        keep = (tree, self._rng_state()) if redo else None  # what the recompute needs
+        keep = (tree, rng_state(self.device)) if redo else None  # what the recompute needs
         out = self._call(j, args, tree, grad=self.training and not redo)
         if out is None:  # named here: the next stage would fail on it, and be blamed
             raise ValueError(f"its forward returned None (microbatch {j}, step {self.step_index}); a stage returns "
@@ -234,36 +229,12 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
             d = scaled.detach()
             self._nonfinite("the loss", j, (d,))
             self.loss_sum = d if self.loss_sum is None else self.loss_sum + d
-            self.stash[j] = (leaves, None if redo else self._scaled(scaled), keep)
+            self.stash[j] = (leaves, None if redo else self.stepper.scaled(scaled), keep)
             return None
         if self.training:
             self._nonfinite("the output", j, outs)
             self.stash[j] = (leaves, None if redo else outs, keep)
         return microbatch.Packed.of(tuple(t.detach() for t in outs), out_tree)
-
-    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler is not None else loss
-
-    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The RNG state a forward starts from: the CPU's, and the stage's CUDA device's."""
-        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self._cuda else None
-
-    def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-        cpu, cuda = state
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, self.device)
-
-    @contextlib.contextmanager
-    def _rng_replayed(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
-        """Within: the RNG at ``state`` (a forward's :meth:`_rng_state`: a recompute draws that
-        forward's dropout masks). After: the RNG as it was, as if the forward had run once."""
-        now = self._rng_state()
-        self._set_rng_state(state)
-        try:
-            yield
-        finally:
-            self._set_rng_state(now)
 
     def _recompute(self, j: int, leaves: Tensors, keep: Any) -> Any:
         """Microbatch ``j``'s forward again, with grad, under the RNG state of its first forward
@@ -273,47 +244,54 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
         tree, rng = keep
         args = tuple(t.clone() if t.requires_grad else t for t in leaves)
         scratch = {n: b.clone() for n, b in self.module.named_buffers()}
-        with self._rng_replayed(rng):
+        with rng_replayed(rng, self.device):
             out = self._call(j, args, tree, grad=True, buffers=scratch)
         if self.is_last:
-            return self._scaled(self._loss(j, out))  # type: ignore[arg-type]
+            return self.stepper.scaled(self._loss(j, out))  # type: ignore[arg-type]
         return microbatch.pack_output(out)[0]
 
     def early_input_grads(self, j: int) -> Tensors:
         """Input gradients computed in the forward (interlocking); plain backprop has none."""
         raise RuntimeError(f"stage {self.index}: the schedule sends a gradient after a forward")
 
+    # -- backward (pipeq.stage.backprop) ----------------------------------------------------------
+    def _stashed(self, j: int) -> tuple[Tensors, Any]:
+        """Microbatch ``j``'s input leaves and what its backward starts from (its outputs, or the
+        last stage's scaled loss), its forward's stash spent (a recompute runs now)."""
+        leaves, outs, keep = self.stash.pop(j)
+        return leaves, (self._recompute(j, leaves, keep) if keep is not None else outs)
+
+    def _checked(self, j: int, grads: Tensors | None) -> Tensors | None:
+        """``grads``, the input gradients of microbatch ``j``, checked (check_finite='raise';
+        not under fp16 loss scaling, whose overflows skip the step instead)."""
+        if grads is not None and self.stepper.scaler is None:
+            self._nonfinite("the input gradient", j, grads)
+        return grads
+
     def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
         """Backward of microbatch ``j``; returns the input gradients to send back (None on stage 0)."""
-        leaves, outs, keep = self.stash.pop(j)
-        if keep is not None:
-            outs = self._recompute(j, leaves, keep)
-        roots, gs = self._roots(j, outs, grads)
-        if roots:
-            engine_backward(roots, gs)  # torch.autograd.backward(roots, gs), less its Python
-        if self.is_first:
-            return None
-        out = tuple(
-            (t.grad if t.grad is not None else torch.zeros_like(t)).detach()
-            for t in leaves
-            if t.requires_grad
-        )
-        if self.scaler is None:
-            self._nonfinite("the input gradient", j, out)
-        return out
+        return self._checked(j, self.backprop.whole(j, *self._stashed(j), grads))
 
-    @staticmethod
-    def _check_grad_shapes(j: int, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Each (output, gradient) pair of microbatch ``j`` agrees in shape (ValueError otherwise)."""
-        for o, g in pairs:
-            if o.shape != g.shape:
-                raise ValueError(
-                    f"gradient of shape {tuple(g.shape)} for output of shape {tuple(o.shape)} (microbatch {j})")
+    def input_grad(self, j: int, grads: Tensors | None) -> Tensors | None:
+        """``I j``: the gradient of microbatch ``j`` with respect to the stage's input (None on
+        stage 0), keeping what its :meth:`weight_grad` needs."""
+        if j not in self.stash:
+            raise ValueError(f"stage {self.index}, step {self.step_index}: action I{j} has no forward of "
+                             f"microbatch {j} to differentiate (or its backward ran already)")
+        return self._checked(j, self.backprop.input_grad(j, *self._stashed(j), grads))
+
+    def weight_grad(self, j: int) -> None:
+        """``W j``: microbatch ``j``'s parameter gradients, accumulated; frees its graph."""
+        self.backprop.weight_grad(j)
+
+    def backward_done(self) -> None:
+        """Called after each backward (B, or W): after the step's last, the replicas' all-reduce starts."""
+        self.stepper.backward_done()
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
         """Peak memory since the last reset (see :func:`pipeq.stage.numerics.peak_memory`), the
         optimizer steps skipped for non-finite gradients and whether the stage recomputes."""
-        return {**peak_memory(self.device, reset), "skipped_steps": self.skipped_steps,
+        return {**peak_memory(self.device, reset), "skipped_steps": self.stepper.skipped_steps,
                 "recompute": self.recompute}
 
     # -- transfer to the CPU ---------------------------------------------------------------
@@ -326,8 +304,69 @@ class StageExecutor(StageState, OptimizerStep, SplitBackward):
         return tensors if self.keep_on_device else self.to_host(tensors)
 
     def to_host(self, tensors: Tensors) -> Tensors:
-        """CPU copies for sending (the same tensors when already on the CPU); a tree's
-        description stays with them."""
-        if not self._cuda:
-            return tensors
-        return microbatch.rewrap(tensors, pinned_copies(tensors, self.device))
+        """CPU copies for sending (see :func:`pipeq.stage.transfer.to_host`)."""
+        return to_host(tensors, self.device)  # type: ignore[return-value]
+
+    # -- the optimizer step (pipeq.stage.step) ----------------------------------------------------
+    @property
+    def grad_sync(self) -> Any:
+        """Data parallelism's :class:`~pipeq.parallel.data.GradSync` (None without replicas)."""
+        return self.stepper.grad_sync
+
+    @grad_sync.setter
+    def grad_sync(self, sync: Any) -> None:
+        self.stepper.grad_sync = sync
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """The parameters the optimizer updates, in its groups' order (what the replicas all-reduce)."""
+        return self.stepper.params()
+
+    def sync_replicas(self) -> None:
+        """Sum this step's gradients over the replicas (data parallelism), once per step."""
+        self.stepper.sync_replicas()
+
+    def optimizer_step(self) -> None:
+        """The step of a run whose stages need not agree first (see :meth:`step_stats`)."""
+        self.stepper.step()
+
+    def step_stats(self) -> StepStats:
+        """This stage's part of the step's global statistics, once its gradients are final."""
+        return self.stepper.stats()
+
+    def apply_step(self, total: StepStats) -> None:
+        """The optimizer step (or its skip) that every stage decides alike from ``total``."""
+        self.stepper.apply(total, self.step_index)
+
+    def scheduler_step(self, metric: float | None) -> None:
+        """Step every lr scheduler of this stage once (``runner.scheduler_step``)."""
+        self.stepper.scheduler_step(metric)
+
+    def learning_rates(self) -> list[float]:
+        """The learning rate of every parameter group of every optimizer of this stage, in order."""
+        return self.stepper.learning_rates()
+
+    def learning_rate(self) -> float | None:
+        """The first parameter group's learning rate (reported with each step's loss), None
+        for a stage without an optimizer."""
+        return self.stepper.learning_rate()
+
+    # -- state (pipeq.stage.state) ----------------------------------------------------------------
+    def state_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+        """The module's state dict as (names, CPU tensors)."""
+        return self.state_io.tensors()
+
+    def load_state(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+        """Load (names, tensors) as :meth:`state_tensors` gave them."""
+        self.state_io.load(names, tensors)
+
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint needs to know of this stage to hand it its part (local names)."""
+        return self.state_io.layout()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Parameters and buffers, every optimizer's and scheduler's state and the RNG, as CPU copies."""
+        return self.state_io.snapshot()
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Load a :meth:`snapshot` (possibly re-split from another stage count)."""
+        self.state_io.restore(snap)

@@ -2,17 +2,22 @@
 
 Gradient accumulation makes one step equal to one full-batch step: the loss of microbatch j is
 scaled by n_j / n (its share of the batch's samples) for a mean-reduced loss, by 1 for a
-sum-reduced one, so microbatches of unequal size are weighted correctly.
+sum-reduced one, so microbatches of unequal size are weighted correctly. :func:`weighted_loss` is
+one microbatch's loss so weighted, as a stage computes it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["loss_weight_mode", "microbatch_weights", "step_weights"]
+from pipeq.errors import StageComputeError, error_line
+from pipeq.stage.microbatch import describe
+from pipeq.tree import tensors_of
+
+__all__ = ["loss_weight_mode", "microbatch_weights", "step_weights", "weighted_loss"]
 
 
 def loss_weight_mode(loss_fn: Callable) -> str:
@@ -64,3 +69,23 @@ def step_weights(sizes: Sequence[int], weights: Sequence[float] | None) -> list[
         raise ValueError(f"{len(weights)} loss weights for {len(sizes)} microbatches: give one per microbatch "
                          "(see pipeq.stage.loss.microbatch_weights)")
     return list(weights)
+
+
+def weighted_loss(loss_fn: Callable, out: Any, target: Any, weight: float, autocast: ContextManager[Any],
+                  where: str) -> torch.Tensor | None:
+    """``loss_fn(out, target)`` (under ``autocast``) as a 0-d tensor times ``weight``; None when
+    ``weight`` is 0: nothing in the microbatch counts (all its targets ignored), no gradient.
+    ``where`` (the microbatch and step) is named in the errors of a loss_fn that fails or
+    returns no scalar tensor."""
+    try:
+        with autocast:
+            loss = loss_fn(out, target)
+    except Exception as exc:
+        raise StageComputeError(f"loss_fn failed on output {describe(tensors_of(out))} and target "
+                                f"{describe(tensors_of(target))} ({where}): {error_line(exc)}") from exc
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor, got "
+                         f"{describe((loss,)) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+    if weight == 0.0:
+        return None
+    return loss.reshape(()) * weight

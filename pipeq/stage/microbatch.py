@@ -26,7 +26,7 @@ import torch
 
 from pipeq.tree import TreeError, flatten, map_tensors, unflatten
 
-__all__ = ["Packed", "spec_of", "rewrap", "check", "to_device", "narrow", "split", "cat", "pack", "pack_output",
+__all__ = ["Packed", "spec_of", "rewrap", "describe", "check", "to_device", "narrow", "split", "cat", "pack", "pack_output",
            "unpack", "unpack_input", "unpack_kwargs"]
 
 
@@ -53,6 +53,11 @@ def spec_of(tensors: Sequence[torch.Tensor]) -> Any:
 def rewrap(like: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     """``tensors`` with ``like``'s spec (after a copy or a move of its tensors)."""
     return Packed.of(tensors, spec_of(like))
+
+
+def describe(tensors: Sequence[torch.Tensor]) -> str:
+    """Shapes and dtypes of ``tensors`` for an error message: ``"(4, 8) float32, (4,) int64"``."""
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors)
 
 
 def check(name: str, value: Any) -> tuple[Any, int]:

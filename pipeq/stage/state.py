@@ -1,43 +1,42 @@
 """A stage's state: its tensors for the driver, its checkpoint layout, snapshots and their restore.
 
-:class:`StageState` is a part of :class:`~pipeq.stage.executor.StageExecutor`: the executor
-holds the module, its optimizers, schedulers and loss scaler, and these methods read and load
-them. Executors that hold more (an auxiliary head, a sharded module) override them.
+:class:`StateIO` is held by :class:`~pipeq.stage.executor.StageExecutor`: it reads and loads the
+stage's module and what its :class:`~pipeq.stage.step.Stepper` holds (optimizers, schedulers,
+loss scaler). Executors that hold more (an auxiliary head, a sharded module) hold a subclass
+that says how.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from pipeq.stage.numerics import LossScaler
+from pipeq.stage.step import Stepper
 
-__all__ = ["StageState"]
+__all__ = ["StateIO"]
 
 
-class StageState:
-    """State dicts, checkpoint layouts, snapshots and restores of a stage (see the module)."""
+class StateIO:
+    """State dicts, checkpoint layouts, snapshots and restores of stage ``index`` (see the module)."""
 
-    # what the executor provides
-    index: int
-    device: torch.device
-    module: nn.Module
-    scaler: LossScaler | None
-    optimizers: Callable[[], list[torch.optim.Optimizer]]
-    schedulers: Callable[[], list[Any]]
+    def __init__(self, index: int, module: nn.Module, device: torch.device, stepper: Stepper) -> None:
+        self.index = index
+        self.module = module
+        self.device = device
+        self.stepper = stepper
 
     # -- state (the driver's state_dict / load_state_dict) --------------------------------------
-    def state_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+    def tensors(self) -> tuple[list[str], list[torch.Tensor]]:
         """The module's state dict as (names, CPU tensors)."""
         sd = self.module.state_dict()
         names = list(sd)
         return names, [sd[n].detach().to("cpu") for n in names]
 
-    def load_state(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
-        """Load (names, tensors) as :meth:`state_tensors` gave them (every entry of the module)."""
+    def load(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+        """Load (names, tensors) as :meth:`tensors` gave them (every entry of the module)."""
         self.module.load_state_dict(dict(zip(names, tensors)), strict=True)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -51,10 +50,11 @@ class StageState:
         """Parameters and buffers, every optimizer's and scheduler's state and the RNG, as CPU copies."""
         from pipeq.checkpoint import optimizers_snapshot, schedulers_snapshot, stage_snapshot
 
+        scaler = self.stepper.scaler
         snap = dict(stage_snapshot(self.module))
-        snap["optim"] = optimizers_snapshot(self.module, self.optimizers())
-        snap["sched"] = schedulers_snapshot(self.schedulers())
-        snap["scaler"] = self.scaler.state_dict() if self.scaler is not None else None
+        snap["optim"] = optimizers_snapshot(self.module, self.stepper.optimizers())
+        snap["sched"] = schedulers_snapshot(self.stepper.schedulers())
+        snap["scaler"] = scaler.state_dict() if scaler is not None else None
         return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -63,11 +63,12 @@ class StageState:
 
         self.module.load_state_dict(snap["model"], strict=True)
         # the schedulers first: the optimizers' saved hyperparameters (the scheduled lr) win
-        load_schedulers_snapshot(self.schedulers(), snap.get("sched"), self.index)
+        load_schedulers_snapshot(self.stepper.schedulers(), snap.get("sched"), self.index)
         if snap.get("optim"):
-            for optimizer in self.optimizers():
+            for optimizer in self.stepper.optimizers():
                 load_optimizer_snapshot(self.module, optimizer, snap["optim"], self.device)
         if snap.get("rng") is not None:
             torch.set_rng_state(snap["rng"])
-        if self.scaler is not None and isinstance(snap.get("scaler"), dict):
-            self.scaler.load_state_dict(snap["scaler"])
+        scaler = self.stepper.scaler
+        if scaler is not None and isinstance(snap.get("scaler"), dict):
+            scaler.load_state_dict(snap["scaler"])

@@ -1,14 +1,17 @@
 """A stage's optimizer step: gradient sync, the step the stages agree on (clipping, fp16 loss
 scaling, finiteness checks) and its learning-rate schedulers.
 
-The gradients are final once they are summed over the replicas (:meth:`OptimizerStep.sync_replicas`)
+The gradients are final once they are summed over the replicas (:meth:`Stepper.sync_replicas`)
 and then, for tied weights, over the stages holding a copy (the interpreter's exchange, see
 :mod:`pipeq.stage.ties`); a tied parameter counts in the global gradient norm once, on its owner.
 
-:class:`OptimizerStep` is a part of :class:`~pipeq.stage.executor.StageExecutor`. A step runs
-one of two ways: :meth:`~OptimizerStep.optimizer_step` when the stages need not agree first, or
-:meth:`~OptimizerStep.step_stats` then :meth:`~OptimizerStep.apply_step` with the statistics
-every stage combined (see :mod:`pipeq.stage.numerics`).
+:class:`Stepper` is held by :class:`~pipeq.stage.executor.StageExecutor`, which forwards its
+public step methods to it. A step runs one of two ways: :meth:`~Stepper.step` when the stages
+need not agree first, or :meth:`~Stepper.stats` then :meth:`~Stepper.apply` with the statistics
+every stage combined (see :mod:`pipeq.stage.numerics`). A stage may train with several
+optimizers (AL's two paths: :meth:`~Stepper.add`); they step in the order they were added, each
+followed by its scheduler, and the first one's parameters are the ones the replicas all-reduce
+and the global norm counts.
 """
 
 from __future__ import annotations
@@ -23,61 +26,74 @@ from pipeq.stage import lr_schedulers
 from pipeq.stage.numerics import LossScaler, Numerics, StepStats, all_finite, clip_, norm_term, total_norm
 from pipeq.stage.spec import StageSpec
 
-__all__ = ["OptimizerStep"]
+__all__ = ["Stepper"]
 
 
-class OptimizerStep:
-    """The optimizer and lr scheduler of a stage, and how a step updates them (see the module)."""
+class Stepper:
+    """Stage ``index``'s optimizers and lr schedulers, its loss scaler, and how a step updates
+    them (see the module). ``module``: the stage's, named in a non-finite gradient's error;
+    ``tied``: its tied weights (:class:`~pipeq.stage.ties.TiedGrads`, or None)."""
 
-    # what the executor provides
-    index: int
-    module: nn.Module
-    numerics: Numerics
-    scaler: LossScaler | None
-    grad_sync: Any  # data parallelism: a pipeq.parallel.data.GradSync, or None
-    tied: Any  # tied weights: a pipeq.stage.ties.TiedGrads, or None
-    optimizer: torch.optim.Optimizer | None
-    scheduler: Any
-    scheduler_interval: str
-    weights: list[float]
-    step_index: int
-    skipped_steps: int
-    _backwards: int
-    _synced: bool  # this step's gradients are summed over the replicas (reset by each step's begin)
+    def __init__(self, index: int, module: nn.Module, device: torch.device, spec: StageSpec,
+                 params: list[torch.Tensor], tied: Any = None) -> None:
+        self.index = index
+        self.module = module
+        self.device = device
+        self.tied = tied
+        # stepped once per training step, right after its optimizer (every stage alike), or
+        # (interval "epoch") by scheduler_step only
+        self.interval = spec.lr_scheduler_interval
+        self._pairs: list[tuple[torch.optim.Optimizer | None, Any]] = []
+        self.add(spec, params)
+        self.grad_sync: Any = None  # data parallelism: a pipeq.parallel.data.GradSync
+        self.skipped_steps = 0  # steps skipped for non-finite gradients (fp16, check_finite='skip')
+        self.set_numerics(Numerics())
+        self._backwards = 0  # this step's so far
+        self._expected = 0  # this step's backwards, all told
+        self._synced = False  # this step's gradients are summed over the replicas
 
-    @staticmethod
-    def make_optimizer(spec: StageSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
-        """``spec``'s optimizer over ``params`` (None when there is nothing to train)."""
-        return spec.optimizer(params) if params else None
-
-    @staticmethod
-    def make_scheduler(spec: StageSpec, optimizer: torch.optim.Optimizer | None) -> Any:
-        """``spec``'s lr scheduler of ``optimizer`` (None without either)."""
-        if spec.lr_scheduler is None or optimizer is None:
-            return None
-        scheduler = spec.lr_scheduler(optimizer)
-        if spec.lr_scheduler_interval == "step" and lr_schedulers.takes_metric(scheduler):
+    def add(self, spec: StageSpec, params: list[torch.Tensor]) -> None:
+        """Train ``params`` with another of ``spec``'s optimizers and its lr scheduler, stepped after
+        the ones before (none when there is nothing to train)."""
+        optimizer = spec.optimizer(params) if params else None
+        scheduler = spec.lr_scheduler(optimizer) if spec.lr_scheduler is not None and optimizer is not None else None
+        if scheduler is not None and spec.lr_scheduler_interval == "step" and lr_schedulers.takes_metric(scheduler):
             raise ValueError(f"lr_scheduler built a ReduceLROnPlateau: {lr_schedulers.NEEDS_METRIC}")
-        return scheduler
+        self._pairs.append((optimizer, scheduler))
+
+    def set_numerics(self, numerics: Numerics) -> None:
+        """The run's clipping, checks and loss scaling (a fresh scaler for fp16)."""
+        self.numerics = numerics
+        self.scaler = LossScaler(self.device) if numerics.scales_loss else None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The first optimizer (None without trainable parameters)."""
+        return self._pairs[0][0]
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as the backward starts from it: times the loss scale (fp16), else itself."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    # -- a step's course ---------------------------------------------------------------------------
+    def begin(self, training: bool, backwards: int) -> None:
+        """Start a step of ``backwards`` backwards: the gradients cleared (training)."""
+        if training:
+            self.zero_grad()
+        self._backwards = 0
+        self._expected = backwards
+        self._synced = False
+
+    def zero_grad(self) -> None:
+        """Every optimizer's gradients set to None."""
+        for optimizer in self.optimizers():
+            optimizer.zero_grad(set_to_none=True)
 
     def backward_done(self) -> None:
         """Called after each backward: after the step's last one, the gradients' all-reduce starts."""
         self._backwards += 1
-        if self.grad_sync is not None and self._backwards == len(self.weights):
+        if self.grad_sync is not None and self._backwards == self._expected:
             self.grad_sync.start()
-
-    def optimizer_params(self) -> list[torch.Tensor]:
-        """The parameters the optimizer updates, in its groups' order."""
-        return [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer else []
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.optimizer_params() if p.grad is not None]
-
-    def _norm_grads(self) -> list[torch.Tensor]:
-        """The gradients this stage counts in the global norm: its own, and the tied parameters
-        it owns (each tied parameter counts once, as in one process)."""
-        skip = self.tied.not_owned() if self.tied is not None else set()
-        return [p.grad for p in self.optimizer_params() if p.grad is not None and id(p) not in skip]
 
     def sync_replicas(self) -> None:
         """Sum this step's gradients over the replicas (data parallelism), once per step."""
@@ -85,24 +101,35 @@ class OptimizerStep:
             self.grad_sync.finish()
         self._synced = True
 
-    def optimizer_step(self) -> None:
-        """The step of a run whose stages need not agree first (see :meth:`step_stats`)."""
+    def params(self) -> list[torch.Tensor]:
+        """The parameters the first optimizer updates, in its groups' order."""
+        optimizer = self.optimizer
+        return [p for g in optimizer.param_groups for p in g["params"]] if optimizer else []
+
+    def step(self) -> None:
+        """The step of a run whose stages need not agree first (see :meth:`stats`)."""
         self.sync_replicas()
         self._update()
 
     def _update(self) -> None:
-        """The optimizer's step (executors with more optimizers add theirs, see :meth:`_step`)."""
-        self._step(self.optimizer, self.scheduler)
+        """Each optimizer's step, each followed by its scheduler's if it steps with it (interval "step")."""
+        for optimizer, scheduler in self._pairs:
+            if optimizer is not None:
+                optimizer.step()
+                if scheduler is not None and self.interval == "step":
+                    scheduler.step()
 
-    def _step(self, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
-        """``optimizer``'s step, then ``scheduler``'s if it steps with it (interval "step")."""
-        if optimizer is not None:
-            optimizer.step()
-            if scheduler is not None and self.scheduler_interval == "step":
-                scheduler.step()
+    # -- steps the stages agree on (clipping, fp16, check_finite; see pipeq.stage.numerics) --------
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params() if p.grad is not None]
 
-    # -- steps the stages agree on (clipping, fp16, check_finite; see pipeq.stage.numerics) ------
-    def step_stats(self) -> StepStats:
+    def _norm_grads(self) -> list[torch.Tensor]:
+        """The gradients this stage counts in the global norm: its own, and the tied parameters
+        it owns (each tied parameter counts once, as in one process)."""
+        skip = self.tied.not_owned() if self.tied is not None else set()
+        return [p.grad for p in self.params() if p.grad is not None and id(p) not in skip]
+
+    def stats(self) -> StepStats:
         """This stage's part of the step's global statistics, once its gradients are final (and
         all-reduced over the replicas, and summed over tied copies); fp16 gradients are unscaled here."""
         self.sync_replicas()
@@ -117,8 +144,8 @@ class OptimizerStep:
         term = norm_term(self._norm_grads(), p) if self.numerics.clip_grad_norm is not None and not bad else 0.0
         return StepStats(term, float(self.index) if bad else math.inf)
 
-    def apply_step(self, total: StepStats) -> None:
-        """The optimizer step (or its skip) that every stage decides alike from ``total``."""
+    def apply(self, total: StepStats, step: int) -> None:
+        """Step ``step``'s optimizer step (or its skip) that every stage decides alike from ``total``."""
         nm = self.numerics
         bad = total.first_bad != math.inf
         if self.scaler is not None:
@@ -129,39 +156,39 @@ class OptimizerStep:
                          and not all_finite((p.grad,))]
                 raise FloatingPointError(
                     f"stage {self.index}: the gradient of {', '.join(names) or 'a parameter'} holds NaN or "
-                    f"Inf after the backwards of step {self.step_index}; check_finite='raise' stopped the "
+                    f"Inf after the backwards of step {step}; check_finite='raise' stopped the "
                     "run before any optimizer step")
             return  # that stage reports it; nobody steps
         if bad:
             self.skipped_steps += 1
-            if self.scheduler is not None and self.scheduler_interval == "step":
-                self.scheduler.step()  # a skipped step still counts for the schedule, as in a torch loop
+            if self.interval == "step":  # a skipped step still counts for the schedule, as in a torch loop
+                for scheduler in self.schedulers():
+                    scheduler.step()
             return
         if nm.clip_grad_norm is not None:
             clip_(self._grads(), nm.clip_grad_norm, total_norm(total, nm.clip_norm_type))
         self._update()
 
-    # -- learning-rate schedule ------------------------------------------------------------------
-    def schedulers(self) -> list[Any]:
-        """This stage's lr schedulers (one per optimizer that has one)."""
-        return [self.scheduler] if self.scheduler is not None else []
-
+    # -- learning-rate schedule --------------------------------------------------------------------
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        """This stage's optimizers (none for a stage without trainable parameters)."""
-        return [self.optimizer] if self.optimizer is not None else []
+        """This stage's optimizers, in step order (none for a stage without trainable parameters)."""
+        return [o for o, _ in self._pairs if o is not None]
+
+    def schedulers(self) -> list[Any]:
+        """This stage's lr schedulers (one per optimizer that has one), in step order."""
+        return [s for _, s in self._pairs if s is not None]
 
     def scheduler_step(self, metric: float | None) -> None:
-        """Step every scheduler of this stage once (``runner.scheduler_step``), with ``metric``
-        when it takes one (see :func:`pipeq.stage.lr_schedulers.step`)."""
+        """Step every scheduler once (``runner.scheduler_step``), with ``metric`` when it takes one
+        (see :func:`pipeq.stage.lr_schedulers.step`)."""
         for scheduler in self.schedulers():
             lr_schedulers.step(scheduler, metric)
 
     def learning_rates(self) -> list[float]:
-        """The learning rate of every parameter group of every optimizer of this stage, in order."""
+        """The learning rate of every parameter group of every optimizer, in order."""
         return [lr for opt in self.optimizers() for lr in lr_schedulers.group_rates(opt)]
 
     def learning_rate(self) -> float | None:
-        """The first parameter group's learning rate (reported with each step's loss), None
-        for a stage without an optimizer."""
+        """The first parameter group's learning rate, None without an optimizer."""
         rates = self.learning_rates()
         return rates[0] if rates else None

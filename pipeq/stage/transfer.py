@@ -13,7 +13,9 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["pinned_copies", "ordered_sum"]
+from pipeq.stage import microbatch
+
+__all__ = ["pinned_copies", "to_host", "ordered_sum"]
 
 
 def pinned_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -40,3 +42,11 @@ def ordered_sum(parts: Sequence[torch.Tensor], mine: int) -> torch.Tensor:
     for t in parts[2:]:
         acc.add_(t)
     return acc
+
+
+def to_host(tensors: Sequence[torch.Tensor], device: torch.device) -> Sequence[torch.Tensor]:
+    """CPU copies of ``tensors`` (on ``device``) for sending: the same tensors when already on the
+    CPU; a tree's description (:mod:`pipeq.stage.microbatch`) stays with them."""
+    if device.type != "cuda":
+        return tensors
+    return microbatch.rewrap(tensors, pinned_copies(tensors, device))

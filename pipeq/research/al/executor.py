@@ -61,9 +61,9 @@ class ALExecutor(StageExecutor):
         super().__init__(index, n_stages, spec, device, trains=nn.ModuleList([module.f, module.b]))
         layer: ALLayer = self.module  # type: ignore[assignment]
         label = [p for m in (layer.g, layer.h) for p in m.parameters() if p.requires_grad]
-        # the lr scheduler, if any, drives both paths' optimizers (stepped with them, per microbatch)
-        self.label_optimizer = self.make_optimizer(spec, label)
-        self.label_scheduler = self.make_scheduler(spec, self.label_optimizer)
+        # the label path's optimizer, stepped after f and b's; the lr scheduler, if any, drives
+        # both paths' optimizers (stepped with them, per microbatch)
+        self.stepper.add(spec, label)
         self.criterion = spec.loss_fn if spec.loss_fn is not None else nn.MSELoss()
         self.loss_fn = None  # no end-to-end loss: the criterion serves the local ones
         first_loss, inference_layer = schedule.first_loss, schedule.inference_layer
@@ -81,9 +81,7 @@ class ALExecutor(StageExecutor):
         if inputs is not None:  # an AL layer is four modules: no one forward to hand them to
             raise ValueError(f"stage {self.index}: schedule 'al' takes no stage_inputs (its layers' f, b, g and h "
                              "are called with what the layer below sends only)")
-        super().begin(step, sizes, training, x, target, [1.0] * len(sizes))
-        if training and self.label_optimizer is not None:
-            self.label_optimizer.zero_grad(set_to_none=True)
+        super().begin(step, sizes, training, x, target, [1.0] * len(sizes))  # (clears both paths' gradients)
         self.assoc_sum = 0.0
         self.count = 0
 
@@ -165,21 +163,8 @@ class ALExecutor(StageExecutor):
                 out = torch.tanh(out)
         return (out,)
 
-    def _update(self) -> None:
-        """Both paths' steps: f and b's, then g and h's."""
-        super()._update()
-        self._step(self.label_optimizer, self.label_scheduler)
-
     def optimizer_step(self) -> None:
-        """Both paths' steps, then their gradients cleared (a step after every microbatch)."""
+        """Both paths' steps (f and b's, then g and h's), then their gradients cleared (a step
+        after every microbatch)."""
         super().optimizer_step()
-        for opt in self.optimizers():
-            opt.zero_grad(set_to_none=True)
-
-    def schedulers(self) -> list[Any]:
-        """Both paths' schedulers: f and b's, then g and h's."""
-        return super().schedulers() + ([self.label_scheduler] if self.label_scheduler is not None else [])
-
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """Both paths' optimizers: f and b's, then g and h's."""
-        return super().optimizers() + ([self.label_optimizer] if self.label_optimizer is not None else [])
+        self.stepper.zero_grad()

@@ -44,7 +44,7 @@ import torch
 from torch.func import functional_call
 
 from pipeq.stage import microbatch
-from pipeq.stage.executor import StageExecutor, Tensors, as_tuple
+from pipeq.stage.executor import StageExecutor, Tensors, as_tuple, forward_error, rng_replayed, rng_state
 from pipeq.stage.spec import StageSpec
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class AsyncExecutor(StageExecutor):
                 return self.module(*args, **kwargs) if kwargs else self.module(*args)
             return functional_call(self.module, tensors, args, kwargs)
         except Exception as exc:
-            raise self._forward_error(j, args, exc) from exc
+            raise forward_error(j, self.step_index, args, kwargs, exc) from exc
 
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:
         if not self.training:
@@ -145,7 +145,7 @@ class AsyncExecutor(StageExecutor):
             self.stash[j] = (leaves, outs)
             return tuple(t.detach() for t in outs)
         # no stashing: keep the input and the RNG state, the backward recomputes from them
-        rng = self._rng_state()
+        rng = rng_state(self.device)
         with torch.no_grad():
             out = self._run(j, args, None)
         self.stash[j] = (args, rng)
@@ -156,12 +156,11 @@ class AsyncExecutor(StageExecutor):
         started from, scratch copies of the buffers (the forward already updated the running
         statistics). The RNG stream is left as it was."""
         scratch = {n: b.clone() for n, b in self.module.named_buffers()}
-        with self._rng_replayed(rng):
+        with rng_replayed(rng, self.device):
             return self._run(j, args, scratch or None)
 
     def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.stepper.zero_grad()
         self.step_of.pop(j, None)
         self.stream_targets.pop(j, None)
         if self.is_last and not self.weight_stashing and self._fresh != j:

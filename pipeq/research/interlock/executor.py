@@ -18,7 +18,8 @@ Each microbatch's losses are weighted by its share of the batch, like the real l
 gradients accumulated over a step are those of the whole batch. :class:`InterlockExecutor` runs
 the same F/B/STEP actions as :class:`~pipeq.stage.executor.StageExecutor` and replaces its
 forward and backward; ``predict`` uses the main path only. A checkpoint holds stage k's head
-beside the stage, under ``aux_heads.{k}.*`` with its optimizer state (see :mod:`pipeq.checkpoint`).
+beside the stage, under ``aux_heads.{k}.*`` with its optimizer state (see :mod:`pipeq.checkpoint`):
+the executor's state is a :class:`HeadStateIO`.
 Gomez et al., "Interlocking Backpropagation: Improving depthwise model-parallelism", arXiv 2010.04116.
 """
 
@@ -32,8 +33,11 @@ from torch import nn
 
 from pipeq import checkpoint as ckpt
 from pipeq.research.interlock.routing import receives, sends_down, sends_early, trained_by
+from pipeq.stage.backprop import check_grad_shapes
 from pipeq.stage.executor import StageExecutor, Tensors, describe
 from pipeq.stage.spec import StageSpec
+from pipeq.stage.state import StateIO
+from pipeq.stage.step import Stepper
 
 if TYPE_CHECKING:
     from pipeq.research.interlock.schedule import Interlock
@@ -64,6 +68,8 @@ class InterlockExecutor(StageExecutor):
         self.sends_early = sends_early(index, n_stages, d)  # own head's gradient, right after F
         self.needs_target = True  # every stage computes a loss
         self.own_grad: dict[int, torch.Tensor] = {}  # microbatch -> own head's input gradient
+        if self.head is not None:  # checkpoints hold the head beside the stage
+            self.state_io = HeadStateIO(index, self.module, device, self.stepper, self.head)
 
     def begin(self, step: int, sizes: Any, training: bool, x: Any = None, target: Any = None,
               weights: Any = None, aux_weights: Any = None, inputs: Any = None) -> None:
@@ -130,7 +136,7 @@ class InterlockExecutor(StageExecutor):
                     f"stage {self.index}: got {len(grads)} gradient(s) for microbatch {j}, expected "
                     f"{len(self.up)} (losses {self.up})"
                 )
-            self._check_grad_shapes(j, ((out, g) for g in grads))
+            check_grad_shapes(j, ((out, g) for g in grads))
             got = {loss_id: g.to(self.device, non_blocking=True) for loss_id, g in zip(self.up, grads)}
         send: dict[int, torch.Tensor] = {}
         wanted = [] if leaf is None or self.sends_early else self.down
@@ -160,43 +166,48 @@ class InterlockExecutor(StageExecutor):
             return None
         return tuple(send[i].detach() for i in wanted)
 
-    # -- checkpoints: the head beside the stage --------------------------------------------------
+
+class HeadStateIO(StateIO):
+    """A stage's state with its auxiliary ``head`` beside it: checkpoint layouts and snapshots
+    hold the head under ``aux`` (its parameters, and its part of the optimizer's state, which
+    covers the stage and the head)."""
+
+    def __init__(self, index: int, module: nn.Module, device: torch.device, stepper: Stepper,
+                 head: nn.Module) -> None:
+        super().__init__(index, module, device, stepper)
+        self.head = head
+
     def _both(self) -> nn.ModuleDict:
         """The stage and its head under one roof: the names of everything the optimizer holds."""
         return nn.ModuleDict({"main": self.module, "head": self.head})
 
     def layout(self) -> dict[str, Any]:
         lay = super().layout()
-        if self.head is not None:
-            lay["aux"] = dataclasses.asdict(ckpt.layout_of(self.head))
+        lay["aux"] = dataclasses.asdict(ckpt.layout_of(self.head))
         return lay
 
     def snapshot(self) -> dict[str, Any]:
-        if self.head is None:
-            return super().snapshot()
         snap = dict(ckpt.stage_snapshot(self.module))
-        both = ckpt.optimizers_snapshot(self._both(), self.optimizers())
+        both = ckpt.optimizers_snapshot(self._both(), self.stepper.optimizers())
         part = {p: {n.removeprefix(p): v for n, v in both.items() if n.startswith(p)} for p in ("main.", "head.")}
         snap["optim"] = part["main."]
-        snap["sched"] = ckpt.schedulers_snapshot(self.schedulers())
+        snap["sched"] = ckpt.schedulers_snapshot(self.stepper.schedulers())
         snap["scaler"] = None
         snap["aux"] = {"model": {n: t.detach().to("cpu", copy=True) for n, t in self.head.state_dict().items()},
                        "optim": part["head."]}
         return snap
 
     def restore(self, snap: dict[str, Any]) -> None:
-        if self.head is None:
-            return super().restore(snap)
         aux = snap.get("aux")
         if not isinstance(aux, dict):
             raise ckpt.CheckpointError(f"stage {self.index} has an auxiliary head, the checkpoint has none for it")
         self.module.load_state_dict(snap["model"], strict=True)
         self.head.load_state_dict(aux["model"], strict=True)
-        ckpt.load_schedulers_snapshot(self.schedulers(), snap.get("sched"), self.index)
+        ckpt.load_schedulers_snapshot(self.stepper.schedulers(), snap.get("sched"), self.index)
         if snap.get("optim"):
             both = {**{f"main.{n}": v for n, v in snap["optim"].items()},
                     **{f"head.{n}": v for n, v in aux["optim"].items()}}
-            for optimizer in self.optimizers():
+            for optimizer in self.stepper.optimizers():
                 ckpt.load_optimizer_snapshot(self._both(), optimizer, both, self.device)
         if snap.get("rng") is not None:
             torch.set_rng_state(snap["rng"])

@@ -208,7 +208,7 @@ def test_snapshots_restore_continue_training_exactly():
     snaps = a.get_snapshots()
     losses_a = [train(a, step, *batches[step]) for step in (1, 2)]
     expected = flat_state(a)
-    assert [ex.optimizer.param_groups[0]["lr"] for ex in a.executors] == [0.005] * 3
+    assert [ex.stepper.optimizer.param_groups[0]["lr"] for ex in a.executors] == [0.005] * 3
 
     b = backend(make_stages(7), **kw)  # other weights, and a history of its own (moments,
     for step in (0, 1):  # scheduler count, RNG draws) that restore must replace
@@ -219,4 +219,4 @@ def test_snapshots_restore_continue_training_exactly():
     assert losses_b == losses_a
     for k, (ta, tb) in enumerate(zip(expected, flat_state(b))):
         assert torch.equal(ta, tb), f"tensor {k}"
-    assert [ex.optimizer.param_groups[0]["lr"] for ex in b.executors] == [0.005] * 3
+    assert [ex.stepper.optimizer.param_groups[0]["lr"] for ex in b.executors] == [0.005] * 3

@@ -124,7 +124,7 @@ def test_the_interpreter_traces_I_and_W_rows_and_counts_the_backwards_at_W():
 
     class Sync:  # data parallelism's all-reduce: it must start after the step's last W
         def start(self):
-            started.append([a for a in ex.pending_w])
+            started.append([a for a in ex.backprop.pending])
 
         def finish(self):
             pass

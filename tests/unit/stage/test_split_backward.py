@@ -57,7 +57,7 @@ def _run(index: int, split: bool, recompute: bool) -> tuple[list, list, list]:
         assert all(p.grad is None for p in ex.module.parameters())  # I leaves the weights alone
         for j in (0, 2, 1):
             ex.weight_grad(j)
-        assert not ex.pending_w  # freed
+        assert not ex.backprop.pending  # freed
     return outs, ins, [p.grad.clone() for p in ex.module.parameters()]
 
 
@@ -96,9 +96,9 @@ def test_a_new_step_forgets_what_an_unfinished_split_kept():
     ex.begin(0, SIZES, True)
     ex.forward(0, (torch.randn(3, 5),))
     ex.input_grad(0, (torch.randn(3, 5),))
-    assert list(ex.pending_w) == [0]
+    assert list(ex.backprop.pending) == [0]
     ex.begin(1, SIZES, True)
-    assert not ex.pending_w and not ex.stash
+    assert not ex.backprop.pending and not ex.stash
 
 
 def test_the_last_stage_I_differentiates_the_loss_and_a_weightless_microbatch_gives_zeros():

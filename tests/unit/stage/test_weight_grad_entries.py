@@ -105,7 +105,7 @@ def _run(make, index: int, split: bool, numerics: Numerics) -> list:
     if split:
         for j in (0, 1, 2):  # the sum over microbatches in B's order (1, 0, 2 sums as 0, 1, 2)
             ex.weight_grad(j)
-        assert not ex.pending_w
+        assert not ex.backprop.pending
     return [ins, [p.grad for p in module.parameters()]]
 
 
@@ -162,4 +162,4 @@ def test_W_frees_what_it_needed():
     assert saved() is not None
     ex.weight_grad(0)
     gc.collect()
-    assert saved() is None and not ex.pending_w
+    assert saved() is None and not ex.backprop.pending
