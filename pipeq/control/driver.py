@@ -60,7 +60,7 @@ class ProcessBackend:
     ``payloads[g]`` is what process g (replica g // N's stage g % N) is built from: a pickled
     :class:`~pipeq.runtime.executors.StageSpec`, or a :class:`~pipeq.runtime.executors.StageBuilder`
     (required for stages on other nodes, which their node's agent starts and which never receive
-    pickles). ``config`` is the run's (:class:`~pipeq.control.config.RunConfig`); ``settings`` what
+    pickles). ``config`` is the run's (:class:`~pipeq.RunConfig`); ``settings`` what
     every stage process is told, derived from it (:meth:`StageSettings.of`).
 
     With ``settings.tensor_parallel = T > 1`` each stage runs on T processes (see
@@ -278,7 +278,7 @@ class ProcessBackend:
         return [microbatch.Packed.of(m.tensors, control.read(m, Output).tree) for m in outputs]
 
     def stats(self, reset: bool = False) -> list[dict[str, Any]]:
-        """Every stage's :meth:`~pipeq.stage.executor.StageExecutor.stats` (replica 0's)."""
+        """Every stage's :meth:`~pipeq.StageExecutor.stats` (replica 0's)."""
         sup = self._usable()
         req = self._next_request_id()
         stages = range(self.n_stages)
@@ -331,7 +331,7 @@ class ProcessBackend:
         return [ready.layout for ready in self.processes.ready[:self.n_stages]]
 
     def declared_inputs(self) -> list[tuple[str, ...]]:
-        """The inputs each stage declares (:class:`pipeq.stage.info.StageInfo`), as its READY said."""
+        """The inputs each stage declares (:class:`pipeq.StageInfo`), as its READY said."""
         return [tuple(ready.inputs or ()) for ready in self.processes.ready[:self.n_stages]]
 
     def scheduler_step(self, metric: float | None) -> None:

@@ -223,7 +223,7 @@ def like(full: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
 class ShardedStageExecutor(StageExecutor):
     """A stage split over its shards (fill-drain, 1F1B and schedules of F, B and STEP).
 
-    Computes as :class:`~pipeq.stage.executor.StageExecutor` does, on the parallelized module; hands
+    Computes as :class:`~pipeq.StageExecutor` does, on the parallelized module; hands
     whole tensors to its neighbours, and whole states to the driver."""
 
     def _call(self, j: int, args: Tensors, tree: Any, grad: bool,

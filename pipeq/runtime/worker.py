@@ -365,7 +365,7 @@ def _shard(cfg: WorkerConfig, spec: StageSpec, transport: StageTransport,
 
 def _publish(cfg: WorkerConfig, info: dict[str, Any]) -> None:
     """Multi-host: publish this process's endpoints in the rendezvous store as ``stage/<g>``
-    (JSON, signed with the job's secret under the entry's full key, as pipeq.rendezvous reads it;
+    (JSON, signed with the job's secret under the entry's full key, as pipeq.control.rendezvous reads it;
     no pickles). Node 0 only reads it for its start-up hints."""
     if cfg.store is None:
         return

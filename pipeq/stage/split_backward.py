@@ -34,7 +34,7 @@ Roots = tuple[list[torch.Tensor], list[Any]]  # what a backward starts from: ten
 
 
 class SplitBackward:
-    """The ``I`` and ``W`` halves of :class:`~pipeq.stage.executor.StageExecutor`'s backward."""
+    """The ``I`` and ``W`` halves of :class:`~pipeq.StageExecutor`'s backward."""
 
     # what the executor provides
     index: int

@@ -1,6 +1,6 @@
 """A stage's state: its tensors for the driver, its checkpoint layout, snapshots and their restore.
 
-:class:`StageState` is a part of :class:`~pipeq.stage.executor.StageExecutor`: the executor
+:class:`StageState` is a part of :class:`~pipeq.StageExecutor`: the executor
 holds the module, its optimizers, schedulers and loss scaler, and these methods read and load
 them. Executors that hold more (an auxiliary head, a sharded module) override them.
 """

@@ -5,7 +5,7 @@ The gradients are final once they are summed over the replicas (:meth:`Optimizer
 and then, for tied weights, over the stages holding a copy (the interpreter's exchange, see
 :mod:`pipeq.stage.ties`); a tied parameter counts in the global gradient norm once, on its owner.
 
-:class:`OptimizerStep` is a part of :class:`~pipeq.stage.executor.StageExecutor`. A step runs
+:class:`OptimizerStep` is a part of :class:`~pipeq.StageExecutor`. A step runs
 one of two ways: :meth:`~OptimizerStep.optimizer_step` when the stages need not agree first, or
 :meth:`~OptimizerStep.step_stats` then :meth:`~OptimizerStep.apply_step` with the statistics
 every stage combined (see :mod:`pipeq.stage.numerics`).
