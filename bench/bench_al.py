@@ -6,7 +6,7 @@
 Three ways to train the same f-chain, each timed in steps/s (one ``runner.step`` = one batch):
 
 - AL pipelined: ``schedule="al"``, process mode: one process per stage, messages only flow
-  forward, every stage updates after each microbatch (``pipeq.al``);
+  forward, every stage updates after each microbatch (``pipeq.research``);
 - AL sequential: the very same AL math and executors in one process, layer after layer:
   ``mode="simulated"`` runs stage 0's whole step, then stage 1's, ... (an AL stage never waits
   for a later one, so the simulated engine never switches early; the test checks the order);
@@ -71,7 +71,7 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq.research.al.executor import ALLayer
+from pipeq.research import ALLayer
 from pipeq.testing import SleepStage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ boundary. Both splits train the same model in process mode (``threads_per_stage=
 forkserver), traced: steps/s is 1 / the median step time after warm-up, and the bubble (share
 of a step's wall time a stage does not compute, averaged over stages; the ideal
 (N-1)/(m+N-1) assumes equal stages) and each stage's compute per step come from the trace
-(``pipeq.report.analyze``).
+(``pipeq.trace.analyze``).
 """
 
 from __future__ import annotations

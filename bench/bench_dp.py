@@ -17,7 +17,7 @@ Per N:
 - T_comp: a step of R = 1 on half the batch: one replica's work on its shard, no synchronization;
 - a probe in plain torch, R x N processes pinned as pipeq pins its stage processes, each with
   stage k's module and a shard, no pipeline messages:
-  T_sync, stage k's ``pipeq.dataparallel.GradSync`` alone (flatten the gradients, send them to
+  T_sync, stage k's ``pipeq.parallel.data.GradSync`` alone (flatten the gradients, send them to
   the other replica over pipeq's ipc link, wait for its, add, copy back: what a stage does
   before its optimizer step), all N stages at once;
   contention, a stage's compute of one step (forwards, backwards, optimizer step) while every
@@ -187,7 +187,7 @@ def probe(n_stages: int, replicas: int, shard: int, microbatches: int, width: in
     with stage k's module and a shard of ``shard`` samples, no pipeline messages, iterations
     alternating: a stage's work of one step (its forwards and backwards, its optimizer step) with
     every process computing ("beside") and with only replica 0's ("alone"); T_sync = stage k's
-    ``pipeq.dataparallel.GradSync`` (flatten, send to the other replica over pipeq's ipc link,
+    ``pipeq.parallel.data.GradSync`` (flatten, send to the other replica over pipeq's ipc link,
     wait, add, copy back), all N stages at once. The slowest stage's, medians over iterations (and
     replicas)."""
     from pipeq.wire.sockets import make_ipc_dir, remove_ipc_dir

@@ -73,7 +73,7 @@ def plan_makespan(scheme: str, n: int, m: int, f: float, b: float) -> float:
 def action_costs(scheme: str, n: int, f: float, b: float) -> list[dict[Op, float]]:
     """Per stage, what F and B cost on stages of fixed cost, pass-through backwards included.
 
-    Mirrors pipeq.interlock.InterlockExecutor: a stage k > 0 below the last that sends its own
+    Mirrors pipeq.research.interlock.executor.InterlockExecutor: a stage k > 0 below the last that sends its own
     head's gradient down computes it through main right after the forward (one backward more in
     F); in B, every gradient it sends other than its own head's and its trainer's is carried
     through main on its own (one backward more each).

@@ -21,7 +21,7 @@ marked "disturbed".
       pipeq ipc        two ``pipeq.wire.stage_link.StageTransport`` bound on ipc (a private directory
                        from ``make_ipc_dir``): process 0 ``send_activation``s, process 1
                        ``wait_data(forward_queue, step, i)``s each message in order. When this
-                       checkout's StageTransport takes ``shm=`` (and ``pipeq.shm`` imports) the
+                       checkout's StageTransport takes ``shm=`` (and ``pipeq.wire.shm`` imports) the
                        column passes ``shm=ShmConfig(prefix="pipeq-bench-<pid>-<random>")``
                        and a second column, "pipeq ipc, zmq frames", runs the same without it
                        (the before/after in one run); otherwise it is labelled "(no shm)".
@@ -126,7 +126,7 @@ SUMMARY: list[list[str]] = []  # [probe, measured, target, verdict]
 # Shared memory: passed only where this checkout has it
 # ==================================================================================================
 def shm_config_class() -> Any:
-    """``pipeq.shm.ShmConfig`` if StageTransport takes ``shm=`` and pipeq.shm imports, else None."""
+    """``pipeq.wire.shm.ShmConfig`` if StageTransport takes ``shm=`` and pipeq.wire.shm imports, else None."""
     from pipeq.wire.stage_link import StageTransport
 
     if "shm" not in inspect.signature(StageTransport).parameters:

@@ -13,7 +13,7 @@ schedule runs in its own runner (process mode, ``start_method="forkserver"``,
 then the same of ``runner.stream`` (the warm-up batches at the head of the stream; the clock runs
 from the loss of the last warm-up batch to the last loss, so neither the fill nor start-up counts).
 
-Bounds (batches/s, from ``pipeq.schedules.stream_bound``: dry runs with F and B as given, STEP
+Bounds (batches/s, from ``pipeq.schedules.bounds.stream_bound``: dry runs with F and B as given, STEP
 free): "plan" for the lowered action lists as they are; "model" for the same lists with the work
 interlocking really adds on a stage of fixed cost: pairwise and n-wise carry a head's gradient
 through the main module with ``torch.autograd.grad``, and on a SleepStage that input-gradient-only

@@ -48,7 +48,7 @@ torch alone (``parallelize_module`` on a 2-process gloo mesh, no pipeq, N = 1): 
 its collectives per microbatch counted by ``CommDebugMode`` (the forward's all-reduce; a second
 one in the backward when the stage's input needs its gradient, i.e. every stage but the first).
 From these, the communication a T = 2 step needs at least: per stage and microbatch its
-all-reduces plus two messages shard 0 shares with its sibling (``pipeq.shardlink``: a broadcast
+all-reduces plus two messages shard 0 shares with its sibling (``pipeq.wire.shard_link``: a broadcast
 of the size, one of the frames; the input or received activation, the target or received
 gradient; the commands' small ones left out), m microbatches, the slowest stage.
 
@@ -327,7 +327,7 @@ def child_comm(rank: int, world: int, port: int, width: int, batch: int, mbs: in
                "all_reduce_tiny": timed(lambda: dist.all_reduce(tiny)),  # the latency
                "all_gather": timed(lambda: dist.all_gather(pieces, piece)),
                "broadcast": timed(lambda: dist.broadcast(act, src=0)),
-               "broadcast_tiny": timed(lambda: dist.broadcast(head, src=0))}  # pipeq.shardlink's size header
+               "broadcast_tiny": timed(lambda: dist.broadcast(head, src=0))}  # pipeq.wire.shard_link's size header
 
         # one stage tensor-parallelized by torch alone (N = 1: no input gradient), and its
         # collectives per microbatch with and without an input gradient

@@ -8,7 +8,7 @@ Four MLP blocks (Linear 64->W + ReLU, then Linear W->W + ReLU three times; W = 2
 scikit-learn's 8x8 digits (pixels standardized per feature, std clamped at >= 1 so that the
 always-blank border pixels stay 0; an 80/20 split, seed 0) are trained two ways:
 
-- AL (``schedule="al"``): each block is the ``f`` of an AL layer (``pipeq.al.build_al``: a
+- AL (``schedule="al"``): each block is the ``f`` of an AL layer (``pipeq.research.build_al``: a
   Linear+Tanh bridge ``b``, label encoder ``g`` and decoder ``h`` per layer, label widths = W).
   Every stage learns from its own two local losses only and updates after every microbatch, so
   messages only flow forward; prediction decodes ``b_4``, ``h_4 .. h_1`` back to stage 0
@@ -57,7 +57,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pipeq  # noqa: E402
 from examples.train_digits import load_digits  # noqa: E402  (the same split and scaling)
-from pipeq.al import build_al  # noqa: E402
+from pipeq.research import build_al  # noqa: E402
 
 N_STAGES = 4
 N_CLASSES = 10
@@ -70,7 +70,7 @@ def make_blocks(width: int = WIDTH) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(64 if i == 0 else width, width), nn.ReLU()) for i in range(N_STAGES)]
 
 
-def make_al(seed: int = 0, width: int = WIDTH) -> list[pipeq.al.ALLayer]:
+def make_al(seed: int = 0, width: int = WIDTH) -> list[pipeq.research.ALLayer]:
     """The AL layers: the seed's blocks first, then each layer's b, g, h."""
     torch.manual_seed(seed)
     return build_al(make_blocks(width), [width] * N_STAGES, N_CLASSES)

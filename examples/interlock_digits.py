@@ -6,7 +6,7 @@
     python examples/interlock_digits.py --head gbpl_fc --arch 16,2/32,2   # other heads, a deeper net
 
 The network is a small basic-block ResNet on scikit-learn's 8x8 digits (1 channel), built with its
-heads by ``pipeq.resnet.resnet`` from spec strings as in the interlocking-backprop paper's code:
+heads by ``pipeq.models.resnet.resnet`` from spec strings as in the interlocking-backprop paper's code:
 architecture ``16,1/32,1/64,1`` (16 planes at 8x8, 32 at 4x4, 64 at 2x2) cut into 4 stages, the
 stem | a block | a block | the last block and the classifier, and each stage but the last owns an
 auxiliary head ``conv32_bn_gbpl_fc`` (conv3x3 -> 32 channels, BN, ReLU, global average pool,
@@ -60,7 +60,7 @@ from tqdm import tqdm
 from torch import nn
 
 import pipeq
-from pipeq.resnet import resnet
+from pipeq.models.resnet import resnet
 
 N_STAGES = 4
 SCHEMES = ("global", "local", "pairwise", "3-wise")
@@ -91,7 +91,7 @@ def load_digits(seed: int = 0):
 
 def make_model(seed: int = 0, arch: str = ARCH, head: str = HEAD) -> tuple[list[nn.Module], list[nn.Module]]:
     """(4 stages, 3 auxiliary heads) of a basic-block ResNet on 1x8x8 images, the same weights
-    for the same seed: the stem | a block | a block | the rest (see pipeq.resnet)."""
+    for the same seed: the stem | a block | a block | the rest (see pipeq.models.resnet)."""
     torch.manual_seed(seed)
     return resnet("basic", arch, head, BLOCKS_PER_COMPONENT, n_classes=10, in_channels=1, stem_channels=16)
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float]]:
                    "at least 2 blocks in all: the stages are the stem | a block | a block | the rest)")
     p.add_argument("--head", default=HEAD, metavar="SPEC",
                    help=f"the auxiliary heads' spec (default {HEAD}): conv<ch>, bn, gbpl, fc<width>, fc "
-                   "joined by '_', ending in fc (see pipeq.resnet)")
+                   "joined by '_', ending in fc (see pipeq.models.resnet)")
     args = p.parse_args(argv)
     for name in args.schemes:
         try:

@@ -26,10 +26,8 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq import report
-from pipeq.plot import plot_trace
 from pipeq.testing import SleepStage
-from pipeq.trace import load_trace
+from pipeq.trace import analyze, format_report, load_trace, plot_trace
 
 def trace_run(schedule: str, out: str, n: int = 4, m: int = 8) -> str:
     path = os.path.join(out, f"trace-{schedule}.json")
@@ -60,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     for schedule in args.schedules:
         path = trace_run(schedule, args.out)
         trace = load_trace(path)
-        print(report.format_report(report.analyze(trace, skip_first=1)))
+        print(format_report(analyze(trace, skip_first=1)))
         v = pipeq.schedules.resolve(schedule).stages_per_process
         shape = "4 stages" if v == 1 else f"4 processes x {v} stages"
         png = plot_trace(trace, path[:-len(".json")] + ".png",

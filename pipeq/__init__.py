@@ -1,5 +1,12 @@
 """pipeq: multiprocess pipeline-parallel training for PyTorch over ZeroMQ.
 
+The public API is this package's ``__all__`` and that of the public modules below it:
+:mod:`pipeq.schedules`, :mod:`pipeq.research`, :mod:`pipeq.split`, :mod:`pipeq.balance`,
+:mod:`pipeq.checkpoint`, :mod:`pipeq.trace`, :mod:`pipeq.models.resnet` and :mod:`pipeq.testing`
+(docs/reference/api.md documents each of their names; pipeq.launch.reference.FRONTS lists them).
+Everything else is pipeq's own and may change. ``import pipeq`` imports no torch and changes
+nothing outside pipeq (see docs/architecture.md).
+
 The folders are the layers; imports point down only (tests/unit/test_layers.py checks it)::
 
     control plane  launch/     pipeq launch: cli.py, job files (job/keys.py: the one table of keys),
@@ -17,7 +24,7 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
                                faults.py (PIPEQ_FAULT: failures injected on purpose)
     compute        schedules/  pure: actions as data, the schedule policy protocol (protocol.py), the
                                registry, lowering, dry runs, bounds; placement.py (virtual stages);
-                               zero_bubble.py, zb_h2.py, interleaved.py, zbv.py, dualpipe.py
+                               zero_bubble.py (ZB-H1, ZB-H2, ZBV), interleaved.py, dualpipe.py
                    research/   plug-in schedules with their executors: interlock/, async1f1b/, al/
                    stage/      one stage's forward, backward (whole or split: backprop.py) and step;
                                numerics, microbatches, lr, what a stage says of itself (info.py),
@@ -40,33 +47,52 @@ The folders are the layers; imports point down only (tests/unit/test_layers.py c
 """
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 from typing import TYPE_CHECKING, Any
 
-from pipeq.errors import CodecError, MainScriptError, PipelineError, ScheduleError, install_excepthook
+from pipeq.errors import CodecError, MainScriptError, PipelineError, ScheduleError
 from pipeq.schedules import SCHEDULES, format_table
-from pipeq import research  # noqa: F401  (registers the research schedules)
+from pipeq import research  # noqa: F401  (registers the research schedules in pipeq.schedules.SCHEDULES)
 
 if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers and the API reference
     from pipeq import balance, split
+    from pipeq.control.config import FaultConfig, NumericsConfig, PlacementConfig, RunConfig, WireConfig
+    from pipeq.control.rendezvous import Rendezvous
     from pipeq.control.runner import PipelineRunner
+    from pipeq.launch.csv_schedule import from_csv, to_csv
+    from pipeq.launch.job.load import load_job
     from pipeq.launch.job.recipe import Recipe
+    from pipeq.launch.job.spec import Job
+    from pipeq.stage.executor import StageExecutor
+    from pipeq.stage.info import StageInfo, Tie, info_of, set_info
+    from pipeq.stage.lr_schedulers import LRSchedule
 
-__all__ = ["PipelineRunner", "Recipe", "balance", "split", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
-           "SCHEDULES", "format_table"]
+#: The public API: this package's names, and the public subpackages' (docs/reference/api.md
+#: documents them all; the folders below them are pipeq's own, and may change).
+__all__ = [
+    "PipelineRunner", "RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig",
+    "StageInfo", "Tie", "set_info", "info_of", "LRSchedule", "StageExecutor",
+    "split", "balance", "Recipe", "Job", "load_job", "Rendezvous", "from_csv", "to_csv",
+    "SCHEDULES", "format_table", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
+]
 __version__ = "0.1.0"
 
-install_excepthook()  # an uncaught stage error's first line is the error (pipeq.errors.excepthook)
-
 # Imported on first use: ``import pipeq`` stays light (no torch), so that ``pipeq launch`` can start
-# its fork server before it imports torch itself (pipeq.forkserver).
-# ``balance`` and ``split`` are the modules pipeq.balance and pipeq.split, callable as their main
-# functions (see there).
-_LAZY = {"PipelineRunner": ("control.runner", "PipelineRunner"), "Recipe": ("launch.job", "Recipe"),
-         "rendezvous": ("control.rendezvous", None), "balance": ("balance", None),
-         "split": ("split", None)}
+# its fork server before it imports torch itself (pipeq.control.forkserver). Name -> (module, the
+# name there; None: the module itself). ``balance`` and ``split`` are the modules pipeq.balance and
+# pipeq.split, callable as their main functions (see there).
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "PipelineRunner": ("control.runner", "PipelineRunner"),
+    **{name: ("control.config", name) for name in
+       ("RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig")},
+    **{name: ("stage.info", name) for name in ("StageInfo", "Tie", "set_info", "info_of")},
+    "LRSchedule": ("stage.lr_schedulers", "LRSchedule"),
+    "StageExecutor": ("stage.executor", "StageExecutor"),
+    "Recipe": ("launch.job.recipe", "Recipe"), "Job": ("launch.job.spec", "Job"),
+    "load_job": ("launch.job.load", "load_job"),
+    "Rendezvous": ("control.rendezvous", "Rendezvous"),
+    "from_csv": ("launch.csv_schedule", "from_csv"), "to_csv": ("launch.csv_schedule", "to_csv"),
+    "balance": ("balance", None), "split": ("split", None),
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -79,32 +105,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-#: Modules that moved into the packages, by their earlier names: ``import pipeq.al`` (and job
-#: files naming ``pipeq.resnet:stages``) get the module where it lives now.
-MOVED = {
-    "al": "research.al", "al_models": "research.al.models", "interlock": "research.interlock.executor",
-    "asyncpipe": "research.async1f1b.executor", "resnet": "models.resnet", "rendezvous": "control.rendezvous",
-    "evaluation": "control.evaluation", "job": "launch.job", "report": "trace.report", "plot": "trace.plot",
-    "lr_schedulers": "stage.lr_schedulers", "microbatch": "stage.microbatch", "numerics": "stage.numerics",
-    "dataparallel": "parallel.data", "tensorpar": "parallel.tensor", "actions": "schedules.actions",
-    "dryrun": "schedules.dryrun", "bounds": "schedules.bounds", "shm": "wire.shm", "keys": "wire.keys",
-}
-
-
-class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``pipeq.<earlier name>`` as the module it names now (the same module object)."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name.startswith("pipeq.") and name[6:] in MOVED:
-            return importlib.util.spec_from_loader(name, self)
-        return None
-
-    def create_module(self, spec: Any) -> Any:
-        return importlib.import_module("pipeq." + MOVED[spec.name[6:]])
-
-    def exec_module(self, module: Any) -> None:
-        pass
-
-
-if not any(isinstance(f, _Moved) for f in sys.meta_path):
-    sys.meta_path.append(_Moved())
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -92,9 +92,9 @@ def format_stage_error(exc: PipelineError) -> str:
 
 def excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None,
                then=sys.__excepthook__) -> None:
-    """``sys.excepthook`` while pipeq is imported: a stage's error (a PipelineError carrying the
-    stage's traceback, not chained to another) is shown by :func:`format_stage_error`; anything
-    else goes to the hook that was there before."""
+    """``sys.excepthook`` once a runner has started (:func:`install_excepthook`): a stage's error
+    (a PipelineError carrying the stage's traceback, not chained to another) is shown by
+    :func:`format_stage_error`; anything else goes to the hook that was there before."""
     if (isinstance(exc, PipelineError) and exc.remote_traceback and exc.__cause__ is None
             and (exc.__context__ is None or exc.__suppress_context__)):
         sys.stderr.write(format_stage_error(exc))
@@ -105,7 +105,9 @@ def excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType 
 
 def install_excepthook() -> bool:
     """Show uncaught stage errors with :func:`excepthook`, unless ``sys.excepthook`` is already
-    somebody's own (IPython, rich...): it is left alone. True when installed."""
+    somebody's own (IPython, rich...): it is left alone. True when installed. Called by a runner's
+    first ``start()`` (which ``pipeq launch`` makes too), never by ``import pipeq``: importing
+    changes nothing global."""
     if sys.excepthook is not sys.__excepthook__:
         return False
     sys.excepthook = excepthook

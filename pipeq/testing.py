@@ -19,6 +19,8 @@ import time
 import torch
 from torch import nn
 
+__all__ = ["SleepStage"]
+
 
 class _Sleep(torch.autograd.Function):
     """Identity whose forward sleeps ``forward_s`` and whose backward sleeps ``backward_s``."""

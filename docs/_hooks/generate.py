@@ -8,9 +8,12 @@ never fall behind the code):
     <!-- generated: job-keys -->          every job-file key, a table per section, from
                                           ``pipeq.launch.job.keys.KEYS`` (``job_keys_markdown``)
     <!-- generated: schedule-options -->  the options a ``schedule = { name = ... }`` table takes
+    <!-- generated: api -->               the Python API: mkdocstrings' blocks (``::: pipeq.RunConfig``)
+                                          for every public name (``api_markdown``: the public modules'
+                                          ``__all__``, in the sections of ``API_SECTIONS``)
 
-The Python API page (reference/api.md) is mkdocstrings' (``::: pipeq.PipelineRunner``), with the
-docstrings' reStructuredText roles turned into Markdown by docs/_hooks/griffe_roles.py.
+mkdocstrings renders the API page's blocks, with the docstrings' reStructuredText roles turned into
+Markdown by docs/_hooks/griffe_roles.py.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "<!-- generated: cli -->": reference.cli_markdown,
     "<!-- generated: job-keys -->": reference.job_keys_markdown,
     "<!-- generated: schedule-options -->": reference.schedule_options_markdown,
+    "<!-- generated: api -->": reference.api_markdown,
 }
 #: the pages that must hold a marker (a page that lost its marker would silently lose its reference)
-EXPECTED = {"reference/cli.md": ["<!-- generated: cli -->"],
+EXPECTED = {"reference/api.md": ["<!-- generated: api -->"], "reference/cli.md": ["<!-- generated: cli -->"],
             "reference/job-file.md": ["<!-- generated: job-keys -->", "<!-- generated: schedule-options -->"]}
 
 

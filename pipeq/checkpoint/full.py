@@ -3,7 +3,7 @@
 A full disk shows up as ``OSError: [Errno 28] No space left on device`` (no path) from a write or
 an fsync, or, inside ``torch.save``, as torch's zip writer failing (``[enforce fail at
 inline_container.cc:...] . unexpected pos ...``, ``file write failed``), which loses the errno.
-:func:`no_space_error` turns either into a :class:`~pipeq.checkpoint.data.NoSpaceError` that says
+:func:`no_space_error` turns either into a :class:`~pipeq.checkpoint.NoSpaceError` that says
 where (the device, the path), while saving what, and which checkpoint is still intact (a save
 never touches the previous one before the new one is complete: :mod:`pipeq.checkpoint.atomic`).
 """

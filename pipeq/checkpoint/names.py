@@ -10,7 +10,7 @@ another way maps to the same names, so 3 stages load into 2. ``runner.state_dict
 (:func:`global_state`, :func:`split_state`).
 
 Two kinds of stage name their tensors otherwise (:class:`StageNames` says how one stage's names
-read): a stage whose :class:`~pipeq.stage.info.StageInfo` says ``model_names`` contributes its
+read): a stage whose :class:`~pipeq.StageInfo` says ``model_names`` contributes its
 local names unchanged (they are the whole model's own names, no flat offset), and a tied
 parameter (``StageInfo.ties``), of which every stage holding it has a copy, is held once, under
 its tie's key, taken from its owner (the first stage holding it); loading hands that one tensor
@@ -129,7 +129,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def naming_of(module: nn.Module) -> dict[str, Any]:
     """How the stage module's names read beyond layers (:class:`StageLayout`'s fields
     ``names_global``, ``ties``, ``tie_stages`` and ``aliases``), from its
-    :class:`~pipeq.stage.info.StageInfo` and the tensors it names twice."""
+    :class:`~pipeq.StageInfo` and the tensors it names twice."""
     info = info_of(module)
     sd = module.state_dict(keep_vars=True)
     first: dict[int, str] = {}

@@ -4,7 +4,7 @@ full-batch step.
 A batch of n samples becomes ``min(m, n)`` near-equal microbatches (larger ones first); with R
 data-parallel replicas it is first split into R shards, each then into microbatches. Each
 microbatch's loss is weighted by its share of the *whole* batch's loss denominator
-(:func:`pipeq.stage.microbatch_weights`), the auxiliary heads' losses likewise under their own
+(:func:`pipeq.stage.loss.microbatch_weights`), the auxiliary heads' losses likewise under their own
 reduction, so the accumulated (and all-reduced) gradients are the full batch's::
 
     batch of 10, m = 4, R = 1:  sizes [3, 3, 2, 2]     weights [0.3, 0.3, 0.2, 0.2] (mean loss)

@@ -31,16 +31,7 @@ from pipeq.stage.tie_groups import refuse_ties
 if TYPE_CHECKING:
     from pipeq.control.rendezvous import Rendezvous
 
-__all__ = ["MOVED", "SCHEDULE_ONLY", "refuse_moved", "Model", "check_model", "check_tensor_parallel",
-           "process_payloads"]
-
-#: Keyword arguments that used to be the runner's and are now options of a schedule object.
-MOVED = {
-    "interlock_distance": "schedule=pipeq.schedules.Interlock('nwise', distance={value!r})",
-    "weight_stashing": "schedule=pipeq.schedules.AsyncOneFOneB(weight_stashing={value!r})",
-    "al_first_loss": "schedule=pipeq.schedules.AssociatedLearning(first_loss={value!r})",
-    "al_inference_layer": "schedule=pipeq.schedules.AssociatedLearning(inference_layer={value!r})",
-}
+__all__ = ["SCHEDULE_ONLY", "refuse_unknown", "Model", "check_model", "check_tensor_parallel", "process_payloads"]
 
 
 #: The schedules' options by the names the schedule objects, job files and ``pipeq schedule``
@@ -49,17 +40,15 @@ MOVED = {
 SCHEDULE_ONLY = {
     "distance": "schedule=pipeq.schedules.Interlock('nwise', distance={value!r})",
     "warmup": "schedule=pipeq.schedules.AsyncOneFOneB(warmup={value!r})",
-    "first_loss": MOVED["al_first_loss"],
-    "inference_layer": MOVED["al_inference_layer"],
+    "first_loss": "schedule=pipeq.schedules.AssociatedLearning(first_loss={value!r})",
+    "inference_layer": "schedule=pipeq.schedules.AssociatedLearning(inference_layer={value!r})",
 }
 
 
-def refuse_moved(kwargs: Mapping[str, Any]) -> None:
-    """A moved option, or a schedule's option given to the runner, says where it belongs;
-    anything else is an unknown argument, as in Python."""
+def refuse_unknown(kwargs: Mapping[str, Any]) -> None:
+    """A schedule's option given to the runner says where it belongs; anything else is an
+    unknown argument, as in Python."""
     for key, value in kwargs.items():
-        if key in MOVED:
-            raise ValueError(f"{key} is an option of the schedule now: pass {MOVED[key].format(value=value)}")
         if key in SCHEDULE_ONLY:
             raise ValueError(f"{key} is an option of the schedule, not of the runner: pass "
                              f"{SCHEDULE_ONLY[key].format(value=value)}")
@@ -106,13 +95,13 @@ def check_model(
                              "lr_scheduler_interval in the recipe (job file) and pass lr_scheduler_interval=None")
         if ties is not None:
             raise ValueError("with a stage recipe, tied weights come from the stages it builds (their "
-                             "pipeq.stage.info.StageInfo, as pipeq.split makes them): pass ties=None")
+                             "pipeq.StageInfo, as pipeq.split makes them): pass ties=None")
         return _check_recipe(stages, loss_fn, optimizer, lr_scheduler, schedule, mode, data_parallel,
                              multi_host=rendezvous is not None)
     if rendezvous is not None:
         raise ValueError(
             "a multi-host run builds each stage on its own host from importable names: pass a job "
-            "recipe (pipeq.job.Recipe, or use pipeq launch) instead of modules")
+            "recipe (pipeq.Recipe, or use pipeq launch) instead of modules")
     copies = [tied.apply_ties(c, ties) for c in _replica_lists(stages, data_parallel)]
     stages = copies[0]
     refuse_ties(schedule, stages)

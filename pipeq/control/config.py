@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from pipeq import schedules
-from pipeq.control.checks import refuse_moved
+from pipeq.control.checks import refuse_unknown
 from pipeq.schedules import SchedulePolicy
 from pipeq.stage import numerics as numerics_mod
 from pipeq.stage.numerics import Numerics
@@ -295,7 +295,7 @@ class RunConfig:
         for name, kind in _PARTS.items():
             known = {f.name for f in dataclasses.fields(kind)}
             parts[name] = kind(**{k: settings.pop(k) for k in list(settings) if k in known})
-        refuse_moved(settings)
+        refuse_unknown(settings)
         return cls(schedule if schedule == "auto" else schedules.resolve(schedule), microbatches, trace, **parts)
 
     @property

@@ -277,7 +277,7 @@ class ProcessBackend:
         return [microbatch.Packed.of(m.tensors, control.read(m, Output).tree) for m in outputs]
 
     def stats(self, reset: bool = False) -> list[dict[str, Any]]:
-        """Every stage's :meth:`~pipeq.stage.executor.StageExecutor.stats` (replica 0's)."""
+        """Every stage's :meth:`~pipeq.StageExecutor.stats` (replica 0's)."""
         sup = self._usable()
         req = self._next_request_id()
         stages = range(self.n_stages)
@@ -330,7 +330,7 @@ class ProcessBackend:
         return [ready.layout for ready in self.processes.ready[:self.n_stages]]
 
     def declared_inputs(self) -> list[tuple[str, ...]]:
-        """The inputs each stage declares (:class:`pipeq.stage.info.StageInfo`), as its READY said."""
+        """The inputs each stage declares (:class:`pipeq.StageInfo`), as its READY said."""
         return [tuple(ready.inputs or ()) for ready in self.processes.ready[:self.n_stages]]
 
     def scheduler_step(self, metric: float | None) -> None:

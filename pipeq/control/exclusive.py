@@ -6,7 +6,7 @@ to the thread that is using it: two threads inside ``step`` at once would corrup
 aborts the process, replies are taken by the wrong caller). :class:`CallGuard` is a non-blocking
 re-entrant lock around the runner's public methods (:func:`exclusive`): the runner's own nested
 calls (``stream`` -> ``_settle``, ``evaluate`` -> ``predict``) enter again, while a call from
-another thread raises a :class:`~pipeq.errors.PipelineError` at once and changes nothing. It
+another thread raises a :class:`~pipeq.PipelineError` at once and changes nothing. It
 costs a lock acquire and release per call.
 """
 

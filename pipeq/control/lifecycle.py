@@ -9,7 +9,7 @@ from typing import Any
 from pipeq.control import shape_check
 from pipeq.control.exclusive import exclusive
 from pipeq.control.main_guard import check_main_guard
-from pipeq.errors import PipelineError
+from pipeq.errors import PipelineError, install_excepthook
 
 __all__ = ["RunnerLifecycle"]
 
@@ -29,9 +29,12 @@ class RunnerLifecycle:
         """Start the stages (one process per stage in process mode) and return the runner;
         ``with runner:`` calls it. A runner starts once: one that ran and was closed refuses
         (build a new one and load the ``state_dict`` you kept). In process mode the runner
-        must be started under the main script's ``if __name__ == "__main__":``."""
+        must be started under the main script's ``if __name__ == "__main__":``. The first start
+        installs :func:`pipeq.errors.excepthook` (an uncaught stage error shows its first line
+        first) where ``sys.excepthook`` is still Python's own."""
         if self._running:
             return self
+        install_excepthook()
         if self._used:
             raise PipelineError(
                 "this runner has already run and been closed; a restart would begin again from "

@@ -3,7 +3,7 @@
 pipeq reuses torch.distributed's rendezvous store (the ``TCPStore`` torchrun uses) instead of
 inventing one. Node 0 runs the driver (the control plane) and hosts the store, unless torchrun's
 agent already hosts it; the driver publishes its control address and the stage placement there.
-Every other node runs an agent (:mod:`pipeq.agent`) that reads them and starts its stages; each
+Every other node runs an agent (:mod:`pipeq.launch.agent`) that reads them and starts its stages; each
 stage publishes its own endpoints. Activations then flow directly between neighbour stages.
 
 Settings follow torchrun's conventions, flags first, then the environment::
@@ -64,6 +64,10 @@ GENERATION = "generation"
 
 @dataclass
 class Rendezvous:
+    """Where a multi-host run meets, and who this node is: what ``PipelineRunner(...,
+    rendezvous=...)`` takes on node 0 (``pipeq launch`` makes one from its flags). Build it with
+    :meth:`from_settings`, which reads the flags' values or torchrun's / SLURM's environment."""
+
     nnodes: int
     node_rank: int
     master_addr: str
@@ -78,6 +82,64 @@ class Rendezvous:
     secret: JobSecret | None = None  # the job's secret: keys of every socket, store signatures
     generation: int = 0  # which start of the run (a restart is a new one): its entries' namespace
     nodes: tuple[int, ...] | None = None  # the nodes that take part (None: all; fewer after a re-placement)
+
+    @classmethod
+    def from_settings(
+        cls,
+        nnodes: int | None = None,
+        node_rank: int | None = None,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        bind: str | None = None,
+        run_id: str | None = None,
+        env: Mapping[str, str] | None = None,
+        secret_file: str | None = None,
+    ) -> "Rendezvous | None":
+        """The rendezvous from flags, then torchrun's / SLURM's variables; None for one host.
+
+        A multi-host run needs the job's secret (:attr:`Rendezvous.secret`): from ``secret_file``
+        (which only its owner may read), else ``$PIPEQ_SECRET``; without one it is refused with a
+        ValueError that says how to make one. One host needs none (the runner makes its own)."""
+        env = os.environ if env is None else env
+        nnodes = nnodes if nnodes is not None else _env_int(env, "WORLD_SIZE", "SLURM_NTASKS")
+        if nnodes is None or nnodes == 1 and node_rank in (None, 0) and master_addr is None:
+            if bind is not None:
+                raise ValueError("--bind only applies to multi-host runs (--nnodes > 1)")
+            return None
+        if nnodes < 1:
+            raise ValueError(f"nnodes must be at least 1, got {nnodes}")
+        node_rank = node_rank if node_rank is not None else _env_int(env, "RANK", "SLURM_PROCID")
+        if node_rank is None:
+            raise ValueError(
+                f"a {nnodes}-node run needs this node's rank: pass --node-rank (or set RANK / SLURM_PROCID)"
+            )
+        if not 0 <= node_rank < nnodes:
+            raise ValueError(f"node rank {node_rank} is outside 0..{nnodes - 1} (nnodes={nnodes})")
+        master_addr = master_addr or env.get("MASTER_ADDR")
+        if not master_addr:
+            raise ValueError(
+                "a multi-host run needs node 0's address: pass --master-addr (or set MASTER_ADDR)"
+            )
+        if master_port is None:
+            master_port = _env_int(env, "MASTER_PORT") or DEFAULT_PORT
+        if not 0 < master_port < 65536:
+            raise ValueError(f"master port {master_port} is not a TCP port")
+        run_id = run_id or env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "pipeq"
+        secret = JobSecret.load(secret_file, env)
+        if secret is None:
+            raise ValueError(f"a multi-host run needs the job's secret on every node: {HOW_TO_MAKE}")
+        return cls(
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            bind=resolve_bind(bind, master_addr, master_port),
+            run_id=run_id,
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            local_rank=_env_int(env, "LOCAL_RANK"),
+            local_world_size=_env_int(env, "LOCAL_WORLD_SIZE"),
+            secret=secret,
+        )
 
     @property
     def prefix(self) -> str:
@@ -222,63 +284,6 @@ def _env_int(env: Mapping[str, str], *names: str) -> int | None:
             except ValueError:
                 raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
     return None
-
-
-def from_settings(
-    nnodes: int | None = None,
-    node_rank: int | None = None,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    bind: str | None = None,
-    run_id: str | None = None,
-    env: Mapping[str, str] | None = None,
-    secret_file: str | None = None,
-) -> Rendezvous | None:
-    """The rendezvous from flags, then torchrun's / SLURM's variables; None for one host.
-
-    A multi-host run needs the job's secret (:attr:`Rendezvous.secret`): from ``secret_file``
-    (which only its owner may read), else ``$PIPEQ_SECRET``; without one it is refused with a
-    ValueError that says how to make one. One host needs none (the runner makes its own)."""
-    env = os.environ if env is None else env
-    nnodes = nnodes if nnodes is not None else _env_int(env, "WORLD_SIZE", "SLURM_NTASKS")
-    if nnodes is None or nnodes == 1 and node_rank in (None, 0) and master_addr is None:
-        if bind is not None:
-            raise ValueError("--bind only applies to multi-host runs (--nnodes > 1)")
-        return None
-    if nnodes < 1:
-        raise ValueError(f"nnodes must be at least 1, got {nnodes}")
-    node_rank = node_rank if node_rank is not None else _env_int(env, "RANK", "SLURM_PROCID")
-    if node_rank is None:
-        raise ValueError(
-            f"a {nnodes}-node run needs this node's rank: pass --node-rank (or set RANK / SLURM_PROCID)"
-        )
-    if not 0 <= node_rank < nnodes:
-        raise ValueError(f"node rank {node_rank} is outside 0..{nnodes - 1} (nnodes={nnodes})")
-    master_addr = master_addr or env.get("MASTER_ADDR")
-    if not master_addr:
-        raise ValueError(
-            "a multi-host run needs node 0's address: pass --master-addr (or set MASTER_ADDR)"
-        )
-    if master_port is None:
-        master_port = _env_int(env, "MASTER_PORT") or DEFAULT_PORT
-    if not 0 < master_port < 65536:
-        raise ValueError(f"master port {master_port} is not a TCP port")
-    run_id = run_id or env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "pipeq"
-    secret = JobSecret.load(secret_file, env)
-    if secret is None:
-        raise ValueError(f"a multi-host run needs the job's secret on every node: {HOW_TO_MAKE}")
-    return Rendezvous(
-        nnodes=nnodes,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-        bind=resolve_bind(bind, master_addr, master_port),
-        run_id=run_id,
-        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-        local_rank=_env_int(env, "LOCAL_RANK"),
-        local_world_size=_env_int(env, "LOCAL_WORLD_SIZE"),
-        secret=secret,
-    )
 
 
 def resolve_bind(bind: str | None, master_addr: str, master_port: int) -> str:

@@ -9,7 +9,7 @@
         out = runner.predict(x)           # forward only -> CPU tensor
         state = runner.state_dict()       # keys as in the flat model nn.Sequential(*layers)
 
-The runner checks its arguments (a :class:`~pipeq.control.config.RunConfig`, built once) and the schedule (a dry run with the real stage and microbatch
+The runner checks its arguments (a :class:`~pipeq.RunConfig`, built once) and the schedule (a dry run with the real stage and microbatch
 counts) before anything starts, splits each batch into microbatches, and hands the work to a
 backend: :class:`~pipeq.control.driver.ProcessBackend` (``mode="process"``, the default) or
 :class:`~pipeq.runtime.simulated.SimulatedBackend` (``mode="simulated"``, every stage in this process).
@@ -53,7 +53,7 @@ __all__ = ["PipelineRunner"]
 class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots):
     """Train ``stages`` (one ``nn.Module`` per pipeline stage) with a pipeline schedule.
 
-    The settings (keyword arguments, grouped below) build a :class:`~pipeq.control.config.RunConfig`,
+    The settings (keyword arguments, grouped below) build a :class:`~pipeq.RunConfig`,
     whose parts' classes document them in full; ``config=`` gives one whole.
 
     Args: Model and training
@@ -154,7 +154,7 @@ class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots
             default. Either way, start the runner under ``if __name__ == "__main__":``.
         placement (Sequence[Sequence[int]] | None): stages per node in a multi-host run, e.g.
             ``[[0], [1, 2]]`` (default: an even, contiguous split).
-        rendezvous: a :class:`pipeq.control.rendezvous.Rendezvous` for a multi-host run (this process is node 0;
+        rendezvous: a :class:`pipeq.Rendezvous` for a multi-host run (this process is node 0;
             the others run ``pipeq launch ... --node-rank r``); its stages bind to ``rendezvous.bind`` over TCP.
         data_parallel (int): R replicas of the pipeline (R x N processes), gradients all-reduced (default 1).
         tensor_parallel (int): each stage split over T processes of one host (default 1), as
@@ -170,24 +170,24 @@ class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots
             runs (forward, backward, optimizer step, send, waiting for input) and ``close()``
             writes one merged Chrome trace-event JSON file there (Perfetto, chrome://tracing;
             ``pipeq report`` reads it). Process mode only.
-        config: a :class:`~pipeq.control.config.RunConfig` holding the schedule, microbatches
+        config: a :class:`~pipeq.RunConfig` holding the schedule, microbatches
             and every setting above, instead of keyword arguments (not both).
 
     Names: :meth:`state_dict`, :meth:`save` / :meth:`load` (every stage's parameters, optimizer and
     scheduler state; into another split of the same layers too) and ``pipeq launch``'s model.pt name
     tensors as the flat model ``nn.Sequential(*layers)`` does (see :meth:`state_dict`).
-    ``runner.lr_schedule`` (a :class:`pipeq.stage.lr_schedulers.LRSchedule`) says how the lr schedulers
+    ``runner.lr_schedule`` (a :class:`pipeq.LRSchedule`) says how the lr schedulers
     are stepped: its ``interval``, and whether they take a metric (ReduceLROnPlateau).
 
     Threads: a runner is used from one thread at a time. A call from a second thread while
     another is inside the runner (a ``step``, a ``stream`` between two batches is not) raises a
-    :class:`~pipeq.errors.PipelineError` at once and changes nothing; guard a shared runner with a lock.
+    :class:`~pipeq.PipelineError` at once and changes nothing; guard a shared runner with a lock.
 
     Stage inputs: ``step``, ``predict`` (and ``stream`` / ``evaluate``, with ``(x, target,
     stage_inputs)`` batches) take ``stage_inputs``, values the driver hands straight to the stages
     that use them (an attention mask, position ids), split into microbatches like x: stage k is
     called as ``module(*what_it_receives, **its_inputs)``. ``{"mask": m}`` goes to every stage
-    whose ``pipeq_stage`` declares ``"mask"`` (:class:`pipeq.stage.info.StageInfo`; ``pipeq.split``
+    whose ``pipeq_stage`` declares ``"mask"`` (:class:`pipeq.StageInfo`; ``pipeq.split``
     sets it), ``{2: {"mask": m}}`` to stage 2 (see :mod:`pipeq.control.stage_inputs`).
     """
 
@@ -381,7 +381,7 @@ def _configure(config: RunConfig | None, schedule: Any, microbatches: int | None
         return RunConfig.from_kwargs("1f1b" if schedule is None else schedule,
                                      8 if microbatches is None else microbatches, **settings)
     if not isinstance(config, RunConfig):
-        raise ValueError(f"config must be a pipeq.control.config.RunConfig, got {type(config).__name__}")
+        raise ValueError(f"config must be a pipeq.RunConfig, got {type(config).__name__}")
     if settings:
         raise ValueError(f"pass the run's settings in config or as keyword arguments, not both: got config and "
                          f"{', '.join(sorted(settings))}")

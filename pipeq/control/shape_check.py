@@ -5,7 +5,7 @@ Stage k's output is stage k+1's input; a mismatch (stage 0 returns 64 features, 
 remote error. :func:`check_first_batch` runs each stage once on the **meta device** with the first
 microbatch's shapes (copies of the stages whose parameters and buffers are meta tensors: the real
 weights are never touched or copied, nothing is computed, no random number is drawn) and raises a
-:class:`~pipeq.errors.PipelineError` naming both stages and the shapes at the first stage that
+:class:`~pipeq.PipelineError` naming both stages and the shapes at the first stage that
 cannot take its predecessor's output::
 
     stage 0 returns (4, 64) float32, but stage 1 expects (*, 128): a and b must have same reduction dim ...

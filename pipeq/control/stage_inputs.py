@@ -9,7 +9,7 @@ the stages that use it, split into microbatches like x, and stage k's forward is
     runner.step(x, y, stage_inputs={2: {"mask": m}})        # by stage: stage 2's keyword arguments
 
 Names are routed to the stages whose module declares them (``pipeq_stage``, a
-:class:`pipeq.stage.info.StageInfo`: :func:`pipeq.stage.info.set_info` ``(module, inputs=["mask"])``;
+:class:`pipeq.StageInfo`: :func:`pipeq.set_info` ``(module, inputs=["mask"])``;
 ``pipeq.split`` sets it). A stage that declares an input must be given it, by name or by its
 index. Every tensor of a value (a tensor, or a tuple / list / dict of them) splits on dim 0 as x
 does, so it has x's batch size; a constant (None, bool, int, float, str) reaches every microbatch
@@ -107,7 +107,7 @@ def _by_name(given: Mapping[str, Any], declared: Sequence[Sequence[str]]) -> lis
         takes = "; ".join(f"stage {k} takes {', '.join(map(repr, names))}" for k, names in enumerate(declared) if names)
         raise ValueError(f"stage_inputs gives {', '.join(map(repr, unknown))}, which no stage declares ("
                          + (takes or "no stage declares any input") + "): declare it in the stage's "
-                         "pipeq_stage (pipeq.stage.info.set_info(module, inputs=[...])), or give it to a stage "
+                         "pipeq_stage (pipeq.set_info(module, inputs=[...])), or give it to a stage "
                          "by index, stage_inputs={k: {name: value}}")
     return [{name: given[name] for name in names if name in given} or None for names in declared]
 

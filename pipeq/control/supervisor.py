@@ -1,7 +1,7 @@
 """Watching a run's processes while the driver waits on them: replies, errors, deaths, silence.
 
 Every wait of the driver goes through :meth:`Supervisor.collect`, which files the replies it
-waits for and, on the way, ends the run with a :class:`~pipeq.errors.PipelineError` naming the
+waits for and, on the way, ends the run with a :class:`~pipeq.PipelineError` naming the
 stage (and replica) at fault when
 
 - a stage (or a node's agent, for a remote stage) reports an ERROR, with its traceback;

@@ -2,8 +2,8 @@
 
 Stages record their actions themselves (:mod:`pipeq.runtime.worker`); this collects them when the run
 stops: each stage's clock offset is measured over the control channel when the run starts and
-again at the end (:func:`pipeq.trace.best_offset`), every stage's rows are fetched, and
-:func:`pipeq.trace.build` merges them with the driver's "step S" spans into one file.
+again at the end (:func:`pipeq.trace.format.best_offset`), every stage's rows are fetched, and
+:func:`pipeq.trace.format.build` merges them with the driver's "step S" spans into one file.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="OUT.png", help="also draw the planned timeline (needs matplotlib)")
     p.add_argument("--csv", metavar="OUT.csv",
                    help="also write the plan as torch.distributed.pipelining's compute-only schedule CSV "
-                        "(run one with pipeq.launch.csv_schedule.from_csv(path))")
+                        "(run one with pipeq.from_csv(path))")
 
 
 def _costs(text: str) -> tuple[float, ...]:

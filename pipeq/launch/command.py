@@ -29,7 +29,7 @@ def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     """Load the job and the rendezvous; node 0 (or a single host) trains, another node runs its agent."""
     try:
         job = load_job(args.job, job_overrides(args))
-        rz = rdzv.from_settings(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+        rz = rdzv.Rendezvous.from_settings(args.nnodes, args.node_rank, args.master_addr, args.master_port,
                                 args.bind, args.run_id, secret_file=args.secret_file)
     except ValueError as exc:
         print(f"pipeq launch: {exc}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 With ``--max-restarts`` on a multi-host run, node 0 hosts the rendezvous store for the whole run
 (not one start of the stages: :class:`Elastic`), and every start of the stages is a new
-*generation* n of the run (:attr:`pipeq.control.rendezvous.Rendezvous.generation`): node 0's
+*generation* n of the run (:attr:`pipeq.Rendezvous.generation`): node 0's
 entries for it are signed under ``g<n>/``, and the signed entry "generation" points at it::
 
     a start fails (any stage: a raise, a death, a lost node); its stages are all stopped

@@ -1,8 +1,10 @@
 """The docs site's generated reference pages, as Markdown: the command line (from the parser
-:func:`pipeq.launch.cli.build_parser` builds) and the job-file keys (from
-:data:`pipeq.launch.job.keys.KEYS`). The site's build hook (docs/_hooks/generate.py) puts them in
-place of the pages' markers; tests/unit/test_reference_pages.py checks that they hold every flag
-and every key. Imports no torch."""
+:func:`pipeq.launch.cli.build_parser` builds), the job-file keys (from
+:data:`pipeq.launch.job.keys.KEYS`) and the Python API (from the public modules' ``__all__``,
+:data:`FRONTS`). The site's build hook (docs/_hooks/generate.py) puts them in place of the pages'
+markers; tests/unit/test_reference_pages.py checks that they hold every flag and every key, and
+tests/unit/test_public_api.py that the API page documents the public names and nothing else.
+Imports no torch, but for the API page (which imports the public modules)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import argparse
 import re
 from typing import Any, Iterable
 
-__all__ = ["cli_markdown", "job_keys_markdown", "schedule_options_markdown", "launch_flags", "subcommands"]
+__all__ = ["cli_markdown", "job_keys_markdown", "schedule_options_markdown", "launch_flags", "subcommands",
+           "FRONTS", "API_SECTIONS", "api_markdown", "public_names"]
 
 _SPECIAL = re.compile(r"([\\*_\[\]|])")
 
@@ -195,3 +198,128 @@ def schedule_options_markdown() -> str:
         out.append(f"| {', '.join(f'`{n}`' for n in names)} | {', '.join(f'`{o}`' for o in options)} | "
                    f"{f'`{needs}`' if needs else ''} |")
     return "\n".join(out) + "\n"
+
+
+#: The public modules: what users import from (each one's ``__all__`` is its public names). Every
+#: other module of pipeq is its own and may change.
+FRONTS = ("pipeq", "pipeq.schedules", "pipeq.research", "pipeq.split", "pipeq.balance", "pipeq.checkpoint",
+          "pipeq.trace", "pipeq.models", "pipeq.models.resnet", "pipeq.testing")
+
+#: The API page's sections: (title, what it says first, the public names it documents). A name
+#: that is a public module (:data:`FRONTS`) documents the module and every name of its ``__all__``
+#: not documented before; :func:`api_markdown` refuses a public name no section documents, and a
+#: section's name that is not public.
+API_SECTIONS: list[tuple[str, str, list[str]]] = [
+    ("The runner", "", ["pipeq.PipelineRunner"]),
+    ("Settings", "`PipelineRunner`'s keyword settings as one object (`config=`), each part documented in full.",
+     ["pipeq.RunConfig", "pipeq.NumericsConfig", "pipeq.WireConfig", "pipeq.FaultConfig", "pipeq.PlacementConfig"]),
+    ("What a stage declares",
+     "A stage module may carry a `StageInfo` as its `pipeq_stage` attribute (`pipeq.split` and the runner's "
+     "`ties=` set it): its tensors' names in the whole model, the keyword inputs it takes from the driver "
+     "(`runner.step(x, y, stage_inputs=...)`), and its tied weights. It travels with the module, so the stage "
+     "process, the driver and checkpoints read the same facts. `LRSchedule` says who steps the learning-rate "
+     "schedulers, and how.",
+     ["pipeq.StageInfo", "pipeq.Tie", "pipeq.set_info", "pipeq.info_of", "pipeq.LRSchedule"]),
+    ("Splitting a model", "", ["pipeq.split", "pipeq.balance"]),
+    ("Job files in Python", "See also the [job-file reference](job-file.md).",
+     ["pipeq.Recipe", "pipeq.load_job", "pipeq.Job"]),
+    ("Schedules", "", ["pipeq.schedules"]),
+    ("Schedules of your own",
+     "A schedule's `executor` hook may return a `StageExecutor` of its own (see "
+     "[Writing your own schedule](../guides/custom-schedules.md)); a plan travels as "
+     "torch.distributed.pipelining's schedule CSV.",
+     ["pipeq.StageExecutor", "pipeq.from_csv", "pipeq.to_csv"]),
+    ("Research schedules", "", ["pipeq.research"]),
+    ("Traces", "", ["pipeq.trace"]),
+    ("Checkpoints", "", ["pipeq.checkpoint"]),
+    ("Multi-host runs", "", ["pipeq.Rendezvous"]),
+    ("Errors", "", ["pipeq.PipelineError", "pipeq.MainScriptError", "pipeq.ScheduleError", "pipeq.CodecError"]),
+    ("Ready-made models", "", ["pipeq.models.resnet"]),
+    ("Testing helpers", "", ["pipeq.testing"]),
+]
+
+#: mkdocstrings' options for a documented name, beside the site's defaults (mkdocs.yml).
+_OPTIONS: dict[str, dict[str, Any]] = {
+    "pipeq.PipelineRunner": {
+        "inherited_members": True, "group_by_category": False,
+        "members": ["start", "close", "step", "predict", "evaluate", "stream", "state_dict", "model_state_dict",
+                    "load_state_dict", "save", "load", "scheduler_step", "learning_rates", "last_step_lr", "stats",
+                    "keep_snapshots", "snapshot", "restore_snapshot", "degraded_steps", "last_step_replicas",
+                    "replica_failures"]},
+    "pipeq.RunConfig": {"members": False},
+    "pipeq.Rendezvous": {"members": ["from_settings"]},
+    "pipeq.StageExecutor": {"members": False},
+    "pipeq.research.ALExecutor": {"members": False},
+}
+
+
+def public_names(front: str) -> list[str]:
+    """The public names of the public module ``front`` (its ``__all__``), as dotted names."""
+    import importlib
+
+    if front not in FRONTS:
+        raise ValueError(f"{front} is not a public module (pipeq.launch.reference.FRONTS)")
+    return [f"{front}.{name}" for name in importlib.import_module(front).__all__]
+
+
+def _object(dotted: str) -> Any:
+    """What a public dotted name names (``pipeq.trace.analyze``: the function)."""
+    import importlib
+
+    front, name = dotted.rsplit(".", 1)
+    return getattr(importlib.import_module(front), name)
+
+
+def _key(value: Any) -> Any:
+    """What tells two public names of one object apart from two equal values: the object itself
+    for modules, classes, functions and containers; the name for a plain value (``VERSION = 1``)."""
+    return id(value) if not isinstance(value, (int, float, str, bytes, tuple, frozenset, type(None))) else None
+
+
+def _directive(dotted: str, options: dict[str, Any]) -> list[str]:
+    """mkdocstrings' block that documents ``dotted`` with ``options`` (a list of members, or
+    false for none)."""
+    lines = [f"::: {dotted}"] + (["    options:"] if options else [])
+    for key, value in options.items():
+        text = ("[" + ", ".join(value) + "]" if value else "false") if isinstance(value, list) else str(value).lower()
+        lines.append(f"      {key}: {text}")
+    return lines + [""]
+
+
+def api_markdown() -> str:
+    """The Python API page: :data:`API_SECTIONS` in order, each public name documented once (a
+    module with the names of its ``__all__`` that no section names and no earlier module holds),
+    the list of public modules first. A public name no section documents, or a section's name that
+    is not public, is a ValueError."""
+    import types
+
+    public = {name for front in FRONTS for name in public_names(front)} | set(FRONTS)
+    listed = [name for _, _, names in API_SECTIONS for name in names]
+    unknown = [name for name in listed if name not in public or name == "pipeq"]
+    if unknown:
+        raise ValueError(f"API_SECTIONS documents {unknown}, which no public module's __all__ holds")
+    named = {_key(_object(name)) or name for name in listed}  # the objects a section names itself
+    done: set[Any] = set()  # the objects documented so far
+    out = ["The public modules: " + ", ".join(f"`{front}`" for front in FRONTS) + ". Each heading is a name to "
+           "import (`pipeq.RunConfig`: `from pipeq import RunConfig`), a module's names come under its heading "
+           "(`pipeq.trace`'s `analyze`: `from pipeq.trace import analyze`); pipeq's other modules are its own "
+           "and may change.", ""]
+    for title, intro, names in API_SECTIONS:
+        out += [f"## {title}", ""] + ([intro, ""] if intro else [])
+        for name in names:
+            value = _object(name)
+            done.add(_key(value) or name)
+            if not (isinstance(value, types.ModuleType) and name in FRONTS):
+                out += _directive(name, {"show_root_full_path": True, **_OPTIONS.get(name, {})})
+                continue
+            members = []
+            for member in public_names(name):
+                key = _key(_object(member)) or member
+                if key not in done and key not in named:
+                    members.append(member.rsplit(".", 1)[1])
+                    done.add(key)
+            out += _directive(name, {"show_root_full_path": True, "show_submodules": False, "members": members})
+    missing = [name for front in FRONTS for name in public_names(front) if (_key(_object(name)) or name) not in done]
+    if missing:
+        raise ValueError(f"public names no section of API_SECTIONS documents: {missing}")
+    return "\n".join(out).rstrip() + "\n"

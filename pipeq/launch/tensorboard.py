@@ -118,7 +118,7 @@ def stage_times(trace_path: str, last_step: int) -> list[tuple[int, str, float]]
     """Each stage's compute time (``busy_ms/stage<k>``) and bubble (``bubble/stage<k>``, the
     share of the step it did not compute; ``bubble/mean`` over the stages) in each training step
     of a launch's trace, replica 0's, as ``pipeq report`` measures them
-    (:func:`pipeq.trace.report.analyze`): (step, tag, value). The runner numbers its steps from
+    (:func:`pipeq.trace.analyze`): (step, tag, value). The runner numbers its steps from
     its start, its evaluations' too: the trace's last training step is the run's ``last_step``."""
     from pipeq.trace import load_trace
     from pipeq.trace.report import analyze

@@ -1,3 +1,5 @@
-"""Ready-made models cut into pipeline stages (ResNets with auxiliary heads)."""
+"""Ready-made models cut into pipeline stages (ResNets with auxiliary heads: :mod:`pipeq.models.resnet`)."""
+
+from pipeq.models import resnet
 
 __all__ = ["resnet"]

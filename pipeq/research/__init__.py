@@ -2,23 +2,60 @@
 
 They plug into the core through the schedule policy protocol
 (:class:`pipeq.schedules.SchedulePolicy`) alone: importing this package registers them by name
-in :data:`pipeq.schedules.SCHEDULES` and offers their classes as ``pipeq.schedules.Interlock``,
-``AsyncOneFOneB`` and ``AssociatedLearning``. Nothing outside this package names them.
+in :data:`pipeq.schedules.SCHEDULES` (pipeq's own registry: ``import pipeq`` imports this
+package, so ``"pairwise"`` or ``"al"`` work as schedule names) and offers their classes as
+``pipeq.schedules.Interlock``, ``AsyncOneFOneB`` and ``AssociatedLearning``. Nothing outside this
+package names them.
+
+Its public names: the schedules (:class:`Interlock`, :class:`AsyncOneFOneB`,
+:class:`AssociatedLearning`), interlocking's gradient routing (:func:`trained_by`,
+:func:`sends_down`, :func:`receives`, :func:`sends_early`: with distance d, stage k's main module
+is trained by the loss L_t(k), t(k) = min(k + d, N - 1), and stage k sends down the gradients of
+the losses the stages below it are trained by), and Associated Learning's layers, builders,
+one-process inference module and executor (:class:`ALLayer`, :func:`build_al`, :class:`ALModel`,
+:class:`ALExecutor`...: torch, imported when first named here).
 """
 
 import functools
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from pipeq.research.al.schedule import AssociatedLearning
 from pipeq.research.async1f1b.schedule import AsyncCursor, AsyncOneFOneB
-from pipeq.research.interlock import routing as interlock
+from pipeq.research.interlock.routing import receives, sends_down, sends_early, trained_by
 from pipeq.research.interlock.schedule import INTERLOCK, Interlock
 from pipeq.schedules.registry import NeedsOptions, register
 
-__all__ = ["Interlock", "AsyncOneFOneB", "AsyncCursor", "AssociatedLearning", "INTERLOCK"]
+if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers and the API reference
+    from pipeq.research.al.executor import ALExecutor
+    from pipeq.research.al.models import (ALLayer, ALModel, LabelEmbedding, LastHiddenBridge, LSTMLayer,
+                                          PooledBridge, TokenEmbedding, TransformerLayer, build_al, build_al_lstm,
+                                          build_al_transformer, masked_mean)
+
+#: Associated Learning's model code (torch), imported on first use: name -> its module.
+_LAZY = {**{name: "pipeq.research.al.models" for name in (
+    "ALLayer", "ALModel", "LabelEmbedding", "LastHiddenBridge", "LSTMLayer", "PooledBridge", "TokenEmbedding",
+    "TransformerLayer", "build_al", "build_al_lstm", "build_al_transformer", "masked_mean")},
+    "ALExecutor": "pipeq.research.al.executor"}
+
+__all__ = ["Interlock", "INTERLOCK", "AsyncOneFOneB", "AsyncCursor", "AssociatedLearning",
+           "trained_by", "sends_down", "receives", "sends_early",
+           "ALLayer", "build_al", "build_al_lstm", "build_al_transformer", "ALModel", "LabelEmbedding",
+           "TokenEmbedding", "PooledBridge", "LSTMLayer", "LastHiddenBridge", "TransformerLayer", "masked_mean",
+           "ALExecutor"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'pipeq.research' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
 
 _EXPORTS = {"Interlock": Interlock, "INTERLOCK": INTERLOCK, "AsyncOneFOneB": AsyncOneFOneB, "AsyncCursor": AsyncCursor,
-            "AssociatedLearning": AssociatedLearning, "trained_by": interlock.trained_by,
-            "sends_down": interlock.sends_down, "receives": interlock.receives, "sends_early": interlock.sends_early}
+            "AssociatedLearning": AssociatedLearning, "trained_by": trained_by, "sends_down": sends_down,
+            "receives": receives, "sends_early": sends_early}
 for _kind in ("global", "local", "pairwise"):
     register(_kind, Interlock(_kind), exports=_EXPORTS)
 register("nwise", NeedsOptions("nwise", "distance", "pipeq.schedules.Interlock('nwise', distance=d)",

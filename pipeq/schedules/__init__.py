@@ -10,11 +10,10 @@ any schedule that would deadlock. Nothing here does I/O.
 
     actions.py   the vocabulary: Op, Action, F, B, I, W, STEP, and lowering into sends and receives
     basic.py     fill-drain (GPipe), 1F1B, forward-only
-    zero_bubble.py  ZB-H1 (split backward, 1F1B's memory)
-    zb_h2.py     ZB-H2 (split backward, twice the memory, the pipeline kept full)
+    zero_bubble.py  the zero-bubble schedules (split backward): ZB-H1 (1F1B's memory), ZB-H2 (twice
+                 the memory, the pipeline kept full), ZBV (two stages per process in a V)
     placement.py virtual stages: which model stages a process holds (looped, V)
     interleaved.py  interleaved 1F1B and looped BFS (v stages per process, looped)
-    zbv.py       ZBV (zero bubble, two stages per process in a V)
     dualpipe.py  DualPipeV (DeepSeek's DualPipe in a V)
     protocol.py  SchedulePolicy (what the runtime asks of a schedule), FunctionSchedule
     registry.py  SCHEDULES by name, register(), resolve()
@@ -25,7 +24,7 @@ any schedule that would deadlock. Nothing here does I/O.
     choose.py    choose(): rank the schedules by their dry run with measured costs under a memory
                  limit, and search I/W placements (``schedule="auto"``, ``pipeq schedule auto``)
     tdp_csv.py   torch.distributed.pipelining's schedule CSV: dumps, loads, CsvSchedule
-                 (a file as a schedule: ``pipeq.launch.csv_schedule.from_csv(path)``)
+                 (a file as a schedule: ``pipeq.from_csv(path)``)
 
 The research schedules (``Interlock``, ``AsyncOneFOneB``, ``AssociatedLearning``) are plug-ins
 from :mod:`pipeq.research`; they are offered here by name too. ``format_table(name, N, m)``
@@ -47,10 +46,8 @@ from pipeq.schedules.actions import (B, COMPUTE_OPS, GRAD_OPS, STEP, WEIGHT_DONE
 from pipeq.schedules.basic import fill_drain, forward_only, one_f_one_b, warmup_order
 from pipeq.schedules.dryrun import check_consistency, dry_run
 from pipeq.schedules.plan import build, format_table, process_stages
-from pipeq.schedules.zero_bubble import zb_h1
-from pipeq.schedules.zb_h2 import zb_h2
+from pipeq.schedules.zero_bubble import ZBV, zb_h1, zb_h2, zbv
 from pipeq.schedules.interleaved import Interleaved1F1B, LoopedBFS, interleaved_1f1b, looped_bfs
-from pipeq.schedules.zbv import ZBV, zbv
 from pipeq.schedules.dualpipe import DualPipeV, dualpipev
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
 from pipeq.schedules.registry import (EXPORTS, SCHEDULES, NeedsOptions, from_label, get_schedule, is_research,

@@ -29,8 +29,7 @@ from pipeq.schedules.dryrun import dry_run, stage_costs
 from pipeq.schedules.plan import build, process_stages
 from pipeq.schedules.protocol import SchedulePolicy
 from pipeq.schedules.registry import resolve
-from pipeq.schedules.zb_h2 import zb_h2
-from pipeq.schedules.zero_bubble import zb_h1
+from pipeq.schedules.zero_bubble import zb_h1, zb_h2
 
 __all__ = ["ONE_STAGE", "V_STAGE", "SEARCHED", "Row", "Choice", "SearchedSchedule", "stage_cost", "peak_memory",
            "predict", "search", "choose", "format_choice"]

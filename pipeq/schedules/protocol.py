@@ -17,7 +17,7 @@ Your own schedule is a subclass (module level, so that stage processes can impor
             ...  # per-stage lists of F(j), B(j), STEP
 
         def executor(self, index, n_stages, spec, device):
-            return MyExecutor(index, n_stages, spec, device)   # a pipeq.stage.executor.StageExecutor
+            return MyExecutor(index, n_stages, spec, device)   # a pipeq.StageExecutor
 
 A plain function ``(n_stages, n_microbatches) -> plan`` is a schedule too: :class:`FunctionSchedule`
 wraps it. Pure: no I/O, no torch (executors are imported by the hooks that return them).
@@ -37,7 +37,7 @@ class SchedulePolicy:
 
     Subclasses set the class attributes that differ from plain backprop's and override
     :meth:`plan`; every other hook has plain backprop's answer (the last stage computes the loss
-    and returns the output, every stage runs :class:`pipeq.stage.executor.StageExecutor`).
+    and returns the output, every stage runs :class:`pipeq.StageExecutor`).
     """
 
     #: The schedule's name in messages, ``pipeq schedule`` and (see :attr:`label`) traces.
@@ -45,7 +45,7 @@ class SchedulePolicy:
     #: One STEP after every backward (checked by the dry run), so replicas would have to
     #: all-reduce every microbatch: data parallelism is refused.
     per_microbatch_steps: ClassVar[bool] = False
-    #: The stages run plain backprop's forward and backward (:class:`pipeq.stage.executor.StageExecutor`):
+    #: The stages run plain backprop's forward and backward (:class:`pipeq.StageExecutor`):
     #: precision, clipping, check_finite, recompute, tensor parallelism and inputs that are not
     #: one tensor apply. False for schedules whose stages compute their own way.
     plain_backprop: ClassVar[bool] = True
@@ -128,7 +128,7 @@ class SchedulePolicy:
         return stage == n_stages - 1
 
     def executor(self, index: int, n_stages: int, spec: Any, device: Any) -> Any:
-        """Stage ``index``'s executor (a :class:`pipeq.stage.executor.StageExecutor`), or None for plain
+        """Stage ``index``'s executor (a :class:`pipeq.StageExecutor`), or None for plain
         backprop's, which the runtime builds with the run's numerics."""
         return None
 

@@ -14,9 +14,7 @@ from pipeq.schedules.basic import fill_drain, one_f_one_b
 from pipeq.schedules.dualpipe import DualPipeV
 from pipeq.schedules.interleaved import Interleaved1F1B, LoopedBFS
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
-from pipeq.schedules.zb_h2 import zb_h2
-from pipeq.schedules.zbv import ZBV
-from pipeq.schedules.zero_bubble import zb_h1
+from pipeq.schedules.zero_bubble import ZBV, zb_h1, zb_h2
 
 __all__ = ["SCHEDULES", "NeedsOptions", "register", "resolve", "get_schedule", "from_label", "schedule_name",
            "options_of", "loss_stages", "output_stage", "is_research", "taking_aux_heads", "EXPORTS"]

@@ -74,7 +74,7 @@ def info_of(module: nn.Module) -> StageInfo:
     if info is None:
         return StageInfo()
     if not isinstance(info, StageInfo):
-        raise ValueError(f"{type(module).__name__}.{ATTRIBUTE} must be a pipeq.stage.info.StageInfo, "
+        raise ValueError(f"{type(module).__name__}.{ATTRIBUTE} must be a pipeq.StageInfo, "
                          f"got {type(info).__name__}")
     return info
 

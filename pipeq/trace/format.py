@@ -439,7 +439,7 @@ def planned_trace(schedule: str | schedules.ScheduleFn, n_stages: int, n_microba
     ``n_stages`` counts processes: a schedule of v stages per process plans v·N stages (each
     its own row, by model stage). Forward and optimizer step take one time unit (``unit_us`` microseconds), backward
     ``backward_cost`` units, communication none; or ``costs`` = (F, I, W) units, a B being I + W
-    (see :func:`pipeq.schedules.plan.table_costs`). Draw it with :func:`pipeq.trace.plot.plot_trace`,
+    (see :func:`pipeq.schedules.plan.table_costs`). Draw it with :func:`pipeq.trace.plot_trace`,
     keep it with :func:`save_trace`.
     """
     if type(backward_cost) is not int or backward_cost < 1:

@@ -30,3 +30,5 @@ addresses, ipc directories, tuning), frames (the links' encode and aligned decod
 queues), errors, shm and lanes (one host's payloads and hops), stage_inbox and stage_link (a
 stage's receiving and sending halves), group_link, replica_link, tie_link, control_link, shard_link.
 """
+
+__all__: list[str] = []  # nothing: its modules are imported by their own names

@@ -214,7 +214,7 @@ def test_embedded_runner_as_node_0_of_a_two_node_run(tmp_path) -> None:
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=secret_env())
     try:
         job = load_job(DIGITS_JOB)
-        rz = pipeq.rendezvous.from_settings(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port,
+        rz = pipeq.Rendezvous.from_settings(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port,
                                             env={}, secret_file=str(secret_file))
         runner = pipeq.PipelineRunner(job.recipe, None, None, job.schedule, job.microbatches,
                                       threads_per_stage=1, rendezvous=rz, start_method="forkserver")

@@ -15,7 +15,7 @@ import torch
 
 from launch_util import ROOT, launch_here, metrics, model_state
 from pipeq import checkpoint
-from pipeq.research.al.executor import ALModel
+from pipeq.research import ALModel
 from pipeq.launch.job import load_job, resolve
 from pipeq.schedules import AssociatedLearning
 
@@ -50,7 +50,7 @@ def load(name: str):
 
 def initial_model(name: str) -> torch.nn.Module:
     """The job's model before training: its stages as every stage process builds them (under the
-    job's seed), as the flat model whose names model.pt uses; AL layers as pipeq.al.ALModel, their
+    job's seed), as the flat model whose names model.pt uses; AL layers as pipeq.research.ALModel, their
     inference path in one process, with the job's first_loss and inference_layer."""
     job = load(name)
     n = job.recipe.count_stages()

@@ -9,7 +9,7 @@ from torch import nn
 from al_seq_cases import (
     ADAM, CLASSES, LENGTH, VOCAB, al_reference, assert_close, lstm_layers, reference_predict, run, tokens
 )
-from pipeq.research.al.executor import build_al
+from pipeq.research import build_al
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Shared-memory payloads (pipeq.shm, issue 16): the same numbers as one process, every dtype and
+"""Shared-memory payloads (pipeq.wire.shm, issue 16): the same numbers as one process, every dtype and
 layout intact, back-pressure that blocks and recovers (and yields to EXIT), forged slot references
 refused, and no segment left in /dev/shm when a stage or the driver is SIGKILLed.
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq.research.al.executor import ALLayer
+from pipeq.research import ALLayer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path.insert(0, ROOT)

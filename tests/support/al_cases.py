@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 import pipeq
 from pipeq import schedules
-from pipeq.research.al.executor import ALLayer, build_al
+from pipeq.research import ALLayer, build_al
 
 N_CLASSES = 4
 IN = 10

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 import pipeq
 from pipeq import schedules
-from pipeq.research.al.executor import build_al_lstm
+from pipeq.research import build_al_lstm
 
 VOCAB, CLASSES, LENGTH = 17, 3, 7
 ADAM = functools.partial(torch.optim.Adam, lr=1e-2)

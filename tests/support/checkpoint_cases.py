@@ -9,7 +9,7 @@ from torch import nn
 
 import pipeq
 from pipeq import schedules
-from pipeq.research.al.executor import build_al_lstm
+from pipeq.research import build_al_lstm
 
 FAST = dict(start_method="forkserver")
 ADAM = functools.partial(torch.optim.Adam, lr=1e-2)

@@ -11,7 +11,7 @@ import functools
 import torch
 from torch import nn
 
-from pipeq.research.al.executor import build_al
+from pipeq.research import build_al
 
 FEATURES, CLASSES, SAMPLES, BATCH = 8, 3, 240, 24
 

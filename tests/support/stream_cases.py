@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-from pipeq.research.al.executor import build_al
+from pipeq.research import build_al
 from models import mlp_stages
 
 FAST = dict(start_method="forkserver")

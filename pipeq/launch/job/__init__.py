@@ -67,8 +67,8 @@ also when the job counts ``steps``), a ReduceLROnPlateau with its ``lr_scheduler
 Stage processes build their stage from these names themselves (``Recipe.build``), on whichever
 host they run: nothing but plain data crosses hosts, and every host builds the same weights
 (the stages and heads functions run under ``torch.manual_seed(seed)``). With Associated
-Learning (``schedule = "al"``) the stages function returns ``pipeq.al.ALLayer`` s (e.g. from
-``pipeq.al.build_al``) and ``loss`` (optional, MSE by default) is the layers' local criterion.
+Learning (``schedule = "al"``) the stages function returns ``pipeq.research.ALLayer`` s (e.g. from
+``pipeq.research.build_al``) and ``loss`` (optional, MSE by default) is the layers' local criterion.
 
 With ``model`` and ``balance``, stage k is ``pipeq.balance.split(model(), counts)[k]``, the model
 built under the job's seed. A measured balance (``"time"``, ``"memory"``) is measured once, in

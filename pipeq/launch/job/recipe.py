@@ -54,7 +54,7 @@ def _make_loss(spec: str, key: str, args: Mapping[str, Any] | None = None) -> Ca
                          "(e.g. 'torch.nn:CrossEntropyLoss') to pass it arguments")
     check_args(obj, args, key, spec)
     bound = functools.partial(obj, **args)
-    if "reduction" in args:  # how pipeq weights the microbatches' losses (pipeq.stage.loss_weight_mode)
+    if "reduction" in args:  # how pipeq weights the microbatches' losses (pipeq.stage.loss.loss_weight_mode)
         bound.reduction = args["reduction"]  # type: ignore[attr-defined]
     return bound
 

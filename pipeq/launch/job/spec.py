@@ -127,7 +127,7 @@ class Job:
         return "eval_loss" if self.eval_data is not None else "train_loss"
 
     def run_config(self) -> "RunConfig":
-        """The run's configuration (:class:`~pipeq.control.config.RunConfig`) the job's keys name:
+        """The run's configuration (:class:`~pipeq.RunConfig`) the job's keys name:
         what node 0's runner and every node's agent are given, and what nodes compare."""
         from pipeq.control.config import FaultConfig, NumericsConfig, PlacementConfig, RunConfig, WireConfig
 

@@ -17,9 +17,10 @@ h_1`` back toward stage 0 (over the backward channel); stage 0 returns class sco
 through stage k (``AssociatedLearning(inference_layer=k)``, a 0-based stage index: the f's of stages
 0..k, b of stage k, the h's of stages k..0) is selectable.
 
-:func:`build_al` makes an AL model from plain blocks and widths, :func:`build_al_lstm` and
-:func:`build_al_transformer` text classifiers whose ``s`` is a tree (the padding mask, an LSTM's
-``(h, c)``: see :mod:`pipeq.research.al.models`); :class:`ALModel` is the inference path in one
+:func:`~pipeq.research.build_al` makes an AL model from plain blocks and widths,
+:func:`~pipeq.research.build_al_lstm` and :func:`~pipeq.research.build_al_transformer` text
+classifiers whose ``s`` is a tree (the padding mask, an LSTM's ``(h, c)``: see
+:mod:`pipeq.research.al.models`); :class:`~pipeq.research.ALModel` is the inference path in one
 process. A layer's messages are ``(s, t)`` packed as one tree (:mod:`pipeq.stage.microbatch`):
 a pair of tensors travels as two bare tensors, anything else with its description.
 """
@@ -33,9 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeq.stage import microbatch
-from pipeq.research.al.models import (ALLayer, ALModel, LabelEmbedding, LastHiddenBridge, LSTMLayer, PooledBridge, TokenEmbedding,
-                        TransformerLayer, build_al, build_al_lstm, build_al_transformer, call, code, label_dtype,
-                        label_input)
+from pipeq.research.al.models import ALLayer, call, code, label_dtype, label_input
 from pipeq.stage.executor import StageExecutor, Tensors, describe
 from pipeq.stage.spec import StageSpec
 from pipeq.tree import map_tensors, tensors_of
@@ -43,8 +42,7 @@ from pipeq.tree import map_tensors, tensors_of
 if TYPE_CHECKING:
     from pipeq.research.al.schedule import AssociatedLearning
 
-__all__ = ["ALExecutor", "ALLayer", "ALModel", "LabelEmbedding", "LastHiddenBridge", "LSTMLayer", "PooledBridge",
-           "TokenEmbedding", "TransformerLayer", "build_al", "build_al_lstm", "build_al_transformer"]
+__all__ = ["ALExecutor"]
 
 
 class ALExecutor(StageExecutor):
@@ -55,8 +53,8 @@ class ALExecutor(StageExecutor):
         module = spec.module
         if not isinstance(module, ALLayer):
             raise ValueError(
-                f"stage {index}: schedule 'al' needs pipeq.al.ALLayer stages (f, b, g, h), got a "
-                f"{type(module).__name__}; build them with pipeq.al.build_al"
+                f"stage {index}: schedule 'al' needs pipeq.research.ALLayer stages (f, b, g, h), got a "
+                f"{type(module).__name__}; build them with pipeq.research.build_al"
             )
         super().__init__(index, n_stages, spec, device, trains=nn.ModuleList([module.f, module.b]))
         layer: ALLayer = self.module  # type: ignore[assignment]

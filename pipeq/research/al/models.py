@@ -67,7 +67,7 @@ def label_input(g: nn.Module) -> tuple[str, int]:
         if isinstance(m, nn.Embedding):
             return "index", m.num_embeddings
     raise ValueError("stage 0's g must start with an nn.Linear over the one-hot classes or an nn.Embedding "
-                     "of the class index (pipeq.al.LabelEmbedding)")
+                     "of the class index (pipeq.research.LabelEmbedding)")
 
 
 def label_dtype(g: nn.Module) -> torch.dtype:
@@ -276,7 +276,8 @@ class ALModel(nn.Sequential):
         super().__init__(*layers)
         for k, layer in enumerate(layers):
             if not isinstance(layer, ALLayer):
-                raise ValueError(f"ALModel: layer {k} is a {type(layer).__name__}, not a pipeq.al.ALLayer")
+                raise ValueError(f"ALModel: layer {k} is a {type(layer).__name__}, "
+                                 "not a pipeq.research.ALLayer")
         top = len(layers) - 1 if inference_layer is None else inference_layer
         if not 0 <= top < len(layers):
             raise ValueError(f"ALModel(inference_layer={inference_layer}) but there are {len(layers)} layers")

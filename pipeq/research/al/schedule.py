@@ -122,8 +122,8 @@ class AssociatedLearning(SchedulePolicy):
         self._check_inference_layer(len(stages))
         for k, st in enumerate(stages):
             if not isinstance(st, ALLayer):
-                raise ValueError(f"stage {k} is a {type(st).__name__}: schedule 'al' trains pipeq.al.ALLayer "
-                                 "stages (f, b, g, h); build them with pipeq.al.build_al")
+                raise ValueError(f"stage {k} is a {type(st).__name__}: schedule 'al' trains "
+                                 "pipeq.research.ALLayer stages (f, b, g, h); build them with pipeq.research.build_al")
 
     def check_recipe(self, builder: Any, n_stages: int) -> None:
         """Stage 0 is an AL layer (built here once: a wrong stages function fails before any process)."""
@@ -132,9 +132,9 @@ class AssociatedLearning(SchedulePolicy):
         self._check_inference_layer(n_stages)
         first = builder.build_stage(0, n_stages)
         if not isinstance(first, ALLayer):
-            raise ValueError(f"schedule 'al' trains pipeq.al.ALLayer stages (f, b, g, h), but the recipe's stages "
-                             f"({getattr(builder, 'stages', builder)}) give a {type(first).__name__}; build them "
-                             "with pipeq.al.build_al")
+            raise ValueError(f"schedule 'al' trains pipeq.research.ALLayer stages (f, b, g, h), but the recipe's "
+                             f"stages ({getattr(builder, 'stages', builder)}) give a {type(first).__name__}; "
+                             "build them with pipeq.research.build_al")
 
     def check_target(self, target: Any) -> None:
         import torch
@@ -148,6 +148,6 @@ class AssociatedLearning(SchedulePolicy):
 
     def check_job(self, path: str, raw: dict[str, Any]) -> None:
         if "model" in raw:
-            raise ValueError(f"job file {path}: schedule 'al' trains pipeq.al.ALLayer stages, and model + balance "
-                             "splits an nn.Sequential into plain ones: name the AL layers with stages = 'pkg.mod:fn' "
-                             "(pipeq.al.build_al)")
+            raise ValueError(f"job file {path}: schedule 'al' trains pipeq.research.ALLayer stages, and model + "
+                             "balance splits an nn.Sequential into plain ones: name the AL layers with "
+                             "stages = 'pkg.mod:fn' (pipeq.research.build_al)")

@@ -1,6 +1,6 @@
 """Asynchronous 1F1B on one stage: an optimizer step after every microbatch, weight stashing.
 
-With :class:`pipeq.research.async1f1b.schedule.AsyncOneFOneB` a stage updates its weights after
+With :class:`pipeq.research.AsyncOneFOneB` a stage updates its weights after
 each backward, so microbatch j's backward may come after updates made since its forward (PipeDream,
 SOSP 2019). Two rules:
 

@@ -2,21 +2,21 @@
 
 Stage k < N-1 owns an auxiliary head; its loss ``L_k = aux_loss(head_k(a_k), y)`` where ``a_k``
 is the stage's output, and the last stage has the real loss ``L_{N-1}``. With distance d (see
-:class:`pipeq.research.interlock.schedule.Interlock`):
+:class:`pipeq.research.Interlock`):
 
 - ``main_k`` is trained by ``L_t``, ``t = min(k + d, N - 1)``: its own head's loss when d = 0
   (local), the gradient arriving from stage k+1 otherwise;
 - ``head_k`` is trained by ``L_k`` on a detached ``a_k`` (d >= 1): the head's loss reaches
   ``main_k`` only through the stages below it;
 - stage k sends down the gradients, with respect to its input, of the losses the stages below
-  are trained by (:func:`~pipeq.research.interlock.routing.sends_down`). A loss other than
+  are trained by (:func:`~pipeq.research.sends_down`). A loss other than
   ``L_t`` is carried through ``main_k`` with ``torch.autograd.grad`` (nothing accumulates into
   ``main_k``); its own head's is computed right after the forward, so pairwise stages send it
   before they wait.
 
 Each microbatch's losses are weighted by its share of the batch, like the real loss, so the
 gradients accumulated over a step are those of the whole batch. :class:`InterlockExecutor` runs
-the same F/B/STEP actions as :class:`~pipeq.stage.executor.StageExecutor` and replaces its
+the same F/B/STEP actions as :class:`~pipeq.StageExecutor` and replaces its
 forward and backward; ``predict`` uses the main path only. A checkpoint holds stage k's head
 beside the stage, under ``aux_heads.{k}.*`` with its optimizer state (see :mod:`pipeq.checkpoint`):
 the executor's state is a :class:`HeadStateIO`.

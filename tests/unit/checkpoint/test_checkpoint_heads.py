@@ -10,7 +10,7 @@ import pipeq
 from checkpoint_cases import ADAM, al_layers, al_run, batches, heads, interlocking, stages, tokens
 from pipeq import checkpoint
 from pipeq import schedules
-from pipeq.research.al.executor import ALModel
+from pipeq.research import ALModel
 from pipeq.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.timeout(120)

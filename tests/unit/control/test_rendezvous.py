@@ -18,15 +18,15 @@ OTHER = "another secret, of at least 32 characters"
 
 
 def test_single_host_without_settings() -> None:
-    assert rdzv.from_settings(env={}) is None
-    assert rdzv.from_settings(env={"WORLD_SIZE": "1", "RANK": "0"}) is None
+    assert rdzv.Rendezvous.from_settings(env={}) is None
+    assert rdzv.Rendezvous.from_settings(env={"WORLD_SIZE": "1", "RANK": "0"}) is None
 
 
 def test_torchrun_environment() -> None:
     env = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
            "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True",
            "TORCHELASTIC_RUN_ID": "job7", "PIPEQ_SECRET": SECRET}
-    rz = rdzv.from_settings(env=env)
+    rz = rdzv.Rendezvous.from_settings(env=env)
     assert rz is not None
     assert (rz.nnodes, rz.node_rank, rz.master_addr, rz.master_port) == (2, 1, "127.0.0.1", 29555)
     assert rz.agent_store and rz.local_rank == 1 and rz.local_world_size == 2
@@ -37,10 +37,10 @@ def test_torchrun_environment() -> None:
 def test_slurm_environment_and_flags_win() -> None:
     env = {"SLURM_NTASKS": "3", "SLURM_PROCID": "2", "MASTER_ADDR": "127.0.0.1", "SLURM_JOB_ID": "99",
            "PIPEQ_SECRET": SECRET}
-    rz = rdzv.from_settings(env=env)
+    rz = rdzv.Rendezvous.from_settings(env=env)
     assert rz is not None and (rz.nnodes, rz.node_rank, rz.master_port) == (3, 2, rdzv.DEFAULT_PORT)
     assert rz.run_id == "99" and not rz.agent_store
-    rz = rdzv.from_settings(nnodes=2, node_rank=0, master_port=30000, env=env)
+    rz = rdzv.Rendezvous.from_settings(nnodes=2, node_rank=0, master_port=30000, env=env)
     assert rz is not None and (rz.nnodes, rz.node_rank, rz.master_port) == (2, 0, 30000)
 
 
@@ -63,7 +63,7 @@ def test_slurm_environment_and_flags_win() -> None:
 )
 def test_bad_settings_say_what_to_do(kwargs, env, match) -> None:
     with pytest.raises(ValueError, match=match):
-        rdzv.from_settings(env=env, **kwargs)
+        rdzv.Rendezvous.from_settings(env=env, **kwargs)
 
 
 def test_bind_takes_an_address_or_an_interface() -> None:
@@ -130,7 +130,7 @@ def test_unimportable_names_are_reported_with_their_key(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("schedule", "reason"), [
-    ("al", "schedule 'al' trains pipeq.al.ALLayer stages"),
+    ("al", "schedule 'al' trains pipeq.research.ALLayer stages"),
     ("pairwise", "schedule 'pairwise' trains with auxiliary heads: name them in the job"),
 ])
 def test_job_recipes_refuse_schedules_their_stages_cannot_train(schedule, reason) -> None:
@@ -151,7 +151,7 @@ def _rz(node_rank: int = 1, secret: str = SECRET, run_id: str = "pipeq", port: i
 
 def test_multi_host_without_a_secret_says_how_to_make_one() -> None:
     with pytest.raises(ValueError) as info:
-        rdzv.from_settings(nnodes=2, node_rank=0, master_addr="127.0.0.1", env={"SLURM_JOB_ID": "5"})
+        rdzv.Rendezvous.from_settings(nnodes=2, node_rank=0, master_addr="127.0.0.1", env={"SLURM_JOB_ID": "5"})
     assert HOW_TO_MAKE in str(info.value)
 
 
@@ -161,19 +161,19 @@ def test_secret_file_only_its_owner_may_read(tmp_path) -> None:
     path.chmod(0o600)
     flags = {"nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1"}
     # the file wins over the environment
-    rz = rdzv.from_settings(**flags, env={"PIPEQ_SECRET": OTHER}, secret_file=str(path))
+    rz = rdzv.Rendezvous.from_settings(**flags, env={"PIPEQ_SECRET": OTHER}, secret_file=str(path))
     assert rz is not None and rz.secret == JobSecret.from_text(SECRET)
     assert "hidden" in repr(rz.secret) and SECRET not in repr(rz)
     for mode in (0o644, 0o640, 0o604):
         path.chmod(mode)
         with pytest.raises(SecretError, match=f"readable by others \\(mode {mode:o}\\); chmod 600 {path}"):
-            rdzv.from_settings(**flags, env={}, secret_file=str(path))
+            rdzv.Rendezvous.from_settings(**flags, env={}, secret_file=str(path))
     with pytest.raises(SecretError, match="cannot read the secret file"):
-        rdzv.from_settings(**flags, env={}, secret_file=str(tmp_path / "missing"))
+        rdzv.Rendezvous.from_settings(**flags, env={}, secret_file=str(tmp_path / "missing"))
     path.write_text("too short")
     path.chmod(0o600)
     with pytest.raises(SecretError, match="holds 9 characters"):
-        rdzv.from_settings(**flags, env={}, secret_file=str(path))
+        rdzv.Rendezvous.from_settings(**flags, env={}, secret_file=str(path))
 
 
 def test_signed_entries_verify_only_under_their_key_run_and_secret() -> None:

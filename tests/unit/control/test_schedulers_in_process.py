@@ -202,7 +202,7 @@ data = "argsjob:data"
 data_args = { batches = 3, size = 2 }
 eval_data = "argsjob:eval_data"
 eval_data_args = { n = 7 }
-metrics = { top1 = "pipeq.evaluation:accuracy" }
+metrics = { top1 = "pipeq.control.evaluation:accuracy" }
 schedule = "pairwise"
 aux_heads = "argsjob:heads"
 aux_heads_args = { width = 5 }

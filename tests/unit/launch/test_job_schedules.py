@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from launch_util import ROOT
-from pipeq.research.al.executor import ALLayer
+from pipeq.research import ALLayer
 from pipeq.launch.cli import main as pipeq_main
 from pipeq.launch.job import load_job
 from pipeq.control.processes import job_identity

@@ -1,4 +1,4 @@
-"""pipeq.resnet: ResNets cut into components with auxiliary heads, from spec strings (one process,
+"""pipeq.models.resnet: ResNets cut into components with auxiliary heads, from spec strings (one process,
 no stage processes: the whole file takes a few seconds)."""
 
 from __future__ import annotations
@@ -243,9 +243,9 @@ def _job(tmp_path, seed: int = 3, args: str = "") -> str:
              'blocks_per_component = "1,1,rest", n_classes = 10, in_channels = 1, stem_channels = 8' + args + " }")
     path = tmp_path / f"resnet{seed}.toml"
     path.write_text(f"""
-stages = "pipeq.resnet:stages"
+stages = "pipeq.models.resnet:stages"
 stages_args = {table}
-aux_heads = "pipeq.resnet:heads"
+aux_heads = "pipeq.models.resnet:heads"
 aux_heads_args = {table}
 loss = "torch.nn:CrossEntropyLoss"
 optimizer = "torch.optim:SGD"
@@ -288,6 +288,6 @@ def test_a_job_file_builds_the_same_stages_and_heads_twice(tmp_path) -> None:
 
 def test_a_job_files_misspelt_argument_is_named(tmp_path) -> None:
     recipe = load_job(_job(tmp_path, args=', stem_chanels = 4')).recipe
-    with pytest.raises(ValueError, match=r"stages_args: stages = 'pipeq.resnet:stages' does not take the "
+    with pytest.raises(ValueError, match=r"stages_args: stages = 'pipeq.models.resnet:stages' does not take the "
                                          r"argument\(s\) \['stem_chanels'\]; did you mean 'stem_channels'\?"):
         recipe.count_stages()

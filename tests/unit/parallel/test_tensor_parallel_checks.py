@@ -89,7 +89,7 @@ def test_other_schedules_are_refused(schedule):
     """Each runner is fine without tensor parallelism (so the refusal is tensor parallelism's)."""
     kw: dict = {}
     if schedule == "al":
-        from pipeq.research.al.executor import build_al
+        from pipeq.research import build_al
 
         torch.manual_seed(0)
         stages = build_al([nn.Linear(8, 8), nn.Linear(8, 8)], [8, 8], CLASSES)

@@ -17,7 +17,7 @@ from al_cases import (
     make_layers, runner
 )
 from pipeq import schedules
-from pipeq.research.al.executor import ALLayer, build_al
+from pipeq.research import ALLayer, build_al
 from pipeq.errors import PipelineError, ScheduleError
 from pipeq.schedules import Op
 
@@ -306,13 +306,16 @@ def test_al_schedule_object():
 
 
 def test_al_options_belong_to_the_al_schedule():
-    """The runner's old AL keywords say where the option lives now."""
+    """AL's options given to the runner say where they belong; the runner has no AL keywords."""
     stages = [nn.Linear(4, 4), nn.Linear(4, 2)]
-    with pytest.raises(ValueError, match=r"al_inference_layer is an option of the schedule now: pass "
+    with pytest.raises(ValueError, match=r"inference_layer is an option of the schedule, not of the runner: pass "
                                          r"schedule=pipeq.schedules.AssociatedLearning\(inference_layer=1\)"):
-        pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, "1f1b", 2, al_inference_layer=1)
+        pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, "1f1b", 2, inference_layer=1)
     with pytest.raises(ValueError, match=r"AssociatedLearning\(first_loss='mse'\)"):
-        pipeq.PipelineRunner(make_layers(), None, SGD, "al", 2, al_first_loss="mse")
+        pipeq.PipelineRunner(make_layers(), None, SGD, "al", 2, first_loss="mse")
+    for old in ("al_inference_layer", "al_first_loss"):  # no aliases: an unknown argument, as in Python
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            pipeq.PipelineRunner(make_layers(), None, SGD, "al", 2, **{old: 1})
     r = pipeq.PipelineRunner(make_layers(), None, SGD, schedules.AssociatedLearning(inference_layer=1), 2,
                              mode="simulated")
     assert r.schedule == schedules.AssociatedLearning(inference_layer=1)

@@ -1,6 +1,6 @@
 """Associated Learning on sequence models: token ids into an Embedding first layer, an LSTM's
 ``(h, c)`` and a padding mask riding along with ``s``, against a one-process AL loop
-(``tests/support/al_seq_cases.py``); the one-process inference module (:class:`pipeq.al.ALModel`)
+(``tests/support/al_seq_cases.py``); the one-process inference module (:class:`pipeq.research.ALModel`)
 against ``predict``; the blocks' errors."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 from al_seq_cases import (
     ADAM, CLASSES, LENGTH, VOCAB, al_reference, assert_close, lstm_layers, reference_predict, run, tokens
 )
-from pipeq.research.al.executor import (ALLayer, ALModel, LSTMLayer, TokenEmbedding, build_al_lstm, build_al_transformer)
+from pipeq.research import (ALLayer, ALModel, LSTMLayer, TokenEmbedding, build_al_lstm, build_al_transformer)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -292,9 +292,11 @@ def test_argument_errors():
     for name in ("pairwise", "global", "local"):
         with pytest.raises(ValueError, match="distance applies to Interlock\\('nwise'\\) only"):
             pipeq.schedules.Interlock(name, distance=1)
-    # the runner's old keyword says where the option lives now
-    with pytest.raises(ValueError, match=r"interlock_distance is an option of the schedule now: pass "
+    # the schedule's option given to the runner says where it belongs; the runner has no such keyword
+    with pytest.raises(ValueError, match=r"distance is an option of the schedule, not of the runner: pass "
                                          r"schedule=pipeq.schedules.Interlock\('nwise', distance=2\)"):
+        make("nwise", distance=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'interlock_distance'"):
         make("nwise", interlock_distance=2)
     with pytest.raises(TypeError, match="unexpected keyword argument 'interlock_distanse'"):
         make("nwise", interlock_distanse=2)

@@ -90,3 +90,19 @@ def test_other_errors_and_other_hooks_are_left_alone(monkeypatch, capsys):
     assert pipeq.errors.install_excepthook() is False and sys.excepthook is mine
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     assert pipeq.errors.install_excepthook() is True and sys.excepthook is pipeq.errors.excepthook
+
+
+def test_a_runner_start_installs_the_hook_and_importing_pipeq_does_not(monkeypatch):
+    """``import pipeq`` leaves ``sys.excepthook`` alone (tests/launch/test_console_script.py checks it
+    in a fresh interpreter); the first start of a runner installs pipeq's, where Python's is still there."""
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    runner = pipeq.PipelineRunner([nn.Linear(8, 8), nn.Linear(8, 3)], nn.CrossEntropyLoss(),
+                                  lambda p: torch.optim.SGD(p, lr=0.1), microbatches=2, mode="simulated")
+    assert sys.excepthook is sys.__excepthook__  # building a runner changes nothing
+    with runner:
+        assert sys.excepthook is pipeq.errors.excepthook
+    mine = lambda *a: None  # noqa: E731  (a notebook's hook: left alone)
+    monkeypatch.setattr(sys, "excepthook", mine)
+    with pipeq.PipelineRunner([nn.Linear(8, 3)], nn.CrossEntropyLoss(), lambda p: torch.optim.SGD(p, lr=0.1),
+                              microbatches=2, mode="simulated"):
+        assert sys.excepthook is mine

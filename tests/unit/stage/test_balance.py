@@ -219,7 +219,7 @@ def test_job_with_a_measured_balance_measures_once(tmp_path) -> None:
     ('balance = [3, 3]\nbalance_sample = "balance_jobs:sample"\n', "remove balance_sample"),
     ("balance = [3, 3]\nn_stages = 3\n", "n_stages = 3, but balance = \\[3, 3\\] makes 2 stages"),
     ("balanse = [3, 3]\n", "unknown key\\(s\\) \\['balanse'\\]; did you mean 'balance'\\?"),
-    ('balance = [3, 3]\nschedule = "al"\n', "schedule 'al' trains pipeq.al.ALLayer stages"),
+    ('balance = [3, 3]\nschedule = "al"\n', "schedule 'al' trains pipeq.research.ALLayer stages"),
 ])
 def test_job_refuses_bad_model_keys(tmp_path, extra, message) -> None:
     with pytest.raises(ValueError, match=message):

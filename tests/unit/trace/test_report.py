@@ -1,5 +1,5 @@
-"""Traces read back (pipeq.trace), their numbers, bubble and text (pipeq.report), the pictures
-(pipeq.plot) and the CLI.
+"""Traces read back (pipeq.trace), their numbers, bubble and text (pipeq.trace.report), the pictures
+(pipeq.trace.plot) and the CLI.
 
 Traces here are synthetic (no processes): a hand-made two-stage step with every number worked out
 below, schedules' planned timelines (:func:`pipeq.trace.planned_trace`), and a small simulator that

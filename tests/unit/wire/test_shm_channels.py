@@ -1,4 +1,4 @@
-"""Shared-memory payloads (pipeq.shm) between transports in this process: every dtype and layout intact, the receiver's own memory, borrowed slots, back-pressure that blocks and recovers (and yields to EXIT), forged slot references refused."""
+"""Shared-memory payloads (pipeq.wire.shm) between transports in this process: every dtype and layout intact, the receiver's own memory, borrowed slots, back-pressure that blocks and recovers (and yields to EXIT), forged slot references refused."""
 
 from __future__ import annotations
 
