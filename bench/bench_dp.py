@@ -126,7 +126,7 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
         torch.set_num_threads(1)
         from pipeq.parallel import data as dataparallel
         from pipeq.wire.sockets import BindTo
-        from pipeq.wire.stage_link import StageTransport
+        from pipeq.wire.transport import ProcessTransport
 
         module = make_stages(width, layers, n_stages)[stage]
         params = list(module.parameters())
@@ -136,9 +136,10 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
         xs = [torch.randn(n, width, generator=g) for n in sizes]
         ys = [torch.randn(n, width, generator=g) for n in sizes]  # targets, or output gradients
         # stage k's link to its replicas, as in a stage process (no driver: nobody sends EXIT)
-        transport = StageTransport(replica * n_stages + stage, "inproc://no-driver", bind=BindTo.ipc(ipc_dir),
-                                   queue_capacity=4)
-        dp = dataparallel.Replicas(transport, BindTo.ipc(ipc_dir), stage=stage, replica=replica,
+        transport = ProcessTransport([replica * n_stages + stage], "inproc://no-driver", bind=BindTo.ipc(ipc_dir),
+                                     queue_capacity=4)
+        dp = dataparallel.Replicas(transport.stages[0], transport.senders[0], BindTo.ipc(ipc_dir), stage=stage,
+                                   replica=replica,
                                    replicas=replicas, params=params, buffers=[]) if replicas > 1 else None
         addresses.put((replica * n_stages + stage, dp.address if dp is not None else ""))
         if dp is not None:

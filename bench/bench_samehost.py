@@ -18,14 +18,14 @@ marked "disturbed".
 
 [1] throughput -- one-way GB/s (1e9 B/s) of float32 tensors of 256 KiB, 4 MiB and 64 MiB between
     two processes pinned to a core each (rank k -> core k mod ncpu), 1 torch thread each:
-      pipeq ipc        two ``pipeq.wire.stage_link.StageTransport`` bound on ipc (a private directory
+      pipeq ipc        two ``pipeq.wire.transport.ProcessTransport`` (one stage each) bound on ipc (a private directory
                        from ``make_ipc_dir``): process 0 ``send_activation``s, process 1
                        ``wait_data(forward_queue, step, i)``s each message in order. When this
-                       checkout's StageTransport takes ``shm=`` (and ``pipeq.wire.shm`` imports) the
+                       checkout's ProcessTransport takes ``shm=`` (and ``pipeq.wire.shm`` imports) the
                        column passes ``shm=ShmConfig(prefix="pipeq-bench-<pid>-<random>")``
                        and a second column, "pipeq ipc, zmq frames", runs the same without it
                        (the before/after in one run); otherwise it is labelled "(no shm)".
-      tcp encrypt      the same StageTransports bound on tcp 127.0.0.1 with
+      tcp encrypt      the same transports bound on tcp 127.0.0.1 with
       tcp authenticate ``WireAuth(JobSecret.generate(), mode)``: CURVE, or PLAIN + a Poly1305 MAC
                        per message. Never given ``shm=``: these columns are the socket path, what
                        a hop between hosts costs.
@@ -126,10 +126,10 @@ SUMMARY: list[list[str]] = []  # [probe, measured, target, verdict]
 # Shared memory: passed only where this checkout has it
 # ==================================================================================================
 def shm_config_class() -> Any:
-    """``pipeq.wire.shm.ShmConfig`` if StageTransport takes ``shm=`` and pipeq.wire.shm imports, else None."""
-    from pipeq.wire.stage_link import StageTransport
+    """``pipeq.wire.shm.ShmConfig`` if ProcessTransport takes ``shm=`` and pipeq.wire.shm imports, else None."""
+    from pipeq.wire.transport import ProcessTransport
 
-    if "shm" not in inspect.signature(StageTransport).parameters:
+    if "shm" not in inspect.signature(ProcessTransport).parameters:
         return None
     try:
         from pipeq.wire.shm import ShmConfig
@@ -156,17 +156,17 @@ def _sweep_shm(prefix: str) -> int:
 
 
 # ==================================================================================================
-# Child bodies: two StageTransports
+# Child bodies: two stage processes' transports (one stage each: chunk 0)
 # ==================================================================================================
 def _wire(rank: int, side: Any, mode: str, ipc_dir: str, secret: Any, shm_prefix: str | None,
           spin_s: float, capacity: int) -> tuple[Any, Any]:
-    """Process ``rank``'s StageTransport, wired to the other one: 0 sends activations to 1, 1
-    sends gradients to 0. Rank 1 also hosts the control server (nothing is ever sent on it).
+    """Process ``rank``'s ProcessTransport (one stage: chunk 0), wired to the other one: 0 sends
+    activations to 1, 1 sends gradients to 0. Rank 1 also hosts the control server (nothing is ever sent on it).
     ``mode``: "ipc", or the tcp security mode ("encrypt" / "authenticate")."""
     from pipeq.wire.control_link import ControlServer
     from pipeq.wire.security import WireAuth
     from pipeq.wire.sockets import BindTo, tune_process_allocator
-    from pipeq.wire.stage_link import StageTransport
+    from pipeq.wire.transport import ProcessTransport
 
     tune_process_allocator()  # as a stage process does, before any of ZeroMQ's threads exist
     _pin(rank)  # pinned first: ZeroMQ's I/O thread inherits the affinity
@@ -179,7 +179,7 @@ def _wire(rank: int, side: Any, mode: str, ipc_dir: str, secret: Any, shm_prefix
     if shm_prefix:
         shm_cls = shm_config_class()
         if shm_cls is None:
-            raise RuntimeError("shm requested, but StageTransport takes no shm= here")
+            raise RuntimeError("shm requested, but ProcessTransport takes no shm= here")
         kw["shm"] = shm_cls(prefix=shm_prefix)  # one run: both ends name the same segments
     ctrl = None
     if rank == 1:
@@ -188,14 +188,14 @@ def _wire(rank: int, side: Any, mode: str, ipc_dir: str, secret: Any, shm_prefix
         control_addr = ctrl.address
     else:
         control_addr = side.recv()
-    tr = StageTransport(rank, control_addr, bind=bind, queue_capacity=capacity, spin_s=spin_s, auth=auth,
-                        max_frame_bytes=MAX_FRAME, **kw)
-    side.send(tr.addresses)
+    tr = ProcessTransport([rank], control_addr, bind=bind, queue_capacity=capacity, spin_s=spin_s, auth=auth,
+                          max_frame_bytes=MAX_FRAME, **kw)
+    side.send(tr.addresses(0))
     peer = side.recv()
     if rank == 0:
-        tr.connect(peer["forward"], None)
+        tr.connect(0, peer["forward"], None)
     else:
-        tr.connect(None, peer["backward"])
+        tr.connect(0, None, peer["backward"])
     return tr, ctrl
 
 
@@ -240,7 +240,7 @@ def child_stream(rank: int, world: int, side: Any, mode: str, ipc_dir: str, secr
                 for r in range(rounds + WARMUP_ROUNDS):
                     step += 1
                     for i in range(n):
-                        msg = tr.wait_data(tr.forward_queue, step, i)
+                        msg = tr.wait_activation(0, step, i)
                         mark = -1.0 - (i % PATTERNS)
                         ok = len(msg.tensors) == 1 and msg.tensors[0].numel() == numel
                         if ok:
@@ -252,7 +252,7 @@ def child_stream(rank: int, world: int, side: Any, mode: str, ipc_dir: str, secr
                             raise AssertionError(f"{mode} {size} B, step {step}, message {i}: payload is not what was "
                                                  f"sent (shapes {[tuple(t.shape) for t in msg.tensors]})")
                         del msg
-                    tr.send_gradient(step, 0, [torch.full((1,), float(n))])
+                    tr.send_gradient(0, step, 0, [torch.full((1,), float(n))])
                 del ref
                 continue
             ts = _patterns(numel)
@@ -261,8 +261,8 @@ def child_stream(rank: int, world: int, side: Any, mode: str, ipc_dir: str, secr
                 step += 1
                 t0 = time.perf_counter()
                 for i in range(n):
-                    tr.send_activation(step, i, [ts[i % PATTERNS]])
-                ack = tr.wait_data(tr.backward_queue, step, 0)
+                    tr.send_activation(0, step, i, [ts[i % PATTERNS]])
+                ack = tr.wait_gradient(0, step, 0)
                 dt = time.perf_counter() - t0
                 if ack.tensors[0].item() != n:
                     raise AssertionError(f"ack of step {step} says {ack.tensors[0].item()}, not {n}")
@@ -288,9 +288,9 @@ def child_rtt_pipeq(rank: int, world: int, side: Any, ipc_dir: str, shm_prefix: 
             if rank == 0:
                 x.fill_(float(k))  # the previous message was answered: nobody reads x any more
                 t0 = time.perf_counter()
-                tr.send_activation(k, 0, [x])
+                tr.send_activation(0, k, 0, [x])
                 t1 = time.perf_counter()
-                reply = tr.wait_data(tr.backward_queue, k, 0)
+                reply = tr.wait_gradient(0, k, 0)
                 t2 = time.perf_counter()
                 y = reply.tensors[0]
                 if y.numel() != RTT_FLOATS or y[0].item() != k + 1 or y[-1].item() != k + 1:
@@ -299,10 +299,10 @@ def child_rtt_pipeq(rank: int, world: int, side: Any, ipc_dir: str, shm_prefix: 
                     times.append(t2 - t0)
                     parts.append(t1 - t0)
             else:
-                msg = tr.wait_data(tr.forward_queue, k, 0)
+                msg = tr.wait_activation(0, k, 0)
                 t0 = time.perf_counter()
                 v = msg.tensors[0]
-                tr.send_gradient(k, 0, [v + 1])
+                tr.send_gradient(0, k, 0, [v + 1])
                 if k >= RTT_WARMUP:
                     parts.append(time.perf_counter() - t0)
                 if v.numel() != RTT_FLOATS or v[0].item() != k or v[-1].item() != k:  # off the critical path
@@ -493,10 +493,10 @@ def section_throughput(a: argparse.Namespace, shm: bool) -> None:
     ipc_label = "pipeq ipc (shm)" if shm else "pipeq ipc (no shm)"
     print(f"\n=== [1] Throughput: one-way float32 stream, GB/s = 1e9 B/s, median of {repeats} rounds after "
           f"{WARMUP_ROUNDS} warm-up rounds (gloo, memcpy: 1) ===")
-    print("    pipeq: StageTransport.send_activation -> wait_data(forward_queue) in order, ack = one send_gradient "
+    print("    pipeq: ProcessTransport.send_activation -> wait_activation in order, ack = one send_gradient "
           "back; both pinned, 1 thread")
     print(f"    {ipc_label}: bound on ipc" + (", shm=ShmConfig(prefix=...) (defaults otherwise)" if shm else
-                                             "  [this checkout's StageTransport takes no shm=]"))
+                                             "  [this checkout's ProcessTransport takes no shm=]"))
     print(f"    {_background_line()}\n", flush=True)
     secret = JobSecret.generate()
     res: dict[str, dict | None] = {}
@@ -794,7 +794,7 @@ def main() -> int:
     print(f"pipeq bench_samehost: torch {torch.__version__}, {os.cpu_count()} cpus "
           f"(affinity {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'}), "
           f"python {sys.version.split()[0]}, mode {'quick' if a.quick else 'full'}, "
-          f"shared memory in StageTransport: {'yes (shm=ShmConfig)' if shm else 'no (shm= not in this checkout)'}",
+          f"shared memory in ProcessTransport: {'yes (shm=ShmConfig)' if shm else 'no (shm= not in this checkout)'}",
           flush=True)
     start_bg = _background_line()
     print(f"  at start: {start_bg}", flush=True)

@@ -2,7 +2,7 @@
 
 The run's settings are a :class:`pipeq.RunConfig`, built and checked once in the driver (or a
 node's agent). What every stage process takes of them is a :class:`StageSettings`, derived from
-it by :func:`pipeq.control.processes.stage_settings` and nowhere else; where each process runs and
+it by :meth:`pipeq.control.processes.RunSetup.stage_settings` and nowhere else; where each process runs and
 which stages it holds is a :class:`WorkerConfig` (:func:`pipeq.control.processes.worker_configs`).
 Neither declares a default for a setting: every default lives in the RunConfig's parts
 (tests/unit/control/test_settings_path.py checks it).

@@ -1,8 +1,8 @@
 """The control channel: the driver's ROUTER, a stage's heartbeat thread, a node agent's link.
 
 Commands, replies, errors and heartbeats travel between the driver (:class:`ControlServer`) and
-every stage process (its :class:`~pipeq.wire.stage_link.StageTransport`'s DEALER, and the DEALER
-of its :class:`Heartbeat` thread), and, in multi-host runs, every node agent (:class:`DriverLink`).
+every stage (its :class:`~pipeq.wire.stage_inbox.StageInbox`'s DEALER, and the DEALER of its
+:class:`Heartbeat` thread), and, in multi-host runs, every node agent (:class:`DriverLink`).
 Peers on the control channel are named by their ZeroMQ identity: ``s<g>`` a stage process,
 ``h<g>`` its heartbeat thread, ``a<r>`` node r's agent.
 """
