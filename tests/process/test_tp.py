@@ -174,6 +174,31 @@ def test_two_replicas_of_two_sharded_stages_equal_full_batch_training():
     torch.testing.assert_close(pred, eval_output(model, x_eval), **TOL)
 
 
+# -- 2b. T = 2 with two stages per process -------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved-1f1b"])
+def test_two_stages_per_process_of_two_shards_equal_full_batch_training(schedule):
+    """4 stages, 2 per process (V placement: process 0 holds stages 0 and 3; looped: 0 and 2), each
+    process on 2 shards (4 processes): both stages of a process split over the one mesh its
+    shards share, every command and message of both shared by shard 0 with the chunk it is for.
+    The Linear layers are ShardedLinear: a forward fails unless its weight really is split."""
+    torch.manual_seed(3)
+    stages = [nn.Sequential(ShardedLinear(8, 16, 0), nn.ReLU(), ShardedLinear(16, 8, 1)) for _ in range(3)]
+    stages.append(nn.Sequential(ShardedLinear(8, 16, 0), nn.ReLU(), ShardedLinear(16, CLASSES, 1)))
+    plan = [{"0": "colwise", "2": "rowwise"}] * 4
+    data = batches(3, 12, seed=9)
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, schedule, 4, tensor_parallel=2,
+                                  tp_plan=plan, stages_per_process=2, **FAST)
+    with runner:
+        info = runner._backend.worker_info
+        losses = [runner.step(x, y) for x, y in data]
+        state = runner.state_dict()
+    assert len({w["pid"] for w in info}) == 4  # 2 processes x 2 shards, each holding 2 stages
+    model, _, ref_losses = reference(stages, ADAM, data)
+    assert losses == pytest.approx(ref_losses, abs=1e-5, rel=1e-5)
+    assert_close_states(state, model.state_dict())
+    assert_moved(state, stages)
+
+
 # -- 3. checkpoints: whole tensors, loaded at another T ------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved_at_t2(tmp_path_factory):
