@@ -300,6 +300,44 @@ def host_process(num: Numbering, g: int, schedule: Any) -> int:
     return num.group(lead)[num.shard(g)]
 
 
+def process_groups(num: Numbering, schedule: Any) -> list[list[int]]:
+    """The leads (shard 0 of each stage, see :class:`Numbering`) each stage process holds, in
+    order: one each, or with several stages per process the stages of one process together."""
+    held: dict[int, list[int]] = {}
+    for g in range(num.leads):
+        held.setdefault(host_process(num, g, schedule), []).append(g)
+    return list(held.values())
+
+
+def place_leads(num: Numbering, schedule: Any, nnodes: int, alive: Sequence[int] | None,
+                nodes: Sequence[Sequence[int]] | None) -> list[list[int]]:
+    """Which leads each node of a multi-host run holds (see
+    :func:`pipeq.control.rendezvous.placement_over`): whole processes, so that the stages of one
+    process (several, with virtual stages) are on one node. A given ``nodes`` table that splits
+    a process is refused, naming its stages."""
+    from pipeq.control import rendezvous as rdzv
+
+    groups = process_groups(num, schedule)
+    if len(groups) == num.leads:  # one stage per process
+        return rdzv.placement_over(num.leads, nnodes, alive, nodes)
+    policy = schedules.resolve(schedule)
+    held = f"schedule {policy.name!r} holds {policy.stages_per_process} stages per process"
+    if nodes is not None and (alive is None or sorted(alive) == list(range(nnodes))):
+        plan = rdzv.placement(num.leads, nnodes, nodes)
+        where = {g: r for r, node in enumerate(plan) for g in node}
+        for group in groups:
+            if len({where[g] for g in group}) > 1:
+                raise ValueError(f"the placement puts {', '.join(num.where(g) for g in group)} on nodes "
+                                 f"{sorted({where[g] for g in group})}, but they share one process ({held}): "
+                                 "place them on one node")
+        return plan
+    if nnodes > len(groups):
+        raise ValueError(f"{nnodes} nodes for {len(groups)} stage processes ({held}): some nodes would run "
+                         f"nothing; use at most {len(groups)} nodes")
+    by_group = rdzv.placement_over(len(groups), nnodes, alive)
+    return [sorted(g for i in node for g in groups[i]) for node in by_group]
+
+
 def start_workers(ctx: Any, configs: Sequence[WorkerConfig], payload_of: Callable[[int], "bytes | StageBuilder"],
                   ) -> dict[int, StageHandle]:
     """Start one OS process per configuration; the handle of each process g it holds (the

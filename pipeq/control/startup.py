@@ -26,8 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pipeq.control import rendezvous as rdzv
-from pipeq.control.processes import (Numbering, RunSetup, job_identity, process_context, start_workers,
-                                     stop_processes, worker_configs)
+from pipeq.control.processes import (Numbering, RunSetup, job_identity, place_leads, process_context,
+                                     start_workers, stop_processes, worker_configs)
 from pipeq.control.rendezvous import Rendezvous
 from pipeq.control.supervisor import Supervisor
 from pipeq.control.trace_collector import TraceRecorder
@@ -74,8 +74,8 @@ class StageProcesses:
         self.stop_timeout = fault.stop_timeout
         self.rendezvous = rendezvous
         placement = config.placement.placement
-        self.placement = ([self._with_shards(node) for node in rdzv.placement_over(
-                              self.n_processes, rendezvous.nnodes, rendezvous.nodes, placement)]
+        self.placement = ([self._with_shards(node) for node in place_leads(
+                              numbering, self.schedule, rendezvous.nnodes, rendezvous.nodes, placement)]
                           if rendezvous is not None else [list(range(self.n_all))])
         self.recorder = recorder
         self.store: Any = None

@@ -193,37 +193,55 @@ def test_nodes_started_with_different_jobs_are_refused(tmp_path, monkeypatch) ->
 
 
 def test_embedded_runner_as_node_0_of_a_two_node_run(tmp_path) -> None:
-    """A script embeds PipelineRunner with a recipe as node 0; node 1 is `pipeq launch`."""
+    """A script embeds PipelineRunner with a recipe as node 0; node 1 is `pipeq launch`. The job
+    holds two stages per process (zbv, V placement): node 0 runs the process of stages 0 and 3,
+    node 1 the one of stages 1 and 2, and the run computes the simulated run's bits."""
     import subprocess
     import sys
 
+    import torch
+
     import pipeq
-    from launch_util import DIGITS_JOB, SECRET, free_port, launch_cmd, secret_env
+    from launch_util import SECRET, free_port, secret_env
     from pipeq.launch.job import load_job
 
     sys.path.insert(0, ROOT)
     from examples.digits_job import train_batches
 
+    job_file = tmp_path / "zbv.toml"
+    job_file.write_text('stages = "examples.digits_job:four_stages"\nloss = "torch.nn:CrossEntropyLoss"\n'
+                        'optimizer = "torch.optim:SGD"\noptimizer_args = { lr = 0.05, momentum = 0.9 }\n'
+                        'data = "examples.digits_job:train_batches"\nschedule = "zbv"\nmicrobatches = 4\n'
+                        'steps = 20\nseed = 0\n')
+    job = load_job(str(job_file))
+    data = train_batches(0)[:20]
+    with pipeq.PipelineRunner(job.recipe, None, None, job.schedule, job.microbatches, mode="simulated") as ref:
+        want = [ref.step(x, y) for x, y in data]
+        want_state = ref.state_dict()
     port = free_port()
     secret_file = tmp_path / "job.secret"  # node 0 takes the secret from a file, node 1 from its env
     secret_file.write_text(SECRET + "\n")
     secret_file.chmod(0o600)
     node1 = subprocess.Popen(
-        launch_cmd("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                   "--master-port", str(port), "--out", str(tmp_path / "n1")),
+        [sys.executable, "-m", "pipeq", "launch", str(job_file), "--quiet", "--threads-per-stage", "1",
+         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "--out", str(tmp_path / "n1")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=secret_env())
     try:
-        job = load_job(DIGITS_JOB)
         rz = pipeq.Rendezvous.from_settings(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port,
                                             env={}, secret_file=str(secret_file))
         runner = pipeq.PipelineRunner(job.recipe, None, None, job.schedule, job.microbatches,
                                       threads_per_stage=1, rendezvous=rz, start_method="forkserver")
         with runner:
-            losses = [runner.step(x, y) for x, y in train_batches(0)[:20]]
+            losses = [runner.step(x, y) for x, y in data]
+            state = runner.state_dict()
         assert losses[-1] < losses[0]
+        assert losses == want
+        assert list(state) == list(want_state) and all(torch.equal(state[k], want_state[k]) for k in state)
         _, err1 = node1.communicate(timeout=60)
         assert node1.returncode == 0, err1
-        assert "started stage(s) [1, 2]" in err1
+        assert "started stage(s) [1, 2] (pids [" in err1 and "]), driver" in err1
+        assert len(err1.split("(pids [")[1].split("]")[0].split(",")) == 1  # one process holds both
     finally:
         if node1.poll() is None:
             node1.kill()
