@@ -55,7 +55,8 @@ __all__ = ["ProcessBackend"]
 
 
 class ProcessBackend:
-    """Runs the stages as processes: all on this host, or (``rendezvous``) spread over nodes.
+    """Runs the stages as processes: all on this host, or (``rendezvous``) spread over nodes; a
+    :class:`~pipeq.runtime.backend.Backend`.
 
     ``payloads[g]`` is what process g (replica g // N's stage g % N) is built from: a pickled
     :class:`~pipeq.runtime.executors.StageSpec`, or a :class:`~pipeq.runtime.executors.StageBuilder`
@@ -168,8 +169,9 @@ class ProcessBackend:
                 self._done[step] = self._result(step)
             self._usable()
 
-    def _ask_each(self, kind: Kind, reply: Kind, what: str, processes: Sequence[int]) -> dict[int, Message]:
-        """Send ``kind`` to each of ``processes`` and collect one ``reply`` from each."""
+    def ask_each(self, kind: Kind, reply: Kind, what: str, processes: Sequence[int]) -> dict[int, Message]:
+        """Send ``kind`` to each of ``processes`` (process g: replica g // N's stage g % N) and
+        collect one ``reply`` from each; ``what`` names the request in a failure."""
         sup = self._usable()
         req = self._next_request_id()
         self._send_all(sup, [(g, Message(kind, req)) for g in processes])
@@ -251,13 +253,14 @@ class ProcessBackend:
             total *= survivor_scale(shares, done, n_shards)
         return total
 
-    def train(self, step: int, shards: list[Shard], x: Any, target: Any, inputs: StageInputs | None = None) -> float:
-        self.submit(step, shards, x, target, inputs=inputs)
+    def train(self, step: int, shards: list[Shard], x: Any, target: Any, stream: bool = False,
+              inputs: StageInputs | None = None) -> float:
+        self.submit(step, shards, x, target, stream, inputs)
         return self.result(step)
 
     def drain(self) -> None:
         """End a stream: every stage finishes its leftover work (asynchronous 1F1B's last backwards)."""
-        self._ask_each(Kind.DRAIN, Kind.ACK, "drain", range(self.n_processes))
+        self.ask_each(Kind.DRAIN, Kind.ACK, "drain", range(self.n_processes))
 
     def predict(self, step: int, sizes: list[int], x: Any, inputs: StageInputs | None = None) -> list[Tensors]:
         sup = self._usable()
@@ -287,7 +290,7 @@ class ProcessBackend:
         return [dataclasses.asdict(control.read(got[k][0], Stats)) for k in stages]
 
     def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
-        got = self._ask_each(Kind.GET_STATE, Kind.STATE, "state_dict", range(self.n_stages))
+        got = self.ask_each(Kind.GET_STATE, Kind.STATE, "state_dict", range(self.n_stages))
         return [(list(control.read(got[k], State).names), list(got[k].tensors)) for k in range(self.n_stages)]
 
     def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
@@ -299,7 +302,7 @@ class ProcessBackend:
 
     def get_snapshots(self) -> list[dict[str, Any]]:
         """Every stage's snapshot (see :meth:`StageExecutor.snapshot`), tensors included."""
-        got = self._ask_each(Kind.GET_SNAPSHOT, Kind.SNAPSHOT, "save", range(self.n_stages))
+        got = self.ask_each(Kind.GET_SNAPSHOT, Kind.SNAPSHOT, "save", range(self.n_stages))
         out = []
         for k in range(self.n_stages):
             try:
@@ -310,12 +313,17 @@ class ProcessBackend:
         return out
 
     def request_snapshots(self, step: int) -> None:
-        """Ask every stage for its snapshot after the commands sent (:func:`~pipeq.control.snapshots.request`)."""
-        snapshots.request(self, step)
+        """Ask every stage (replica 0's) for its snapshot, behind the commands already sent; the
+        answers are kept as they come (:meth:`take_snapshots`), labelled ``step``."""
+        sup = self._usable()
+        req = self._next_request_id()
+        self._send_all(sup, [(k, Message(Kind.GET_SNAPSHOT, req)) for k in range(self.n_stages)])
+        sup.awaited.add((Kind.SNAPSHOT, req))
+        self.snapshot_requests[req] = step
 
     def take_snapshots(self) -> list[tuple[int, list[dict[str, Any]]]]:
         """The snapshots complete so far (:func:`~pipeq.control.snapshots.take`); never waits."""
-        return snapshots.take(self)
+        return snapshots.take(self.sup, self.snapshot_requests, self.n_stages)
 
     def restore(self, snapshots: list[dict[str, Any]]) -> None:
         sup = self._usable()
@@ -343,7 +351,7 @@ class ProcessBackend:
 
     def learning_rates(self) -> list[list[float]]:
         """Each stage's learning rates (replica 0's), per parameter group."""
-        got = self._ask_each(Kind.GET_LR, Kind.LR, "learning_rates", range(self.n_stages))
+        got = self.ask_each(Kind.GET_LR, Kind.LR, "learning_rates", range(self.n_stages))
         return [control.read(got[k], Lrs).lrs for k in range(self.n_stages)]  # checked as they came
 
 

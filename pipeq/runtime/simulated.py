@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pipeq.errors import PipelineError, error_line, format_remote
+from pipeq.runtime.backend import Shard, StageInputs
 from pipeq.runtime.chunks import ChunkError, execute_chunks
 from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import EMIT, TIES, StagePlan, execute
@@ -38,7 +39,8 @@ def _awaited(k: int, req: tuple[Any, ...]) -> list[tuple[Any, ...]]:
 
 
 class SimulatedBackend:
-    """Every stage's executor in this process, each built from a private copy of its spec."""
+    """Every stage's executor in this process, each built from a private copy of its spec; a
+    :class:`~pipeq.runtime.backend.Backend`."""
 
     def __init__(self, specs: Sequence[StageSpec], schedule: "str | ScheduleFn", device: str = "cpu",
                  numerics: Numerics | None = None) -> None:
@@ -155,16 +157,16 @@ class SimulatedBackend:
         except Exception as exc:
             raise PipelineError(error_line(exc), k, format_remote(exc)) from None
 
-    def train(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
-              x: Any, target: Any, stream: bool = False, inputs: Sequence[dict[str, Any] | None] | None = None) -> float:
+    def train(self, step: int, shards: list[Shard], x: Any, target: Any, stream: bool = False,
+              inputs: StageInputs | None = None) -> float:
         """One step on one shard (the whole batch: there are no replicas in one process);
         ``inputs``: each stage's keyword arguments (``stage_inputs``), or None."""
         ((sizes, weights, aux_weights),) = shards
         self._run(step, sizes, x, target, True, weights, aux_weights, stream, inputs)
         return self.executors[-1].mean_loss()
 
-    def submit(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
-               x: Any, target: Any, stream: bool = False, inputs: Sequence[dict[str, Any] | None] | None = None) -> None:
+    def submit(self, step: int, shards: list[Shard], x: Any, target: Any, stream: bool = False,
+               inputs: StageInputs | None = None) -> None:
         """In one process a step runs when it is submitted: ``result`` hands its loss (or its
         failure) back, so a stream fails at the batch where it happened, as in process mode."""
         self.step_lrs[step] = self.executors[-1].learning_rate()  # the one this batch trains with
@@ -183,8 +185,7 @@ class SimulatedBackend:
             raise got
         return got
 
-    def predict(self, step: int, sizes: list[int], x: Any,
-                inputs: Sequence[dict[str, Any] | None] | None = None) -> list[Tensors]:
+    def predict(self, step: int, sizes: list[int], x: Any, inputs: StageInputs | None = None) -> list[Tensors]:
         return self._run(step, sizes, x, None, training=False, inputs=inputs)
 
     def stats(self, reset: bool = False) -> list[dict[str, Any]]:
