@@ -9,10 +9,11 @@
         out = runner.predict(x)           # forward only -> CPU tensor
         state = runner.state_dict()       # keys as in the flat model nn.Sequential(*layers)
 
-The runner checks its arguments (a :class:`~pipeq.control.config.RunConfig`, built once) and the schedule (a dry run with the real stage and microbatch
-counts) before anything starts, splits each batch into microbatches, and hands the work to a
-backend: :class:`~pipeq.control.driver.ProcessBackend` (``mode="process"``, the default) or
-:class:`~pipeq.runtime.simulated.SimulatedBackend` (``mode="simulated"``, every stage in this process).
+The runner checks its arguments (a :class:`~pipeq.control.config.RunConfig`, built once) and the
+schedule (a dry run with the real stage and microbatch counts) before anything starts. Its jobs are
+its collaborators' (``control/``: lifecycle, feed, streaming, state, snapshots); the stages run on
+a :class:`~pipeq.runtime.backend.Backend`: :class:`~pipeq.control.driver.ProcessBackend`
+(``mode="process"``, the default) or :class:`~pipeq.runtime.simulated.SimulatedBackend`.
 """
 
 from __future__ import annotations
@@ -294,11 +295,12 @@ class PipelineRunner:
     def _settle_auto(self, batch: tuple[Any, Any, Any] | None) -> None:
         """``schedule="auto"``: choose the schedule (profiled with ``batch``, the first step's, when
         there is one), print the ranking once, build and start the backend (:meth:`BackendPlan.settle`)."""
-        plan, self._auto = self._auto, None
+        plan = self._auto
         assert plan is not None
-        self.auto_choice, self.config = plan.settle(self.config, self._feed.batcher, batch)
-        self.schedule = self.config.schedule
-        self._use(backend := plan.backend(self.config), plan.batcher(self.config))
+        choice, cfg = plan.settle(self.config, self._feed.batcher, batch)
+        backend = plan.backend(cfg)  # (until here nothing changed: a bad batch raises, and the next one settles)
+        self._auto, self.auto_choice, self.config, self.schedule = None, choice, cfg, cfg.schedule
+        self._use(backend, plan.batcher(cfg))
         if self._life.running:
             backend.start()
 

@@ -2,7 +2,7 @@
 
 Stage k's output is stage k+1's input; a mismatch (stage 0 returns 64 features, stage 1's first
 ``nn.Linear`` takes 128) would otherwise surface only once the stage processes run it, as a stage's
-remote error. :func:`check_first_batch` runs each stage once on the **meta device** with the first
+remote error. :class:`FirstBatchCheck` runs each stage once on the **meta device** with the first
 microbatch's shapes (copies of the stages whose parameters and buffers are meta tensors: the real
 weights are never touched or copied, nothing is computed, no random number is drawn) and raises a
 :class:`~pipeq.errors.PipelineError` naming both stages and the shapes at the first stage that

@@ -76,13 +76,14 @@ def test_every_data_attribute_is_set_by_each_backend():
             assert isinstance(vars(backend)[name], typing.get_origin(Backend.__annotations__[name]) or object)
 
 
-COLLABORATORS = ["control/runner.py", "control/streaming.py", "control/state.py", "control/snapshots.py",
-                 "control/assembly.py"]
+COLLABORATORS = ["control/runner.py", "control/lifecycle.py", "control/feed.py", "control/streaming.py",
+                 "control/state.py", "control/snapshots.py", "control/assembly.py"]
 
 
 @pytest.mark.parametrize("module", COLLABORATORS)
 def test_the_runner_and_its_collaborators_type_their_backend_as_the_protocol(module):
-    """No ``backend: Any`` (or ``_backend: Any``): every name holding a backend is annotated ``Backend``."""
+    """No ``backend: Any`` (or ``_backend: Any``), no parameter ``backend`` without a type: every
+    name holding a backend is annotated ``Backend`` (or ``Backend | None`` until it is built)."""
     import pipeq
 
     src = open(os.path.join(os.path.dirname(pipeq.__file__), module)).read()
@@ -94,6 +95,7 @@ def test_the_runner_and_its_collaborators_type_their_backend_as_the_protocol(mod
         elif isinstance(node, ast.arg):
             target, annotation = node, node.annotation
         name = getattr(target, "attr", None) or getattr(target, "id", None) or getattr(target, "arg", None)
-        if name in ("backend", "_backend") and annotation is not None and "Backend" not in ast.unparse(annotation):
-            untyped.append(f"{name}: {ast.unparse(annotation)}")
+        if name in ("backend", "_backend") and (annotation is None and isinstance(node, ast.arg)
+                                                or annotation is not None and "Backend" not in ast.unparse(annotation)):
+            untyped.append(f"{name}: {ast.unparse(annotation) if annotation is not None else '(none)'}")
     assert untyped == []
