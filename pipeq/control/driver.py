@@ -96,7 +96,7 @@ class ProcessBackend:
                              if config.fault.fault_tolerance == "replicas" else None)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
-        self.snapshot_requests: dict[int, int] = {}  # request id -> the step of the snapshot asked for
+        self.snapshot_requests = snapshots.SnapshotRequests(n)  # asked of the stages, taken as they complete
 
     # -- lifecycle (pipeq.control.startup) ----------------------------------------------------------
     def start(self) -> None:
@@ -313,17 +313,14 @@ class ProcessBackend:
         return out
 
     def request_snapshots(self, step: int) -> None:
-        """Ask every stage (replica 0's) for its snapshot, behind the commands already sent; the
-        answers are kept as they come (:meth:`take_snapshots`), labelled ``step``."""
+        """Ask every stage for its snapshot, behind the commands sent (the answers are kept by
+        :class:`~pipeq.control.snapshots.SnapshotRequests`)."""
         sup = self._usable()
-        req = self._next_request_id()
-        self._send_all(sup, [(k, Message(Kind.GET_SNAPSHOT, req)) for k in range(self.n_stages)])
-        sup.awaited.add((Kind.SNAPSHOT, req))
-        self.snapshot_requests[req] = step
+        self._send_all(sup, self.snapshot_requests.ask(sup, self._next_request_id(), step))
 
     def take_snapshots(self) -> list[tuple[int, list[dict[str, Any]]]]:
-        """The snapshots complete so far (:func:`~pipeq.control.snapshots.take`); never waits."""
-        return snapshots.take(self.sup, self.snapshot_requests, self.n_stages)
+        """The snapshots complete so far, as (step, per stage); never waits."""
+        return self.snapshot_requests.take(self.sup)
 
     def restore(self, snapshots: list[dict[str, Any]]) -> None:
         sup = self._usable()

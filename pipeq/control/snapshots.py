@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 from pipeq.control.supervisor import take_kept
 from pipeq.errors import PipelineError
 from pipeq.wire import control
-from pipeq.wire.messages import Kind
+from pipeq.wire.messages import Kind, Message
 
 if TYPE_CHECKING:
     from pipeq.control.supervisor import Supervisor
     from pipeq.runtime.backend import Backend
 
-__all__ = ["MemorySnapshot", "SnapshotSchedule", "take"]
+__all__ = ["MemorySnapshot", "SnapshotRequests", "SnapshotSchedule"]
 
 
 @dataclass(frozen=True)
@@ -112,26 +112,40 @@ class SnapshotSchedule:
             self.backend.request_snapshots(self._first + self._sent)
 
 
-def take(sup: Supervisor | None, asked: dict[int, int], n_stages: int) -> list[tuple[int, list[dict[str, Any]]]]:
-    """The snapshots a process backend asked of its ``n_stages`` stages (``asked``: request id ->
-    step, :meth:`~pipeq.control.driver.ProcessBackend.request_snapshots`) whose every stage has
-    answered, as (step, per stage), taken out of ``asked``; never waits, and works after a
-    failure (what had arrived is kept)."""
-    if sup is None or not asked:
-        return []
-    if sup.failure is None:
-        try:
-            sup.drain_pending()
-        except PipelineError:  # the run fails: the ERROR is raised by whoever waits next
-            pass
-    done = []
-    for req, step in list(asked.items()):
-        got = take_kept(sup, Kind.SNAPSHOT, req, n_stages)
-        if got is None:
-            continue
-        del asked[req]
-        try:
-            done.append((step, [control.state_of(got[k]) for k in range(n_stages)]))
-        except (ValueError, KeyError):  # a malformed snapshot is no snapshot to restart from
-            continue
-    return done
+class SnapshotRequests:
+    """The snapshots a process backend has asked its ``n_stages`` stages for (replica 0's): asked
+    behind the commands already sent, taken once every stage has answered. Never waits."""
+
+    def __init__(self, n_stages: int) -> None:
+        self.n_stages = n_stages
+        self._asked: dict[int, int] = {}  # request id -> the step of the snapshot asked for
+
+    def ask(self, sup: Supervisor, req: int, step: int) -> list[tuple[int, Message]]:
+        """Request ``req``'s GET_SNAPSHOT for each stage, to send, labelled ``step``; the
+        answers are kept by ``sup`` as they come."""
+        sup.awaited.add((Kind.SNAPSHOT, req))
+        self._asked[req] = step
+        return [(k, Message(Kind.GET_SNAPSHOT, req)) for k in range(self.n_stages)]
+
+    def take(self, sup: Supervisor | None) -> list[tuple[int, list[dict[str, Any]]]]:
+        """The snapshots asked whose every stage has answered, as (step, per stage); works after
+        a failure (what had arrived is kept)."""
+        n, asked = self.n_stages, self._asked
+        if sup is None or not asked:
+            return []
+        if sup.failure is None:
+            try:
+                sup.drain_pending()
+            except PipelineError:  # the run fails: the ERROR is raised by whoever waits next
+                pass
+        done = []
+        for req, step in list(asked.items()):
+            got = take_kept(sup, Kind.SNAPSHOT, req, n)
+            if got is None:
+                continue
+            del asked[req]
+            try:
+                done.append((step, [control.state_of(got[k]) for k in range(n)]))
+            except (ValueError, KeyError):  # a malformed snapshot is no snapshot to restart from
+                continue
+        return done
