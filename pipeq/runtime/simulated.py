@@ -39,8 +39,7 @@ def _awaited(k: int, req: tuple[Any, ...]) -> list[tuple[Any, ...]]:
 
 
 class SimulatedBackend:
-    """Every stage's executor in this process, each built from a private copy of its spec; a
-    :class:`~pipeq.runtime.backend.Backend`."""
+    """Every stage's executor in this process, each built from a private copy of its spec."""
 
     def __init__(self, specs: Sequence[StageSpec], schedule: "str | ScheduleFn", device: str = "cpu",
                  numerics: Numerics | None = None) -> None:
