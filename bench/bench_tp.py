@@ -31,7 +31,7 @@ round; the figures are medians over rounds. Per configuration:
 - T_comm = step - bound: what the step spends beyond compute (the all-reduces, pipeq's messages
   and the shard broadcasts, waiting), and T_comm / T_comp;
 - memory: the peak resident set (VmHWM in /proc/<pid>/status) of every stage process, from the
-  pids in ``runner._backend.worker_info`` read before the runner closes (and its resident set
+  pids in ``runner.stage_processes`` read before the runner closes (and its resident set
   right after the start: the model loaded, nothing computed), beside the analytic parameters +
   gradients + momentum of one shard (4 bytes each). The probe's process gives the scale: its
   resident set before and after making the model, and its peak;
@@ -205,13 +205,13 @@ def run_pipeq(n_stages: int, shards: int, a: argparse.Namespace) -> dict:
     times, losses = [], []
     with runner:
         start_s = time.perf_counter() - t_start
-        rss_start = {w.get("pid"): _status_kb(w.get("pid"), "VmRSS") for w in runner._backend.worker_info}
+        rss_start = {w.get("pid"): _status_kb(w.get("pid"), "VmRSS") for w in runner.stage_processes}
         for _ in range(a.warmup + a.steps):
             t0 = time.perf_counter()
             losses.append(runner.step(x, y))
             times.append(time.perf_counter() - t0)
         procs = []
-        for w in runner._backend.worker_info:
+        for w in runner.stage_processes:
             pid = w.get("pid")
             procs.append({"pid": pid, "stage": w.get("stage"), "shard": w.get("shard", 0),
                           "replica": w.get("replica", 0), "hwm_kb": _status_kb(pid, "VmHWM"),

@@ -179,7 +179,7 @@ def train(steps: int = 1001, every: int = 250, dtype: torch.dtype = torch.float6
     t_start = time.perf_counter()
     with runner:
         t0 = time.perf_counter()
-        workers = [dict(w) for w in runner._backend.worker_info]
+        workers = [dict(w) for w in runner.stage_processes]
         if verbose:
             print("stage 0 on %d processes: %s" % (len(workers), ", ".join(
                 f"shard {w.get('shard')} pid {w.get('pid')}" for w in workers)), flush=True)

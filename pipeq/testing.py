@@ -10,16 +10,41 @@ part (a whole backward sleeps both; stage 0, which has no input gradient, sleeps
 
 A sleep costs no CPU, so several such stages on a small machine still overlap perfectly: what a
 trace of them shows is the schedule and the runtime's own overhead, nothing else.
+
+For tests, :func:`backend_of` reaches the backend that runs a runner's stages, to check what no
+user needs to see (every replica's state, the processes' handles, the control channel).
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-__all__ = ["SleepStage"]
+from pipeq.errors import PipelineError
+
+if TYPE_CHECKING:
+    from pipeq.control.runner import PipelineRunner
+    from pipeq.runtime.backend import Backend
+
+__all__ = ["SleepStage", "backend_of"]
+
+
+def backend_of(runner: PipelineRunner) -> Backend:
+    """For tests: the backend that runs ``runner``'s stages, a :class:`~pipeq.runtime.backend.Backend`.
+
+    In process mode a :class:`~pipeq.control.driver.ProcessBackend`: besides the protocol, its
+    ``processes`` (their start and teardown), ``procs`` (each stage process's handle), ``ipc_dir``,
+    ``server`` (the control channel) and ``ask_each`` (one command to any of the processes, every
+    replica's too); in simulated mode a :class:`~pipeq.runtime.simulated.SimulatedBackend` and its
+    ``executors``. It is the tests' seam into the runtime, which changes with it: a program uses the
+    runner's own methods (:attr:`~pipeq.PipelineRunner.stage_processes` for the processes' pids)."""
+    backend = runner._backend  # the one place outside the runner that reads it: this hook's job
+    if backend is None:
+        raise PipelineError("the runner has no backend yet: with schedule='auto' it is built at the first batch")
+    return backend
 
 
 class _Sleep(torch.autograd.Function):

@@ -20,10 +20,8 @@ import torch
 from pipeq.stage import microbatch
 from pipeq import schedules
 from pipeq.schedules import SchedulePolicy
+from pipeq.runtime.backend import Shard  # one replica's part of a step (what a backend is sent)
 from pipeq.stage.loss import microbatch_weights
-
-#: One replica's part of a step: microbatch sizes, loss weights, auxiliary heads' loss weights.
-Shard = tuple[list[int], list[float], "list[float] | None"]
 
 
 def split_sizes(batch: int, microbatches: int) -> list[int]:

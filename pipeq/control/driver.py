@@ -52,7 +52,8 @@ __all__ = ["ProcessBackend"]
 
 
 class ProcessBackend:
-    """Runs the stages as processes: all on this host, or (``rendezvous``) spread over nodes.
+    """Runs the stages as processes: all on this host, or (``rendezvous``) spread over nodes; a
+    :class:`~pipeq.runtime.backend.Backend`.
 
     ``payloads[g]`` is what process g (replica g // N's stage g % N) is built from: a pickled
     :class:`~pipeq.runtime.executors.StageSpec`, or a :class:`~pipeq.runtime.executors.StageBuilder`
@@ -94,7 +95,7 @@ class ProcessBackend:
                              if config.fault.fault_tolerance == "replicas" else None)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
-        self.snapshot_requests: dict[int, int] = {}  # request id -> the step of the snapshot asked for
+        self.snapshot_requests = snapshots.SnapshotRequests(n)  # asked of the stages, taken as they complete
 
     # -- lifecycle (pipeq.control.startup) ----------------------------------------------------------
     def start(self) -> None:
@@ -167,8 +168,9 @@ class ProcessBackend:
                 self._done[step] = self._result(step)
             self._usable()
 
-    def _ask_each(self, kind: Kind, reply: Kind, what: str, processes: Sequence[int]) -> dict[int, Message]:
-        """Send ``kind`` to each of ``processes`` and collect one ``reply`` from each."""
+    def ask_each(self, kind: Kind, reply: Kind, what: str, processes: Sequence[int]) -> dict[int, Message]:
+        """Send ``kind`` to each of ``processes`` (process g: replica g // N's stage g % N) and
+        collect one ``reply`` from each; ``what`` names the request in a failure."""
         sup = self._usable()
         req = self._next_request_id()
         self._send_all(sup, [(g, Message(kind, req)) for g in processes])
@@ -250,13 +252,14 @@ class ProcessBackend:
             total *= survivor_scale(shares, done, n_shards)
         return total
 
-    def train(self, step: int, shards: list[Shard], x: Any, target: Any, inputs: StageInputs | None = None) -> float:
-        self.submit(step, shards, x, target, inputs=inputs)
+    def train(self, step: int, shards: list[Shard], x: Any, target: Any, stream: bool = False,
+              inputs: StageInputs | None = None) -> float:
+        self.submit(step, shards, x, target, stream, inputs)
         return self.result(step)
 
     def drain(self) -> None:
         """End a stream: every stage finishes its leftover work (asynchronous 1F1B's last backwards)."""
-        self._ask_each(Kind.DRAIN, Kind.ACK, "drain", range(self.n_processes))
+        self.ask_each(Kind.DRAIN, Kind.ACK, "drain", range(self.n_processes))
 
     def predict(self, step: int, sizes: list[int], x: Any, inputs: StageInputs | None = None) -> list[Tensors]:
         sup = self._usable()
@@ -286,7 +289,7 @@ class ProcessBackend:
         return [dataclasses.asdict(control.read(got[k][0], Stats)) for k in stages]
 
     def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
-        got = self._ask_each(Kind.GET_STATE, Kind.STATE, "state_dict", range(self.n_stages))
+        got = self.ask_each(Kind.GET_STATE, Kind.STATE, "state_dict", range(self.n_stages))
         return [(list(control.read(got[k], State).names), list(got[k].tensors)) for k in range(self.n_stages)]
 
     def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
@@ -298,7 +301,7 @@ class ProcessBackend:
 
     def get_snapshots(self) -> list[dict[str, Any]]:
         """Every stage's snapshot (see :meth:`StageExecutor.snapshot`), tensors included."""
-        got = self._ask_each(Kind.GET_SNAPSHOT, Kind.SNAPSHOT, "save", range(self.n_stages))
+        got = self.ask_each(Kind.GET_SNAPSHOT, Kind.SNAPSHOT, "save", range(self.n_stages))
         out = []
         for k in range(self.n_stages):
             try:
@@ -309,12 +312,14 @@ class ProcessBackend:
         return out
 
     def request_snapshots(self, step: int) -> None:
-        """Ask every stage for its snapshot after the commands sent (:func:`~pipeq.control.snapshots.request`)."""
-        snapshots.request(self, step)
+        """Ask every stage for its snapshot, behind the commands sent (the answers are kept by
+        :class:`~pipeq.control.snapshots.SnapshotRequests`)."""
+        sup = self._usable()
+        self._send_all(sup, self.snapshot_requests.ask(sup, self._next_request_id(), step))
 
     def take_snapshots(self) -> list[tuple[int, list[dict[str, Any]]]]:
-        """The snapshots complete so far (:func:`~pipeq.control.snapshots.take`); never waits."""
-        return snapshots.take(self)
+        """The snapshots complete so far, as (step, per stage); never waits."""
+        return self.snapshot_requests.take(self.sup)
 
     def restore(self, snapshots: list[dict[str, Any]]) -> None:
         sup = self._usable()
@@ -342,7 +347,7 @@ class ProcessBackend:
 
     def learning_rates(self) -> list[list[float]]:
         """Each stage's learning rates (replica 0's), per parameter group."""
-        got = self._ask_each(Kind.GET_LR, Kind.LR, "learning_rates", range(self.n_stages))
+        got = self.ask_each(Kind.GET_LR, Kind.LR, "learning_rates", range(self.n_stages))
         return [control.read(got[k], Lrs).lrs for k in range(self.n_stages)]  # checked as they came
 
 

@@ -88,6 +88,8 @@ def evaluate(predict: Callable[..., Any], batches: Any, metrics: Mapping[str, Me
     ``metrics`` over ``batches`` (an iterable of ``(x, target)`` or ``(x, target, stage_inputs)``,
     or one of them), with ``predict(x)`` (``predict(x, stage_inputs=...)``) giving each batch's
     output. See the module's docstring."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError("loss_fn must be callable as loss_fn(output, target)")
     chosen = check_metrics(metrics)
     named: dict[str, Metric] = {}
     summed = loss_fn is not None and loss_weight_mode(loss_fn) == "sum" and "loss" not in chosen

@@ -1,80 +1,64 @@
-"""The runner's lifecycle: :class:`RunnerLifecycle` starts and stops the stages (``start``,
-``close``, ``with runner:``), the part of :class:`~pipeq.PipelineRunner` that owns its backend's
-processes."""
+"""A runner's lifecycle: built, running, closed; started once and stopped once.
+
+:class:`Lifecycle` is the runner's collaborator that knows whether its stages run, starts and
+stops its backend (:class:`~pipeq.runtime.backend.Backend`), and says what a call finds when they
+do not run: a runner that never started, or one that ran and was closed (by ``close()``, or by a
+failure), which cannot start again.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
-from pipeq.control import shape_check
-from pipeq.control.exclusive import exclusive
 from pipeq.control.main_guard import check_main_guard
 from pipeq.errors import PipelineError, install_excepthook
 
-__all__ = ["RunnerLifecycle"]
+if TYPE_CHECKING:
+    from pipeq.runtime.backend import Backend
+
+__all__ = ["Lifecycle"]
 
 
-class RunnerLifecycle:
-    """Starting and stopping the stages (mixed into the runner)."""
+class Lifecycle:
+    """Whether a runner's stages run; ``mode``: the runner's (``"process"``: its stage processes
+    run the main script again, which must guard itself)."""
 
-    _backend: Any
-    _running: bool
-    _used: bool
-    _auto: Any
-    _shape_model: Any
-    mode: str
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.running = False
+        self.used = False  # started once: a closed runner stays closed
 
-    @exclusive
-    def start(self) -> Any:
-        """Start the stages (one process per stage in process mode) and return the runner;
-        ``with runner:`` calls it. A runner starts once: one that ran and was closed refuses
-        (build a new one and load the ``state_dict`` you kept). In process mode the runner
-        must be started under the main script's ``if __name__ == "__main__":``. The first start
-        installs :func:`pipeq.errors.excepthook` (an uncaught stage error shows its first line
-        first) where ``sys.excepthook`` is still Python's own."""
-        if self._running:
-            return self
-        install_excepthook()
-        if self._used:
-            raise PipelineError(
-                "this runner has already run and been closed; a restart would begin again from "
-                "the stages' initial weights. Create a new runner (and load_state_dict the "
-                "state_dict you kept) instead"
-            )
+    def start(self, backend: Backend | None, prepare: Callable[[], None]) -> None:
+        """Start ``backend`` (None: not built yet, ``schedule="auto"``: it starts once the first
+        batch settles the schedule), ``prepare()`` first (what may run while the stages start);
+        nothing when already running."""
+        if self.running:
+            return
+        install_excepthook()  # an uncaught stage error shows its first line first (pipeq.errors.excepthook)
+        if self.used:
+            raise PipelineError("this runner has already run and been closed; a restart would begin again from "
+                                "the stages' initial weights. Create a new runner (and load_state_dict the "
+                                "state_dict you kept) instead")
         if self.mode == "process":  # each stage process runs the main script again
             check_main_guard()
-        self._used = True
-        if self._shape_model is not None:
-            shape_check.warm_up()
-        if self._auto is None:  # "auto": the backend starts once the schedule is settled
-            self._backend.start()
-        self._running = True
-        return self
+        self.used = True
+        prepare()
+        if backend is not None:
+            backend.start()
+        self.running = True
 
-    @exclusive
-    def close(self) -> None:
-        """Stop every stage (letting them finish what they were sent, up to ``stop_timeout``);
-        the end of a ``with runner:`` block calls it. A closed runner cannot start again."""
-        if self._running:
-            self._running = False
-            if self._backend is not None:
-                self._backend.close()
+    def close(self, backend: Backend | None) -> None:
+        """Stop ``backend``'s stages, once (letting them finish what they were sent)."""
+        if self.running:
+            self.running = False
+            if backend is not None:
+                backend.close()
 
-    def __enter__(self) -> Any:
-        return self.start()
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # do not mask the exception in flight with a shutdown error
-            try:
-                self.close()
-            except PipelineError:
-                pass
-
-    def __del__(self) -> None:
-        try:
-            if getattr(self, "_running", False):
-                self.close()
-        except Exception:
-            pass
+    def check(self) -> None:
+        """Raise what a call finds when the stages do not run (closed, or never started)."""
+        if not self.running and self.used:  # start() would refuse: say what works
+            raise PipelineError("this runner is closed (after a failure, or by close()) and cannot start "
+                                "again: build a new runner and load_state_dict the state_dict you kept "
+                                "(or load a checkpoint)")
+        if not self.running:
+            raise PipelineError("the pipeline is not running; use 'with runner:' or runner.start()")

@@ -9,48 +9,47 @@
         out = runner.predict(x)           # forward only -> CPU tensor
         state = runner.state_dict()       # keys as in the flat model nn.Sequential(*layers)
 
-The runner checks its arguments (a :class:`~pipeq.RunConfig`, built once) and the schedule (a dry run with the real stage and microbatch
-counts) before anything starts, splits each batch into microbatches, and hands the work to a
-backend: :class:`~pipeq.control.driver.ProcessBackend` (``mode="process"``, the default) or
-:class:`~pipeq.runtime.simulated.SimulatedBackend` (``mode="simulated"``, every stage in this process).
+The runner checks its arguments (a :class:`~pipeq.RunConfig`, built once) and the
+schedule (a dry run with the real stage and microbatch counts) before anything starts. Its jobs are
+its collaborators' (``control/``: lifecycle, feed, streaming, state, snapshots); the stages run on
+a :class:`~pipeq.runtime.backend.Backend`: :class:`~pipeq.control.driver.ProcessBackend`
+(``mode="process"``, the default) or :class:`~pipeq.runtime.simulated.SimulatedBackend`.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import inspect
-import itertools
-import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from pipeq import schedules
-from pipeq.control import checks, shape_check
-from pipeq.control.batching import Batcher, check_batch
-from pipeq.control.config import RunConfig, setting_fields
+from pipeq.control import evaluation, streaming
+from pipeq.control.assembly import BackendPlan, configure, processes_of, signature
+from pipeq.control.config import RunConfig
 from pipeq.control.exclusive import CallGuard, exclusive
-from pipeq.control.lifecycle import RunnerLifecycle
-from pipeq.control.processes import RunSetup
-from pipeq.control.stage_inputs import StageInputs, route
-from pipeq.control.snapshots import RunnerSnapshots
-from pipeq.control.state import RunnerState
-from pipeq.control.streaming import RunnerStream
+from pipeq.control.feed import Feed
+from pipeq.control.lifecycle import Lifecycle
+from pipeq.control.shape_check import FirstBatchCheck, warm_up
+from pipeq.control.snapshots import MemorySnapshot, SnapshotSchedule
+from pipeq.control.state import StateAccess
+from pipeq.control.streaming import InFlight
 from pipeq.errors import PipelineError
-from pipeq.stage import microbatch
-from pipeq.stage.info import info_of
-from pipeq.stage.numerics import Numerics
+from pipeq.stage import lr_schedulers
 from pipeq.stage.spec import StageBuilder
 
 if TYPE_CHECKING:
+    from pipeq.control.batching import Batcher
+    from pipeq.control.driver import ProcessBackend
     from pipeq.control.rendezvous import Rendezvous
+    from pipeq.runtime.backend import Backend
 
 __all__ = ["PipelineRunner"]
 
 
-class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots):
+class PipelineRunner:
     """Train ``stages`` (one ``nn.Module`` per pipeline stage) with a pipeline schedule.
 
     The settings (keyword arguments, grouped below) build a :class:`~pipeq.RunConfig`,
@@ -191,70 +190,86 @@ class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots
     sets it), ``{2: {"mask": m}}`` to stage 2 (see :mod:`pipeq.control.stage_inputs`).
     """
 
-    _declared: "list[tuple[str, ...]] | None" = None  # each stage's declared inputs, asked once
+    _state: StateAccess  # the stages' state (pipeq.control.state), once the backend is built
 
-    def __init__(
-        self,
-        stages: Sequence[nn.Module] | StageBuilder,
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
-        optimizer: Callable[..., torch.optim.Optimizer] | None,
-        schedule: str | schedules.ScheduleFn | schedules.SchedulePolicy | None = None,
-        microbatches: int | None = None,
-        *,
-        config: RunConfig | None = None,
-        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-        lr_scheduler_interval: str | None = None,
-        aux_heads: Sequence[nn.Module] | None = None,
-        aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
-        balance: Sequence[int] | None = None,
-        ties: Sequence[Sequence[str]] | None = None,
-        rendezvous: Rendezvous | None = None,
-        **settings: Any,
-    ) -> None:
+    def __init__(self, stages: Sequence[nn.Module] | StageBuilder,
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
+                 optimizer: Callable[..., torch.optim.Optimizer] | None,
+                 schedule: str | schedules.ScheduleFn | schedules.SchedulePolicy | None = None,
+                 microbatches: int | None = None, *, config: RunConfig | None = None,
+                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 lr_scheduler_interval: str | None = None, aux_heads: Sequence[nn.Module] | None = None,
+                 aux_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                 balance: Sequence[int] | None = None, ties: Sequence[Sequence[str]] | None = None,
+                 rendezvous: Rendezvous | None = None, **settings: Any) -> None:
         self._guard = CallGuard()  # one thread at a time (pipeq.control.exclusive)
-        self.config = cfg = _configure(config, schedule, microbatches, settings)
-        if balance is not None:  # the whole model, split here (pipeq.balance)
-            from pipeq.balance import stages_for
-
-            stages = stages_for(stages, balance)
+        self.config = cfg = configure(config, schedule, microbatches, settings)
+        plan = BackendPlan.of(stages, loss_fn, optimizer, cfg, lr_scheduler=lr_scheduler, aux_heads=aux_heads,
+                              lr_scheduler_interval=lr_scheduler_interval, aux_loss=aux_loss, balance=balance,
+                              ties=ties, rendezvous=rendezvous)
         place = cfg.placement
-        model = checks.check_model(stages, loss_fn, optimizer, lr_scheduler, cfg.schedule, aux_heads=aux_heads,
-                                   aux_loss=aux_loss, data_parallel=place.data_parallel, mode=place.mode,
-                                   rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval, ties=ties)
-        cfg.check_stages(model.n_stages)
-        self.numerics = cfg.numerics_for(model.n_stages)
-        tp_plans = checks.check_tensor_parallel(model, cfg.schedule, place.tensor_parallel, place.tp_plan,
-                                                mode=place.mode, numerics=self.numerics)
-        self.schedule, self.lr_schedule = cfg.schedule, model.lr_schedule  # lr: see pipeq.stage.lr_schedulers
-        self.n_stages, self.microbatches, self.mode = model.n_stages, cfg.microbatches, place.mode
-        self.data_parallel, self.tensor_parallel = place.data_parallel, place.tensor_parallel
-        self._batcher = Batcher(cfg.schedule, model.n_stages, cfg.microbatches, model.loss_fn, model.aux_loss,
-                                place.data_parallel)
-        self._aux_heads = model.aux_loss is not None  # heads given, or named by the recipe
+        self.numerics, self.lr_schedule = plan.numerics, plan.model.lr_schedule  # lr: see pipeq.stage.lr_schedulers
+        self.schedule, self.n_stages, self.microbatches = cfg.schedule, plan.model.n_stages, cfg.microbatches
+        self.mode, self.data_parallel, self.tensor_parallel = place.mode, place.data_parallel, place.tensor_parallel
         self.auto_choice: Any = None  # schedule="auto": the ranking that settled it (see _settle_auto)
-        self._auto = (model, tp_plans, rendezvous) if cfg.auto else None  # "auto": no backend until settled
-        # the first training batch checks the shapes between the stages (pipeq.control.shape_check)
-        self._shape_model = shape_check.candidate(model, cfg.auto or cfg.schedule.plain_backprop, place.tensor_parallel)
-        self._backend = None if cfg.auto else _backend(cfg, model, self.numerics, tp_plans, rendezvous)
-        self._queue_capacity, self._last_step_lr, self._step = cfg.queue_capacity, None, 0
-        self._sent_training = 0  # training steps submitted (self._step counts predict's batches too)
-        self._submitted: collections.deque[int] = collections.deque()  # steps whose loss is not back
-        self._losses: dict[int, float] = {}  # losses collected early (settle), not yet handed out
-        self._undrained = False  # a stream left work behind (see _settle)
-        self._running = False
-        self._used = False
+        self._auto = plan if cfg.auto else None  # "auto": no backend until the first batch settles the schedule
+        self._shapes = FirstBatchCheck.of(plan.model, cfg)  # at the first batch (pipeq.control.shape_check)
+        self._feed = Feed(plan.batcher(cfg))  # batches -> steps (pipeq.control.feed)
+        self._snapshots = SnapshotSchedule()  # in-memory snapshots (pipeq.control.snapshots)
+        self._flight = InFlight(self._guard, self._snapshots)  # the steps in flight (pipeq.control.streaming)
+        self._backend: Backend | None = None  # what runs the stages (pipeq.runtime.backend), once built
+        self._processes: ProcessBackend | None = None  # the backend in process mode: what only it has
+        self._life = Lifecycle(self.mode)  # built, running, closed (pipeq.control.lifecycle)
+        if not cfg.auto:
+            self._use(plan.backend(cfg), self._feed.batcher)
 
-    def _require_running(self) -> None:
-        """The pipeline runs, and every step sent so far is done (a consistent state)."""
-        if self._auto is not None and self._running:
+    def _use(self, backend: Backend, batcher: Batcher) -> None:
+        """Run the stages on ``backend``, built for the run's schedule: each collaborator uses it."""
+        self._backend, self._processes = backend, processes_of(backend, self.mode)
+        self._feed.attach(backend, batcher)
+        self._state = StateAccess(backend, self.n_stages)
+        self._snapshots.backend = backend
+        self._flight.attach(backend, self.schedule, self._processes.degraded if self._processes else None)
+
+    def _live(self) -> Backend:
+        """The backend, settled (``schedule="auto"``) and running, every step sent so far done."""
+        if self._auto is not None and self._life.running:
             self._settle_auto(None)
-        if not self._running and self._used:  # start() would refuse: say what works
-            raise PipelineError("this runner is closed (after a failure, or by close()) and cannot start "
-                                "again: build a new runner and load_state_dict the state_dict you kept "
-                                "(or load a checkpoint)")
-        if not self._running:
-            raise PipelineError("the pipeline is not running; use 'with runner:' or runner.start()")
-        self._settle()
+        self._life.check()
+        assert self._backend is not None, "a running runner's backend is settled"
+        self._flight.settle()
+        return self._backend
+
+    # -- starting and stopping ------------------------------------------------------------------
+    @exclusive
+    def start(self) -> Any:
+        """Start the stages (one process per stage in process mode) and return the runner;
+        ``with runner:`` calls it. A runner starts once: one that ran and was closed refuses
+        (build a new one and load the ``state_dict`` you kept). In process mode the runner
+        must be started under the main script's ``if __name__ == "__main__":``."""
+        self._life.start(self._backend, warm_up if self._shapes.pending else lambda: None)
+        return self
+
+    @exclusive
+    def close(self) -> None:
+        """Stop every stage (letting them finish what they were sent, up to ``stop_timeout``);
+        the end of a ``with runner:`` block calls it. A closed runner cannot start again."""
+        self._life.close(self._backend)
+
+    def __enter__(self) -> Any:
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.close()
+        except PipelineError:
+            if exc_type is None:  # else: do not mask the exception in flight with a shutdown error
+                raise
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._life.running:
+                self.close()
 
     # -- training and inference --------------------------------------------------------------
     @exclusive
@@ -262,62 +277,40 @@ class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
         ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0);
         ``stage_inputs``: values handed straight to the stages that take them (see the class)."""
-        _first_batch(self, x, target, stage_inputs)
-        self._require_running()
-        return self._hand_out(self._submit(x, target, stage_inputs))
+        self._first_batch(x, target, stage_inputs)
+        self._live()
+        return self._flight.hand_out(self._submit(x, target, stage_inputs))
+
+    def _submit(self, x: Any, target: Any, given: Any = None, stream: bool = False) -> int:
+        return self._flight.send(self._feed.training(x, target, given), stream)
+
+    def _first_batch(self, x: Any, target: Any, stage_inputs: Any) -> None:
+        """The first training batch (once running): the shapes between the stages checked, before
+        any is sent (:mod:`pipeq.control.shape_check`); with ``schedule="auto"`` the schedule settled."""
+        if self._life.running and self._shapes.pending:
+            self._shapes.check(self._feed.batcher, x, target, stage_inputs)
+        if self._life.running and self._auto is not None:
+            self._settle_auto((x, target, stage_inputs))
 
     def _settle_auto(self, batch: tuple[Any, Any, Any] | None) -> None:
         """``schedule="auto"``: choose the schedule (profiled with ``batch``, the first step's, when
-        there is one), print the ranking once, build and start the backend (:func:`_settle`)."""
-        _settle(self, batch)
-
-    def _before_stream(self, batches: Iterable[tuple[Any, ...]]) -> Iterable[tuple[Any, ...]]:
-        """The stream's first batch checks the shapes, and profiles the stages with "auto" (see :meth:`step`)."""
-        if (self._auto is None and self._shape_model is None) or not self._running:
-            return batches
-        rest = iter(batches)
-        first = next(rest, None)
-        if isinstance(first, (tuple, list)) and len(first) in (2, 3):  # else: the stream says what is wrong
-            _first_batch(self, first[0], first[1], first[2] if len(first) > 2 else None)
-        return rest if first is None else itertools.chain([first], rest)
-
-    def _submit(self, x: Any, target: Any, given: Any = None, stream: bool = False) -> int:
-        x, target, n = self._batcher.training_pair(x, target)
-        inputs = self._route(given, n)
-        shards = self._batcher.shards(target, n)
-        self._step += 1
-        self._backend.submit(self._step, shards, x, target, stream, inputs)
-        self._submitted.append(self._step)
-        self._sent_training += 1
-        self._snapshot_after_submit(stream)
-        self._undrained |= stream and self.schedule.streams_across_batches
-        return self._step
-
-    def _route(self, given: Any, batch: int) -> StageInputs | None:
-        """``stage_inputs`` as each stage's keyword arguments (None: none), checked against what
-        the stages declare (:mod:`pipeq.control.stage_inputs`)."""
-        if self._declared is None:
-            self._declared = self._backend.declared_inputs()
-        if given is None and not any(self._declared):  # the common case: nothing to route
-            return None
-        return route(given, self._declared, batch, self.schedule)
+        there is one), print the ranking once, build and start the backend (:meth:`BackendPlan.settle`)."""
+        plan = self._auto
+        assert plan is not None
+        choice, cfg = plan.settle(self.config, self._feed.batcher, batch)
+        backend = plan.backend(cfg)  # (until here nothing changed: a bad batch raises, and the next one settles)
+        self._auto, self.auto_choice, self.config, self.schedule = None, choice, cfg, cfg.schedule
+        self._use(backend, plan.batcher(cfg))
+        if self._life.running:
+            backend.start()
 
     @exclusive
     def predict(self, x: Any, stage_inputs: Mapping[Any, Any] | None = None) -> Any:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU, shaped
         as the last stage returns it (a tensor, or a tuple / list / dict: tensors are joined
         again on dim 0). ``stage_inputs`` as in :meth:`step`."""
-        self._require_running()
-        x, n = check_batch("x", x)
-        self._batcher.check_input(x)
-        inputs = self._route(stage_inputs, n)
-        sizes = self._batcher.sizes(n)
-        self._step += 1
-        outs = [microbatch.unpack(microbatch.spec_of(o), o) for o in self._backend.predict(self._step, sizes, x, inputs)]
-        # a stage that returns one tensor (or a 1-tuple) gives that tensor
-        outs = [o[0] if isinstance(o, tuple) and len(o) == 1 and isinstance(o[0], torch.Tensor) else o
-                for o in outs]
-        return microbatch.cat(outs)
+        self._live()
+        return self._feed.predict(x, stage_inputs)
 
     @exclusive
     def evaluate(self, batches: Iterable[tuple[Any, ...]],
@@ -332,113 +325,172 @@ class PipelineRunner(RunnerLifecycle, RunnerStream, RunnerState, RunnerSnapshots
         the cross-entropy of the class scores with Associated Learning), ``accuracy`` the argmax
         accuracy when every batch is a classification one (2-d float output, 1-d integer
         target); a metric of the same name replaces either. See :mod:`pipeq.control.evaluation`."""
-        from pipeq.control import evaluation
-
-        self._require_running()
-        if loss_fn is None:
-            loss_fn = self.schedule.eval_loss(self._batcher.loss_fn)
-        elif not callable(loss_fn):
-            raise ValueError("loss_fn must be callable as loss_fn(output, target)")
+        self._live()
+        loss_fn = self.schedule.eval_loss(self._feed.batcher.loss_fn) if loss_fn is None else loss_fn
         return evaluation.evaluate(self.predict, batches, metrics, loss_fn)
 
+    @exclusive
+    def stream(self, batches: Iterable[tuple[Any, ...]], *, in_flight: int | None = None) -> Iterator[float]:
+        """Train on every ``(x, target)`` of ``batches`` (any iterable; a DataLoader works), or
+        ``(x, target, stage_inputs)`` (see :meth:`step`), and yield each batch's loss, in order,
+        while the stages work on the batches behind it.
+
+        The pipeline is filled once and drained once: at the end of ``batches``, when the
+        iterator is closed (``break``: the batches already taken are finished first), and
+        before anything that needs a consistent state (``step``, ``predict``, ``state_dict``,
+        ``save``...). Every stage runs its batches in order, starting the next as soon as its
+        own work and update for the previous one are done, so the losses and weights are those
+        of ``[runner.step(x, y) for x, y in batches]``. At most ``in_flight`` batches are sent
+        ahead (default: one more than the stages, enough to keep every stage busy), so memory
+        stays bounded for an endless iterable.
+        """
+        if self._life.running and (self._auto is not None or self._shapes.pending):
+            first, batches = streaming.peek(batches)  # the first batch checks the shapes, settles "auto"
+            if isinstance(first, (tuple, list)) and len(first) in (2, 3):  # else: the stream says what is wrong
+                self._first_batch(first[0], first[1], first[2] if len(first) > 2 else None)
+        self._live()
+        depth = streaming.depth(in_flight, self.n_stages, self.microbatches, self.config.queue_capacity)
+        return self._flight.stream(iter(batches), depth, self._submit, lambda: self._life.running)
+
+    # -- what the steps handed back trained with ----------------------------------------------
     @property
     def last_step_lr(self) -> float | None:
         """The learning rate the last step handed back (by :meth:`step` or :meth:`stream`)
         trained with: the last stage's first parameter group's, as that step began. None before
         any step, or when the last stage has no optimizer."""
-        return self._last_step_lr
+        return self._flight.last_lr
+
+    @property
+    def degraded_steps(self) -> dict[int, int]:
+        """``fault_tolerance="replicas"``: the training steps some replica did not complete (it
+        failed), each with how many replicas did, e.g. ``{5: 1}``. Steps count from 1, in the
+        order this runner handed their losses back (``step`` calls and stream batches alike)."""
+        return dict(self._flight.degraded)
+
+    @property
+    def last_step_replicas(self) -> int | None:
+        """How many replicas completed the last step handed back, when fewer than all (a replica
+        failed in it, ``fault_tolerance="replicas"``); None when every replica did."""
+        return self._flight.last_replicas
+
+    @property
+    def replica_failures(self) -> list[PipelineError]:
+        """``fault_tolerance="replicas"``: the failures the run carried on after, in order (each
+        names the stage and replica; the replica was rebuilt)."""
+        loss = self._processes.replica_loss if self._processes is not None else None
+        return list(loss.failures) if loss is not None else []
+
+    @property
+    def stage_processes(self) -> list[dict[str, Any]]:
+        """One dict per stage process, as it reported itself once started (process mode; ``[]``
+        before ``start`` and in simulated mode): ``pid``, ``host``, ``device``, ``threads`` and
+        ``cores`` (those it is pinned to), ``replica``, ``stage`` and ``shard``, and the addresses
+        its peers reach it at (``forward``, ``backward``; ``replica_link``, ``tie_link``: None
+        without such peers). Each stage's shard 0 first, numbered ``replica * n_stages + stage``,
+        then the other shards. It reads no stage: a monitor may read it from another thread."""
+        every = self._processes.worker_info if self._processes is not None else []
+        return [{k: v for k, v in info.items() if k not in ("layout", "inputs")} for info in every]
+
+    # -- state (pipeq.control.state) -------------------------------------------------------------
+    @exclusive
+    def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
+        """The model's parameters and buffers (CPU copies) under the flat model's names: those of
+        ``nn.Sequential(*layers)``, where a stage that is an ``nn.Sequential`` contributes each of
+        its children as one layer and any other stage itself (stage 1's ``0.weight`` after a
+        two-layer stage 0 is ``2.weight``); ``pipeq.checkpoint.flat_model(stages)`` is that model.
+        Checkpoints (:meth:`save`) and ``pipeq launch``'s model.pt use the same names."""
+        self._live()
+        return self._state.state_dict()
+
+    @exclusive
+    def model_state_dict(self) -> "dict[str, torch.Tensor]":
+        """:meth:`state_dict` with each tied parameter also under its other names (one tensor),
+        as the unsplit model's own ``state_dict()`` has it: ``model.load_state_dict(
+        runner.model_state_dict())`` loads a run of :func:`pipeq.split`'s stages into the model."""
+        self._live()
+        return self._state.model_state_dict()
+
+    @exclusive
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load a state under the names of :meth:`state_dict` (also one split into another number
+        of stages). Every key and shape is checked before any stage changes: a ``ValueError``
+        names what does not fit, and the runner goes on. For compatibility, stage-prefixed keys
+        (``nn.Sequential(*stages).state_dict()``, ``state_dict()`` of earlier pipeq versions) are
+        accepted too. Tensors are copied into the stages' own dtypes, as ``nn.Module`` does."""
+        self._live()
+        self._state.load_state_dict(state)
+
+    @exclusive
+    def save(self, directory: str, meta: Mapping[str, Any] | None = None) -> None:
+        """Write a checkpoint as ``directory``: every stage's parameters, buffers, optimizer and
+        lr-scheduler state and RNG, under the flat model's names (those of :meth:`state_dict`;
+        see :mod:`pipeq.checkpoint`). ``meta`` (plain JSON data) is stored in the manifest.
+
+        The new checkpoint is written beside ``directory`` and swapped in once complete, so a
+        checkpoint already there stays loadable until then, even if this process is killed; a
+        directory holding anything but a checkpoint is refused (it is replaced as a whole)."""
+        self._live()
+        self._state.save(directory, meta)
+
+    @exclusive
+    def load(self, directory: str) -> dict[str, Any]:
+        """Load a checkpoint written by :meth:`save`, also one saved with another number of
+        stages (the same layers split differently); returns its ``meta``.
+
+        Every name, shape and dtype is checked against the stages before anything is sent: a
+        checkpoint that does not fit raises a ``ValueError`` (``pipeq.checkpoint.CheckpointError``)
+        naming each tensor at fault, no stage changes, and the runner goes on."""
+        self._live()
+        return self._state.load(directory)
+
+    @exclusive
+    def stats(self, reset_peak: bool = False) -> list[dict[str, Any]]:
+        """One dict per stage: ``peak_bytes``, the stage's peak memory since the start or the
+        last ``reset_peak=True`` (CUDA: allocated bytes; CPU: the stage process's peak resident
+        set; ``memory`` says which), ``skipped_steps`` (steps skipped for non-finite gradients:
+        ``precision="fp16"``, ``check_finite="skip"``), ``recompute`` and ``shm_waits`` (how often
+        one of the stage's sends found every shared-memory slot of its channel in use: raise
+        ``shm_slots`` if it grows). In simulated mode the peak is this process's; with
+        ``tensor_parallel``, shard 0's (each shard holds its own part of the stage)."""
+        return self._live().stats(reset_peak)
+
+    @exclusive
+    def scheduler_step(self, metric: float | None = None) -> None:
+        """Step every stage's lr scheduler once (every replica's), with ``lr_scheduler_interval=
+        "epoch"``: e.g. at the end of each epoch. ``metric`` is what a ``ReduceLROnPlateau``
+        monitors (e.g. the evaluation's loss) and is required for it; other schedulers take none.
+        Anything else is refused with a ``ValueError`` before any stage is told."""
+        value = lr_schedulers.check_metric(self.lr_schedule, metric)
+        self._live().scheduler_step(value)
+
+    @exclusive
+    def learning_rates(self) -> list[list[float]]:
+        """Every stage's current learning rates, one per parameter group of its optimizer (AL
+        layers: f and b's groups, then g and h's); ``[]`` for a stage without parameters."""
+        return self._live().learning_rates()
+
+    # -- in-memory snapshots (pipeq.control.snapshots) -------------------------------------------
+    def keep_snapshots(self, every: int, first_step: int = 0) -> None:
+        """Take an in-memory snapshot after every ``every``-th training step (0: none), counting
+        steps from ``first_step`` (a resumed run's step: the runner's own count starts at 0;
+        ``predict`` and ``evaluate`` do not count), so that a snapshot's
+        :attr:`MemorySnapshot.step` is the caller's step number."""
+        self._snapshots.keep(every, first_step)
+
+    @property
+    @exclusive
+    def snapshot(self) -> MemorySnapshot | None:
+        """The newest complete in-memory snapshot (None: none yet); never waits. It stays
+        readable after a failure has closed the runner."""
+        return self._snapshots.newest()
+
+    @exclusive
+    def restore_snapshot(self, snap: MemorySnapshot) -> None:
+        """Load ``snap`` (of a runner with the same stages) into every stage and replica: the
+        state it was taken in, without touching the disk."""
+        self._live()
+        self._state.restore(snap)
 
 
-def _first_batch(runner: PipelineRunner, x: Any, target: Any, stage_inputs: Any) -> None:
-    """The first training batch (once running): the shapes between the stages checked, before any
-    is sent (:mod:`pipeq.control.shape_check`); with ``schedule="auto"`` the schedule settled."""
-    if not runner._running:
-        return
-    if runner._shape_model is not None:
-        checked, _, n = runner._batcher.training_pair(x, target)  # a bad batch: said here as by _submit
-        shape_check.check_first_batch(runner, checked, n, stage_inputs)
-    if runner._auto is not None:
-        runner._settle_auto((x, target, stage_inputs))
-
-
-def _signature() -> inspect.Signature:
-    """The runner's signature as ``help()`` and IDEs show it: every setting by name, with its
-    default (the constructor takes them as ``**settings``, which build a RunConfig)."""
-    own = [p for p in list(inspect.signature(PipelineRunner.__init__).parameters.values())[1:]
-           if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-                for f in setting_fields()]
-    return inspect.Signature(own + settings)
-
-
-PipelineRunner.__signature__ = _signature()  # type: ignore[attr-defined]
-
-
-def _configure(config: RunConfig | None, schedule: Any, microbatches: int | None,
-               settings: dict[str, Any]) -> RunConfig:
-    """The run's configuration: ``config``, or the one the keyword arguments name."""
-    if config is None:
-        return RunConfig.from_kwargs("1f1b" if schedule is None else schedule,
-                                     8 if microbatches is None else microbatches, **settings)
-    if not isinstance(config, RunConfig):
-        raise ValueError(f"config must be a pipeq.RunConfig, got {type(config).__name__}")
-    if settings:
-        raise ValueError(f"pass the run's settings in config or as keyword arguments, not both: got config and "
-                         f"{', '.join(sorted(settings))}")
-    given = {k: v for k, v in (("schedule", schedule), ("microbatches", microbatches)) if v is not None}
-    return dataclasses.replace(config, **given) if given else config
-
-
-def _backend(cfg: RunConfig, model: checks.Model, numerics: Numerics, tp_plans: list[Any] | None,
-             rendezvous: Rendezvous | None) -> Any:
-    """The backend that runs the stages: this process's (simulated) or one process per stage."""
-    from pipeq.control.replica_loss import check_replicas_mode
-
-    check_replicas_mode(cfg, multi_host=rendezvous is not None)
-    place, schedule = cfg.placement, cfg.schedule
-    if place.mode == "simulated":
-        from pipeq.runtime.simulated import SimulatedBackend
-
-        return SimulatedBackend(model.replicas[0], schedule, place.devices[0] if place.devices else "cpu", numerics)
-    from pipeq.control.driver import ProcessBackend
-
-    return ProcessBackend(checks.process_payloads(model, schedule), RunSetup(cfg, numerics, tp_plans),
-                          rendezvous=rendezvous)
-
-
-def _settle(runner: PipelineRunner, batch: tuple[Any, Any, Any] | None) -> None:
-    """``schedule="auto"`` settled: the schedule chosen (profiled with ``batch``, the first step's,
-    when there is one; see :mod:`pipeq.control.auto_schedule`), the ranking printed once, the
-    backend built and started."""
-    from pipeq.control import auto_schedule
-    from pipeq.schedules.choose import format_choice
-
-    assert runner._auto is not None
-    (model, tp_plans, rendezvous), runner._auto = runner._auto, None
-    place, n, m = runner.config.placement, runner.n_stages, runner.microbatches
-    can = place.data_parallel == 1 and place.tensor_parallel == 1 and rendezvous is None
-    args = None
-    if batch is not None and can:
-        x, target, size = runner._batcher.training_pair(batch[0], batch[1])
-        declared = [] if model.builder is not None else [info_of(s.module).inputs for s in model.replicas[0]]
-        inputs = (route(batch[2], declared, size, runner.schedule)
-                  if declared and (batch[2] is not None or any(declared)) else None)
-        args = (runner._batcher.shards(target, size), x, target, inputs)
-    device = place.devices[0] if place.devices else "cpu"
-    try:
-        choice = auto_schedule.decide(model, runner.numerics, n, m, args, device=device, can_profile=can,
-                                      stages_per_process=place.stages_per_process or 1)
-    except Exception as exc:  # a profile that fails is no reason not to train: ZB-H1, said so
-        why = str(exc).splitlines()[0] if str(exc) else ""
-        print(f"pipeq: schedule='auto' could not profile the stages ({type(exc).__name__}: {why}); "
-              "choosing at equal costs", file=sys.stderr)
-        choice = auto_schedule.decide(model, runner.numerics, n, m, None, can_profile=False,
-                                      stages_per_process=place.stages_per_process or 1)
-    runner.auto_choice = choice
-    print(format_choice(choice), file=sys.stderr)
-    runner.config = cfg = dataclasses.replace(runner.config, schedule=choice.schedule, auto=False)
-    runner.schedule = cfg.schedule
-    runner._batcher = Batcher(cfg.schedule, n, m, model.loss_fn, model.aux_loss, place.data_parallel)
-    runner._backend = _backend(cfg, model, runner.numerics, tp_plans, rendezvous)
-    if runner._running:
-        runner._backend.start()
+# help() and IDEs show every setting by name, with its default (the constructor takes them as **settings)
+PipelineRunner.__signature__ = signature(PipelineRunner.__init__)  # type: ignore[attr-defined]

@@ -2,7 +2,7 @@
 
 Stage k's output is stage k+1's input; a mismatch (stage 0 returns 64 features, stage 1's first
 ``nn.Linear`` takes 128) would otherwise surface only once the stage processes run it, as a stage's
-remote error. :func:`check_first_batch` runs each stage once on the **meta device** with the first
+remote error. :class:`FirstBatchCheck` runs each stage once on the **meta device** with the first
 microbatch's shapes (copies of the stages whose parameters and buffers are meta tensors: the real
 weights are never touched or copied, nothing is computed, no random number is drawn) and raises a
 :class:`~pipeq.PipelineError` naming both stages and the shapes at the first stage that
@@ -30,7 +30,7 @@ import importlib
 import re
 import sys
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -38,7 +38,10 @@ from torch import nn
 from pipeq.errors import PipelineError
 from pipeq.tree import as_args, map_tensors, tensors_of
 
-__all__ = ["candidate", "check_first_batch", "check_stages", "checkable", "warm_up"]
+if TYPE_CHECKING:
+    from pipeq.control.batching import Batcher
+
+__all__ = ["FirstBatchCheck", "candidate", "check_stages", "checkable", "warm_up"]
 
 #: Where the layers come from whose forward runs here: code with no side effects of its own.
 TRUSTED = ("torch.", "torchvision.", "pipeq.split", "pipeq.models")
@@ -136,15 +139,37 @@ def warm_up() -> None:
                          name="pipeq-shape-check").start()
 
 
-def check_first_batch(runner: Any, x: Any, batch: int, stage_inputs: Any) -> None:
-    """``runner``'s first training batch: check the shapes between its stages (once; see the module)."""
-    modules, runner._shape_model = runner._shape_model, None
-    if modules is None or stage_inputs is not None:
-        return
-    try:
-        from pipeq.stage import microbatch
+class FirstBatchCheck:
+    """A runner's shape check, run once at its first training batch: ``modules`` are the stages
+    to check (:func:`candidate`; None: the check does not apply)."""
 
-        first = microbatch.narrow(x, 0, runner._batcher.sizes(batch)[0])
-    except Exception:  # noqa: BLE001
-        return
-    check_stages(modules, first)
+    def __init__(self, modules: list[nn.Module] | None) -> None:
+        self.modules = modules
+
+    @classmethod
+    def of(cls, model: Any, cfg: Any) -> FirstBatchCheck:
+        """The check of ``model``'s stages (a :class:`~pipeq.control.checks.Model`) in the run
+        ``cfg`` (a :class:`~pipeq.control.config.RunConfig`) says, if it applies (:func:`candidate`)."""
+        return cls(candidate(model, cfg.auto or cfg.schedule.plain_backprop, cfg.placement.tensor_parallel))
+
+    @property
+    def pending(self) -> bool:
+        """The first training batch has not come yet, and the check applies."""
+        return self.modules is not None
+
+    def check(self, batcher: Batcher, x: Any, target: Any, stage_inputs: Any) -> None:
+        """The first training batch ``(x, target)``, split as ``batcher`` splits it: check the
+        shapes between the stages on its first microbatch (see the module), then never again. A
+        batch ``batcher`` refuses raises its ValueError here, as the step would, and the check
+        waits for the next."""
+        checked, _, n = batcher.training_pair(x, target)
+        modules, self.modules = self.modules, None
+        if modules is None or stage_inputs is not None:
+            return
+        try:
+            from pipeq.stage import microbatch
+
+            first = microbatch.narrow(checked, 0, batcher.sizes(n)[0])
+        except Exception:  # noqa: BLE001
+            return
+        check_stages(modules, first)

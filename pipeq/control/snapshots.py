@@ -17,15 +17,18 @@ for the step it drained at.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeq.control.exclusive import exclusive
 from pipeq.control.supervisor import take_kept
 from pipeq.errors import PipelineError
 from pipeq.wire import control
 from pipeq.wire.messages import Kind, Message
 
-__all__ = ["MemorySnapshot", "RunnerSnapshots", "request", "take"]
+if TYPE_CHECKING:
+    from pipeq.control.supervisor import Supervisor
+    from pipeq.runtime.backend import Backend
+
+__all__ = ["MemorySnapshot", "SnapshotRequests", "SnapshotSchedule"]
 
 
 @dataclass(frozen=True)
@@ -52,101 +55,97 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-class RunnerSnapshots:
-    """``keep_snapshots``, ``snapshot`` and ``restore_snapshot`` (mixed into the runner, which
-    calls :meth:`_snapshot_after_submit` and :meth:`_snapshot_after_drain`)."""
+class SnapshotSchedule:
+    """A runner's snapshots: which training steps its backend is asked to snapshot (every
+    ``every``-th, counted from the caller's ``first_step``), and the newest complete one.
 
-    _backend: Any
-    schedule: Any
-    _sent_training: int  # training steps submitted (predict's batches do not count)
-    n_stages: int
-    _snap_every: int = 0
-    _snap_first: int = 0
-    _snap_after_drain: bool = False
-    _snap_newest: MemorySnapshot | None = None
+    The runner tells it of each training step it sends (:meth:`sent`) and of each stream it
+    drains (:meth:`drained`); it holds no stage state but the snapshots that came back.
+    """
 
-    def _require_running(self) -> None:
-        raise NotImplementedError
+    def __init__(self) -> None:
+        #: the runner's backend, once it exists (``schedule="auto"``: once the first batch settled it)
+        self.backend: Backend | None = None
+        self._every = 0
+        self._first = 0  # the caller's number of the runner's step 0
+        self._sent = 0  # training steps sent (predict's batches do not count)
+        self._after_drain = False  # a snapshot is due once the stream drains
+        self._newest: MemorySnapshot | None = None
 
-    def keep_snapshots(self, every: int, first_step: int = 0) -> None:
-        """Take an in-memory snapshot after every ``every``-th training step (0: none), counting
-        steps from ``first_step`` (a resumed run's step: the runner's own count starts at 0;
-        ``predict`` and ``evaluate`` do not count), so that a snapshot's
-        :attr:`MemorySnapshot.step` is the caller's step number."""
+    def keep(self, every: int, first_step: int = 0) -> None:
+        """Ask for a snapshot after every ``every``-th training step (0: none), the steps counted
+        from ``first_step`` (see :meth:`PipelineRunner.keep_snapshots`)."""
         if type(every) is not int or every < 0:
             raise ValueError(f"snapshot_every must be a non-negative integer, got {every!r}")
         if type(first_step) is not int or first_step < 0:
             raise ValueError(f"first_step must be a non-negative integer, got {first_step!r}")
-        self._snap_every, self._snap_first = every, first_step - self._sent_training
+        self._every, self._first = every, first_step - self._sent
 
-    @property
-    @exclusive
-    def snapshot(self) -> MemorySnapshot | None:
-        """The newest complete in-memory snapshot (None: none yet); never waits. It stays
-        readable after a failure has closed the runner."""
-        backend = self._backend
-        if backend is not None:
-            for step, stages in backend.take_snapshots():
-                if self._snap_newest is None or step > self._snap_newest.step:
-                    self._snap_newest = MemorySnapshot(step, stages)
-        return self._snap_newest
+    def newest(self) -> MemorySnapshot | None:
+        """The newest complete snapshot (None: none yet), with those the backend has completed
+        since; never waits, and works after a failure (what had arrived is kept)."""
+        if self.backend is not None:
+            for step, stages in self.backend.take_snapshots():
+                if self._newest is None or step > self._newest.step:
+                    self._newest = MemorySnapshot(step, stages)
+        return self._newest
 
-    @exclusive
-    def restore_snapshot(self, snap: MemorySnapshot) -> None:
-        """Load ``snap`` (of a runner with the same stages) into every stage and replica: the
-        state it was taken in, without touching the disk."""
-        self._require_running()
-        if len(snap.stages) != self.n_stages:
-            raise ValueError(f"the snapshot holds {len(snap.stages)} stages, this runner {self.n_stages}; "
-                             "restore it into a runner of the same stages (or save and load a checkpoint)")
-        self._backend.restore(snap.stages)
-
-    def _snapshot_after_submit(self, stream: bool) -> None:
-        """A training step was just sent (the ``_sent_training``-th): ask for a snapshot after it, if one is due."""
-        every, step = self._snap_every, self._snap_first + self._sent_training
-        if not every or step % every:
+    def sent(self, whole: bool) -> None:
+        """A training step was just sent: ask for a snapshot after it if one is due. ``whole``:
+        the stages' state is whole once the step is done (False: only once the stream drains,
+        asynchronous 1F1B's, and the snapshot waits for :meth:`drained`)."""
+        self._sent += 1
+        step = self._first + self._sent
+        if not self._every or step % self._every:
             return
-        if stream and self.schedule.streams_across_batches:
-            self._snap_after_drain = True  # its state is whole only once the stream drains
+        if not whole:
+            self._after_drain = True
             return
-        self._backend.request_snapshots(step)
+        assert self.backend is not None  # a step was sent through it
+        self.backend.request_snapshots(step)
 
-    def _snapshot_after_drain(self) -> None:
-        """A stream drained: the snapshot that waited for it (see :meth:`_snapshot_after_submit`)."""
-        if self._snap_after_drain:
-            self._snap_after_drain = False
-            self._backend.request_snapshots(self._snap_first + self._sent_training)
-
-
-def request(backend: Any, step: int) -> None:
-    """Ask every stage of a process backend (replica 0's) for its snapshot, behind the commands
-    already sent; the answers are kept as they come (:func:`take`), labelled ``step``."""
-    sup = backend._usable()
-    req = backend._next_request_id()
-    backend._send_all(sup, [(k, Message(Kind.GET_SNAPSHOT, req)) for k in range(backend.n_stages)])
-    sup.awaited.add((Kind.SNAPSHOT, req))
-    backend.snapshot_requests[req] = step
+    def drained(self) -> None:
+        """A stream drained: the snapshot that waited for it (see :meth:`sent`), if any."""
+        if self._after_drain:
+            self._after_drain = False
+            assert self.backend is not None
+            self.backend.request_snapshots(self._first + self._sent)
 
 
-def take(backend: Any) -> list[tuple[int, list[dict[str, Any]]]]:
-    """The snapshots :func:`request` asked of ``backend`` whose every stage has answered, as
-    (step, per stage); never waits, and works after a failure (what had arrived is kept)."""
-    sup, asked, n = backend.sup, backend.snapshot_requests, backend.n_stages
-    if sup is None or not asked:
-        return []
-    if sup.failure is None:
-        try:
-            sup.drain_pending()
-        except PipelineError:  # the run fails: the ERROR is raised by whoever waits next
-            pass
-    done = []
-    for req, step in list(asked.items()):
-        got = take_kept(sup, Kind.SNAPSHOT, req, n)
-        if got is None:
-            continue
-        del asked[req]
-        try:
-            done.append((step, [control.state_of(got[k]) for k in range(n)]))
-        except (ValueError, KeyError):  # a malformed snapshot is no snapshot to restart from
-            continue
-    return done
+class SnapshotRequests:
+    """The snapshots a process backend has asked its ``n_stages`` stages for (replica 0's): asked
+    behind the commands already sent, taken once every stage has answered. Never waits."""
+
+    def __init__(self, n_stages: int) -> None:
+        self.n_stages = n_stages
+        self._asked: dict[int, int] = {}  # request id -> the step of the snapshot asked for
+
+    def ask(self, sup: Supervisor, req: int, step: int) -> list[tuple[int, Message]]:
+        """Request ``req``'s GET_SNAPSHOT for each stage, to send, labelled ``step``; the
+        answers are kept by ``sup`` as they come."""
+        sup.awaited.add((Kind.SNAPSHOT, req))
+        self._asked[req] = step
+        return [(k, Message(Kind.GET_SNAPSHOT, req)) for k in range(self.n_stages)]
+
+    def take(self, sup: Supervisor | None) -> list[tuple[int, list[dict[str, Any]]]]:
+        """The snapshots asked whose every stage has answered, as (step, per stage); works after
+        a failure (what had arrived is kept)."""
+        n, asked = self.n_stages, self._asked
+        if sup is None or not asked:
+            return []
+        if sup.failure is None:
+            try:
+                sup.drain_pending()
+            except PipelineError:  # the run fails: the ERROR is raised by whoever waits next
+                pass
+        done = []
+        for req, step in list(asked.items()):
+            got = take_kept(sup, Kind.SNAPSHOT, req, n)
+            if got is None:
+                continue
+            del asked[req]
+            try:
+                done.append((step, [control.state_of(got[k]) for k in range(n)]))
+            except (ValueError, KeyError):  # a malformed snapshot is no snapshot to restart from
+                continue
+        return done

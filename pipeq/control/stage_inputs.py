@@ -23,13 +23,11 @@ from typing import Any, Mapping, Sequence
 
 from torch import nn
 
+from pipeq.runtime.backend import StageInputs  # one batch's inputs, per stage (what a backend is sent)
 from pipeq.stage.info import info_of
 from pipeq.tree import flatten, map_tensors
 
 __all__ = ["StageInputs", "check_declared", "route", "batch_item"]
-
-#: One batch's stage inputs: per stage, the keyword arguments of its forward (None: it takes none).
-StageInputs = list["dict[str, Any] | None"]
 
 
 def check_declared(stages: Sequence[nn.Module], schedule: Any) -> None:

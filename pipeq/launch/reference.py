@@ -244,6 +244,7 @@ _OPTIONS: dict[str, dict[str, Any]] = {
         "inherited_members": True, "group_by_category": False,
         "members": ["start", "close", "step", "predict", "evaluate", "stream", "state_dict", "model_state_dict",
                     "load_state_dict", "save", "load", "scheduler_step", "learning_rates", "last_step_lr", "stats",
+                    "stage_processes",
                     "keep_snapshots", "snapshot", "restore_snapshot", "degraded_steps", "last_step_replicas",
                     "replica_failures"]},
     "pipeq.RunConfig": {"members": False},

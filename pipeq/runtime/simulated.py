@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pipeq.errors import PipelineError, error_line, format_remote
+from pipeq.runtime.backend import Shard, StageInputs
 from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import ChunkError, ProcessPlan, execute
 from pipeq.runtime.requests import Emit, Recv, Send, SwapTies
@@ -158,16 +159,16 @@ class SimulatedBackend:
         except Exception as exc:
             raise PipelineError(error_line(exc), k, format_remote(exc)) from None
 
-    def train(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
-              x: Any, target: Any, stream: bool = False, inputs: Sequence[dict[str, Any] | None] | None = None) -> float:
+    def train(self, step: int, shards: list[Shard], x: Any, target: Any, stream: bool = False,
+              inputs: StageInputs | None = None) -> float:
         """One step on one shard (the whole batch: there are no replicas in one process);
         ``inputs``: each stage's keyword arguments (``stage_inputs``), or None."""
         ((sizes, weights, aux_weights),) = shards
         self._run(step, sizes, x, target, True, weights, aux_weights, stream, inputs)
         return self.executors[-1].mean_loss()
 
-    def submit(self, step: int, shards: list[tuple[list[int], list[float], list[float] | None]],
-               x: Any, target: Any, stream: bool = False, inputs: Sequence[dict[str, Any] | None] | None = None) -> None:
+    def submit(self, step: int, shards: list[Shard], x: Any, target: Any, stream: bool = False,
+               inputs: StageInputs | None = None) -> None:
         """In one process a step runs when it is submitted: ``result`` hands its loss (or its
         failure) back, so a stream fails at the batch where it happened, as in process mode."""
         self.step_lrs[step] = self.executors[-1].learning_rate()  # the one this batch trains with
@@ -186,8 +187,7 @@ class SimulatedBackend:
             raise got
         return got
 
-    def predict(self, step: int, sizes: list[int], x: Any,
-                inputs: Sequence[dict[str, Any] | None] | None = None) -> list[Tensors]:
+    def predict(self, step: int, sizes: list[int], x: Any, inputs: StageInputs | None = None) -> list[Tensors]:
         return self._run(step, sizes, x, None, training=False, inputs=inputs)
 
     def stats(self, reset: bool = False) -> list[dict[str, Any]]:

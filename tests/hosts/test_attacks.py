@@ -33,6 +33,7 @@ from attacker import (Attack, Victim, batches, make_runner, pickle_payload, reco
                       targets)
 from netns import TwoHosts, netns_available
 from pipeq.wire.control_link import Peer
+from pipeq.testing import backend_of
 
 STEP_LIMIT_S = 10.0  # an unattacked step takes milliseconds; a stall would take the heartbeat timeout
 
@@ -46,7 +47,7 @@ def train(mode: str, schedule: str, attack_spec: dict | None = None) -> dict:
         runner = make_runner(mode, schedule)
         runner.start()
     senders: set = set()
-    server = runner._backend.server
+    server = backend_of(runner).server
     real_recv = server.recv
 
     def recv(timeout_ms: int):

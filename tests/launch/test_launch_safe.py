@@ -20,6 +20,8 @@ import time
 import pytest
 import torch
 
+from pipeq.testing import backend_of
+
 from launch_util import ROOT, assert_same_state, launch_here, metrics, model_state
 
 JOB_MODULE = '''\
@@ -331,4 +333,4 @@ def test_interrupt_between_the_sends_of_a_step_closes_at_once(monkeypatch) -> No
             t0 = time.monotonic()
             runner.step(x, y)
     assert time.monotonic() - t0 < 10
-    assert not runner._backend.procs
+    assert not backend_of(runner).procs

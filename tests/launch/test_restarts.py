@@ -68,14 +68,14 @@ def test_a_restart_after_a_stage_death_loads_the_in_memory_snapshot_without_read
     """Snapshots every step, no checkpoint: stage 2 killed as step 5 starts resumes from the
     snapshot of step 3 (the newest step the driver had finished: its line written; an older one
     if its answers had not come in), and no checkpoint is read."""
+    import pipeq
     from pipeq import checkpoint
-    from pipeq.control.state import RunnerState
 
     def no_disk(*args, **kwargs):
         raise AssertionError("a checkpoint was read from the disk")
 
     monkeypatch.setattr(checkpoint, "load", no_disk)
-    monkeypatch.setattr(RunnerState, "load", no_disk)
+    monkeypatch.setattr(pipeq.PipelineRunner, "load", no_disk)
     monkeypatch.setenv("PIPEQ_FAULT", "stage:2,step:5,kind:kill")
     out = str(tmp_path / "snapshots")
     r = launch_here(*ARGS, "--out", out, "--max-restarts", "1", "--snapshot-every", "1", "--checkpoint-every", "0")

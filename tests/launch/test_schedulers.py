@@ -50,9 +50,10 @@ def test_plateau_with_data_parallel_processes_equals_the_loop_and_checkpoints(tm
         for x, y in data[0]:
             runner.step(x, y)
             assert runner.last_step_lr == 0.05
+        from pipeq.testing import backend_of
         from pipeq.wire.messages import Kind
 
-        every = runner._backend._ask_each(Kind.GET_LR, Kind.LR, "learning_rates", range(4))  # replica 1's too
+        every = backend_of(runner).ask_each(Kind.GET_LR, Kind.LR, "learning_rates", range(4))  # replica 1's too
         assert [every[g].extra["lrs"] for g in range(4)] == [[0.05]] * 4
 
 

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq.checkpoint import flat_model, global_state
+from pipeq.testing import backend_of
+from pipeq.checkpoint import StageLayout, flat_model, global_state
 from pipeq.wire.messages import Kind
 from pipeq.errors import PipelineError
 
@@ -62,13 +63,13 @@ def replica_state(runner: pipeq.PipelineRunner, r: int) -> dict[str, torch.Tenso
     """Replica r's parameters and buffers, keyed like ``state_dict()`` (which reads replica 0).
 
     There is no public API for this: ask processes r*N .. r*N+N-1 for GET_STATE directly, the
-    way ``ProcessBackend.get_state`` asks replica 0's.
+    way ``ProcessBackend.get_state`` asks replica 0's (through the tests' hook, :func:`pipeq.testing.backend_of`).
     """
-    be = runner._backend
+    be = backend_of(runner)
     procs = [r * be.n_stages + k for k in range(be.n_stages)]
-    got = be._ask_each(Kind.GET_STATE, Kind.STATE, f"replica {r}'s state", procs)
+    got = be.ask_each(Kind.GET_STATE, Kind.STATE, f"replica {r}'s state", procs)
     per_stage = [(got[g].extra["names"], [t.clone() for t in got[g].tensors]) for g in procs]
-    return dict(global_state(per_stage, runner._layouts()))
+    return dict(global_state(per_stage, [StageLayout(**lay) for lay in be.layouts()]))
 
 
 def assert_close_states(a, b, atol=1e-5):
@@ -218,9 +219,8 @@ def test_nobody_outside_the_run_can_join_the_gradient_exchange(security, monkeyp
     socks = []
 
     def forge(runner) -> None:
-        be = runner._backend
         if not socks:
-            for g, info in enumerate(be.worker_info):
+            for g, info in enumerate(runner.stage_processes):
                 addr = info["replica_link"]
                 assert addr.startswith("tcp://127.0.0.1:")
                 for keys in (None, sniffer) if sniffer is not None else (None,):
@@ -229,7 +229,7 @@ def test_nobody_outside_the_run_can_join_the_gradient_exchange(security, monkeyp
                     if keys is not None:
                         secure_client(sock, keys, addr, data=True)
                     sock.connect(addr)
-                    socks.append((sock, g % be.n_stages))
+                    socks.append((sock, g % runner.n_stages))
         for sock, k in socks:
             for sender in (0, 1):
                 for step in range(len(data) + 2):
@@ -293,7 +293,7 @@ def _kill_replica_1_stage_1(wait: bool):
                                   data_parallel=2, **FAST)
     with runner:
         runner.step(*data[0])
-        victim = runner._backend.procs[1 * 2 + 1]  # process r * N + k: replica 1, stage 1
+        victim = backend_of(runner).procs[1 * 2 + 1]  # process r * N + k: replica 1, stage 1
         os.kill(victim.pid, signal.SIGKILL)
         end = time.monotonic() + 5
         while wait and victim.is_alive() and time.monotonic() < end:
@@ -479,7 +479,7 @@ def test_a_single_host_run_with_replicas_listens_on_loopback_only(transport):
     (x, y), = batches(1, 8)
     with runner:
         runner.step(x, y)
-        pids = [os.getpid()] + [p.pid for p in runner._backend.procs.values()]
+        pids = [os.getpid()] + [p["pid"] for p in runner.stage_processes]
         ports = listening_addresses(pids)
     if transport == "ipc":
         assert ports == []

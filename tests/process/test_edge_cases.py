@@ -15,6 +15,7 @@ import zmq
 from torch import nn
 
 import pipeq
+from pipeq.testing import backend_of
 import msgpack
 
 from models import FailingStepSGD
@@ -80,7 +81,7 @@ def test_error_after_loss_then_next_step_reports_the_stage_error():
         with pytest.raises(pipeq.PipelineError, match="optimizer step failed on purpose"):
             runner.step(*xy())  # raises zmq.error.ZMQError: Host unreachable
     finally:
-        runner._backend._teardown()
+        backend_of(runner).processes.teardown()
 
 
 @pytest.mark.timeout(60)
@@ -88,16 +89,16 @@ def test_stage_killed_while_idle_gives_pipeline_error_and_cleans_up():
     runner = pipeq.PipelineRunner([nn.Linear(8, 8), nn.Linear(8, 3)], nn.CrossEntropyLoss(), SGD,
                                   **FAST)
     runner.start()
-    ipc_dir = runner._backend.ipc_dir
+    ipc_dir = backend_of(runner).ipc_dir
     try:
-        os.kill(runner._backend.worker_info[1]["pid"], signal.SIGKILL)
+        os.kill(runner.stage_processes[1]["pid"], signal.SIGKILL)
         time.sleep(1.0)
         with pytest.raises(pipeq.PipelineError) as info:
             runner.step(*xy())  # zmq.error.ZMQError: Host unreachable, nothing torn down
         assert info.value.stage == 1
         assert not os.path.exists(ipc_dir)
     finally:
-        runner._backend._teardown()
+        backend_of(runner).processes.teardown()
 
 
 # -- 3. a command that cannot be encoded for a later stage leaves earlier stages mid-step ---------
@@ -170,7 +171,7 @@ def test_foreign_peer_on_tcp_control_port_does_not_crash_the_driver():
     s.setsockopt(zmq.LINGER, 0)
     try:
         with runner:
-            s.connect(runner._backend.server.address)
+            s.connect(backend_of(runner).server.address)
             s.send_multipart([msgpack.packb([1, 26, 1, 0, [], None])])  # a well-formed HEARTBEAT
             time.sleep(0.3)
             # it was: ValueError: invalid literal for int() (in _stage_of); now the peer, who has

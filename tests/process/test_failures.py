@@ -14,7 +14,7 @@ from torch import nn
 
 import pipeq
 from strays import wait_no_strays
-from pipeq.testing import SleepStage
+from pipeq.testing import SleepStage, backend_of
 from models import Exits, FailingStepSGD, Raises, StallsOnce, mlp_stages
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
@@ -41,7 +41,7 @@ def expect_failure(runner: pipeq.PipelineRunner, call, stage: int, match: str, w
     with pytest.raises(pipeq.PipelineError, match=match) as info:
         with runner:
             started.append(time.monotonic())  # time the failure, not the process start-up
-            ipc_dir.append(runner._backend.ipc_dir)
+            ipc_dir.append(backend_of(runner).ipc_dir)
             call(runner)
     elapsed = time.monotonic() - started[0]
     assert info.value.stage == stage
@@ -98,7 +98,7 @@ def test_stage_killed_by_sigkill():
         model = assert_matches_reference(stages, data, losses, state, opt=SGD)
         with torch.no_grad():
             torch.testing.assert_close(out, model(data[0][0]), atol=1e-5, rtol=0)
-        victim = r._backend.worker_info[1]["pid"]
+        victim = r.stage_processes[1]["pid"]
         os.kill(victim, signal.SIGKILL)
         r.step(*xy())
 
@@ -124,7 +124,7 @@ def test_hung_stage_is_reported_by_heartbeat_loss():
                                   heartbeat_interval=0.1, heartbeat_timeout=1.0, **FAST)
 
     def work(r):
-        os.kill(r._backend.worker_info[2]["pid"], signal.SIGSTOP)
+        os.kill(r.stage_processes[2]["pid"], signal.SIGSTOP)
         r.step(*xy())
 
     expect_failure(runner, work, stage=2, match="no heartbeat")
@@ -138,11 +138,12 @@ def test_driver_death_takes_workers_with_it():
         import functools, os, sys, time, torch
         from torch import nn
         import pipeq
+        from pipeq.testing import backend_of
         if __name__ == "__main__":
             r = pipeq.PipelineRunner([nn.Linear(4, 4), nn.Linear(4, 2)], nn.CrossEntropyLoss(),
                                      functools.partial(torch.optim.SGD, lr=0.1))
             r.start()
-            print(r._backend.ipc_dir, " ".join(str(i["pid"]) for i in r._backend.worker_info), flush=True)
+            print(backend_of(r).ipc_dir, " ".join(str(i["pid"]) for i in r.stage_processes), flush=True)
             time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -187,7 +188,7 @@ def test_workers_are_pinned_to_their_own_cores():
     runner = pipeq.PipelineRunner([nn.Linear(8, 8), nn.Linear(8, 3)], nn.CrossEntropyLoss(), SGD,
                                   **FAST)
     with runner:
-        info = runner._backend.worker_info
+        info = runner.stage_processes
     ncores = len(os.sched_getaffinity(0))
     per = max(1, ncores // 2)
     assert [i["threads"] for i in info] == [per, per]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import pipeq
+from pipeq.testing import backend_of
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 FAST = dict(start_method="forkserver")
@@ -36,14 +37,15 @@ def test_a_second_thread_is_refused_while_a_step_runs_and_the_runner_carries_on(
     with r:
         r.step(x, y)
         inside, release = threading.Event(), threading.Event()
-        result = r._backend.result
+        backend = backend_of(r)
+        result = backend.result
 
         def slow_result(step):  # the first thread holds the runner inside its step
             inside.set()
             assert release.wait(30)
             return result(step)
 
-        r._backend.result = slow_result
+        backend.result = slow_result
         out: list = []
         t = threading.Thread(target=lambda: out.append(r.step(x, y)), name="trainer")
         t.start()
@@ -55,7 +57,7 @@ def test_a_second_thread_is_refused_while_a_step_runs_and_the_runner_carries_on(
                 call()
         release.set()
         t.join(30)
-        del r._backend.result
+        del backend.result
         assert len(out) == 1 and out[0] == out[0]
         # nothing was corrupted: this thread goes on with the runner, nested calls included
         assert isinstance(r.step(x, y), float)
@@ -116,7 +118,7 @@ def test_a_stage_dying_between_ready_and_peers_fails_start_naming_it(monkeypatch
         r.start()
     assert info.value.stage == 1
     assert ("killed by SIGKILL" if reaped else "control socket is gone") in info.value.message
-    assert not r._backend.procs
+    assert not backend_of(r).procs
 
 
 # -- 2. the fork server killed mid-run -----------------------------------------------------------
@@ -138,7 +140,7 @@ def test_killing_the_fork_server_mid_run_neither_fails_the_run_nor_orphans_its_s
     x, y = xy()
     r = runner(heartbeat_interval=0.1, heartbeat_timeout=5.0)
     r.start()
-    pids = [p.pid for p in r._backend.procs.values()]
+    pids = [p.pid for p in backend_of(r).procs.values()]
     try:
         r.step(x, y)
         _kill_fork_server()
@@ -147,7 +149,7 @@ def test_killing_the_fork_server_mid_run_neither_fails_the_run_nor_orphans_its_s
         # the stages still run: so does the run (no "exited with code 255")
         for _ in range(3):
             assert isinstance(r.step(x, y), float)
-        assert all(p.exitcode is None and p.is_alive() for p in r._backend.procs.values())
+        assert all(p.exitcode is None and p.is_alive() for p in backend_of(r).procs.values())
         r.close()
         end = time.monotonic() + 10
         while any(_running(pid) for pid in pids) and time.monotonic() < end:
@@ -183,7 +185,7 @@ def test_a_stage_killed_after_the_fork_server_is_named_and_the_others_stopped():
     x, y = xy()
     r = runner()
     r.start()
-    pids = [p.pid for p in r._backend.procs.values()]
+    pids = [p.pid for p in backend_of(r).procs.values()]
     try:
         r.step(x, y)
         _kill_fork_server()

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq.checkpoint import global_state
+from pipeq.testing import backend_of
+from pipeq.checkpoint import StageLayout, global_state
 from pipeq.wire.messages import Kind
 
 from models import Chain, SlowBackwardAt, batches64, flat_state, stages64
@@ -49,11 +50,11 @@ def reference(stages, data, degraded_step, keep=slice(0, BATCH // 2)):
 
 def replica_state(runner, r):
     """Replica r's parameters and buffers, keyed like ``state_dict()`` (which reads replica 0)."""
-    be = runner._backend
+    be = backend_of(runner)
     procs = [r * be.n_stages + k for k in range(be.n_stages)]
-    got = be._ask_each(Kind.GET_STATE, Kind.STATE, f"replica {r}'s state", procs)
+    got = be.ask_each(Kind.GET_STATE, Kind.STATE, f"replica {r}'s state", procs)
     per_stage = [(got[g].extra["names"], [t.clone() for t in got[g].tensors]) for g in procs]
-    return dict(global_state(per_stage, runner._layouts()))
+    return dict(global_state(per_stage, [StageLayout(**lay) for lay in be.layouts()]))
 
 
 @pytest.mark.parametrize("kind,wire", [("kill", "ipc"), ("raise", "ipc"), ("hang", "ipc"), ("kill", "tcp")])

@@ -120,3 +120,21 @@ def test_user_schedule_function_runs_in_both_modes():
         kw = FAST if mode == "process" else {}
         losses, state, _ = run(stages, data, schedule=reverse_drain, microbatches=4, mode=mode, **kw)
         assert_matches_reference(stages, data, losses, state)
+
+
+def test_stage_processes_say_which_process_runs_which_stage():
+    """runner.stage_processes: one entry per stage process once started (their pids alive, each
+    stage's), none before and none in simulated mode; a monitor's view, not the stages' layouts."""
+    import os
+
+    runner = pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), SGD, **FAST)
+    assert runner.stage_processes == []
+    with runner:
+        every = runner.stage_processes
+        assert [(p["replica"], p["stage"], p["shard"]) for p in every] == [(0, k, 0) for k in range(runner.n_stages)]
+        assert len({p["pid"] for p in every}) == runner.n_stages and os.getpid() not in {p["pid"] for p in every}
+        for p in every:
+            os.kill(p["pid"], 0)  # alive (raises otherwise)
+            assert p["threads"] >= 1 and p["cores"] and p["forward"] and "layout" not in p
+    with pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), SGD, mode="simulated") as simulated:
+        assert simulated.stage_processes == []

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import pipeq
+from pipeq.testing import backend_of
 from strays import wait_no_strays
 from models import flat_state, reference_train
 from pipeq.wire import shm
@@ -71,8 +72,8 @@ def train(schedule: str, data, mode: str = "process", shm_slots: int = 4, microb
         out = runner.predict(data[0][0])
         state = runner.state_dict()  # every stage answered: every message sent has been taken
         if mode == "process":
-            prefix = shm.run_prefix(runner._backend.ipc_dir)
-            maps = [mapped_segments(info["pid"], prefix) for info in runner._backend.worker_info]
+            prefix = shm.run_prefix(backend_of(runner).ipc_dir)
+            maps = [mapped_segments(info["pid"], prefix) for info in runner.stage_processes]
             names = segment_names(prefix)
     if mode == "process":
         assert not segment_names(prefix)
@@ -159,8 +160,8 @@ def test_sigkilled_stage_leaves_no_segment_behind():
     prefix = ""
     with pytest.raises(pipeq.PipelineError, match="killed by SIGKILL") as info:
         with runner:
-            prefix = shm.run_prefix(runner._backend.ipc_dir)
-            victim = runner._backend.worker_info[1]["pid"]
+            prefix = shm.run_prefix(backend_of(runner).ipc_dir)
+            victim = runner.stage_processes[1]["pid"]
             os.kill(victim, signal.SIGSTOP)
 
             def kill_when_sent():

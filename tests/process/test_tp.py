@@ -99,7 +99,7 @@ def where(info):
 
 
 def assert_numbering(info, replicas, n_stages, shards):
-    """worker_info: the leads (shard 0) first, numbered replica * n_stages + stage, then the rest."""
+    """stage_processes: the leads (shard 0) first, numbered replica * n_stages + stage, then the rest."""
     n_leads = replicas * n_stages
     assert len(info) == n_leads * shards
     assert where(info[:n_leads]) == [(r, k, 0) for r in range(replicas) for k in range(n_stages)]
@@ -120,7 +120,7 @@ def tp_run(request):
     runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, request.param, 3,
                                   tensor_parallel=2, tp_plan=TP_PLAN, **FAST)
     with runner:
-        info = [dict(w) for w in runner._backend.worker_info]
+        info = [dict(w) for w in runner.stage_processes]
         losses = [runner.step(x, y) for x, y in data]
         state = runner.state_dict()
         pred = runner.predict(x_eval)
@@ -162,7 +162,7 @@ def test_two_replicas_of_two_sharded_stages_equal_full_batch_training():
     runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, "1f1b", 2, data_parallel=2,
                                   tensor_parallel=2, tp_plan=plan, **FAST)
     with runner:
-        assert_numbering(runner._backend.worker_info, replicas=2, n_stages=2, shards=2)
+        assert_numbering(runner.stage_processes, replicas=2, n_stages=2, shards=2)
         losses = [runner.step(x, y) for x, y in data]
         state = runner.state_dict()
         pred = runner.predict(x_eval)
@@ -251,7 +251,7 @@ def test_a_checkpoint_saved_at_t2_loads_and_trains_on_at(shards, saved_at_t2):
     fresh = tp_stages(seed=99)
     tp = dict(tensor_parallel=shards, tp_plan=TP_PLAN) if shards > 1 else {}
     with pipeq.PipelineRunner(fresh, nn.CrossEntropyLoss(), ADAM, "fill-drain", 3, **tp, **FAST) as runner:
-        assert len(runner._backend.worker_info) == 2 * shards
+        assert len(runner.stage_processes) == 2 * shards
         assert runner.load(ck.directory) == {"steps": 2}
         assert_equal_states(runner.state_dict(), ck.state)
         losses = [runner.step(x, y) for x, y in ck.data[2:]]
@@ -270,7 +270,7 @@ def test_a_killed_shard_is_named_and_no_process_survives(replicas, wait):
                                   tp_plan=TP_PLAN, data_parallel=replicas, **FAST)
     with runner:
         runner.step(*data[0])
-        info = runner._backend.worker_info
+        info = runner.stage_processes
         assert_numbering(info, replicas, n_stages=2, shards=2)
         pids = [w["pid"] for w in info]
         victim = next(w["pid"] for w in info if where([w]) == [(replicas - 1, 1, 1)])
@@ -307,7 +307,7 @@ def test_a_raising_shard_is_named_with_its_error(shard):
                                   tp_plan=plan, **FAST)
     x, y = batches(1, 8, seed=10)[0]
     with runner:
-        pids = [w["pid"] for w in runner._backend.worker_info]
+        pids = [w["pid"] for w in runner.stage_processes]
         t0 = time.monotonic()
         with pytest.raises(PipelineError) as caught:
             runner.step(x, y)
@@ -338,7 +338,7 @@ def test_shards_listen_on_loopback_only_and_survive_strangers():
     try:
         with runner:
             losses = [runner.step(*data[0])]
-            pids = [w["pid"] for w in runner._backend.worker_info]
+            pids = [w["pid"] for w in runner.stage_processes]
             listening = listening_addresses(pids)
             assert listening, "no listening socket found: is /proc/net/tcp readable?"
             assert {addr for addr, _ in listening} == {"127.0.0.1"}, listening

@@ -28,7 +28,7 @@ def test_data_parallel_2_with_clipping_equals_full_batch_training(schedule, n):
                               clip_grad_norm=0.5, **FAST) as r:
         losses = [r.step(x, y) for x, y in batches]
         state = r.state_dict()
-        pids = {w["stage"]: w["pid"] for w in r._backend.worker_info if w["replica"] == 0}
+        pids = {w["stage"]: w["pid"] for w in r.stage_processes if w["replica"] == 0}
     if schedule == "zbv":  # V placement: stages 0 and 3 in one process, 1 and 2 in another
         assert pids[0] == pids[3] and pids[1] == pids[2] and pids[0] != pids[1]
     model, want = reference_train(stages, nn.CrossEntropyLoss(), SGD64, batches, clip=0.5)

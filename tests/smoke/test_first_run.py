@@ -30,7 +30,7 @@ runner = pipeq.PipelineRunner([{first}, nn.Linear(4, 2)], nn.CrossEntropyLoss(),
                               start_method="forkserver")
 with runner:
     print("loss", runner.step(torch.randn(4, 4), torch.randint(0, 2, (4,))))
-    print("pids", *[w["pid"] for w in runner._backend.worker_info])
+    print("pids", *[w["pid"] for w in runner.stage_processes])
 """
 LOCAL = """\
 class Local(nn.Module):

@@ -16,7 +16,7 @@ from strays import gone
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 #: the README's example as it is, and then the pids of its stage processes (gone with the runner)
-SCRIPT = python_blocks("README.md")[0].code + 'print("pids", *[w["pid"] for w in runner._backend.worker_info])\n'
+SCRIPT = python_blocks("README.md")[0].code + 'print("pids", *[w["pid"] for w in runner.stage_processes])\n'
 
 
 def _env() -> dict[str, str]:

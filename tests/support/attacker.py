@@ -53,6 +53,7 @@ from typing import Any, Iterator
 
 import msgpack
 import zmq
+from pipeq.testing import backend_of
 
 # The attacker process imports neither torch nor pipeq (it starts in 0.1 s instead of 2): the
 # test's side builds the messages it sends (with pipeq's codec) and another secret's keys, and
@@ -119,18 +120,18 @@ def targets(runner: Any, secret: Any, mode: str) -> dict[str, Any]:
     send in the clear. Never the secret, the client key or the MAC key."""
     from pipeq.wire.security import WireAuth
 
-    backend = runner._backend
+    backend = backend_of(runner)
     auth = WireAuth(secret, mode)
     where = {
         "control": backend.server.address,
-        "data": [info[d] for info in backend.worker_info for d in ("forward", "backward")],
+        "data": [info[d] for info in runner.stage_processes for d in ("forward", "backward")],
         "server_key": auth.curve("server")[0].decode(),
         "password": auth.plain_password().decode() if mode == "authenticate" else None,
     }
     # every port the run listens on: the stages' are these and no other (this process may have
     # listeners of its own besides the control port)
     port = lambda addr: int(addr.rsplit(":", 1)[1])  # noqa: E731
-    stages = listening_ports([p.pid for p in backend.procs.values()])
+    stages = listening_ports([p["pid"] for p in runner.stage_processes])
     assert stages == {port(a) for a in where["data"]}, (stages, where)
     assert port(where["control"]) in listening_ports([os.getpid()])
     return where

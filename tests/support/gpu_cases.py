@@ -143,7 +143,7 @@ def train(stages, data, make_opt=MOMENTUM, *, schedule="1f1b", microbatches=4, l
     runner = pipeq.PipelineRunner(copy.deepcopy(stages), loss_fn or nn.CrossEntropyLoss(), make_opt, schedule,
                                   microbatches, **settings)
     with runner:
-        workers = [dict(w) for w in runner._backend.worker_info]
+        workers = [dict(w) for w in runner.stage_processes]
         losses = [runner.step(x, y) for x, y in data]
         out = SimpleNamespace(losses=losses, state=runner.state_dict(), workers=workers, stats=runner.stats(),
                               pred=runner.predict(x_eval) if x_eval is not None else None)

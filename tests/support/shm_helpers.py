@@ -11,6 +11,7 @@ from pipeq.wire import shm
 from pipeq.wire.shm import ShmConfig
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
 from one_stage import OneStage
+from pipeq.testing import backend_of
 
 
 def segment_names(prefix: str) -> list[str]:
@@ -91,7 +92,7 @@ def orphaning_driver(conn) -> None:
                                   functools.partial(torch.optim.SGD, lr=0.1), microbatches=2,
                                   heartbeat_timeout=60, start_method="forkserver")
     runner.start()
-    conn.send((runner._backend.ipc_dir, [info["pid"] for info in runner._backend.worker_info]))
+    conn.send((backend_of(runner).ipc_dir, [info["pid"] for info in runner.stage_processes]))
     conn.recv()
     runner.step(torch.randn(64, 8), torch.randint(0, 3, (64,)))
     conn.send("the step ended")

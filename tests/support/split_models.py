@@ -148,15 +148,16 @@ def tied_copies(runner, stages) -> list[torch.Tensor]:
     """Every copy of every tied parameter, in every stage process of every replica (process
     mode), or every stage (simulated mode)."""
     from pipeq.stage.info import info_of
+    from pipeq.testing import backend_of
 
-    be = runner._backend
+    be = backend_of(runner)
     n = len(stages)
     if runner.mode == "simulated":
         per = be.get_state()
     else:
         from pipeq.wire.messages import Kind
 
-        got = be._ask_each(Kind.GET_STATE, Kind.STATE, "every copy", range(be.n_processes))
+        got = be.ask_each(Kind.GET_STATE, Kind.STATE, "every copy", range(be.n_processes))
         per = [(got[g].extra["names"], list(got[g].tensors)) for g in range(be.n_processes)]
     out = []
     for g, (names, tensors) in enumerate(per):

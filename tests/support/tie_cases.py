@@ -112,11 +112,12 @@ def assert_close(state, want, atol: float = 1e-5) -> None:
 def every_copy(runner) -> list[torch.Tensor]:
     """Every copy of the tie in every stage process of a process-mode runner (every replica's):
     GET_STATE asked of each, as ``ProcessBackend.get_state`` asks replica 0's."""
+    from pipeq.testing import backend_of
     from pipeq.wire.messages import Kind
 
-    be = runner._backend
+    be = backend_of(runner)
     n = be.n_stages
-    got = be._ask_each(Kind.GET_STATE, Kind.STATE, "every copy", range(be.n_processes))
+    got = be.ask_each(Kind.GET_STATE, Kind.STATE, "every copy", range(be.n_processes))
     out = []
     for r in range(be.replicas):
         out += copies([(got[r * n + k].extra["names"], list(got[r * n + k].tensors)) for k in range(n)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import re
 import textwrap
@@ -88,7 +89,7 @@ def _documented() -> dict[str, str | None]:
 
 def test_every_runner_argument_and_setting_is_documented_in_a_group():
     documented = _documented()
-    params = [p for p in list(runner._signature().parameters)]
+    params = list(inspect.signature(runner.PipelineRunner).parameters)  # every setting too (help(), IDEs)
     assert sorted(set(params) - set(documented)) == []
     assert sorted(set(documented) - set(params)) == []
     for field in config.setting_fields():  # the settings (**settings) carry their type in the docstring

@@ -97,17 +97,24 @@ def test_what_it_cannot_judge_passes_quietly(stages, x):
     shape_check.check_stages(stages, x)
 
 
-def test_stages_of_your_own_classes_are_not_run_in_the_driver():
+def test_stages_of_your_own_classes_are_not_run_in_the_driver(monkeypatch):
     # a forward of your own may sleep, exit or talk to other processes: only torch's and pipeq's layers run
+    monkeypatch.setattr(shape_check, "check_stages", never)
+    torch.manual_seed(0)
     model = pipeq.PipelineRunner([nn.Linear(8, 8), Picks(), nn.Linear(5, 3)], nn.MSELoss(), SGD, mode="simulated")
-    assert model._shape_model is None
+    with model, pytest.raises(pipeq.PipelineError) as info:  # the stage's own error: no check ran here
+        model.step(torch.randn(16, 8), torch.randn(16, 3))
+    assert info.value.stage == 2
     assert not shape_check.checkable([nn.Sequential(nn.Linear(8, 8), Picks())])
     assert shape_check.checkable(mismatched())
 
 
 def test_stage_inputs_or_a_recipe_skip_the_check():
-    runner = pipeq.PipelineRunner(mismatched(), nn.CrossEntropyLoss(), SGD, microbatches=4, mode="simulated")
-    assert runner._shape_model is not None
-    with runner, pytest.raises(pipeq.PipelineError) as info:
+    def make():
+        return pipeq.PipelineRunner(mismatched(), nn.CrossEntropyLoss(), SGD, microbatches=4, mode="simulated")
+
+    with make() as checked, pytest.raises(pipeq.PipelineError, match=MISMATCH):
+        checked.step(*xy())  # these stages are checked ...
+    with make() as runner, pytest.raises(pipeq.PipelineError) as info:  # ... unless stage_inputs are given
         runner.step(*xy(), stage_inputs={})  # stage_inputs: the stages' own error, as before
     assert "returns (4, 64)" not in str(info.value) and info.value.stage == 1

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import pipeq
+from pipeq.testing import backend_of
 from async_cases import assert_state_equal, no_stash_runner, recompute_reference, tutorial_data
 from launch_util import ROOT
 from models import TutorialStage0, TutorialStage1
@@ -25,7 +26,7 @@ def test_stashed_copies_are_bounded_by_the_pipeline_depth() -> None:
                                   "async", 12, mode="simulated")
     with runner:
         runner.step(torch.cat(xs), torch.cat(ys))
-        held = [ex.max_copies for ex in runner._backend.executors]
+        held = [ex.max_copies for ex in backend_of(runner).executors]
     assert held == [3, 2, 1]  # min(m, N - k): stage k's microbatches in flight
 
 
@@ -106,7 +107,7 @@ def test_without_stashing_the_last_stage_evaluates_its_loss_once_per_microbatch(
     ref, losses, _ = recompute_reference(stages, xs, ys, lr=0.5)
     with no_stash_runner(stages, CountingBCE(), 6) as runner:
         loss = runner.step(torch.cat(xs), torch.cat(ys))
-        counted = runner._backend.executors[-1].loss_fn
+        counted = backend_of(runner).executors[-1].loss_fn
         assert counted.calls == 6
         runner.step(torch.cat(xs), torch.cat(ys))
         assert counted.calls == 12

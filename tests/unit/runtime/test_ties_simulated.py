@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import pipeq
+from pipeq.testing import backend_of
 from pipeq.stage import numerics
 
 from tie_cases import ADAM, SGD, TIE, TIE3, assert_close, copies, lm_batches, lm_stages, reference
@@ -18,7 +19,7 @@ def runner(stages, ties=(TIE,), schedule="1f1b", make_opt=SGD, **kw):
 
 
 def assert_copies_equal(r) -> None:
-    held = copies(r._backend.get_state())
+    held = copies(backend_of(r).get_state())
     assert len(held) >= 2 and all(torch.equal(c, held[0]) for c in held)
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import pipeq
+from pipeq.testing import backend_of
 from models import float64_data, float64_stages3
 from numerics_cases import assert_close, data, mlp, reference, run
 from pipeq.runtime.interpreter import execute
@@ -95,7 +96,7 @@ def test_zb_h1_with_tied_weights_sums_them_after_every_W():
                               "zb-h1", 2, mode="simulated", ties=[list(TIE3)]) as r:
         for i, (x, y) in enumerate(batches):
             assert r.step(x, y) == pytest.approx(losses[i], abs=1e-5)
-            held = copies(r._backend.get_state())
+            held = copies(backend_of(r).get_state())
             assert all(torch.equal(c, held[0]) for c in held)
         assert_tie_close(r.state_dict(), states[-1])
 

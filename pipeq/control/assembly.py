@@ -1,0 +1,154 @@
+"""What a runner is assembled from: its configuration, and the backend that runs its stages.
+
+:func:`configure` makes the run's :class:`~pipeq.control.config.RunConfig` (``config=``, or the
+keyword arguments). A :class:`BackendPlan` holds what the backend is built from (the checked
+model, the tensor-parallel plans, the rendezvous) and builds it: a
+:class:`~pipeq.runtime.simulated.SimulatedBackend` (``mode="simulated"``) or a
+:class:`~pipeq.control.driver.ProcessBackend`, both a :class:`~pipeq.runtime.backend.Backend`.
+With ``schedule="auto"`` the runner keeps the plan until its first batch, whose profile
+(:mod:`pipeq.control.auto_schedule`) settles the schedule the backend is built for
+(:meth:`BackendPlan.settle`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from typing import TYPE_CHECKING, Any, Sequence
+
+from pipeq.control import checks
+from pipeq.control.batching import Batcher
+from pipeq.control.config import RunConfig, setting_fields
+from pipeq.control.processes import RunSetup
+from pipeq.control.stage_inputs import route
+from pipeq.stage.info import info_of
+from pipeq.stage.numerics import Numerics
+
+if TYPE_CHECKING:
+    from pipeq.control.driver import ProcessBackend
+    from pipeq.control.rendezvous import Rendezvous
+    from pipeq.runtime.backend import Backend
+    from pipeq.schedules.choose import Choice
+
+__all__ = ["BackendPlan", "configure", "processes_of", "signature"]
+
+
+def configure(config: RunConfig | None, schedule: Any, microbatches: int | None,
+              settings: dict[str, Any]) -> RunConfig:
+    """The run's configuration: ``config``, or the one the keyword arguments name."""
+    if config is None:
+        return RunConfig.from_kwargs("1f1b" if schedule is None else schedule,
+                                     8 if microbatches is None else microbatches, **settings)
+    if not isinstance(config, RunConfig):
+        raise ValueError(f"config must be a pipeq.control.config.RunConfig, got {type(config).__name__}")
+    if settings:
+        raise ValueError(f"pass the run's settings in config or as keyword arguments, not both: got config and "
+                         f"{', '.join(sorted(settings))}")
+    given = {k: v for k, v in (("schedule", schedule), ("microbatches", microbatches)) if v is not None}
+    return dataclasses.replace(config, **given) if given else config
+
+
+def signature(init: Any) -> inspect.Signature:
+    """The runner's signature as ``help()`` and IDEs show it, from its ``__init__``: every setting
+    by name, with its default (the constructor takes them as ``**settings``, which build a RunConfig)."""
+    own = [p for p in list(inspect.signature(init).parameters.values())[1:]
+           if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                for f in setting_fields()]
+    return inspect.Signature(own + settings)
+
+
+@dataclasses.dataclass
+class BackendPlan:
+    """What a runner's backend is built from: the checked ``model``, its ``numerics``, each
+    stage's tensor-parallel plan (``tp_plans``), and the ``rendezvous`` of a multi-host run."""
+
+    model: checks.Model
+    numerics: Numerics
+    tp_plans: list[Any] | None
+    rendezvous: Rendezvous | None
+
+    @classmethod
+    def of(cls, stages: Any, loss_fn: Any, optimizer: Any, cfg: RunConfig, *, lr_scheduler: Any,
+           lr_scheduler_interval: str | None, aux_heads: Any, aux_loss: Any, balance: Sequence[int] | None,
+           ties: Any, rendezvous: Rendezvous | None) -> BackendPlan:
+        """The runner's arguments checked against each other and ``cfg`` (a ValueError or TypeError
+        names what does not fit; see :mod:`pipeq.control.checks`), with ``balance``: the whole
+        model split here first (:mod:`pipeq.balance`)."""
+        if balance is not None:
+            from pipeq.balance import stages_for
+
+            stages = stages_for(stages, balance)
+        place = cfg.placement
+        model = checks.check_model(stages, loss_fn, optimizer, lr_scheduler, cfg.schedule, aux_heads=aux_heads,
+                                   aux_loss=aux_loss, data_parallel=place.data_parallel, mode=place.mode,
+                                   rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval, ties=ties)
+        cfg.check_stages(model.n_stages)
+        numerics = cfg.numerics_for(model.n_stages)
+        tp_plans = checks.check_tensor_parallel(model, cfg.schedule, place.tensor_parallel, place.tp_plan,
+                                                mode=place.mode, numerics=numerics)
+        return cls(model, numerics, tp_plans, rendezvous)
+
+    def batcher(self, cfg: RunConfig) -> Batcher:
+        """What splits the run's batches into microbatches (and replica shards), for ``cfg``'s schedule."""
+        model = self.model
+        return Batcher(cfg.schedule, model.n_stages, cfg.microbatches, model.loss_fn, model.aux_loss,
+                       cfg.placement.data_parallel)
+
+    def backend(self, cfg: RunConfig) -> Backend:
+        """The backend that runs the stages: this process's (simulated) or one process per stage."""
+        from pipeq.control.replica_loss import check_replicas_mode
+
+        check_replicas_mode(cfg, multi_host=self.rendezvous is not None)
+        place, schedule, model = cfg.placement, cfg.schedule, self.model
+        if place.mode == "simulated":
+            from pipeq.runtime.simulated import SimulatedBackend
+
+            return SimulatedBackend(model.replicas[0], schedule, place.devices[0] if place.devices else "cpu",
+                                    self.numerics)
+        from pipeq.control.driver import ProcessBackend
+
+        return ProcessBackend(checks.process_payloads(model, schedule), RunSetup(cfg, self.numerics, self.tp_plans),
+                              rendezvous=self.rendezvous)
+
+    def settle(self, cfg: RunConfig, batcher: Batcher, batch: tuple[Any, Any, Any] | None) -> tuple[Choice, RunConfig]:
+        """``schedule="auto"``: the schedule chosen (profiled with ``batch``, the first step's
+        ``(x, target, stage_inputs)``, when there is one and the run allows it; see
+        :mod:`pipeq.control.auto_schedule`), its ranking printed, and the run's configuration
+        with it; ``batcher`` splits ``batch`` as the auto run's does."""
+        from pipeq.control import auto_schedule
+        from pipeq.schedules.choose import format_choice
+
+        model, place = self.model, cfg.placement
+        n, m, v = model.n_stages, cfg.microbatches, place.stages_per_process or 1
+        can = place.data_parallel == 1 and place.tensor_parallel == 1 and self.rendezvous is None
+        args = None
+        if batch is not None and can:
+            x, target, size = batcher.training_pair(batch[0], batch[1])
+            declared = [] if model.builder is not None else [info_of(s.module).inputs for s in model.replicas[0]]
+            inputs = (route(batch[2], declared, size, cfg.schedule)
+                      if declared and (batch[2] is not None or any(declared)) else None)
+            args = (batcher.shards(target, size), x, target, inputs)
+        device = place.devices[0] if place.devices else "cpu"
+        try:
+            choice = auto_schedule.decide(model, self.numerics, n, m, args, device=device, can_profile=can,
+                                          stages_per_process=v)
+        except Exception as exc:  # a profile that fails is no reason not to train: ZB-H1, said so
+            why = str(exc).splitlines()[0] if str(exc) else ""
+            print(f"pipeq: schedule='auto' could not profile the stages ({type(exc).__name__}: {why}); "
+                  "choosing at equal costs", file=sys.stderr)
+            choice = auto_schedule.decide(model, self.numerics, n, m, None, can_profile=False, stages_per_process=v)
+        print(format_choice(choice), file=sys.stderr)
+        return choice, dataclasses.replace(cfg, schedule=choice.schedule, auto=False)
+
+
+def processes_of(backend: Backend, mode: str) -> ProcessBackend | None:
+    """``backend`` in process mode (for what only a process backend has: the processes' pids, the
+    replicas' failures), None in simulated mode."""
+    if mode != "process":
+        return None
+    from pipeq.control.driver import ProcessBackend
+
+    assert isinstance(backend, ProcessBackend), backend
+    return backend

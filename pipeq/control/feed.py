@@ -1,0 +1,88 @@
+"""A runner's batches as its backend takes them: checked, split, routed and numbered.
+
+:class:`Feed` is the runner's collaborator between a caller's batch and the backend
+(:class:`~pipeq.runtime.backend.Backend`): ``x`` and ``target`` are checked and split into
+microbatches and replica shards with their loss weights (:class:`~pipeq.control.batching.Batcher`),
+``stage_inputs`` are routed to the stages that declare them (:mod:`pipeq.control.stage_inputs`),
+and every step is numbered (training and prediction alike, counting up). A prediction's
+microbatch outputs are joined again as the last stage returned them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from pipeq.control.batching import check_batch
+from pipeq.control.stage_inputs import route
+from pipeq.stage import microbatch
+
+if TYPE_CHECKING:
+    from pipeq.control.batching import Batcher
+    from pipeq.runtime.backend import Backend, Shard, StageInputs
+    from pipeq.stage.executor import Tensors
+
+__all__ = ["Feed", "TrainingStep"]
+
+
+class TrainingStep(NamedTuple):
+    """One training batch as a backend's ``submit`` takes it."""
+
+    step: int
+    shards: list[Shard]
+    x: Any
+    target: Any
+    inputs: StageInputs | None
+
+
+class Feed:
+    """Turns a runner's batches into its backend's steps; ``batcher`` splits them."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self.batcher = batcher
+        #: the runner's backend, once it exists (``schedule="auto"``: once the first batch settled it)
+        self.backend: Backend | None = None
+        self._declared: list[tuple[str, ...]] | None = None  # each stage's declared inputs, asked once
+        self._step = 0  # the last step's number
+
+    def attach(self, backend: Backend, batcher: Batcher) -> None:
+        """Feed ``backend``, its batches split by ``batcher`` (both built for the run's schedule)."""
+        self.backend, self.batcher, self._declared = backend, batcher, None
+
+    def _backend(self) -> Backend:
+        assert self.backend is not None, "the runner settles its backend before it feeds it"
+        return self.backend
+
+    def training(self, x: Any, target: Any, given: Any) -> TrainingStep:
+        """The training batch ``(x, target)`` (with ``given``, its ``stage_inputs``) as the next step."""
+        x, target, n = self.batcher.training_pair(x, target)
+        inputs = self._route(given, n)
+        shards = self.batcher.shards(target, n)
+        self._step += 1
+        return TrainingStep(self._step, shards, x, target, inputs)
+
+    def predict(self, x: Any, given: Any) -> Any:
+        """The output of a forward-only step on ``x`` (see :meth:`PipelineRunner.predict`)."""
+        x, n = check_batch("x", x)
+        self.batcher.check_input(x)
+        inputs = self._route(given, n)
+        self._step += 1
+        return _joined(self._backend().predict(self._step, self.batcher.sizes(n), x, inputs))
+
+    def _route(self, given: Any, batch: int) -> StageInputs | None:
+        """``stage_inputs`` as each stage's keyword arguments (None: none), checked against what
+        the stages declare (:mod:`pipeq.control.stage_inputs`)."""
+        if self._declared is None:
+            self._declared = self._backend().declared_inputs()
+        if given is None and not any(self._declared):  # the common case: nothing to route
+            return None
+        return route(given, self._declared, batch, self.batcher.schedule)
+
+
+def _joined(outputs: list[Tensors]) -> Any:
+    """Each microbatch's output unpacked as the last stage returned it (one tensor, or a 1-tuple
+    of one, gives that tensor), joined again on dim 0."""
+    outs = [microbatch.unpack(microbatch.spec_of(o), o) for o in outputs]
+    outs = [o[0] if isinstance(o, tuple) and len(o) == 1 and isinstance(o[0], torch.Tensor) else o for o in outs]
+    return microbatch.cat(outs)
