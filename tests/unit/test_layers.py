@@ -48,10 +48,7 @@ DOCUMENTED: dict[str, str] = {
 }
 #: Classes assembled from several pipeq classes as bases (mixins sharing private state), each with
 #: why it is still one; a class split to meet the sizes gets collaborators instead (see below).
-MIXED: dict[str, str] = {
-    "stage.executor:StageExecutor": "StageState, OptimizerStep and SplitBackward (pipeq.stage) share its private "
-    "state: collaborators of their own are still to be made",
-}
+MIXED: dict[str, str] = {}
 
 
 def modules() -> list[str]:

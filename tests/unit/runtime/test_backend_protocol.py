@@ -16,7 +16,8 @@ from torch import nn
 
 from pipeq.control.config import RunConfig
 from pipeq.control.driver import ProcessBackend
-from pipeq.control.processes import StageSettings
+from pipeq.control.processes import RunSetup
+from pipeq.stage.numerics import Numerics
 from pipeq.runtime.backend import Backend
 from pipeq.runtime.simulated import SimulatedBackend
 from pipeq.stage.spec import StageSpec
@@ -67,7 +68,7 @@ def test_every_property_is_one_of_the_same_type(cls):
 
 def test_every_data_attribute_is_set_by_each_backend():
     _, _, data = protocol_members()
-    process = ProcessBackend([b""] * 2, RunConfig(microbatches=2), StageSettings())
+    process = ProcessBackend([b""] * 2, RunSetup(RunConfig(microbatches=2), Numerics(), None))
     simulated = SimulatedBackend([StageSpec(nn.Linear(2, 2), SGD, None), StageSpec(nn.Linear(2, 2), SGD,
                                                                                      nn.MSELoss())], "1f1b")
     for backend in (process, simulated):
