@@ -37,8 +37,9 @@ delivered its gradients for the step when another of its stages failed is counte
 and a stage of it that died before delivering its gradients of an earlier step (one whose loss
 was in: the first stages finish a step last) is left out of that step at that stage. A failure
 at a step's start causes neither.
-Supported on one host, one stage per process, without tensor parallelism, with schedules that
-finish every batch before the next (not asynchronous 1F1B).
+A process holding several stages (virtual stages) fails as a whole: every stage it holds is
+dropped for the step and rebuilt with it. Supported on one host, without tensor parallelism, with
+schedules that finish every batch before the next (not asynchronous 1F1B).
 """
 
 from __future__ import annotations
@@ -80,9 +81,6 @@ def check_replicas_mode(cfg: "RunConfig", *, multi_host: bool) -> None:
     if place.tensor_parallel > 1:
         raise ValueError(f"{what} does not support tensor_parallel={place.tensor_parallel} yet: use "
                          "tensor_parallel=1, or leave fault_tolerance unset")
-    if schedule.stages_per_process > 1:
-        raise ValueError(f"{what} does not support schedule {schedule.name!r}, which holds several stages per "
-                         "process: use a schedule of one stage per process (e.g. '1f1b')")
     if schedule.streams_across_batches:
         raise ValueError(f"{what} does not support schedule {schedule.name!r}, which carries work across "
                          "batches: use a schedule that finishes each batch (e.g. '1f1b')")

@@ -7,6 +7,9 @@ still running, and its ``terminate()`` and ``kill()`` become no-ops (they only s
 not known to have exited). :class:`StageHandle` wraps the process object and asks the kernel
 instead, through a pidfd (Linux >= 5.3; a pid that cannot be reused while it is open), else
 ``kill(pid, 0)``: a stage is running until its pid has exited, and it is signalled by pid.
+
+A process holding several stages (virtual stages) has one handle, which each of its stages'
+numbers maps to: closing it once keeps its exit code, for whoever asks through another of them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class StageHandle:
         self.proc = proc
         self.pid: int = proc.pid
         self.name: str = proc.name
+        self._closed_with: int | None = None  # the exit code it had when closed (see close)
         try:
             self._pidfd: int | None = os.pidfd_open(self.pid)  # type: ignore[attr-defined]
         except (AttributeError, OSError):  # no pidfd here (or already reaped: judged by the process object)
@@ -53,6 +57,8 @@ class StageHandle:
     def exitcode(self) -> int | None:
         """None while the stage runs; then its exit code as multiprocessing has it (255 when the
         fork server that started it is gone: then nobody has its real one)."""
+        if self._closed_with is not None:
+            return self._closed_with
         code = self.proc.exitcode
         if code is None or not self._running():
             return code
@@ -62,7 +68,7 @@ class StageHandle:
         return self.exitcode is None
 
     def _signal(self, sig: int) -> None:
-        if not self._running():
+        if self._closed_with is not None or not self._running():
             return
         try:
             if self._pidfd is not None:
@@ -80,6 +86,8 @@ class StageHandle:
 
     def join(self, timeout: float | None = None) -> None:
         """Wait until the stage has exited (at most ``timeout`` seconds)."""
+        if self._closed_with is not None:
+            return
         end = None if timeout is None else time.monotonic() + timeout
         self.proc.join(timeout)  # returns at once when the fork server is gone
         while self.exitcode is None and (end is None or time.monotonic() < end):
@@ -90,11 +98,15 @@ class StageHandle:
                 time.sleep(left)
 
     def close(self) -> None:
-        """Release the process object and the pidfd (the stage has exited)."""
+        """Release the process object and the pidfd (the stage has exited); its exit code stays."""
+        if self._closed_with is not None:
+            return
+        code = self.exitcode
         try:
             self.proc.close()
         except ValueError:  # multiprocessing thinks it still runs: it is the fork server's to reap
-            pass
+            return
+        self._closed_with = code if code is not None else -9
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None

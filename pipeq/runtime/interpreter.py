@@ -59,8 +59,9 @@ from pipeq.trace.format import W as TRACE_W
 
 __all__ = ["ProcessPlan", "execute", "combined", "ChunkError", "Note"]
 
-#: ``note(code, microbatch)``: a compute action starts (the event loop's record for ``step_timeout``)
-Note = Callable[[int, int], None]
+#: ``note(code, microbatch, chunk)``: a compute action starts on a chunk (the event loop's record
+#: for ``step_timeout``)
+Note = Callable[[int, int, int], None]
 Keys = Mapping[int, tuple[int, int]]
 
 
@@ -132,8 +133,8 @@ def execute(exs: Sequence[StageExecutor], actions: Sequence[Action], traces: Seq
     """Run a process's ``actions`` on its chunks' executors ``exs`` (by chunk; see the module).
     ``traces``: per chunk, a list or deque to append ``(code, step, microbatch, start_ns, end_ns,
     0)`` to for each compute action (see :mod:`pipeq.trace`), or None; ``keys`` maps a stream's
-    microbatch numbers to their (step, microbatch); ``note(code, microbatch)`` is called as each
-    compute action starts."""
+    microbatch numbers to their (step, microbatch); ``note(code, microbatch, chunk)`` is called
+    as each compute action starts."""
     run = _Process(exs, traces, keys, note)
     many = len(exs) > 1
     i, n = 0, len(actions)
@@ -212,7 +213,7 @@ class _Process:
         ex, rec, note = self.exs[c], self.recs[c], self.note
         code = TRACE_F if op is Op.FORWARD else TRACE_B
         if note is not None:
-            note(code, j)
+            note(code, j, c)
         t0 = time.perf_counter_ns() if rec else 0
         if op is Op.FORWARD:
             out = ex.forward(j, self.received[c].pop(j, None))
@@ -240,7 +241,7 @@ class _Process:
         ex, rec, note = self.exs[c], self.recs[c], self.note
         code = TRACE_I if op is Op.INPUT_GRAD else TRACE_W
         if note is not None:
-            note(code, j)
+            note(code, j, c)
         t0 = time.perf_counter_ns() if rec else 0
         if code == TRACE_I:
             gin = ex.input_grad(j, self.grads[c].pop(j, None))
@@ -258,7 +259,7 @@ class _Process:
         the replicas' sums, tied weights, statistics (see the module)."""
         exs = [self.exs[c] for c in chunks]
         if self.note is not None:
-            self.note(TRACE_OPT_STEP, -1)
+            self.note(TRACE_OPT_STEP, -1, chunks[0])
         t0 = time.perf_counter_ns()
         tied = [c for c in chunks if self.exs[c].tied is not None]
         if tied:

@@ -103,10 +103,10 @@ class EventLoop:
         self.executors = [ch.executor for ch in self.chunks]
         self.plan = ProcessPlan(cfg.schedule, cfg.index, cfg.n_stages)
         self.step: int | None = None  # the TRAIN/PREDICT step being run (named in an ERROR)
-        # the compute action under way: (trace code, microbatch, monotonic start), None between
-        # actions (waiting for a message or a command); read by the heartbeat threads
-        self.current: tuple[int, int, float] | None = None
-        self._paused: tuple[int, int, float] | None = None
+        # the compute action under way: (trace code, microbatch, monotonic start, chunk), None
+        # between actions (waiting for a message or a command); read by the heartbeat threads
+        self.current: tuple[int, int, float, int] | None = None
+        self._paused: tuple[int, int, float, int] | None = None
         self._keys: Any = None  # the running batch's microbatch -> (step, microbatch), see run
         for ch in self.chunks:  # waiting for the replicas is no compute
             if ch.links is not None and ch.links.replicas is not None:
@@ -118,20 +118,21 @@ class EventLoop:
         if waits:
             self._paused, self.current = self.current, None
         elif self._paused is not None:
-            code, j, _ = self._paused
-            self._paused, self.current = None, (code, j, time.monotonic())
+            code, j, _, c = self._paused
+            self._paused, self.current = None, (code, j, time.monotonic(), c)
 
-    def note(self, code: int, j: int) -> None:
-        """The interpreter starts compute action ``code`` on microbatch ``j``."""
-        self.current = (code, j, time.monotonic())
+    def note(self, code: int, j: int, c: int = 0) -> None:
+        """The interpreter starts compute action ``code`` on microbatch ``j`` of chunk ``c``."""
+        self.current = (code, j, time.monotonic(), c)
 
-    def doing(self) -> HeartbeatInfo:
-        """The compute action under way and for how long (the heartbeat threads' report); an
-        empty report while the process is not computing (waiting for input, or for a command)."""
+    def doing(self, c: int = 0) -> HeartbeatInfo:
+        """The compute action chunk ``c``'s stage has under way and for how long (its heartbeat's
+        report); an empty report while it is not computing (waiting for input, or for a command,
+        or another stage of the process computes)."""
         cur = self.current
-        if cur is None:
+        if cur is None or cur[3] != c:
             return HeartbeatInfo()
-        code, j, since = cur
+        code, j, since, _ = cur
         step = self.step or 0
         if code == trace.OPT_STEP:
             name = f"STEP(step {step})"
@@ -242,7 +243,7 @@ class EventLoop:
         fault = self.cfg.fault
         for ch in self.chunks if fault is not None else ():
             try:
-                inject(fault, ch.stage, step, self.cfg.replica, self.note)  # type: ignore[arg-type]
+                inject(fault, ch.stage, step, self.cfg.replica, lambda code, j, c=ch.c: self.note(code, j, c))
             except Exception as exc:
                 if len(self.chunks) == 1:
                     raise

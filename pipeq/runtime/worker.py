@@ -111,7 +111,7 @@ def _serve(cfg: WorkerConfig, payloads: Sequence[Any], transport: ProcessTranspo
         for c, chunk in enumerate(cfg.chunks):
             beats.append(Heartbeat(transport.ctx, cfg.control_addr, chunk.process, cfg.settings.heartbeat_interval,
                                    cfg.driver_pid or os.getppid(), lambda: _orphaned(cfg), auth=cfg.auth,
-                                   status=lambda: control.encode(loop.doing()) if loop is not None else None))
+                                   status=lambda c=c: control.encode(loop.doing(c)) if loop is not None else None))
         device = select_device(cfg.device)
         serving, mesh = transport, None
         if cfg.shards > 1:  # the shards of this process's stages meet; shard 0 leads

@@ -84,6 +84,31 @@ def test_a_failed_replica_is_left_out_of_its_step_and_rebuilt(monkeypatch, capfd
         assert torch.equal(state[key], rebuilt[key]), key  # the replicas are alike again
 
 
+@pytest.mark.parametrize("kind", ["kill", "hang"])
+def test_two_stages_per_process_lose_a_replica_and_rebuild_it(monkeypatch, kind):
+    """zbv, 4 stages, 2 per process (V placement: stages 0+3 and 1+2): replica 1's stage 1 fails
+    at step 3, taking stage 2 (its process's other stage) with it. The step is replica 0's
+    alone, the replica is rebuilt, and a hang is named by the stage that hangs."""
+    monkeypatch.setenv("PIPEQ_FAULT", f"stage:1,step:{FAILS_AT},kind:{kind},replica:1")
+    stages, data = stages64(4), batches64(STEPS, BATCH)
+    ref, ref_losses = reference(stages, data, FAILS_AT)
+    kw: dict = dict(step_timeout=1.0, heartbeat_interval=0.2) if kind == "hang" else {}
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "zbv", 4, data_parallel=2,
+                                  fault_tolerance="replicas", **FAST, **kw)
+    with runner:
+        losses = [runner.step(x, y) for x, y in data]
+        state = runner.state_dict()
+        rebuilt = replica_state(runner, 1)
+        assert runner.degraded_steps == {FAILS_AT: 1}
+        failures = runner.replica_failures
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    assert len(failures) == 1 and (failures[0].stage, failures[0].replica) == (1, 1)
+    assert losses == pytest.approx(ref_losses, abs=1e-12)
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+        assert torch.equal(state[key], rebuilt[key]), key
+
+
 def test_three_replicas_lose_replica_0_and_rebuild_it_from_replica_1(monkeypatch):
     """Replica 0's last stage raises at step 2: replicas 1 and 2 (3 + 3 of the 10 samples) finish
     the step, their sum scaled by 10 / 6; replica 0 is rebuilt from replica 1 (state_dict reads it)."""
