@@ -205,7 +205,8 @@ class PlacementConfig:
             the N = S/v processes hold the S stages given, looped (interleaved-1f1b, looped-bfs: any
             v >= 2) or in a V (zbv, dualpipev: 2, implied by the schedule). Stages of one process
             share its device and cores; activations between two of them are handed over in memory.
-            Not yet with tensor parallelism, tied weights or a multi-host run.
+            Tied weights work: the copies one process holds are summed in its memory, the others
+            over the tie links. Not yet with tensor parallelism or a multi-host run.
     """
 
     mode: str = "process"

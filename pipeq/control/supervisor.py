@@ -49,7 +49,7 @@ from pipeq.wire.errors import PeerUnreachable
 _POLL_MS = 100
 
 
-__all__ = ["Supervisor", "take_kept", "take_early", "unreachable", "origin_shard"]
+__all__ = ["Supervisor", "take_kept", "take_early", "unreachable", "origin_shard", "held"]
 
 
 def _raised_at(reply: ErrorReply) -> float:
@@ -170,7 +170,7 @@ class Supervisor:
             if code is not None and g not in self._excused:
                 self._error_in_flight(lambda: g in self._excused or g in self.ignored)
                 if g not in self._excused and g not in self.ignored:
-                    self._give_up(self.error(f"stage process (pid {p.pid}) {exit_reason(code)}", g), g)
+                    self._give_up(self.error(f"stage process (pid {p.pid}){held(self, p)} {exit_reason(code)}", g), g)
         for g in range(self.n_processes):
             if now - self.last_beat[g] > self.heartbeat_timeout and g not in self._excused | self.ignored:
                 self._give_up(self.error(
@@ -350,6 +350,14 @@ class Supervisor:
             self.server.send_many(messages)
         except PeerUnreachable as exc:
             raise unreachable(self, exc)
+
+
+def held(sup: Supervisor, p: StageHandle) -> str:
+    """The words ``" of stages 1 and 2"`` when process ``p`` holds several stages (virtual stages),
+    else ``""``. Its death is named by the first of them: it takes them all, and which one a kill
+    was aimed at is not known."""
+    stages = sorted({sup.numbering.stage(g) for g, q in sup.procs.items() if q is p})
+    return f" of stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}" if len(stages) > 1 else ""
 
 
 def take_early(sup: Supervisor, kind: Kind, step: int) -> list[tuple[int, Message]]:

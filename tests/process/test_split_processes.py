@@ -1,4 +1,4 @@
-"""pipeq.split's stages in stage processes: a tied GPT, its split by names, a skip net and Hugging Face GPT-2 train as one process does; exports load into the unsplit model.
+"""pipeq.split's stages in stage processes: a tied GPT (also two stages per process under zbv, dualpipev and interleaved-1f1b), its split by names, a skip net and Hugging Face GPT-2 train as one process does; exports load into the unsplit model.
 
 Each run is held against plain one-process training of the same model (losses and the whole
 model's state under its own names, within 1e-5), and the tied embedding's copies (stage 0's
@@ -16,7 +16,7 @@ import torch
 
 import pipeq
 from split_models import (TinyGPT, assert_state_close, gpt_batch, gpt_runs, lm_loss, pipeline_losses,
-                          reference_losses, skip_case, tied_copies)
+                          reference_losses, skip_case, tied_copies, trains_like_one_process)
 
 pytestmark = pytest.mark.timeout(240)
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -29,26 +29,22 @@ def hf_loss(out, target):
 
 
 def _train_gpt(stages, model, schedule="1f1b", **kw):
-    batches = gpt_runs()
-    ref = copy.deepcopy(model)
-    want = reference_losses(ref, batches, 0.1, named=True)
-    seen = []
     runner = pipeq.PipelineRunner(stages, lm_loss, SGD, schedule, 2, **{**FAST, **kw})
-    with runner:
-        got = pipeline_losses(runner, batches, named=True, each_step=lambda r: seen.append(tied_copies(r, stages)))
-        assert_state_close(runner.state_dict(), ref)
-        assert got == pytest.approx(want, abs=1e-5)
-        for copies in seen:
-            assert len(copies) == 2 * kw.get("data_parallel", 1)
-            assert all(torch.equal(c, copies[0]) for c in copies)
-        return runner, ref
+    return runner, trains_like_one_process(runner, stages, model, gpt_runs(), copies=2 * kw.get("data_parallel", 1))
 
 
-def test_traced_gpt_in_4_stages_and_its_exports(tmp_path):
+@pytest.fixture(scope="module")
+def gpt4():
+    """TinyGPT (seed 0) and its traced split into 4 stages, made once for this module's tests
+    (tracing takes seconds; a runner sends the stages to its processes, never changes them)."""
     torch.manual_seed(0)
     model = TinyGPT()
     idx, mask, pos, _ = gpt_batch(2)
-    stages = pipeq.split(model, (idx,), {"mask": mask, "pos": pos}, n_stages=4)
+    return model, pipeq.split(model, (idx,), {"mask": mask, "pos": pos}, n_stages=4)
+
+
+def test_traced_gpt_in_4_stages_and_its_exports(gpt4, tmp_path):
+    model, stages = gpt4
     runner, ref = _train_gpt(stages, model)
     # the checkpoint it saved on the way out is exported in three formats
     with pipeq.PipelineRunner(stages, lm_loss, SGD, "1f1b", 2, mode="simulated") as sim:
@@ -73,6 +69,28 @@ def test_traced_gpt_in_4_stages_and_its_exports(tmp_path):
             plain.load_state_dict(torch.load(str(tmp_path / "m.pt"), weights_only=True))
         for name, t in ref.state_dict().items():
             assert torch.equal(plain.state_dict()[name], t), (load, name)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_traced_gpt_in_4_stages_two_per_process_under_zbv_dualpipev_and_interleaved(gpt4, replicas):
+    """Two stages per process (4 microbatches: dualpipev needs m >= 2N). V placement (zbv,
+    dualpipev) puts the tie's copies, stages 0 and 3, in one process: summed in its memory, no tie
+    link; loop placement (interleaved-1f1b: stages 0 and 2, 1 and 3) in two: over tie links."""
+    model, stages = gpt4
+    for schedule, held in {"zbv": [[0, 3], [1, 2]], "dualpipev": [[0, 3], [1, 2]],
+                           "interleaved-1f1b": [[0, 2], [1, 3]]}.items():
+        def placed(runner, held=held):
+            for r in range(replicas):
+                info = {w["stage"]: w for w in runner._backend.worker_info if w["replica"] == r}
+                pids = {w["pid"] for w in info.values()}
+                assert sorted(sorted(k for k in info if info[k]["pid"] == pid) for pid in pids) == held
+                across = [0, 3] not in held
+                assert all((info[k].get("tie_link") is not None) == across for k in (0, 3)), (schedule, info)
+                assert info[1].get("tie_link") is None and info[2].get("tie_link") is None
+
+        runner = pipeq.PipelineRunner(stages, lm_loss, SGD, schedule, 4, stages_per_process=2, data_parallel=replicas,
+                                      **FAST)
+        trains_like_one_process(runner, stages, model, gpt_runs(batch=8), copies=2 * replicas, while_running=placed)
 
 
 def test_traced_gpt_in_2_stages_with_2_replicas():

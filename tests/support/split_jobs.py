@@ -1,10 +1,13 @@
-"""A job file's model split by module names: a tiny language model with a tied embedding, its data and loss."""
+"""Job files' models split by module names: a tiny language model with a tied embedding, and a GPT
+(split_models.TinyGPT) in 4 stages under ZBV; their data and loss."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from split_models import TinyGPT, lm_loss
 
 VOCAB, DIM, T = 13, 8, 6
 
@@ -60,6 +63,63 @@ def reference(seed: int = 0) -> tuple[LM, list[float]]:
     for x, y in batches(0):
         opt.zero_grad()
         out = loss(model(x), y)
+        out.backward()
+        opt.step()
+        losses.append(out.item())
+    return model, losses
+
+
+#: TinyGPT (tied embedding and LM head) in 4 stages, two per process under ZBV (V placement:
+#: process 0 holds stages 0 and 3, so the tie's copies are summed in its memory; process 1 holds
+#: 1 and 2); checkpoints every 2 steps, and a restart after a stage fails
+GPT_JOB = """\
+model = "split_jobs:gpt"
+split_modules = [["tok_emb", "pos_emb", "blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3", "norm", "lm_head"]]
+loss = "split_models:lm_loss"
+optimizer = "torch.optim:SGD"
+optimizer_args = { lr = 0.1, momentum = 0.9 }
+data = "split_jobs:gpt_batches"
+schedule = "zbv"
+stages_per_process = 2
+microbatches = 4
+steps = 6
+checkpoint_every = 2
+eval_every = 0
+max_restarts = 1
+seed = 0
+"""
+
+
+class GPT(TinyGPT):
+    """TinyGPT on tokens alone (a launched job's x): every token counts (the mask is ones) and
+    each sits at its own position. A stage after the first gets the hidden states as ``idx``."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        B, T = idx.shape[:2]
+        return super().forward(idx, torch.ones(B, T), torch.arange(T).expand(B, T))
+
+
+def gpt() -> GPT:
+    return GPT()
+
+
+def gpt_batches(epoch: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Six batches of 8 token sequences (TinyGPT's vocabulary of 40, 8 tokens) and their targets."""
+    g = torch.Generator().manual_seed(100 + epoch)
+    return [(torch.randint(0, 40, (8, 8), generator=g), torch.randint(0, 40, (8, 8), generator=g))
+            for _ in range(6)]
+
+
+def gpt_reference(steps: int = 6, seed: int = 0) -> tuple[GPT, list[float]]:
+    """The GPT job in one process: the model built under the job's seed, SGD lr 0.1 with
+    momentum 0.9, the job's batches in order."""
+    torch.manual_seed(seed)
+    model = gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in gpt_batches(0)[:steps]:
+        opt.zero_grad()
+        out = lm_loss(model(x), y)
         out.backward()
         opt.step()
         losses.append(out.item())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,6 +166,41 @@ def tied_copies(runner, stages) -> list[torch.Tensor]:
         tied = {t.name for t in info_of(stages[g % n]).ties}
         out += [t for name, t in zip(names, tensors) if name in tied]
     return out
+
+
+def assert_model_state_close(full: dict, model: nn.Module, atol: float = 1e-5) -> None:
+    """``full`` (a runner's ``model_state_dict()``: every name of the model, the tied ones too)
+    equals ``model.state_dict()``."""
+    want = model.state_dict()
+    assert sorted(full) == sorted(want), sorted(set(full) ^ set(want))
+    for name, t in want.items():
+        assert torch.allclose(full[name], t, atol=atol, rtol=0), (name, (full[name] - t).abs().max())
+
+
+def trains_like_one_process(runner, stages, model: nn.Module, batches: list, copies: int, while_running=None,
+                            lr: float = 0.1) -> nn.Module:
+    """``runner`` (not started; SGD with ``lr`` and momentum 0.9) trains ``stages``, a split of the
+    tied GPT ``model``, on ``batches`` as plain PyTorch trains ``model`` in one process: each
+    step's loss, the state (``state_dict``: the tie once) and the whole model's state
+    (``model_state_dict`` against the model's ``state_dict``) within 1e-5; after every step,
+    ``copies`` copies of the tied weight, bitwise equal. ``while_running(runner)`` checks more
+    before it closes. The reference model, trained."""
+    ref = copy.deepcopy(model)
+    want = reference_losses(ref, batches, lr, named=True)
+    seen: list[list[torch.Tensor]] = []
+    with runner:
+        got = pipeline_losses(runner, batches, named=True, each_step=lambda r: seen.append(tied_copies(r, stages)))
+        state, full = runner.state_dict(), runner.model_state_dict()
+        if while_running is not None:
+            while_running(runner)
+    assert len(got) == len(want) and all(abs(a - b) <= 1e-5 for a, b in zip(got, want)), (got, want)
+    assert_state_close(state, ref)
+    assert "lm_head.weight" not in state and "tok_emb.weight" in state  # the tie once, under its first name
+    assert_model_state_close(full, ref)
+    assert len(seen) == len(batches)
+    for step, held in enumerate(seen, 1):
+        assert len(held) == copies and all(torch.equal(c, held[0]) for c in held), f"step {step}: copies differ"
+    return ref
 
 
 def gpt_runs(n_steps: int = 3, batch: int = 4) -> list[tuple[torch.Tensor, ...]]:

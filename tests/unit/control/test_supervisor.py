@@ -210,3 +210,15 @@ def test_a_dead_stage_is_named_even_while_the_others_heartbeat_often() -> None:
         with pytest.raises(pipeq.PipelineError) as info:
             pipe.train(*data())
     assert info.value.stage == 1 and "SIGKILL" in str(info.value)
+
+
+@pytest.mark.timeout(3)
+def test_a_dead_process_of_two_stages_is_named_by_the_first_with_every_stage_it_took() -> None:
+    """Stages 1 and 2 in one process (stages_per_process): its death takes both."""
+    proc = SimpleNamespace(exitcode=-9, pid=4242)
+    pipe = pipeline(Faulty("hang"), procs={1: proc, 2: proc}, beat_s=0.01)
+    with pipe:
+        with pytest.raises(pipeq.PipelineError) as info:
+            pipe.train(*data())
+    assert info.value.stage == 1
+    assert info.value.message == "stage process (pid 4242) of stages 1 and 2 was killed by SIGKILL"
