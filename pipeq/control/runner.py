@@ -382,8 +382,9 @@ class PipelineRunner:
 
     @property
     def stage_processes(self) -> list[dict[str, Any]]:
-        """One dict per stage process, as it reported itself once started (process mode; ``[]``
-        before ``start`` and in simulated mode): ``pid``, ``host``, ``device``, ``threads`` and
+        """One dict per stage (per shard), as its process reported it once started (process mode;
+        ``[]`` before ``start`` and in simulated mode; the stages of a process that holds several,
+        with virtual stages, share its ``pid``): ``pid``, ``host``, ``device``, ``threads`` and
         ``cores`` (those it is pinned to), ``replica``, ``stage`` and ``shard``, and the addresses
         its peers reach it at (``forward``, ``backward``; ``replica_link``, ``tie_link``: None
         without such peers). Each stage's shard 0 first, numbered ``replica * n_stages + stage``,

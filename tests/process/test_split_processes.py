@@ -81,7 +81,7 @@ def test_traced_gpt_in_4_stages_two_per_process_under_zbv_dualpipev_and_interlea
                            "interleaved-1f1b": [[0, 2], [1, 3]]}.items():
         def placed(runner, held=held):
             for r in range(replicas):
-                info = {w["stage"]: w for w in runner._backend.worker_info if w["replica"] == r}
+                info = {w["stage"]: w for w in runner.stage_processes if w["replica"] == r}
                 pids = {w["pid"] for w in info.values()}
                 assert sorted(sorted(k for k in info if info[k]["pid"] == pid) for pid in pids) == held
                 across = [0, 3] not in held

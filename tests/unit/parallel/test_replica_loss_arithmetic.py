@@ -124,11 +124,10 @@ def test_what_replicas_mode_does_not_support_is_refused_by_name():
         check_replicas_mode(_config(data_parallel=2, tensor_parallel=2), multi_host=False)
     with pytest.raises(ValueError, match="one host only"):
         check_replicas_mode(_config(data_parallel=2), multi_host=True)
-    with pytest.raises(ValueError, match="several stages per process"):
-        check_replicas_mode(RunConfig(schedule=schedules.resolve("interleaved-1f1b"),
-                                      fault=FaultConfig(fault_tolerance="replicas"),
-                                      placement=PlacementConfig(data_parallel=2)), multi_host=False)
     with pytest.raises(ValueError, match="carries work across batches"):
         check_replicas_mode(RunConfig(schedule=schedules.AsyncOneFOneB(), fault=FaultConfig(fault_tolerance="replicas"),
                                       placement=PlacementConfig(data_parallel=2)), multi_host=False)
-    check_replicas_mode(_config(data_parallel=2), multi_host=False)  # what it supports
+    check_replicas_mode(_config(data_parallel=2), multi_host=False)  # what it supports, several stages
+    check_replicas_mode(RunConfig(schedule=schedules.resolve("interleaved-1f1b"),  # per process too
+                                  fault=FaultConfig(fault_tolerance="replicas"),
+                                  placement=PlacementConfig(data_parallel=2)), multi_host=False)
