@@ -206,7 +206,8 @@ class PlacementConfig:
             v >= 2) or in a V (zbv, dualpipev: 2, implied by the schedule). Stages of one process
             share its device and cores; activations between two of them are handed over in memory.
             Tied weights work: the copies one process holds are summed in its memory, the others
-            over the tie links. Not yet with tensor parallelism or a multi-host run.
+            over the tie links; so do tensor parallelism (a process's shards split each of its
+            stages) and multi-host runs (a node holds whole processes).
     """
 
     mode: str = "process"

@@ -361,13 +361,15 @@ def _watch(
                 return 143
         for g, p in procs.items():
             if p.exitcode is not None and g not in reported:
-                reported.add(g)
+                held = [h for h, q in procs.items() if q is p]  # (a process may hold several stages)
+                reported.update(held)
                 if p.exitcode == 0:  # only after the driver told it to exit: not a failure
                     continue
-                log(f"node {rz.node_rank}: stage {g} (pid {p.pid}) {exit_reason(p.exitcode)}")
+                which = f" of stages {' and '.join(map(str, held))}" if len(held) > 1 else ""
+                log(f"node {rz.node_rank}: stage {g} (pid {p.pid}{which}) {exit_reason(p.exitcode)}")
                 # A stage that raised has already sent its own ERROR with the traceback; this
                 # names the ones that could not (killed, OOM, os._exit).
-                link.send(protocol.message(ErrorReply(stage=g, message=f"stage process (pid {p.pid}) "
+                link.send(protocol.message(ErrorReply(stage=g, message=f"stage process (pid {p.pid}){which} "
                                                                       f"{exit_reason(p.exitcode)}")))
         now = time.monotonic()
         if link.connected is not True:
