@@ -19,6 +19,7 @@ import zmq
 
 from pipeq.wire import codec
 from pipeq.wire.errors import ProtocolError
+from pipeq.wire.frames import decode_aligned
 from pipeq.wire.inbox import Inbox
 from pipeq.wire.messages import Kind
 from pipeq.wire.queues import KeyedQueue
@@ -83,7 +84,7 @@ class GroupLink:
         # member lost (until it is back) -> the first step of its messages dropped (0: all of them)
         self.gone: dict[int, int] = {}
         self._stale: dict[int, int] = {}  # member -> its messages of steps up to this one are dropped
-        inbox.watch(self.sock, self._drain)
+        inbox.watch_socket(self.sock, self._take)
 
     @property
     def capacity(self) -> int:
@@ -139,30 +140,29 @@ class GroupLink:
                 return m
         return None
 
-    def _drain(self, sock: Any = None) -> None:
-        """File every message waiting on the inbound socket."""
-        while True:
-            try:
-                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+    def drain(self) -> None:
+        """File every message waiting on the inbound socket now (never waits)."""
+        self.inbox.drain(self.sock)
+
+    def _take(self, frames: Sequence[Any]) -> None:
+        """A message drained from the inbound socket: its origin and MAC checked, then filed."""
+        sender = self._sender(frames[0])
+        body: Sequence[Any] | None = frames[1:]
+        if self._mac_in:
+            if sender is None:
+                self._bad_origin += 1
                 return
-            sender = self._sender(frames[0])
-            body: Sequence[Any] | None = frames[1:]
-            if self._mac_in:
-                if sender is None:
-                    self._bad_origin += 1
-                    continue
-                body = self._mac_in[sender].open(frames[1:])
-                if body is None:
-                    continue  # forged, replayed or sealed for another link: dropped
-            elif sender is None:  # only the job's processes get this far: a bug, not an attack
-                raise ProtocolError(f"{self.who}: a message from the other {self.peer}s names no valid "
-                                    f"sender ({memoryview(frames[0]).tobytes()!r})")
-            self._file(sender, body)  # type: ignore[arg-type]
+            body = self._mac_in[sender].open(frames[1:])
+            if body is None:
+                return  # forged, replayed or sealed for another link: dropped
+        elif sender is None:  # only the job's processes get this far: a bug, not an attack
+            raise ProtocolError(f"{self.who}: a message from the other {self.peer}s names no valid "
+                                f"sender ({memoryview(frames[0]).tobytes()!r})")
+        self._file(sender, body)  # type: ignore[arg-type]
 
     def _file(self, sender: int, body: Sequence[Any]) -> None:
         """Decode a message from member ``sender`` and keep its tensors until :meth:`wait` asks."""
-        msg = codec.decode(body)
+        msg = decode_aligned(body)
         if msg.kind is not self.kind:
             raise ProtocolError(f"{self.who}: {msg.kind.name} on the {self.kind.name} channel")
         if msg.step >= self.gone.get(sender, msg.step + 1) or msg.step <= self._stale.get(sender, -1):

@@ -3,8 +3,10 @@
 A stage process holds one or more stages (virtual stages), each with its own control channel,
 inbound data sockets and lanes (:class:`~pipeq.wire.stage_inbox.StageInbox`), and maybe links to
 its replicas and tie peers (:class:`~pipeq.wire.group_link.GroupLink`). They all register what
-they read from here, with the function that reads it (:meth:`Inbox.watch`): whatever the process
-waits for, everything that arrives is filed where its owner looks. That matters beyond order: a
+they read here: a ZeroMQ socket with the function that files one of its messages
+(:meth:`Inbox.watch_socket`: the Inbox drains it, :meth:`Inbox.drain`), a lane with the function
+that reads it (:meth:`Inbox.watch`). Whatever the process waits for, everything that arrives is
+filed where its owner looks. That matters beyond order: a
 sender's shared-memory slots are freed only when the receiver copies them out, so a process that
 waited on one socket only could leave a neighbour blocked on a slot while it waits on that
 neighbour.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import collections
 import os
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import zmq
 
@@ -45,6 +47,7 @@ class Inbox:
         self._gate = Gatekeeper.on_tcp(self.ctx, auth, tcp, "a stage bound")
         self._poller = zmq.Poller()
         self._readers: dict[Source, Callable[[Source], None]] = {}
+        self._takers: dict[zmq.Socket, Callable[[Sequence[Any]], None]] = {}
         self._commands: list[collections.deque[Message]] = []  # every stage's command queue
 
     def watch(self, source: Source, read: Callable[[Source], None]) -> None:
@@ -53,7 +56,23 @@ class Inbox:
             self._poller.register(source, zmq.POLLIN)
         self._readers[source] = read
 
+    def watch_socket(self, sock: zmq.Socket, take: Callable[[Sequence[Any]], None]) -> None:
+        """Poll ZeroMQ socket ``sock`` too; ``take(frames)`` files each message drained from it."""
+        self._takers[sock] = take
+        self.watch(sock, self.drain)
+
+    def drain(self, sock: zmq.Socket) -> None:
+        """Hand every message waiting on ``sock`` (a watched socket) to its taker; never waits."""
+        take = self._takers[sock]
+        while True:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            take(frames)
+
     def unwatch(self, source: Source) -> None:
+        self._takers.pop(source, None)
         if self._readers.pop(source, None) is not None:
             self._poller.unregister(source)
 

@@ -114,7 +114,7 @@ class ReplicaLink(GroupLink):
             if not self.skips(sender, step):
                 return False
             if step < self.gone[sender]:  # its process died: what it sent may be in the socket still
-                self._drain()
+                self.drain()
                 if (sender, step, index) in self.queue:
                     return False
             gave_up = True

@@ -80,7 +80,7 @@ class StageInbox:
         self.backward_queue: KeyedQueue[Message] = KeyedQueue(f"stage process {process} backward", queue_capacity)
         self.control_queue = inbox.commands()
         for s in (self.ctrl, self.fwd_in, self.bwd_in):
-            inbox.watch(s, self._drain)
+            inbox.watch_socket(s, lambda frames, s=s: self._take(s, frames))
         self._open_lanes()
 
     def _open_readers(self) -> None:
@@ -127,19 +127,14 @@ class StageInbox:
         return bool(self._lanes)
 
     # -- filing ----------------------------------------------------------------------------------
-    def _drain(self, sock: zmq.Socket) -> None:
-        """File every message waiting on ``sock``."""
-        while True:
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            mac = self._mac_in.get(sock)
-            if mac is not None:
-                frames = mac.open(frames)
-                if frames is None:
-                    continue  # forged, replayed or garbage: dropped (counted in ``dropped``)
-            self._file(sock, frames)
+    def _take(self, sock: zmq.Socket, frames: Sequence[Any]) -> None:
+        """A message drained from ``sock``: checked (a MAC, in "authenticate" mode), then filed."""
+        mac = self._mac_in.get(sock)
+        if mac is not None:
+            frames = mac.open(frames)  # type: ignore[assignment]
+            if frames is None:
+                return  # forged, replayed or garbage: dropped (counted in ``dropped``)
+        self._file(sock, frames)
 
     def _file(self, sock: zmq.Socket, frames: Sequence[Any]) -> None:
         """Decode a message that arrived on ``sock`` (or its lane) and queue it."""
@@ -191,7 +186,7 @@ class StageInbox:
             def probe() -> bool:
                 spins[0] += 1
                 if (lane and self._drain_lane(sock)) or ((not lane or spins[0] & 15 == 1) and sock.poll(0)):
-                    self._drain(sock)
+                    self.inbox.drain(sock)
                     return True
                 return False
 
@@ -199,7 +194,7 @@ class StageInbox:
 
     def poll_control(self) -> bool:
         """File the commands waiting on the control socket now (no wait); True if any is queued."""
-        self._drain(self.ctrl)
+        self.inbox.drain(self.ctrl)
         return bool(self.control_queue)
 
     def close(self, linger_ms: int = 0) -> None:

@@ -82,7 +82,7 @@ def test_a_message_sealed_for_another_link_is_dropped():
         link2.send(1, 0, [torch.full((3,), 2.0)], to=[0])
         assert torch.equal(link0.wait(2, 1, 0)[0], torch.full((3,), 2.0))
         time.sleep(0.2)
-        link0._drain()
+        link0.drain()
         assert link0.dropped == 3 and len(link0.queue) == 0
     finally:
         _close(stages, syncs)

@@ -479,7 +479,7 @@ def test_a_lost_replica_is_waited_for_before_its_first_missed_round_and_acked_pa
         b.lose(control.Lost(replica=0, from_round=3, dead=[1]), -8)  # its stage 1 died: ACKed at once
         assert server.recv(2000)[1].step == -8
         a.send(2, 1, [torch.full((1,), 3.0)])
-        wait_for(lambda: True if b._drain() or (0, 2, 1) in b.queue else None)  # (arrived before it died)
+        wait_for(lambda: True if b.drain() or (0, 2, 1) in b.queue else None)  # (arrived before it died)
         assert torch.equal(b.wait_replica(0, 2, 1)[0], torch.full((1,), 3.0))  # sent before it died
         assert b.wait_replica(0, 2, 2) is None  # never sent
     finally:
