@@ -7,39 +7,46 @@ The public API is this package's ``__all__`` and that of the public modules belo
 Everything else is pipeq's own and may change. ``import pipeq`` imports no torch and changes
 nothing outside pipeq (see docs/architecture.md).
 
-The folders are the layers; imports point down only (tests/unit/test_layers.py checks it)::
+The folders are the layers; imports point down only (tests/unit/test_layers.py checks it, and
+docs/architecture.md lists every module with its job)::
 
     control plane  launch/     pipeq launch: cli.py, job files (job/keys.py: the one table of keys),
                                the training loop (trainer.py, loop.py...), node agents (agent.py)
-                   control/    runner.py (PipelineRunner), config.py (RunConfig: every setting, built
-                               and checked once), checks.py, ties.py, batching.py, streaming.py,
-                               stage_inputs.py; process mode: driver.py, startup.py, supervisor.py,
-                               processes.py, rendezvous.py, trace_collector.py
-                   trace/      report.py, plot.py: reading traces
-    event loop     runtime/    worker.py (one per stage process; batch_command.py: what a command
-                               carries), interpreter.py (runs a stage's actions), simulated.py (every
-                               stage in one process), executors.py, links.py (a stage process's
-                               replicas and tie peers); a process of several stages: group.py (its
-                               event loop), chunks.py (its actions, handed over in memory);
-                               faults.py (PIPEQ_FAULT: failures injected on purpose)
+                   control/    runner.py (PipelineRunner, a facade over collaborators: lifecycle.py,
+                               feed.py, streaming.py, state.py, snapshots.py, shape_check.py,
+                               assembly.py), config.py (RunConfig: every setting, built and checked
+                               once), checks.py, ties.py; process mode: driver.py, startup.py,
+                               processes.py (what each stage process is told, from the RunConfig),
+                               supervisor.py, rendezvous.py, trace_collector.py
+                   trace/      report.py, plot.py, advice.py: reading traces
+    event loop     runtime/    a stage process holds v >= 1 stages (its chunks): worker.py (its
+                               entry), loop.py (its event loop), interpreter.py (its actions, over
+                               every chunk; requests.py: what it asks of the loop), config.py (what
+                               it is told), links.py (replicas and tie peers); simulated.py (every
+                               planned process in one, on the same interpreter), backend.py (the
+                               Backend protocol), executors.py, faults.py (failures on purpose)
     compute        schedules/  pure: actions as data, the schedule policy protocol (protocol.py), the
                                registry, lowering, dry runs, bounds; placement.py (virtual stages);
                                zero_bubble.py (ZB-H1, ZB-H2, ZBV), interleaved.py, dualpipe.py
                    research/   plug-in schedules with their executors: interlock/, async1f1b/, al/
-                   stage/      one stage's forward, backward (whole or split: backprop.py) and step;
-                               numerics, microbatches, lr, what a stage says of itself (info.py),
-                               tied weights: declared (tie_groups.py), their gradients (ties.py)
+                   stage/      one stage's compute: executor.py (the forward) and its collaborators,
+                               backprop.py (the backward, whole or split), step.py (the optimizer
+                               step), state.py; numerics, microbatches, lr, info.py (what a stage
+                               says of itself), tied weights: declared (tie_groups.py), their
+                               gradients (ties.py); transfer.py (the one ordered sum)
                    parallel/   data parallelism (replicas), tensor parallelism (shards), tied
                                weights' exchange between stage processes (ties.py)
-                   checkpoint/ global names, snapshots, atomic writes, re-splitting
+                   checkpoint/ global names, snapshots, atomic writes, re-splitting, export
                    models/     ready-made staged models (ResNets with auxiliary heads)
                    split/      pipeq.split: a whole model cut into stages, traced (torch.export and
                                torch.distributed.pipelining's splitter) or by module names; tied weights
                    trace/      format.py: the trace file every stage's timeline is written in
                    balance.py (pipeq.balance: an optimal split of an nn.Sequential),
                    testing.py (stages of known cost)
-    transport      wire/       ZeroMQ links (stage, control, replica and tie: group, shard), shared memory, lanes,
-                               security, sockets; inbox_group.py (a process's stages' inboxes drained as one)
+    transport      wire/       a process's transport (transport.py) and its one receiving loop
+                               (inbox.py); each stage's receiving and sending halves (stage_inbox.py,
+                               stage_link.py); links to the driver, replicas, tie peers and shards;
+                               shared memory, lanes, sockets, security
     codec          wire/       codec.py (bytes), messages.py (kinds, Message), control.py (typed
                                command and reply payloads; fields.py: what each field must be),
                                keys.py, netif.py;

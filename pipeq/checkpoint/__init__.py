@@ -9,6 +9,7 @@ Everything is named by *global* names, those of the flat model ``nn.Sequential(*
 (:func:`flat_model`), so 3 stages load into 2; ``runner.state_dict()``,
 ``runner.load_state_dict()``, checkpoints and ``pipeq launch``'s model.pt all use them. The parts:
 
+    data        what a checkpoint is made of: StageSnapshot, Checkpoint, CheckpointError
     names       the global names (flat_model, global_state, split_state), auxiliary heads' names
     snapshot    a stage's snapshot: model, optimizers and lr schedulers, RNG
     disk        stage files and a manifest with their sizes and sha256: save, load
@@ -16,6 +17,7 @@ Everything is named by *global* names, those of the flat model ``nn.Sequential(*
     atomic      a save replaces a checkpoint crash-safely (recover puts right what a kill left)
     steps       a run's step-<n> checkpoints: checkpoint_dir, latest, prune
     resplit     split: a checkpoint over another cut of the flat model
+    export      ``pipeq export``: a run's model state for other tools (DCP, safetensors, torch.save)
 """
 
 from __future__ import annotations

@@ -47,11 +47,14 @@ Its modules: :mod:`~pipeq.launch.cli` (the ``pipeq`` command), :mod:`~pipeq.laun
 command's arguments), :mod:`~pipeq.launch.command` (what it runs), :mod:`~pipeq.launch.job` (job
 files), :mod:`~pipeq.launch.trainer` (the driver), :mod:`~pipeq.launch.loop` (the training loop),
 :mod:`~pipeq.launch.stream` (the batches through the pipeline), :mod:`~pipeq.launch.data`,
-:mod:`~pipeq.launch.evaluator`, :mod:`~pipeq.launch.checkpoints`, :mod:`~pipeq.launch.metrics`
-(metrics.jsonl), :mod:`~pipeq.launch.progress`, :mod:`~pipeq.launch.rundir` (the output
-directory and its lock), :mod:`~pipeq.launch.signals`, :mod:`~pipeq.launch.restarts` (``--max-restarts``),
-:mod:`~pipeq.launch.elastic` (restarts of a multi-host run: a lost node rejoins or its stages are
-re-placed) and :mod:`~pipeq.launch.agent` (the other nodes).
+:mod:`~pipeq.launch.evaluator`, :mod:`~pipeq.launch.checkpoints`, :mod:`~pipeq.launch.snapshots`
+(in-memory snapshots across restarts), :mod:`~pipeq.launch.metrics` (metrics.jsonl),
+:mod:`~pipeq.launch.tensorboard`, :mod:`~pipeq.launch.progress`, :mod:`~pipeq.launch.rundir` (the
+output directory and its lock), :mod:`~pipeq.launch.signals`, :mod:`~pipeq.launch.restarts`
+(``--max-restarts``), :mod:`~pipeq.launch.elastic` (restarts of a multi-host run: a lost node
+rejoins or its stages are re-placed), :mod:`~pipeq.launch.agent` (the other nodes),
+:mod:`~pipeq.launch.csv_schedule` (schedule CSV files) and :mod:`~pipeq.launch.reference` (the
+docs site's generated reference pages).
 """
 
 __all__: list[str] = []

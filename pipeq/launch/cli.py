@@ -1,4 +1,4 @@
-"""The ``pipeq`` command: its subcommands schedule, report, secret and launch.
+"""The ``pipeq`` command: its subcommands schedule, report, secret, export and launch.
 
     pipeq schedule 1f1b --stages 4 --microbatches 8   # print a schedule's stage x time table
     pipeq schedule 1f1b --stages 4 --microbatches 8 --plot plan.png   # ... and draw it

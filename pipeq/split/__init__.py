@@ -23,6 +23,11 @@ Either way, each stage's tensors keep the model's own names (its ``state_dict`` 
 part; ``runner.state_dict()`` loads into the model), and a parameter that several stages use
 (an embedding tied to the LM head) is a copy on each, kept bitwise equal by the runner
 (``pipeq_stage.ties``, :mod:`pipeq.stage.info`).
+
+Its modules: :mod:`~pipeq.split.graph` (the traced split), :mod:`~pipeq.split.points` (where a
+traced model may be cut, and where for N balanced stages), :mod:`~pipeq.split.stage`
+(:class:`GraphStage`), :mod:`~pipeq.split.by_name` and :mod:`~pipeq.split.ties` (the model's own
+sharing, declared as ties through :mod:`pipeq.stage.tie_groups`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The package's layering holds, as its folders show it (and pipeq's docstring draws it).
 
     control plane   control/ (runner, backends), launch/ (pipeq launch), trace/report, trace/plot
-    event loop      runtime/: the worker process and the simulated engine run a schedule's actions
+    event loop      runtime/: a stage process's event loop and the simulated engine run its actions
     compute         schedules/ (pure), stage/, research/, parallel/, checkpoint/, models/, trace/format
     transport       wire/: sockets, links, shared memory, lanes
     codec           wire/codec, wire/messages, wire/keys, wire/netif, errors, tree
@@ -9,13 +9,15 @@
 A module may import modules of its own layer or below (lazy imports inside functions count too).
 Beside the direction of imports: the research schedules are plug-ins (nothing outside research/
 names them), only the wire layer uses the codec, schedules are pure, and no module, class or
-function outgrows its job.
+function outgrows its job. docs/architecture.md lists every module under its layer (see
+page_rows for how the page names one).
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 
 import pipeq
 
@@ -294,3 +296,106 @@ def test_the_package_docstring_maps_every_folder_and_module():
     top = sorted(m for m in modules() if "." not in m and not m.startswith("_"))
     assert [f for f in folders if f + "/" not in doc] == []
     assert [m for m in top if m + ".py" not in doc] == []
+
+
+#: The architecture page: its "Every module" section lists each module under its layer.
+ROOT = os.path.dirname(PACKAGE)
+PAGE = os.path.join(ROOT, "docs", "architecture.md")
+_ROW = re.compile(r"^\|\s*`([^`]+\.py)`\s*\|")
+_PATH = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.py)`")
+
+
+def page_rows(text: str) -> list[tuple[str, str | None]]:
+    """The modules a page lists, in order, as (dotted name under pipeq, layer). A module is named
+    by a table row of the page's "## Every module" section whose first cell is its path relative
+    to pipeq/ in backticks (`wire/inbox.py`, `launch/job/keys.py`, `balance.py`, a package as
+    `wire/__init__.py`); its layer is the "### " heading it stands under (lower case: "event
+    loop"), None before the first one. Rows elsewhere on the page (the layers table) name folders,
+    not modules, and do not count."""
+    rows: list[tuple[str, str | None]] = []
+    inside, layer = False, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            inside, layer = line[3:].strip().lower() == "every module", None
+        elif inside and line.startswith("### "):
+            layer = line[4:].strip().lower()
+        elif inside and (m := _ROW.match(line)):
+            rows.append((m.group(1)[:-3].replace("/", "."), layer))
+    return rows
+
+
+def page_problems(text: str, known: list[str]) -> list[str]:
+    """What a page gets wrong about the modules ``known``: each missing one, each row naming one
+    that does not exist (stale), listed twice, or under another layer than :func:`layer_of`'s;
+    and each `path.py` the page writes anywhere, in a row or its prose, that names no module
+    (:func:`_exists`)."""
+    rows = page_rows(text)
+    listed = [m for m, _ in rows]
+    out = [f"missing ({layer_of(m)}): {_path(m)}" for m in known if m not in listed]
+    out += [f"stale: {_path(m)}" for m in dict.fromkeys(listed) if m not in known]
+    out += [f"listed twice: {_path(m)}" for m in dict.fromkeys(listed) if listed.count(m) > 1]
+    out += [f"under {layer!r}, not {layer_of(m)!r}: {_path(m)}" for m, layer in rows
+            if m in known and layer != layer_of(m)]
+    out += [f"stale path: {path}" for path in dict.fromkeys(_PATH.findall(text))
+            if path not in map(_path, listed) and not _exists(path, known)]
+    return out
+
+
+def _path(module: str) -> str:
+    """A module's path under pipeq/, as the page writes it: "wire.inbox" -> "wire/inbox.py"."""
+    return module.replace(".", "/") + ".py"
+
+
+def _exists(path: str, known: list[str]) -> bool:
+    """Whether ``path`` (`x/y.py`) names a module of ``known``, as the end of its path under
+    pipeq/ (`job/keys.py`, `keys.py`, `pipeq/launch/job/keys.py`), or a file of the repository."""
+    under = path[len("pipeq/"):] if path.startswith("pipeq/") else path
+    return (any(f"/{_path(m)}".endswith("/" + under) for m in known)
+            or os.path.isfile(os.path.join(ROOT, path)))
+
+
+def test_the_architecture_page_lists_every_module_under_its_layer():
+    """docs/architecture.md names every module of pipeq/ (see :func:`page_rows`) and nothing
+    that is not one. A new module gets a row under its layer: `folder/module.py` | its one job."""
+    with open(PAGE, encoding="utf-8") as f:
+        problems = page_problems(f.read(), modules())
+    assert problems == [], "docs/architecture.md, section 'Every module':\n" + "\n".join(problems)
+
+
+def test_the_page_check_finds_a_missing_a_stale_and_a_misplaced_module():
+    page = ("## The layers\n| `pipeq/wire/` | `codec.py` |\n## Every module\n### Transport\n"
+            "| module | its job |\n|---|---|\n| `wire/inbox.py` | the inbox |\n| `wire/gone.py` | a gone one |\n"
+            "| `errors.py` | exceptions |\n### Codec\n| `wire/codec.py` | bytes (`wire/old.py`) |\n")
+    assert page_rows(page) == [("wire.inbox", "transport"), ("wire.gone", "transport"), ("errors", "transport"),
+                               ("wire.codec", "codec")]
+    assert page_problems(page, ["errors", "wire.codec", "wire.inbox", "wire.queues"]) == [
+        "missing (transport): wire/queues.py", "stale: wire/gone.py", "under 'transport', not 'codec': errors.py",
+        "stale path: wire/old.py"]
+
+
+def test_the_package_fronts_name_only_modules_that_exist():
+    """A `name.py` a package's docstring writes (pipeq's map of its folders, each folder's map) is
+    a module of pipeq (see :func:`_exists`)."""
+    known = modules()
+    stale = [f"{front}: {p}" for front in known if front.endswith("__init__")
+             for p in dict.fromkeys(re.findall(r"\b(?:\w+/)*\w+\.py\b", ast.get_docstring(
+                 ast.parse(open(path_of(front)).read())) or "")) if not _exists(p, known)]
+    assert stale == [], "a package's docstring names a module that does not exist:\n" + "\n".join(stale)
+
+
+#: Package fronts whose docstring maps every module of its folder (as `name.py`): the folders a
+#: newcomer reads the code of first. (The others name their parts in prose; docs/architecture.md
+#: lists every module.)
+MAPPED = ("control.__init__", "runtime.__init__", "stage.__init__", "parallel.__init__", "schedules.__init__",
+          "wire.__init__")
+
+
+def test_the_folder_maps_name_every_module_of_their_folder():
+    missing = []
+    for front in MAPPED:
+        folder = front[: -len("__init__")]
+        doc = ast.get_docstring(ast.parse(open(path_of(front)).read())) or ""
+        missing += [f"{front}: {m[len(folder):]}.py" for m in modules() if m.startswith(folder)
+                    and m.count(".") == folder.count(".") and not m.endswith("__init__")
+                    and not re.search(rf"(?<![\w/]){re.escape(m[len(folder):])}\.py\b", doc)]
+    assert missing == [], "add each to its package's docstring:\n" + "\n".join(missing)
