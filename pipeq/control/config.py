@@ -20,19 +20,16 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from pipeq import schedules
-from pipeq.control.checks import refuse_unknown
 from pipeq.schedules import SchedulePolicy
-from pipeq.stage import numerics as numerics_mod
-from pipeq.stage.numerics import Numerics
-from pipeq.wire.security import SECURITY_MODES
+
+if TYPE_CHECKING:
+    from pipeq.stage.numerics import Numerics
 
 __all__ = ["RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig", "MODES", "TRANSPORTS",
-           "START_METHODS", "FAULT_TOLERANCE", "check_step_timeout", "setting_fields"]
+           "START_METHODS", "FAULT_TOLERANCE", "check_step_timeout", "setting_fields", "setting_default"]
 
 MODES = ("process", "simulated")
 TRANSPORTS = ("ipc", "tcp")
@@ -112,6 +109,8 @@ class WireConfig:
     spin: float = 0.01
 
     def __post_init__(self) -> None:
+        from pipeq.wire.security import SECURITY_MODES
+
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.tcp_security not in SECURITY_MODES:
@@ -230,31 +229,33 @@ class PlacementConfig:
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {self.start_method!r}"
                              + (f" (from {START_METHOD_ENV})" if os.environ.get(START_METHOD_ENV) == self.start_method
                                 else ""))
-        for k, d in enumerate(self.devices or ()):
-            try:
-                dev = torch.device(d)
-            except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"devices[{k}] = {d!r} is not a device: {exc}") from None
-            if dev.type == "cuda" and not torch.cuda.is_available():
-                raise ValueError(f"devices[{k}] = {d!r}, but CUDA is not available here")
-            if dev.type not in ("cpu", "cuda"):
-                raise ValueError(f"devices[{k}] = {d!r}: pipeq runs stages on 'cpu' or 'cuda'")
+        if self.devices:
+            _check_devices(self.devices)
+
+
+def _check_devices(devices: Sequence[str]) -> None:
+    """Each of ``devices`` a device string of a device this host has ("cpu", "cuda:k")."""
+    import torch
+
+    for k, d in enumerate(devices):
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"devices[{k}] = {d!r} is not a device: {exc}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"devices[{k}] = {d!r}, but CUDA is not available here")
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"devices[{k}] = {d!r}: pipeq runs stages on 'cpu' or 'cuda'")
 
 
 _PARTS = {"numerics": NumericsConfig, "wire": WireConfig, "fault": FaultConfig, "placement": PlacementConfig}
-
-
-def setting_fields() -> list[dataclasses.Field]:
-    """Every setting the runner takes by keyword: each part's fields, then ``trace``."""
-    out = [f for kind in _PARTS.values() for f in dataclasses.fields(kind)]
-    return out + [f for f in dataclasses.fields(RunConfig) if f.name == "trace"]
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """One run's settings (see :class:`~pipeq.PipelineRunner` for each one's meaning)."""
 
-    schedule: SchedulePolicy = field(default_factory=lambda: schedules.resolve("1f1b"))
+    schedule: SchedulePolicy = "1f1b"  # type: ignore[assignment]  # a name or a schedule: resolved when built
     microbatches: int = 8
     trace: str | os.PathLike[str] | None = None
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
@@ -287,16 +288,21 @@ class RunConfig:
                 "worth tracing: every stage runs in this one process)")
 
     @classmethod
-    def from_kwargs(cls, schedule: Any = "1f1b", microbatches: int = 8, trace: Any = None,
-                    **settings: Any) -> "RunConfig":
+    def from_kwargs(cls, schedule: Any = None, microbatches: int | None = None, **settings: Any) -> "RunConfig":
         """The configuration the runner's keyword arguments (``precision=``, ``transport=``...)
-        name; an unknown keyword is refused as Python would (a moved one says where it went)."""
+        name; ``schedule`` and ``microbatches`` None: not given (their fields' defaults). An unknown
+        keyword is refused as Python would (a schedule's option says where it belongs)."""
         parts = {}
         for name, kind in _PARTS.items():
             known = {f.name for f in dataclasses.fields(kind)}
             parts[name] = kind(**{k: settings.pop(k) for k in list(settings) if k in known})
-        refuse_unknown(settings)
-        return cls(schedule if schedule == "auto" else schedules.resolve(schedule), microbatches, trace, **parts)
+        own = {k: v for k, v in (("schedule", schedule), ("microbatches", microbatches),
+                                 ("trace", settings.pop("trace", None))) if v is not None}
+        if settings:
+            from pipeq.control.checks import refuse_unknown
+
+            refuse_unknown(settings)
+        return cls(**own, **parts)
 
     @property
     def queue_capacity(self) -> int:
@@ -327,6 +333,11 @@ class RunConfig:
 
     def numerics_for(self, n_stages: int) -> Numerics:
         """The numerics settings checked for ``n_stages`` stages and this run's schedule and devices."""
+        import torch
+
+        from pipeq.stage import numerics as numerics_mod
+        from pipeq.stage.numerics import Numerics
+
         given = self.numerics
         nm = numerics_mod.check(given.precision, given.clip_grad_norm, given.clip_norm_type,
                                 given.check_finite, given.recompute, n_stages)
@@ -341,6 +352,24 @@ class RunConfig:
         return nm
 
 
+def setting_fields() -> list[dataclasses.Field]:
+    """Every setting the runner takes by keyword: each part's fields, then ``trace``."""
+    out = [f for kind in _PARTS.values() for f in dataclasses.fields(kind)]
+    return out + [f for f in dataclasses.fields(RunConfig) if f.name == "trace"]
+
+
+def setting_default(name: str) -> Any:
+    """The default of setting ``name`` (``schedule``, ``microbatches`` or one of :func:`setting_fields`),
+    read from the dataclass field that declares it: the one place a setting's default is written
+    (job-file keys, the runner's signature and the docs read it here). A default computed when a
+    configuration is built (``start_method``: from ``PIPEQ_START_METHOD``) is computed now."""
+    own = [f for f in dataclasses.fields(RunConfig) if f.name in ("schedule", "microbatches")]
+    for f in own + setting_fields():
+        if f.name == name:
+            return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    raise KeyError(f"{name!r} is not a setting of a RunConfig")
+
+
 def _with_chunks(schedule: SchedulePolicy, v: int | None) -> SchedulePolicy:
     """``schedule`` holding ``v`` stages per process (None: as it is); refused when it cannot."""
     if v is None or v == schedule.stages_per_process:
@@ -353,7 +382,7 @@ def _with_chunks(schedule: SchedulePolicy, v: int | None) -> SchedulePolicy:
         "dualpipev (V placement, 2 stages per process)")
 
 
-def check_step_timeout(step_timeout: Any, heartbeat_interval: float = 1.0) -> None:
+def check_step_timeout(step_timeout: Any, heartbeat_interval: float) -> None:
     """``step_timeout``: None (off), or seconds longer than the heartbeat interval (a stage
     reports the action it is in once per heartbeat)."""
     if step_timeout is None:
