@@ -67,10 +67,9 @@ class PipelineRunner:
             measures them) when ``stages`` is the whole model as one ``nn.Sequential``: its children are split
             into stages of that many layers each (``pipeq.balance.split``; every replica gets the same split).
         ties: parameters several stages use (a tied embedding and LM head), as groups of their :meth:`state_dict`
-            names, ``[["0.weight", "5.weight"]]``: each stage keeps a copy, the copies' gradients are summed
-            before every step (bitwise-equal copies, one process's numbers), and :meth:`state_dict` and
-            checkpoints hold the tensor once, under the first name (see :mod:`pipeq.control.ties`). Sharing
-            between stages that is not tied is refused.
+            names, ``[["0.weight", "5.weight"]]``: each stage keeps a copy, the copies' gradients are summed before
+            every step (bitwise-equal copies, one process's numbers), and :meth:`state_dict` and checkpoints hold
+            the tensor once, under the first name. Sharing between stages that is not tied is refused.
 
     Args: Schedule
         schedule: a name (``"1f1b"``, ``"zb-h1"``, ``"zbv"``, ``"interleaved-1f1b"``...: ``pipeq.SCHEDULES``
@@ -90,9 +89,8 @@ class PipelineRunner:
         config: a :class:`~pipeq.RunConfig` holding the schedule, microbatches and every setting below,
             instead of keyword arguments (not both).
 
-    Settings: every other keyword argument builds the run's :class:`~pipeq.RunConfig`, checked once, before
-    anything starts; each one's default is in the signature, its meaning in the part that holds it (the API
-    reference lists them all under the runner):
+    Settings: every other keyword argument builds the run's :class:`~pipeq.RunConfig` (checked once, before
+    anything starts); its default is in the signature, its meaning in the RunConfig part that holds it:
 
     - :class:`~pipeq.NumericsConfig`: precision, clip_grad_norm, clip_norm_type, check_finite, recompute
     - :class:`~pipeq.WireConfig`: transport, host, tcp_security, max_message_mb, shm_slots, queue_capacity, spin

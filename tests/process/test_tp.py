@@ -26,7 +26,6 @@ import pipeq
 from strays import wait_no_strays
 from pipeq.checkpoint import flat_model
 from pipeq.errors import PipelineError
-from pipeq.testing import backend_of
 from models import TP_PLAN, RaisesOnShard, ShardedLinear, UpDown, flat_state, reverse_drain, tp_stages
 
 pytestmark = pytest.mark.timeout(300)
@@ -190,7 +189,7 @@ def test_two_stages_per_process_of_two_shards_equal_full_batch_training(schedule
     runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, schedule, 4, tensor_parallel=2,
                                   tp_plan=plan, stages_per_process=2, **FAST)
     with runner:
-        info = backend_of(runner).worker_info
+        info = runner._backend.worker_info
         losses = [runner.step(x, y) for x, y in data]
         state = runner.state_dict()
     assert len({w["pid"] for w in info}) == 4  # 2 processes x 2 shards, each holding 2 stages
