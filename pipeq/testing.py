@@ -41,7 +41,7 @@ def backend_of(runner: PipelineRunner) -> Backend:
     replica's too); in simulated mode a :class:`~pipeq.runtime.simulated.SimulatedBackend` and its
     ``executors``. It is the tests' seam into the runtime, which changes with it: a program uses the
     runner's own methods (:attr:`~pipeq.PipelineRunner.stage_processes` for the processes' pids)."""
-    backend = runner._backend  # the one place outside the runner that reads it: this hook's job
+    backend = runner._pipeline.backend  # the one place outside the runner that reads it: this hook's job
     if backend is None:
         raise PipelineError("the runner has no backend yet: with schedule='auto' it is built at the first batch")
     return backend

@@ -6,6 +6,7 @@ the simulated engine (:mod:`pipeq.runtime.simulated`). Its modules:
 
     runner.py           PipelineRunner, the embedding API
     lifecycle.py        built, running, closed: started once, stopped once
+    pipeline.py         the runner's backend: built (at the first batch with schedule="auto"), started, closed
     feed.py             batches as the backend takes them: checked, split, routed, numbered
     streaming.py        the steps in flight, their losses handed back in order
     state.py            state dicts, checkpoints and snapshots under the flat model's names

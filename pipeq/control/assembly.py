@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from pipeq.control import checks
 from pipeq.control.batching import Batcher
-from pipeq.control.config import RunConfig, setting_fields
+from pipeq.control.config import RunConfig, setting_default, setting_fields
 from pipeq.control.processes import RunSetup
 from pipeq.control.stage_inputs import route
 from pipeq.stage.info import info_of
@@ -38,8 +38,7 @@ def configure(config: RunConfig | None, schedule: Any, microbatches: int | None,
               settings: dict[str, Any]) -> RunConfig:
     """The run's configuration: ``config``, or the one the keyword arguments name."""
     if config is None:
-        return RunConfig.from_kwargs("1f1b" if schedule is None else schedule,
-                                     8 if microbatches is None else microbatches, **settings)
+        return RunConfig.from_kwargs(schedule, microbatches, **settings)
     if not isinstance(config, RunConfig):
         raise ValueError(f"config must be a pipeq.control.config.RunConfig, got {type(config).__name__}")
     if settings:
@@ -51,11 +50,13 @@ def configure(config: RunConfig | None, schedule: Any, microbatches: int | None,
 
 def signature(init: Any) -> inspect.Signature:
     """The runner's signature as ``help()`` and IDEs show it, from its ``__init__``: every setting
-    by name, with its default (the constructor takes them as ``**settings``, which build a RunConfig)."""
-    own = [p for p in list(inspect.signature(init).parameters.values())[1:]
-           if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-                for f in setting_fields()]
+    by name, with its default as its :class:`RunConfig` part declares it (the constructor takes
+    them as ``**settings``, which build a RunConfig; ``schedule`` and ``microbatches``, None there
+    when not given, show the RunConfig's defaults too)."""
+    own = [p.replace(default=setting_default(p.name)) if p.name in ("schedule", "microbatches") else p
+           for p in list(inspect.signature(init).parameters.values())[1:] if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=setting_default(f.name),
+                                  annotation=f.type) for f in setting_fields()]
     return inspect.Signature(own + settings)
 
 

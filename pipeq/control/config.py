@@ -20,19 +20,16 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from pipeq import schedules
-from pipeq.control.checks import refuse_unknown
 from pipeq.schedules import SchedulePolicy
-from pipeq.stage import numerics as numerics_mod
-from pipeq.stage.numerics import Numerics
-from pipeq.wire.security import SECURITY_MODES
+
+if TYPE_CHECKING:
+    from pipeq.stage.numerics import Numerics
 
 __all__ = ["RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig", "MODES", "TRANSPORTS",
-           "START_METHODS", "FAULT_TOLERANCE", "check_step_timeout", "setting_fields"]
+           "START_METHODS", "FAULT_TOLERANCE", "check_step_timeout", "setting_fields", "setting_default"]
 
 MODES = ("process", "simulated")
 TRANSPORTS = ("ipc", "tcp")
@@ -48,25 +45,27 @@ def _whole(value: Any, lo: int, hi: int) -> bool:
 
 @dataclass(frozen=True)
 class NumericsConfig:
-    """How the stages compute (see :class:`~pipeq.PipelineRunner`): plain backprop's schedules only.
+    """How the stages compute: precision, gradient clipping, finite checks, recomputation.
 
     Attributes:
-        precision: ``"fp32"`` (default), ``"bf16"`` (autocast to bfloat16 on CPU and CUDA: the
+        precision: ``"fp32"``, ``"bf16"`` (autocast to bfloat16 on CPU and CUDA: the
             forward and the loss run under ``torch.autocast``; parameters, gradients and the
             optimizer stay float32) or ``"fp16"`` (autocast to float16 with dynamic loss scaling,
             torch.amp.GradScaler's: the found-inf check is combined over every stage and replica,
             so all of them step or skip together, as one GradScaler on the whole model would).
         clip_grad_norm: clip the gradients by their global norm over every stage (after the
             replicas' all-reduce, after fp16's unscaling), as ``torch.nn.utils.clip_grad_norm_``
-            on the whole model does; ``clip_norm_type`` is its p (2.0, or ``float('inf')``).
+            on the whole model does; None: no clipping.
+        clip_norm_type: the p of ``clip_grad_norm``'s norm (``float('inf')``: the largest value).
         check_finite: ``"raise"`` (or True): check the input, every stage's outputs, the losses and
             the gradients, and fail with a PipelineError naming the stage and microbatch where the
             first NaN or Inf appeared, before any optimizer step changes a weight. ``"skip"``:
             skip the optimizer step on every stage when any gradient is not finite (the step's loss
-            may be anything; :meth:`stats` counts the skipped steps). Default False: no checks.
+            may be anything; the runner's ``stats()`` counts the skipped steps). False: no checks.
         recompute: True, or one boolean per stage: the stage keeps only its inputs between a
             microbatch's forward and backward and recomputes the forward in the backward (the same
             RNG state, so the same dropout masks): the same numbers, less activation memory.
+            False: none.
 
     Precision, clipping, check_finite and recompute run with fill-drain, 1F1B, ZB-H1 and your own
     schedules (interlocking, async and AL compute their own way).
@@ -84,9 +83,9 @@ class WireConfig:
     """How stages talk: the transport and its limits.
 
     Attributes:
-        transport: ``"ipc"`` (Unix sockets, one host) or ``"tcp"``.
+        transport: ``"ipc"`` (Unix sockets, one host) or ``"tcp"`` (what a multi-host run uses).
         host: the address stages bind to with ``transport="tcp"``.
-        tcp_security: how TCP sockets are protected: ``"encrypt"`` (default; CURVE on every
+        tcp_security: how TCP sockets are protected: ``"encrypt"`` (CURVE on every
             socket: encrypted and authenticated) or ``"authenticate"`` (CURVE on the control
             channel, a Poly1305 MAC on every data message: no encryption of activations and gradients,
             2-3x the bandwidth at 4-64 MiB). Either way only holders of the job's secret get in:
@@ -95,12 +94,13 @@ class WireConfig:
             refused by the receiving stage before it is buffered, and the sender fails naming it.
         shm_slots: with ``transport="ipc"``, a message's tensors of 64 KiB or more cross to the
             next (previous) stage through shared memory: each channel has this many reusable
-            slots (a sender waits while all are in use), 0 sends everything in ZeroMQ frames
-            (:mod:`pipeq.wire.shm`). Other transports ignore it.
+            slots (a sender waits while all are in use), 0 sends everything in ZeroMQ frames.
+            Other transports ignore it.
         spin: seconds a stage waiting for a message busy-polls (yielding its core to anything
             else runnable) before it blocks: a blocked process wakes up 0.1-0.5 ms later on a
             virtual machine, on every hop. 0 never spins (least CPU, most latency).
-        queue_capacity: messages a stage's queue holds (default: four steps' worth, at least 64).
+        queue_capacity: messages a stage's queue holds, at least ``microbatches`` (None: four
+            steps' worth, at least 64).
     """
 
     transport: str = "ipc"
@@ -112,6 +112,8 @@ class WireConfig:
     spin: float = 0.01
 
     def __post_init__(self) -> None:
+        from pipeq.wire.security import SECURITY_MODES
+
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.tcp_security not in SECURITY_MODES:
@@ -129,12 +131,14 @@ class FaultConfig:
     """How failures are noticed: heartbeats and timeouts, in seconds.
 
     Attributes:
-        heartbeat_interval, heartbeat_timeout: seconds; a stage silent for longer is failed.
+        heartbeat_interval: seconds between a stage's heartbeats.
+        heartbeat_timeout: seconds of silence (no heartbeat) before a stage is failed; longer
+            than ``heartbeat_interval``.
         step_timeout: seconds a stage may spend in one compute action (a forward, a backward, an
             optimizer step) before the run fails with a PipelineError naming the stage and the
             action (a stage alive, heartbeating, but stuck in its own computation; its waiting
             neighbours are not blamed). Judged from each stage's heartbeats, so only a stage
-            that stops making progress fails, never a step that is merely long. Default None:
+            that stops making progress fails, never a step that is merely long. None:
             off, as a library cannot know how long one action of a user's model may
             legitimately take (a first CUDA compile, huge microbatches, a starved CPU);
             ``pipeq launch`` sets 300 s. Must be longer than ``heartbeat_interval``.
@@ -142,10 +146,12 @@ class FaultConfig:
         start_timeout: seconds to wait for every stage to start.
         stop_timeout: seconds ``close()`` lets the stages finish what they were sent before they
             are terminated (a failure is raised then).
-        fault_tolerance: None (default: any stage failure ends the run) or ``"replicas"`` (with
+        fault_tolerance: None (any stage failure ends the run) or ``"replicas"`` (with
             ``data_parallel >= 2``): when a replica's stage fails in a training step, the other
-            replicas finish that step without it, and the lost replica is rebuilt from a healthy
-            one's live state to rejoin at the next step (see :mod:`pipeq.control.replica_loss`).
+            replicas finish that step without it (its update and loss are the mean over their
+            samples), and the lost replica is rebuilt from a healthy one's live state to rejoin
+            at the next step (the runner's ``degraded_steps`` and ``replica_failures`` say what
+            happened).
     """
 
     heartbeat_interval: float = 1.0
@@ -170,37 +176,37 @@ class PlacementConfig:
 
     Attributes:
         mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
-        devices: one device string per stage; default ``cuda:k`` round-robin when CUDA is
+        devices: one device string per stage; None: ``cuda:k`` round-robin when CUDA is
             available, else ``cpu`` with each stage pinned to its share of the CPU cores (with
             ``tensor_parallel``, each is the device of the stage's shard 0: see there).
-        threads_per_stage: torch threads per stage process (default: cores / stages, at least 1).
-        start_method: ``"spawn"`` (default: every stage a fresh interpreter importing torch,
+        threads_per_stage: torch threads per stage process (None: cores / stages, at least 1).
+        start_method: ``"spawn"`` (every stage a fresh interpreter importing torch,
             all at once: 4-9 s for 3 stages on 2 busy cores) or ``"forkserver"`` (stages fork
             from a server that imports torch once: 2-4 s for the first runner of a process,
             ~0.1 s for later ones; the server lives on until this process exits).
             Both run the main script again in each stage: start the runner under
             ``if __name__ == "__main__":`` (it refuses otherwise). The environment variable
             ``PIPEQ_START_METHOD`` sets the default for every runner of a process.
-        placement: stages per node, e.g. ``[[0], [1, 2]]`` (default: an even, contiguous split).
+        placement: stages per node in a multi-host run (the runner's ``rendezvous``), e.g.
+            ``[[0], [1, 2]]`` (None: an even, contiguous split).
         data_parallel: R replicas of the pipeline (R x N processes), gradients all-reduced.
-        tensor_parallel, tp_plan: each stage split over T processes of one host (R x N x T
-            processes), on torch's DTensor (:mod:`pipeq.parallel.tensor`). ``tp_plan`` has one plan per
-            stage: a dict mapping submodule names (``stage.get_submodule(name)``; ``""`` is the
-            stage itself) to ``"colwise"``
-            or ``"rowwise"`` (torch's ``ColwiseParallel`` / ``RowwiseParallel``, or such objects),
-            ``{}`` for a stage left whole, or a callable ``(stage_module, mesh) -> module``. A
-            "colwise" entry with no "rowwise" after it gathers its output: a stage always hands
-            on whole tensors, from its shard 0, once. With ``data_parallel``, each shard's
-            gradients are summed with the same shard of the other replicas. States and
-            checkpoints hold whole tensors (they load at any T). Fill-drain, 1F1B and your own
-            schedules; not yet with precision, clipping, check_finite or recompute.
-            On CUDA a stage's T shards run on T different GPUs (NCCL refuses two on one):
+        tensor_parallel: each stage split over T processes of one host (R x N x T processes),
+            on torch's DTensor, as ``tp_plan`` says. With
+            ``data_parallel``, each shard's gradients are summed with the same shard of the other
+            replicas. States and checkpoints hold whole tensors (they load at any T). Fill-drain,
+            1F1B and your own schedules; not yet with precision, clipping, check_finite or
+            recompute. On CUDA a stage's T shards run on T different GPUs (NCCL refuses two on one):
             by default shard s of the host's j-th stage (j = r*N + k for replica r's stage
             k on one host) on ``cuda:((j*T + s) mod G)``, G the host's GPUs (T consecutive
             GPUs per stage), and with ``devices`` shard 0 on
             ``devices[k]`` = ``cuda:d`` and shard s on ``cuda:((d + s) mod G)``. A run whose
-            stage would put two shards on one GPU (T > G) is refused before it starts
-            (:func:`pipeq.control.processes.plan_devices` has the rule and examples).
+            stage would put two shards on one GPU (T > G) is refused before it starts.
+        tp_plan: with ``tensor_parallel``, one plan per stage: a dict mapping submodule names
+            (``stage.get_submodule(name)``; ``""`` is the stage itself) to ``"colwise"`` or
+            ``"rowwise"`` (torch's ``ColwiseParallel`` / ``RowwiseParallel``, or such objects),
+            ``{}`` for a stage left whole, or a callable ``(stage_module, mesh) -> module``. A
+            "colwise" entry with no "rowwise" after it gathers its output: a stage always hands
+            on whole tensors, from its shard 0, once.
         stages_per_process: v model stages per process (virtual stages, :mod:`pipeq.schedules.placement`):
             the N = S/v processes hold the S stages given, looped (interleaved-1f1b, looped-bfs: any
             v >= 2) or in a V (zbv, dualpipev: 2, implied by the schedule). Stages of one process
@@ -232,31 +238,47 @@ class PlacementConfig:
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {self.start_method!r}"
                              + (f" (from {START_METHOD_ENV})" if os.environ.get(START_METHOD_ENV) == self.start_method
                                 else ""))
-        for k, d in enumerate(self.devices or ()):
-            try:
-                dev = torch.device(d)
-            except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"devices[{k}] = {d!r} is not a device: {exc}") from None
-            if dev.type == "cuda" and not torch.cuda.is_available():
-                raise ValueError(f"devices[{k}] = {d!r}, but CUDA is not available here")
-            if dev.type not in ("cpu", "cuda"):
-                raise ValueError(f"devices[{k}] = {d!r}: pipeq runs stages on 'cpu' or 'cuda'")
+        if self.devices:
+            _check_devices(self.devices)
+
+
+def _check_devices(devices: Sequence[str]) -> None:
+    """Each of ``devices`` a device string of a device this host has ("cpu", "cuda:k")."""
+    import torch
+
+    for k, d in enumerate(devices):
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"devices[{k}] = {d!r} is not a device: {exc}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"devices[{k}] = {d!r}, but CUDA is not available here")
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"devices[{k}] = {d!r}: pipeq runs stages on 'cpu' or 'cuda'")
 
 
 _PARTS = {"numerics": NumericsConfig, "wire": WireConfig, "fault": FaultConfig, "placement": PlacementConfig}
 
 
-def setting_fields() -> list[dataclasses.Field]:
-    """Every setting the runner takes by keyword: each part's fields, then ``trace``."""
-    out = [f for kind in _PARTS.values() for f in dataclasses.fields(kind)]
-    return out + [f for f in dataclasses.fields(RunConfig) if f.name == "trace"]
-
-
 @dataclass(frozen=True)
 class RunConfig:
-    """One run's settings (see :class:`~pipeq.PipelineRunner` for each one's meaning)."""
+    """One run's settings: ``PipelineRunner(config=...)`` takes one whole, instead of keyword arguments.
 
-    schedule: SchedulePolicy = field(default_factory=lambda: schedules.resolve("1f1b"))
+    Attributes:
+        schedule: the schedule, as the runner's ``schedule`` argument names it (a name is resolved
+            when the configuration is built).
+        microbatches: microbatches per step, as the runner's ``microbatches`` argument.
+        trace: a file path: every stage records each action it runs (forward, backward,
+            optimizer step, send, waiting for input) and ``close()`` writes one merged Chrome
+            trace-event JSON file there (Perfetto, chrome://tracing; ``pipeq report`` reads it).
+            Process mode only. None: no trace.
+        numerics: how the stages compute (:class:`NumericsConfig`).
+        wire: how the stages talk (:class:`WireConfig`).
+        fault: how failures are noticed (:class:`FaultConfig`).
+        placement: where the stages run (:class:`PlacementConfig`).
+    """
+
+    schedule: SchedulePolicy = "1f1b"  # type: ignore[assignment]  # a name or a schedule: resolved when built
     microbatches: int = 8
     trace: str | os.PathLike[str] | None = None
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
@@ -289,16 +311,21 @@ class RunConfig:
                 "worth tracing: every stage runs in this one process)")
 
     @classmethod
-    def from_kwargs(cls, schedule: Any = "1f1b", microbatches: int = 8, trace: Any = None,
-                    **settings: Any) -> "RunConfig":
+    def from_kwargs(cls, schedule: Any = None, microbatches: int | None = None, **settings: Any) -> "RunConfig":
         """The configuration the runner's keyword arguments (``precision=``, ``transport=``...)
-        name; an unknown keyword is refused as Python would (a moved one says where it went)."""
+        name; ``schedule`` and ``microbatches`` None: not given (their fields' defaults). An unknown
+        keyword is refused as Python would (a schedule's option says where it belongs)."""
         parts = {}
         for name, kind in _PARTS.items():
             known = {f.name for f in dataclasses.fields(kind)}
             parts[name] = kind(**{k: settings.pop(k) for k in list(settings) if k in known})
-        refuse_unknown(settings)
-        return cls(schedule if schedule == "auto" else schedules.resolve(schedule), microbatches, trace, **parts)
+        own = {k: v for k, v in (("schedule", schedule), ("microbatches", microbatches),
+                                 ("trace", settings.pop("trace", None))) if v is not None}
+        if settings:
+            from pipeq.control.checks import refuse_unknown
+
+            refuse_unknown(settings)
+        return cls(**own, **parts)
 
     @property
     def queue_capacity(self) -> int:
@@ -329,6 +356,11 @@ class RunConfig:
 
     def numerics_for(self, n_stages: int) -> Numerics:
         """The numerics settings checked for ``n_stages`` stages and this run's schedule and devices."""
+        import torch
+
+        from pipeq.stage import numerics as numerics_mod
+        from pipeq.stage.numerics import Numerics
+
         given = self.numerics
         nm = numerics_mod.check(given.precision, given.clip_grad_norm, given.clip_norm_type,
                                 given.check_finite, given.recompute, n_stages)
@@ -343,6 +375,24 @@ class RunConfig:
         return nm
 
 
+def setting_fields() -> list[dataclasses.Field]:
+    """Every setting the runner takes by keyword: each part's fields, then ``trace``."""
+    out = [f for kind in _PARTS.values() for f in dataclasses.fields(kind)]
+    return out + [f for f in dataclasses.fields(RunConfig) if f.name == "trace"]
+
+
+def setting_default(name: str) -> Any:
+    """The default of setting ``name`` (``schedule``, ``microbatches`` or one of :func:`setting_fields`),
+    read from the dataclass field that declares it: the one place a setting's default is written
+    (job-file keys, the runner's signature and the docs read it here). A default computed when a
+    configuration is built (``start_method``: from ``PIPEQ_START_METHOD``) is computed now."""
+    own = [f for f in dataclasses.fields(RunConfig) if f.name in ("schedule", "microbatches")]
+    for f in own + setting_fields():
+        if f.name == name:
+            return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    raise KeyError(f"{name!r} is not a setting of a RunConfig")
+
+
 def _with_chunks(schedule: SchedulePolicy, v: int | None) -> SchedulePolicy:
     """``schedule`` holding ``v`` stages per process (None: as it is); refused when it cannot."""
     if v is None or v == schedule.stages_per_process:
@@ -355,7 +405,7 @@ def _with_chunks(schedule: SchedulePolicy, v: int | None) -> SchedulePolicy:
         "dualpipev (V placement, 2 stages per process)")
 
 
-def check_step_timeout(step_timeout: Any, heartbeat_interval: float = 1.0) -> None:
+def check_step_timeout(step_timeout: Any, heartbeat_interval: float) -> None:
     """``step_timeout``: None (off), or seconds longer than the heartbeat interval (a stage
     reports the action it is in once per heartbeat)."""
     if step_timeout is None:

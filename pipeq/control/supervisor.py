@@ -61,9 +61,10 @@ class Supervisor:
     """Files the replies the driver waits for; fails the run on an error, a death or silence."""
 
     def __init__(self, server: ControlServer, procs: dict[int, StageHandle], *, n_stages: int, n_processes: int,
-                 n_nodes: int, heartbeat_timeout: float, teardown: Callable[[], None],
-                 step_timeout: float | None = None, numbering: Numbering | None = None) -> None:
-        """``numbering`` names a process's replica, stage and shard (default: one shard each)."""
+                 n_nodes: int, heartbeat_timeout: float, step_timeout: float | None, teardown: Callable[[], None],
+                 numbering: Numbering | None = None) -> None:
+        """``heartbeat_timeout``, ``step_timeout``: the run's (:class:`~pipeq.FaultConfig`; None: off);
+        ``numbering`` names a process's replica, stage and shard (default: one shard each)."""
         self.server = server
         self.procs = procs  # this host's stage processes, by process number g
         self.n_stages = n_stages

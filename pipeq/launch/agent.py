@@ -38,6 +38,7 @@ from pipeq.control.processes import (RunSetup, exit_reason, job_identity, proces
                                      stop_processes, worker_configs)
 from pipeq.control.rendezvous import Rendezvous
 from pipeq.wire.control_link import DriverLink
+from pipeq.wire.keys import JobSecret
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
 
@@ -117,16 +118,17 @@ def _differences(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _auth(rz: Rendezvous, mode: str = "encrypt") -> WireAuth:
-    """The wire's authentication with the job's secret (refused without one)."""
+def _secret(rz: Rendezvous) -> JobSecret:
+    """The job's secret (refused without one)."""
     if rz.secret is None:
         raise AgentError(f"node {rz.node_rank}: a multi-host run needs the job's secret")
-    return WireAuth(rz.secret, mode)
+    return rz.secret
 
 
 def _tell_driver(control: str, rz: Rendezvous, message: str) -> None:
     """Send one ERROR to the driver (so it fails at once, naming this node), then hang up."""
-    link = DriverLink(control, rz.node_rank, linger_ms=2000, auth=_auth(rz))
+    # the control channel is CURVE-encrypted whatever the run's tcp_security
+    link = DriverLink(control, rz.node_rank, linger_ms=2000, auth=WireAuth(_secret(rz)))
     try:
         link.send(protocol.message(ErrorReply(message=message)))
     finally:
@@ -153,7 +155,7 @@ def run_agent(
     the generation node 0 points at, also in progress (as a lost node's replacement); after a
     failed start this agent waits for the next one instead of exiting."""
     start_timeout = setup.config.fault.start_timeout
-    _auth(rz)  # no secret: refused before the store is touched
+    _secret(rz)  # no secret: refused before the store is touched
     store = rz.store(start_timeout)
     deadline = time.monotonic() + start_timeout
     # signed: node 0 names this node if its secret is another (ProcessBackend._start_hint)
@@ -242,8 +244,8 @@ def _run_generation(rz: Rendezvous, base: Any, builder: StageBuilder, n_stages: 
     traced = bool(options.get("trace")) if isinstance(options, dict) else False
     replicas = options.get("replicas", 1) if isinstance(options, dict) else 1
     shards = options.get("shards", 1) if isinstance(options, dict) else 1
-    security = options.get("tcp_security", "encrypt") if isinstance(options, dict) else "encrypt"
-    auth = WireAuth(_auth(rz).secret, str(security))
+    security = options.get("tcp_security") if isinstance(options, dict) else None  # node 0's (else the job's)
+    auth = WireAuth(_secret(rz), str(security or config.wire.tcp_security))
     _check_run(rz, control, plan, n_stages, replicas, shards, config.placement.data_parallel, setup.shards)
     _check_job(rz, control, fetch("job", "job description"), builder, schedule, setup)
     mine: list[int] = plan[rz.node_rank]

@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     length.add_argument("--epochs", type=int, help="passes over the job's data (replaces the file's steps or epochs)")
     g.add_argument("--schedule", help="schedule name, e.g. 1f1b or pairwise (replaces the job's schedule "
                    "table; options need the table)")
-    g.add_argument("--microbatches", type=int, metavar="M", help=f"{KEYS['microbatches'].help} (default {KEYS['microbatches'].default})")
+    g.add_argument("--microbatches", type=int, metavar="M", help=_key_help("microbatches"))
     g.add_argument("--out", help="output directory")
     g.add_argument("--seed", type=int, help="seed of the stages' initial weights")
     g.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps (0: never)")
@@ -41,19 +41,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel", type=int, metavar="R", help="R replicas of the pipeline, gradients all-reduced")
     g.add_argument("--tensor-parallel", type=int, metavar="T",
                    help="each stage split over T processes of one host, as the job's tp_plan says")
-    g.add_argument("--heartbeat-timeout", type=float, help="seconds of silence before a stage is failed")
+    g.add_argument("--heartbeat-timeout", type=float, help=_key_help("heartbeat_timeout"))
     g.add_argument("--trace", metavar="PATH", help="write a Chrome trace of every stage's actions "
                    "(read it with pipeq report PATH)")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="write TensorBoard event files of the metrics in OUT/tb/ (default: when the tensorboard "
                         "package is installed; --tensorboard: an error when it is not)")
-    g.add_argument("--start-timeout", type=float, help="seconds to wait for every stage (and node) to start")
+    g.add_argument("--start-timeout", type=float, help=_key_help("start_timeout"))
     g.add_argument("--max-restarts", type=int, metavar="K",
                    help="after a stage fails, restart the stages from the newest checkpoint, up to K times "
-                        "(default 0: a failure ends the run)")
+                        f"(default {KEYS['max_restarts'].default}: a failure ends the run)")
     g.add_argument("--snapshot-every", type=int, metavar="N",
                    help="every N steps, keep the stages' state in the driver's memory, so that a restart "
-                        "(--max-restarts) goes on from it without reading the disk (default 0: none)")
+                        f"(--max-restarts) goes on from it without reading the disk (default {KEYS['snapshot_every'].default}: "
+                        "none)")
     run_dir = p.add_mutually_exclusive_group()
     run_dir.add_argument("--resume", action="store_true",
                          help="continue the run in --out from its newest complete checkpoint")
@@ -72,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--rejoin-timeout", type=float, metavar="SECONDS",
                    help="with --max-restarts: after a node is lost (its agent died or was cut off), wait this "
                         "long for it to join again, i.e. for `pipeq launch --node-rank R` started anew on any "
-                        "host (default 60)")
+                        f"host (default {KEYS['rejoin_timeout'].default:g})")
     m.add_argument("--min-nodes", type=int, metavar="N",
                    help="with --max-restarts: if a lost node does not rejoin within --rejoin-timeout, re-place "
                         "its stages on the nodes left, as long as at least N remain (default: every node, i.e. "
@@ -82,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the job's secret, the same on every node, in a file only its owner may read "
                         "(make one with `pipeq secret --out PATH`); default: $PIPEQ_SECRET. A multi-host "
                         "run refuses to start without one; a single-host run makes its own")
+
+
+def _key_help(name: str) -> str:
+    """The flag of job key ``name``: the key's help and its default (:data:`KEYS`, which reads a run
+    setting's from its RunConfig field)."""
+    key = KEYS[name]
+    return f"{key.help} (default {key.default:g})" if isinstance(key.default, float) else f"{key.help} (default {key.default})"
 
 
 def job_overrides(args: argparse.Namespace) -> dict[str, Any]:

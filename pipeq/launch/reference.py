@@ -13,7 +13,8 @@ import re
 from typing import Any, Iterable
 
 __all__ = ["cli_markdown", "job_keys_markdown", "schedule_options_markdown", "launch_flags", "subcommands",
-           "FRONTS", "API_SECTIONS", "api_markdown", "public_names"]
+           "FRONTS", "API_SECTIONS", "api_markdown", "public_names", "attribute_docs", "runner_settings",
+           "settings_markdown"]
 
 _SPECIAL = re.compile(r"([\\*_\[\]|])")
 
@@ -271,6 +272,76 @@ def _object(dotted: str) -> Any:
     return getattr(importlib.import_module(front), name)
 
 
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The ``Attributes:`` section of ``cls``'s docstring (Google style): each name's text, its
+    continuation lines joined."""
+    import inspect
+
+    out: dict[str, str] = {}
+    inside, name = False, None
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        if line == "Attributes:":
+            inside = True
+        elif inside and line and not line.startswith(" "):  # the section ended
+            break
+        elif inside and (m := re.match(r"    (\w+): (.*)", line)):
+            name = m[1]
+            out[name] = m[2]
+        elif inside and name is not None and line.startswith("        "):
+            out[name] += " " + line.strip()
+    return out
+
+
+def runner_settings() -> list[tuple[type, list[str]]]:
+    """The runner's settings (its keyword arguments that build a :class:`~pipeq.RunConfig`), by the
+    RunConfig part that declares and documents each: ``[(NumericsConfig, ["precision", ...]), ...]``."""
+    import dataclasses
+
+    from pipeq.control.config import FaultConfig, NumericsConfig, PlacementConfig, RunConfig, WireConfig
+    from pipeq.control.config import setting_fields
+
+    settings = {id(f) for f in setting_fields()}
+    return [(part, [f.name for f in dataclasses.fields(part) if id(f) in settings])
+            for part in (NumericsConfig, WireConfig, FaultConfig, PlacementConfig, RunConfig)]
+
+
+_ROLE = re.compile(r":\w+:`(~?)([^`]+)`")
+
+
+def _plain(text: str) -> str:
+    """A docstring's text with its reStructuredText roles as code spans (``:class:`~a.B``` -> ```B``)."""
+    return _ROLE.sub(lambda m: "``" + (m[2].rsplit(".", 1)[-1] if m[1] else m[2]) + "``", text)
+
+
+def settings_markdown() -> str:
+    """The runner's settings as the API page lists them under the runner: a table per RunConfig part
+    (setting, type, default, what it does), each setting's text its part's docstring's (the one
+    place it is documented) and its default the part's field's."""
+    import dataclasses
+
+    from pipeq.control.config import setting_default
+
+    out = ["### `PipelineRunner`'s settings", "",
+           "Every keyword argument of `PipelineRunner` but those above is a setting of the run: together they build "
+           "its [`RunConfig`][pipeq.RunConfig] (`config=` takes one whole). Each is documented where its part "
+           "declares it, as here.", ""]
+    for part, names in runner_settings():
+        fields = {f.name: f for f in dataclasses.fields(part)}
+        docs = attribute_docs(part)
+        first = (part.__doc__ or "").strip().splitlines()[0].rstrip(".")
+        out += [f"**[`{part.__name__}`][pipeq.{part.__name__}]**: {_text(_plain(first[:1].lower() + first[1:]))}.", "",
+                "| Setting | Type | Default | What it does |", "| --- | --- | --- | --- |"]
+        for name in names:
+            out.append(f"| `{name}` | {_code(str(fields[name].type))} | {_code(repr(setting_default(name)))} | "
+                       f"{_text(_plain(docs[name]))} |")
+        out.append("")
+    return "\n".join(out)
+
+
+#: What the API page adds under a documented name, beside its docstring.
+_AFTER = {"pipeq.PipelineRunner": settings_markdown}
+
+
 def _key(value: Any) -> Any:
     """What tells two public names of one object apart from two equal values: the object itself
     for modules, classes, functions and containers; the name for a plain value (``VERSION = 1``)."""
@@ -312,6 +383,7 @@ def api_markdown() -> str:
             done.add(_key(value) or name)
             if not (isinstance(value, types.ModuleType) and name in FRONTS):
                 out += _directive(name, {"show_root_full_path": True, **_OPTIONS.get(name, {})})
+                out += [_AFTER[name](), ""] if name in _AFTER else []
                 continue
             members = []
             for member in public_names(name):

@@ -1,11 +1,13 @@
 """The docs site's generated reference pages hold everything they are generated from: every flag
 of every ``pipeq`` subcommand, every job-file key (a key or flag added later appears without
-anyone editing a page), and every argument and setting of ``PipelineRunner`` in its grouped
-docstring, with the setting's type. Starts no process."""
+anyone editing a page), every argument of ``PipelineRunner`` in its grouped docstring, and every
+setting documented once, in its RunConfig part, and listed under the runner with its type, default
+and meaning. Starts no process."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import os
@@ -72,8 +74,8 @@ def test_the_hook_fills_the_markers_the_pages_hold():
 
 
 def _documented() -> dict[str, str | None]:
-    """PipelineRunner's documented arguments, name -> the type written beside it (None: none), from
-    the Google-style ``Args: <group>`` and ``Keyword Args: <group>`` sections the API reference
+    """PipelineRunner's own documented arguments, name -> the type written beside it (None: none),
+    from the Google-style ``Args: <group>`` and ``Keyword Args: <group>`` sections the API reference
     renders as one table per group."""
     out: dict[str, str | None] = {}
     in_section = False
@@ -87,13 +89,50 @@ def _documented() -> dict[str, str | None]:
     return out
 
 
-def test_every_runner_argument_and_setting_is_documented_in_a_group():
+def _pointed_to() -> dict[str, str]:
+    """The settings the runner's docstring says where to look for: setting -> the RunConfig part
+    named in front of it (its ``Settings:`` list, ``- :class:`~pipeq.WireConfig`: transport, ...``)."""
+    doc = textwrap.dedent(runner.PipelineRunner.__doc__.split("\n", 1)[1])
+    listed = doc[doc.index("\nSettings: "):].split("\n\n")[1]  # the list after the paragraph
+    out: dict[str, str] = {}
+    for item in re.split(r"^- ", listed, flags=re.MULTILINE)[1:]:
+        part, names = re.match(r":class:`~pipeq\.(\w+)`: (.*)", " ".join(item.split()), re.DOTALL).groups()
+        out.update({name.strip(): part for name in names.split(",")})
+    return out
+
+
+def test_every_runner_argument_is_documented_and_every_setting_where_the_runner_says():
+    """The runner's own arguments are documented in its groups; every other parameter (a setting)
+    is documented once, in the RunConfig part that declares it, which the runner's docstring names."""
     documented = _documented()
     params = list(inspect.signature(runner.PipelineRunner).parameters)  # every setting too (help(), IDEs)
-    assert sorted(set(params) - set(documented)) == []
-    assert sorted(set(documented) - set(params)) == []
-    for field in config.setting_fields():  # the settings (**settings) carry their type in the docstring
-        assert documented[field.name] == field.type, field.name
+    settings = {f.name for f in config.setting_fields()}
+    assert sorted(set(params) - settings - set(documented)) == []
+    assert sorted(set(documented) - set(params)) == [] and not set(documented) & settings
+    pointed = _pointed_to()
+    assert sorted(pointed) == sorted(settings)
+    for part, names in reference.runner_settings():
+        docs = reference.attribute_docs(part)
+        for name in names:
+            assert pointed[name] == part.__name__, name
+            assert docs.get(name, "").strip(), f"{part.__name__}'s docstring does not document {name}"
+    assert sorted(n for _, names in reference.runner_settings() for n in names) == sorted(settings)
+
+
+def test_the_api_page_shows_every_setting_under_the_runner_with_its_default_and_meaning():
+    page = reference.api_markdown()
+    runner_section = page[page.index("::: pipeq.PipelineRunner"):page.index("\n## ", page.index("::: pipeq.PipelineRunner"))]
+    for part, names in reference.runner_settings():
+        docs = reference.attribute_docs(part)
+        fields = {f.name: f for f in dataclasses.fields(part)}
+        for name in names:
+            row = next((line for line in runner_section.splitlines() if line.startswith(f"| `{name}` |")), None)
+            assert row is not None, f"{name} is not listed under the runner"
+            cells = [c.strip() for c in row.split(" | ")]
+            assert cells[1] in (f"`{fields[name].type}`", f"<code>{fields[name].type.replace('|', '&#124;')}</code>")
+            assert cells[2] == f"`{config.setting_default(name)!r}`", name
+            first = re.sub(r"[`\\]", "", docs[name]).split()[:4]
+            assert re.sub(r"[`\\]", "", cells[3]).split()[:4] == first, name
 
 
 def test_the_api_page_lists_every_public_runner_method():

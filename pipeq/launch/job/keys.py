@@ -1,4 +1,11 @@
-"""The job-file keys: each one's TOML type, default, one-line help and section, in one table."""
+"""The job-file keys: each one's TOML type, default, one-line help and section, in one table.
+
+A key that is a run setting (a field of :class:`~pipeq.RunConfig` or of one of its parts, of the
+key's name) declares no default of its own: it is written :data:`RUN`, and its default is read
+from the dataclass field (:func:`pipeq.control.config.setting_default`), but where ``pipeq launch``
+sets another on purpose (:data:`LAUNCH_DEFAULTS`, each with why). Every other key's default is
+declared here, once.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pipeq.control.config import setting_default
+
 __all__ = ["Key", "KEYS", "SECTIONS", "TOML_TYPES", "REQUIRED", "RECIPE_KEYS", "FACTORY_ARGS", "LENGTH_RULE",
-           "field_of"]
+           "RUN", "LAUNCH_DEFAULTS", "field_of"]
 
 #: How long a job trains, as ``pipeq launch --help`` and the README state it.
 LENGTH_RULE = ("a job trains for steps or for epochs, never both: set one of them in the job file; "
@@ -44,6 +53,7 @@ class Key:
     goes_to: str = "job"  # "recipe": the stage processes build from it; "job": the driver uses it
     minimum: int | None = None  # the smallest value an integer key takes
     required: bool = False  # a job file must set it ("loss" too, but with Associated Learning)
+    setting: bool = False  # a run setting: its default is its RunConfig field's (or LAUNCH_DEFAULTS')
 
     @property
     def types(self) -> tuple[type, ...]:
@@ -59,6 +69,24 @@ def _recipe(type_: type | tuple[type, ...], default: Any, help: str, section: st
 
 
 NUMBER = (int, float)
+
+
+class _Run:
+    """The default of a key that is a run setting: its RunConfig field's (see the module)."""
+
+    def __repr__(self) -> str:
+        return "RUN"
+
+
+#: Written as a key's default: the key is a run setting, whose default its RunConfig field declares.
+RUN: Any = _Run()
+
+#: The run settings whose default ``pipeq launch`` sets otherwise than a library runner, with why.
+LAUNCH_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "step_timeout": (300.0, "a job runs unattended: a stage stuck in one action fails the run (and a restart "
+                            "may follow) instead of hanging it; a library cannot know how long a user's "
+                            "actions may take, so a runner's is off"),
+}
 
 #: Every key a job file may set. Types are checked, so a typo or a wrong value fails loudly.
 KEYS: dict[str, Key] = {
@@ -99,9 +127,9 @@ KEYS: dict[str, Key] = {
     "data": Key(str, None, "'pkg.mod:fn': (epoch) -> an iterable of (x, target) batches", "data", required=True),
     "eval_data": Key(str, None, "() -> (x, target) or a list of such batches, evaluated every eval_every steps "
                      "and at the end", "evaluation"),
-    "schedule": Key((str, dict), "1f1b", 'a schedule name, or a table of its name and options '
+    "schedule": Key((str, dict), RUN, 'a schedule name, or a table of its name and options '
                     '({ name = "nwise", distance = 2 })', "schedule"),
-    "microbatches": Key(int, 8, "microbatches each batch is split into", "training", minimum=1),
+    "microbatches": Key(int, RUN, "microbatches each batch is split into", "training", minimum=1),
     "steps": Key(int, None, f"optimizer steps to train ({LENGTH_RULE})", "training", minimum=1),
     "epochs": Key(int, None, "passes over the data to train (instead of steps)", "training", minimum=1),
     "out": Key(str, "pipeq-run", "the output directory: checkpoints, final state, metrics.jsonl, tb/", "output"),
@@ -110,7 +138,7 @@ KEYS: dict[str, Key] = {
     "snapshot_every": Key(int, 0, "every N steps, keep every stage's state in the driver's memory, which a "
                           "restart (max_restarts) loads instead of the newest checkpoint when it is newer; "
                           "0: none", "processes", minimum=0),
-    "fault_tolerance": Key(str, None, '"replicas" (data_parallel >= 2): a replica whose stage fails is left out of '
+    "fault_tolerance": Key(str, RUN, '"replicas" (data_parallel >= 2): a replica whose stage fails is left out of '
                            "that step (the mean over the other replicas' samples) and rebuilt from a healthy one "
                            "for the next; the run goes on", "processes"),
     "checkpoint_every": Key(int, 0, "checkpoint every N steps (0: only the final state)", "output", minimum=0),
@@ -121,47 +149,51 @@ KEYS: dict[str, Key] = {
                        "restarts; each stage's busy time and bubble with trace) in OUT/tb/: by default when the "
                        "tensorboard package is installed (pip install pipeq[tensorboard]); true: an error when it "
                        "is not; false: never", "output"),
-    "placement": Key(dict, None, "[placement] nodes = [[0], [1, 2]]: the processes each node runs (process "
+    "placement": Key(dict, RUN, "[placement] nodes = [[0], [1, 2]]: the processes each node runs (process "
                      "r * n_stages + k is replica r's stage k)", "multi-host"),
-    "threads_per_stage": Key(int, None, "torch threads per stage process (default: cores / stages)", "processes",
+    "threads_per_stage": Key(int, RUN, "torch threads per stage process (default: cores / stages)", "processes",
                              minimum=1),
-    "heartbeat_timeout": Key(NUMBER, 15.0, "seconds of silence before a stage is failed", "processes"),
-    "start_timeout": Key(NUMBER, 120.0, "seconds to wait for every stage (and node) to start", "processes"),
-    "step_timeout": Key(NUMBER, 300.0, "seconds one compute action (forward, backward, step) may take; 0: "
+    "heartbeat_timeout": Key(NUMBER, RUN, "seconds of silence before a stage is failed", "processes"),
+    "start_timeout": Key(NUMBER, RUN, "seconds to wait for every stage (and node) to start", "processes"),
+    "step_timeout": Key(NUMBER, RUN, "seconds one compute action (forward, backward, step) may take; 0: "
                         "no limit", "processes"),
-    "trace": Key(str, None, "write a Chrome trace of every stage's actions there (read it with pipeq report)",
+    "trace": Key(str, RUN, "write a Chrome trace of every stage's actions there (read it with pipeq report)",
                  "output"),
-    "data_parallel": Key(int, 1, "R replicas of the pipeline (R x N processes), gradients all-reduced",
+    "data_parallel": Key(int, RUN, "R replicas of the pipeline (R x N processes), gradients all-reduced",
                          "processes", minimum=1),
-    "tensor_parallel": Key(int, 1, "T processes per stage, on one host (R x N x T), split as tp_plan says",
+    "tensor_parallel": Key(int, RUN, "T processes per stage, on one host (R x N x T), split as tp_plan says",
                            "processes", minimum=1),
-    "stages_per_process": Key(int, None, "model stages per process (virtual stages): interleaved-1f1b and "
+    "stages_per_process": Key(int, RUN, "model stages per process (virtual stages): interleaved-1f1b and "
                               "looped-bfs take any number >= 2; zbv and dualpipev hold 2", "processes", minimum=1),
-    "tp_plan": Key(list, None, 'one table per stage: submodule names to "colwise" / "rowwise"', "processes"),
+    "tp_plan": Key(list, RUN, 'one table per stage: submodule names to "colwise" / "rowwise"', "processes"),
     "rejoin_timeout": Key(NUMBER, 60.0, "with max_restarts: seconds to wait for a lost node to join again (the "
                           "same --node-rank started anew) before its stages are re-placed or the run ends",
                           "multi-host"),
     "min_nodes": Key(int, None, "with max_restarts: the fewest nodes the run goes on with; a node that does not "
                      "rejoin in rejoin_timeout has its stages re-placed on the others (default: every node, "
                      "no re-placement)", "multi-host", minimum=1),
-    "tcp_security": Key(str, "encrypt", 'TCP between hosts: "encrypt" (CURVE on every socket) or "authenticate" '
+    "tcp_security": Key(str, RUN, 'TCP between hosts: "encrypt" (CURVE on every socket) or "authenticate" '
                         "(a Poly1305 MAC on every data message, not encrypted)", "multi-host"),
-    "max_message_mb": Key(int, 256, "the largest tensor (MiB) one stage sends another", "processes"),
-    "shm_slots": Key(int, 4, "one host: shared-memory slots per data channel (0: every tensor in ZeroMQ frames)",
+    "max_message_mb": Key(int, RUN, "the largest tensor (MiB) one stage sends another", "processes"),
+    "shm_slots": Key(int, RUN, "one host: shared-memory slots per data channel (0: every tensor in ZeroMQ frames)",
                      "processes"),
     "data_args": Key(dict, {}, "keyword arguments of data", "data"),
     "eval_data_args": Key(dict, {}, "keyword arguments of eval_data", "evaluation"),
     "metrics": Key(dict, {}, "eval metrics: name -> 'pkg.mod:fn', (output, target) -> float", "evaluation"),
     "lr_scheduler_monitor": Key(str, None, "what a ReduceLROnPlateau is stepped with after each epoch (default: "
                                 "eval_loss, or train_loss without eval_data)", "training"),
-    "precision": Key(str, "fp32", '"fp32", "bf16" or "fp16" (autocast; fp16 with loss scaling)', "numerics"),
-    "clip_grad_norm": Key(NUMBER, None, "clip the gradients by their global norm over every stage", "numerics"),
-    "clip_norm_type": Key(NUMBER, 2.0, "the p of clip_grad_norm's norm", "numerics"),
-    "check_finite": Key((bool, str), False, 'false, "raise" (or true): fail naming the first NaN or Inf, or '
+    "precision": Key(str, RUN, '"fp32", "bf16" or "fp16" (autocast; fp16 with loss scaling)', "numerics"),
+    "clip_grad_norm": Key(NUMBER, RUN, "clip the gradients by their global norm over every stage", "numerics"),
+    "clip_norm_type": Key(NUMBER, RUN, "the p of clip_grad_norm's norm", "numerics"),
+    "check_finite": Key((bool, str), RUN, 'false, "raise" (or true): fail naming the first NaN or Inf, or '
                         '"skip": skip a step whose gradients are not finite', "numerics"),
-    "recompute": Key((bool, list), False, "recompute each stage's forward in its backward (or one boolean per "
+    "recompute": Key((bool, list), RUN, "recompute each stage's forward in its backward (or one boolean per "
                      "stage): less activation memory", "numerics"),
 }
+
+KEYS = {name: dataclasses.replace(key, default=LAUNCH_DEFAULTS[name][0] if name in LAUNCH_DEFAULTS
+                                  else setting_default(name), setting=True) if key.default is RUN else key
+        for name, key in KEYS.items()}
 
 #: The keys a job file must set (and ``loss``, but with Associated Learning).
 REQUIRED: tuple[str, ...] = tuple(name for name, key in KEYS.items() if key.required)

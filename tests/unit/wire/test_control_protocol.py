@@ -251,7 +251,7 @@ class Run:
         self.server = FakeServer()
         self.teardowns = 0
         self.sup = Supervisor(self.server, {}, n_stages=n, n_processes=n, n_nodes=2,  # type: ignore[arg-type]
-                              heartbeat_timeout=60.0, teardown=self.teardown, **kw)
+                              heartbeat_timeout=60.0, teardown=self.teardown, **{"step_timeout": None, **kw})
         self.sup.expect_heartbeats()
 
     def teardown(self) -> None:
