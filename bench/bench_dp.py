@@ -137,7 +137,7 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
         ys = [torch.randn(n, width, generator=g) for n in sizes]  # targets, or output gradients
         # stage k's link to its replicas, as in a stage process (no driver: nobody sends EXIT)
         transport = ProcessTransport([replica * n_stages + stage], "inproc://no-driver", bind=BindTo.ipc(ipc_dir),
-                                     queue_capacity=4)
+                                     queue_capacity=4, spin_s=0.0, max_frame_bytes=256 << 20)
         dp = dataparallel.Replicas(transport.stages[0], transport.senders[0], BindTo.ipc(ipc_dir), stage=stage,
                                    replica=replica,
                                    replicas=replicas, params=params, buffers=[]) if replicas > 1 else None

@@ -22,7 +22,7 @@ marked "disturbed".
                        from ``make_ipc_dir``): process 0 ``send_activation``s, process 1
                        ``wait_data(forward_queue, step, i)``s each message in order. When this
                        checkout's ProcessTransport takes ``shm=`` (and ``pipeq.wire.shm`` imports) the
-                       column passes ``shm=ShmConfig(prefix="pipeq-bench-<pid>-<random>")``
+                       column passes ``shm=ShmConfig(prefix="pipeq-bench-<pid>-<random>", slots=4, max_bytes=256 MiB)``
                        and a second column, "pipeq ipc, zmq frames", runs the same without it
                        (the before/after in one run); otherwise it is labelled "(no shm)".
       tcp encrypt      the same transports bound on tcp 127.0.0.1 with
@@ -180,7 +180,7 @@ def _wire(rank: int, side: Any, mode: str, ipc_dir: str, secret: Any, shm_prefix
         shm_cls = shm_config_class()
         if shm_cls is None:
             raise RuntimeError("shm requested, but ProcessTransport takes no shm= here")
-        kw["shm"] = shm_cls(prefix=shm_prefix)  # one run: both ends name the same segments
+        kw["shm"] = shm_cls(prefix=shm_prefix, slots=4, max_bytes=MAX_FRAME)  # one run: both ends name the same segments
     ctrl = None
     if rank == 1:
         ctrl = ControlServer(bind, auth)
@@ -495,7 +495,7 @@ def section_throughput(a: argparse.Namespace, shm: bool) -> None:
           f"{WARMUP_ROUNDS} warm-up rounds (gloo, memcpy: 1) ===")
     print("    pipeq: ProcessTransport.send_activation -> wait_activation in order, ack = one send_gradient "
           "back; both pinned, 1 thread")
-    print(f"    {ipc_label}: bound on ipc" + (", shm=ShmConfig(prefix=...) (defaults otherwise)" if shm else
+    print(f"    {ipc_label}: bound on ipc" + (", shm=ShmConfig(prefix=..., slots=4, max_bytes=256 MiB)" if shm else
                                              "  [this checkout's ProcessTransport takes no shm=]"))
     print(f"    {_background_line()}\n", flush=True)
     secret = JobSecret.generate()

@@ -127,8 +127,8 @@ def _secret(rz: Rendezvous) -> JobSecret:
 
 def _tell_driver(control: str, rz: Rendezvous, message: str) -> None:
     """Send one ERROR to the driver (so it fails at once, naming this node), then hang up."""
-    # the control channel is CURVE-encrypted whatever the run's tcp_security
-    link = DriverLink(control, rz.node_rank, linger_ms=2000, auth=WireAuth(_secret(rz)))
+    # the control channel is CURVE-encrypted whatever the run's tcp_security: either mode reaches it
+    link = DriverLink(control, rz.node_rank, linger_ms=2000, auth=WireAuth(_secret(rz), "encrypt"))
     try:
         link.send(protocol.message(ErrorReply(message=message)))
     finally:

@@ -44,7 +44,7 @@ class WireAuth:
     measurements)."""
 
     secret: JobSecret
-    mode: str = "encrypt"
+    mode: str  # the run's tcp_security (pipeq.WireConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in SECURITY_MODES:

@@ -69,9 +69,9 @@ class ShmConfig:
     least ``min_bytes`` travel through a slot, smaller ones in ZeroMQ frames."""
 
     prefix: str
-    slots: int = 4
+    slots: int  # the run's shm_slots (pipeq.WireConfig)
+    max_bytes: int  # the run's max_message_mb, in bytes
     min_bytes: int = 64 << 10
-    max_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if not self.prefix or "/" in self.prefix or not self.prefix.isprintable():

@@ -30,13 +30,14 @@ from pipeq.wire.security import FrameMac, WireAuth, seals_data, secure_client
 from pipeq.wire.shm import CudaSlotReader, ShmConfig, SlotReader
 from pipeq.wire.sockets import BindTo, data_inlet, tune_socket
 
-__all__ = ["StageInbox", "DEFAULT_MAX_FRAME"]
-
-DEFAULT_MAX_FRAME = 256 << 20
+__all__ = ["StageInbox"]
 
 
 class StageInbox:
     """What one stage receives, filed where its event loop looks (see the module). Not thread-safe.
+
+    ``spin_s``: how long a wait for data busy-polls first; ``max_frame_bytes``: inbound data frames
+    above this are refused before they are buffered (both the run's, :class:`pipeq.WireConfig`).
 
     ``shm``: large tensors from this stage's neighbours travel through shared memory
     (:mod:`pipeq.wire.shm`; ipc only: every neighbour is on this host); with a CUDA ``device``
@@ -44,8 +45,8 @@ class StageInbox:
 
     def __init__(
         self, inbox: Inbox, process: int, control_addr: str, *, bind: BindTo, queue_capacity: int,
-        spin_s: float = 0.0, auth: WireAuth | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME,
-        shm: ShmConfig | None = None, device: torch.device | None = None,
+        spin_s: float, max_frame_bytes: int, auth: WireAuth | None = None, shm: ShmConfig | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.inbox = inbox
         self.process = process

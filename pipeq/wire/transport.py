@@ -24,7 +24,7 @@ from pipeq.wire.messages import Message
 from pipeq.wire.security import WireAuth
 from pipeq.wire.shm import ShmConfig
 from pipeq.wire.sockets import BindTo
-from pipeq.wire.stage_inbox import DEFAULT_MAX_FRAME, StageInbox
+from pipeq.wire.stage_inbox import StageInbox
 from pipeq.wire.stage_link import StageSender
 
 __all__ = ["ProcessTransport"]
@@ -41,8 +41,8 @@ class ProcessTransport:
     cross through CUDA IPC then (see :class:`~pipeq.wire.stage_inbox.StageInbox`)."""
 
     def __init__(
-        self, processes: Sequence[int], control_addr: str, *, bind: BindTo, queue_capacity: int, spin_s: float = 0.0,
-        auth: WireAuth | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME, shm: ShmConfig | None = None,
+        self, processes: Sequence[int], control_addr: str, *, bind: BindTo, queue_capacity: int, spin_s: float,
+        max_frame_bytes: int, auth: WireAuth | None = None, shm: ShmConfig | None = None,
         device: torch.device | None = None,
     ) -> None:
         self.inbox = Inbox(auth, bind.scheme == "tcp")

@@ -17,6 +17,8 @@ class OneStage:
     ``rx`` and ``tx`` are its stage's receiving and sending halves."""
 
     def __init__(self, process: int, control_addr: str, **kwargs: Any) -> None:
+        kwargs.setdefault("spin_s", 0.0)  # these tests wait in the poller
+        kwargs.setdefault("max_frame_bytes", 256 << 20)
         self.transport = ProcessTransport([process], control_addr, **kwargs)
         self.process = process
         self.rx = self.transport.stages[0]

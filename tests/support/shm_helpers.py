@@ -27,7 +27,7 @@ def transport_pair(slots: int = 4, min_bytes: int = 64 << 10, capacity: int = 64
     directory (the caller's to remove), else one of their own."""
     own = where is None
     where = make_ipc_dir() if where is None else where
-    cfg = ShmConfig(shm.run_prefix(where), slots=slots, min_bytes=min_bytes)
+    cfg = ShmConfig(shm.run_prefix(where), slots=slots, max_bytes=256 << 20, min_bytes=min_bytes)
     a = OneStage(0, control, bind=BindTo.ipc(where), queue_capacity=capacity, shm=cfg)
     b = OneStage(1, control, bind=BindTo.ipc(where), queue_capacity=capacity, shm=cfg)
     done = False

@@ -134,6 +134,24 @@ def test_what_a_stage_process_is_told_declares_no_defaults():
         assert with_default == [], kind.__name__
 
 
+def test_the_wire_takes_the_run_settings_it_needs_without_a_default_of_its_own():
+    """spin, max_message_mb, shm_slots and tcp_security reach the transport from the run's
+    settings: its classes take them as arguments with no default (once, a transport's spin
+    defaulted to 0.0 while the run's was 0.01)."""
+    import inspect
+
+    from pipeq.wire.security import WireAuth
+    from pipeq.wire.shm import ShmConfig
+    from pipeq.wire.stage_inbox import StageInbox
+    from pipeq.wire.transport import ProcessTransport
+
+    for cls in (ProcessTransport, StageInbox):
+        params = inspect.signature(cls).parameters
+        assert [n for n in ("spin_s", "max_frame_bytes") if params[n].default is not inspect.Parameter.empty] == [], cls
+    fields = {f.name: f for f in dataclasses.fields(ShmConfig)} | {f.name: f for f in dataclasses.fields(WireAuth)}
+    assert [n for n in ("slots", "max_bytes", "mode") if fields[n].default is not dataclasses.MISSING] == []
+
+
 def test_the_default_numerics_are_plain():
     """The stages' ``Numerics()`` is plain computation (no option on); the run's defaults are that."""
     assert RunConfig().numerics_for(3) == Numerics()

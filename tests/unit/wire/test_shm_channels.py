@@ -273,7 +273,7 @@ def slotted(ref, shape=(256,)) -> list[bytes]:
 @pytest.fixture
 def pool():
     """A writer and a reader of channel F0 (slots 0..1) under a fresh prefix: (cfg, writer, reader)."""
-    cfg = ShmConfig(f"pipeq-test{os.getpid()}x{time.monotonic_ns()}", slots=2, min_bytes=64)
+    cfg = ShmConfig(f"pipeq-test{os.getpid()}x{time.monotonic_ns()}", slots=2, max_bytes=256 << 20, min_bytes=64)
     writer = SlotWriter(cfg, "F0", idle=lambda: None)
     reader = SlotReader(cfg, "F0", "stage process 1")
     try:
@@ -353,7 +353,8 @@ def test_forged_slot_references_are_refused(pool):
 def test_segments_of_another_channel_or_run_cannot_be_named(pool):
     cfg, writer, reader = pool
     other_channel = SlotWriter(cfg, "F1", idle=lambda: None)
-    other_run = SlotWriter(ShmConfig(cfg.prefix + "y", slots=2, min_bytes=64), "F0", idle=lambda: None)
+    other_run = SlotWriter(ShmConfig(cfg.prefix + "y", slots=2, max_bytes=256 << 20, min_bytes=64), "F0",
+                           idle=lambda: None)
     try:
         for w in (other_channel, other_run):
             assert w.put([torch.ones(1024, dtype=torch.uint8)]) == (0, 1)

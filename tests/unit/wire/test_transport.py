@@ -19,7 +19,7 @@ from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
 from one_stage import OneStage
 
-AUTH = WireAuth(JobSecret.generate())
+AUTH = WireAuth(JobSecret.generate(), "encrypt")
 
 
 def encode_frames(msg: Message) -> list[bytes]:
