@@ -57,7 +57,7 @@ from pipeq.trace.format import I as TRACE_I
 from pipeq.trace.format import OPT_STEP as TRACE_OPT_STEP
 from pipeq.trace.format import W as TRACE_W
 
-__all__ = ["ProcessPlan", "execute", "combined", "ChunkError", "Note"]
+__all__ = ["ProcessPlan", "execute", "on_chunk", "combined", "ChunkError", "Note"]
 
 #: ``note(code, microbatch, chunk)``: a compute action starts on a chunk (the event loop's record
 #: for ``step_timeout``)
@@ -104,10 +104,10 @@ class ProcessPlan:
         microbatch j of this step is ``(step, j)``). An executor that predates ``inputs`` is
         never handed the argument when there are none."""
         if not (training and self.cursor is not None):
-            for ex, part in zip(exs, parts):
+            for c, (ex, part) in enumerate(zip(exs, parts)):
                 more = {"inputs": part["inputs"]} if part.get("inputs") is not None else {}
-                ex.begin(step, sizes, training, part.get("x"), part.get("target"), part.get("weights"),
-                         aux_weights=part.get("aux_weights"), **more)
+                on_chunk(exs, c, ex.begin, step, sizes, training, part.get("x"), part.get("target"),
+                         part.get("weights"), aux_weights=part.get("aux_weights"), **more)
             return self.actions(len(sizes), training), None
         (ex,), (part,) = exs, parts  # a schedule that streams holds one stage per process
         done = [g for g in self.keys if g < self.cursor.next_b]
@@ -126,6 +126,17 @@ class ProcessPlan:
     def _lower(self, acts: list[Action]) -> list[Action]:
         k, n = self.process, self.n_stages
         return lower_stage(acts, recv_act=k > 0, send_act=k < n - 1, recv_grad=k < n - 1, send_grad=k > 0)
+
+
+def on_chunk(exs: Sequence[StageExecutor], c: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` for chunk ``c`` of a process holding the stages ``exs``: a failure
+    in a process of several stages is raised as a :class:`ChunkError` naming the stage."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        if len(exs) == 1 or isinstance(exc, ChunkError):
+            raise
+        raise ChunkError(exs[c].index, c, exc) from exc
 
 
 def execute(exs: Sequence[StageExecutor], actions: Sequence[Action], traces: Sequence[Any] | None = None,

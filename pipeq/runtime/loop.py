@@ -52,7 +52,7 @@ from pipeq import schedules
 from pipeq.runtime.batch_command import batch_parts
 from pipeq.runtime.config import ChunkConfig, WorkerConfig
 from pipeq.runtime.faults import inject
-from pipeq.runtime.interpreter import ChunkError, ProcessPlan, execute
+from pipeq.runtime.interpreter import ProcessPlan, execute, on_chunk
 from pipeq.runtime.links import PeerLinks, swap_ties
 from pipeq.runtime.requests import STATS, Emit, Recv, Send, SwapTies
 from pipeq.schedules import Op
@@ -224,7 +224,8 @@ class EventLoop:
         parts = []
         for ch, (cmd, msg) in zip(self.chunks, given):
             ex = ch.executor
-            x, target, inputs = batch_parts(cmd, msg.tensors, ch.stage, ex.is_first, ex.needs_target and training)
+            x, target, inputs = on_chunk(self.executors, ch.c, batch_parts, cmd, msg.tensors, ch.stage, ex.is_first,
+                                         ex.needs_target and training)
             parts.append({"x": x, "target": target, "inputs": inputs, "weights": getattr(cmd, "weights", None),
                           "aux_weights": getattr(cmd, "aux_weights", None)})
         actions, keys = self.plan.begin(self.executors, step, cmd0.sizes, training, parts,
@@ -242,12 +243,8 @@ class EventLoop:
                 ch.links.note_train(cmd.shares)
         fault = self.cfg.fault
         for ch in self.chunks if fault is not None else ():
-            try:
-                inject(fault, ch.stage, step, self.cfg.replica, lambda code, j, c=ch.c: self.note(code, j, c))
-            except Exception as exc:
-                if len(self.chunks) == 1:
-                    raise
-                raise ChunkError(ch.stage, ch.c, exc) from exc
+            on_chunk(self.executors, ch.c, inject, fault, ch.stage, step, self.cfg.replica,
+                     lambda code, j, c=ch.c: self.note(code, j, c))
 
     def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:
         """Run ``actions``, answering the interpreter's requests with the transport. Messages are
