@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -165,28 +163,6 @@ def tied_copies(runner, stages) -> list[torch.Tensor]:
         tied = {t.name for t in info_of(stages[g % n]).ties}
         out += [t for name, t in zip(names, tensors) if name in tied]
     return out
-
-
-_SEEDED_SPLITS: dict[str, tuple] = {}
-
-
-def seeded_gpt_split(**how) -> tuple[TinyGPT, list[nn.Module]]:
-    """What ``torch.manual_seed(0); model = TinyGPT(); pipeq.split(model, (idx,), {"mask": mask,
-    "pos": pos}, **how)`` gives, with ``gpt_batch(2)``'s example: the model and its stages, a deep
-    copy of both for each caller (who may train them), and torch's RNG as the split left it. The
-    trace (torch.export, a second or two) is made once per ``how`` in a run."""
-    import pipeq
-
-    key = repr(sorted(how.items()))
-    if key not in _SEEDED_SPLITS:
-        torch.manual_seed(0)
-        model = TinyGPT()
-        idx, mask, pos, _ = gpt_batch(2)
-        stages = pipeq.split(model, (idx,), {"mask": mask, "pos": pos}, **how)
-        _SEEDED_SPLITS[key] = (model, stages, torch.get_rng_state())
-    model, stages, rng = _SEEDED_SPLITS[key]
-    torch.set_rng_state(rng)
-    return copy.deepcopy((model, stages))
 
 
 def gpt_runs(n_steps: int = 3, batch: int = 4) -> list[tuple[torch.Tensor, ...]]:

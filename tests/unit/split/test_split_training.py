@@ -9,27 +9,26 @@ import pytest
 import torch
 
 import pipeq
-from split_models import (TinyGPT, assert_state_close, gpt_runs, lm_loss, pipeline_losses, reference_losses,
-                          seeded_gpt_split, skip_case, tied_copies)
+from split_models import (TinyGPT, assert_state_close, gpt_batch, gpt_runs, lm_loss, pipeline_losses,
+                          reference_losses, skip_case, tied_copies)
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 BY_NAME = [["tok_emb", "pos_emb", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "norm", "lm_head"]]
 
 
-def _gpt_split(how):
-    """The TinyGPT made after torch.manual_seed(0), and its split: by module names, or traced
-    (from gpt_batch(2)'s example) into ``how`` stages."""
+def _gpt_split(model, how):
     if how == "names":
-        torch.manual_seed(0)
-        model = TinyGPT()
-        return model, pipeq.split(model, modules=BY_NAME, example_kwargs={"mask": None, "pos": None})
-    return seeded_gpt_split(n_stages=how)
+        return pipeq.split(model, modules=BY_NAME, example_kwargs={"mask": None, "pos": None})
+    idx, mask, pos, _ = gpt_batch(2)
+    return pipeq.split(model, (idx,), {"mask": mask, "pos": pos}, n_stages=how)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "fill-drain"])
 @pytest.mark.parametrize("how", [2, 4, "names"])
 def test_split_gpt_trains_like_one_process(how, schedule):
-    model, stages = _gpt_split(how)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    stages = _gpt_split(model, how)
     batches = gpt_runs()
     ref = copy.deepcopy(model)
     want = reference_losses(ref, batches, 0.1, named=True)
@@ -58,7 +57,9 @@ def test_a_skip_connection_across_split_points_trains_like_one_process():
 
 def test_the_model_state_dict_loads_back_with_its_tied_names():
     """runner.load_state_dict takes the whole model's own state_dict (tied names included)."""
-    model, stages = _gpt_split(2)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    stages = _gpt_split(model, 2)
     other = TinyGPT()
     with pipeq.PipelineRunner(stages, lm_loss, SGD, "1f1b", 2, mode="simulated") as runner:
         runner.load_state_dict(other.state_dict())
@@ -66,7 +67,9 @@ def test_the_model_state_dict_loads_back_with_its_tied_names():
 
 
 def test_model_state_dict_loads_into_the_unsplit_model_strictly(tmp_path):
-    model, stages = _gpt_split(4)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    stages = _gpt_split(model, 4)
     with pipeq.PipelineRunner(stages, lm_loss, SGD, "1f1b", 2, mode="simulated") as runner:
         pipeline_losses(runner, gpt_runs(1), named=True)
         full = runner.model_state_dict()
