@@ -10,8 +10,61 @@ import os
 import time
 
 
+def _children(pid: int) -> list[int] | None:
+    """The children of process ``pid`` (every thread's: a child belongs to the thread that made
+    it), from /proc/PID/task/TID/children; [] if ``pid`` is gone, None where the kernel has no
+    such file (built without CONFIG_PROC_CHILDREN)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    out: list[int] = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread ended meanwhile
+            return None
+        except OSError:
+            continue
+    return out
+
+
+def _info(pid: int) -> tuple[str, str, str] | None:
+    """(state, comm, cmdline) of process ``pid``; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[0], stat[stat.index("(") + 1 : stat.rindex(")")], cmd
+
+
 def _descendants(root: int) -> list[tuple[int, str, str]]:
-    """(pid, comm, cmdline) of every live descendant of ``root`` (Linux /proc)."""
+    """(pid, comm, cmdline) of every live descendant of ``root`` (Linux /proc): the tree under
+    ``root`` read from the kernel's lists of children (a test's tree is a handful of processes;
+    a machine may run hundreds), else every process's parent from a scan of /proc."""
+    out, todo = [], [root]
+    while todo:
+        children = _children(todo.pop())
+        if children is None:
+            return _descendants_by_scan(root)
+        for c in children:
+            info = _info(c)
+            if info is None:
+                continue
+            todo.append(c)  # a zombie's children (it is not reaped yet) still run
+            if info[0] != "Z":  # a zombie is already dead
+                out.append((c, info[1], info[2]))
+    return out
+
+
+def _descendants_by_scan(root: int) -> list[tuple[int, str, str]]:
+    """As :func:`_descendants`, from every process's parent (a scan of all of /proc)."""
     children: dict[int, list[int]] = {}
     info: dict[int, tuple[str, str]] = {}
     for entry in os.listdir("/proc"):

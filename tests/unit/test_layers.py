@@ -16,6 +16,7 @@ page_rows for how the page names one).
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 
@@ -60,6 +61,19 @@ def path_of(module: str) -> str:
     return os.path.join(PACKAGE, *module.split(".")) + ".py"
 
 
+@functools.lru_cache(maxsize=None)
+def source_of(module: str) -> str:
+    """``module``'s source, read once per run (every check here reads every module)."""
+    with open(path_of(module)) as f:
+        return f.read()
+
+
+@functools.lru_cache(maxsize=None)
+def tree_of(module: str) -> ast.Module:
+    """``module``'s syntax tree, parsed once per run (the checks only read it)."""
+    return ast.parse(source_of(module))
+
+
 def _matches(module: str, pattern: str) -> bool:
     return module.startswith(pattern) if pattern.endswith(".") else module == pattern
 
@@ -92,8 +106,13 @@ def _resolve(name: str, known: set[str]) -> str | None:
 
 def imports(module: str) -> set[str]:
     """The pipeq modules ``module`` imports, anywhere in its source (relative imports too)."""
+    return set(_imports(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(module: str) -> frozenset[str]:
     known = set(modules())
-    tree = ast.parse(open(path_of(module)).read())
+    tree = tree_of(module)
     package = module.split(".")[:-1]
     typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _type_checking(block.test)
                    for stmt in block.body for n in ast.walk(stmt)}
@@ -116,7 +135,7 @@ def imports(module: str) -> set[str]:
         elif isinstance(node, ast.Import):
             out.update(_resolve(a.name[6:], known) for a in node.names if a.name.startswith("pipeq."))
     out.discard(module)
-    return {m for m in out if m is not None}
+    return frozenset(m for m in out if m is not None)
 
 
 def _type_checking(test: ast.expr) -> bool:
@@ -168,7 +187,7 @@ def test_only_the_wire_uses_the_codec():
 
 
 def _imports_zmq(module: str) -> bool:
-    tree = ast.parse(open(path_of(module)).read())
+    tree = tree_of(module)
     return any(isinstance(n, ast.Import) and any(a.name.split(".")[0] == "zmq" for a in n.names)
                or isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "zmq"
                for n in ast.walk(tree))
@@ -179,7 +198,7 @@ def test_schedules_are_pure():
     for m in pure:
         impure = sorted(d for d in imports(m) if d not in pure)
         assert impure == [], f"{m} imports {impure}"
-        tree = ast.parse(open(path_of(m)).read())
+        tree = tree_of(m)
         third = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         third |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
         assert not third & {"torch", "zmq", "numpy", "msgpack"}, f"{m} imports {sorted(third)}"
@@ -187,7 +206,7 @@ def test_schedules_are_pure():
 
 def _names(module: str) -> set[str]:
     """The identifiers a module's code uses (names, attributes, imported names): not its prose."""
-    tree = ast.parse(open(path_of(module)).read())
+    tree = tree_of(module)
     out: set[str] = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Name):
@@ -209,10 +228,10 @@ def test_only_research_names_the_research_schedules():
 def test_nothing_outgrows_its_job():
     long = []
     for m in modules():
-        src = open(path_of(m)).read()
+        src = source_of(m)
         if len(src.splitlines()) > MAX_MODULE:
             long.append(f"{m}: {len(src.splitlines())} lines")
-        for node in ast.walk(ast.parse(src)):
+        for node in ast.walk(tree_of(m)):
             size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
             if isinstance(node, ast.ClassDef) and size > MAX_CLASS:
                 long.append(f"{m}:{node.name}: class of {size} lines")
@@ -250,7 +269,7 @@ def test_no_class_is_assembled_from_mixins():
 
 
 def test_the_runner_constructor_is_short():
-    tree = ast.parse(open(path_of("control.runner")).read())
+    tree = tree_of("control.runner")
     init = next(n for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "PipelineRunner"
                 for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     body = init.body[1:] if isinstance(init.body[0], ast.Expr) else init.body  # past a docstring
@@ -258,7 +277,7 @@ def test_the_runner_constructor_is_short():
 
 
 def test_every_module_has_a_docstring_line():
-    missing = [m for m in modules() if not ast.get_docstring(ast.parse(open(path_of(m)).read()))]
+    missing = [m for m in modules() if not ast.get_docstring(tree_of(m))]
     assert missing == []
 
 

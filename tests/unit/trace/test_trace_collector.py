@@ -4,7 +4,9 @@ time axis, in this process.
 
 The two stages run as threads (tests/support/inproc.py) whose clocks are set apart from the
 driver's, as the clocks of processes on other hosts are: ``time.perf_counter_ns`` answers each
-stage thread with its own offset.
+stage thread with its own offset. Every clock is moved ahead of the real one, never back: a real
+``perf_counter_ns`` counts from its host's boot and is never negative (the TIME message refuses a
+negative one), so a stage clock "behind" the driver's is one that is less far ahead.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from inproc import InProcessPipeline
 from pipeq.trace.format import load_trace
 
 DAY_NS = 86_400 * 10**9
-#: each stage thread's clock, ahead of (behind) the driver's by this much
-OFFSETS = {"inproc-stage0": -3_600 * 10**9, "inproc-stage1": 3 * DAY_NS}
+#: the driver's clock (every thread but the stages'), ahead of the real one by this much
+DRIVER_AHEAD = DAY_NS
+#: each stage thread's clock, ahead of the real one: stage 0's an hour behind the driver's, stage 1's
+#: three days ahead of it
+AHEAD = {"inproc-stage0": DRIVER_AHEAD - 3_600 * 10**9, "inproc-stage1": DRIVER_AHEAD + 3 * DAY_NS}
 SLACK_US = 20_000.0  # clock alignment is good to half the fastest round trip; generous for a busy machine
 
 
@@ -31,7 +36,7 @@ def stage_clocks(monkeypatch):
     real = time.perf_counter_ns
 
     def clock() -> int:
-        return real() + OFFSETS.get(threading.current_thread().name, 0)
+        return real() + AHEAD.get(threading.current_thread().name, DRIVER_AHEAD)
 
     monkeypatch.setattr(time, "perf_counter_ns", clock)
 
@@ -70,5 +75,5 @@ def test_stage_events_land_inside_the_driver_steps_whatever_the_stage_clocks(tmp
             assert by[(0, step, "B", mb)].start_us >= by[(1, step, "B", mb)].end_us - SLACK_US
     # the merged file says how far each stage's clock was from the driver's
     offsets = trace.meta["clock_offsets_us"]
-    assert offsets == [pytest.approx(OFFSETS["inproc-stage0"] / 1e3, abs=SLACK_US),
-                       pytest.approx(OFFSETS["inproc-stage1"] / 1e3, abs=SLACK_US)]
+    assert offsets == [pytest.approx((AHEAD["inproc-stage0"] - DRIVER_AHEAD) / 1e3, abs=SLACK_US),
+                       pytest.approx((AHEAD["inproc-stage1"] - DRIVER_AHEAD) / 1e3, abs=SLACK_US)]
