@@ -17,14 +17,24 @@ from models import flat_state
 
 
 # -- clipping ------------------------------------------------------------------------------------
+def four_stages() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+            nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4)]
+
+
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-@pytest.mark.parametrize("schedule", ["fill-drain", "1f1b"])
+@pytest.mark.parametrize("schedule", ["fill-drain", "1f1b", "zbv", "interleaved-1f1b"])
 def test_clipping_equals_clip_grad_norm_on_the_whole_model(schedule, norm_type):
+    """One stage per process, or two (zbv, interleaved 1F1B: the statistics combine every stage
+    of every process, those of one process in memory)."""
+    stages = mlp() if schedule in ("fill-drain", "1f1b") else four_stages()
     batches = data(3)
-    want = reference(mlp(), batches, clip=0.05, norm_type=norm_type)
-    got, _, _ = run(mlp(), batches, schedule=schedule, clip_grad_norm=0.05, clip_norm_type=norm_type)
+    want = reference(stages, batches, clip=0.05, norm_type=norm_type)
+    got, _, _ = run(stages, batches, schedule=schedule, microbatches=4, clip_grad_norm=0.05,
+                    clip_norm_type=norm_type)
     assert_close(got, want, atol=1e-6)
-    unclipped = reference(mlp(), batches)
+    unclipped = reference(stages, batches)
     assert (got["0.weight"] - unclipped["0.weight"]).abs().max() > 1e-3  # it did clip
 
 
