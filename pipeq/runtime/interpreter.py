@@ -152,14 +152,17 @@ def execute(exs: Sequence[StageExecutor], actions: Sequence[Action], traces: Seq
     while i < n:
         a = actions[i]
         end = i + 1
-        if a.op is Op.STEP:  # the run of STEPs this one starts: taken together
-            while end < n and actions[end].op is Op.STEP:
-                end += 1
         try:
-            if a.op is Op.STEP:
+            if a.op is Op.STEP:  # the run of STEPs this one starts: taken together
+                while end < n and actions[end].op is Op.STEP:
+                    end += 1
                 yield from run.step([b.chunk for b in actions[i:end]])
             else:
-                yield from run.act(a)
+                req = run.act(a)
+                if req is not None:
+                    got = yield req
+                    if type(req) is Recv:
+                        run.file(req, got)
         except ChunkError:
             raise
         except Exception as exc:
@@ -189,20 +192,22 @@ class _Process:
     def _key(self, ex: StageExecutor, j: int) -> tuple[int, int]:
         return self.keys[j] if self.keys is not None else (ex.step_index, j)
 
-    def act(self, a: Action) -> Generator[Request, Any, None]:
-        """Run one action (the requests it needs yielded)."""
+    def act(self, a: Action) -> Request | None:
+        """Run one action other than ``STEP``; the request it needs carried out, if any (a
+        receive's answer is handed to :meth:`file`)."""
         op, j, c = a.op, a.microbatch, a.chunk
         ex = self.exs[c]
         if op is Op.FORWARD or op is Op.BACKWARD:
-            yield from self._compute(op, j, c)
-        elif op is Op.RECV_ACT or op is Op.RECV_GRAD:
+            return self._compute(op, j, c)
+        if op is Op.RECV_ACT or op is Op.RECV_GRAD:
             local, box = (self.prv, self.received) if op is Op.RECV_ACT else (self.nxt, self.grads)
             if local[c] is None:
-                box[c][j] = yield Recv(op, c, j)
-            elif j not in box[c]:  # cannot happen in a dry-run plan
+                return Recv(op, c, j)
+            if j not in box[c]:  # cannot happen in a dry-run plan
                 raise RuntimeError(f"microbatch {j}'s message from stage {self.exs[local[c]].index} "  # type: ignore[index]
                                    "was not handed over yet")
-        elif op is Op.SEND_ACT or op is Op.SEND_GRAD:
+            return None
+        if op is Op.SEND_ACT or op is Op.SEND_GRAD:
             if op is Op.SEND_ACT:
                 out, to, box = self.acts_out[c].pop(j), self.nxt[c], self.received
             else:  # after its backward; or (interlocking) right after its forward: the head's gradient
@@ -210,15 +215,20 @@ class _Process:
                 if out is None:
                     out = ex.early_input_grads(j)
             if to is None:
-                yield Send(op, c, j, ex.for_peer(out))
-            else:  # in memory: the receiving stage detaches it as it would a message
-                box[to][j] = out
-        elif op is Op.INPUT_GRAD or op is Op.WEIGHT_GRAD:  # a split backward: after F and B, which stay lean
+                return Send(op, c, j, ex.for_peer(out))
+            box[to][j] = out  # in memory: the receiving stage detaches it as it would a message
+            return None
+        if op is Op.INPUT_GRAD or op is Op.WEIGHT_GRAD:  # a split backward: after F and B, which stay lean
             self._split_backward(op, j, c)
-        else:  # pragma: no cover - schedules are validated before they reach here
-            raise ValueError(f"stage {ex.index}: cannot execute action {a}")
+            return None
+        raise ValueError(f"stage {ex.index}: cannot execute action {a}")  # (schedules are validated before)
 
-    def _compute(self, op: Op, j: int, c: int) -> Generator[Request, Any, None]:
+    def file(self, req: Recv, tensors: Any) -> None:
+        """What the receive ``req`` got, kept for the compute action that takes it."""
+        box = self.received if req.op is Op.RECV_ACT else self.grads
+        box[req.chunk][req.microbatch] = tensors
+
+    def _compute(self, op: Op, j: int, c: int) -> Emit | None:
         """``F j`` or ``B j`` on chunk ``c``, traced; its output kept for the send that follows
         (or emitted: the last stage's forward-only output, the end of a decode path)."""
         ex, rec, note = self.exs[c], self.recs[c], self.note
@@ -235,16 +245,16 @@ class _Process:
         if op is Op.BACKWARD and ex.training:
             ex.backward_done()
         if out is None:
-            return
+            return None
         if op is Op.FORWARD:
             if ex.is_last:
-                yield Emit(c, j, ex.to_host(out))
-            else:
-                self.acts_out[c][j] = out
+                return Emit(c, j, ex.to_host(out))
+            self.acts_out[c][j] = out
         elif ex.is_first and not ex.training:  # a decode path (AL) ends here: the output
-            yield Emit(c, j, ex.to_host(out))
+            return Emit(c, j, ex.to_host(out))
         else:
             self.grads_out[c][j] = out
+        return None
 
     def _split_backward(self, op: Op, j: int, c: int) -> None:
         """``I j`` (the input gradient, to send back as a ``B``'s) or ``W j`` (the weight

@@ -9,8 +9,7 @@ transport (:mod:`pipeq.runtime.loop`), the simulated engine from its mailbox
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import Mapping, NamedTuple, Sequence, Union
 
 import torch
 
@@ -21,8 +20,7 @@ __all__ = ["Recv", "Send", "Emit", "SwapTies", "Request", "STATS"]
 STATS = -2  # the microbatch number of the step statistics' messages (never a real microbatch)
 
 
-@dataclass(frozen=True, slots=True)
-class Recv:
+class Recv(NamedTuple):
     """Chunk ``chunk``'s activation (``op`` is ``Op.RECV_ACT``, from the previous stage) or
     gradient (``Op.RECV_GRAD``, from the next) of microbatch ``microbatch``: the caller sends back
     its tensors (a :class:`pipeq.stage.microbatch.Packed` for a tree)."""
@@ -32,8 +30,7 @@ class Recv:
     microbatch: int
 
 
-@dataclass(frozen=True, slots=True)
-class Send:
+class Send(NamedTuple):
     """Send ``tensors`` of microbatch ``microbatch`` from chunk ``chunk``: to the next stage
     (``op`` is ``Op.SEND_ACT``; a tree comes as a :class:`pipeq.stage.microbatch.Packed`) or the
     previous one (``Op.SEND_GRAD``)."""
@@ -44,8 +41,7 @@ class Send:
     tensors: Sequence[torch.Tensor]
 
 
-@dataclass(frozen=True, slots=True)
-class Emit:
+class Emit(NamedTuple):
     """A forward-only result of chunk ``chunk`` (the last stage's output, or the end of a decode
     path on stage 0): the caller hands it to whoever asked for the batch."""
 
@@ -54,8 +50,7 @@ class Emit:
     tensors: Sequence[torch.Tensor]
 
 
-@dataclass(frozen=True, slots=True)
-class SwapTies:
+class SwapTies(NamedTuple):
     """Tied weights' exchange number ``round`` (counted from 1 alike on every stage) with the
     stages of other processes: ``outgoing[c][s]`` goes from chunk c's stage to stage s (the
     caller sends copies). The caller sends everything before it waits for anything, and sends
