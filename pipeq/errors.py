@@ -51,8 +51,9 @@ def format_remote(exc: BaseException) -> str:
 
 
 class StageComputeError(RuntimeError):
-    """A stage's own computation failed (its forward, its loss): the message says which microbatch
-    and shapes, and ends with the cause's type and message, so :func:`error_line` shows it as is."""
+    """A stage's own work failed (its forward, its loss; any action of a process holding several
+    stages, naming the stage): the message says what failed, and ends with the cause's type and
+    message, so :func:`error_line` shows it as is."""
 
 
 def error_line(exc: BaseException) -> str:

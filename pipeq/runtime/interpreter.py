@@ -46,7 +46,7 @@ import time
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 from pipeq import schedules
-from pipeq.errors import error_line
+from pipeq.errors import StageComputeError, error_line
 from pipeq.runtime.requests import STATS, Emit, Recv, Request, Send, SwapTies
 from pipeq.schedules import Action, Op, lower_stage
 from pipeq.stage.executor import StageExecutor, Tensors
@@ -56,6 +56,7 @@ from pipeq.trace.format import F as TRACE_F
 from pipeq.trace.format import I as TRACE_I
 from pipeq.trace.format import OPT_STEP as TRACE_OPT_STEP
 from pipeq.trace.format import W as TRACE_W
+from pipeq.wire.errors import Stopped
 
 __all__ = ["ProcessPlan", "execute", "on_chunk", "combined", "ChunkError", "Note"]
 
@@ -65,7 +66,7 @@ Note = Callable[[int, int, int], None]
 Keys = Mapping[int, tuple[int, int]]
 
 
-class ChunkError(RuntimeError):
+class ChunkError(StageComputeError):
     """An action of stage ``stage`` (chunk ``chunk`` of its process) failed; the cause is chained."""
 
     def __init__(self, stage: int, chunk: int, exc: BaseException) -> None:
@@ -130,11 +131,12 @@ class ProcessPlan:
 
 def on_chunk(exs: Sequence[StageExecutor], c: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` for chunk ``c`` of a process holding the stages ``exs``: a failure
-    in a process of several stages is raised as a :class:`ChunkError` naming the stage."""
+    in a process of several stages is raised as a :class:`ChunkError` naming the stage (the
+    driver's EXIT, :class:`~pipeq.wire.errors.Stopped`, as it is)."""
     try:
         return fn(*args, **kwargs)
     except Exception as exc:
-        if len(exs) == 1 or isinstance(exc, ChunkError):
+        if len(exs) == 1 or isinstance(exc, (ChunkError, Stopped)):
             raise
         raise ChunkError(exs[c].index, c, exc) from exc
 
@@ -158,7 +160,8 @@ def execute(exs: Sequence[StageExecutor], actions: Sequence[Action], traces: Seq
                     end += 1
                 yield from run.step([b.chunk for b in actions[i:end]])
             else:
-                req = run.act(a)
+                op = a.op
+                req = run.compute(op, a.microbatch, a.chunk) if op is Op.FORWARD or op is Op.BACKWARD else run.act(a)
                 if req is not None:
                     got = yield req
                     if type(req) is Recv:
@@ -198,7 +201,7 @@ class _Process:
         op, j, c = a.op, a.microbatch, a.chunk
         ex = self.exs[c]
         if op is Op.FORWARD or op is Op.BACKWARD:
-            return self._compute(op, j, c)
+            return self.compute(op, j, c)
         if op is Op.RECV_ACT or op is Op.RECV_GRAD:
             local, box = (self.prv, self.received) if op is Op.RECV_ACT else (self.nxt, self.grads)
             if local[c] is None:
@@ -228,7 +231,7 @@ class _Process:
         box = self.received if req.op is Op.RECV_ACT else self.grads
         box[req.chunk][req.microbatch] = tensors
 
-    def _compute(self, op: Op, j: int, c: int) -> Emit | None:
+    def compute(self, op: Op, j: int, c: int) -> Emit | None:
         """``F j`` or ``B j`` on chunk ``c``, traced; its output kept for the send that follows
         (or emitted: the last stage's forward-only output, the end of a decode path)."""
         ex, rec, note = self.exs[c], self.recs[c], self.note
@@ -276,26 +279,30 @@ class _Process:
             ex.backward_done()
 
     def step(self, chunks: Sequence[int]) -> Generator[Request, Any, None]:
-        """The optimizer step of ``chunks`` (every chunk of the process, in a plan of several):
-        the replicas' sums, tied weights, statistics (see the module)."""
-        exs = [self.exs[c] for c in chunks]
+        """The optimizer step of ``chunks`` (every chunk of the process, in a plan of several),
+        taken in stage order whatever the order of their STEP actions: the replicas' sums, tied
+        weights, statistics (see the module). A chunk's failure names its stage."""
+        all_exs = self.exs
+        chunks = sorted(chunks, key=lambda c: all_exs[c].index)  # (the statistics go up the chain in it)
+        exs = [all_exs[c] for c in chunks]
         if self.note is not None:
             self.note(TRACE_OPT_STEP, -1, chunks[0])
         t0 = time.perf_counter_ns()
-        tied = [c for c in chunks if self.exs[c].tied is not None]
+        tied = [c for c in chunks if all_exs[c].tied is not None]
         if tied:
             for c in tied:  # the replicas first, then the stages holding a copy
-                self.exs[c].sync_replicas()
+                on_chunk(all_exs, c, all_exs[c].sync_replicas)
             yield from self._swap_ties(tied)
         if exs[0].numerics.combines:
             at = {ex.index: i for i, ex in enumerate(exs)}
             nxt, prv = [at.get(ex.index + 1) for ex in exs], [at.get(ex.index - 1) for ex in exs]
-            total = yield from combined(exs, [ex.step_stats() for ex in exs], nxt, prv, chunks)
-            for ex in exs:
-                ex.apply_step(total)
+            owns = [on_chunk(all_exs, c, all_exs[c].step_stats) for c in chunks]
+            total = yield from combined(exs, owns, nxt, prv, chunks)
+            for c in chunks:
+                on_chunk(all_exs, c, all_exs[c].apply_step, total)
         else:
-            for ex in exs:
-                ex.optimizer_step()
+            for c in chunks:
+                on_chunk(all_exs, c, all_exs[c].optimizer_step)
         t1 = time.perf_counter_ns()
         for c in chunks:
             rec = self.recs[c]
@@ -308,7 +315,7 @@ class _Process:
         into one of the parts it received), the others' through one :class:`SwapTies`."""
         exs = self.exs
         held = {ex.index: c for c, ex in enumerate(exs)}
-        outgoing = {c: exs[c].tied.outgoing() for c in tied}  # type: ignore[union-attr]
+        outgoing = {c: on_chunk(exs, c, exs[c].tied.outgoing) for c in tied}  # type: ignore[union-attr]
         got: dict[int, dict[int, Any]] = {c: {} for c in tied}
         remote: dict[int, dict[int, Any]] = {}
         for c in tied:
@@ -323,7 +330,7 @@ class _Process:
             for c, by_peer in answer.items():
                 got[c].update(by_peer)
         for c in tied:
-            exs[c].tied.add(got[c])  # type: ignore[union-attr]
+            on_chunk(exs, c, exs[c].tied.add, got[c])  # type: ignore[union-attr]
 
 
 def combined(exs: Sequence[StageExecutor], owns: Sequence[StepStats], nxt: Sequence[int | None],

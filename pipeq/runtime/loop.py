@@ -52,9 +52,9 @@ from pipeq import schedules
 from pipeq.runtime.batch_command import batch_parts
 from pipeq.runtime.config import ChunkConfig, WorkerConfig
 from pipeq.runtime.faults import inject
-from pipeq.runtime.interpreter import ProcessPlan, execute, on_chunk
+from pipeq.runtime.interpreter import Keys, ProcessPlan, execute, on_chunk
 from pipeq.runtime.links import PeerLinks, swap_ties
-from pipeq.runtime.requests import STATS, Emit, Recv, Send, SwapTies
+from pipeq.runtime.requests import STATS, Emit, Recv, Request, Send, SwapTies
 from pipeq.schedules import Op
 from pipeq.stage import microbatch
 from pipeq.stage.executor import StageExecutor
@@ -155,7 +155,8 @@ class EventLoop:
             if got is None:
                 continue
             c, msg = got
-            cmd = control.decode(msg)  # a malformed command raises: the driver gets it as ERROR
+            # a malformed command raises: the driver gets it as ERROR, from the stage it was for
+            cmd = on_chunk(self.executors, c, control.decode, msg)
             if isinstance(cmd, Exit):
                 exits.add(c)
                 deadline = deadline or time.monotonic() + EXIT_GRACE_S
@@ -165,7 +166,7 @@ class EventLoop:
                     self.run_batch([batch[k] for k in range(v)])
                     batch.clear()
             else:
-                answer = self.answer(self.chunks[c], cmd, msg)
+                answer = on_chunk(self.executors, c, self.answer, self.chunks[c], cmd, msg)
                 if answer is not None:
                     self.transport.send_control(c, answer)
 
@@ -250,19 +251,21 @@ class EventLoop:
         """Run ``actions``, answering the interpreter's requests with the transport. Messages are
         keyed (step, microbatch); in a stream, ``keys`` gives each microbatch number's key."""
         self._keys = keys
-        gen = execute(self.executors, actions, [ch.trace for ch in self.chunks], keys, self.note)
+        exs = self.executors
+        gen = execute(exs, actions, [ch.trace for ch in self.chunks], keys, self.note)
         value: Any = None
         try:
             while True:
                 req = gen.send(value)
                 self.current = None  # no compute action under way: messages
-                value = self.carry_out(req, step, keys)
+                c = req.chunk if type(req) is not SwapTies else next(iter(req.outgoing))
+                value = on_chunk(exs, c, self.carry_out, req, step, keys)
         except StopIteration:
             pass
         finally:
             self.current = None
 
-    def carry_out(self, req: Any, step: int, keys: Any) -> Any:
+    def carry_out(self, req: Request, step: int, keys: Keys | None) -> Any:
         """One request of the interpreter (:mod:`pipeq.runtime.requests`), carried out with the
         transport; what the interpreter gets back (a receive's tensors)."""
         if type(req) is SwapTies:

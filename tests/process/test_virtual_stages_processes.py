@@ -1,4 +1,4 @@
-"""Several stages per process in process mode: one OS process per pair of stages, equal to one process (uneven microbatches, bf16 with recompute), traced, and a failure named by stage and chunk. (Clipping with replicas: test_numerics.py, for one stage per process and several alike.)"""
+"""Several stages per process in process mode: one OS process per pair of stages, equal to one process (data_parallel=2 with clipping, uneven microbatches, bf16 with recompute), traced, and a failure named by stage and chunk."""
 
 from __future__ import annotations
 
@@ -11,13 +11,30 @@ import torch
 from torch import nn
 
 import pipeq
-from models import Raises, batches64, stages64
+from models import Raises, RefusesLoad, batches64, flat_state, reference_train, stages64
 from runner_cases import assert_matches_reference
 
 pytestmark = pytest.mark.timeout(240)
 
 FAST = dict(start_method="forkserver", threads_per_stage=1)
 SGD64 = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("schedule,n", [("zbv", 4), ("interleaved-1f1b", 4), ("zb-h2", 3)])
+def test_data_parallel_2_with_clipping_equals_full_batch_training(schedule, n):
+    stages = stages64(n)
+    batches = batches64(2, batch=16)  # each replica: 8 samples in 4 microbatches
+    with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, schedule, 4, data_parallel=2,
+                              clip_grad_norm=0.5, **FAST) as r:
+        losses = [r.step(x, y) for x, y in batches]
+        state = r.state_dict()
+        pids = {w["stage"]: w["pid"] for w in r.stage_processes if w["replica"] == 0}
+    if schedule == "zbv":  # V placement: stages 0 and 3 in one process, 1 and 2 in another
+        assert pids[0] == pids[3] and pids[1] == pids[2] and pids[0] != pids[1]
+    model, want = reference_train(stages, nn.CrossEntropyLoss(), SGD64, batches, clip=0.5)
+    assert losses == pytest.approx(want, abs=1e-9)
+    for name, ref in flat_state(model).items():
+        torch.testing.assert_close(state[name], ref, atol=1e-9, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("schedule,n", [("dualpipev", 4), ("interleaved-1f1b", 4), ("looped-bfs", 4), ("zb-h2", 3)])
@@ -54,6 +71,18 @@ def test_a_failing_stage_is_named_by_stage_and_chunk():
         with pytest.raises(pipeq.PipelineError, match=r"stage 2 \(chunk 1 of its process\)") as info:
             r.step(*batches64(1)[0])
     assert info.value.stage == 2
+
+
+def test_a_command_failing_on_one_stage_of_a_process_names_that_stage():
+    """Stage 3 (process 0's chunk 1, V placement) cannot load the state it is given: stage 3 is
+    named, not stage 0, whose process it shares."""
+    torch.manual_seed(0)
+    stages = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), RefusesLoad(4, 4)]
+    with pipeq.PipelineRunner(stages, nn.MSELoss(), SGD64, "zbv", 4, **FAST) as r:
+        state = r.state_dict()
+        with pytest.raises(pipeq.PipelineError, match=r"stage 3 \(chunk 1 of its process\).*cannot load") as info:
+            r.load_state_dict(state)
+    assert info.value.stage == 3
 
 
 def test_checkpoint_resume_in_processes_equals_an_uninterrupted_run(tmp_path):

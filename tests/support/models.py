@@ -156,6 +156,13 @@ class FailingStepSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class RefusesLoad(nn.Linear):
+    """A Linear whose ``load_state_dict`` fails (this stage only)."""
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        raise RuntimeError("RefusesLoad: this stage cannot load state")
+
+
 def reverse_drain(n_stages, n_microbatches):
     """A user schedule: every forward, then the backwards in reverse order, then the step."""
     from pipeq.schedules import B, F, STEP

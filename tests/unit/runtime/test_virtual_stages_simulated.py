@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import pipeq
-from models import Chain, Raises, batches64, flat_state, stages64
+from pipeq import schedules
+from models import Chain, FailingStepSGD, Raises, batches64, flat_state, stages64
 from numerics_cases import assert_close, data
 from numerics_cases import run as run_numerics
 from runner_cases import assert_matches_reference
@@ -111,6 +112,44 @@ def test_a_failing_stage_is_named_with_its_chunk():
         with pytest.raises(pipeq.PipelineError, match=r"stage 2 \(chunk 1 of its process\).*microbatch 0") as info:
             r.step(*batches64(1)[0])
     assert info.value.stage == 2
+
+
+def _steps_reversed(base):
+    """``base``'s plan with each process's two closing STEPs in the other order (a valid plan)."""
+    class Reversed(base):
+        name = f"{base.name}-steps-reversed"
+
+        def plan(self, n, m):
+            return [acts[:-2] + [acts[-1], acts[-2]] for acts in super().plan(n, m)]
+    return Reversed
+
+
+@pytest.mark.parametrize("base,kw", [(schedules.ZBV, {}), (schedules.Interleaved1F1B, {"stages_per_process": 2})],
+                         ids=["zbv", "interleaved"])
+def test_closing_steps_in_another_order_still_combine_the_statistics_in_stage_order(base, kw):
+    """A plan may close with its STEPs in any order: the process steps its stages in stage order
+    (the statistics go up the chain so), the same numbers as the plan in chunk order."""
+    stages, batches = stages64(4), batches64(2)
+    got = {}
+    for schedule in (base(**kw), _steps_reversed(base)(**kw)):
+        with pipeq.PipelineRunner(copy.deepcopy(stages), nn.CrossEntropyLoss(), SGD64, schedule, 4, mode="simulated",
+                                  clip_grad_norm=0.05) as r:
+            got[schedule.name] = ([r.step(x, y) for x, y in batches], r.state_dict())
+    (want, want_state), (losses, state) = got.values()
+    assert losses == want and all(torch.equal(state[k], v) for k, v in want_state.items())
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved-1f1b"])
+def test_a_failing_optimizer_step_names_its_stage(schedule):
+    """Stage 3 shares its process with stage 0 (V) or 1 (looped); its step fails: stage 3 is named."""
+    torch.manual_seed(0)
+    stages = [nn.Linear(8, 8).double(), nn.Linear(8, 8).double(), nn.Linear(8, 8).double(), nn.Linear(8, 5).double()]
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 5, (8,))
+    sgd = functools.partial(FailingStepSGD, lr=0.1)  # fails on the stage of a (5, 8) weight: stage 3
+    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), sgd, schedule, 4, mode="simulated") as r:
+        with pytest.raises(pipeq.PipelineError, match=r"stage 3 \(chunk 1 of its process\).*optimizer step failed") as info:
+            r.step(x, y)
+    assert info.value.stage == 3
 
 
 def test_auto_with_two_stages_per_process_chooses_among_those_schedules_and_trains_as_its_choice():
