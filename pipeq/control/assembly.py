@@ -40,7 +40,7 @@ def configure(config: RunConfig | None, schedule: Any, microbatches: int | None,
     if config is None:
         return RunConfig.from_kwargs(schedule, microbatches, **settings)
     if not isinstance(config, RunConfig):
-        raise ValueError(f"config must be a pipeq.control.config.RunConfig, got {type(config).__name__}")
+        raise ValueError(f"config must be a pipeq.RunConfig, got {type(config).__name__}")
     if settings:
         raise ValueError(f"pass the run's settings in config or as keyword arguments, not both: got config and "
                          f"{', '.join(sorted(settings))}")

@@ -175,11 +175,13 @@ class PlacementConfig:
     """Where stages run: in processes or this one, on which devices, nodes, replicas and shards.
 
     Attributes:
-        mode: ``"process"`` (one process per stage) or ``"simulated"`` (all in this process).
+        mode: ``"process"`` (stage processes: one per stage, or one per ``stages_per_process``
+            stages) or ``"simulated"`` (all in this process).
         devices: one device string per stage; None: ``cuda:k`` round-robin when CUDA is
             available, else ``cpu`` with each stage pinned to its share of the CPU cores (with
             ``tensor_parallel``, each is the device of the stage's shard 0: see there).
-        threads_per_stage: torch threads per stage process (None: cores / stages, at least 1).
+        threads_per_stage: torch threads per stage process (None: this host's cores / its stage
+            processes, at least 1).
         start_method: ``"spawn"`` (every stage a fresh interpreter importing torch,
             all at once: 4-9 s for 3 stages on 2 busy cores) or ``"forkserver"`` (stages fork
             from a server that imports torch once: 2-4 s for the first runner of a process,
@@ -193,12 +195,13 @@ class PlacementConfig:
         tensor_parallel: each stage split over T processes of one host (R x N x T processes),
             on torch's DTensor, as ``tp_plan`` says. With
             ``data_parallel``, each shard's gradients are summed with the same shard of the other
-            replicas. States and checkpoints hold whole tensors (they load at any T). Fill-drain,
-            1F1B and your own schedules; not yet with precision, clipping, check_finite or
-            recompute. On CUDA a stage's T shards run on T different GPUs (NCCL refuses two on one):
-            by default shard s of the host's j-th stage (j = r*N + k for replica r's stage
-            k on one host) on ``cuda:((j*T + s) mod G)``, G the host's GPUs (T consecutive
-            GPUs per stage), and with ``devices`` shard 0 on
+            replicas. States and checkpoints hold whole tensors (they load at any T). Plain
+            backprop's schedules (fill-drain, 1F1B, the zero-bubble and interleaved ones, several
+            stages per process included) and your own; not yet with precision, clipping,
+            check_finite or recompute. On CUDA a stage process's T shards run on T different GPUs
+            (NCCL refuses two on one): by default shard s of the host's j-th stage process (j =
+            r*P + p for replica r's process p of P on one host) on ``cuda:((j*T + s) mod G)``, G the
+            host's GPUs (T consecutive GPUs per process), and with ``devices`` shard 0 on
             ``devices[k]`` = ``cuda:d`` and shard s on ``cuda:((d + s) mod G)``. A run whose
             stage would put two shards on one GPU (T > G) is refused before it starts.
         tp_plan: with ``tensor_parallel``, one plan per stage: a dict mapping submodule names

@@ -6,9 +6,9 @@ are numbered by :class:`Numbering` (``g = replica * n_stages + stage`` for shard
 the other shards of tensor-parallel stages after them). What a stage process is told comes from
 the run's :class:`~pipeq.control.config.RunConfig` here and nowhere else: :meth:`RunSetup.stage_settings`
 is the one place a :class:`~pipeq.runtime.config.StageSettings` is made, :func:`worker_configs` the
-one place a :class:`~pipeq.runtime.config.WorkerConfig` is. A process may hold several stages
-(virtual stages): its processes' numbers ``g`` are then its stages', and :func:`host_process` says
-which process holds which.
+one place a :class:`~pipeq.runtime.config.WorkerConfig` is. An OS process may hold several stages
+(virtual stages): each of them keeps its own number ``g`` (its control channel's, its sockets'),
+and :func:`host_process` says which OS process holds which.
 """
 
 from __future__ import annotations
@@ -207,7 +207,8 @@ def _check_shards_apart(num: Numbering, processes: Sequence[int], plan: Sequence
                 f"{num.where(other)} and shard {num.shard(g)} would both run on cuda:{index}: a stage's "
                 f"tensor_parallel={num.shards} shards need a GPU each (NCCL refuses two on one GPU), and this "
                 f"host has {torch.cuda.device_count()} GPU(s) visible (under torchrun/srun, this node a share of "
-                "them); use fewer shards, or devices= (see pipeq.control.processes.plan_devices)")
+                "them); use fewer shards, or give the stages devices= (pipeq.PlacementConfig.devices says how shards "
+                "are placed)")
 
 
 def worker_configs(
@@ -358,8 +359,6 @@ def job_identity(payload: "bytes | StageBuilder", schedule: Any, numerics: Numer
     """What every node of a multi-host run must agree on (compared by the agents): the schedule
     and its options, the recipe, how the stages compute (precision, clipping...) and, with
     tensor parallelism, how each stage is split (``tp_plans``)."""
-    import dataclasses
-
     from pipeq.trace.format import schedule_label
 
     recipe = payload.describe() if isinstance(payload, StageBuilder) else {}

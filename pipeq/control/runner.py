@@ -3,7 +3,7 @@
     runner = pipeq.PipelineRunner(stages, loss_fn=nn.CrossEntropyLoss(),
                                   optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                   schedule="1f1b", microbatches=8)
-    with runner:                          # starts one process per stage; exit stops them all
+    with runner:                          # starts the stage processes; exit stops them all
         loss = runner.step(x, target)     # one optimizer step on the whole batch -> mean loss
         loss = runner.step(x, target, stage_inputs={"mask": m})  # m straight to the stages taking it
         out = runner.predict(x)           # forward only -> CPU tensor

@@ -146,10 +146,14 @@ class Elastic:
         return self.rz.at(self.generation, nodes=nodes, agent_store=True)
 
     # -- after a failed start ------------------------------------------------------------------------------
-    def regroup(self, n_processes: int | None = None, placement: Any = None) -> Decision:
+    def regroup(self, n_processes: int | None = None, placement: Any = None,
+                place: Callable[[Sequence[int] | None], list[list[int]]] | None = None) -> Decision:
         """A new generation, waited for: every node of the last start that says it is there
         within rejoin_timeout takes part again; what happens to the others, :func:`decide`
-        says (and this logs). ``n_processes``/``placement``: to name the stages re-placed."""
+        says (and this logs). To name the stages re-placed: ``place(alive)``, the processes each
+        node holds when only the nodes ``alive`` take part (the driver's own placement,
+        :func:`pipeq.control.processes.place_leads`), else ``n_processes`` placed by
+        ``placement``, one stage per process."""
         self.generation += 1
         self._point()
         scoped = self.rz.at(self.generation)
@@ -170,7 +174,10 @@ class Elastic:
             self.sleep(_POLL)
         if decision.action == GO and warned:
             decision = dataclasses.replace(decision, rejoined=warned)
-        self._said(decision, n_processes, placement)
+        if place is None and n_processes is not None:
+            count = n_processes
+            place = lambda alive: rdzv.placement_over(count, self.rz.nnodes, alive, placement)  # noqa: E731
+        self._said(decision, place)
         if decision.action == REPLACE:
             self.alive = list(decision.nodes)
             self._point()  # the nodes that take part from now on
@@ -185,7 +192,7 @@ class Elastic:
         return (state == rdzv.VALID and isinstance(value, dict) and value.get("node") == node
                 and value.get("generation") == self.generation)
 
-    def _said(self, decision: Decision, n_processes: int | None, placement: Any) -> None:
+    def _said(self, decision: Decision, place: Callable[[Sequence[int] | None], list[list[int]]] | None) -> None:
         lost, t = decision.lost, self.rejoin_timeout
         if decision.action == GO:
             if decision.rejoined:
@@ -197,18 +204,18 @@ class Elastic:
                      f"{_nodes_text(lost)} again (pipeq launch ... --node-rank {lost[0]}) with --resume on node 0, "
                      f"or allow fewer nodes (--min-nodes {len(decision.nodes)})")
             return
-        moved = self._moved(decision.nodes, n_processes, placement)
+        moved = self._moved(decision.nodes, place)
         what = f"stages {moved}" if moved else f"{_nodes_text(lost)}'s stages"
         self.log(f"{_nodes_text(lost)} did not rejoin within {t:.0f} s; re-placing {what} on "
                  f"{_nodes_text(decision.nodes)} (min_nodes = {self.min_nodes})")
 
-    def _moved(self, nodes: Sequence[int], n_processes: int | None, placement: Any) -> list[int]:
+    def _moved(self, nodes: Sequence[int], place: Callable[[Sequence[int] | None], list[list[int]]] | None,
+               ) -> list[int]:
         """The processes whose node changes (empty if they cannot be told)."""
-        if n_processes is None:
+        if place is None:
             return []
         try:
-            old = rdzv.placement_over(n_processes, self.rz.nnodes, self.alive, placement)
-            new = rdzv.placement_over(n_processes, self.rz.nnodes, nodes, placement)
+            old, new = place(self.alive), place(nodes)
         except ValueError:
             return []
         where = {k: r for r, ks in enumerate(old) for k in ks}

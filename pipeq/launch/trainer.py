@@ -6,7 +6,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, TextIO
+from typing import Any, Sequence, TextIO
 
 from pipeq import checkpoint
 from pipeq.control import rendezvous as rdzv
@@ -143,8 +143,16 @@ class Trainer:
         """Multi-host: wait for the nodes to say they are there for the restart; whether it goes on."""
         # the processes each node leads (only to name the stages re-placed in the log)
         runner = self._loop.runner if self._loop is not None else None
-        n_processes = runner.n_stages * self.job.data_parallel if runner is not None else None
-        decision = elastic.regroup(n_processes, self.job.placement)
+        place = None
+        if runner is not None:  # whole processes (several stages each, with virtual stages) per node
+            from pipeq.control.processes import Numbering, place_leads
+
+            num = Numbering(runner.n_stages, self.job.data_parallel, runner.tensor_parallel)
+            nnodes, schedule, nodes = elastic.rz.nnodes, runner.schedule, self.job.placement
+
+            def place(alive: Sequence[int] | None) -> list[list[int]]:
+                return place_leads(num, schedule, nnodes, alive, nodes)
+        decision = elastic.regroup(place=place)
         if decision.action == GIVE_UP:
             return False
         restarts.note(nodes=len(decision.nodes), lost_nodes=list(decision.lost or decision.rejoined),

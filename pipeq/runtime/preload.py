@@ -15,7 +15,7 @@ import signal
 import torch
 import torch._dynamo  # noqa: F401  (torch.optim imports it on first use)
 
-from pipeq.runtime import worker
+from pipeq.runtime import worker  # noqa: F401  (what every stage process imports)
 
 try:  # a payload from a main without a file (stdin, a notebook) is unpickled with it
     import cloudpickle  # noqa: F401

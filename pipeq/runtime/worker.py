@@ -45,8 +45,6 @@ from pipeq.wire.transport import ProcessTransport
 
 __all__ = ["worker_entry", "select_device"]
 
-Payload = "bytes | StageBuilder"
-
 
 def _orphaned(cfg: WorkerConfig) -> None:
     """The driver is gone (killed, most likely): clean up what it cannot any more, and exit."""

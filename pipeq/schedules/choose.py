@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from pipeq.errors import ScheduleError
-from pipeq.schedules.actions import COMPUTE_OPS, STEP, Action, F, I, Op, Schedule, W
+from pipeq.schedules.actions import STEP, Action, Op, Schedule
 from pipeq.schedules.dryrun import dry_run, stage_costs
 from pipeq.schedules.plan import build, process_stages
 from pipeq.schedules.protocol import SchedulePolicy

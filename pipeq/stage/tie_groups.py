@@ -193,8 +193,9 @@ def refuse_ties(schedule: "SchedulePolicy", stages: Sequence[nn.Module], *, firs
             continue
         held = f"stage {k} holds tied weights ({', '.join(t.key for t in ties)})"
         if not schedule.plain_backprop:
-            raise ValueError(f"{held}, which train with fill-drain, 1f1b and your own schedules of F, B and STEP, "
-                             f"not with schedule {schedule.name!r}: untie them, or pick one of those schedules")
+            raise ValueError(f"{held}, which train with plain backprop's schedules (fill-drain, 1f1b, the zero-bubble "
+                             "and interleaved ones, zbv, dualpipev) and your own schedules of F, B, I, W and STEP, not "
+                             f"with schedule {schedule.name!r}: untie them, or pick one of those schedules")
         if sharded:
             raise ValueError(f"{held}, which do not work with tensor parallelism (tensor_parallel > 1) yet: use "
                              "tensor_parallel=1")

@@ -447,7 +447,7 @@ def planned_trace(schedule: str | schedules.ScheduleFn, n_stages: int, n_microba
     if not unit_us > 0:
         raise ValueError(f"unit_us must be positive, got {unit_us!r}")
     cost = table_costs(costs, backward_cost)
-    n_processes, n_stages = n_stages, n_stages * schedules.resolve(schedule).stages_per_process
+    n_stages = n_stages * schedules.resolve(schedule).stages_per_process  # (n_stages counted processes)
     held = schedules.process_stages(schedule, n_stages)  # with virtual stages, several per process
     lowered = schedules.build(schedule, n_stages, n_microbatches)
     timeline = schedules.dry_run(lowered, cost=cost, stages=held)

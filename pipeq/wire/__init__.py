@@ -53,6 +53,7 @@ Its modules, by job:
     tie_link.py      tied weights' channel
     shard_link.py    tensor-parallel shards: the lead shares, the followers replay
     shm.py, lanes.py one host's payloads (shared-memory slots) and hops (lanes)
+    cuda_slots.py    one host's device payloads (CUDA IPC slots)
     sockets.py       bind addresses, private ipc directories, socket tuning
     security.py      the job's keys at each tcp handshake, a MAC per data message
     frames.py        a Message to the codec's frames and back, aligned

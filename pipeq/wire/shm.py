@@ -32,6 +32,9 @@ A header naming a slot index out of range, a generation that is stale or does no
 slot not handed over (state 0), or sizes larger than the slot, raises :class:`SlotError` naming
 the channel, the slot and the generation. Names are made from the receiver's own idea of the
 channel, so a header can never name another channel's (or another run's) segment.
+
+Device tensors between stage processes on GPUs of one host take CUDA IPC instead, with their
+flags in a segment of this kind: :mod:`pipeq.wire.cuda_slots`.
 """
 
 from __future__ import annotations
@@ -41,20 +44,20 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from pipeq.errors import CodecError
 
-__all__ = ["ShmConfig", "SlotWriter", "SlotReader", "CudaSlotWriter", "CudaSlotReader", "SlotError", "available",
-           "run_prefix", "remove_segments", "layout", "SHM_DIR", "FREE", "FULL", "LENT"]
+__all__ = ["ShmConfig", "SlotWriter", "SlotReader", "SlotError", "Segment", "available", "run_prefix", "remove_segments",
+           "layout", "create_segment", "unlink_segment", "SHM_DIR", "HEAD", "MIN_SLOT", "FREE", "FULL", "LENT"]
 
 SHM_DIR = "/dev/shm"
-_HEAD = 64  # bytes before a slot's data: byte 0 is the state, the data is 64-byte aligned
+HEAD = 64  # bytes before a slot's data: byte 0 is the state, the data is 64-byte aligned
 _ALIGN = 64
-_MIN_SLOT = 1 << 20
+MIN_SLOT = 1 << 20
 FREE, FULL, LENT = 0, 1, 2  # a slot's state byte: the sender fills a FREE one, the receiver lends or frees it
 
 
@@ -126,7 +129,7 @@ def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-class _Segment:
+class Segment:
     """One mapped slot: its file descriptor, mapping and a uint8 tensor over its data area."""
 
     __slots__ = ("name", "gen", "fd", "map", "data", "capacity")
@@ -135,8 +138,8 @@ class _Segment:
         self.name, self.gen, self.fd = name, gen, fd
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in once, now
         self.map = mmap.mmap(fd, size, flags=flags)
-        self.capacity = size - _HEAD
-        self.data = torch.frombuffer(self.map, dtype=torch.uint8, count=self.capacity, offset=_HEAD)
+        self.capacity = size - HEAD
+        self.data = torch.frombuffer(self.map, dtype=torch.uint8, count=self.capacity, offset=HEAD)
 
     @property
     def state(self) -> int:
@@ -164,15 +167,15 @@ class _Segment:
                 pass
 
 
-def _create(name: str, size: int, gen: int) -> _Segment:
+def create_segment(name: str, size: int, gen: int) -> Segment:
     """A new segment ``name`` of ``size`` bytes, this user's only (mode 0600), mapped."""
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
-        return _Segment(name, gen, fd, size)
+        return Segment(name, gen, fd, size)
     except BaseException:
         os.close(fd)
-        _unlink(name)
+        unlink_segment(name)
         raise
 
 
@@ -182,7 +185,7 @@ class SlotWriter:
 
     def __init__(self, cfg: ShmConfig, channel: str, idle: Callable[[], None]) -> None:
         self.cfg, self.channel, self.idle = cfg, channel, idle
-        self._slots: list[_Segment | None] = [None] * cfg.slots
+        self._slots: list[Segment | None] = [None] * cfg.slots
         self._gens = [0] * cfg.slots
         self.waits = 0  # how often a send found every slot busy (back-pressure)
 
@@ -225,23 +228,23 @@ class SlotWriter:
             if spins > 4096:  # a receiver that keeps its slots long: stop burning the core
                 time.sleep(0.0002)
 
-    def _grow(self, i: int, need: int) -> _Segment:
+    def _grow(self, i: int, need: int) -> Segment:
         """(Re)create slot ``i`` with room for ``need`` bytes: a new generation, a new name."""
         old = self._slots[i]
         if old is not None:
-            _unlink(old.name)
+            unlink_segment(old.name)
             old.close()
             self._slots[i] = None
-        size = max(_MIN_SLOT, 1 << max(0, (need + _HEAD - 1).bit_length()))
-        size = min(size, self.cfg.max_bytes + _HEAD)
+        size = max(MIN_SLOT, 1 << max(0, (need + HEAD - 1).bit_length()))
+        size = min(size, self.cfg.max_bytes + HEAD)
         self._gens[i] += 1
-        seg = self._slots[i] = _create(self.cfg.name(self.channel, i, self._gens[i]), size, self._gens[i])
+        seg = self._slots[i] = create_segment(self.cfg.name(self.channel, i, self._gens[i]), size, self._gens[i])
         return seg
 
     def close(self) -> None:
         for i, seg in enumerate(self._slots):
             if seg is not None:
-                _unlink(seg.name)  # usually gone already (the receiver unlinks what it mapped)
+                unlink_segment(seg.name)  # usually gone already (the receiver unlinks what it mapped)
                 seg.close()
                 self._slots[i] = None
 
@@ -258,7 +261,7 @@ class SlotReader:
 
     def __init__(self, cfg: ShmConfig, channel: str, where: str) -> None:
         self.cfg, self.channel, self.where = cfg, channel, where
-        self._maps: dict[int, _Segment] = {}
+        self._maps: dict[int, Segment] = {}
         self.lent = 0  # slots whose tensors are views still alive somewhere
         self.lend = cfg.slots > 1
 
@@ -266,7 +269,7 @@ class SlotReader:
         return SlotError(f"{self.where}: a message names shared-memory slot {slot!r} (generation {gen!r}) of "
                          f"channel {self.channel}, {why}")
 
-    def _segment(self, slot: int, gen: int) -> _Segment:
+    def _segment(self, slot: int, gen: int) -> Segment:
         seg = self._maps.get(slot)
         if seg is not None and seg.gen == gen:
             return seg
@@ -284,13 +287,13 @@ class SlotReader:
             st = os.fstat(fd)
             if hasattr(os, "getuid") and st.st_uid != os.getuid():
                 raise self._fail(slot, gen, f"which belongs to uid {st.st_uid}, not to this user")
-            if st.st_size <= _HEAD:
+            if st.st_size <= HEAD:
                 raise self._fail(slot, gen, f"which is {st.st_size} bytes long")
-            new = _Segment(name, gen, fd, st.st_size)
+            new = Segment(name, gen, fd, st.st_size)
         except BaseException:
             os.close(fd)
             raise
-        _unlink(path)  # both ends have it mapped: the kernel frees it with the last of them
+        unlink_segment(path)  # both ends have it mapped: the kernel frees it with the last of them
         if seg is not None:
             seg.close()
         self._maps[slot] = new
@@ -314,7 +317,7 @@ class SlotReader:
             raise self._fail(slot, gen, f"which holds {seg.capacity} bytes, not the {need} the header announces")
         if self.lend and self.lent < self.cfg.slots - 1:
             os.pwrite(seg.fd, bytes([LENT]), 0)  # no longer FULL: a replayed header is refused
-            under = np.frombuffer(seg.map, dtype=np.uint8, count=need, offset=_HEAD)
+            under = np.frombuffer(seg.map, dtype=np.uint8, count=need, offset=HEAD)
             weakref.finalize(under, self._returned, seg)
             self.lent += 1
             base = torch.from_numpy(under)  # keeps ``under`` alive as long as any view of it
@@ -328,7 +331,7 @@ class SlotReader:
         seg.release()
         return out
 
-    def _returned(self, seg: _Segment) -> None:
+    def _returned(self, seg: Segment) -> None:
         """The last view of a lent slot is gone (in whichever thread dropped it)."""
         self.lent -= 1
         seg.release()
@@ -339,159 +342,9 @@ class SlotReader:
         self._maps.clear()
 
 
-def _unlink(path_or_name: str) -> None:
+def unlink_segment(path_or_name: str) -> None:
     path = path_or_name if path_or_name.startswith("/") else os.path.join(SHM_DIR, path_or_name)
     try:
         os.unlink(path)
     except OSError:
         pass
-
-
-# -- CUDA: device tensors through CUDA IPC --------------------------------------------------------
-# Written for stage processes on GPUs of one host; not exercised on a machine without CUDA.
-#
-#   sender (CudaSlotWriter)                           receiver (CudaSlotReader)
-#   slot i: a device buffer, exported once             opens the buffer and the event once per
-#   (storage._share_cuda_, torch.multiprocessing's      (slot, generation): _new_shared_cuda,
-#   mechanism) and an interprocess event               Event.from_ipc_handle
-#   copy_ tensors into it on the current stream        current stream waits on the event,
-#   event.record(); flag[i] = 1 (host shm)   --ZMQ-->  copies out to its own device, synchronizes,
-#   the header carries the handles                     flag[i] = 0 (pwrite)
-#
-# The flags live in a small host segment per channel (``<prefix>-<channel>-cuda-0-1``), the
-# handles travel in the header and are checked for shape and type; the receiver never reads
-# past the size it was given when it opened the buffer.
-
-_FLAGS_BYTES = 4096
-
-
-class CudaSlotWriter:
-    """The sending end of a channel's device slots (one device: the sender's)."""
-
-    def __init__(self, cfg: ShmConfig, channel: str, device: torch.device, idle: Callable[[], None]) -> None:
-        self.cfg, self.channel, self.device, self.idle = cfg, channel, device, idle
-        self._flags: _Segment | None = None
-        self._bufs: list[torch.Tensor | None] = [None] * cfg.slots
-        self._handles: list[list | None] = [None] * cfg.slots
-        self._events: list[torch.cuda.Event | None] = [None] * cfg.slots
-        self._gens = [0] * cfg.slots
-        self.waits = 0
-
-    def _flag_segment(self) -> _Segment:
-        if self._flags is None:
-            self._flags = _create(self.cfg.name(self.channel + "-cuda", 0, 1), _FLAGS_BYTES, 1)
-        return self._flags
-
-    def put(self, buffers: Sequence[torch.Tensor]) -> list:
-        flags = self._flag_segment()
-        offsets, need = layout([b.numel() for b in buffers])
-        spins = 0
-        while True:
-            free = [i for i in range(self.cfg.slots) if flags.map[_HEAD + i] == FREE]
-            fit = [i for i in free if self._bufs[i] is not None and self._bufs[i].numel() >= need]
-            if fit or free:
-                i = (fit or free)[0]
-                break
-            self.waits += spins == 0
-            spins += 1
-            self.idle()
-            if spins > 4096:
-                time.sleep(0.0002)
-        buf = self._bufs[i]
-        if buf is None or buf.numel() < need:
-            self._gens[i] += 1
-            size = min(max(_MIN_SLOT, 1 << max(0, (need - 1).bit_length())), self.cfg.max_bytes)
-            buf = self._bufs[i] = torch.empty(size, dtype=torch.uint8, device=self.device)
-            ev = self._events[i] = torch.cuda.Event(interprocess=True)
-            (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, _ev_handle,
-             _sync) = buf.untyped_storage()._share_cuda_()
-            self._handles[i] = [dev, bytes(handle), size_bytes, offset_bytes, bytes(ref_handle), ref_offset,
-                                bytes(ev.ipc_handle())]
-        for b, off in zip(buffers, offsets):
-            buf[off:off + b.numel()].copy_(b, non_blocking=True)
-        ev = self._events[i]
-        assert ev is not None
-        ev.record(torch.cuda.current_stream(self.device))
-        flags.map[_HEAD + i] = FULL
-        return [i, self._gens[i], *self._handles[i]]  # type: ignore[misc]
-
-    def close(self) -> None:
-        if self._flags is not None:
-            _unlink(self._flags.name)
-            self._flags.close()
-            self._flags = None
-        self._bufs = [None] * self.cfg.slots
-        self._events = [None] * self.cfg.slots
-
-
-class CudaSlotReader:
-    """The receiving end of a channel's device slots; tensors land on ``device`` (this stage's)."""
-
-    def __init__(self, cfg: ShmConfig, channel: str, device: torch.device, where: str) -> None:
-        self.cfg, self.channel, self.device, self.where = cfg, channel, device, where
-        self._flags: _Segment | None = None
-        self._open: dict[int, tuple[int, torch.Tensor, Any]] = {}  # slot -> (gen, buffer, event)
-
-    def _fail(self, slot: object, gen: object, why: str) -> SlotError:
-        return SlotError(f"{self.where}: a message names CUDA slot {slot!r} (generation {gen!r}) of channel "
-                         f"{self.channel}, {why}")
-
-    def _flag_segment(self) -> _Segment:
-        if self._flags is None:
-            path = os.path.join(SHM_DIR, self.cfg.name(self.channel + "-cuda", 0, 1))
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError as exc:
-                raise SlotError(f"{self.where}: the CUDA slot flags of channel {self.channel} cannot be opened "
-                                f"({exc.strerror})") from None
-            if os.fstat(fd).st_size != _FLAGS_BYTES:
-                os.close(fd)
-                raise SlotError(f"{self.where}: the CUDA slot flags of channel {self.channel} have the wrong size")
-            self._flags = _Segment(os.path.basename(path), 1, fd, _FLAGS_BYTES)
-            _unlink(path)
-        return self._flags
-
-    def take(self, ref: object, sizes: Sequence[int]) -> list[torch.Tensor]:
-        if (type(ref) is not list or len(ref) != 9 or any(type(ref[k]) is not int for k in (0, 1, 2, 4, 5, 7))
-                or any(type(ref[k]) is not bytes for k in (3, 6, 8))):
-            raise SlotError(f"{self.where}: bad CUDA slot reference on channel {self.channel}")
-        slot, gen, dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, ev_handle = ref
-        if not 0 <= slot < self.cfg.slots or gen < 1:
-            raise self._fail(slot, gen, f"which is not one of its slots 0..{self.cfg.slots - 1}")
-        if not 0 < size_bytes <= self.cfg.max_bytes or offset_bytes < 0 or not 0 <= dev < torch.cuda.device_count():
-            raise self._fail(slot, gen, f"with a size {size_bytes}, offset {offset_bytes} or device {dev} out of range")
-        flags = self._flag_segment()
-        got = self._open.get(slot)
-        if got is None or got[0] != gen:
-            if got is not None and gen < got[0]:
-                raise self._fail(slot, gen, f"which is older than generation {got[0]} already in use")
-            try:
-                storage = torch.UntypedStorage._new_shared_cuda(dev, handle, size_bytes, offset_bytes, ref_handle,
-                                                                ref_offset, b"", False)
-                buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(storage, 0, (size_bytes,), (1,))
-                event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", dev), ev_handle)
-            except RuntimeError as exc:
-                raise self._fail(slot, gen, f"whose IPC handles do not open ({exc})") from None
-            got = self._open[slot] = (gen, buf, event)
-        if flags.map[_HEAD + slot] != FULL:
-            raise self._fail(slot, gen, "which its sender has not filled")
-        _, buf, event = got
-        offsets, need = layout(sizes)
-        if need > buf.numel():
-            raise self._fail(slot, gen, f"which holds {buf.numel()} bytes, not the {need} the header announces")
-        stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(event)  # the sender's copies into the slot are done
-        out = []
-        for n, off in zip(sizes, offsets):
-            t = torch.empty(n, dtype=torch.uint8, device=self.device)
-            t.copy_(buf[off:off + n], non_blocking=True)
-            out.append(t)
-        stream.synchronize()  # copied out: the sender may reuse the slot
-        os.pwrite(flags.fd, b"\0", _HEAD + slot)
-        return out
-
-    def close(self) -> None:
-        self._open.clear()
-        if self._flags is not None:
-            self._flags.close()
-            self._flags = None

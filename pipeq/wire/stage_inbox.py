@@ -27,7 +27,8 @@ from pipeq.wire.lanes import LaneInbox, lane_path
 from pipeq.wire.messages import Kind, Message
 from pipeq.wire.queues import KeyedQueue
 from pipeq.wire.security import FrameMac, WireAuth, seals_data, secure_client
-from pipeq.wire.shm import CudaSlotReader, ShmConfig, SlotReader
+from pipeq.wire.cuda_slots import CudaSlotReader
+from pipeq.wire.shm import ShmConfig, SlotReader
 from pipeq.wire.sockets import BindTo, data_inlet, tune_socket
 
 __all__ = ["StageInbox"]
@@ -121,11 +122,6 @@ class StageInbox:
     def dropped(self) -> int:
         """Inbound data messages dropped as forged or replayed ("authenticate" mode)."""
         return sum(m.dropped for m in self._mac_in.values())
-
-    @property
-    def has_lanes(self) -> bool:
-        """Whether data also arrives on lanes."""
-        return bool(self._lanes)
 
     # -- filing ----------------------------------------------------------------------------------
     def _take(self, sock: zmq.Socket, frames: Sequence[Any]) -> None:

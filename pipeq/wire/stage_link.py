@@ -27,7 +27,8 @@ from pipeq.wire.frames import frames_of
 from pipeq.wire.lanes import Lane, lane_path
 from pipeq.wire.messages import Kind, Message
 from pipeq.wire.security import FrameMac, seals_data
-from pipeq.wire.shm import CudaSlotWriter, SlotWriter
+from pipeq.wire.cuda_slots import CudaSlotWriter
+from pipeq.wire.shm import SlotWriter
 from pipeq.wire.sockets import data_outlet
 from pipeq.wire.stage_inbox import StageInbox
 

@@ -131,4 +131,4 @@ def test_the_runner_and_a_stage_process_refuse_by_one_rule():
     with pytest.raises(ValueError) as in_process:
         make_executor("async", 0, 3, StageSpec(stage, SGD), torch.device("cpu"))
     assert str(up_front.value) == str(in_process.value)
-    assert str(up_front.value).startswith("stage 0 holds tied weights (0.weight), which train with fill-drain")
+    assert str(up_front.value).startswith("stage 0 holds tied weights (0.weight), which train with plain backprop's")

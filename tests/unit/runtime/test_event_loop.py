@@ -1,4 +1,4 @@
-"""The stage worker's event loop (pipeq.runtime.worker.EventLoop), in this process.
+"""A stage process's event loop (pipeq.runtime.loop.EventLoop), in this process.
 
 Three stages' event loops run in threads over an in-memory wire, commanded by the driver's own
 backend (tests/support/inproc.py): what a runner in process mode computes, without processes.
