@@ -242,7 +242,7 @@ class ReplicaLoss:
         healthy = self.live()
         others = [g for s in healthy for g in self.processes_of(s)]
         req = request_id()
-        msgs: list[tuple[int, Message]] = [(g, m) for g, m in p._peers(p.ready, req, rejoin_round=rounds)
+        msgs: list[tuple[int, Message]] = [(g, m) for g, m in p.peers(p.ready, req, rejoin_round=rounds)
                                            if g in mine]
         for g in others:
             link = p.ready[r * p.n_stages + g % p.n_stages].replica_link

@@ -41,7 +41,7 @@ from pipeq.wire.control_link import AGENT, STAGE, ControlServer
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
 
-__all__ = ["StageProcesses"]
+__all__ = ["StageProcesses", "peers_of", "WiringError"]
 
 
 class StageProcesses:
@@ -118,7 +118,7 @@ class StageProcesses:
         self.sup.expect_heartbeats()
         ready = [control.read(replies[g][0], Ready) for g in range(self.n_all)]  # checked as it came
         joined = request_id() if self.replicas > 1 else 0
-        self.sup.send_all(self._peers(ready, joined))  # a stage gone since READY fails the run, named
+        self.sup.send_all(self.peers(ready, joined))  # a stage gone since READY fails the run, named
         if self.replicas > 1:  # every replica has replica 0's weights (ACK) before the first step
             self.sup.collect(Kind.ACK, dict.fromkeys(range(self.n_processes), 1), step=joined,
                              timeout=self.start_timeout, what="replicas' start", on_timeout=self.replicas_hint)
@@ -173,45 +173,13 @@ class StageProcesses:
         )
         self.procs.update(start_workers(ctx, configs, lambda g: self.payloads[self.numbering.lead(g)]))
 
-    def _peers(self, ready: list[Ready], joined: int, rejoin_round: int | None = None) -> list[tuple[int, Message]]:
-        """Each lead's PEERS: its neighbours within the replica and, with data parallelism, its
-        stage's replicas (by replica; with tensor parallelism too, by shard); ``rejoin_round``:
-        for a rebuilt replica (see :class:`~pipeq.wire.control.Peers`)."""
-        n, num = self.n_stages, self.numbering
-        ties = self._tie_links(ready)
-        out = []
-        for g in range(self.n_processes):
-            k = g % n
-            peers = Peers(next_forward=ready[g + 1].forward if k + 1 < n else None,
-                          prev_backward=ready[g - 1].backward if k > 0 else None,
-                          tie_links=ties[g // n] if ready[g].tie_link is not None else None,
-                          rejoin_round=rejoin_round)
-            if self.replicas > 1 and num.shards > 1:  # every shard's replicas, by shard
-                groups = [num.group(r * n + k) for r in range(self.replicas)]
-                peers.replica_shards = [[self._replica_link(ready, group[s]) for group in groups]
-                                        for s in range(num.shards)]
-            elif self.replicas > 1:  # the same stage's replicas, by replica (gradients, start-up weights)
-                peers.replicas = [self._replica_link(ready, r * n + k) for r in range(self.replicas)]
-            out.append((g, control.message(peers, joined)))
-        return out
-
-    def _tie_links(self, ready: list[Ready]) -> list[list[str | None]]:
-        """Per replica, every stage's tie link (None for a stage without tied weights), once the
-        stages' ties are checked to agree (each tie named alike by every stage holding a copy)."""
-        n = self.n_stages
-        wrong = tie_mismatch([ready[k].layout.get("tie_stages") or {} for k in range(n)])
-        if wrong is not None:
+    def peers(self, ready: list[Ready], joined: int, rejoin_round: int | None = None) -> list[tuple[int, Message]]:
+        """Each lead's PEERS (:func:`peers_of`); a READY that cannot be wired fails the run, naming its stage."""
+        try:
+            return peers_of(self.numbering, ready, joined, rejoin_round)
+        except WiringError as exc:
             assert self.sup is not None
-            raise self.sup.fail(self.sup.error(f"its tied weights do not match the other stages': {wrong[1]}",
-                                               wrong[0]))
-        return [[ready[r * n + k].tie_link for k in range(n)] for r in range(self.replicas)]
-
-    def _replica_link(self, ready: list[Ready], g: int) -> str:
-        link = ready[g].replica_link
-        if link is None:
-            assert self.sup is not None
-            raise self.sup.fail(self.sup.error("its READY names no replica_link, which its replicas need", g))
-        return link
+            raise self.sup.fail(self.sup.error(exc.reason, exc.g)) from None
 
     def _publish(self, rz: Rendezvous) -> None:
         """Write node 0's signed entries (control last: agents read it first) and keep them
@@ -354,3 +322,46 @@ def _unpublish(store: Any) -> None:
             store.delete_key(key)
         except Exception:  # the store is going away: nothing to join there either
             return
+
+
+class WiringError(Exception):
+    """Process ``g``'s READY cannot be wired: ``reason`` says why."""
+
+    def __init__(self, reason: str, g: int) -> None:
+        super().__init__(reason)
+        self.reason, self.g = reason, g
+
+
+def peers_of(num: Numbering, ready: Sequence[Ready], joined: int,
+             rejoin_round: int | None = None) -> list[tuple[int, Message]]:
+    """Each lead's PEERS, from every process's READY (``ready[g]``): its neighbours within the
+    replica, its replica's tie links (once the stages' ties are checked to agree: each tie named
+    alike by every stage holding a copy) and, with data parallelism, its stage's replicas (by
+    replica; with tensor parallelism too, by shard); ``rejoin_round``: for a rebuilt replica (see
+    :class:`~pipeq.wire.control.Peers`). :class:`WiringError` names a READY that cannot be wired."""
+    n, replicas = num.n_stages, num.replicas
+    wrong = tie_mismatch([ready[k].layout.get("tie_stages") or {} for k in range(n)])
+    if wrong is not None:
+        raise WiringError(f"its tied weights do not match the other stages': {wrong[1]}", wrong[0])
+    ties = [[ready[r * n + k].tie_link for k in range(n)] for r in range(replicas)]
+
+    def replica_link(g: int) -> str:
+        link = ready[g].replica_link
+        if link is None:
+            raise WiringError("its READY names no replica_link, which its replicas need", g)
+        return link
+
+    out = []
+    for g in range(num.leads):
+        k = g % n
+        peers = Peers(next_forward=ready[g + 1].forward if k + 1 < n else None,
+                      prev_backward=ready[g - 1].backward if k > 0 else None,
+                      tie_links=ties[g // n] if ready[g].tie_link is not None else None,
+                      rejoin_round=rejoin_round)
+        if replicas > 1 and num.shards > 1:  # every shard's replicas, by shard
+            groups = [num.group(r * n + k) for r in range(replicas)]
+            peers.replica_shards = [[replica_link(group[s]) for group in groups] for s in range(num.shards)]
+        elif replicas > 1:  # the same stage's replicas, by replica (gradients, start-up weights)
+            peers.replicas = [replica_link(r * n + k) for r in range(replicas)]
+        out.append((g, control.message(peers, joined)))
+    return out
