@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from pipeq.control.processes import stop_processes
-from pipeq.control.supervisor import take_early
 from pipeq.errors import PipelineError
 from pipeq.wire import control, shm
 from pipeq.wire.control import GetSnapshot, Lost, Ready, Rejoin, Restore
@@ -175,7 +174,7 @@ class ReplicaLoss:
         sup = self.p.sup
         assert sup is not None
         for r, part in list(self.parting.items()):
-            part.acked.update(g for g, _ in take_early(sup, Kind.ACK, part.request))
+            part.acked.update(g for g, _ in sup.kept.take(Kind.ACK, part.request))
             late = [g for g in self._survivors() if g not in part.acked]
             if not late:
                 stop_processes([self.p.procs.pop(h) for h in self._running(r)])

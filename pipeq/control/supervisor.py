@@ -49,7 +49,7 @@ from pipeq.wire.errors import PeerUnreachable
 _POLL_MS = 100
 
 
-__all__ = ["Supervisor", "take_kept", "take_early", "unreachable", "origin_shard", "held"]
+__all__ = ["Supervisor", "KeptReplies", "take_kept", "unreachable", "origin_shard", "held"]
 
 
 def _raised_at(reply: ErrorReply) -> float:
@@ -82,7 +82,8 @@ class Supervisor:
         self._last_health = 0.0
         # replies that will be collected later (a stream's later batches): kept when they come early
         self.awaited: set[tuple[Kind, int]] = set()
-        self._early: dict[tuple[Kind, int], list[tuple[int, Message]]] = {}
+        #: stages' replies that came before they were waited for, until their waiter takes them
+        self.kept = KeptReplies()
         # a failure in a later step than the one being waited for: (step, error), raised then
         self.deferred: tuple[int, PipelineError] | None = None
         self._excused: set[int] = set()  # processes that failed with a deferred error
@@ -148,8 +149,7 @@ class Supervisor:
         self.ignored.update(processes)
         for g in processes:
             self.doing.pop(g, None)
-        for key, got in list(self._early.items()):
-            self._early[key] = [(g, m) for g, m in got if g not in self.ignored]
+        self.kept.drop(self.ignored)
 
     # -- health --------------------------------------------------------------------------------
     def expect_heartbeats(self) -> None:
@@ -169,7 +169,7 @@ class Supervisor:
         for g, p in list(self.procs.items()):
             code = p.exitcode if g not in self.ignored else None
             if code is not None and g not in self._excused:
-                self._error_in_flight(lambda: g in self._excused or g in self.ignored)
+                self.error_in_flight(lambda: g in self._excused or g in self.ignored)
                 if g not in self._excused and g not in self.ignored:
                     self._give_up(self.error(f"stage process (pid {p.pid}){held(self, p)} {exit_reason(code)}", g), g)
         for g in range(self.n_processes):
@@ -188,12 +188,12 @@ class Supervisor:
         if self.watch is not None:
             self.watch()
 
-    def _error_in_flight(self, done: Callable[[], bool]) -> None:
+    def error_in_flight(self, done: Callable[[], bool]) -> None:
         """Half a second for the ERROR a stage sent just before it exited (until ``done()``): it
         names the failure better than the exit or the gone socket that revealed it."""
         end = time.monotonic() + 0.5
         while time.monotonic() < end and not done():
-            got = self._read(50)
+            got = self.read_error(50)
             if got is not None:
                 self._error(*got)  # raised, or deferred behind an earlier step (excusing its process)
 
@@ -216,7 +216,7 @@ class Supervisor:
         except CodecError as exc:
             raise self.fail(PipelineError(f"malformed message on the control channel: {exc}"))
 
-    def _read(self, timeout_ms: int) -> tuple[Peer, ErrorReply] | None:
+    def read_error(self, timeout_ms: int) -> tuple[Peer, ErrorReply] | None:
         """The next ERROR from one of ours, filing everything else that arrives (heartbeats,
         replies someone will wait for); None when none came within ``timeout_ms``, however many
         other messages did (heartbeats of many stages may never leave the socket quiet)."""
@@ -243,7 +243,7 @@ class Supervisor:
     def _keep(self, g: int, msg: Message) -> None:
         """A stage's reply that is not the one being waited for: kept for whoever awaits it."""
         if (msg.kind, msg.step) in self.awaited:
-            self._early.setdefault((msg.kind, msg.step), []).append((g, msg))
+            self.kept.keep(g, msg)
         elif msg.kind not in REPLIES:
             raise self.fail(self.error(f"protocol error: unexpected {msg.kind.name}", g))
         # else: a stale reply to a command whose caller was interrupted (e.g. by Ctrl-C)
@@ -301,7 +301,7 @@ class Supervisor:
             if len(got[g]) == counts[g]:
                 missing.discard(g)
 
-        for g, msg in self._early.pop((kind, step), []):
+        for g, msg in self.kept.take(kind, step):
             take(g, msg)
         deadline = None if timeout is None else start + timeout
         while missing:
@@ -334,7 +334,7 @@ class Supervisor:
 
     def drain_pending(self) -> None:
         """Handle what arrived while no call was waiting (an ERROR above all), without blocking."""
-        while (got := self._read(0)) is not None:
+        while (got := self.read_error(0)) is not None:
             self._error(*got)
 
     def send_all(self, messages: list[tuple[int, Message]]) -> None:
@@ -361,38 +361,57 @@ def held(sup: Supervisor, p: StageHandle) -> str:
     return f" of stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}" if len(stages) > 1 else ""
 
 
-def take_early(sup: Supervisor, kind: Kind, step: int) -> list[tuple[int, Message]]:
-    """The ``(kind, step)`` replies ``sup`` kept so far, as (process, message), taken out of its
-    keeping (they stay awaited). Never waits."""
-    return sup._early.pop((kind, step), [])
+class KeptReplies:
+    """Stages' replies that came while the supervisor waited for something else, kept by
+    ``(kind, step)`` for whoever awaits them."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[Kind, int], list[tuple[int, Message]]] = {}
+
+    def keep(self, g: int, msg: Message) -> None:
+        self._kept.setdefault((msg.kind, msg.step), []).append((g, msg))
+
+    def take(self, kind: Kind, step: int) -> list[tuple[int, Message]]:
+        """The ``(kind, step)`` replies kept so far, as (process, message), taken out of keeping
+        (they stay awaited). Never waits."""
+        return self._kept.pop((kind, step), [])
+
+    def count(self, kind: Kind, step: int) -> int:
+        """How many processes sent a ``(kind, step)`` reply that is kept."""
+        return len({g for g, _ in self._kept.get((kind, step), [])})
+
+    def drop(self, processes: set[int]) -> None:
+        """Forget what ``processes`` sent (a dropped replica's)."""
+        for key, got in list(self._kept.items()):
+            self._kept[key] = [(g, m) for g, m in got if g not in processes]
 
 
 def take_kept(sup: Supervisor, kind: Kind, step: int, count: int) -> dict[int, Message] | None:
-    """:func:`take_early`'s replies by process, once ``count`` processes have sent one (then no
-    longer awaited); None until then (they stay kept). Never waits."""
-    if len({g for g, _ in sup._early.get((kind, step), [])}) < count:
+    """``sup``'s kept ``(kind, step)`` replies by process, once ``count`` processes have sent
+    one (then no longer awaited); None until then (they stay kept). Never waits."""
+    if sup.kept.count(kind, step) < count:
         return None
     sup.awaited.discard((kind, step))
-    return dict(take_early(sup, kind, step))
+    return dict(sup.kept.take(kind, step))
 
 
 def unreachable(sup: Supervisor, exc: PeerUnreachable) -> PipelineError:
     """The run's failure when a send found a stage's control socket gone (raised here when an
     ERROR in flight or the stage's exit names it better); returned for the caller to raise."""
-    sup._error_in_flight(lambda: sup.deferred is not None)
+    sup.error_in_flight(lambda: sup.deferred is not None)
     if sup.deferred is not None:
         raise sup.fail(sup.deferred[1])
     sup.check_health()  # names the stage and how it ended if it exited
     return sup.fail(sup.error("its control socket is gone", exc.process))
 
 
-def origin_shard(self: Supervisor, g: int, reply: ErrorReply, err: PipelineError) -> PipelineError:
-    """(Of ``self``, a supervisor.) Tensor parallelism: the shards of a stage compute together, so one shard's failure
+def origin_shard(sup: Supervisor, g: int, reply: ErrorReply, err: PipelineError) -> PipelineError:
+    """(Of ``sup``'s run.) Tensor parallelism: the shards of a stage compute together, so one shard's failure
     makes the others fail too (their collective's peer is gone). Of the errors and deaths of
     process g's stage within half a second, the first is the one named: a shard killed by a
     signal (it reports nothing), else the ERROR raised first (``at``: the shards share a host,
     hence a monotonic clock)."""
-    num = self.numbering
+    num = sup.numbering
     if num.shards == 1 or g >= num.total:
         return err
     group = set(num.group(num.lead(g)))
@@ -400,11 +419,11 @@ def origin_shard(self: Supervisor, g: int, reply: ErrorReply, err: PipelineError
     end = time.monotonic() + 0.5  # a killed process's sockets close a moment before it is reaped
     while time.monotonic() < end and len(first) < len(group):
         for other in sorted(group - set(first)):
-            p = self.procs.get(other)
+            p = sup.procs.get(other)
             if p is not None and p.exitcode is not None and p.exitcode < 0:
-                return self.error(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}; then "
+                return sup.error(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}; then "
                                   f"{num.where(g)} failed: {err.message}", other)
-        got = self._read(20)
+        got = sup.read_error(20)
         if got is not None and got[0].role == STAGE and got[0].index in group:
-            first.setdefault(got[0].index, (_raised_at(got[1]), self.error_of(*got)))
+            first.setdefault(got[0].index, (_raised_at(got[1]), sup.error_of(*got)))
     return min(first.values(), key=lambda pair: pair[0])[1]

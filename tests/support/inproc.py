@@ -227,7 +227,7 @@ class InProcessPipeline:
                  beat_s: float = 0.2, trace_path: str | None = None, procs: dict[int, Any] | None = None,
                  lr_scheduler: Callable | None = None, lr_scheduler_interval: str = "step") -> None:
         # (beat_s: heartbeats far apart compared with the supervisor's 50 ms reads: while messages
-        # keep coming within each read, Supervisor._read does not return; see test_supervisor.py)
+        # keep coming within each read, Supervisor.read_error does not return; see test_supervisor.py)
         n = len(modules) if modules is not None else int(n_stages or 1)
         self.n = n
         self.loss_fn = loss_fn
