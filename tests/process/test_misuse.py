@@ -101,7 +101,7 @@ def test_a_stage_dying_between_ready_and_peers_fails_start_naming_it(monkeypatch
     from pipeq.control import supervisor
     from pipeq.control.startup import StageProcesses
 
-    peers = StageProcesses._peers
+    peers = StageProcesses.peers
 
     def kill_then_peers(self, ready, joined):  # every stage is READY: stage 1 dies now
         p = self.procs[1]
@@ -112,7 +112,7 @@ def test_a_stage_dying_between_ready_and_peers_fails_start_naming_it(monkeypatch
             monkeypatch.setattr(supervisor.Supervisor, "check_health", lambda self: None)
         return peers(self, ready, joined)
 
-    monkeypatch.setattr(StageProcesses, "_peers", kill_then_peers)
+    monkeypatch.setattr(StageProcesses, "peers", kill_then_peers)
     r = runner()
     with pytest.raises(pipeq.PipelineError) as info:
         r.start()
