@@ -58,7 +58,7 @@ from pipeq.trace.format import OPT_STEP as TRACE_OPT_STEP
 from pipeq.trace.format import W as TRACE_W
 from pipeq.wire.errors import Stopped
 
-__all__ = ["ProcessPlan", "execute", "on_chunk", "combined", "ChunkError", "Note"]
+__all__ = ["ProcessPlan", "execute", "on_chunk", "chunk_error", "combined", "ChunkError", "Note"]
 
 #: ``note(code, microbatch, chunk)``: a compute action starts on a chunk (the event loop's record
 #: for ``step_timeout``)
@@ -129,16 +129,25 @@ class ProcessPlan:
         return lower_stage(acts, recv_act=k > 0, send_act=k < n - 1, recv_grad=k < n - 1, send_grad=k > 0)
 
 
+def chunk_error(exc: BaseException, n_chunks: int, stage: int, c: int) -> ChunkError | None:
+    """What ``exc``, raised by stage ``stage`` (chunk ``c``) of a process of ``n_chunks`` stages,
+    is raised as: a :class:`ChunkError` naming the stage, or None when it goes as it is (one stage
+    per process, a ChunkError already, the driver's EXIT: :class:`~pipeq.wire.errors.Stopped`)."""
+    if n_chunks == 1 or isinstance(exc, (ChunkError, Stopped)) or not isinstance(exc, Exception):
+        return None
+    return ChunkError(stage, c, exc)
+
+
 def on_chunk(exs: Sequence[StageExecutor], c: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` for chunk ``c`` of a process holding the stages ``exs``: a failure
-    in a process of several stages is raised as a :class:`ChunkError` naming the stage (the
-    driver's EXIT, :class:`~pipeq.wire.errors.Stopped`, as it is)."""
+    """``fn(*args, **kwargs)`` for chunk ``c`` of a process holding the stages ``exs``, a failure
+    raised as :func:`chunk_error` says."""
     try:
         return fn(*args, **kwargs)
     except Exception as exc:
-        if len(exs) == 1 or isinstance(exc, (ChunkError, Stopped)):
+        err = chunk_error(exc, len(exs), exs[c].index, c)
+        if err is None:
             raise
-        raise ChunkError(exs[c].index, c, exc) from exc
+        raise err from exc
 
 
 def execute(exs: Sequence[StageExecutor], actions: Sequence[Action], traces: Sequence[Any] | None = None,
@@ -149,7 +158,6 @@ def execute(exs: Sequence[StageExecutor], actions: Sequence[Action], traces: Seq
     microbatch numbers to their (step, microbatch); ``note(code, microbatch, chunk)`` is called
     as each compute action starts."""
     run = _Process(exs, traces, keys, note)
-    many = len(exs) > 1
     i, n = 0, len(actions)
     while i < n:
         a = actions[i]
@@ -160,18 +168,16 @@ def execute(exs: Sequence[StageExecutor], actions: Sequence[Action], traces: Seq
                     end += 1
                 yield from run.step([b.chunk for b in actions[i:end]])
             else:
-                op = a.op
-                req = run.compute(op, a.microbatch, a.chunk) if op is Op.FORWARD or op is Op.BACKWARD else run.act(a)
+                req = run.act(a)
                 if req is not None:
                     got = yield req
                     if type(req) is Recv:
                         run.file(req, got)
-        except ChunkError:
-            raise
         except Exception as exc:
-            if not many:
+            err = chunk_error(exc, len(exs), exs[a.chunk].index, a.chunk)
+            if err is None:
                 raise
-            raise ChunkError(exs[a.chunk].index, a.chunk, exc) from exc
+            raise err from exc
         i = end
 
 

@@ -52,7 +52,7 @@ from pipeq import schedules
 from pipeq.runtime.batch_command import batch_parts
 from pipeq.runtime.config import ChunkConfig, WorkerConfig
 from pipeq.runtime.faults import inject
-from pipeq.runtime.interpreter import Keys, ProcessPlan, execute, on_chunk
+from pipeq.runtime.interpreter import Keys, ProcessPlan, chunk_error, execute, on_chunk
 from pipeq.runtime.links import PeerLinks, swap_ties
 from pipeq.runtime.requests import STATS, Emit, Recv, Request, Send, SwapTies
 from pipeq.schedules import Op
@@ -251,17 +251,24 @@ class EventLoop:
         """Run ``actions``, answering the interpreter's requests with the transport. Messages are
         keyed (step, microbatch); in a stream, ``keys`` gives each microbatch number's key."""
         self._keys = keys
-        exs = self.executors
-        gen = execute(exs, actions, [ch.trace for ch in self.chunks], keys, self.note)
+        gen = execute(self.executors, actions, [ch.trace for ch in self.chunks], keys, self.note)
         value: Any = None
+        req: Any = None
         try:
             while True:
                 req = gen.send(value)
                 self.current = None  # no compute action under way: messages
-                c = req.chunk if type(req) is not SwapTies else next(iter(req.outgoing))
-                value = on_chunk(exs, c, self.carry_out, req, step, keys)
+                value = self.carry_out(req, step, keys)
         except StopIteration:
             pass
+        except Exception as exc:  # the interpreter's are ChunkErrors already; a request's names its chunk
+            if req is None:
+                raise
+            c = req.chunk if type(req) is not SwapTies else next(iter(req.outgoing))
+            err = chunk_error(exc, len(self.chunks), self.chunks[c].stage, c)
+            if err is None:
+                raise
+            raise err from exc
         finally:
             self.current = None
 

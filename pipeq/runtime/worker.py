@@ -30,7 +30,7 @@ from pipeq.errors import error_line, format_remote
 from pipeq.runtime import os_process
 from pipeq.runtime.config import ChunkConfig, WorkerConfig
 from pipeq.runtime.executors import make_executor
-from pipeq.runtime.interpreter import ChunkError
+from pipeq.runtime.interpreter import ChunkError, chunk_error
 from pipeq.runtime.links import PeerLinks
 from pipeq.runtime.loop import Chunk, EventLoop
 from pipeq.stage.executor import StageExecutor
@@ -118,9 +118,10 @@ def _serve(cfg: WorkerConfig, payloads: Sequence[Any], transport: ProcessTranspo
             try:
                 chunks.append(_make_chunk(cfg, c, chunk, payload, transport, device, mesh))
             except Exception as exc:
-                if len(cfg.chunks) == 1:
+                err = chunk_error(exc, len(cfg.chunks), chunk.stage, c)
+                if err is None:
                     raise
-                raise ChunkError(chunk.stage, c, exc) from exc
+                raise err from exc
             _report_ready(cfg, c, chunks[-1], transport)
         loop = EventLoop(cfg, serving, chunks)
         loop.serve()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipeq
-from models import Raises, RefusesLoad, batches64, flat_state, reference_train, stages64
+from models import Narrow, Raises, RefusesLoad, Widen, batches64, flat_state, reference_train, stages64
 from runner_cases import assert_matches_reference
 
 pytestmark = pytest.mark.timeout(240)
@@ -70,6 +70,17 @@ def test_a_failing_stage_is_named_by_stage_and_chunk():
     with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD64, "zbv", 4, **FAST) as r:
         with pytest.raises(pipeq.PipelineError, match=r"stage 2 \(chunk 1 of its process\)") as info:
             r.step(*batches64(1)[0])
+    assert info.value.stage == 2
+
+
+def test_a_send_failing_on_one_stage_of_a_process_names_that_stage():
+    """Stage 2 (process 1's chunk 1, V placement) sends an activation over max_message_mb: stage 2
+    is named, not stage 1, whose process it shares."""
+    torch.manual_seed(0)
+    stages = [nn.Linear(4, 8), nn.Linear(8, 8), Widen(50_000), Narrow(8, 4)]  # 8 x 50,000 floats: 1.5 MiB
+    with pipeq.PipelineRunner(stages, nn.MSELoss(), SGD64, "zbv", 4, max_message_mb=1, **FAST) as r:
+        with pytest.raises(pipeq.PipelineError, match=r"stage 2 \(chunk 1 of its process\).*over the 1 MiB cap") as info:
+            r.step(torch.randn(4, 4), torch.randn(4, 4))
     assert info.value.stage == 2
 
 

@@ -156,6 +156,24 @@ class FailingStepSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class Widen(nn.Module):
+    """Repeats its input's features ``times`` times (a large activation from a small stage)."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.times = times
+
+    def forward(self, x):
+        return x.repeat(1, self.times)
+
+
+class Narrow(nn.Linear):
+    """A Linear over its input's first ``in_features`` features only."""
+
+    def forward(self, x):
+        return super().forward(x[:, :self.in_features])
+
+
 class RefusesLoad(nn.Linear):
     """A Linear whose ``load_state_dict`` fails (this stage only)."""
 
