@@ -50,15 +50,15 @@ docs/architecture.md lists every module with its job)::
     codec          wire/       codec.py (bytes), messages.py (kinds, Message), control.py (typed
                                command and reply payloads; fields.py: what each field must be),
                                keys.py, netif.py;
-                   errors.py, tree.py (nested values)
+                   errors.py, tree.py (nested values), lazy.py (names imported on first use)
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeq.errors import CodecError, MainScriptError, PipelineError, ScheduleError
 from pipeq.schedules import SCHEDULES, format_table
 from pipeq import research  # noqa: F401  (registers the research schedules in pipeq.schedules.SCHEDULES)
+from pipeq.lazy import lazy_getattr
 
 if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers and the API reference
     from pipeq import balance, split
@@ -88,28 +88,19 @@ __version__ = "0.1.0"
 # name there; None: the module itself). ``balance`` and ``split`` are the modules pipeq.balance and
 # pipeq.split, callable as their main functions (see there).
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "PipelineRunner": ("control.runner", "PipelineRunner"),
-    **{name: ("control.config", name) for name in
+    "PipelineRunner": ("pipeq.control.runner", "PipelineRunner"),
+    **{name: ("pipeq.control.config", name) for name in
        ("RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig")},
-    **{name: ("stage.info", name) for name in ("StageInfo", "Tie", "set_info", "info_of")},
-    "LRSchedule": ("stage.lr_schedulers", "LRSchedule"),
-    "StageExecutor": ("stage.executor", "StageExecutor"),
-    "Recipe": ("launch.job.recipe", "Recipe"), "Job": ("launch.job.spec", "Job"),
-    "load_job": ("launch.job.load", "load_job"),
-    "Rendezvous": ("control.rendezvous", "Rendezvous"),
-    "from_csv": ("launch.csv_schedule", "from_csv"), "to_csv": ("launch.csv_schedule", "to_csv"),
-    "balance": ("balance", None), "split": ("split", None),
+    **{name: ("pipeq.stage.info", name) for name in ("StageInfo", "Tie", "set_info", "info_of")},
+    "LRSchedule": ("pipeq.stage.lr_schedulers", "LRSchedule"),
+    "StageExecutor": ("pipeq.stage.executor", "StageExecutor"),
+    "Recipe": ("pipeq.launch.job.recipe", "Recipe"), "Job": ("pipeq.launch.job.spec", "Job"),
+    "load_job": ("pipeq.launch.job.load", "load_job"),
+    "Rendezvous": ("pipeq.control.rendezvous", "Rendezvous"),
+    "from_csv": ("pipeq.launch.csv_schedule", "from_csv"), "to_csv": ("pipeq.launch.csv_schedule", "to_csv"),
+    "balance": ("pipeq.balance", None), "split": ("pipeq.split", None),
 }
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'pipeq' has no attribute {name!r}")
-    module, attr = _LAZY[name]
-    value = importlib.import_module(f"pipeq.{module}")
-    value = getattr(value, attr) if attr else value
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 def __dir__() -> list[str]:

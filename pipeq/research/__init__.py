@@ -17,9 +17,9 @@ one-process inference module and executor (:class:`ALLayer`, :func:`build_al`, :
 """
 
 import functools
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pipeq.lazy import lazy_getattr
 from pipeq.research.al.schedule import AssociatedLearning
 from pipeq.research.async1f1b.schedule import AsyncCursor, AsyncOneFOneB
 from pipeq.research.interlock.routing import receives, sends_down, sends_early, trained_by
@@ -33,10 +33,10 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers an
                                           build_al_transformer, masked_mean)
 
 #: Associated Learning's model code (torch), imported on first use: name -> its module.
-_LAZY = {**{name: "pipeq.research.al.models" for name in (
+_LAZY: dict[str, tuple[str, str | None]] = {**{name: ("pipeq.research.al.models", name) for name in (
     "ALLayer", "ALModel", "LabelEmbedding", "LastHiddenBridge", "LSTMLayer", "PooledBridge", "TokenEmbedding",
     "TransformerLayer", "build_al", "build_al_lstm", "build_al_transformer", "masked_mean")},
-    "ALExecutor": "pipeq.research.al.executor"}
+    "ALExecutor": ("pipeq.research.al.executor", "ALExecutor")}
 
 __all__ = ["Interlock", "INTERLOCK", "AsyncOneFOneB", "AsyncCursor", "AssociatedLearning",
            "trained_by", "sends_down", "receives", "sends_early",
@@ -45,12 +45,7 @@ __all__ = ["Interlock", "INTERLOCK", "AsyncOneFOneB", "AsyncCursor", "Associated
            "ALExecutor"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'pipeq.research' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 _EXPORTS = {"Interlock": Interlock, "INTERLOCK": INTERLOCK, "AsyncOneFOneB": AsyncOneFOneB, "AsyncCursor": AsyncCursor,

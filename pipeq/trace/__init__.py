@@ -21,9 +21,9 @@ The file format (version :data:`VERSION`) is the trace-format module's (pipeq/tr
 imported with this package); the report and the pictures are imported when first named here.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pipeq.lazy import lazy_getattr
 from pipeq.trace.format import (VERSION, Event, Trace, TraceMeta, load_trace, planned_trace, save_trace,
                                 trace_from_dict)
 
@@ -34,18 +34,14 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers an
 
 #: The report's and the pictures' names (the control plane's modules), imported on first use:
 #: name -> its module.
-_LAZY = {**{name: "pipeq.trace.report" for name in ("analyze", "format_report", "parse_steps", "ideal_bubble",
-                                                     "Report", "StageTotals", "StepStats", "Throughput")},
-         "plot_trace": "pipeq.trace.plot", "draw_trace": "pipeq.trace.plot"}
+_LAZY: dict[str, tuple[str, str | None]] = {
+    **{name: ("pipeq.trace.report", name) for name in ("analyze", "format_report", "parse_steps", "ideal_bubble",
+                                                       "Report", "StageTotals", "StepStats", "Throughput")},
+    "plot_trace": ("pipeq.trace.plot", "plot_trace"), "draw_trace": ("pipeq.trace.plot", "draw_trace")}
 
 __all__ = ["VERSION", "Trace", "Event", "TraceMeta", "load_trace", "trace_from_dict", "planned_trace", "save_trace",
            "analyze", "format_report", "parse_steps", "ideal_bubble", "Report", "StageTotals", "StepStats", "Throughput",
            "plot_trace", "draw_trace"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'pipeq.trace' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

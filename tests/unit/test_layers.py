@@ -32,10 +32,10 @@ LAYERS: dict[str, list[str]] = {
     "compute": ["schedules.", "stage.", "research.", "parallel.", "checkpoint.", "models.", "trace.__init__",
                 "trace.format", "balance", "testing", "split."],
     "transport": ["wire."],
-    "codec": ["wire.codec", "wire.messages", "wire.fields", "wire.keys", "wire.netif", "wire.control", "errors", "tree"],
+    "codec": ["wire.codec", "wire.messages", "wire.fields", "wire.keys", "wire.netif", "wire.control", "errors", "tree", "lazy"],
 }
 #: Modules that do no I/O: they import nothing but each other and the standard library's pure parts.
-PURE = ("schedules.", "errors")
+PURE = ("schedules.", "errors", "lazy")
 #: The only modules that may name the research schedules and their layer types.
 RESEARCH = "research."
 RESEARCH_NAMES = {"Interlock", "AsyncOneFOneB", "AssociatedLearning", "ALLayer"}

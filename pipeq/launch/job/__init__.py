@@ -81,22 +81,17 @@ Its modules: :mod:`~pipeq.launch.job.keys` (every key: type, default, help), :mo
 :mod:`~pipeq.launch.job.recipe` (:class:`Recipe`) and :mod:`~pipeq.launch.job.spec` (:class:`Job`).
 """
 
-import importlib
-from typing import Any
 
 from pipeq.launch.job.keys import KEYS, LENGTH_RULE, Key
 from pipeq.launch.job.names import check_args, did_you_mean, resolve
+from pipeq.lazy import lazy_getattr
 
 # Imported on first use: the keys (``pipeq launch --help`` shows them) come without torch.
-_LAZY = {"load_job": "load", "Recipe": "recipe", "parse_schedule": "schedule", "Job": "spec"}
+_LAZY: dict[str, tuple[str, str | None]] = {name: (f"{__name__}.{module}", name) for name, module in (
+    ("load_job", "load"), ("Recipe", "recipe"), ("parse_schedule", "schedule"), ("Job", "spec"))}
 
 __all__ = ["Job", "Recipe", "load_job", "resolve", "check_args", "parse_schedule", "did_you_mean", "KEYS", "Key",
            "LENGTH_RULE"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
