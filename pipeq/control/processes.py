@@ -375,6 +375,13 @@ def job_identity(payload: "bytes | StageBuilder", schedule: Any, numerics: Numer
     return identity
 
 
+def of_stages(stages: Sequence[int]) -> str:
+    """The words ``" of stages 1 and 2"`` naming the stages a process holds when it holds several
+    (virtual stages), else ``""``: its death takes them all."""
+    stages = sorted(stages)
+    return f" of stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}" if len(stages) > 1 else ""
+
+
 def exit_reason(code: int) -> str:
     if code >= 0:
         return f"exited with code {code}"

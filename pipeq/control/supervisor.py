@@ -42,7 +42,7 @@ from pipeq.errors import CodecError, PipelineError
 from pipeq.wire import control
 from pipeq.wire.control import ControlError, ErrorReply, HeartbeatInfo, Payload
 from pipeq.wire.messages import REPLIES, Kind, Message
-from pipeq.control.processes import Numbering, exit_reason
+from pipeq.control.processes import Numbering, exit_reason, of_stages
 from pipeq.wire.control_link import AGENT, HEARTBEAT, STAGE, ControlServer, Peer
 from pipeq.wire.errors import PeerUnreachable
 
@@ -357,8 +357,7 @@ def held(sup: Supervisor, p: StageHandle) -> str:
     """The words ``" of stages 1 and 2"`` when process ``p`` holds several stages (virtual stages),
     else ``""``. Its death is named by the first of them: it takes them all, and which one a kill
     was aimed at is not known."""
-    stages = sorted({sup.numbering.stage(g) for g, q in sup.procs.items() if q is p})
-    return f" of stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}" if len(stages) > 1 else ""
+    return of_stages({sup.numbering.stage(g) for g, q in sup.procs.items() if q is p})
 
 
 class KeptReplies:

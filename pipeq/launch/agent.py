@@ -34,7 +34,7 @@ from pipeq.stage.spec import StageBuilder
 from pipeq.wire import control as protocol  # (``control`` names the driver's address here)
 from pipeq.wire.control import AgentReady, ErrorReply, Exit
 from pipeq.wire.messages import Kind, Message
-from pipeq.control.processes import (RunSetup, exit_reason, job_identity, process_context, start_workers,
+from pipeq.control.processes import (RunSetup, exit_reason, job_identity, of_stages, process_context, start_workers,
                                      stop_processes, worker_configs)
 from pipeq.control.rendezvous import Rendezvous
 from pipeq.wire.control_link import DriverLink
@@ -367,7 +367,7 @@ def _watch(
                 reported.update(held)
                 if p.exitcode == 0:  # only after the driver told it to exit: not a failure
                     continue
-                which = f" of stages {' and '.join(map(str, held))}" if len(held) > 1 else ""
+                which = of_stages(held)  # (by process number, as the line names the stage)
                 log(f"node {rz.node_rank}: stage {g} (pid {p.pid}{which}) {exit_reason(p.exitcode)}")
                 # A stage that raised has already sent its own ERROR with the traceback; this
                 # names the ones that could not (killed, OOM, os._exit).

@@ -57,17 +57,21 @@ def replica_state(runner, r):
     return dict(global_state(per_stage, [StageLayout(**lay) for lay in be.layouts()]))
 
 
-@pytest.mark.parametrize("kind,wire", [("kill", "ipc"), ("raise", "ipc"), ("hang", "ipc"), ("kill", "tcp")])
-def test_a_failed_replica_is_left_out_of_its_step_and_rebuilt(monkeypatch, capfd, kind, wire):
+@pytest.mark.parametrize("kind,wire,schedule", [("kill", "ipc", "1f1b"), ("raise", "ipc", "1f1b"), ("hang", "ipc", "1f1b"),
+                                                ("kill", "tcp", "1f1b"), ("kill", "ipc", "zbv"), ("hang", "ipc", "zbv")])
+def test_a_failed_replica_is_left_out_of_its_step_and_rebuilt(monkeypatch, capfd, kind, wire, schedule):
     """(Over tcp with a MAC per message, the rebuilt replica's links are new sockets whose
-    sequence numbers start again.)"""
+    sequence numbers start again. With zbv, 4 stages, 2 per process in a V (stages 0+3, 1+2):
+    stage 1's failure takes stage 2, its process's other stage, with it; a hang is still named by
+    the stage that hangs.)"""
     monkeypatch.setenv("PIPEQ_FAULT", f"stage:1,step:{FAILS_AT},kind:{kind},replica:1")
-    stages, data = stages64(3), batches64(STEPS, BATCH)
+    n, m = (4, 4) if schedule == "zbv" else (3, 2)
+    stages, data = stages64(n), batches64(STEPS, BATCH)
     ref, ref_losses = reference(stages, data, FAILS_AT)
     kw: dict = dict(step_timeout=1.0, heartbeat_interval=0.2) if kind == "hang" else {}
     if wire == "tcp":
         kw.update(transport="tcp", tcp_security="authenticate")
-    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "1f1b", 2, data_parallel=2,
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, schedule, m, data_parallel=2,
                                   fault_tolerance="replicas", **FAST, **kw)
     with runner:
         losses = [runner.step(x, y) for x, y in data]
@@ -82,31 +86,6 @@ def test_a_failed_replica_is_left_out_of_its_step_and_rebuilt(monkeypatch, capfd
     for key in ref:
         torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
         assert torch.equal(state[key], rebuilt[key]), key  # the replicas are alike again
-
-
-@pytest.mark.parametrize("kind", ["kill", "hang"])
-def test_two_stages_per_process_lose_a_replica_and_rebuild_it(monkeypatch, kind):
-    """zbv, 4 stages, 2 per process (V placement: stages 0+3 and 1+2): replica 1's stage 1 fails
-    at step 3, taking stage 2 (its process's other stage) with it. The step is replica 0's
-    alone, the replica is rebuilt, and a hang is named by the stage that hangs."""
-    monkeypatch.setenv("PIPEQ_FAULT", f"stage:1,step:{FAILS_AT},kind:{kind},replica:1")
-    stages, data = stages64(4), batches64(STEPS, BATCH)
-    ref, ref_losses = reference(stages, data, FAILS_AT)
-    kw: dict = dict(step_timeout=1.0, heartbeat_interval=0.2) if kind == "hang" else {}
-    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "zbv", 4, data_parallel=2,
-                                  fault_tolerance="replicas", **FAST, **kw)
-    with runner:
-        losses = [runner.step(x, y) for x, y in data]
-        state = runner.state_dict()
-        rebuilt = replica_state(runner, 1)
-        assert runner.degraded_steps == {FAILS_AT: 1}
-        failures = runner.replica_failures
-    assert not wait_no_strays(5.0), "stage processes outlived the run"
-    assert len(failures) == 1 and (failures[0].stage, failures[0].replica) == (1, 1)
-    assert losses == pytest.approx(ref_losses, abs=1e-12)
-    for key in ref:
-        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
-        assert torch.equal(state[key], rebuilt[key]), key
 
 
 def test_three_replicas_lose_replica_0_and_rebuild_it_from_replica_1(monkeypatch):
