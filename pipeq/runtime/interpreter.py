@@ -43,7 +43,7 @@ the stage and chunk; with one stage, as it is.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Generator, Mapping, Sequence
+from typing import Any, Callable, Generator, Mapping, NamedTuple, Sequence
 
 from pipeq import schedules
 from pipeq.errors import StageComputeError, error_line
@@ -58,7 +58,7 @@ from pipeq.trace.format import OPT_STEP as TRACE_OPT_STEP
 from pipeq.trace.format import W as TRACE_W
 from pipeq.wire.errors import Stopped
 
-__all__ = ["ProcessPlan", "execute", "on_chunk", "chunk_error", "combined", "ChunkError", "Note"]
+__all__ = ["ChunkBatch", "ProcessPlan", "execute", "on_chunk", "chunk_error", "combined", "ChunkError", "Note"]
 
 #: ``note(code, microbatch, chunk)``: a compute action starts on a chunk (the event loop's record
 #: for ``step_timeout``)
@@ -72,6 +72,18 @@ class ChunkError(StageComputeError):
     def __init__(self, stage: int, chunk: int, exc: BaseException) -> None:
         super().__init__(f"stage {stage} (chunk {chunk} of its process): {error_line(exc)}")
         self.stage, self.chunk = stage, chunk
+
+
+class ChunkBatch(NamedTuple):
+    """A chunk's part of a batch: ``x`` (stage 0), the ``target`` (a stage that computes a loss),
+    the microbatches' loss ``weights`` and ``aux_weights``, and its stage ``inputs`` (keyword
+    arguments of its forward); each None when the stage has none."""
+
+    x: Any = None
+    target: Any = None
+    weights: Any = None
+    aux_weights: Any = None
+    inputs: Any = None
 
 
 class ProcessPlan:
@@ -98,17 +110,16 @@ class ProcessPlan:
         return acts
 
     def begin(self, exs: Sequence[StageExecutor], step: int, sizes: list[int], training: bool,
-              parts: Sequence[Mapping[str, Any]], stream: bool = False) -> tuple[list[Action], Keys | None]:
-        """Start batch ``step`` on every chunk's executor (``parts[c]``: chunk c's ``x``,
-        ``target``, ``weights``, ``aux_weights`` and ``inputs``, each None when it has none):
+              parts: Sequence[ChunkBatch], stream: bool = False) -> tuple[list[Action], Keys | None]:
+        """Start batch ``step`` on every chunk's executor (``parts[c]``: chunk c's part of it):
         the actions, and (a stream) the wire key of each microbatch number they use (None:
         microbatch j of this step is ``(step, j)``). An executor that predates ``inputs`` is
         never handed the argument when there are none."""
         if not (training and self.cursor is not None):
             for c, (ex, part) in enumerate(zip(exs, parts)):
-                more = {"inputs": part["inputs"]} if part.get("inputs") is not None else {}
-                on_chunk(exs, c, ex.begin, step, sizes, training, part.get("x"), part.get("target"),
-                         part.get("weights"), aux_weights=part.get("aux_weights"), **more)
+                more = {"inputs": part.inputs} if part.inputs is not None else {}
+                on_chunk(exs, c, ex.begin, step, sizes, training, part.x, part.target, part.weights,
+                         aux_weights=part.aux_weights, **more)
             return self.actions(len(sizes), training), None
         (ex,), (part,) = exs, parts  # a schedule that streams holds one stage per process
         done = [g for g in self.keys if g < self.cursor.next_b]
@@ -116,8 +127,8 @@ class ProcessPlan:
             del self.keys[g]
         first = self.cursor.add(len(sizes))
         self.keys.update({first + j: (step, j) for j in range(len(sizes))})
-        more = {"inputs": part["inputs"]} if part.get("inputs") is not None else {}
-        ex.extend(step, first, sizes, part.get("x"), part.get("target"), **more)  # type: ignore[attr-defined]
+        more = {"inputs": part.inputs} if part.inputs is not None else {}
+        ex.extend(step, first, sizes, part.x, part.target, **more)  # type: ignore[attr-defined]
         return self._lower(self.cursor.take(drain=not stream)), self.keys
 
     def drain(self) -> list[Action]:

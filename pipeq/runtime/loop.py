@@ -52,7 +52,7 @@ from pipeq import schedules
 from pipeq.runtime.batch_command import batch_parts
 from pipeq.runtime.config import ChunkConfig, WorkerConfig
 from pipeq.runtime.faults import inject
-from pipeq.runtime.interpreter import Keys, ProcessPlan, chunk_error, execute, on_chunk
+from pipeq.runtime.interpreter import ChunkBatch, Keys, ProcessPlan, chunk_error, execute, on_chunk
 from pipeq.runtime.links import PeerLinks, swap_ties
 from pipeq.runtime.requests import STATS, Emit, Recv, Request, Send, SwapTies
 from pipeq.schedules import Op
@@ -227,8 +227,7 @@ class EventLoop:
             ex = ch.executor
             x, target, inputs = on_chunk(self.executors, ch.c, batch_parts, cmd, msg.tensors, ch.stage, ex.is_first,
                                          ex.needs_target and training)
-            parts.append({"x": x, "target": target, "inputs": inputs, "weights": getattr(cmd, "weights", None),
-                          "aux_weights": getattr(cmd, "aux_weights", None)})
+            parts.append(ChunkBatch(x, target, getattr(cmd, "weights", None), getattr(cmd, "aux_weights", None), inputs))
         actions, keys = self.plan.begin(self.executors, step, cmd0.sizes, training, parts,
                                         stream=training and cmd0.stream)
         last = next((ch for ch in self.chunks if ch.executor.is_last), None)

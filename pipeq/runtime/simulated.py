@@ -22,7 +22,7 @@ import torch
 from pipeq.errors import PipelineError, error_line, format_remote
 from pipeq.runtime.backend import Shard, StageInputs
 from pipeq.runtime.executors import make_executor
-from pipeq.runtime.interpreter import ChunkError, ProcessPlan, execute
+from pipeq.runtime.interpreter import ChunkBatch, ChunkError, ProcessPlan, execute
 from pipeq.runtime.requests import Emit, Recv, Send, SwapTies
 from pipeq.stage.microbatch import rewrap
 from pipeq.stage.numerics import Numerics
@@ -86,9 +86,8 @@ class SimulatedBackend:
         gens = []
         for p, (held, plan) in enumerate(zip(self.groups, self.plans)):
             exs = [self.executors[k] for k in held]
-            parts = [{"x": x if k == 0 else None, "target": target if self.executors[k].needs_target else None,
-                      "weights": weights, "aux_weights": aux_weights,
-                      "inputs": inputs[k] if inputs is not None else None} for k in held]
+            parts = [ChunkBatch(x if k == 0 else None, target if self.executors[k].needs_target else None, weights,
+                                aux_weights, inputs[k] if inputs is not None else None) for k in held]
             actions, _ = self._guard(held[0], plan.begin, exs, step, sizes, training, parts, stream)
             traces = [self.trace_rows[k] for k in held] if self.trace_rows is not None else None
             gens.append(execute(exs, actions, traces))
