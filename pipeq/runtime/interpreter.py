@@ -170,16 +170,20 @@ def execute(exs: Sequence[StageExecutor], actions: Sequence[Action], traces: Seq
     as each compute action starts."""
     run = _Process(exs, traces, keys, note)
     i, n = 0, len(actions)
+    compute, split = run.compute, run.split_backward  # (the hot path: one call per action)
     while i < n:
         a = actions[i]
+        op = a.op
         end = i + 1
         try:
-            if a.op is Op.STEP:  # the run of STEPs this one starts: taken together
+            if op is Op.STEP:  # the run of STEPs this one starts: taken together
                 while end < n and actions[end].op is Op.STEP:
                     end += 1
                 yield from run.step([b.chunk for b in actions[i:end]])
+            elif op is Op.INPUT_GRAD or op is Op.WEIGHT_GRAD:  # a split backward: after F and B, which stay lean
+                split(op, a.microbatch, a.chunk)
             else:
-                req = run.act(a)
+                req = compute(op, a.microbatch, a.chunk) if op is Op.FORWARD or op is Op.BACKWARD else run.act(a)
                 if req is not None:
                     got = yield req
                     if type(req) is Recv:
@@ -213,12 +217,10 @@ class _Process:
         return self.keys[j] if self.keys is not None else (ex.step_index, j)
 
     def act(self, a: Action) -> Request | None:
-        """Run one action other than ``STEP``; the request it needs carried out, if any (a
-        receive's answer is handed to :meth:`file`)."""
+        """Run one communication action (a receive, a send); the request it needs carried out,
+        if any (a receive's answer is handed to :meth:`file`)."""
         op, j, c = a.op, a.microbatch, a.chunk
         ex = self.exs[c]
-        if op is Op.FORWARD or op is Op.BACKWARD:
-            return self.compute(op, j, c)
         if op is Op.RECV_ACT or op is Op.RECV_GRAD:
             local, box = (self.prv, self.received) if op is Op.RECV_ACT else (self.nxt, self.grads)
             if local[c] is None:
@@ -237,9 +239,6 @@ class _Process:
             if to is None:
                 return Send(op, c, j, ex.for_peer(out))
             box[to][j] = out  # in memory: the receiving stage detaches it as it would a message
-            return None
-        if op is Op.INPUT_GRAD or op is Op.WEIGHT_GRAD:  # a split backward: after F and B, which stay lean
-            self._split_backward(op, j, c)
             return None
         raise ValueError(f"stage {ex.index}: cannot execute action {a}")  # (schedules are validated before)
 
@@ -276,7 +275,7 @@ class _Process:
             self.grads_out[c][j] = out
         return None
 
-    def _split_backward(self, op: Op, j: int, c: int) -> None:
+    def split_backward(self, op: Op, j: int, c: int) -> None:
         """``I j`` (the input gradient, to send back as a ``B``'s) or ``W j`` (the weight
         gradients; after the step's last one, the data-parallel all-reduce starts), traced like a ``B``."""
         ex, rec, note = self.exs[c], self.recs[c], self.note
