@@ -95,7 +95,7 @@ class BackendPlan:
         """What splits the run's batches into microbatches (and replica shards), for ``cfg``'s schedule."""
         model = self.model
         return Batcher(cfg.schedule, model.n_stages, cfg.microbatches, model.loss_fn, model.aux_loss,
-                       cfg.placement.data_parallel)
+                       cfg.placement.data_parallel, cfg.numerics.loss_weighting)
 
     def backend(self, cfg: RunConfig) -> Backend:
         """The backend that runs the stages: this process's (simulated) or one process per stage."""
