@@ -266,13 +266,12 @@ class ProcessBackend:
         sup = self._usable()
         xs, x_tree = microbatch.pack(x)
         mine = _packed(inputs, 0, sum(sizes), 0, len(sizes))
-        split = isinstance(x, microbatch.Microbatches)
         t0 = time.perf_counter_ns()
         msgs = []
         for k in range(self.n_stages):
             part = _batch_part(xs if k == 0 else None, x_tree, None, None, mine[k] if mine is not None else None)
             predict = Predict(sizes=sizes, x=part.x, nx=part.nx, inputs=part.inputs, ninputs=part.ninputs,
-                              split=split)
+                              split=isinstance(x, microbatch.Microbatches))
             msgs.append((k, control.message(predict, step, 0, part.tensors)))
         self._send_all(sup, msgs)
         out = self.output_stage
@@ -384,11 +383,11 @@ def _batch_part(xs: list[torch.Tensor] | None, x_tree: Any, ts: list[torch.Tenso
     return _Part(tensors, x, nx, target, inputs, ninputs)
 
 
-def _packed(inputs: StageInputs | None, start: int, length: int, first: int,
-            count: int) -> list[tuple[list[torch.Tensor], Any] | None] | None:
+def _packed(inputs: StageInputs | None, start: int, length: int, first: int = 0,
+            count: int | None = None) -> list[tuple[list[torch.Tensor], Any] | None] | None:
     """Each stage's inputs, samples ``start .. start + length`` (microbatches ``first .. first +
-    count`` of a batch given as its microbatches): a replica's shard, packed for the wire; None
-    without any."""
+    count`` of a batch given as its microbatches, None: to the last): a replica's shard, packed
+    for the wire; None without any."""
     if inputs is None:
         return None
     return [microbatch.pack(microbatch.shard(mine, start, length, first, count)) if mine is not None else None

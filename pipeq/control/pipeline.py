@@ -139,10 +139,12 @@ class Pipeline:
         self.live()
         return self.feed.predict(x, stage_inputs)
 
-    def eval_loss(self, loss_fn: Any) -> Any:
-        """The loss an evaluation reports: ``loss_fn``, or by default the run's (as its schedule evaluates it)."""
+    def eval_loss(self, loss_fn: Any) -> tuple[Any, str]:
+        """The loss an evaluation reports: ``loss_fn``, or by default the run's (as its schedule evaluates it),
+        and how its batches weigh (the run's ``loss_weighting``)."""
         self.live()
-        return self.config.schedule.eval_loss(self.feed.batcher.loss_fn) if loss_fn is None else loss_fn
+        chosen = self.config.schedule.eval_loss(self.feed.batcher.loss_fn) if loss_fn is None else loss_fn
+        return chosen, self.config.numerics.loss_weighting
 
     def stream(self, batches: Iterable[Any], in_flight: int | None) -> Iterator[float]:
         """Each batch's loss, with up to ``in_flight`` batches sent ahead (see :meth:`PipelineRunner.stream`)."""

@@ -40,9 +40,14 @@ class Microbatches(list):
 
     Its microbatches may differ in everything but their structure: lengths (a sequence dimension)
     and rows (dim 0). ``runner.step(Microbatches(xs), Microbatches(ys))`` takes x and the target
-    so, item by item, or ``runner.step(Microbatches([(x0, y0), (x1, y1)]))`` as pairs (or
-    ``(x, target, stage_inputs)`` triples); see :meth:`pipeq.PipelineRunner.step`. A plain list
-    stays a tree (several inputs of one batch): only this type says "already split"."""
+    so, item by item (``stage_inputs=Microbatches([{"mask": m0}, ...])`` likewise), or
+    ``runner.step(Microbatches([(x0, y0), (x1, y1)]))`` as pairs or ``(x, target, stage_inputs)``
+    triples, the target left out (``step`` takes a plain list of them too; ``stream`` and
+    ``evaluate`` batches are either form). A step holds 1 to ``microbatches`` of them (with
+    ``data_parallel=R``: R times that, replica r taking the r-th run of them), each run as it
+    is given; each microbatch's loss is weighted by its tokens or rows, as ``loss_weighting``
+    says. ``predict(Microbatches(xs))`` returns one output per microbatch, a Microbatches too.
+    A plain list stays a tree (several inputs of one batch): only this type says "already split"."""
 
     def __repr__(self) -> str:
         return f"Microbatches({list.__repr__(self)})"
@@ -133,11 +138,11 @@ def narrow(value: Any, start: int, length: int) -> Any:
     return map_tensors(value, lambda t: t[start:start + length])
 
 
-def shard(value: Any, start: int, length: int, first: int, count: int) -> Any:
+def shard(value: Any, start: int, length: int, first: int, count: int | None) -> Any:
     """A replica's part of a batch: samples ``start .. start + length``, or, of a batch given as
-    :class:`Microbatches`, microbatches ``first .. first + count``."""
+    :class:`Microbatches`, microbatches ``first .. first + count`` (None: to the last)."""
     if isinstance(value, Microbatches):
-        return Microbatches(value[first:first + count])
+        return Microbatches(value[first:first + count if count is not None else None])
     return narrow(value, start, length)
 
 
