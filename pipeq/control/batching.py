@@ -91,10 +91,11 @@ class Batcher:
             self._checked.add(len(sizes))
         return sizes
 
-    def given_sizes(self, x: Microbatches) -> list[int]:
+    def given_sizes(self, x: Microbatches, training: bool = True) -> list[int]:
         """The rows of each microbatch of a batch given as its microbatches (checked), their
-        count checked against the run's replicas and ``microbatches``."""
-        k, r, m = len(x), self.replicas, self.microbatches
+        count checked against ``microbatches`` (a training batch's: per replica; a prediction
+        runs on one)."""
+        k, r, m = len(x), self.replicas if training else 1, self.microbatches
         if k % r or not 1 <= k // r <= m:
             per = f" per replica (data_parallel={r}: {k} in all)" if r > 1 else ""
             raise ValueError(f"a batch given as Microbatches holds {k // r if r > 1 and k % r == 0 else k} "

@@ -71,7 +71,7 @@ class Feed:
         inputs = self._route(given, x, n)
         self._step += 1
         split = isinstance(x, Microbatches)
-        sizes = self.batcher.given_sizes(x) if split else self.batcher.sizes(n)
+        sizes = self.batcher.given_sizes(x, training=False) if split else self.batcher.sizes(n)
         return _joined(self._backend().predict(self._step, sizes, x, inputs), split)
 
     def _route(self, given: Any, x: Any, batch: int) -> StageInputs | None:

@@ -58,9 +58,12 @@ def test_microbatches_of_different_lengths_train_over_replicas_equal_to_one_proc
         x, y, inputs = (Microbatches(part) for part in zip(*steps[1]))
         got += [runner.step(x, y, stage_inputs=inputs)]  # the same, item by item
         state = runner.state_dict()
-        out = runner.predict(x, stage_inputs=inputs)
+        out = runner.predict(Microbatches(x[:2]), stage_inputs=Microbatches(inputs[:2]))  # on one replica
+        with pytest.raises(ValueError, match="holds 4 microbatches; it must hold 1 to microbatches=2"):
+            runner.predict(x, stage_inputs=inputs)
     assert got == pytest.approx(want, abs=1e-9)
     assert_states_close(state, flat(model))
     with torch.no_grad():
+        assert len(out) == 2
         for o, (tokens, _, given) in zip(out, steps[1]):
             torch.testing.assert_close(o, forward(model, tokens, given))

@@ -129,7 +129,8 @@ def test_cross_entropy_on_padded_microbatches_is_the_token_mean(schedule):
     runner = pipeq.PipelineRunner(stages(), lambda o, y: loss(o.reshape(-1, V), y.reshape(-1)), SGD, schedule, 3,
                                   mode="simulated")
     with runner:
-        got = list(runner.stream([(Microbatches(xs), Microbatches(ys)) for xs, ys in PADDED]))
+        batches = [(Microbatches(PADDED[0][0]), Microbatches(PADDED[0][1])), Microbatches(zip(*PADDED[1]))]
+        got = list(runner.stream(batches))  # x and target item by item, then pairs
         state = runner.state_dict()
         out = runner.predict(Microbatches(PADDED[0][0]))
         evaluated = runner.evaluate([(Microbatches(xs), Microbatches(ys)) for xs, ys in PADDED[:1]])
