@@ -174,6 +174,9 @@ def test_misgiven_microbatches_are_refused_naming_the_microbatch_and_the_setting
         with pytest.raises(ValueError, match=r"x \(microbatch 1\) must have a non-empty batch dimension"):
             runner.step(Microbatches([xs[0], xs[1][:0]]), Microbatches(ys[:2]))
         assert runner.step(Microbatches(xs[:1]), Microbatches(ys[:1])) > 0  # fewer than microbatches: fine
+    with pipeq.PipelineRunner(stages(), lm_loss, SGD, "async", 3, mode="simulated") as runner:
+        with pytest.raises(ValueError, match="batches given as Microbatches, run with the backprop schedules"):
+            runner.step(Microbatches(xs), Microbatches(ys))
 
 
 def test_microbatch_weights_count_tokens_or_rows():
