@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from pipeq.stage.numerics import Numerics
 
 __all__ = ["RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig", "MODES", "TRANSPORTS",
-           "START_METHODS", "FAULT_TOLERANCE", "LOSS_WEIGHTINGS", "check_step_timeout", "setting_fields", "setting_default"]
+           "START_METHODS", "FAULT_TOLERANCE", "LOSS_WEIGHTINGS", "check_step_timeout", "setting_fields",
+           "setting_default"]
 
 MODES = ("process", "simulated")
 TRANSPORTS = ("ipc", "tcp")

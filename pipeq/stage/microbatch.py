@@ -30,8 +30,8 @@ import torch
 
 from pipeq.tree import TreeError, flatten, map_tensors, unflatten
 
-__all__ = ["Microbatches", "rows", "Packed", "spec_of", "rewrap", "describe", "check", "to_device", "narrow", "split", "cat", "pack", "pack_output",
-           "unpack", "unpack_input", "unpack_kwargs"]
+__all__ = ["Microbatches", "rows", "Packed", "spec_of", "rewrap", "describe", "check", "to_device", "narrow", "shard",
+           "split", "cat", "pack", "pack_output", "unpack", "unpack_input", "unpack_kwargs"]
 
 
 class Microbatches(list):

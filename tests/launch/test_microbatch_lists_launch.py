@@ -23,7 +23,8 @@ def test_a_launched_job_trains_on_microbatches_of_different_lengths(tmp_path):
     launch(write(tmp_path, 'stages = "launch_jobs:lm_stages"\nloss = "launch_jobs:lm_loss"\n'
                  'optimizer = "torch.optim:SGD"\noptimizer_args = { lr = 0.1 }\n'
                  'data = "launch_jobs:microbatch_batches"\neval_data = "launch_jobs:microbatch_batches"\n'
-                 f'loss_weighting = "sample"\nschedule = "zb-h1"\nmicrobatches = 3\nsteps = 3\nseed = 0\nout = "{out}"\n'))
+                 'loss_weighting = "sample"\nschedule = "zb-h1"\nmicrobatches = 3\nsteps = 3\nseed = 0\n'
+                 f'out = "{out}"\n'))
     torch.manual_seed(0)
     runner = pipeq.PipelineRunner(launch_jobs.lm_stages(), launch_jobs.lm_loss,
                                   functools.partial(torch.optim.SGD, lr=0.1), "zb-h1", 3, mode="simulated",
