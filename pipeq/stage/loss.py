@@ -1,9 +1,9 @@
 """How the microbatches' losses add up to the batch's: the weight of each microbatch's loss.
 
 Gradient accumulation makes one step equal to one full-batch step: each microbatch's loss is
-scaled by its share of the whole batch's denominator before its backward (not averaged over
-microbatches afterwards: torchtitan #1733 and #2972 are what goes wrong otherwise), so the
-gradients summed over the microbatches are those of the batch's loss. What the denominator
+scaled by its share of the whole batch's denominator before its backward (not by 1/microbatches
+whatever it holds, nor divided by the batch's tokens after the backward: torchtitan #1733 and
+#2972), so the gradients summed over the microbatches are those of the batch's loss. What the denominator
 counts is the run's ``loss_weighting`` (``pipeq.NumericsConfig.loss_weighting``):
 
 - ``"token"`` (the default): the target's elements that count. For a mean over tokens, the

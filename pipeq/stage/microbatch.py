@@ -46,7 +46,8 @@ class Microbatches(list):
     ``evaluate`` batches are either form). A step holds 1 to ``microbatches`` of them (with
     ``data_parallel=R``: R times that, replica r taking the r-th run of them), each run as it
     is given; each microbatch's loss is weighted by its tokens or rows, as ``loss_weighting``
-    says. ``predict(Microbatches(xs))`` returns one output per microbatch, a Microbatches too.
+    says. ``predict(Microbatches(xs))`` (1 to ``microbatches``: it runs on one replica) returns
+    one output per microbatch, a Microbatches too.
     A plain list stays a tree (several inputs of one batch): only this type says "already split"."""
 
     def __repr__(self) -> str:
