@@ -72,11 +72,12 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers an
     from pipeq.stage.executor import StageExecutor
     from pipeq.stage.info import StageInfo, Tie, info_of, set_info
     from pipeq.stage.lr_schedulers import LRSchedule
+    from pipeq.stage.microbatch import Microbatches
 
 #: The public API: this package's names, and the public subpackages' (docs/reference/api.md
 #: documents them all; the folders below them are pipeq's own, and may change).
 __all__ = [
-    "PipelineRunner", "RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig",
+    "PipelineRunner", "Microbatches", "RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig",
     "StageInfo", "Tie", "set_info", "info_of", "LRSchedule", "StageExecutor",
     "split", "balance", "Recipe", "Job", "load_job", "Rendezvous", "from_csv", "to_csv",
     "SCHEDULES", "format_table", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
@@ -93,6 +94,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
        ("RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig")},
     **{name: ("pipeq.stage.info", name) for name in ("StageInfo", "Tie", "set_info", "info_of")},
     "LRSchedule": ("pipeq.stage.lr_schedulers", "LRSchedule"),
+    "Microbatches": ("pipeq.stage.microbatch", "Microbatches"),
     "StageExecutor": ("pipeq.stage.executor", "StageExecutor"),
     "Recipe": ("pipeq.launch.job.recipe", "Recipe"), "Job": ("pipeq.launch.job.spec", "Job"),
     "load_job": ("pipeq.launch.job.load", "load_job"),

@@ -21,8 +21,9 @@ from pipeq.control import checks
 from pipeq.control.batching import Batcher
 from pipeq.control.config import RunConfig, setting_default, setting_fields
 from pipeq.control.processes import RunSetup
-from pipeq.control.stage_inputs import route
+from pipeq.control.stage_inputs import route, route_each
 from pipeq.stage.info import info_of
+from pipeq.stage.microbatch import Microbatches
 from pipeq.stage.numerics import Numerics
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class BackendPlan:
         """What splits the run's batches into microbatches (and replica shards), for ``cfg``'s schedule."""
         model = self.model
         return Batcher(cfg.schedule, model.n_stages, cfg.microbatches, model.loss_fn, model.aux_loss,
-                       cfg.placement.data_parallel)
+                       cfg.placement.data_parallel, cfg.numerics.loss_weighting)
 
     def backend(self, cfg: RunConfig) -> Backend:
         """The backend that runs the stages: this process's (simulated) or one process per stage."""
@@ -128,8 +129,10 @@ class BackendPlan:
         if batch is not None and can:
             x, target, size = batcher.training_pair(batch[0], batch[1])
             declared = [] if model.builder is not None else [info_of(s.module).inputs for s in model.replicas[0]]
-            inputs = (route(batch[2], declared, size, cfg.schedule)
-                      if declared and (batch[2] is not None or any(declared)) else None)
+            inputs = None
+            if declared and (batch[2] is not None or any(declared)):
+                inputs = (route_each(batch[2], declared, batcher.given_sizes(x), cfg.schedule)
+                          if isinstance(x, Microbatches) else route(batch[2], declared, size, cfg.schedule))
             args = (batcher.shards(target, size), x, target, inputs)
         device = place.devices[0] if place.devices else "cpu"
         try:

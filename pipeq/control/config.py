@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from pipeq.stage.numerics import Numerics
 
 __all__ = ["RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig", "MODES", "TRANSPORTS",
-           "START_METHODS", "FAULT_TOLERANCE", "check_step_timeout", "setting_fields", "setting_default"]
+           "START_METHODS", "FAULT_TOLERANCE", "LOSS_WEIGHTINGS", "check_step_timeout", "setting_fields",
+           "setting_default"]
 
 MODES = ("process", "simulated")
 TRANSPORTS = ("ipc", "tcp")
@@ -37,6 +38,7 @@ START_METHODS = ("spawn", "forkserver")
 #: the environment variable that sets the start method of every runner not given one (a test suite, a docs run)
 START_METHOD_ENV = "PIPEQ_START_METHOD"
 FAULT_TOLERANCE = (None, "replicas")  # see FaultConfig.fault_tolerance
+LOSS_WEIGHTINGS = ("token", "sample")  # see NumericsConfig.loss_weighting
 
 
 def _whole(value: Any, lo: int, hi: int) -> bool:
@@ -66,9 +68,16 @@ class NumericsConfig:
             microbatch's forward and backward and recomputes the forward in the backward (the same
             RNG state, so the same dropout masks): the same numbers, less activation memory.
             False: none.
+        loss_weighting: what a microbatch's (mean) loss is weighted by in the step's loss:
+            ``"token"`` (its target's elements, those equal to the loss's ``ignore_index``, -100
+            unless the loss has its own, left out: a mean over the batch's tokens, what padded
+            language-model targets need; the same as per sample when every row has as many
+            target elements and none is ignored) or ``"sample"`` (its rows). Any loss, a plain
+            function too; a sum-reduced one is added up either way. See
+            :mod:`pipeq.stage.loss`.
 
     Precision, clipping, check_finite and recompute run with fill-drain, 1F1B, ZB-H1 and your own
-    schedules (interlocking, async and AL compute their own way).
+    schedules (interlocking, async and AL compute their own way); loss_weighting with every schedule.
     """
 
     precision: str = "fp32"
@@ -76,6 +85,12 @@ class NumericsConfig:
     clip_norm_type: float = 2.0
     check_finite: bool | str = False
     recompute: bool | Sequence[bool] = False
+    loss_weighting: str = "token"
+
+    def __post_init__(self) -> None:
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting must be 'token' (each microbatch's loss weighted by its target's "
+                             f"tokens) or 'sample' (by its rows), got {self.loss_weighting!r}")
 
 
 @dataclass(frozen=True)

@@ -198,13 +198,14 @@ class ProcessBackend:
             self._submitted[step] = (0, len(shards), len(shards[0][0]), shares, live)  # result() raises the error
             return
         msgs = []
-        offset = 0
+        offset = first = 0  # the replica's first sample, and its first microbatch
+        split = isinstance(x, microbatch.Microbatches)  # given as its microbatches: cut by microbatch
         for r, (sizes, weights, aux_weights) in enumerate(shards):
-            n = sum(sizes)
-            xs, x_tree = microbatch.pack(microbatch.narrow(x, offset, n))
-            ts, t_tree = microbatch.pack(microbatch.narrow(target, offset, n))
-            mine = _packed(inputs, offset, n)
-            offset += n
+            n, count = sum(sizes), len(sizes)
+            xs, x_tree = microbatch.pack(microbatch.shard(x, offset, n, first, count))
+            ts, t_tree = microbatch.pack(microbatch.shard(target, offset, n, first, count))
+            mine = _packed(inputs, offset, n, first, count)
+            offset, first = offset + n, first + count
             if r not in live:
                 continue  # lost (while other steps were in flight): its samples are not trained on
             for k in range(self.n_stages):
@@ -212,7 +213,7 @@ class ProcessBackend:
                                    mine[k] if mine is not None else None)
                 train = Train(sizes=sizes, weights=weights, aux_weights=aux_weights, stream=stream, x=part.x,
                               nx=part.nx, inputs=part.inputs, ninputs=part.ninputs, target=part.target,
-                              shares=shares if self.replica_loss is not None else None)
+                              shares=shares if self.replica_loss is not None else None, split=split)
                 msgs.append((r * self.n_stages + k, control.message(train, step, 0, part.tensors)))
         t0 = time.perf_counter_ns()
         self._sending = True
@@ -264,12 +265,13 @@ class ProcessBackend:
     def predict(self, step: int, sizes: list[int], x: Any, inputs: StageInputs | None = None) -> list[Tensors]:
         sup = self._usable()
         xs, x_tree = microbatch.pack(x)
-        mine = _packed(inputs, 0, sum(sizes))
+        mine = _packed(inputs, 0, sum(sizes), 0, len(sizes))
         t0 = time.perf_counter_ns()
         msgs = []
         for k in range(self.n_stages):
             part = _batch_part(xs if k == 0 else None, x_tree, None, None, mine[k] if mine is not None else None)
-            predict = Predict(sizes=sizes, x=part.x, nx=part.nx, inputs=part.inputs, ninputs=part.ninputs)
+            predict = Predict(sizes=sizes, x=part.x, nx=part.nx, inputs=part.inputs, ninputs=part.ninputs,
+                              split=isinstance(x, microbatch.Microbatches))
             msgs.append((k, control.message(predict, step, 0, part.tensors)))
         self._send_all(sup, msgs)
         out = self.output_stage
@@ -381,9 +383,12 @@ def _batch_part(xs: list[torch.Tensor] | None, x_tree: Any, ts: list[torch.Tenso
     return _Part(tensors, x, nx, target, inputs, ninputs)
 
 
-def _packed(inputs: StageInputs | None, start: int, length: int) -> list[tuple[list[torch.Tensor], Any] | None] | None:
-    """Each stage's inputs, samples ``start .. start + length`` (a replica's shard), packed for
-    the wire; None without any."""
+def _packed(inputs: StageInputs | None, start: int, length: int, first: int = 0,
+            count: int | None = None) -> list[tuple[list[torch.Tensor], Any] | None] | None:
+    """Each stage's inputs, samples ``start .. start + length`` (microbatches ``first .. first +
+    count`` of a batch given as its microbatches, None: to the last): a replica's shard, packed
+    for the wire; None without any."""
     if inputs is None:
         return None
-    return [microbatch.pack(microbatch.narrow(mine, start, length)) if mine is not None else None for mine in inputs]
+    return [microbatch.pack(microbatch.shard(mine, start, length, first, count)) if mine is not None else None
+            for mine in inputs]

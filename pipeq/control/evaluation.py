@@ -6,12 +6,16 @@ output of ``runner.predict(x)``, as the last stage returns it, and the target as
 batch's value weighted by its samples (dim 0 of the target's tensors), so batches of unequal size count as one big batch would for a metric that
 is itself a per-sample mean (accuracy, a mean-reduced loss). The defaults:
 
-    loss      the loss function's value per sample (a sum-reduced loss is divided by the batch's
-              samples first)
+    loss      the loss function's value over the whole set, each batch's weighted as the run's
+              ``loss_weighting`` weighs microbatches: by its target's tokens ("token", the
+              default: the mean over every token of the set) or by its samples ("sample"); a
+              sum-reduced loss per sample (divided by the batch's samples first)
     accuracy  argmax accuracy, when every batch is a classification one: a 2-d floating-point
               output and a 1-d integer target
 
-A metric given under one of these names replaces the default.
+A metric given under one of these names replaces the default. A batch given as its microbatches
+(:class:`~pipeq.stage.microbatch.Microbatches`, which may differ in length) counts as that many
+batches.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from pipeq.control.batching import check_batch
-from pipeq.stage.loss import loss_weight_mode
+from pipeq.control.stage_inputs import batch_item
+from pipeq.stage.loss import loss_weight_mode, tokens
+from pipeq.stage.microbatch import Microbatches
 
 Metric = Callable[[Any, torch.Tensor], Any]
 
@@ -75,15 +81,21 @@ def _shape(t: Any) -> str:
 
 def _batches(batches: Any) -> Iterable[tuple[Any, ...]]:
     """One ``(x, target)`` pair of tensors (or ``(x, target, stage_inputs)`` with a dict) is one
-    batch; anything else is an iterable of them."""
+    batch; anything else is an iterable of them. A batch given as its microbatches is each of them."""
     if (isinstance(batches, tuple) and len(batches) in (2, 3) and isinstance(batches[0], torch.Tensor)
             and isinstance(batches[1], torch.Tensor) and (len(batches) == 2 or isinstance(batches[2], Mapping))):
-        return [batches]
-    return batches
+        batches = [batches]
+    for item in batches:
+        if isinstance(item, Microbatches) or (isinstance(item, (tuple, list)) and len(item) in (2, 3)
+                                              and isinstance(item[0], Microbatches)):
+            x, target, given = batch_item(item, "evaluate")
+            yield from (zip(x, target, given) if given is not None else zip(x, target))
+        else:
+            yield item
 
 
 def evaluate(predict: Callable[..., Any], batches: Any, metrics: Mapping[str, Metric] | None,
-             loss_fn: Callable | None) -> dict[str, float]:
+             loss_fn: Callable | None, loss_weighting: str = "sample") -> dict[str, float]:
     """The sample means of the loss (when ``loss_fn`` is given), accuracy (classification) and
     ``metrics`` over ``batches`` (an iterable of ``(x, target)`` or ``(x, target, stage_inputs)``,
     or one of them), with ``predict(x)`` (``predict(x, stage_inputs=...)``) giving each batch's
@@ -100,6 +112,8 @@ def evaluate(predict: Callable[..., Any], batches: Any, metrics: Mapping[str, Me
     sums = dict.fromkeys(named, 0.0)
     classify = True  # the default accuracy: while every batch is a classification one
     count = 0
+    loss_count = 0.0  # what the loss is a mean over: samples, or tokens (loss_weighting="token")
+    by_tokens = loss_fn is not None and loss_weighting == "token" and not summed
     for i, pair in enumerate(_batches(batches)):
         if not (isinstance(pair, (tuple, list)) and len(pair) in (2, 3)):
             raise ValueError(f"evaluation batch {i} is a {type(pair).__name__}, not an (x, target) pair "
@@ -114,8 +128,16 @@ def evaluate(predict: Callable[..., Any], batches: Any, metrics: Mapping[str, Me
             if name == "accuracy" and not classify:
                 continue
             value = _value(name, fn, output, target)
-            sums[name] += value if name == "loss" and summed else value * n  # a summed loss: already x n
+            if name == "loss" and by_tokens:
+                weight = tokens(loss_fn, target)
+                sums[name] += value * weight if weight else 0.0
+                loss_count += weight
+            else:
+                sums[name] += value if name == "loss" and summed else value * n  # a summed loss: already x n
         count += n
     if count == 0:
         raise ValueError("the evaluation set holds no batch")
-    return {name: total / count for name, total in sums.items() if name != "accuracy" or classify}
+    out = {name: total / count for name, total in sums.items() if name != "accuracy" or classify}
+    if by_tokens and "loss" in out:
+        out["loss"] = sums["loss"] / loss_count if loss_count else float("nan")
+    return out

@@ -5,7 +5,8 @@
 microbatches and replica shards with their loss weights (:class:`~pipeq.control.batching.Batcher`),
 ``stage_inputs`` are routed to the stages that declare them (:mod:`pipeq.control.stage_inputs`),
 and every step is numbered (training and prediction alike, counting up). A prediction's
-microbatch outputs are joined again as the last stage returned them.
+microbatch outputs are joined again as the last stage returned them (a batch given as its
+microbatches, :class:`~pipeq.stage.microbatch.Microbatches`: one output per microbatch).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from pipeq.control.batching import check_batch
-from pipeq.control.stage_inputs import route
+from pipeq.control.stage_inputs import route, route_each
 from pipeq.stage import microbatch
+from pipeq.stage.microbatch import Microbatches
 
 if TYPE_CHECKING:
     from pipeq.control.batching import Batcher
@@ -57,7 +59,7 @@ class Feed:
     def training(self, x: Any, target: Any, given: Any) -> TrainingStep:
         """The training batch ``(x, target)`` (with ``given``, its ``stage_inputs``) as the next step."""
         x, target, n = self.batcher.training_pair(x, target)
-        inputs = self._route(given, n)
+        inputs = self._route(given, x, n)
         shards = self.batcher.shards(target, n)
         self._step += 1
         return TrainingStep(self._step, shards, x, target, inputs)
@@ -66,23 +68,29 @@ class Feed:
         """The output of a forward-only step on ``x`` (see :meth:`PipelineRunner.predict`)."""
         x, n = check_batch("x", x)
         self.batcher.check_input(x)
-        inputs = self._route(given, n)
+        inputs = self._route(given, x, n)
         self._step += 1
-        return _joined(self._backend().predict(self._step, self.batcher.sizes(n), x, inputs))
+        split = isinstance(x, Microbatches)
+        sizes = self.batcher.given_sizes(x, training=False) if split else self.batcher.sizes(n)
+        return _joined(self._backend().predict(self._step, sizes, x, inputs), split)
 
-    def _route(self, given: Any, batch: int) -> StageInputs | None:
+    def _route(self, given: Any, x: Any, batch: int) -> StageInputs | None:
         """``stage_inputs`` as each stage's keyword arguments (None: none), checked against what
-        the stages declare (:mod:`pipeq.control.stage_inputs`)."""
+        the stages declare (:mod:`pipeq.control.stage_inputs`); of a batch given as its
+        microbatches (``x``), one ``stage_inputs`` per microbatch."""
         if self._declared is None:
             self._declared = self._backend().declared_inputs()
         if given is None and not any(self._declared):  # the common case: nothing to route
             return None
+        if isinstance(x, Microbatches):
+            return route_each(given, self._declared, [microbatch.rows(v) for v in x], self.batcher.schedule)
         return route(given, self._declared, batch, self.batcher.schedule)
 
 
-def _joined(outputs: list[Tensors]) -> Any:
+def _joined(outputs: list[Tensors], split: bool) -> Any:
     """Each microbatch's output unpacked as the last stage returned it (one tensor, or a 1-tuple
-    of one, gives that tensor), joined again on dim 0."""
+    of one, gives that tensor), joined again on dim 0; ``split`` (a batch given as its
+    microbatches): as they are, one per microbatch (:class:`Microbatches`)."""
     outs = [microbatch.unpack(microbatch.spec_of(o), o) for o in outputs]
     outs = [o[0] if isinstance(o, tuple) and len(o) == 1 and isinstance(o[0], torch.Tensor) else o for o in outs]
-    return microbatch.cat(outs)
+    return Microbatches(outs) if split else microbatch.cat(outs)

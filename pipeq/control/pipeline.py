@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from pipeq.control import streaming
 from pipeq.control.assembly import processes_of
+from pipeq.control.batching import given_batch
 from pipeq.control.feed import Feed
 from pipeq.control.lifecycle import Lifecycle
 from pipeq.control.shape_check import FirstBatchCheck, warm_up
 from pipeq.control.snapshots import SnapshotSchedule
+from pipeq.control.stage_inputs import batch_item
 from pipeq.control.state import StateAccess
 from pipeq.control.streaming import InFlight
 from pipeq.errors import PipelineError
@@ -124,6 +126,7 @@ class Pipeline:
 
     def train(self, x: Any, target: Any, stage_inputs: Any) -> float:
         """One training step on ``(x, target)``: its loss (see :meth:`PipelineRunner.step`)."""
+        x, target, stage_inputs = given_batch(x, target, stage_inputs)
         self.first_batch(x, target, stage_inputs)
         self.live()
         return self.flight.hand_out(self._submit(x, target, stage_inputs))
@@ -136,17 +139,23 @@ class Pipeline:
         self.live()
         return self.feed.predict(x, stage_inputs)
 
-    def eval_loss(self, loss_fn: Any) -> Any:
-        """The loss an evaluation reports: ``loss_fn``, or by default the run's (as its schedule evaluates it)."""
+    def eval_loss(self, loss_fn: Any) -> tuple[Any, str]:
+        """The loss an evaluation reports: ``loss_fn``, or by default the run's (as its schedule evaluates it),
+        and how its batches weigh (the run's ``loss_weighting``)."""
         self.live()
-        return self.config.schedule.eval_loss(self.feed.batcher.loss_fn) if loss_fn is None else loss_fn
+        chosen = self.config.schedule.eval_loss(self.feed.batcher.loss_fn) if loss_fn is None else loss_fn
+        return chosen, self.config.numerics.loss_weighting
 
     def stream(self, batches: Iterable[Any], in_flight: int | None) -> Iterator[float]:
         """Each batch's loss, with up to ``in_flight`` batches sent ahead (see :meth:`PipelineRunner.stream`)."""
         if self.life.running and (self._auto is not None or self._shapes.pending):
             first, batches = streaming.peek(batches)  # the first batch checks the shapes, settles "auto"
-            if isinstance(first, (tuple, list)) and len(first) in (2, 3):  # else: the stream says what is wrong
-                self.first_batch(first[0], first[1], first[2] if len(first) > 2 else None)
+            try:
+                parts = batch_item(first, "stream")
+            except ValueError:  # no batch: the stream says what is wrong
+                parts = None
+            if parts is not None:
+                self.first_batch(*parts)
         self.live()
         depth = streaming.depth(in_flight, self.n_stages, self.config.microbatches, self.config.queue_capacity)
         return self.flight.stream(iter(batches), depth, self._submit, lambda: self.life.running)

@@ -92,7 +92,7 @@ class PipelineRunner:
     Settings: every other keyword argument builds the run's :class:`~pipeq.RunConfig` (checked once, before
     anything starts); its default is in the signature, its meaning in the RunConfig part that holds it:
 
-    - :class:`~pipeq.NumericsConfig`: precision, clip_grad_norm, clip_norm_type, check_finite, recompute
+    - :class:`~pipeq.NumericsConfig`: precision, clip_grad_norm, clip_norm_type, check_finite, recompute, loss_weighting
     - :class:`~pipeq.WireConfig`: transport, host, tcp_security, max_message_mb, shm_slots, queue_capacity, spin
     - :class:`~pipeq.FaultConfig`: heartbeat_interval, heartbeat_timeout, step_timeout, start_timeout,
       stop_timeout, fault_tolerance
@@ -165,9 +165,10 @@ class PipelineRunner:
 
     # -- training and inference, and what the steps handed back trained with ------------------
     @exclusive
-    def step(self, x: Any, target: Any, stage_inputs: Mapping[Any, Any] | None = None) -> float:
+    def step(self, x: Any, target: Any = None, stage_inputs: Mapping[Any, Any] | None = None) -> float:
         """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
-        ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0);
+        ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0), or a batch
+        already split (:class:`pipeq.Microbatches`: lengths may differ; a list of pairs, no target);
         ``stage_inputs``: values handed straight to the stages that take them (see the class)."""
         return self._pipeline.train(x, target, stage_inputs)
 
@@ -175,7 +176,7 @@ class PipelineRunner:
     def predict(self, x: Any, stage_inputs: Mapping[Any, Any] | None = None) -> Any:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU, shaped
         as the last stage returns it (a tensor, or a tuple / list / dict: tensors are joined
-        again on dim 0). ``stage_inputs`` as in :meth:`step`."""
+        again on dim 0; of :class:`pipeq.Microbatches`, one per microbatch). ``stage_inputs`` as in :meth:`step`."""
         return self._pipeline.predict(x, stage_inputs)
 
     @exclusive
@@ -183,7 +184,7 @@ class PipelineRunner:
                  metrics: Mapping[str, Callable[[Any, torch.Tensor], Any]] | None = None,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
         """Forward only over ``batches`` (an iterable of ``(x, target)`` or ``(x, target, stage_inputs)``, or one) and
-        each metric's sample mean over them: ``{"loss": ..., "accuracy": ..., name: ...}``.
+        each metric's sample mean over them (the loss's: ``loss_weighting``'s): ``{"loss": ..., name: ...}``.
 
         ``metrics``: names to callables ``(output, target) -> float`` (the batch's mean), e.g.
         ``{"top3": top3}``; each batch's value is weighted by its samples, so the result is the
@@ -191,7 +192,7 @@ class PipelineRunner:
         the cross-entropy of the class scores with Associated Learning), ``accuracy`` the argmax
         accuracy when every batch is a classification one (2-d float output, 1-d integer
         target); a metric of the same name replaces either. See :mod:`pipeq.control.evaluation`."""
-        return evaluation.evaluate(self.predict, batches, metrics, self._pipeline.eval_loss(loss_fn))
+        return evaluation.evaluate(self.predict, batches, metrics, *self._pipeline.eval_loss(loss_fn))
 
     @exclusive
     def stream(self, batches: Iterable[tuple[Any, ...]], *, in_flight: int | None = None) -> Iterator[float]:

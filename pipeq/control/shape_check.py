@@ -167,9 +167,7 @@ class FirstBatchCheck:
         if modules is None or stage_inputs is not None:
             return
         try:
-            from pipeq.stage import microbatch
-
-            first = microbatch.narrow(checked, 0, batcher.sizes(n)[0])
+            first = batcher.first(checked, n)
         except Exception:  # noqa: BLE001
             return
         check_stages(modules, first)

@@ -23,11 +23,13 @@ from typing import Any, Mapping, Sequence
 
 from torch import nn
 
+from pipeq.control.batching import given_batch
 from pipeq.runtime.backend import StageInputs  # one batch's inputs, per stage (what a backend is sent)
+from pipeq.stage.microbatch import Microbatches
 from pipeq.stage.info import info_of
 from pipeq.tree import flatten, map_tensors
 
-__all__ = ["StageInputs", "check_declared", "route", "batch_item"]
+__all__ = ["StageInputs", "check_declared", "route", "route_each", "batch_item"]
 
 
 def check_declared(stages: Sequence[nn.Module], schedule: Any) -> None:
@@ -80,6 +82,31 @@ def route(given: Any, declared: Sequence[Sequence[str]], batch: int, schedule: A
     _require_all(declared, per)
     out: StageInputs = [_checked(k, mine, batch) if mine else None for k, mine in enumerate(per)]
     return out if any(mine is not None for mine in out) else None
+
+
+def route_each(given: Any, declared: Sequence[Sequence[str]], rows: Sequence[int], schedule: Any) -> StageInputs | None:
+    """:func:`route` for a batch given as its microbatches (of ``rows`` samples each): ``given`` is
+    a :class:`~pipeq.stage.microbatch.Microbatches` of one ``stage_inputs`` per microbatch (or None),
+    each routed on its own; each stage's inputs come out as a ``Microbatches`` of its keyword
+    arguments, one dict per microbatch."""
+    if given is not None and not (isinstance(given, Microbatches) and len(given) == len(rows)):
+        raise ValueError(f"the batch is given as {len(rows)} microbatches, so stage_inputs must be too: one per "
+                         "microbatch, pipeq.Microbatches([{'mask': m0}, {'mask': m1}, ...]), got a "
+                         f"{type(given).__name__}" + (f" of {len(given)}" if isinstance(given, Microbatches) else ""))
+    each = []
+    for j, n in enumerate(rows):
+        try:
+            each.append(route(given[j] if given is not None else None, declared, n, schedule))
+        except ValueError as exc:
+            raise ValueError(f"microbatch {j}: {exc}") from None
+    out: StageInputs = []
+    for k in range(len(declared)):
+        mine = [r[k] if r is not None else None for r in each]
+        if any(m is None for m in mine) and any(m is not None for m in mine):
+            raise ValueError(f"stage {k} is given stage_inputs in some microbatches and not in others: give every "
+                             "microbatch the same inputs, by the same names")
+        out.append(Microbatches(mine) if mine[0] is not None else None)
+    return out if any(m is not None for m in out) else None
 
 
 def _by_stage(given: Mapping[int, Any], declared: Sequence[Sequence[str]]) -> list[dict[str, Any] | None]:
@@ -139,7 +166,10 @@ def _checked(k: int, mine: dict[str, Any], batch: int) -> dict[str, Any]:
 
 def batch_item(item: Any, where: str) -> tuple[Any, Any, Any]:
     """One batch of ``runner.stream`` or ``runner.evaluate`` (``where``): ``(x, target)`` or
-    ``(x, target, stage_inputs)``, a tuple or a list (as a DataLoader yields it)."""
+    ``(x, target, stage_inputs)``, a tuple or a list (as a DataLoader yields it), or a batch given
+    as its microbatches: a :class:`~pipeq.stage.microbatch.Microbatches` of such pairs (or triples)."""
+    if isinstance(item, Microbatches):
+        return given_batch(item, None, None)
     if isinstance(item, (tuple, list)) and len(item) in (2, 3):
         return item[0], item[1], item[2] if len(item) == 3 else None
     got = f"{type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list)) else type(item).__name__

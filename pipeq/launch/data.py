@@ -101,9 +101,13 @@ def total_steps(job: Job) -> int | None:
 
 
 def samples_of(x: Any) -> int:
-    """The samples of a batch's x: dim 0 of a tensor, or of the first tensor of a tuple / dict
-    (a batch that is not one the runner checks and refuses, naming what is wrong)."""
+    """The samples of a batch's x: dim 0 of a tensor, or of the first tensor of a tuple / dict, or
+    of each microbatch of a ``pipeq.Microbatches`` (a batch that is not one the runner checks and
+    refuses, naming what is wrong)."""
+    from pipeq.stage.microbatch import Microbatches
     from pipeq.tree import tensors_of
 
+    if isinstance(x, Microbatches):  # a batch given as its microbatches: theirs together
+        return sum(samples_of(v) for v in x)
     tensors = [x] if isinstance(x, torch.Tensor) else tensors_of(x) if isinstance(x, (tuple, list, dict)) else []
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 0

@@ -211,7 +211,7 @@ FRONTS = ("pipeq", "pipeq.schedules", "pipeq.research", "pipeq.split", "pipeq.ba
 #: not documented before; :func:`api_markdown` refuses a public name no section documents, and a
 #: section's name that is not public.
 API_SECTIONS: list[tuple[str, str, list[str]]] = [
-    ("The runner", "", ["pipeq.PipelineRunner"]),
+    ("The runner", "", ["pipeq.PipelineRunner", "pipeq.Microbatches"]),
     ("Settings", "`PipelineRunner`'s keyword settings as one object (`config=`), each part documented in full.",
      ["pipeq.RunConfig", "pipeq.NumericsConfig", "pipeq.WireConfig", "pipeq.FaultConfig", "pipeq.PlacementConfig"]),
     ("What a stage declares",

@@ -26,17 +26,18 @@ def batch_parts(cmd: Train | Predict, tensors: Sequence[torch.Tensor], stage: in
     """The parts ``cmd`` carries (its payload checked the counts against ``tensors``): x's tensors
     first (``nx`` of them), then the inputs' (``ninputs``), then the target's; for anything but a
     lone tensor, their trees (:mod:`pipeq.stage.microbatch`), which are checked here: a malformed
-    one raises a :class:`~pipeq.tree.TreeError`."""
+    one raises a :class:`~pipeq.tree.TreeError`. A ``split`` command's parts are lists of
+    microbatches (:class:`~pipeq.stage.microbatch.Microbatches`)."""
     nx = cmd.nx if cmd.nx is not None else (1 if wants_x else 0)
     if nx > len(tensors):
         raise ValueError(f"stage {stage}: the command carries {len(tensors)} tensors, not x's {nx}")
-    x = microbatch.unpack_input(cmd.x, tensors[:nx]) if wants_x else None
+    x = microbatch.unpack_input(cmd.x, tensors[:nx], cmd.split) if wants_x else None
     end = nx
     inputs = None
     if cmd.inputs is not None:
         end = nx + (cmd.ninputs or 0)
-        inputs = microbatch.unpack_kwargs(cmd.inputs, tensors[nx:end])
+        inputs = microbatch.unpack_kwargs(cmd.inputs, tensors[nx:end], cmd.split)
     target = None
     if wants_target and isinstance(cmd, Train):  # (PREDICT carries no target)
-        target = microbatch.unpack_input(cmd.target, tensors[end:])
+        target = microbatch.unpack_input(cmd.target, tensors[end:], cmd.split)
     return BatchParts(x, target, inputs)

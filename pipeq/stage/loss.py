@@ -1,9 +1,22 @@
 """How the microbatches' losses add up to the batch's: the weight of each microbatch's loss.
 
-Gradient accumulation makes one step equal to one full-batch step: the loss of microbatch j is
-scaled by n_j / n (its share of the batch's samples) for a mean-reduced loss, by 1 for a
-sum-reduced one, so microbatches of unequal size are weighted correctly. :func:`weighted_loss` is
-one microbatch's loss so weighted, as a stage computes it.
+Gradient accumulation makes one step equal to one full-batch step: each microbatch's loss is
+scaled by its share of the whole batch's denominator before its backward (not by 1/microbatches
+whatever it holds, nor divided by the batch's tokens after the backward: torchtitan #1733 and
+#2972), so the gradients summed over the microbatches are those of the batch's loss. What the denominator
+counts is the run's ``loss_weighting`` (``pipeq.NumericsConfig.loss_weighting``):
+
+- ``"token"`` (the default): the target's elements that count. For a mean over tokens, the
+  loss of one process on the whole batch: ``sum_j (tokens_j / tokens) * loss_j``. An
+  integer target's elements equal to the loss's ``ignore_index`` (its attribute, else -100, what
+  ``F.cross_entropy`` and Hugging Face use) do not count; with ``nn.CrossEntropyLoss`` /
+  ``nn.NLLLoss`` class weights each counts its class's weight, as their mean does. When every row
+  has as many target elements and none is ignored, this is the samples' share.
+- ``"sample"``: the microbatch's rows (dim 0): for a loss that is a mean over samples (each
+  sample's loss a sum or a mean over its own tokens).
+
+A sum-reduced loss (``reduction="sum"``) needs weight 1 either way. :func:`weighted_loss` is one
+microbatch's loss so weighted, as a stage computes it.
 """
 
 from __future__ import annotations
@@ -14,10 +27,15 @@ import torch
 from torch import nn
 
 from pipeq.errors import StageComputeError, error_line
+from pipeq.stage import microbatch
 from pipeq.stage.microbatch import describe
 from pipeq.tree import tensors_of
 
-__all__ = ["loss_weight_mode", "microbatch_weights", "step_weights", "weighted_loss"]
+__all__ = ["IGNORE_INDEX", "loss_weight_mode", "tokens", "microbatch_weights", "step_weights",
+           "weighted_loss"]
+
+#: The ignored target value of a loss that names none (``F.cross_entropy``'s and Hugging Face's).
+IGNORE_INDEX = -100
 
 
 def loss_weight_mode(loss_fn: Callable) -> str:
@@ -30,29 +48,35 @@ def loss_weight_mode(loss_fn: Callable) -> str:
     return reduction
 
 
-def microbatch_weights(loss_fn: Callable, target: Any, sizes: Sequence[int]) -> list[float]:
-    """What each microbatch's loss is multiplied by so that their sum is the full-batch loss.
+def tokens(loss_fn: Callable, target: Any) -> float:
+    """The tokens of one microbatch's ``target`` that ``loss_fn``'s mean divides by: the elements
+    of its first tensor (depth-first), but an integer target's ``ignore_index`` ones; with an
+    ``nn.CrossEntropyLoss`` / ``nn.NLLLoss`` of class weights on class indices, their weights."""
+    t = target if isinstance(target, torch.Tensor) else tensors_of(target)[0]
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        return float(t.numel())
+    ignore = getattr(loss_fn, "ignore_index", IGNORE_INDEX)
+    valid = t[t != ignore]
+    weight = getattr(loss_fn, "weight", None) if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) else None
+    if weight is not None:
+        return float(weight.detach().cpu()[valid.cpu()].sum())
+    return float(valid.numel())
 
-    A mean-reduced loss divides by its own denominator: the number of samples for most losses,
-    but for class-index targets of CrossEntropyLoss / NLLLoss the number of targets that are not
-    ``ignore_index``, each counted with its class weight. Each microbatch gets its share of the
-    batch's denominator (a microbatch with none gets 0). A sum-reduced loss needs weight 1.
-    """
+
+def microbatch_weights(loss_fn: Callable, target: Any, sizes: Sequence[int], weighting: str = "token") -> list[float]:
+    """What each microbatch's loss is multiplied by so that their sum is the full-batch loss: its
+    share of the batch's tokens (``weighting="token"``) or rows (``"sample"``), see the module;
+    1 each for a sum-reduced loss. ``target`` is the whole batch's (split by ``sizes``), or a
+    :class:`~pipeq.stage.microbatch.Microbatches`. A microbatch with no token gets 0; a batch
+    with none at all (every target ignored: NaN in one process too) weighs them equally."""
+    if weighting not in ("token", "sample"):
+        raise ValueError(f"loss_weighting must be 'token' or 'sample', got {weighting!r}")
     if loss_weight_mode(loss_fn) == "sum":
         return [1.0] * len(sizes)
-    dens: list[float]
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and isinstance(target, torch.Tensor) and not (
-        target.is_floating_point() or target.is_complex()
-    ):
-        dens = []
-        for chunk in target.split(list(sizes)):
-            valid = chunk[chunk != loss_fn.ignore_index]
-            if loss_fn.weight is not None:
-                dens.append(float(loss_fn.weight.detach().cpu()[valid].sum()))
-            else:
-                dens.append(float(valid.numel()))
-    else:
+    if weighting == "sample":
         dens = [float(n) for n in sizes]
+    else:
+        dens = [tokens(loss_fn, t) for t in microbatch.split(target, list(sizes))]
     total = sum(dens)
     if total == 0:  # nothing to learn from (every target ignored): the loss is NaN, as in one process
         return [1.0 / len(sizes)] * len(sizes)

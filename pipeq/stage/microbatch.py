@@ -12,6 +12,10 @@ replicated into each microbatch::
 How a stage is called: a tuple is spread over the stage's arguments (``stage(*value)``,
 :func:`pipeq.tree.as_args`), anything else is its one argument (a dict arrives as one dict).
 
+A batch may also come already split (:class:`Microbatches`): each microbatch its own tree, so
+microbatches of one step may differ in length (tokens per row) and in rows. Splitting it hands
+its microbatches back as they are; a replica's shard is a run of whole microbatches.
+
 Between processes a tree travels as its tensors plus its spec in the VALUE spelling
 (:func:`pack` / :func:`unpack`), which the receiver checks like every other header field. A stage
 output that is a tensor or a tuple of tensors needs no spec: the hot path stays a bare list of
@@ -26,8 +30,33 @@ import torch
 
 from pipeq.tree import TreeError, flatten, map_tensors, unflatten
 
-__all__ = ["Packed", "spec_of", "rewrap", "describe", "check", "to_device", "narrow", "split", "cat", "pack", "pack_output",
-           "unpack", "unpack_input", "unpack_kwargs"]
+__all__ = ["Microbatches", "rows", "Packed", "spec_of", "rewrap", "describe", "check", "to_device", "narrow", "shard",
+           "split", "cat", "pack", "pack_output", "unpack", "unpack_input", "unpack_kwargs"]
+
+
+class Microbatches(list):
+    """A batch given as its microbatches, already split: ``Microbatches([x0, x1, x2])``, each
+    item one microbatch's tree (what a whole batch may be: a tensor, a tuple / list / dict...).
+
+    Its microbatches may differ in everything but their structure: lengths (a sequence dimension)
+    and rows (dim 0). ``runner.step(Microbatches(xs), Microbatches(ys))`` takes x and the target
+    so, item by item (``stage_inputs=Microbatches([{"mask": m0}, ...])`` likewise), or
+    ``runner.step(Microbatches([(x0, y0), (x1, y1)]))`` as pairs or ``(x, target, stage_inputs)``
+    triples, the target left out (``step`` takes a plain list of them too; ``stream`` and
+    ``evaluate`` batches are either form). A step holds 1 to ``microbatches`` of them (with
+    ``data_parallel=R``: R times that, replica r taking the r-th run of them), each run as it
+    is given; each microbatch's loss is weighted by its tokens or rows, as ``loss_weighting``
+    says. ``predict(Microbatches(xs))`` (1 to ``microbatches``: it runs on one replica) returns
+    one output per microbatch, a Microbatches too.
+    A plain list stays a tree (several inputs of one batch): only this type says "already split"."""
+
+    def __repr__(self) -> str:
+        return f"Microbatches({list.__repr__(self)})"
+
+
+def rows(value: Any) -> int:
+    """A checked tree's batch size: dim 0 of its first tensor."""
+    return int(value.shape[0]) if isinstance(value, torch.Tensor) else int(flatten(value)[0][0].shape[0])
 
 
 class Packed(tuple):
@@ -62,7 +91,14 @@ def describe(tensors: Sequence[torch.Tensor]) -> str:
 
 def check(name: str, value: Any) -> tuple[Any, int]:
     """``value`` as a tree of detached CPU tensors, and its batch size: every tensor has the
-    same non-empty dim 0. A ValueError names the part at fault."""
+    same non-empty dim 0. A ValueError names the part at fault. Of a batch given as
+    :class:`Microbatches`, each microbatch is checked so (and named), and the batch size is
+    their rows together."""
+    if isinstance(value, Microbatches):
+        if not value:
+            raise ValueError(f"{name} is an empty Microbatches: give at least one microbatch")
+        checked = [check(f"{name} (microbatch {j})", v) for j, v in enumerate(value)]
+        return Microbatches(v for v, _ in checked), sum(n for _, n in checked)
     tensors = flatten(value, name)[0]
     if not tensors:
         raise ValueError(f"{name} must be a torch.Tensor, or a tuple, list or dict holding at least one, "
@@ -88,19 +124,36 @@ def _name_the_misfit(name: str, value: Any) -> None:
 def to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):  # the common case, without a walk
         return value.to(device, non_blocking=True)
+    if isinstance(value, Microbatches):
+        return Microbatches(to_device(v, device) for v in value)
     return map_tensors(value, lambda t: t.to(device, non_blocking=True))
 
 
 # -- splitting and joining ----------------------------------------------------------------------
 def narrow(value: Any, start: int, length: int) -> Any:
     """Samples ``start .. start + length`` of every tensor (constants kept)."""
+    if isinstance(value, Microbatches):
+        raise TypeError("a batch given as Microbatches is cut by microbatch (shard()), not by sample")
     if isinstance(value, torch.Tensor):
         return value[start:start + length]
     return map_tensors(value, lambda t: t[start:start + length])
 
 
+def shard(value: Any, start: int, length: int, first: int, count: int | None) -> Any:
+    """A replica's part of a batch: samples ``start .. start + length``, or, of a batch given as
+    :class:`Microbatches`, microbatches ``first .. first + count`` (None: to the last)."""
+    if isinstance(value, Microbatches):
+        return Microbatches(value[first:first + count if count is not None else None])
+    return narrow(value, start, length)
+
+
 def split(value: Any, sizes: Sequence[int]) -> list[Any]:
-    """``value`` as microbatches of ``sizes`` samples (torch's chunking rules)."""
+    """``value`` as microbatches of ``sizes`` samples (torch's chunking rules); a batch given as
+    :class:`Microbatches` is its microbatches (one per size)."""
+    if isinstance(value, Microbatches):
+        if len(value) != len(sizes):
+            raise ValueError(f"{len(value)} microbatches given for a step of {len(sizes)}")
+        return list(value)
     if isinstance(value, torch.Tensor):
         return list(value.split(list(sizes)))
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -146,18 +199,33 @@ def unpack(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
     return unflatten(spec, tensors)
 
 
-def unpack_input(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """x or a target sent with :func:`pack`: a lone tensor when ``spec`` is None."""
+def unpack_input(spec: Any, tensors: Sequence[torch.Tensor], split: bool = False) -> Any:
+    """x or a target sent with :func:`pack`: a lone tensor when ``spec`` is None; ``split``: a
+    batch given as :class:`Microbatches` (sent as a list of them)."""
     if spec is None:
-        if len(tensors) != 1:
+        if len(tensors) != 1 or split:
             raise TreeError(f"{len(tensors)} tensors without a tree description")
         return tensors[0]
-    return unflatten(spec, tensors)
-
-
-def unpack_kwargs(spec: Any, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """A stage's inputs sent with :func:`pack`: a dict of keyword arguments (TreeError otherwise)."""
     value = unflatten(spec, tensors)
+    if not split:
+        return value
+    if not isinstance(value, list):
+        raise TreeError(f"a split batch must arrive as a list of microbatches, not a {type(value).__name__}")
+    return Microbatches(value)
+
+
+def unpack_kwargs(spec: Any, tensors: Sequence[torch.Tensor], split: bool = False) -> Any:
+    """A stage's inputs sent with :func:`pack`: a dict of keyword arguments (TreeError otherwise);
+    ``split``: a batch given as :class:`Microbatches`, one such dict per microbatch."""
+    value = unflatten(spec, tensors)
+    if not split:
+        return _kwargs(value)
+    if not isinstance(value, list):
+        raise TreeError(f"a split batch's stage inputs must be a list of dicts, not a {type(value).__name__}")
+    return Microbatches(_kwargs(v) for v in value)
+
+
+def _kwargs(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise TreeError(f"stage inputs must be a dict of keyword arguments, not a {type(value).__name__}")
     for name in value:

@@ -207,13 +207,16 @@ class _Batch(Payload):
     """A batch of ``sizes`` microbatches, and what rides along to the stage: the message's tensors
     are x's (stage 0: ``nx`` of them, 1 when absent; its tree ``x`` when it is not one tensor),
     then the stage's inputs (``ninputs`` of them, tree ``inputs``: its forward's keyword arguments,
-    ``runner.step(..., stage_inputs=...)``), then the target's (the rest)."""
+    ``runner.step(..., stage_inputs=...)``), then the target's (the rest). ``split``: the batch
+    came as its microbatches (``pipeq.Microbatches``): x, the inputs and the target are each a
+    list of them, one per size."""
 
     sizes: list[int] = wire(list_of(POSITIVE, nonempty=True))
     x: Any = wire(DATA, default=None)
     nx: int | None = wire(COUNT, default=None)
     inputs: Any = wire(DATA, default=None)
     ninputs: int | None = wire(COUNT, default=None)
+    split: bool = wire(FLAG, default=False)
 
     def refuse(self, n_tensors: int) -> tuple[str, str] | None:
         if (self.inputs is None) != (self.ninputs is None):

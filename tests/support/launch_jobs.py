@@ -105,3 +105,31 @@ def poisoned_batches(epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     x[0, 0] = 1e9
     out[2] = (x, out[2][1])
     return out
+
+
+def lm_stages() -> list[nn.Module]:
+    """A token embedding, then a per-position MLP to the 13 tokens' logits: any length goes."""
+    return [nn.Embedding(13, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 13))]
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A plain function: the mean cross-entropy over the tokens that are not -100."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def microbatch_batches(epoch: int = 0, steps: int = 3) -> list[tuple]:
+    """Batches given as their microbatches (pipeq.Microbatches of x and of the target): three a
+    batch, of different lengths and rows, the first row of each padded (-100) from its middle."""
+    from pipeq import Microbatches
+
+    g = torch.Generator().manual_seed(100 + epoch)
+    out = []
+    for _ in range(steps):
+        xs, ys = [], []
+        for rows, length in ((2, 7), (3, 4), (1, 9)):
+            xs.append(torch.randint(0, 13, (rows, length), generator=g))
+            y = torch.randint(0, 13, (rows, length), generator=g)
+            y[0, length // 2:] = -100
+            ys.append(y)
+        out.append((Microbatches(xs), Microbatches(ys)))
+    return out

@@ -54,6 +54,8 @@ A job file (TOML, read with the standard library's tomllib)::
     clip_grad_norm = 1.0                         # optional: clip by the global norm (clip_norm_type = 2.0)
     check_finite = "raise"                       # optional: false (default), "raise" (or true), "skip"
     recompute = true                             # optional: or one boolean per stage
+    loss_weighting = "token"                     # optional: microbatch losses by their tokens (default)
+                                                 # or "sample" (by their rows)
     [placement]                                  # optional, multi-host: processes per node
     nodes = [[0], [1, 2]]                        # (process r * n_stages + k: replica r's stage k)
 

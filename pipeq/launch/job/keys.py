@@ -187,6 +187,9 @@ KEYS: dict[str, Key] = {
     "clip_norm_type": Key(NUMBER, RUN, "the p of clip_grad_norm's norm", "numerics"),
     "check_finite": Key((bool, str), RUN, 'false, "raise" (or true): fail naming the first NaN or Inf, or '
                         '"skip": skip a step whose gradients are not finite', "numerics"),
+    "loss_weighting": Key(str, RUN, '"token" (each microbatch\'s mean loss weighted by its target\'s tokens, '
+                          "ignore_index -100 left out: the batch's token mean) or \"sample\" (by its rows)",
+                          "training"),
     "recompute": Key((bool, list), RUN, "recompute each stage's forward in its backward (or one boolean per "
                      "stage): less activation memory", "numerics"),
 }

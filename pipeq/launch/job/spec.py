@@ -69,6 +69,7 @@ class Job:
     clip_norm_type: float = field_of("clip_norm_type")
     check_finite: bool | str = field_of("check_finite")
     recompute: bool | list[bool] = field_of("recompute")
+    loss_weighting: str = field_of("loss_weighting")
     path: str = ""
 
     def data_fn(self) -> Callable[..., Iterable]:
@@ -135,7 +136,7 @@ class Job:
         return RunConfig(
             self.schedule, self.microbatches, self.trace,
             NumericsConfig(self.precision, self.clip_grad_norm, self.clip_norm_type, self.check_finite,
-                           self.recompute),
+                           self.recompute, self.loss_weighting),
             WireConfig(tcp_security=self.tcp_security, max_message_mb=self.max_message_mb, shm_slots=self.shm_slots),
             FaultConfig(heartbeat_timeout=self.heartbeat_timeout, step_timeout=self.step_timeout or None,  # 0: off
                         start_timeout=self.start_timeout, fault_tolerance=self.fault_tolerance),
