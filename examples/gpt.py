@@ -4,13 +4,17 @@
     python examples/gpt.py --stages 1          # the plain model in this process: the baseline
     python examples/gpt.py --stages 2 --schedule fill-drain --steps 100
     python examples/gpt.py --quick             # a few steps of a tiny model (the smoke test)
+    python examples/gpt.py --fixed-length      # every batch of full-context windows
     pipeq launch examples/gpt.toml             # the same training as a job file
 
 The model is a decoder-only transformer built from torch's own pieces (causal
 ``scaled_dot_product_attention``, learned positions, a final LayerNorm, an LM head tied to the
 token embedding); ``pipeq.split`` traces it with ``torch.export`` and cuts it into stages. The data
 are the standard library's ``.py`` files (every machine has them, offline): whole files held out
-for evaluation, bytes as tokens (vocabulary 256). The run prints the unigram baseline (the
+for evaluation, bytes as tokens (vocabulary 256). Each batch's windows have a length of their own,
+drawn between half the context and the whole of it, as a language model's batches do (packing,
+bucketing, the end of a document): the split's stages take any length, with no new trace and no
+restart (``--fixed-length``: always the whole context). The run prints the unigram baseline (the
 held-out cross-entropy of the training bytes' frequencies), trains with a progress bar showing
 tokens/s, evaluates the held-out loss in nats and bits per byte, saves the model's state as
 ``model.pt`` under the model's own names, loads it into a plain ``GPT`` (no pipeq) and samples text.
@@ -187,9 +191,12 @@ def windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[tor
     return chunk[:, :-1], chunk[:, 1:]
 
 
-def random_batch(data: torch.Tensor, batch: int, context: int,
-                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch`` windows at random places of ``data``."""
+def random_batch(data: torch.Tensor, batch: int, context: int, generator: torch.Generator,
+                 varlen: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` windows at random places of ``data``, all of one length: drawn between
+    ``context // 2`` and ``context`` when ``varlen``, else ``context``."""
+    if varlen:
+        context = int(torch.randint(context // 2, context + 1, (), generator=generator))
     return windows(data, torch.randint(0, len(data) - context - 1, (batch,), generator=generator), context)
 
 
@@ -214,7 +221,8 @@ def bits(nats: float) -> float:
 def split(model: GPT, n_stages: int) -> pipeq.split.Split:
     """``model`` traced and cut into ``n_stages`` stages balanced by parameters (``pipeq.split``):
     their tensors keep the model's names, the tied embedding is marked (the runner keeps its
-    copies equal). The example input's batch size is free: any microbatch runs."""
+    copies equal). The example input's batch size and length are free: any microbatch of up to
+    ``context`` bytes runs."""
     example = torch.zeros(2, model.config.context, dtype=torch.long)
     return pipeq.split(model, (example,), n_stages=n_stages)
 
@@ -226,14 +234,14 @@ def stages(n_stages: int = 4, quick: bool = False) -> list[nn.Module]:
 
 
 def train_batches(epoch: int, batch: int = 32, steps: int = 100, quick: bool = False,
-                  seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One epoch: ``steps`` batches of random training windows, seeded by ``seed`` and the epoch
-    (a resumed run draws the same ones)."""
+                  seed: int = 0, varlen: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch: ``steps`` batches of random training windows (each batch of its own length
+    with ``varlen``), seeded by ``seed`` and the epoch (a resumed run draws the same ones)."""
     context = (QUICK if quick else GPTConfig()).context
     corpus = load_corpus()
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     for _ in range(steps):
-        yield random_batch(corpus.train, batch, context, g)
+        yield random_batch(corpus.train, batch, context, g, varlen)
 
 
 def heldout(quick: bool = False, n: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,6 +301,7 @@ class Run:
     warmup: int = 20
     eval_every: int = 100
     seed: int = 0
+    varlen: bool = True  # each batch's windows of a length of their own (random_batch)
 
 
 def train_loop(step: Callable[[torch.Tensor, torch.Tensor], float], evaluate: Callable[[], float],
@@ -305,7 +314,7 @@ def train_loop(step: Callable[[torch.Tensor, torch.Tensor], float], evaluate: Ca
     speed = Speed()
     with tqdm(total=run.steps, unit="step", dynamic_ncols=True) as bar:
         for i in range(1, run.steps + 1):
-            x, y = random_batch(corpus.train, run.batch, config.context, g)
+            x, y = random_batch(corpus.train, run.batch, config.context, g, run.varlen)
             t0 = time.perf_counter()
             loss = step(x, y)
             speed.add(x.numel(), time.perf_counter() - t0)
@@ -404,13 +413,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", help="where model.pt goes (default: runs/gpt-<stages>s under the current directory)")
     p.add_argument("--quick", action="store_true", help="a handful of steps of a tiny model (for tests)")
+    p.add_argument("--fixed-length", action="store_true",
+                   help="every window the whole context long (default: each batch's length drawn between "
+                        "half the context and the whole)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     config = QUICK if args.quick else GPTConfig()
     run = Run(steps=args.steps or (8 if args.quick else 300), batch=args.batch or (8 if args.quick else 32),
               microbatches=args.microbatches, lr=args.lr, warmup=2 if args.quick else 20,
-              eval_every=args.eval_every, seed=args.seed)
+              eval_every=args.eval_every, seed=args.seed, varlen=not args.fixed_length)
     out = args.out or os.path.join("runs", f"gpt-{args.stages}s")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here")
@@ -427,8 +439,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     model = GPT(config)
     n_params = sum(p.numel() for p in model.parameters())
+    length = f"{config.context // 2}..{config.context}" if run.varlen else f"{config.context}"
     print(f"model: {asdict(config)}, {n_params:,} parameters; {run.steps} steps of {run.batch} x "
-          f"{config.context} tokens, {args.stages} stage(s)")
+          f"{length} tokens, {args.stages} stage(s)")
     if args.stages == 1:
         state, nats = train_plain(model, corpus, run, args.device)
     else:

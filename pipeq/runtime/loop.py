@@ -103,6 +103,7 @@ class EventLoop:
         self.executors = [ch.executor for ch in self.chunks]
         self.plan = ProcessPlan(cfg.schedule, cfg.index, cfg.n_stages)
         self.step: int | None = None  # the TRAIN/PREDICT step being run (named in an ERROR)
+        self.trained = 0  # TRAINs begun in this process (an evaluation's PREDICTs are steps too, not these)
         # the compute action under way: (trace code, microbatch, monotonic start, chunk), None
         # between actions (waiting for a message or a command); read by the heartbeat threads
         self.current: tuple[int, int, float, int] | None = None
@@ -221,7 +222,7 @@ class EventLoop:
         training = isinstance(cmd0, Train)
         step = self.step = msg0.step
         if training:
-            self._before_training(given, step)
+            self._before_training(given)
         parts = []
         for ch, (cmd, msg) in zip(self.chunks, given):
             ex = ch.executor
@@ -236,14 +237,16 @@ class EventLoop:
         if last is not None and training:
             self.transport.send_control(last.c, control.message(Loss(loss=last.executor.mean_loss(), lr=lr), step))
 
-    def _before_training(self, given: list[tuple[Any, Message]], step: int) -> None:
-        """A TRAIN's replica shares to each stage's gradient rounds; a fault injected on purpose."""
+    def _before_training(self, given: list[tuple[Any, Message]]) -> None:
+        """A TRAIN's replica shares to each stage's gradient rounds; a fault injected on purpose
+        (at the process's ``trained``-th training step: evaluations between do not count)."""
+        self.trained += 1
         for ch, (cmd, _) in zip(self.chunks, given):
             if ch.links is not None:
                 ch.links.note_train(cmd.shares)
         fault = self.cfg.fault
         for ch in self.chunks if fault is not None else ():
-            on_chunk(self.executors, ch.c, inject, fault, ch.stage, step, self.cfg.replica,
+            on_chunk(self.executors, ch.c, inject, fault, ch.stage, self.trained, self.cfg.replica,
                      lambda code, j, c=ch.c: self.note(code, j, c))
 
     def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:

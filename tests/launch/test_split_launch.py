@@ -49,7 +49,8 @@ def test_split_modules_job_trains_like_one_process_and_exports(tmp_path, capsys)
 
 def test_a_tied_gpt_under_zbv_killed_mid_run_restarts_and_ends_as_the_uninterrupted_run(tmp_path, monkeypatch):
     """TinyGPT in 4 stages, two per process (GPT_JOB: zbv, max_restarts = 1, a checkpoint every 2
-    steps). Killing stage 3 kills its process, which holds stages 0 and 3 (both copies of the tied
+    steps), on batches whose sequence length changes every step, evaluated every 3 steps on two
+    other lengths. Killing stage 3 kills its process, which holds stages 0 and 3 (both copies of the tied
     embedding): the run restarts from step 2's checkpoint and ends with the uninterrupted run's
     weights, bit for bit; that run trains as one process does."""
     job = tmp_path / "gpt.toml"
@@ -57,8 +58,9 @@ def test_a_tied_gpt_under_zbv_killed_mid_run_restarts_and_ends_as_the_uninterrup
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
     r = launch_here("--out", whole, job=str(job), cwd=SUPPORT)
     assert r.returncode == 0, r.stderr
-    model, want = gpt_reference()
+    model, want, want_eval = gpt_reference()
     assert [ln["loss"] for ln in metrics(whole) if "loss" in ln] == pytest.approx(want, abs=1e-5)
+    assert [ln["eval_loss"] for ln in metrics(whole) if "eval_loss" in ln] == pytest.approx(want_eval, abs=1e-5)
     assert_model_state_close(model_state(whole), model)  # the model's own names, the tied head included
     monkeypatch.setenv("PIPEQ_FAULT", "stage:3,step:4,kind:kill")
     r = launch_here("--out", killed, job=str(job), cwd=SUPPORT)
@@ -71,4 +73,6 @@ def test_a_tied_gpt_under_zbv_killed_mid_run_restarts_and_ends_as_the_uninterrup
     assert [ln["loss"] for ln in metrics(killed) if "loss" in ln] == [ln["loss"] for ln in metrics(whole)
                                                                       if "loss" in ln]
     assert [ln["step"] for ln in metrics(killed) if "loss" in ln] == [1, 2, 3, 4, 5, 6]
+    assert [ln["eval_loss"] for ln in metrics(killed) if "eval_loss" in ln] == [
+        ln["eval_loss"] for ln in metrics(whole) if "eval_loss" in ln]
     assert_same_state(model_state(killed), model_state(whole))

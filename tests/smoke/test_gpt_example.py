@@ -31,6 +31,7 @@ def test_quick_run_trains_saves_and_samples(tmp_path):
     baseline = re.search(r"unigram baseline: held-out loss ([\d.]+) nats, ([\d.]+) bits/byte", out)
     assert baseline and 4.0 < float(baseline[2]) < 5.5, out  # Python source: about 4.5 bits per byte
     assert re.search(r"tokens/s: \d+ overall, \d+ over the last steps", out), out
+    assert re.search(r"steps of 8 x 16..32 tokens", out), out  # each batch of its own length
     assert re.search(r"held-out loss [\d.]+ nats, [\d.]+ bits/byte \(unigram baseline", out), out
     assert (tmp_path / "run" / "model.pt").is_file()
     sample = out.split("-" * 60)

@@ -84,7 +84,8 @@ stages_per_process = 2
 microbatches = 4
 steps = 6
 checkpoint_every = 2
-eval_every = 0
+eval_data = "split_jobs:gpt_heldout"
+eval_every = 3
 max_restarts = 1
 seed = 0
 """
@@ -103,24 +104,39 @@ def gpt() -> GPT:
     return GPT()
 
 
+#: the GPT job's sequence lengths, step by step: every batch its own (a language model's data)
+GPT_LENGTHS = (8, 6, 11, 5, 8, 13)
+
+
 def gpt_batches(epoch: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Six batches of 8 token sequences (TinyGPT's vocabulary of 40, 8 tokens) and their targets."""
+    """Six batches of 8 token sequences (TinyGPT's vocabulary of 40) of the lengths
+    :data:`GPT_LENGTHS`, and their targets."""
     g = torch.Generator().manual_seed(100 + epoch)
-    return [(torch.randint(0, 40, (8, 8), generator=g), torch.randint(0, 40, (8, 8), generator=g))
-            for _ in range(6)]
+    return [(torch.randint(0, 40, (8, t), generator=g), torch.randint(0, 40, (8, t), generator=g))
+            for t in GPT_LENGTHS]
 
 
-def gpt_reference(steps: int = 6, seed: int = 0) -> tuple[GPT, list[float]]:
+def gpt_heldout() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The GPT job's evaluation batches: two lengths, neither a training one."""
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, 40, (4, t), generator=g), torch.randint(0, 40, (4, t), generator=g)) for t in (7, 12)]
+
+
+def gpt_reference(steps: int = 6, seed: int = 0, eval_every: int = 3) -> tuple[GPT, list[float], list[float]]:
     """The GPT job in one process: the model built under the job's seed, SGD lr 0.1 with
-    momentum 0.9, the job's batches in order."""
+    momentum 0.9, the job's batches in order; its losses, and the held-out loss (the mean over
+    :func:`gpt_heldout`'s batches) every ``eval_every`` steps."""
     torch.manual_seed(seed)
     model = gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for x, y in gpt_batches(0)[:steps]:
+    losses, evals = [], []
+    for i, (x, y) in enumerate(gpt_batches(0)[:steps], 1):
         opt.zero_grad()
         out = lm_loss(model(x), y)
         out.backward()
         opt.step()
         losses.append(out.item())
-    return model, losses
+        if i % eval_every == 0:
+            with torch.no_grad():
+                evals.append(sum(lm_loss(model(hx), hy).item() for hx, hy in gpt_heldout()) / len(gpt_heldout()))
+    return model, losses, evals
