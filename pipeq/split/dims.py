@@ -129,8 +129,8 @@ def _labels(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return out
 
 
-def _bounds(size: Any, ranges: dict[Any, Any]) -> tuple[int, int | None]:
-    vr = ranges.get(size.node.expr)
+def _bounds(expr: Any, ranges: dict[Any, Any]) -> tuple[int, int | None]:
+    vr = ranges.get(expr)
     if vr is None:
         return (2, None)
     hi = vr.upper
@@ -155,10 +155,11 @@ def read_back(program: Any, model: nn.Module, args: tuple[Any, ...],
         if not isinstance(val, torch.Tensor):
             continue
         for d, n in enumerate(val.shape):
-            if isinstance(n, torch.SymInt):
-                dynamic.setdefault(label, {})[d] = _bounds(n, ranges)
-            else:
-                static.setdefault(label, {})[d] = int(n)
+            expr = n.node.expr if isinstance(n, torch.SymInt) else None
+            if expr is not None and not expr.is_number:
+                dynamic.setdefault(label, {})[d] = _bounds(expr, ranges)
+            else:  # an int, or a symbol the trace replaced by a number (specialized)
+                static.setdefault(label, {})[d] = int(expr if expr is not None else n)
     return dynamic, static
 
 
