@@ -5,7 +5,8 @@ embedding tied to the LM head, a mask and position ids routed to the stages that
 split by ``pipeq.split`` from an example of length 32 and trains on batches of length 32, 24, 40
 and 17 in turn, in one runner (the same stage processes), under 1F1B and ZB-H1, in process and
 simulated mode; then Hugging Face's ``LlamaForCausalLM`` (tiny, random weights, tied
-embeddings, rotary positions) split traced, on lengths 32, 24, 40 and 17, with its padding mask.
+embeddings, rotary positions) split traced, on lengths 32, 24, 40 and 17, with its padding mask,
+then predicts on length 21.
 Each run is held against plain one-process training (losses, the state and the whole model's
 state, within 1e-5).
 """
@@ -83,6 +84,11 @@ def test_hugging_face_llama_split_traced_trains_on_changing_lengths_like_one_pro
     with pipeq.PipelineRunner(stages, _llama_loss, SGD, "zb-h1", 2, **FAST) as runner:
         got = [runner.step(x, y, stage_inputs={"attention_mask": m}) for x, m, y in batches]
         full = runner.model_state_dict()
+        x, m, _ = batch(21)  # and a length not trained on, in eval mode (its graph traced apart: dropout)
+        logits = runner.predict(x, stage_inputs={"attention_mask": m})["logits"]
+    with torch.no_grad():
+        want_logits = ref.eval()(x, attention_mask=m).logits
+    assert torch.allclose(logits, want_logits, atol=1e-5), (logits - want_logits).abs().max()
     assert got == pytest.approx(want, abs=1e-5)
     for name, t in ref.state_dict().items():  # (a non-persistent buffer in ``full`` too is the hf branch's to drop)
         assert torch.allclose(full[name], t, atol=1e-5, rtol=0), (name, (full[name] - t).abs().max())
