@@ -7,8 +7,9 @@
 
 Traced (:mod:`pipeq.split.graph`): ``torch.export`` captures the forward on the example inputs
 (one microbatch; every dimension the model lets vary stays dynamic -- the batch, the sequence
-length --, ``dynamic=`` to fix or name them, ``stages.dynamic`` says which: :mod:`pipeq.split.dims`) and ``torch.distributed.pipelining``'s splitter cuts the
-graph before each split point. ``n_stages`` picks the points among the model's children and the
+length --, ``dynamic=`` to fix or name them, ``stages.dynamic`` says which:
+:mod:`pipeq.split.dims`) and ``torch.distributed.pipelining``'s splitter cuts the graph before
+each split point. ``n_stages`` picks the points among the model's children and the
 entries of its ModuleLists / Sequentials (``blocks.3``, ``transformer.h.0``), balancing parameter
 counts (deterministic: every process of a job gets the same split), or the measured time or
 memory of each piece (``balance="time" | "memory"``, :mod:`pipeq.balance`). A value that a later
@@ -44,7 +45,7 @@ from torch import nn
 from pipeq import balance as balancing
 from pipeq.split import points as cuts
 from pipeq.split.by_name import split_by_names
-from pipeq.split.dims import SpecializedDim
+from pipeq.split.dims import SpecializedDim, describe
 from pipeq.split.graph import UntraceableModel, trace_stages
 from pipeq.split.stage import GraphStage
 from pipeq.split.ties import declared_groups, tie_stages
@@ -62,8 +63,14 @@ class Split(list):
     model's own forward: any shape the model takes)."""
 
     split_points: list[str]
-    dynamic: dict[str, dict[int, tuple[int, int | None]]] = {}
-    static: dict[str, dict[int, int]] = {}
+    dynamic: dict[str, dict[int, tuple[int, int | None]]]
+    static: dict[str, dict[int, int]]
+    why_static: dict[str, dict[int, str]]  # input -> {dim: why the trace fixed it}
+
+    def explain(self) -> str:
+        """Each input's dimensions, one line per input: those that vary (and their range), those
+        fixed (and why: the example's size, ``dynamic=``, or the model's code)."""
+        return describe(self.dynamic, self.static, self.why_static)
 
     def __repr__(self) -> str:
         varying = {name: sorted(d) for name, d in self.dynamic.items()}
@@ -152,7 +159,7 @@ def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, An
                              "dynamic too (a split by module names runs the model's own forward: any shape it takes)")
         stages = Split(split_by_names(model, modules, tuple(example_kwargs or ())))
         stages.split_points = [names[0] for names in modules[1:]]
-        stages.dynamic, stages.static = {}, {}
+        stages.dynamic, stages.static, stages.why_static = {}, {}, {}
     else:
         args, kwargs = _example(model, example_args, example_kwargs)
         points = _points(model, args, kwargs, n_stages, split_points, balance, dynamic)
@@ -160,7 +167,7 @@ def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, An
         stages = Split(set_info(GraphStage(k, g, f, flow.out_spec, k == len(graphs) - 1, e), model_names=True,
                                 inputs=f.named) for k, (g, e, f) in enumerate(zip(graphs, evals, flow.stages)))
         stages.split_points = points
-        stages.dynamic, stages.static = flow.dynamic, flow.static
+        stages.dynamic, stages.static, stages.why_static = flow.dynamic, flow.static, flow.why_static
     tie_stages(stages, groups)
     return stages
 

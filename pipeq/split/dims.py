@@ -9,8 +9,9 @@ dynamic=...)`` changes that: ``False`` makes only dim 0 dynamic (pipeq's behavio
 lengths could change), a dict of input name -> ``{dim: Dim | None}`` overrides the default
 dimension by dimension (``None``: fixed; a named ``Dim("seq", max=512)`` or ``Dim.DYNAMIC``:
 must stay dynamic), or names a whole input ``None`` (all fixed). :func:`read_back` finds, in the
-exported program, which dimensions did stay dynamic (and their range) and which were fixed, for
-``Split.dynamic`` / ``Split.static``; :func:`explain` turns torch's refusal to keep a dimension
+exported program, which dimensions did stay dynamic (and their range) and which were fixed, and
+why (the example's size, ``dynamic=``, or the model's code), for ``Split.dynamic`` /
+``Split.static`` / ``Split.explain()`` (:func:`describe`); :func:`explain` turns torch's refusal to keep a dimension
 the user named dynamic into a :class:`SpecializedDim` naming the input, the dimension and torch's
 reason.
 """
@@ -27,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
 
-__all__ = ["SpecializedDim", "Request", "requested", "read_back", "explain"]
+__all__ = ["SpecializedDim", "Request", "requested", "read_back", "describe", "explain"]
 
 
 class SpecializedDim(ValueError):
@@ -137,18 +138,34 @@ def _bounds(expr: Any, ranges: dict[Any, Any]) -> tuple[int, int | None]:
     return (int(vr.lower), None if not math.isfinite(float(hi)) else int(hi))
 
 
-def read_back(program: Any, model: nn.Module, args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> tuple[dict[str, dict[int, tuple[int, int | None]]], dict[str, dict[int, int]]]:
+Dims = dict[str, dict[int, Any]]
+
+
+def _why(label: str, d: int, size: int, request: Request) -> str:
+    """Why input ``label``'s dim ``d`` (of ``size`` in the example) is fixed in the trace."""
+    if size < 2:
+        return f"the example has size {size} there (torch.export fixes sizes 0 and 1)"
+    spec = request.shapes.get(label, ...)
+    if spec is None or isinstance(spec, dict) and all(type(k) is int for k in spec) and d not in spec:
+        return "dynamic= fixes it"
+    if spec is ...:  # an entry of a nested input
+        return "the model's code or dynamic= fixes it"
+    return "the model's code fixes it"
+
+
+def read_back(program: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              request: Request) -> tuple[Dims, Dims, Dims]:
     """In the exported ``program``: each input tensor's dimensions that stayed dynamic, with their
-    range ``(lowest, highest or None)``, and those fixed, with their size."""
+    range ``(lowest, highest or None)``; those fixed, with their size; and why each is fixed."""
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     user = list(program.graph_signature.user_inputs)
     labels = _labels(model, args, kwargs)
     ranges = program.range_constraints
-    dynamic: dict[str, dict[int, tuple[int, int | None]]] = {}
-    static: dict[str, dict[int, int]] = {}
+    dynamic: Dims = {}
+    static: Dims = {}
+    why: Dims = {}
     if len(user) != len(labels):  # a flattening of torch's own that pipeq does not know: say nothing
-        return dynamic, static
+        return dynamic, static, why
     for label, name in zip(labels, user):
         node = placeholders.get(name) if isinstance(name, str) else None
         val = node.meta.get("val") if node is not None else None
@@ -159,8 +176,21 @@ def read_back(program: Any, model: nn.Module, args: tuple[Any, ...],
             if expr is not None and not expr.is_number:
                 dynamic.setdefault(label, {})[d] = _bounds(expr, ranges)
             else:  # an int, or a symbol the trace replaced by a number (specialized)
-                static.setdefault(label, {})[d] = int(expr if expr is not None else n)
-    return dynamic, static
+                size = int(expr if expr is not None else n)
+                static.setdefault(label, {})[d] = size
+                why.setdefault(label, {})[d] = _why(label, d, size, request)
+    return dynamic, static, why
+
+
+def describe(dynamic: Dims, static: Dims, why: Dims) -> str:
+    """One line per input: which dimensions vary (and their range), which are fixed and why."""
+    lines = []
+    for label in dict.fromkeys([*dynamic, *static]):
+        parts = [f"dim {d} varies ({lo}..{'' if hi is None else hi})" for d, (lo, hi) in dynamic.get(label, {}).items()]
+        parts += [f"dim {d} fixed at {n}: {why.get(label, {}).get(d, 'fixed in the trace')}"
+                  for d, n in static.get(label, {}).items()]
+        lines.append(f"{label}: " + "; ".join(sorted(parts, key=lambda p: int(p.split()[1]))))
+    return "\n".join(lines)
 
 
 def explain(exc: BaseException, request: Request) -> SpecializedDim | None:

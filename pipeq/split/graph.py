@@ -58,12 +58,13 @@ class Flow:
     #: each input tensor's dimensions that may change size, with their range (lowest, highest or None)
     dynamic: dict[str, dict[int, tuple[int, int | None]]] = field(default_factory=dict)
     static: dict[str, dict[int, int]] = field(default_factory=dict)  # and those fixed, with their size
+    why_static: dict[str, dict[int, str]] = field(default_factory=dict)  # and why each is fixed
 
 
-def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any) -> Any:
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any) -> tuple[Any, dims.Request]:
     request = dims.requested(model, args, kwargs, dynamic)
     try:
-        return torch.export.export(model, args, kwargs, dynamic_shapes=request.shapes)
+        return torch.export.export(model, args, kwargs, dynamic_shapes=request.shapes), request
     except Exception as exc:  # torch says which construct: keep its first lines
         specialized = dims.explain(exc, request)
         if specialized is not None:
@@ -157,8 +158,8 @@ def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], poin
 
     work = copy.deepcopy(model)  # the split points wrap forwards: never the caller's model
     annotate_split_points(work, {p: SplitPoint.BEGINNING for p in points})
-    program = _export(work, args, kwargs, dynamic)
-    varying, fixed = dims.read_back(program, model, args, kwargs)
+    program, request = _export(work, args, kwargs, dynamic)
+    varying, fixed, why = dims.read_back(program, model, args, kwargs, request)
     pipe = Pipe._from_traced(work, program, MultiUseParameterConfig.REPLICATE)
     if pipe.num_stages != len(points) + 1:
         raise ValueError(f"split points {list(points)} made {pipe.num_stages} stages, not {len(points) + 1}: "
@@ -171,7 +172,8 @@ def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], poin
         mark_constants(g)
     with torch.no_grad():
         out_spec = torch.utils._pytree.tree_flatten(model(*args, **kwargs))[1]
-    return graphs, replace(_flow(pipe.split_gm.graph, ints, len(args), out_spec), dynamic=varying, static=fixed)
+    return graphs, replace(_flow(pipe.split_gm.graph, ints, len(args), out_spec), dynamic=varying, static=fixed,
+                           why_static=why)
 
 
 def _flow(top: fx.Graph, ints: Sequence[tuple[int, ...]], n_positional: int, out_spec: Any) -> Flow:

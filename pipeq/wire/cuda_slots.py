@@ -27,8 +27,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pipeq.wire.shm import (FREE, FULL, HEAD, SHM_DIR, Segment, ShmConfig, SlotError, create_segment, layout, slot_bytes,
-                             unlink_segment)
+from pipeq.wire.shm import (FREE, FULL, HEAD, SHM_DIR, Segment, ShmConfig, SlotError, create_segment, layout,
+                             slot_bytes, unlink_segment)
 
 __all__ = ["CudaSlotWriter", "CudaSlotReader"]
 

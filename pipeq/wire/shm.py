@@ -52,7 +52,8 @@ import torch
 from pipeq.errors import CodecError
 
 __all__ = ["ShmConfig", "SlotWriter", "SlotReader", "SlotError", "Segment", "available", "run_prefix", "remove_segments",
-           "layout", "slot_bytes", "create_segment", "unlink_segment", "SHM_DIR", "HEAD", "MIN_SLOT", "FREE", "FULL", "LENT"]
+           "layout", "slot_bytes", "create_segment", "unlink_segment", "SHM_DIR", "HEAD", "MIN_SLOT", "FREE", "FULL",
+           "LENT"]
 
 SHM_DIR = "/dev/shm"
 HEAD = 64  # bytes before a slot's data: byte 0 is the state, the data is 64-byte aligned

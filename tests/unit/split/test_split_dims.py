@@ -102,6 +102,10 @@ def test_a_dimension_the_model_fixes_is_static_and_said():
     stages = pipeq.split(Feature(), (torch.randn(2, 5, 8),), {"scale": torch.ones(2, 5, 1)}, n_stages=2)
     assert stages.dynamic == {"x": {0: (2, None), 1: (2, None)}, "scale": {0: (2, None), 1: (2, None)}}
     assert stages.static == {"x": {2: 8}, "scale": {2: 1}}  # the Linear's 8; the example's 1 (broadcast)
+    assert stages.explain().splitlines() == [
+        "x: dim 0 varies (2..); dim 1 varies (2..); dim 2 fixed at 8: the model's code fixes it",
+        "scale: dim 0 varies (2..); dim 1 varies (2..); dim 2 fixed at 1: the example has size 1 there "
+        "(torch.export fixes sizes 0 and 1)"]
     assert _chain(stages, torch.randn(3, 9, 8), {"scale": torch.ones(3, 9, 1)}).shape == (3, 9, 3)
 
 
@@ -117,6 +121,7 @@ def test_a_named_length_keeps_its_range_and_the_rest_its_default():
     assert stages.dynamic == {"x": {0: (2, None), 1: (0, 48)}}
     stages = pipeq.split(Feature(), (torch.randn(2, 5, 8),), n_stages=2, dynamic={"x": {0: None}})
     assert stages.dynamic == {"x": {1: (2, None)}} and stages.static == {"x": {0: 2, 2: 8}}
+    assert stages.why_static == {"x": {0: "dynamic= fixes it", 2: "the model's code fixes it"}}
 
 
 def test_requested_shapes_by_default_false_and_per_dimension():
