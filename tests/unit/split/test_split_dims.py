@@ -45,7 +45,7 @@ def gpt3():
     """TinyGPT of context 48, positions 0..T-1 (an arange of the length, looked up in a learned
     embedding), traced from an example of length 32 into 3 stages."""
     torch.manual_seed(0)
-    model = TinyGPT(context=48)
+    model = TinyGPT(context=48, layers=2)
     idx = torch.randint(0, 40, (2, 32))
     return model, pipeq.split(model, (idx,), {"mask": torch.ones(2, 32)}, n_stages=3)
 
@@ -89,7 +89,7 @@ def test_the_traced_stages_run_lengths_other_than_the_examples(gpt3, T):
 
 def test_dynamic_false_keeps_only_the_batch_dynamic():
     torch.manual_seed(0)
-    model = TinyGPT(context=48)
+    model = TinyGPT(context=48, layers=1)
     idx = torch.randint(0, 40, (2, 32))
     stages = pipeq.split(model, (idx,), {"mask": torch.ones(2, 32)}, n_stages=2, dynamic=False)
     assert stages.dynamic == {"idx": {0: (2, None)}, "mask": {0: (2, None)}}
