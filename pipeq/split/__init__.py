@@ -59,8 +59,8 @@ class Split(list):
     split also says which dimensions of its inputs may change size from batch to batch
     (``dynamic``: input -> {dim: (lowest, highest or None)}) and which the trace fixed
     (``static``: input -> {dim: size}; the model's code needs that size, or the example had 0 or 1
-    there, or ``dynamic=`` fixed it). Both are empty for a split by module names (it runs the
-    model's own forward: any shape the model takes)."""
+    there, or ``dynamic=`` fixed it; ``why_static`` and :meth:`explain` say which). All are empty
+    for a split by module names (it runs the model's own forward: any shape the model takes)."""
 
     split_points: list[str]
     dynamic: dict[str, dict[int, tuple[int, int | None]]]
