@@ -21,6 +21,11 @@ first ``step`` or ``stream`` batch: before any stage process starts with ``sched
 sent. :func:`warm_up` loads torch's meta kernels in the background while the stages start. Any error that is not a clear shape
 mismatch between two stages (an op the meta device lacks, a data-dependent shape, stage 0 refusing
 ``x``, which its process names as before) skips it too.
+
+It runs once, on the first batch's first microbatch: a later batch of another length is never
+refused here (a traced split's stages are dynamic in the dimensions the model lets vary,
+:mod:`pipeq.split.dims`); a first batch whose length the model cannot take (one it fixed in the
+trace, ``Split.static``) is named like any other mismatch, at the first stage that cannot take it.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@
     runner = pipeq.PipelineRunner(stages, loss_fn, optimizer, schedule="1f1b")
 
 Traced (:mod:`pipeq.split.graph`): ``torch.export`` captures the forward on the example inputs
-(one microbatch; dim 0 stays dynamic) and ``torch.distributed.pipelining``'s splitter cuts the
-graph before each split point. ``n_stages`` picks the points among the model's children and the
+(one microbatch; every dimension the model lets vary stays dynamic -- the batch, the sequence
+length --, ``dynamic=`` to fix or name them, ``stages.dynamic`` says which:
+:mod:`pipeq.split.dims`) and ``torch.distributed.pipelining``'s splitter cuts the graph before
+each split point. ``n_stages`` picks the points among the model's children and the
 entries of its ModuleLists / Sequentials (``blocks.3``, ``transformer.h.0``), balancing parameter
 counts (deterministic: every process of a job gets the same split), or the measured time or
 memory of each piece (``balance="time" | "memory"``, :mod:`pipeq.balance`). A value that a later
@@ -24,7 +26,8 @@ part; ``runner.state_dict()`` loads into the model), and a parameter that severa
 (an embedding tied to the LM head) is a copy on each, kept bitwise equal by the runner
 (``pipeq_stage.ties``, :mod:`pipeq.stage.info`).
 
-Its modules: :mod:`~pipeq.split.graph` (the traced split), :mod:`~pipeq.split.points` (where a
+Its modules: :mod:`~pipeq.split.graph` (the traced split), :mod:`~pipeq.split.dims` (which input
+dimensions may change size), :mod:`~pipeq.split.points` (where a
 traced model may be cut, and where for N balanced stages), :mod:`~pipeq.split.stage`
 (:class:`GraphStage`), :mod:`~pipeq.split.by_name` and :mod:`~pipeq.split.ties` (the model's own
 sharing, declared as ties through :mod:`pipeq.stage.tie_groups`).
@@ -42,21 +45,36 @@ from torch import nn
 from pipeq import balance as balancing
 from pipeq.split import points as cuts
 from pipeq.split.by_name import split_by_names
+from pipeq.split.dims import SpecializedDim, describe
 from pipeq.split.graph import UntraceableModel, trace_stages
 from pipeq.split.stage import GraphStage
 from pipeq.split.ties import declared_groups, tie_stages
 from pipeq.stage.info import set_info
 
-__all__ = ["split", "Split", "GraphStage", "UntraceableModel"]
+__all__ = ["split", "Split", "GraphStage", "UntraceableModel", "SpecializedDim"]
 
 
 class Split(list):
-    """The stages :func:`split` made (a list of ``nn.Module``), and the points it cut at."""
+    """The stages :func:`split` made (a list of ``nn.Module``), and the points it cut at. A traced
+    split also says which dimensions of its inputs may change size from batch to batch
+    (``dynamic``: input -> {dim: (lowest, highest or None)}) and which the trace fixed
+    (``static``: input -> {dim: size}; the model's code needs that size, or the example had 0 or 1
+    there, or ``dynamic=`` fixed it; ``why_static`` and :meth:`explain` say which). All are empty
+    for a split by module names (it runs the model's own forward: any shape the model takes)."""
 
     split_points: list[str]
+    dynamic: dict[str, dict[int, tuple[int, int | None]]]
+    static: dict[str, dict[int, int]]
+    why_static: dict[str, dict[int, str]]  # input -> {dim: why the trace fixed it}
+
+    def explain(self) -> str:
+        """Each input's dimensions, one line per input: those that vary (and their range), those
+        fixed (and why: the example's size, ``dynamic=``, or the model's code)."""
+        return describe(self.dynamic, self.static, self.why_static)
 
     def __repr__(self) -> str:
-        return f"Split({len(self)} stages, split_points={self.split_points})"
+        varying = {name: sorted(d) for name, d in self.dynamic.items()}
+        return f"Split({len(self)} stages, split_points={self.split_points}, dynamic={varying}, static={self.static})"
 
 
 def _example(model: nn.Module, args: Any, kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -73,7 +91,7 @@ def _example(model: nn.Module, args: Any, kwargs: Any) -> tuple[tuple[Any, ...],
 
 
 def _points(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], n_stages: Any, split_points: Any,
-            balance: Any) -> list[str]:
+            balance: Any, dynamic: Any) -> list[str]:
     if split_points is not None:
         if n_stages is not None and n_stages != len(split_points) + 1:
             raise ValueError(f"n_stages={n_stages} but {len(split_points)} split points make "
@@ -90,14 +108,14 @@ def _points(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], n_s
         return cuts.choose(order, costs, n_stages)
     if balance not in balancing.BY:
         raise ValueError(f"balance must be one of {', '.join(map(repr, balancing.BY))} or None, got {balance!r}")
-    measured = _measure(model, args, kwargs, order[1:], balance)
+    measured = _measure(model, args, kwargs, order[1:], balance, dynamic)
     return cuts.choose(order, measured, n_stages)
 
 
 def _measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], points: list[str],
-             by: str) -> list[float]:
+             by: str, dynamic: Any) -> list[float]:
     """Each piece's cost when the model is cut at every candidate point (:mod:`pipeq.balance`)."""
-    graphs, _, flow = trace_stages(model, args, kwargs, points)
+    graphs, _, flow = trace_stages(model, args, kwargs, points, dynamic)
     pieces = [_Bound(GraphStage(k, g, f, flow.out_spec, k == len(graphs) - 1), {n: kwargs[n] for n in f.named})
               for k, (g, f) in enumerate(zip(graphs, flow.stages))]
     chain = nn.Sequential(*pieces)
@@ -120,27 +138,36 @@ class _Bound(nn.Module):
 
 def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, Any] | None = None, *,
           n_stages: int | None = None, split_points: Sequence[str] | None = None, balance: str | None = None,
-          modules: Sequence[Sequence[str]] | None = None, ties: Sequence[Sequence[str]] | None = None) -> Split:
+          modules: Sequence[Sequence[str]] | None = None, ties: Sequence[Sequence[str]] | None = None,
+          dynamic: bool | dict[str, Any] | None = None) -> Split:
     """``model`` as pipeline stages (see the module): traced at ``split_points`` or into
     ``n_stages`` balanced ones, or by ``modules`` (each stage's module names). ``example_args``
     / ``example_kwargs``: one microbatch of the forward's inputs. ``ties``: groups of parameter
     names to train as one beside those the model already shares (the first name's value is kept).
-    The model itself is left as it was."""
+    ``dynamic`` (traced): which input dimensions may change size -- by default every one the model
+    lets vary; False: only the batch (dim 0); a dict of input name -> ``{dim: Dim or None}``
+    (``torch.export.Dim``) overrides the default per dimension, a named ``Dim`` or
+    ``Dim.DYNAMIC`` must stay dynamic (else :class:`SpecializedDim` says why not), ``None`` fixes
+    it (:mod:`pipeq.split.dims`). The model itself is left as it was."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"pipeq.split splits an nn.Module, got {type(model).__name__}")
     groups = declared_groups(model, ties)
     if modules is not None:
-        if n_stages is not None and n_stages != len(modules) or split_points is not None or balance is not None:
-            raise ValueError("modules= names each stage's modules: do not pass n_stages, split_points or balance too")
+        if n_stages is not None and n_stages != len(modules) or split_points is not None or balance is not None \
+                or dynamic is not None:
+            raise ValueError("modules= names each stage's modules: do not pass n_stages, split_points, balance or "
+                             "dynamic too (a split by module names runs the model's own forward: any shape it takes)")
         stages = Split(split_by_names(model, modules, tuple(example_kwargs or ())))
         stages.split_points = [names[0] for names in modules[1:]]
+        stages.dynamic, stages.static, stages.why_static = {}, {}, {}
     else:
         args, kwargs = _example(model, example_args, example_kwargs)
-        points = _points(model, args, kwargs, n_stages, split_points, balance)
-        graphs, evals, flow = trace_stages(model, args, kwargs, points)
+        points = _points(model, args, kwargs, n_stages, split_points, balance, dynamic)
+        graphs, evals, flow = trace_stages(model, args, kwargs, points, dynamic)
         stages = Split(set_info(GraphStage(k, g, f, flow.out_spec, k == len(graphs) - 1, e), model_names=True,
                                 inputs=f.named) for k, (g, e, f) in enumerate(zip(graphs, evals, flow.stages)))
         stages.split_points = points
+        stages.dynamic, stages.static, stages.why_static = flow.dynamic, flow.static, flow.why_static
     tie_stages(stages, groups)
     return stages
 

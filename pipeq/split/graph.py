@@ -1,13 +1,16 @@
-"""The traced split: torch.export with a dynamic batch, cut by torch.distributed.pipelining's splitter.
+"""The traced split: torch.export with dynamic shapes, cut by torch.distributed.pipelining's splitter.
 
-:func:`trace_stages` exports a deep copy of the model (``torch.export.export``, dim 0 of every
-input tensor dynamic, so a stage runs any microbatch size), marks the split points the way
+:func:`trace_stages` exports a deep copy of the model (``torch.export.export``, every dimension
+of its input tensors dynamic unless the model fixes it or ``dynamic=`` says otherwise, so a stage
+runs any microbatch size and sequence length: :mod:`pipeq.split.dims`), marks the split points the way
 ``torch.distributed.pipelining.pipeline()`` does (``annotate_split_points``, a ``pipe_split()``
 before each named module) and lets that package's splitter cut the exported graph into one
 ``GraphModule`` per stage. What pipeq adds is the plan of what flows where
 (:class:`Flow`): which values each stage receives from the one before (skip connections ride
 through the stages in between), which keyword inputs come straight from the driver, and what the
-last stage returns.
+last stage returns, and which input dimensions stayed dynamic. Sizes a later stage needs (the
+batch and the sequence length, symbols of the trace) are values of the plan like any other: they
+travel between stage processes as 0-d tensors (:class:`~pipeq.split.stage.GraphStage`).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
 from torch import fx, nn
+
+from pipeq.split import dims
 
 __all__ = ["Flow", "StageFlow", "trace_stages", "mark_constants", "UntraceableModel"]
 
@@ -50,20 +55,20 @@ class Flow:
 
     stages: tuple[StageFlow, ...]
     out_spec: Any  # torch.utils._pytree spec of the model's output
+    #: each input tensor's dimensions that may change size, with their range (lowest, highest or None)
+    dynamic: dict[str, dict[int, tuple[int, int | None]]] = field(default_factory=dict)
+    static: dict[str, dict[int, int]] = field(default_factory=dict)  # and those fixed, with their size
+    why_static: dict[str, dict[int, str]] = field(default_factory=dict)  # and why each is fixed
 
 
-def _batch_dims(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """torch.export's ``dynamic_shapes``: dim 0 of every input tensor may take any size."""
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    auto = torch.export.Dim.AUTO
-    return {name: ({0: auto} if isinstance(v, torch.Tensor) and v.dim() > 0 else None)
-            for name, v in bound.arguments.items()}
-
-
-def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any) -> tuple[Any, dims.Request]:
+    request = dims.requested(model, args, kwargs, dynamic)
     try:
-        return torch.export.export(model, args, kwargs, dynamic_shapes=_batch_dims(model, args, kwargs))
+        return torch.export.export(model, args, kwargs, dynamic_shapes=request.shapes), request
     except Exception as exc:  # torch says which construct: keep its first lines
+        specialized = dims.explain(exc, request)
+        if specialized is not None:
+            raise specialized from exc
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()][:6]
         raise UntraceableModel(
             f"pipeq.split could not trace {type(model).__name__}.forward with torch.export "
@@ -124,18 +129,19 @@ def _reads_mode(model: nn.Module) -> bool:
     return False
 
 
-def trace_stages(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 points: Sequence[str]) -> tuple[list[fx.GraphModule], list[fx.GraphModule | None], Flow]:
+def trace_stages(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], points: Sequence[str],
+                 dynamic: Any = None) -> tuple[list[fx.GraphModule], list[fx.GraphModule | None], Flow]:
     """Each stage's graph module (its tensors under the model's own names), its graph in eval
     mode when that differs (dropout, batch norm: export fixes the mode into the graph; None
     otherwise), and the :class:`Flow` between them, for stages beginning at the modules
-    ``points`` (in execution order)."""
+    ``points`` (in execution order). ``dynamic``: which input dimensions may change size
+    (:func:`pipeq.split.dims.requested`; None: every one the model allows)."""
     training = model.training
     try:
-        graphs, flow = _trace(model.train(), args, kwargs, points)
+        graphs, flow = _trace(model.train(), args, kwargs, points, dynamic)
         if not _reads_mode(model):
             return graphs, [None] * len(graphs), flow
-        evals, eval_flow = _trace(model.eval(), args, kwargs, points)
+        evals, eval_flow = _trace(model.eval(), args, kwargs, points, dynamic)
     finally:
         model.train(training)
     if eval_flow.stages != flow.stages:
@@ -144,15 +150,16 @@ def trace_stages(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return graphs, [e if _codes(e) != _codes(g) else None for g, e in zip(graphs, evals)], flow
 
 
-def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-           points: Sequence[str]) -> tuple[list[fx.GraphModule], Flow]:
+def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], points: Sequence[str],
+           dynamic: Any) -> tuple[list[fx.GraphModule], Flow]:
     """One trace of ``model`` (in its current mode) cut at ``points``."""
     from torch.distributed.pipelining import SplitPoint
     from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe, annotate_split_points
 
     work = copy.deepcopy(model)  # the split points wrap forwards: never the caller's model
     annotate_split_points(work, {p: SplitPoint.BEGINNING for p in points})
-    program = _export(work, args, kwargs)
+    program, request = _export(work, args, kwargs, dynamic)
+    varying, fixed, why = dims.read_back(program, model, args, kwargs, request)
     pipe = Pipe._from_traced(work, program, MultiUseParameterConfig.REPLICATE)
     if pipe.num_stages != len(points) + 1:
         raise ValueError(f"split points {list(points)} made {pipe.num_stages} stages, not {len(points) + 1}: "
@@ -165,7 +172,8 @@ def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         mark_constants(g)
     with torch.no_grad():
         out_spec = torch.utils._pytree.tree_flatten(model(*args, **kwargs))[1]
-    return graphs, _flow(pipe.split_gm.graph, ints, len(args), out_spec)
+    return graphs, replace(_flow(pipe.split_gm.graph, ints, len(args), out_spec), dynamic=varying, static=fixed,
+                           why_static=why)
 
 
 def _flow(top: fx.Graph, ints: Sequence[tuple[int, ...]], n_positional: int, out_spec: Any) -> Flow:

@@ -13,7 +13,10 @@ one host (tests/gpu exercises it; a machine without CUDA never builds one)::
 
 The flags live in a small host segment per channel (``<prefix>-<channel>-cuda-0-1``), the
 handles travel in the header and are checked for shape and type; the receiver never reads past
-the size it was given when it opened the buffer.
+the size it was given when it opened the buffer. As with host slots, a slot grows (a new buffer,
+a new generation of handles; the receiver drops the old mapping when it opens the new one) only
+when a message outgrows it, sized by :func:`~pipeq.wire.shm.slot_bytes` (doubling, at most
+``max_bytes``: a larger message is refused, naming ``max_message_mb``), and is reused otherwise.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pipeq.wire.shm import (FREE, FULL, HEAD, MIN_SLOT, SHM_DIR, Segment, ShmConfig, SlotError, create_segment, layout,
-                             unlink_segment)
+from pipeq.wire.shm import (FREE, FULL, HEAD, SHM_DIR, Segment, ShmConfig, SlotError, create_segment, layout,
+                             slot_bytes, unlink_segment)
 
 __all__ = ["CudaSlotWriter", "CudaSlotReader"]
 
@@ -50,8 +53,14 @@ class CudaSlotWriter:
         return self._flags
 
     def put(self, buffers: Sequence[torch.Tensor]) -> list:
-        flags = self._flag_segment()
+        """Copy ``buffers`` (flat uint8 device tensors) into a free slot, grown (a new generation)
+        when they outgrow it, at most ``max_bytes``; returns the header's reference."""
         offsets, need = layout([b.numel() for b in buffers])
+        if need > self.cfg.max_bytes:
+            raise ValueError(f"channel {self.channel}: a message of {need / 2**20:.1f} MiB of CUDA tensors is over "
+                             f"the {self.cfg.max_bytes / 2**20:.0f} MiB cap of a slot; raise max_message_mb "
+                             "(PipelineRunner / the job file) or use smaller microbatches")
+        flags = self._flag_segment()
         spins = 0
         while True:
             free = [i for i in range(self.cfg.slots) if flags.map[HEAD + i] == FREE]
@@ -67,7 +76,7 @@ class CudaSlotWriter:
         buf = self._bufs[i]
         if buf is None or buf.numel() < need:
             self._gens[i] += 1
-            size = min(max(MIN_SLOT, 1 << max(0, (need - 1).bit_length())), self.cfg.max_bytes)
+            size = slot_bytes(need, self.cfg.max_bytes)
             buf = self._bufs[i] = torch.empty(size, dtype=torch.uint8, device=self.device)
             ev = self._events[i] = torch.cuda.Event(interprocess=True)
             (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, _ev_handle,

@@ -52,7 +52,8 @@ import torch
 from pipeq.errors import CodecError
 
 __all__ = ["ShmConfig", "SlotWriter", "SlotReader", "SlotError", "Segment", "available", "run_prefix", "remove_segments",
-           "layout", "create_segment", "unlink_segment", "SHM_DIR", "HEAD", "MIN_SLOT", "FREE", "FULL", "LENT"]
+           "layout", "slot_bytes", "create_segment", "unlink_segment", "SHM_DIR", "HEAD", "MIN_SLOT", "FREE", "FULL",
+           "LENT"]
 
 SHM_DIR = "/dev/shm"
 HEAD = 64  # bytes before a slot's data: byte 0 is the state, the data is 64-byte aligned
@@ -114,6 +115,14 @@ def remove_segments(prefix: str | None) -> int:
             except OSError:
                 pass
     return removed
+
+
+def slot_bytes(need: int, cap: int) -> int:
+    """The size of a slot made to hold ``need`` bytes: the next power of two, at least
+    :data:`MIN_SLOT`, at most ``cap``. A slot grows only when a message outgrows it, and then by
+    doubling at least, so a channel whose messages change size (sequences of other lengths) makes
+    a handful of generations, never one per message, and reuses its slots otherwise."""
+    return min(max(MIN_SLOT, 1 << max(0, (need - 1).bit_length())), cap)
 
 
 def _align(n: int) -> int:
@@ -235,8 +244,7 @@ class SlotWriter:
             unlink_segment(old.name)
             old.close()
             self._slots[i] = None
-        size = max(MIN_SLOT, 1 << max(0, (need + HEAD - 1).bit_length()))
-        size = min(size, self.cfg.max_bytes + HEAD)
+        size = slot_bytes(need + HEAD, self.cfg.max_bytes + HEAD)
         self._gens[i] += 1
         seg = self._slots[i] = create_segment(self.cfg.name(self.channel, i, self._gens[i]), size, self._gens[i])
         return seg

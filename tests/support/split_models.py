@@ -37,7 +37,8 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """Tied token embedding and LM head; every block takes the mask; position ids are an input.
+    """Tied token embedding and LM head; every block takes the mask; position ids are an input
+    (by default 0..T-1).
     Its forward skips removed modules (a split by module names keeps only a stage's own)."""
 
     def __init__(self, vocab: int = 40, d: int = 16, layers: int = 4, heads: int = 2, context: int = 16) -> None:
@@ -49,7 +50,9 @@ class TinyGPT(nn.Module):
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, idx: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        if pos is None and self.tok_emb is not None:  # positions 0..T-1: an arange of the length
+            pos = torch.arange(idx.shape[1], device=idx.device)
         h = self.tok_emb(idx) + self.pos_emb(pos) if self.tok_emb is not None else idx
         for block in self.blocks:
             h = block(h, mask)

@@ -118,3 +118,52 @@ def test_stage_inputs_or_a_recipe_skip_the_check():
     with make() as runner, pytest.raises(pipeq.PipelineError) as info:  # ... unless stage_inputs are given
         runner.step(*xy(), stage_inputs={})  # stage_inputs: the stages' own error, as before
     assert "returns (4, 64)" not in str(info.value) and info.value.stage == 1
+
+
+class Reader(nn.Module):
+    """Tokens -> (B, T, 8) features -> 3 logits per sequence: averaged over the length, or, with
+    ``fixed``, flattened into one Linear of ``fixed`` x 8 inputs (a length the model fixes)."""
+
+    def __init__(self, fixed: int | None = None) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8 * (fixed or 1), 3)
+        self.fixed = fixed
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.emb(idx)))
+        return self.head(h.flatten(1) if self.fixed else h.mean(1))
+
+
+def tokens(T: int, batch: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 40, (batch, T), generator=g), torch.randint(0, 3, (batch,), generator=g)
+
+
+def test_a_traced_split_is_checked_and_a_first_batch_of_another_length_passes(monkeypatch):
+    """Traced from length 32, the first batch of length 24 (then 40) is checked on the meta device
+    and trains: a legal change of length is never refused."""
+    checked = []
+    real = shape_check.check_stages
+    monkeypatch.setattr(shape_check, "check_stages", lambda stages, x: checked.append(x.shape) or real(stages, x))
+    torch.manual_seed(0)
+    model = Reader()
+    stages = pipeq.split(model, (tokens(32)[0][:2],), split_points=["mix"])
+    assert stages.dynamic == {"idx": {0: (2, None), 1: (2, None)}}
+    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=4, mode="simulated") as runner:
+        x, y = tokens(24)
+        assert runner.step(x, y) == pytest.approx(nn.CrossEntropyLoss()(model(x), y).item(), abs=1e-6)
+        runner.step(*tokens(40, seed=1))
+    assert checked == [(4, 24)]  # the first batch's first microbatch, once
+
+
+def test_a_length_the_model_fixes_is_said_at_split_time_and_named_by_the_check():
+    torch.manual_seed(0)
+    stages = pipeq.split(Reader(fixed=32), (tokens(32)[0][:2],), split_points=["mix"])
+    assert stages.static == {"idx": {1: 32}}  # said at split time
+    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), SGD, microbatches=4, mode="simulated") as runner, \
+            pytest.raises(pipeq.PipelineError, match=r"^stage 0 returns \(4, 24, 8\) float32, but stage 1 expects ") \
+            as info:
+        runner.step(*tokens(24))
+    assert info.value.stage == 1 and "checked on the meta device" in str(info.value)
