@@ -132,7 +132,8 @@ def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, An
     if modules is not None:
         if n_stages is not None and n_stages != len(modules) or split_points is not None or balance is not None:
             raise ValueError("modules= names each stage's modules: do not pass n_stages, split_points or balance too")
-        stages = Split(split_by_names(model, modules, tuple(example_kwargs or ())))
+        example = example_args if isinstance(example_args, tuple) else (example_args,)
+        stages = Split(split_by_names(model, modules, tuple(example_kwargs or ()), example, example_kwargs))
         stages.split_points = [names[0] for names in modules[1:]]
     else:
         args, kwargs = _example(model, example_args, example_kwargs)
