@@ -41,7 +41,7 @@ from torch import nn
 
 from pipeq import balance as balancing
 from pipeq.split import points as cuts
-from pipeq.split.by_name import split_by_names
+from pipeq.split.by_name import own_mapping, split_by_names
 from pipeq.split.graph import UntraceableModel, trace_stages
 from pipeq.split.stage import GraphStage
 from pipeq.split.ties import declared_groups, tie_stages
@@ -142,6 +142,7 @@ def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, An
         stages = Split(set_info(GraphStage(k, g, f, flow.out_spec, k == len(graphs) - 1, e), model_names=True,
                                 inputs=f.named) for k, (g, e, f) in enumerate(zip(graphs, evals, flow.stages)))
         stages.split_points = points
+        set_info(stages[-1], returns=own_mapping(flow.out_spec.type))
     tie_stages(stages, groups)
     return stages
 

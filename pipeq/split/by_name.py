@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -35,7 +36,7 @@ from torch import nn
 
 from pipeq.stage.info import set_info
 
-__all__ = ["split_by_names", "Elsewhere"]
+__all__ = ["split_by_names", "Elsewhere", "own_mapping"]
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -43,6 +44,11 @@ CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 def hugging_face(model: nn.Module) -> bool:
     """Whether ``model`` is a Hugging Face model (its class, or one it derives from, is transformers')."""
     return any(c.__module__.partition(".")[0] == "transformers" for c in type(model).__mro__)
+
+
+def own_mapping(cls: Any) -> type | None:
+    """``cls`` when it is a mapping class of its own (a ModelOutput: ``predict`` rebuilds it), else None."""
+    return cls if isinstance(cls, type) and issubclass(cls, Mapping) and cls is not dict else None
 
 
 def _under(name: str, names: Sequence[str]) -> bool:
@@ -238,5 +244,6 @@ def split_by_names(model: nn.Module, modules: Any, inputs: Sequence[str] = (), e
     holders = _holders(model, names)
     stages = [_stage(model, names, k, holders, inputs) for k in range(len(names))]
     if example:
-        _verify(model, stages, example, dict(example_kwargs or {}))
+        out = _verify(model, stages, example, dict(example_kwargs or {}))
+        set_info(stages[-1], returns=own_mapping(type(out)))
     return stages
