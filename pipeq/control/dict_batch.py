@@ -12,7 +12,8 @@ of the model, and goes where that input goes, before anything is sent to a stage
 
 Anything else is refused with a ValueError saying which keys the stages take. A plain ``dict`` none
 of whose keys names such an input stays what it was, stage 0's one argument (a forward taking a
-dict), except for a traced split's stage 0, which takes tensors only. With a recipe (the stages
+dict), except where stage 0 takes tensors only: a traced split's, or a forward whose first
+parameter is annotated as a tensor (a Hugging Face model's ``input_ids``). With a recipe (the stages
 built in their processes) stage 0's forward is not known here: the one key that no stage declares
 is x, more are refused (give x as a tuple).
 
@@ -36,20 +37,21 @@ __all__ = ["DictBatch", "stage0_inputs"]
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
-def stage0_inputs(module: nn.Module | None) -> tuple[tuple[str, ...] | None, bool]:
-    """Stage 0's positional inputs by name, in order (None: unknown), and whether it may take a
-    dict as its one argument."""
+def stage0_inputs(module: nn.Module | None) -> tuple[tuple[str, ...] | None, bool, bool]:
+    """Stage 0's positional inputs by name, in order (None: unknown), whether it may take a dict
+    as its one argument, and whether it needs every one of them (a traced split's stage 0)."""
     if module is None:
-        return None, True
+        return None, True, False
     flow = getattr(module, "flow", None)
     receives = getattr(flow, "receives", None)
     if type(module).__name__ == "GraphStage" and isinstance(receives, tuple):
-        return receives, False
+        return receives, False, True
     try:
-        params = inspect.signature(module.forward).parameters.values()
+        params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind in _POSITIONAL]
     except (TypeError, ValueError):
-        return None, True
-    return tuple(p.name for p in params if p.kind in _POSITIONAL), True
+        return None, True, False
+    tensor = bool(params) and "Tensor" in str(params[0].annotation)  # input_ids: torch.LongTensor | None
+    return tuple(p.name for p in params), not tensor, False
 
 
 def _names(names: Sequence[str]) -> str:
@@ -59,17 +61,19 @@ def _names(names: Sequence[str]) -> str:
 class DictBatch:
     """Matches a dict batch to stage 0's positional inputs (``positional``; None: unknown) and the
     stages' declared inputs (``declared``, per stage; None: asked of the running stages), see the
-    module; ``returns``: the class of the model's output (``predict``)."""
+    module; ``takes_dict``: stage 0 may take a dict as its one argument; ``every``: it needs
+    every positional input; ``returns``: the class of the model's output (``predict``)."""
 
-    def __init__(self, positional: tuple[str, ...] | None, takes_dict: bool,
+    def __init__(self, positional: tuple[str, ...] | None, takes_dict: bool = True, every: bool = False,
                  declared: list[tuple[str, ...]] | None = None, returns: type | None = None) -> None:
-        self.positional, self.takes_dict, self.declared, self.returns = positional, takes_dict, declared, returns
+        self.positional, self.takes_dict, self.every = positional, takes_dict, every
+        self.declared, self.returns = declared, returns
 
     @classmethod
     def of(cls, modules: Sequence[nn.Module] | None) -> DictBatch:
         """What the driver knows of ``modules`` (None: a recipe builds them in the stage processes)."""
         if not modules:
-            return cls(None, True)
+            return cls(None)
         return cls(*stage0_inputs(modules[0]), [info_of(m).inputs for m in modules], info_of(modules[-1]).returns)
 
     def match(self, x: Any, given: Any, declared: Sequence[Sequence[str]], where: str = "x") -> tuple[Any, Any]:
@@ -109,7 +113,7 @@ class DictBatch:
                 what = (f"gives {_names(late)}, which stage 0's forward takes after {stop!r}, not given positionally"
                         f" (declare {_names(late)} as stage inputs: pipeq.split(model, (x,), {{name: example, ...}}))")
             raise ValueError(f"{where} is a dict that {what}: {takes}; pass a dict of those keys")
-        if not self.takes_dict and len(chosen) != len(self.positional):
+        if self.every and len(chosen) != len(self.positional):
             missing = [n for n in self.positional if n not in chosen]
             raise ValueError(f"{where} is a dict without {_names(missing)}: {takes}; pass a dict of those keys")
         return x[chosen[0]] if len(chosen) == 1 else tuple(x[name] for name in chosen)

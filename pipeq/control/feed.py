@@ -44,7 +44,7 @@ class Feed:
 
     def __init__(self, batcher: Batcher, dicts: DictBatch | None = None) -> None:
         self.batcher = batcher
-        self.dicts = dicts or DictBatch(None, True)
+        self.dicts = dicts or DictBatch(None)
         #: the runner's backend, once it exists (``schedule="auto"``: once the first batch settled it)
         self.backend: Backend | None = None
         self._declared: list[tuple[str, ...]] | None = None  # each stage's declared inputs, asked once
