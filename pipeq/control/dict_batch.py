@@ -106,7 +106,8 @@ class DictBatch:
             chosen.append(name)
         left = [k for k in rest if k not in chosen]
         if left or not chosen:
-            what = f"gives {_names(left)}, which no stage takes" if left else f"gives none of {_names(self.positional[:1])}"
+            what = (f"gives {_names(left)}, which no stage takes" if left
+                    else f"gives none of {_names(self.positional[:1])}")
             late = [k for k in left if k in self.positional]
             if late:
                 stop = self.positional[len(chosen)]

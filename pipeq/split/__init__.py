@@ -41,7 +41,7 @@ from torch import nn
 
 from pipeq import balance as balancing
 from pipeq.split import points as cuts
-from pipeq.split.by_name import own_mapping, split_by_names
+from pipeq.split.by_name import own_mapping, split_by_names, without_cache
 from pipeq.split.graph import UntraceableModel, trace_stages
 from pipeq.split.stage import GraphStage
 from pipeq.split.ties import declared_groups, tie_stages
@@ -137,8 +137,9 @@ def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, An
         stages.split_points = [names[0] for names in modules[1:]]
     else:
         args, kwargs = _example(model, example_args, example_kwargs)
-        points = _points(model, args, kwargs, n_stages, split_points, balance)
-        graphs, evals, flow = trace_stages(model, args, kwargs, points)
+        with without_cache(model):  # a Hugging Face model's KV cache: no stage keeps one
+            points = _points(model, args, kwargs, n_stages, split_points, balance)
+            graphs, evals, flow = trace_stages(model, args, kwargs, points)
         stages = Split(set_info(GraphStage(k, g, f, flow.out_spec, k == len(graphs) - 1, e), model_names=True,
                                 inputs=f.named) for k, (g, e, f) in enumerate(zip(graphs, evals, flow.stages)))
         stages.split_points = points

@@ -36,7 +36,7 @@ from torch import nn
 
 from pipeq.stage.info import set_info
 
-__all__ = ["split_by_names", "Elsewhere", "own_mapping"]
+__all__ = ["split_by_names", "Elsewhere", "own_mapping", "without_cache"]
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -186,6 +186,20 @@ def _stage(model: nn.Module, modules: list[list[str]], k: int, holders: dict[str
 
 
 @contextlib.contextmanager
+def without_cache(model: nn.Module) -> Iterator[None]:
+    """``model.config.use_cache`` (a Hugging Face model's KV cache) off meanwhile, then restored."""
+    config = getattr(model, "config", None)
+    was = getattr(config, "use_cache", None)
+    if was:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if was:
+            config.use_cache = was
+
+
+@contextlib.contextmanager
 def _evaluating(*modules: nn.Module) -> Iterator[None]:
     """``modules`` in eval mode, without gradients or drawing from the RNG; their modes restored."""
     modes = [(m, m.training) for module in modules for m in module.modules()]
@@ -213,7 +227,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _verify(model: nn.Module, stages: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The stages chained on the example compute the model's output (a ValueError otherwise);
     returns that output."""
-    with _evaluating(model, *stages):
+    with _evaluating(model, *stages), without_cache(model):
         want = model(*args, **kwargs)
         value: Any = args
         for stage in stages:

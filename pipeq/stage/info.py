@@ -68,7 +68,8 @@ class StageInfo:
     def __post_init__(self) -> None:
         if self.returns is not None and not (isinstance(self.returns, type) and issubclass(self.returns, Mapping)
                                              and self.returns is not dict):
-            raise ValueError(f"a stage's returns is a mapping class of the model's (a ModelOutput), got {self.returns!r}")
+            raise ValueError(f"a stage's returns is the model's own mapping class (a ModelOutput), "
+                             f"got {self.returns!r}")
         if not all(type(n) is str and n.isidentifier() for n in self.inputs):
             raise ValueError(f"a stage's inputs are keyword argument names, got {self.inputs!r}")
         names = [t.name for t in self.ties]

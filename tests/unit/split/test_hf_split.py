@@ -72,7 +72,8 @@ def test_split_by_names_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match=r"stage 1 runs GPT2LMHeadModel.forward, which calls 'transformer.wte'"):
         pipeq.split(transformers.GPT2LMHeadModel(gpt2), (ids,), modules=gpt2_names)
     with pytest.raises(ValueError, match=r"no stage lists 'transformer.drop' \(Dropout\(p=0.1"):
-        pipeq.split(transformers.GPT2LMHeadModel(gpt2), (ids,), modules=[[m for m in n if m != "transformer.drop"] for n in gpt2_names])
+        pipeq.split(transformers.GPT2LMHeadModel(gpt2), (ids,),
+                    modules=[[m for m in n if m != "transformer.drop"] for n in gpt2_names])
     with pytest.raises(ValueError, match="pass an example input"):
         pipeq.split(tiny_llama(layers=4), modules=LLAMA_BY_NAMES)
     gemma = transformers.Gemma2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
