@@ -104,7 +104,9 @@ def test_dict_batches_and_model_outputs_in_a_runner(llama, how, request, tmp_pat
         assert type(out) is transformers.modeling_outputs.CausalLMOutputWithPast
         with torch.no_grad():
             assert torch.allclose(out.logits, llama(**x).logits, atol=1e-6)
-        assert runner.step(transformers.BatchEncoding(x), y) == pytest.approx(hf_loss(llama(**x), y).item(), abs=1e-6)
+            loss = hf_loss(llama(**x), y).item()
+        assert runner.evaluate((transformers.BatchEncoding(x), y)) == {"loss": pytest.approx(loss, abs=1e-6)}
+        assert runner.step(transformers.BatchEncoding(x), y) == pytest.approx(loss, abs=1e-6)
         for bad, given, match in [
             ({**x, "labels": y}, None, "gives 'labels'"),
             ({"ids": x["input_ids"], "attention_mask": x["attention_mask"]}, None,
