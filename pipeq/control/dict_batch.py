@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from pipeq.stage import microbatch
 from pipeq.stage.info import info_of
 
 __all__ = ["DictBatch", "stage0_inputs"]
@@ -78,13 +79,13 @@ class DictBatch:
 
     def match(self, x: Any, given: Any, declared: Sequence[Sequence[str]], where: str = "x") -> tuple[Any, Any]:
         """``(x, stage_inputs)`` with a dict ``x`` matched (see the module); anything else as it is."""
-        if not isinstance(x, Mapping):
-            return x, given
+        if not isinstance(x, Mapping) or not all(type(k) is str for k in x):
+            return x, given  # (a dict with other keys is refused as every batch is: pipeq.tree)
         known = {n for names in declared for n in names}
         if type(x) is dict and self.takes_dict and not set(x) & (known | set(self.positional or ())):
             return x, given
-        if not all(type(k) is str for k in x):
-            raise ValueError(f"{where} is a dict with keys {list(x)!r:.80}: a dict batch maps input names to values")
+        x = dict(x)
+        microbatch.check(where, x)  # refused as any batch is (a tensor without samples...), before its keys
         inputs = {k: v for k, v in x.items() if k in known}
         rest = [k for k in x if k not in known]
         value = self._positional(x, rest, known, where)
