@@ -17,7 +17,8 @@ it: ``runner.step(x, y, stage_inputs={"mask": m})``.
 
 By module names (:mod:`pipeq.split.by_name`), for a forward that cannot be traced: each stage is
 a copy of the model keeping only its modules, running the model's own forward (torchtitan's
-``module_fqns_per_model_part``).
+``module_fqns_per_model_part``); in a Hugging Face model, a module another stage holds passes
+its input on, and the stages are checked against the model on the example inputs.
 
 Either way, each stage's tensors keep the model's own names (its ``state_dict`` is the model's
 part; ``runner.state_dict()`` loads into the model), and a parameter that several stages use
