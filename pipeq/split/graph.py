@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import torch
 from torch import fx, nn
 
-__all__ = ["Flow", "StageFlow", "trace_stages", "mark_constants", "mark_non_persistent", "unsaved_buffers", "UntraceableModel"]
+__all__ = ["Flow", "StageFlow", "trace_stages", "mark_constants", "mark_non_persistent", "unsaved_buffers",
+           "UntraceableModel"]
 
 FALLBACK = ("split by module names instead: pipeq.split(model, modules=[[names of stage 0's modules], "
             "[stage 1's], ...]) runs the model's own forward on each stage")
