@@ -8,6 +8,7 @@ the simulated engine (:mod:`pipeq.runtime.simulated`). Its modules:
     lifecycle.py        built, running, closed: started once, stopped once
     pipeline.py         the runner's backend: built (at the first batch with schedule="auto"), started, closed
     feed.py             batches as the backend takes them: checked, split, routed, numbered
+    dict_batch.py       a dict batch matched to stage 0's inputs and the stages' (or refused)
     streaming.py        the steps in flight, their losses handed back in order
     state.py            state dicts, checkpoints and snapshots under the flat model's names
     snapshots.py        in-memory snapshots every K steps, kept by the driver

@@ -4,9 +4,11 @@
 (:class:`~pipeq.runtime.backend.Backend`): ``x`` and ``target`` are checked and split into
 microbatches and replica shards with their loss weights (:class:`~pipeq.control.batching.Batcher`),
 ``stage_inputs`` are routed to the stages that declare them (:mod:`pipeq.control.stage_inputs`),
+a dict batch is matched to stage 0's inputs and the stages' first (:mod:`pipeq.control.dict_batch`),
 and every step is numbered (training and prediction alike, counting up). A prediction's
-microbatch outputs are joined again as the last stage returned them (a batch given as its
-microbatches, :class:`~pipeq.stage.microbatch.Microbatches`: one output per microbatch).
+microbatch outputs are joined again as the last stage returned them (a ``ModelOutput`` rebuilt; a
+batch given as its microbatches, :class:`~pipeq.stage.microbatch.Microbatches`: one output per
+microbatch).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from pipeq.control.batching import check_batch
+from pipeq.control.dict_batch import DictBatch
 from pipeq.control.stage_inputs import route, route_each
 from pipeq.stage import microbatch
 from pipeq.stage.microbatch import Microbatches
@@ -39,10 +42,12 @@ class TrainingStep(NamedTuple):
 
 
 class Feed:
-    """Turns a runner's batches into its backend's steps; ``batcher`` splits them."""
+    """Turns a runner's batches into its backend's steps; ``batcher`` splits them, ``dicts``
+    matches dict batches."""
 
-    def __init__(self, batcher: Batcher) -> None:
+    def __init__(self, batcher: Batcher, dicts: DictBatch | None = None) -> None:
         self.batcher = batcher
+        self.dicts = dicts or DictBatch(None)
         #: the runner's backend, once it exists (``schedule="auto"``: once the first batch settled it)
         self.backend: Backend | None = None
         self._declared: list[tuple[str, ...]] | None = None  # each stage's declared inputs, asked once
@@ -56,8 +61,18 @@ class Feed:
         assert self.backend is not None, "the runner settles its backend before it feeds it"
         return self.backend
 
+    def match(self, x: Any, given: Any) -> tuple[Any, Any]:
+        """``(x, stage_inputs)`` with a dict batch matched to the stages (:mod:`pipeq.control.dict_batch`)."""
+        declared = self.dicts.declared
+        if declared is None:
+            if self.backend is None:  # schedule="auto" with a recipe, before it settles: the step matches it
+                return x, given
+            declared = self._declared = self._declared or self._backend().declared_inputs()
+        return self.dicts.match(x, given, declared)
+
     def training(self, x: Any, target: Any, given: Any) -> TrainingStep:
         """The training batch ``(x, target)`` (with ``given``, its ``stage_inputs``) as the next step."""
+        x, given = self.match(x, given)
         x, target, n = self.batcher.training_pair(x, target)
         inputs = self._route(given, x, n)
         shards = self.batcher.shards(target, n)
@@ -66,13 +81,15 @@ class Feed:
 
     def predict(self, x: Any, given: Any) -> Any:
         """The output of a forward-only step on ``x`` (see :meth:`PipelineRunner.predict`)."""
+        x, given = self.match(x, given)
         x, n = check_batch("x", x)
         self.batcher.check_input(x)
         inputs = self._route(given, x, n)
         self._step += 1
         split = isinstance(x, Microbatches)
         sizes = self.batcher.given_sizes(x, training=False) if split else self.batcher.sizes(n)
-        return _joined(self._backend().predict(self._step, sizes, x, inputs), split)
+        out = _joined(self._backend().predict(self._step, sizes, x, inputs), split)
+        return Microbatches(self.dicts.output(o) for o in out) if split else self.dicts.output(out)
 
     def _route(self, given: Any, x: Any, batch: int) -> StageInputs | None:
         """``stage_inputs`` as each stage's keyword arguments (None: none), checked against what

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 from pipeq.control import streaming
 from pipeq.control.assembly import processes_of
 from pipeq.control.batching import given_batch
+from pipeq.control.dict_batch import DictBatch
 from pipeq.control.feed import Feed
 from pipeq.control.lifecycle import Lifecycle
 from pipeq.control.shape_check import FirstBatchCheck, warm_up
@@ -53,7 +54,8 @@ class Pipeline:
         self._auto = plan if config.auto else None  # "auto": no backend until the first batch settles the schedule
         self._settled = settled
         self._shapes = FirstBatchCheck.of(plan.model, config)  # at the first batch
-        self.feed = Feed(plan.batcher(config))  # batches -> steps
+        modules = None if plan.model.builder is not None else [s.module for s in plan.model.replicas[0]]
+        self.feed = Feed(plan.batcher(config), DictBatch.of(modules))  # batches -> steps
         self.snapshots = SnapshotSchedule()  # in-memory snapshots
         self.flight = InFlight(guard, self.snapshots)  # the steps in flight
         self.life = Lifecycle(config.placement.mode)  # built, running, closed
@@ -106,6 +108,7 @@ class Pipeline:
     def first_batch(self, x: Any, target: Any, stage_inputs: Any) -> None:
         """The first training batch (once running): the shapes between the stages checked, before
         any is sent (:mod:`pipeq.control.shape_check`); with ``schedule="auto"`` the schedule settled."""
+        x, stage_inputs = self.feed.match(x, stage_inputs)  # a dict batch: refused here if it does not fit
         if self.life.running and self._shapes.pending:
             self._shapes.check(self.feed.batcher, x, target, stage_inputs)
         if self.life.running and self._auto is not None:

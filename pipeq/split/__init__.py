@@ -19,7 +19,8 @@ it: ``runner.step(x, y, stage_inputs={"mask": m})``.
 
 By module names (:mod:`pipeq.split.by_name`), for a forward that cannot be traced: each stage is
 a copy of the model keeping only its modules, running the model's own forward (torchtitan's
-``module_fqns_per_model_part``).
+``module_fqns_per_model_part``); in a Hugging Face model, a module another stage holds passes
+its input on, and the stages are checked against the model on the example inputs.
 
 Either way, each stage's tensors keep the model's own names (its ``state_dict`` is the model's
 part; ``runner.state_dict()`` loads into the model), and a parameter that several stages use
@@ -44,7 +45,7 @@ from torch import nn
 
 from pipeq import balance as balancing
 from pipeq.split import points as cuts
-from pipeq.split.by_name import split_by_names
+from pipeq.split.by_name import own_mapping, split_by_names, without_cache
 from pipeq.split.dims import SpecializedDim, describe
 from pipeq.split.graph import UntraceableModel, trace_stages
 from pipeq.split.stage import GraphStage
@@ -157,17 +158,20 @@ def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, An
                 or dynamic is not None:
             raise ValueError("modules= names each stage's modules: do not pass n_stages, split_points, balance or "
                              "dynamic too (a split by module names runs the model's own forward: any shape it takes)")
-        stages = Split(split_by_names(model, modules, tuple(example_kwargs or ())))
+        example = example_args if isinstance(example_args, tuple) else (example_args,)
+        stages = Split(split_by_names(model, modules, tuple(example_kwargs or ()), example, example_kwargs))
         stages.split_points = [names[0] for names in modules[1:]]
         stages.dynamic, stages.static, stages.why_static = {}, {}, {}
     else:
         args, kwargs = _example(model, example_args, example_kwargs)
-        points = _points(model, args, kwargs, n_stages, split_points, balance, dynamic)
-        graphs, evals, flow = trace_stages(model, args, kwargs, points, dynamic)
+        with without_cache(model):  # a Hugging Face model's KV cache: no stage keeps one
+            points = _points(model, args, kwargs, n_stages, split_points, balance, dynamic)
+            graphs, evals, flow = trace_stages(model, args, kwargs, points, dynamic)
         stages = Split(set_info(GraphStage(k, g, f, flow.out_spec, k == len(graphs) - 1, e), model_names=True,
                                 inputs=f.named) for k, (g, e, f) in enumerate(zip(graphs, evals, flow.stages)))
         stages.split_points = points
         stages.dynamic, stages.static, stages.why_static = flow.dynamic, flow.static, flow.why_static
+        set_info(stages[-1], returns=own_mapping(flow.out_spec.type))
     tie_stages(stages, groups)
     return stages
 

@@ -26,7 +26,8 @@ from torch import fx, nn
 
 from pipeq.split import dims
 
-__all__ = ["Flow", "StageFlow", "trace_stages", "mark_constants", "UntraceableModel"]
+__all__ = ["Flow", "StageFlow", "trace_stages", "mark_constants", "mark_non_persistent", "unsaved_buffers",
+           "UntraceableModel"]
 
 FALLBACK = ("split by module names instead: pipeq.split(model, modules=[[names of stage 0's modules], "
             "[stage 1's], ...]) runs the model's own forward on each stage")
@@ -102,6 +103,27 @@ def mark_constants(module: nn.Module) -> None:
                 m._non_persistent_buffers_set.add(name)
 
 
+def mark_non_persistent(module: nn.Module, model: nn.Module | None = None, names: Sequence[str] = ()) -> None:
+    """The buffers ``model`` registered as non-persistent (RoPE's ``inv_freq``), and ``names``,
+    stay out of ``module``'s ``state_dict`` (``module``'s tensors are under ``model``'s names)."""
+    for name, _ in module.named_buffers(remove_duplicate=False):
+        owner, _, leaf = name.rpartition(".")
+        if name not in names:
+            try:
+                if model is None or leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
+                    continue
+            except AttributeError:  # not a module of the model's (a lifted constant)
+                continue
+        module.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
+
+
+def unsaved_buffers(module: nn.Module) -> tuple[str, ...]:
+    """The buffers of ``module`` outside its ``state_dict`` (to mark again after unpickling,
+    which rebuilds graph modules with every buffer persistent: :func:`mark_non_persistent`)."""
+    saved = module.state_dict(keep_vars=True)
+    return tuple(name for name, _ in module.named_buffers(remove_duplicate=False) if name not in saved)
+
+
 def _plain_codegen(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` taking its placeholders positionally, in graph order (no pytree input spec)."""
     if type(gm.graph._codegen) is not fx.graph.CodeGen:
@@ -170,6 +192,7 @@ def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], poin
     graphs = [_plain_codegen(_picklable(m)) for m in modules]
     for g in graphs:
         mark_constants(g)
+        mark_non_persistent(g, model)
     with torch.no_grad():
         out_spec = torch.utils._pytree.tree_flatten(model(*args, **kwargs))[1]
     return graphs, replace(_flow(pipe.split_gm.graph, ints, len(args), out_spec), dynamic=varying, static=fixed,

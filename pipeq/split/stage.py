@@ -9,7 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from pipeq.split.graph import StageFlow, mark_constants
+from pipeq.split.graph import StageFlow, mark_constants, mark_non_persistent, unsaved_buffers
 
 __all__ = ["GraphStage"]
 
@@ -65,7 +65,7 @@ class GraphStage(nn.Module):
         for name, p in graph.named_parameters(recurse=False):
             self.register_parameter(name, p)
         for name, b in graph.named_buffers(recurse=False):
-            self.register_buffer(name, b)
+            self.register_buffer(name, b, persistent=name not in graph._non_persistent_buffers_set)
         object.__setattr__(self, "_graph", graph)  # its code; not a child: no tensor is named twice
         object.__setattr__(self, "_eval", eval_graph)
         self._share()
@@ -73,6 +73,7 @@ class GraphStage(nn.Module):
         self.flow = flow
         self.out_spec = _portable(out_spec)
         self.last = last
+        self.unsaved = unsaved_buffers(self)  # non-persistent buffers (RoPE's inv_freq): again after unpickling
 
     def forward(self, *received: Any, **named: Any) -> Any:
         flow = self.flow
@@ -112,6 +113,7 @@ class GraphStage(nn.Module):
             if not hasattr(self, name):
                 self.register_buffer(name, value, persistent=False)
         mark_constants(self)
+        mark_non_persistent(self, names=getattr(self, "unsaved", ()))
         if self._eval is not None:
             mark_constants(self._eval)
 

@@ -12,12 +12,16 @@ read the same facts:
   (``runner.step(x, y, stage_inputs={"mask": m})``), beside what the previous stage sends;
 - ``ties``: parameters it holds a copy of, shared with other stages (tied embeddings): their
   gradients are summed over every stage holding one before each optimizer step, so the
-  copies stay bitwise equal, and checkpoints hold the tensor once, under ``key``.
+  copies stay bitwise equal, and checkpoints hold the tensor once, under ``key``;
+- ``returns`` (the last stage): the class of the model's output when it is a mapping of its own
+  (a Hugging Face ``ModelOutput``): the driver rebuilds ``predict``'s result as one from the dict
+  the stage sends (the wire carries plain trees).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from collections.abc import Mapping
 from typing import Sequence
 
 from torch import nn
@@ -59,8 +63,13 @@ class StageInfo:
     model_names: bool = False
     inputs: tuple[str, ...] = ()
     ties: tuple[Tie, ...] = ()
+    returns: type | None = None
 
     def __post_init__(self) -> None:
+        if self.returns is not None and not (isinstance(self.returns, type) and issubclass(self.returns, Mapping)
+                                             and self.returns is not dict):
+            raise ValueError(f"a stage's returns is the model's own mapping class (a ModelOutput), "
+                             f"got {self.returns!r}")
         if not all(type(n) is str and n.isidentifier() for n in self.inputs):
             raise ValueError(f"a stage's inputs are keyword argument names, got {self.inputs!r}")
         names = [t.name for t in self.ties]
@@ -80,7 +89,7 @@ def info_of(module: nn.Module) -> StageInfo:
 
 
 def set_info(module: nn.Module, *, model_names: bool | None = None, inputs: Sequence[str] | None = None,
-             ties: Sequence[Tie] | None = None) -> nn.Module:
+             ties: Sequence[Tie] | None = None, returns: type | None = None) -> nn.Module:
     """Set (some of) ``module``'s :class:`StageInfo`, keeping the rest; returns ``module``."""
     info = info_of(module)
     changes: dict = {}
@@ -90,5 +99,7 @@ def set_info(module: nn.Module, *, model_names: bool | None = None, inputs: Sequ
         changes["inputs"] = tuple(inputs)
     if ties is not None:
         changes["ties"] = tuple(ties)
+    if returns is not None:
+        changes["returns"] = returns
     object.__setattr__(module, ATTRIBUTE, replace(info, **changes))
     return module

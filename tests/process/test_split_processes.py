@@ -137,8 +137,13 @@ def test_hugging_face_gpt2_splits_and_trains_like_one_process():
         got = [runner.step(x, y) for x, y in batches]
         full = runner.model_state_dict()
         assert tied_copies(runner, stages)[0].equal(tied_copies(runner, stages)[1])
+        out = runner.predict({"input_ids": batches[0][0]})  # a dict batch, matched to forward's input_ids
     assert got == pytest.approx(want, abs=1e-5)
     plain = transformers.GPT2LMHeadModel(config)
-    plain.load_state_dict(full)  # the model's own names, the tied head included
+    plain.load_state_dict(full, strict=True)  # the model's own names, the tied head included
     for name, t in ref.state_dict().items():
         assert torch.allclose(plain.state_dict()[name], t, atol=1e-5), name
+    assert type(out) is transformers.modeling_outputs.CausalLMOutputWithCrossAttentions  # what the model returns
+    with torch.no_grad():
+        assert torch.allclose(out.logits, plain(batches[0][0]).logits, atol=1e-6)
+        assert torch.allclose(out.logits, ref(batches[0][0]).logits, atol=1e-5)
