@@ -268,7 +268,7 @@ def _run_generation(rz: Rendezvous, base: Any, builder: StageBuilder, n_stages: 
         configs = worker_configs(mine, n_stages, replicas, setup, control_addr=control, bind=BindTo.tcp(rz.bind),
                                  seed_of=lambda g: builder.seed_for(g % n_stages), rendezvous=rz, auth=auth,
                                  tp_dir=tp_dir, traced=traced)
-        procs.update(start_workers(ctx, configs, lambda g: builder))
+        procs.update(start_workers(ctx, configs, lambda g: builder.for_stage(g % n_stages)))
         log(f"node {rz.node_rank}: started stage(s) {mine} (pids "
             f"{sorted({p.pid for p in procs.values()})}), driver at {control}")
         link.send(protocol.message(AgentReady(agent=rz.node_rank, stages=mine, pids=[procs[g].pid for g in mine])))
