@@ -50,3 +50,19 @@ microbatches = 2
 steps = 4
 seed = 3
 """
+
+
+def per_stage(k: int, n: int, calls: str) -> nn.Module:
+    """The ``stages(k, n)`` form: stage k only, built in its own process."""
+    with open(calls, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return nn.Linear(WIDTH, WIDTH)
+
+
+def unpicklable(calls: str) -> list[nn.Module]:
+    """Stages that do not pickle (a lambda in one): each stage process builds its own."""
+    with open(calls, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    odd = nn.Linear(WIDTH, WIDTH)
+    odd.hook = lambda x: x  # type: ignore[assignment]
+    return [nn.Linear(WIDTH, WIDTH), odd]
