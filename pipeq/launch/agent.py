@@ -4,7 +4,7 @@ Node 0 runs the driver; every other node runs :func:`run_agent`::
 
     node r agent                              node 0 driver (ROUTER)
       | read "control", "placement", ... from the rendezvous store (signed: pipeq.control.rendezvous)
-      | start its stages (each builds itself from the job's importable names)
+      | start its stages (made once on this node from the job's importable names, each handed its own)
       |--- READY {agent: r, stages, pids} -------------------->|
       |--- ERROR {stage: k, message} when a stage dies ------->|   (named within ~0.1 s)
       |<-- EXIT {abort} ---------------------------------------|   (the run is over)
@@ -321,6 +321,11 @@ def _check_job(rz: Rendezvous, control: str, theirs: Any, builder: StageBuilder,
     ours = json.loads(json.dumps(ours))  # as it came through JSON
     if theirs != ours:
         differ = _differences(theirs, ours) if isinstance(theirs, dict) else ["everything"]
+        if all(line.startswith("recipe.made.") for line in differ):  # the same job, split otherwise here
+            _refuse(control, rz, f"node {rz.node_rank}'s stages function made other stages than node 0's: "
+                                 f"{'; '.join(differ)}; each node calls it once, and a split it measures "
+                                 "(pipeq.split(..., balance='time' or 'memory')) may differ from host to host: "
+                                 "give pipeq.split the split_points node 0 chose instead")
         _refuse(control, rz, f"node {rz.node_rank} was started with another job than node 0: "
                              f"{'; '.join(differ)}; pass the same job file and flags on every node")
 

@@ -1,4 +1,4 @@
-"""The Recipe: how a stage process builds its part of a job from the job file's names."""
+"""The Recipe: how a job's stages are built from the job file's names (once per host, or in each stage process)."""
 
 from __future__ import annotations
 

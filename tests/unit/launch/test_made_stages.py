@@ -70,3 +70,25 @@ def test_a_stage_k_of_n_function_and_stages_that_do_not_pickle_are_built_in_each
     assert prepared.count_stages() == 2 and _count(calls) == 1
     assert not prepared.made.has(1)
     assert isinstance(prepared.for_stage(1).build_stage(1, 2), torch.nn.Linear) and _count(calls) == 2
+
+
+def test_a_node_whose_stages_function_split_otherwise_is_refused_with_what_to_do(tmp_path, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from pipeq.control.processes import job_identity
+    from pipeq.launch import agent
+    from pipeq.stage.numerics import Numerics
+
+    told = []
+    monkeypatch.setattr(agent, "_tell_driver", lambda control, rz, message: told.append(message))
+    prepared = _recipe(tmp_path)[0].prepared()
+    theirs = json.loads(json.dumps(job_identity(prepared.for_stage(0), "1f1b", Numerics())))
+    rz, setup = SimpleNamespace(node_rank=1), SimpleNamespace(numerics=Numerics(), tp_plans=None)
+    agent._check_job(rz, "tcp://node0:1", theirs, prepared, "1f1b", setup)  # node 0's job: accepted
+    theirs["recipe"]["made"]["split_points"] = ["blocks.2"]
+    with pytest.raises(agent.AgentError, match=r"node 1's stages function made other stages than node 0's: "
+                                               r"recipe.made.split_points is \['blocks.2'\] on node 0 but "
+                                               r"\['blocks.1', 'blocks.2'\] here; .* give pipeq.split the "
+                                               "split_points node 0 chose instead"):
+        agent._check_job(rz, "tcp://node0:1", theirs, prepared, "1f1b", setup)
+    assert told and "split_points" in told[0]
