@@ -51,7 +51,7 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
     try:
         # the stages made once on this node (as node 0 makes its own), not in each stage process;
         # node 0's description of them (plain data) is compared before any stage starts here
-        recipe = job.recipe.prepared(multi_host=True)
+        recipe = job.recipe.stages_made()
         n = recipe.count_stages()
         tp_plans = None
         if job.tensor_parallel > 1:

@@ -67,7 +67,7 @@ also when the job counts ``steps``), a ReduceLROnPlateau with its ``lr_scheduler
 Every host builds its stages from these names (``Recipe.build``): nothing but plain data crosses
 hosts, and every host builds the same weights (the stages and heads functions run under
 ``torch.manual_seed(seed)``). A stages function returning every stage is called once per host
-(:meth:`Recipe.prepared`: :mod:`~pipeq.launch.job.made`), each stage process handed its own stage
+(:meth:`Recipe.stages_made`: :mod:`~pipeq.launch.job.made`), each stage process handed its own stage
 as it starts; ``stages(k, n)`` is called in stage k's process. With Associated
 Learning (``schedule = "al"``) the stages function returns ``pipeq.research.ALLayer`` s (e.g. from
 ``pipeq.research.build_al``) and ``loss`` (optional, MSE by default) is the layers' local criterion.

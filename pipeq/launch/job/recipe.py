@@ -91,7 +91,7 @@ class Recipe(StageBuilder):
     balance_sample_args: dict[str, Any] = field_of("balance_sample_args")
     sys_path: list[str] = field(default_factory=list)
     schedule: Any = None  # the run's (a name or schedule object): it says which stages get the loss
-    # the stages function's stages, made once per node (prepared): stage processes do not call it
+    # the stages function's stages, made once per node (stages_made): stage processes do not call it
     made: MadeStages | None = field(default=None, repr=False, compare=False)
 
     def _imports(self) -> None:
@@ -140,7 +140,7 @@ class Recipe(StageBuilder):
         if self.made is not None and self.made.has(k):
             if len(self.made) != n:
                 raise ValueError(f"{self.stages} returned {len(self.made)} stages, the run has {n}")
-            return self.made.module(k)  # made once (prepared), not by calling the function again
+            return self.made.module(k)  # made once (stages_made), not by calling the function again
         if self.model is not None and self.split_modules is not None:
             from pipeq.split import split
 
@@ -167,15 +167,11 @@ class Recipe(StageBuilder):
 
     # -- one nn.Sequential split into stages (model + balance) ------------------------------
     def prepared(self, multi_host: bool = False) -> "Recipe":
-        """This recipe with what is decided once per run decided: a stages function returning
-        every stage is called here, once (:class:`~pipeq.launch.job.made.MadeStages`: each stage
-        process is handed its stage, :meth:`for_stage`); a balance is made layer counts, checked
-        against the model: measured here (``balance = "time"`` / ``"memory"``), once, so every
-        stage process gets the same counts. With ``stages(k, n)`` it is this recipe."""
+        """This recipe with what is decided once decided: its stages made (:meth:`stages_made`),
+        or its balance as layer counts, checked against the model: measured here (``balance =
+        "time"`` / ``"memory"``), once, so every stage process gets the same counts."""
         if self.model is None:
-            if self.made is not None or required_positional(fn := self._stages_fn(), self.stages_args) == 2:
-                return self
-            return dataclasses.replace(self, made=MadeStages.of(self._all_stages(fn)))
+            return self.stages_made()
         if self.split_modules is not None:
             if self.balance is not None:
                 raise ValueError("split_modules names each stage's modules: drop balance")
@@ -186,6 +182,18 @@ class Recipe(StageBuilder):
             return dataclasses.replace(self, balance=self._measure(self.balance))
         balancing.check_counts(self._counts(), len(self._model()))  # here, not in a stage process
         return self
+
+    def stages_made(self) -> "Recipe":
+        """This recipe holding its stages made here (:class:`~pipeq.launch.job.made.MadeStages`):
+        a stages function returning every stage is called once, and each stage process is handed
+        its stage (:meth:`for_stage`) instead of calling it again. The recipe itself when they are
+        made already, and with ``stages(k, n)`` or a ``model`` (built in each stage process)."""
+        if self.made is not None or self.model is not None:
+            return self
+        fn = self._stages_fn()
+        if required_positional(fn, self.stages_args) == 2:
+            return self
+        return dataclasses.replace(self, made=MadeStages.of(self._all_stages(fn)))
 
     def _counts(self) -> list[int]:
         if isinstance(self.balance, str):

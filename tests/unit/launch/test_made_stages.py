@@ -1,4 +1,4 @@
-"""A job's stages made once (Recipe.prepared): counted, built and described without calling the
+"""A job's stages made once (Recipe.stages_made, as Recipe.prepared does): counted, built and described without calling the
 stages function again; each stage process handed its own stage only."""
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def _count(calls: str) -> int:
 
 def test_prepared_makes_the_stages_once_and_every_build_is_a_fresh_copy_of_them(tmp_path) -> None:
     recipe, calls = _recipe(tmp_path)
-    prepared = recipe.prepared()
-    assert _count(calls) == 1 and prepared.prepared() is prepared and recipe.made is None
+    prepared = recipe.stages_made()
+    assert _count(calls) == 1 and recipe.made is None
+    assert prepared.prepared() is prepared and prepared.stages_made() is prepared
     assert prepared.count_stages() == 3
     torch.manual_seed(3)
     want = stages(str(tmp_path / "direct.txt"))
@@ -61,9 +62,11 @@ def test_each_stage_process_is_handed_its_own_stage_only(tmp_path) -> None:
         _recipe(tmp_path, n_stages=2)[0].prepared()
 
 
-def test_a_stage_k_of_n_function_and_stages_that_do_not_pickle_are_built_in_each_process(tmp_path) -> None:
+def test_a_stage_k_of_n_function_a_model_and_stages_that_do_not_pickle_are_built_in_each_process(tmp_path) -> None:
     per_stage, calls = _recipe(tmp_path, "startup_jobs:per_stage", n_stages=2)
-    assert per_stage.prepared() is per_stage and _count(calls) == 0
+    assert per_stage.prepared() is per_stage and per_stage.stages_made() is per_stage and _count(calls) == 0
+    model = Recipe(None, "torch.nn:MSELoss", "torch.optim:SGD", model="startup_jobs:Net", balance=[2, 2])
+    assert model.stages_made() is model  # a model's part: built in each stage process
     assert per_stage.for_stage(1) is per_stage
     odd, calls = _recipe(tmp_path, "startup_jobs:unpicklable")
     prepared = odd.prepared()
