@@ -34,8 +34,8 @@ from pipeq.stage.spec import StageBuilder
 from pipeq.wire import control as protocol  # (``control`` names the driver's address here)
 from pipeq.wire.control import AgentReady, ErrorReply, Exit
 from pipeq.wire.messages import Kind, Message
-from pipeq.control.processes import (RunSetup, exit_reason, job_identity, of_stages, process_context, start_workers,
-                                     stop_processes, worker_configs)
+from pipeq.control.processes import (Numbering, RunSetup, exit_reason, job_identity, of_stages, process_context,
+                                     start_workers, stop_processes, worker_configs)
 from pipeq.control.rendezvous import Rendezvous
 from pipeq.wire.control_link import DriverLink
 from pipeq.wire.keys import JobSecret
@@ -268,7 +268,8 @@ def _run_generation(rz: Rendezvous, base: Any, builder: StageBuilder, n_stages: 
         configs = worker_configs(mine, n_stages, replicas, setup, control_addr=control, bind=BindTo.tcp(rz.bind),
                                  seed_of=lambda g: builder.seed_for(g % n_stages), rendezvous=rz, auth=auth,
                                  tp_dir=tp_dir, traced=traced)
-        procs.update(start_workers(ctx, configs, lambda g: builder.for_stage(g % n_stages)))
+        num = Numbering(n_stages, replicas, shards)  # (a shard's process number is not its stage's)
+        procs.update(start_workers(ctx, configs, lambda g: builder.for_stage(num.stage(g))))
         log(f"node {rz.node_rank}: started stage(s) {mine} (pids "
             f"{sorted({p.pid for p in procs.values()})}), driver at {control}")
         link.send(protocol.message(AgentReady(agent=rz.node_rank, stages=mine, pids=[procs[g].pid for g in mine])))
