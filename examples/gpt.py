@@ -227,10 +227,11 @@ def split(model: GPT, n_stages: int) -> pipeq.split.Split:
     return pipeq.split(model, (example,), n_stages=n_stages)
 
 
-def stages(n_stages: int = 4, quick: bool = False) -> list[nn.Module]:
-    """The job file's stages: a new GPT, split. Each stage process of the job calls this under
-    the job's seed, so they all build the same weights and keep their own stage."""
-    return list(split(GPT(QUICK if quick else GPTConfig()), n_stages))
+def stages(n_stages: int = 4, quick: bool = False) -> pipeq.split.Split:
+    """The job file's stages: a new GPT, split (a list of stages that knows its split points).
+    ``pipeq launch`` calls this once per node under the job's seed and hands each stage process
+    its own stage."""
+    return split(GPT(QUICK if quick else GPTConfig()), n_stages)
 
 
 def train_batches(epoch: int, batch: int = 32, steps: int = 100, quick: bool = False,

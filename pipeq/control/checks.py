@@ -261,8 +261,9 @@ def process_payloads(model: Model, schedule: SchedulePolicy) -> list["bytes | St
     pickled :class:`StageSpec`, or the recipe. Checks that everything pickles and that the stage
     processes can find what it names, naming what does not."""
     check_picklable("schedule", schedule)
-    if model.builder is not None:
-        return [model.builder] * (model.n_stages * model.n_replicas)
+    if model.builder is not None:  # what it made for stage k (prepared), stage k's process only
+        builder = model.builder
+        return [builder.for_stage(g % model.n_stages) for g in range(model.n_stages * model.n_replicas)]
     out: list[bytes | StageBuilder] = []
     for copy in model.replicas:
         for k, spec in enumerate(copy):

@@ -4,7 +4,7 @@ Node 0 runs the driver; every other node runs :func:`run_agent`::
 
     node r agent                              node 0 driver (ROUTER)
       | read "control", "placement", ... from the rendezvous store (signed: pipeq.control.rendezvous)
-      | start its stages (each builds itself from the job's importable names)
+      | start its stages (made once on this node from the job's importable names, each handed its own)
       |--- READY {agent: r, stages, pids} -------------------->|
       |--- ERROR {stage: k, message} when a stage dies ------->|   (named within ~0.1 s)
       |<-- EXIT {abort} ---------------------------------------|   (the run is over)
@@ -34,8 +34,8 @@ from pipeq.stage.spec import StageBuilder
 from pipeq.wire import control as protocol  # (``control`` names the driver's address here)
 from pipeq.wire.control import AgentReady, ErrorReply, Exit
 from pipeq.wire.messages import Kind, Message
-from pipeq.control.processes import (RunSetup, exit_reason, job_identity, of_stages, process_context, start_workers,
-                                     stop_processes, worker_configs)
+from pipeq.control.processes import (Numbering, RunSetup, exit_reason, job_identity, of_stages, process_context,
+                                     start_workers, stop_processes, worker_configs)
 from pipeq.control.rendezvous import Rendezvous
 from pipeq.wire.control_link import DriverLink
 from pipeq.wire.keys import JobSecret
@@ -268,7 +268,8 @@ def _run_generation(rz: Rendezvous, base: Any, builder: StageBuilder, n_stages: 
         configs = worker_configs(mine, n_stages, replicas, setup, control_addr=control, bind=BindTo.tcp(rz.bind),
                                  seed_of=lambda g: builder.seed_for(g % n_stages), rendezvous=rz, auth=auth,
                                  tp_dir=tp_dir, traced=traced)
-        procs.update(start_workers(ctx, configs, lambda g: builder))
+        num = Numbering(n_stages, replicas, shards)  # (a shard's process number is not its stage's)
+        procs.update(start_workers(ctx, configs, lambda g: builder.for_stage(num.stage(g))))
         log(f"node {rz.node_rank}: started stage(s) {mine} (pids "
             f"{sorted({p.pid for p in procs.values()})}), driver at {control}")
         link.send(protocol.message(AgentReady(agent=rz.node_rank, stages=mine, pids=[procs[g].pid for g in mine])))
@@ -321,6 +322,11 @@ def _check_job(rz: Rendezvous, control: str, theirs: Any, builder: StageBuilder,
     ours = json.loads(json.dumps(ours))  # as it came through JSON
     if theirs != ours:
         differ = _differences(theirs, ours) if isinstance(theirs, dict) else ["everything"]
+        if all(line.startswith("recipe.made.") for line in differ):  # the same job, split otherwise here
+            _refuse(control, rz, f"node {rz.node_rank}'s stages function made other stages than node 0's: "
+                                 f"{'; '.join(differ)}; each node calls it once, and a split it measures "
+                                 "(pipeq.split(..., balance='time' or 'memory')) may differ from host to host: "
+                                 "give pipeq.split the split_points node 0 chose instead")
         _refuse(control, rz, f"node {rz.node_rank} was started with another job than node 0: "
                              f"{'; '.join(differ)}; pass the same job file and flags on every node")
 

@@ -49,14 +49,17 @@ def _run_agent(job: Job, rz: rdzv.Rendezvous) -> int:
         print(f"pipeq launch: {line}", file=sys.stderr, flush=True)
 
     try:
-        n = job.recipe.count_stages()
+        # the stages made once on this node (as node 0 makes its own), not in each stage process;
+        # node 0's description of them (plain data) is compared before any stage starts here
+        recipe = job.recipe.stages_made()
+        n = recipe.count_stages()
         tp_plans = None
         if job.tensor_parallel > 1:
             from pipeq.parallel import tensor as tensorpar
 
             tp_plans = tensorpar.check_plans(None, job.tp_plan, job.tensor_parallel, n)
         config = job.run_config()
-        return run_agent(rz, job.recipe, n, RunSetup(config, config.numerics_for(n), tp_plans), log=log)
+        return run_agent(rz, recipe, n, RunSetup(config, config.numerics_for(n), tp_plans), log=log)
     except (AgentError, RuntimeError, ValueError) as exc:
         log(str(exc))
         return 1

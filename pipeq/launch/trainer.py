@@ -43,6 +43,7 @@ class Trainer:
         self.checkpoints = Checkpoints(job, self.run_dir, self.log)
         self._loop: TrainingLoop | None = None  # the running attempt's loop (its step: where a failure hit)
         self._restarts: Restarts | None = None
+        self._recipe: Any = None  # the job's recipe, its stages made once (Recipe.stages_made)
         self.snapshots = Snapshots(job.snapshot_every)  # outlives each attempt's runner
         self._writer: Any = None  # TensorBoard's SummaryWriter class (None: no event files), found by _run
         self._board = Board(self.run_dir.tb)  # each attempt's event files (this one: none)
@@ -99,7 +100,9 @@ class Trainer:
 
         job = self.job
         job.check()  # data, eval_data, metrics and their arguments, before any process starts
-        runner = PipelineRunner(job.recipe, None, None, config=job.run_config(), rendezvous=self.rz)
+        if self._recipe is None:  # made once per run: a restart's stages are the very same
+            self._recipe = job.recipe.stages_made()
+        runner = PipelineRunner(self._recipe, None, None, config=job.run_config(), rendezvous=self.rz)
         if job.lr_scheduler_monitor is not None and not runner.lr_schedule.takes_metric:
             raise ValueError(f"lr_scheduler_monitor = {job.lr_scheduler_monitor!r}, but {job.recipe.lr_scheduler} "
                              "takes no metric (only a ReduceLROnPlateau does): drop lr_scheduler_monitor")

@@ -45,6 +45,11 @@ class StageBuilder:
         nodes build from their own copy of the job, so nothing may be decided here alone."""
         return self
 
+    def for_stage(self, stage: int) -> "StageBuilder":
+        """What the process of stage ``stage`` is handed (a builder holding what was made for it
+        once, in the launching process: :meth:`prepared`); by default this builder."""
+        return self
+
     def for_schedule(self, schedule: Any) -> "StageBuilder":
         """This builder for a run of ``schedule`` (a recipe asks it which stages get the loss)."""
         return self

@@ -66,9 +66,11 @@ is refused, naming both). With ``lr_scheduler_interval = "epoch"``, ``pipeq laun
 schedulers between two epochs (an epoch is one pass over the iterable ``data(epoch)`` returns,
 also when the job counts ``steps``), a ReduceLROnPlateau with its ``lr_scheduler_monitor``.
 
-Stage processes build their stage from these names themselves (``Recipe.build``), on whichever
-host they run: nothing but plain data crosses hosts, and every host builds the same weights
-(the stages and heads functions run under ``torch.manual_seed(seed)``). With Associated
+Every host builds its stages from these names (``Recipe.build``): nothing but plain data crosses
+hosts, and every host builds the same weights (the stages and heads functions run under
+``torch.manual_seed(seed)``). A stages function returning every stage is called once per host
+(:meth:`Recipe.stages_made`: :mod:`~pipeq.launch.job.made`), each stage process handed its own stage
+as it starts; ``stages(k, n)`` is called in stage k's process. With Associated
 Learning (``schedule = "al"``) the stages function returns ``pipeq.research.ALLayer`` s (e.g. from
 ``pipeq.research.build_al``) and ``loss`` (optional, MSE by default) is the layers' local criterion.
 

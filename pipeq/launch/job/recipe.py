@@ -1,8 +1,9 @@
-"""The Recipe: how a stage process builds its part of a job from the job file's names."""
+"""The Recipe: how a job's stages are built from the job file's names (once per host, or in each stage process)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from torch import nn
 
 from pipeq import balance as balancing
 from pipeq.checkpoint.names import positional
+from pipeq.launch.job.made import MadeStages
 from pipeq.launch.job.keys import field_of
 from pipeq.launch.job.names import check_args, importable, required_positional, resolve
 from pipeq import schedules
@@ -89,6 +91,8 @@ class Recipe(StageBuilder):
     balance_sample_args: dict[str, Any] = field_of("balance_sample_args")
     sys_path: list[str] = field(default_factory=list)
     schedule: Any = None  # the run's (a name or schedule object): it says which stages get the loss
+    # the stages function's stages, made once per node (stages_made): stage processes do not call it
+    made: MadeStages | None = field(default=None, repr=False, compare=False)
 
     def _imports(self) -> None:
         """Make the job's modules importable (:func:`~pipeq.launch.job.names.importable`)."""
@@ -97,6 +101,8 @@ class Recipe(StageBuilder):
     def count_stages(self) -> int:
         """N: the job's ``n_stages``, or the length of the list its stages function returns (or
         of its balance)."""
+        if self.made is not None:
+            return len(self.made)
         if self.model is not None and self.split_modules is not None:
             if self.n_stages is not None and self.n_stages != len(self.split_modules):
                 raise ValueError(f"n_stages = {self.n_stages}, but split_modules names {len(self.split_modules)} stages")
@@ -111,10 +117,7 @@ class Recipe(StageBuilder):
             if self.n_stages is None:
                 raise ValueError(f"stages = {self.stages!r} builds stage k of n: the job must set n_stages")
             return self.n_stages
-        n = len(self._all_stages(fn))
-        if self.n_stages is not None and self.n_stages != n:
-            raise ValueError(f"n_stages = {self.n_stages}, but {self.stages} returns {n} stages")
-        return n
+        return len(self._all_stages(fn))
 
     def _stages_fn(self) -> Callable:
         """The stages function, its ``stages_args`` checked."""
@@ -129,9 +132,15 @@ class Recipe(StageBuilder):
             stages = fn(**args) if required_positional(fn, args) == 0 else fn(self.n_stages, **args)
         if not isinstance(stages, (list, tuple)) or not all(isinstance(s, nn.Module) for s in stages):
             raise ValueError(f"stages = {self.stages!r} must return a list of nn.Module")
-        return list(stages)
+        if self.n_stages is not None and self.n_stages != len(stages):
+            raise ValueError(f"n_stages = {self.n_stages}, but {self.stages} returns {len(stages)} stages")
+        return stages  # (a pipeq.split Split keeps its split_points)
 
     def build_stage(self, k: int, n: int) -> nn.Module:
+        if self.made is not None and self.made.has(k):
+            if len(self.made) != n:
+                raise ValueError(f"{self.stages} returned {len(self.made)} stages, the run has {n}")
+            return self.made.module(k)  # made once (stages_made), not by calling the function again
         if self.model is not None and self.split_modules is not None:
             from pipeq.split import split
 
@@ -158,11 +167,11 @@ class Recipe(StageBuilder):
 
     # -- one nn.Sequential split into stages (model + balance) ------------------------------
     def prepared(self, multi_host: bool = False) -> "Recipe":
-        """This recipe with its balance as layer counts, checked against the model: measured
-        here (``balance = "time"`` / ``"memory"``), once, so every stage process gets the same
-        counts. Without ``model`` it is this recipe."""
+        """This recipe with what is decided once decided: its stages made (:meth:`stages_made`),
+        or its balance as layer counts, checked against the model: measured here (``balance =
+        "time"`` / ``"memory"``), once, so every stage process gets the same counts."""
         if self.model is None:
-            return self
+            return self.stages_made()
         if self.split_modules is not None:
             if self.balance is not None:
                 raise ValueError("split_modules names each stage's modules: drop balance")
@@ -173,6 +182,18 @@ class Recipe(StageBuilder):
             return dataclasses.replace(self, balance=self._measure(self.balance))
         balancing.check_counts(self._counts(), len(self._model()))  # here, not in a stage process
         return self
+
+    def stages_made(self) -> "Recipe":
+        """This recipe holding its stages made here (:class:`~pipeq.launch.job.made.MadeStages`):
+        a stages function returning every stage is called once, and each stage process is handed
+        its stage (:meth:`for_stage`) instead of calling it again. The recipe itself when they are
+        made already, and with ``stages(k, n)`` or a ``model`` (built in each stage process)."""
+        if self.made is not None or self.model is not None:
+            return self
+        fn = self._stages_fn()
+        if required_positional(fn, self.stages_args) == 2:
+            return self
+        return dataclasses.replace(self, made=MadeStages.of(self._all_stages(fn)))
 
     def _counts(self) -> list[int]:
         if isinstance(self.balance, str):
@@ -270,7 +291,15 @@ class Recipe(StageBuilder):
         return self.seed * 1009 + stage + 1
 
     def describe(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("sys_path", "schedule")}
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)
+               if f.name not in ("sys_path", "schedule", "made")}
+        if self.made is not None:  # the stages made: what another node must have made too
+            out["made"] = self.made.describe()
+        return out
+
+    def for_stage(self, stage: int) -> "Recipe":
+        """What stage ``stage``'s process is handed: this recipe, holding that stage only when made."""
+        return self if self.made is None else dataclasses.replace(self, made=self.made.only(stage))
 
     def for_schedule(self, schedule: Any) -> "Recipe":
         return self if self.schedule is not None else dataclasses.replace(self, schedule=schedule)
