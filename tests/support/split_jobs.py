@@ -125,7 +125,7 @@ def gpt_heldout() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def gpt_reference(steps: int = 6, seed: int = 0, eval_every: int = 3) -> tuple[GPT, list[float], list[float]]:
     """The GPT job in one process: the model built under the job's seed, SGD lr 0.1 with
     momentum 0.9, the job's batches in order; its losses, and the held-out loss (the mean over
-    :func:`gpt_heldout`'s batches) every ``eval_every`` steps."""
+    the tokens of :func:`gpt_heldout`'s batches) every ``eval_every`` steps."""
     torch.manual_seed(seed)
     model = gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -138,5 +138,7 @@ def gpt_reference(steps: int = 6, seed: int = 0, eval_every: int = 3) -> tuple[G
         losses.append(out.item())
         if i % eval_every == 0:
             with torch.no_grad():
-                evals.append(sum(lm_loss(model(hx), hy).item() for hx, hy in gpt_heldout()) / len(gpt_heldout()))
+                held = gpt_heldout()  # the loss over all their tokens (loss_weighting "token")
+                evals.append(sum(lm_loss(model(hx), hy).item() * hy.numel() for hx, hy in held)
+                             / sum(hy.numel() for _, hy in held))
     return model, losses, evals
