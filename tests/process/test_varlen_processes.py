@@ -90,5 +90,6 @@ def test_hugging_face_llama_split_traced_trains_on_changing_lengths_like_one_pro
         want_logits = ref.eval()(x, attention_mask=m).logits
     assert torch.allclose(logits, want_logits, atol=1e-5), (logits - want_logits).abs().max()
     assert got == pytest.approx(want, abs=1e-5)
-    for name, t in ref.state_dict().items():  # (a non-persistent buffer in ``full`` too is the hf branch's to drop)
+    assert full.keys() == ref.state_dict().keys()  # no rotary inv_freq: it strict-loads into the model
+    for name, t in ref.state_dict().items():
         assert torch.allclose(full[name], t, atol=1e-5, rtol=0), (name, (full[name] - t).abs().max())
