@@ -187,6 +187,9 @@ def test_microbatch_weights_count_tokens_or_rows():
     assert microbatch_weights(nn.CrossEntropyLoss(reduction="sum"), y, [1, 2]) == [1.0, 1.0]
     own = nn.CrossEntropyLoss(ignore_index=3)  # its own ignore_index: -100 is then a token
     assert tokens(own, y[1]) == 5
+    bound = functools.partial(F.cross_entropy, ignore_index=3)  # a partial's keywords too
+    assert tokens(bound, y[1]) == 5
+    assert microbatch_weights(functools.partial(F.cross_entropy, reduction="sum"), y, [1, 2]) == [1.0, 1.0]
     weighted = nn.CrossEntropyLoss(weight=torch.arange(7, dtype=torch.float))  # class weights count
     assert microbatch_weights(weighted, y, [1, 2]) == [3 / 21, 18 / 21]
     floats = torch.zeros(5, 4)  # float targets: every element counts (-100 is a value)
