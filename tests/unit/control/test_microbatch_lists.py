@@ -178,6 +178,14 @@ def test_misgiven_microbatches_are_refused_naming_the_microbatch_and_the_setting
     with pipeq.PipelineRunner(stages(), lm_loss, SGD, "async", 3, mode="simulated") as runner:
         with pytest.raises(ValueError, match="batches given as Microbatches, run with the backprop schedules"):
             runner.step(Microbatches(xs), Microbatches(ys))
+    from pipeq.control.batching import Batcher
+
+    replicated = Batcher("1f1b", 2, 2, lm_loss, replicas=2)  # 3 microbatches over 2 replicas: not a multiple
+    with pytest.raises(ValueError, match=r"holds 3 microbatches, not a multiple of data_parallel=2; it must hold 1 "
+                                         r"to microbatches=2 per replica"):
+        replicated.given_sizes(Microbatches(xs))
+    with pytest.raises(ValueError, match=r"holds 3 microbatches per replica \(data_parallel=2: 6 in all\)"):
+        replicated.given_sizes(Microbatches(xs + xs))
 
 
 def test_microbatch_weights_count_tokens_or_rows():
