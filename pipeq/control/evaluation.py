@@ -85,8 +85,9 @@ def _batches(batches: Any) -> Iterable[tuple[Any, ...]]:
     microbatches is each of them."""
     one = (isinstance(batches, tuple) and len(batches) in (2, 3) and isinstance(batches[0], (torch.Tensor, Mapping))
            and isinstance(batches[1], torch.Tensor) and (len(batches) == 2 or isinstance(batches[2], Mapping)))
-    given = (isinstance(batches, tuple) and len(batches) in (2, 3)  # one batch given as its microbatches
-             and all(isinstance(part, Microbatches) for part in batches))
+    given = (isinstance(batches, tuple) and len(batches) in (2, 3)  # one batch given as its microbatches,
+             and all(isinstance(part, Microbatches) for part in batches)  # not batches of (x, target) pairs
+             and not any(isinstance(v, (tuple, list)) and len(v) in (2, 3) for v in batches[0]))
     if one or given:
         batches = [batches]
     for item in batches:

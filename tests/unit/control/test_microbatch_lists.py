@@ -135,6 +135,8 @@ def test_cross_entropy_on_padded_microbatches_is_the_token_mean(schedule):
         out = runner.predict(Microbatches(PADDED[0][0]))
         evaluated = runner.evaluate([(Microbatches(xs), Microbatches(ys)) for xs, ys in PADDED[:1]])
         assert runner.evaluate((Microbatches(PADDED[0][0]), Microbatches(PADDED[0][1]))) == evaluated  # one batch
+        pairs = Microbatches(zip(*PADDED[0]))  # two batches, each given as (x, target) pairs
+        assert runner.evaluate((pairs, pairs)) == pytest.approx(evaluated)
     assert got == pytest.approx(want, abs=1e-9)
     assert_states_close(state, want_state)
     assert isinstance(out, Microbatches) and [tuple(o.shape) for o in out] == [(r, n, V) for n, r in zip(LENGTHS, ROWS)]
