@@ -97,9 +97,10 @@ class Batcher:
         runs on one)."""
         k, r, m = len(x), self.replicas if training else 1, self.microbatches
         if k % r or not 1 <= k // r <= m:
-            per = f" per replica (data_parallel={r}: {k} in all)" if r > 1 else ""
-            raise ValueError(f"a batch given as Microbatches holds {k // r if r > 1 and k % r == 0 else k} "
-                             f"microbatches{per}; it must hold 1 to microbatches={m}"
+            held = (f"{k} microbatches, not a multiple of data_parallel={r}" if k % r
+                    else f"{k // r} microbatches per replica (data_parallel={r}: {k} in all)" if r > 1
+                    else f"{k} microbatches")
+            raise ValueError(f"a batch given as Microbatches holds {held}; it must hold 1 to microbatches={m}"
                              + (f" per replica, the same number for each of the {r}" if r > 1 else "")
                              + ": give fewer, or raise the runner's microbatches")
         if k // r not in self._checked:

@@ -32,6 +32,7 @@ from torch import nn
 
 from pipeq.stage import microbatch
 from pipeq.stage.info import info_of
+from pipeq.stage.microbatch import Microbatches
 
 __all__ = ["DictBatch", "stage0_inputs"]
 
@@ -78,7 +79,11 @@ class DictBatch:
         return cls(*stage0_inputs(modules[0]), [info_of(m).inputs for m in modules], info_of(modules[-1]).returns)
 
     def match(self, x: Any, given: Any, declared: Sequence[Sequence[str]], where: str = "x") -> tuple[Any, Any]:
-        """``(x, stage_inputs)`` with a dict ``x`` matched (see the module); anything else as it is."""
+        """``(x, stage_inputs)`` with a dict ``x`` matched (see the module); of a batch given as its
+        microbatches (:class:`~pipeq.stage.microbatch.Microbatches`), each dict microbatch with its
+        own ``stage_inputs``; anything else as it is."""
+        if isinstance(x, Microbatches):
+            return self._match_each(x, given, declared, where)
         if not isinstance(x, Mapping) or not all(type(k) is str for k in x):
             return x, given  # (a dict with other keys is refused as every batch is: pipeq.tree)
         known = {n for names in declared for n in names}
@@ -90,6 +95,17 @@ class DictBatch:
         rest = [k for k in x if k not in known]
         value = self._positional(x, rest, known, where)
         return value, self._merged(given, inputs, where)
+
+    def _match_each(self, x: Microbatches, given: Any, declared: Sequence[Sequence[str]],
+                    where: str) -> tuple[Any, Any]:
+        each = given if isinstance(given, Microbatches) and len(given) == len(x) else None
+        if not any(isinstance(v, Mapping) for v in x) or (given is not None and each is None):
+            return x, given  # (stage_inputs that do not fit the microbatches: refused as they are routed)
+        pairs = [self.match(v, each[j] if each is not None else None, declared, f"{where} (microbatch {j})")
+                 for j, v in enumerate(x)]
+        inputs = [g for _, g in pairs]
+        return (Microbatches(v for v, _ in pairs),
+                Microbatches(inputs) if any(g is not None for g in inputs) else None)
 
     def _positional(self, x: Mapping[str, Any], rest: list[str], known: set[str], where: str) -> Any:
         takes = (f"stage 0 takes {_names([n for n in self.positional if n not in known])} positionally"

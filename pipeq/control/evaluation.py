@@ -83,8 +83,12 @@ def _batches(batches: Any) -> Iterable[tuple[Any, ...]]:
     """One ``(x, target)`` pair of tensors (or ``(x, target, stage_inputs)`` with a dict; x may be
     a dict batch) is one batch; anything else is an iterable of them. A batch given as its
     microbatches is each of them."""
-    if (isinstance(batches, tuple) and len(batches) in (2, 3) and isinstance(batches[0], (torch.Tensor, Mapping))
-            and isinstance(batches[1], torch.Tensor) and (len(batches) == 2 or isinstance(batches[2], Mapping))):
+    one = (isinstance(batches, tuple) and len(batches) in (2, 3) and isinstance(batches[0], (torch.Tensor, Mapping))
+           and isinstance(batches[1], torch.Tensor) and (len(batches) == 2 or isinstance(batches[2], Mapping)))
+    given = (isinstance(batches, tuple) and len(batches) in (2, 3)  # one batch given as its microbatches,
+             and all(isinstance(part, Microbatches) for part in batches)  # not batches of (x, target) pairs
+             and not any(isinstance(v, (tuple, list)) and len(v) in (2, 3) for v in batches[0]))
+    if one or given:
         batches = [batches]
     for item in batches:
         if isinstance(item, Microbatches) or (isinstance(item, (tuple, list)) and len(item) in (2, 3)

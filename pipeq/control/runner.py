@@ -166,12 +166,10 @@ class PipelineRunner:
     # -- training and inference, and what the steps handed back trained with ------------------
     @exclusive
     def step(self, x: Any, target: Any = None, stage_inputs: Mapping[Any, Any] | None = None) -> float:
-        """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x`` and
-        ``target``: tensors, or tuples / lists / dicts of them (every tensor split on dim 0), or a batch
-        already split (:class:`pipeq.Microbatches`: lengths may differ; a list of pairs, no target);
-        ``stage_inputs``: values handed straight to the stages that take them (see the class). A
-        dict ``x`` of the model's inputs (a ``BatchEncoding``) is matched to stage 0's inputs and
-        the stages' (:mod:`pipeq.control.dict_batch`), or refused before anything is sent."""
+        """One optimizer step on the whole batch ``(x, target)``; returns the mean loss. ``x``, ``target``:
+        tensors, or tuples / lists / dicts of them (split on dim 0), or :class:`pipeq.Microbatches` (lengths
+        may differ; of pairs, no target); ``stage_inputs``: handed straight to the stages that take them (see
+        the class). A dict ``x`` (a ``BatchEncoding``) is matched to the stages' inputs, or refused first."""
         return self._pipeline.train(x, target, stage_inputs)
 
     @exclusive
@@ -179,8 +177,7 @@ class PipelineRunner:
         """Forward only (eval mode, no grad), microbatched; returns the output on the CPU, shaped
         as the last stage returns it (a tensor, or a tuple / list / dict: tensors are joined
         again on dim 0; of :class:`pipeq.Microbatches`, one per microbatch; a Hugging Face
-        ``ModelOutput`` of :func:`pipeq.split`'s stages as its class). ``x`` and ``stage_inputs``
-        as in :meth:`step`."""
+        ``ModelOutput`` of :func:`pipeq.split`'s stages as its class). ``x``, ``stage_inputs``: see :meth:`step`."""
         return self._pipeline.predict(x, stage_inputs)
 
     @exclusive

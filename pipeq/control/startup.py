@@ -19,6 +19,7 @@ happened before; workers also die with the driver (a pidfd watch, or PR_SET_PDEA
 from __future__ import annotations
 
 from pipeq.control.stage_handle import StageHandle
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -171,6 +172,8 @@ class StageProcesses:
             die_with_parent=threading.current_thread() is threading.main_thread(), auth=auth,
             tp_dir=self.tp_dir,
         )
+        if processes is not None:  # started again: an injected fault (PIPEQ_FAULT) fired in the first start only
+            configs = [dataclasses.replace(c, fault=None) for c in configs]
         self.procs.update(start_workers(ctx, configs, lambda g: self.payloads[self.numbering.lead(g)]))
 
     def peers(self, ready: list[Ready], joined: int, rejoin_round: int | None = None) -> list[tuple[int, Message]]:

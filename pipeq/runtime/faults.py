@@ -2,7 +2,9 @@
 
 ``PIPEQ_FAULT="stage:2,step:40,kind:kill"`` in the driver's environment (read once, when the
 stage processes start, and handed to each as plain data) makes stage 2 fail as it starts
-training step 40. Kinds:
+its process's 40th training step (the forward-only steps of an evaluation between do not count).
+It fires in the first start only: processes started again (a restart, a rebuilt replica) get
+none. Kinds:
 
     kill    the process kills itself with SIGKILL (a crash, an OOM kill)
     exit    it exits at once with code 3, no report (a lost node)

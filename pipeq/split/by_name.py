@@ -11,7 +11,8 @@ Each stage runs the model's own ``forward``. What a stage holds of the model:
   is removed, the others keeping their names), as torchtitan's models expect (``h = self.tok_emb(idx)
   if self.tok_emb is not None else idx``); or, in a Hugging Face model (a ``transformers`` class,
   whose forward calls every module unconditionally), a pass-through (:class:`Elsewhere`): it returns
-  its first input. There a stage k > 0 takes the hidden state as the model's first input
+  its first input. A layer list keeps its pass-throughs, so each layer keeps its index: the forward
+  picks a layer's mask by it (``config.layer_types[i]``: sliding-window or full attention). There a stage k > 0 takes the hidden state as the model's first input
   (``input_ids``), the embedding held by stage 0 passes it on (only it: called on any other value,
   as GPT-2 calls its position embedding, it raises, naming the module), and a stage before the
   last stops at the norm and head held after it. Such a stage sends the first tensor of the
@@ -166,8 +167,7 @@ def _stage(model: nn.Module, modules: list[list[str]], k: int, holders: dict[str
     for name, m in model.named_modules(remove_duplicate=False):
         if not name or name not in holders or any(n == name or n.startswith(name + ".") for n in keep):
             continue  # its own, on the way to its own, stateless, or inside a module replaced here
-        parent = model.get_submodule(name.rpartition(".")[0])
-        if not hf or isinstance(parent, CONTAINERS):
+        if not hf:
             memo[id(m)] = None
         else:
             memo[id(m)] = Elsewhere(name, min(holders[name]) if min(holders[name]) < k else max(holders[name]), k,

@@ -21,6 +21,7 @@ microbatch's loss so weighted, as a stage computes it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
@@ -38,9 +39,19 @@ __all__ = ["IGNORE_INDEX", "loss_weight_mode", "tokens", "microbatch_weights", "
 IGNORE_INDEX = -100
 
 
+def _setting(loss_fn: Callable, name: str, default: Any) -> Any:
+    """The loss's ``name`` setting: its attribute (``nn.CrossEntropyLoss().ignore_index``), else a
+    keyword that a ``functools.partial`` binds (``partial(F.cross_entropy, ignore_index=0)``)."""
+    if hasattr(loss_fn, name):
+        return getattr(loss_fn, name)
+    if isinstance(loss_fn, functools.partial):
+        return loss_fn.keywords.get(name, _setting(loss_fn.func, name, default))
+    return default
+
+
 def loss_weight_mode(loss_fn: Callable) -> str:
     """'mean' or 'sum': how microbatch losses combine into the batch loss."""
-    reduction = getattr(loss_fn, "reduction", "mean")
+    reduction = _setting(loss_fn, "reduction", "mean")
     if reduction not in ("mean", "sum"):
         raise ValueError(
             f"loss_fn has reduction={reduction!r}; pipeq needs a scalar loss: use 'mean' or 'sum'"
@@ -55,7 +66,7 @@ def tokens(loss_fn: Callable, target: Any) -> float:
     t = target if isinstance(target, torch.Tensor) else tensors_of(target)[0]
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         return float(t.numel())
-    ignore = getattr(loss_fn, "ignore_index", IGNORE_INDEX)
+    ignore = _setting(loss_fn, "ignore_index", IGNORE_INDEX)
     valid = t[t != ignore]
     weight = getattr(loss_fn, "weight", None) if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) else None
     if weight is not None:

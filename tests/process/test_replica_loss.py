@@ -158,3 +158,18 @@ def test_a_step_still_summing_when_the_next_one_fails_is_not_degraded(monkeypatc
     assert losses == pytest.approx(ref_losses, abs=1e-12)
     for key in ref:
         torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+
+
+def test_a_rebuilt_replica_is_not_failed_again_by_the_same_injected_fault(monkeypatch):
+    """PIPEQ_FAULT fires once: replica 1's processes, started again after step 2, count their own
+    training steps from 1, and must not fail again at their own step 2 (step 4 of the run)."""
+    monkeypatch.setenv("PIPEQ_FAULT", "stage:1,step:2,kind:raise,replica:1")
+    stages, data = stages64(2), batches64(5, BATCH)
+    ref, ref_losses = reference(stages, data, 2)
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "1f1b", 2, data_parallel=2,
+                                  fault_tolerance="replicas", **FAST)
+    with runner:
+        losses = [runner.step(x, y) for x, y in data]
+        assert runner.degraded_steps == {2: 1}
+    assert losses == pytest.approx(ref_losses, abs=1e-12)
+    assert not wait_no_strays(5.0), "stage processes outlived the run"

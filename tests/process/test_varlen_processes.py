@@ -4,7 +4,7 @@ A GPT-style model (tests/support/split_models.py's TinyGPT, learned positions of
 embedding tied to the LM head, a mask and position ids routed to the stages that use them) is
 split by ``pipeq.split`` from an example of length 32 and trains on batches of length 32, 24, 40
 and 17 in turn, in one runner (the same stage processes), under 1F1B and ZB-H1, in process and
-simulated mode; then Hugging Face's ``LlamaForCausalLM`` (tiny, random weights, tied
+simulated mode, and on one step's microbatches of different lengths; then Hugging Face's ``LlamaForCausalLM`` (tiny, random weights, tied
 embeddings, rotary positions) split traced, on lengths 32, 24, 40 and 17, with its padding mask,
 then predicts on length 21.
 Each run is held against plain one-process training (losses, the state and the whole model's
@@ -50,6 +50,36 @@ def test_a_traced_gpt_trains_on_changing_lengths_like_one_process(gpt3, schedule
     trains_like_one_process(runner, stages, model, batches, copies=2)
 
 
+@pytest.mark.parametrize("schedule, mode", [("1f1b", "simulated"), ("zb-h1", "process")])
+def test_a_traced_gpt_trains_on_microbatches_of_different_lengths_like_one_process(gpt3, schedule, mode):
+    """One step's microbatches of lengths 24, 17 and 40 (and 2, 3, 2 rows), given as
+    pipeq.Microbatches, twice: as one process computing the mean over the batch's tokens."""
+    from torch.nn import functional as F
+
+    model, stages = gpt3
+    steps = [[gpt_batch(rows, T=T, seed=10 * s + j) for j, (rows, T) in enumerate([(2, 24), (3, 17), (2, 40)])]
+             for s in range(2)]
+    ref = copy.deepcopy(model)
+    opt = SGD(ref.parameters())
+    want = []
+    for parts in steps:
+        opt.zero_grad()
+        logits = torch.cat([ref(i, mask=m, pos=p).flatten(0, 1) for i, m, p, _ in parts])
+        loss = F.cross_entropy(logits, torch.cat([t.flatten() for *_, t in parts]))
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    runner = pipeq.PipelineRunner(stages, lm_loss, SGD, schedule, 3, mode=mode, **(FAST if mode == "process" else {}))
+    with runner:
+        got = [runner.step(pipeq.Microbatches([(i, t, {"mask": m, "pos": p}) for i, m, p, t in parts]))
+               for parts in steps]
+        full = runner.model_state_dict()
+    assert got == pytest.approx(want, abs=1e-5)
+    assert full.keys() == ref.state_dict().keys()
+    for name, t in ref.state_dict().items():
+        assert torch.allclose(full[name], t, atol=1e-5, rtol=0), (name, (full[name] - t).abs().max())
+
+
 def _llama_loss(out, target):
     return lm_loss(out.logits, target)
 
@@ -90,5 +120,6 @@ def test_hugging_face_llama_split_traced_trains_on_changing_lengths_like_one_pro
         want_logits = ref.eval()(x, attention_mask=m).logits
     assert torch.allclose(logits, want_logits, atol=1e-5), (logits - want_logits).abs().max()
     assert got == pytest.approx(want, abs=1e-5)
-    for name, t in ref.state_dict().items():  # (a non-persistent buffer in ``full`` too is the hf branch's to drop)
+    assert full.keys() == ref.state_dict().keys()  # no rotary inv_freq: it strict-loads into the model
+    for name, t in ref.state_dict().items():
         assert torch.allclose(full[name], t, atol=1e-5, rtol=0), (name, (full[name] - t).abs().max())

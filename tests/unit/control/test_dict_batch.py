@@ -55,3 +55,20 @@ def test_with_a_recipe_the_one_undeclared_key_is_x():
     with pytest.raises(ValueError, match="give x as a tuple"):
         dicts.match({"input_ids": ids, "pos": ids, "mask": mask}, None, [("mask",), ()])
     assert dicts.match({"input_ids": ids}, None, [("mask",), ()]) == ({"input_ids": ids}, None)  # no key known
+
+
+def test_a_batch_given_as_microbatches_of_dicts_is_matched_microbatch_by_microbatch():
+    from pipeq.stage.microbatch import Microbatches
+
+    first, second = set_info(Takes(), inputs=["mask"]), set_info(Takes(), inputs=["mask"])
+    dicts = DictBatch.of([first, second])
+    declared = [("mask",), ("mask",)]
+    ids = [torch.zeros(2, 5), torch.zeros(3, 7)]  # lengths and rows differ
+    masks = [torch.ones(2, 5), torch.ones(3, 7)]
+    x, given = dicts.match(Microbatches(UserDict({"ids": i, "mask": m}) for i, m in zip(ids, masks)), None, declared)
+    assert isinstance(x, Microbatches) and [v is i for v, i in zip(x, ids)] == [True, True]
+    assert isinstance(given, Microbatches) and [g["mask"] is m for g, m in zip(given, masks)] == [True, True]
+    with pytest.raises(ValueError, match=r"x \(microbatch 1\) is a dict that gives 'labels', which no stage takes"):
+        dicts.match(Microbatches([{"ids": ids[0]}, {"ids": ids[1], "labels": ids[1]}]), None, declared)
+    plain = Microbatches(ids)
+    assert dicts.match(plain, None, declared) == (plain, None)  # no dict in it: as it was

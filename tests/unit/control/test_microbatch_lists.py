@@ -134,6 +134,9 @@ def test_cross_entropy_on_padded_microbatches_is_the_token_mean(schedule):
         state = runner.state_dict()
         out = runner.predict(Microbatches(PADDED[0][0]))
         evaluated = runner.evaluate([(Microbatches(xs), Microbatches(ys)) for xs, ys in PADDED[:1]])
+        assert runner.evaluate((Microbatches(PADDED[0][0]), Microbatches(PADDED[0][1]))) == evaluated  # one batch
+        pairs = Microbatches(zip(*PADDED[0]))  # two batches, each given as (x, target) pairs
+        assert runner.evaluate((pairs, pairs)) == pytest.approx(evaluated)
     assert got == pytest.approx(want, abs=1e-9)
     assert_states_close(state, want_state)
     assert isinstance(out, Microbatches) and [tuple(o.shape) for o in out] == [(r, n, V) for n, r in zip(LENGTHS, ROWS)]
@@ -177,6 +180,14 @@ def test_misgiven_microbatches_are_refused_naming_the_microbatch_and_the_setting
     with pipeq.PipelineRunner(stages(), lm_loss, SGD, "async", 3, mode="simulated") as runner:
         with pytest.raises(ValueError, match="batches given as Microbatches, run with the backprop schedules"):
             runner.step(Microbatches(xs), Microbatches(ys))
+    from pipeq.control.batching import Batcher
+
+    replicated = Batcher("1f1b", 2, 2, lm_loss, replicas=2)  # 3 microbatches over 2 replicas: not a multiple
+    with pytest.raises(ValueError, match=r"holds 3 microbatches, not a multiple of data_parallel=2; it must hold 1 "
+                                         r"to microbatches=2 per replica"):
+        replicated.given_sizes(Microbatches(xs))
+    with pytest.raises(ValueError, match=r"holds 3 microbatches per replica \(data_parallel=2: 6 in all\)"):
+        replicated.given_sizes(Microbatches(xs + xs))
 
 
 def test_microbatch_weights_count_tokens_or_rows():
@@ -186,6 +197,9 @@ def test_microbatch_weights_count_tokens_or_rows():
     assert microbatch_weights(nn.CrossEntropyLoss(reduction="sum"), y, [1, 2]) == [1.0, 1.0]
     own = nn.CrossEntropyLoss(ignore_index=3)  # its own ignore_index: -100 is then a token
     assert tokens(own, y[1]) == 5
+    bound = functools.partial(F.cross_entropy, ignore_index=3)  # a partial's keywords too
+    assert tokens(bound, y[1]) == 5
+    assert microbatch_weights(functools.partial(F.cross_entropy, reduction="sum"), y, [1, 2]) == [1.0, 1.0]
     weighted = nn.CrossEntropyLoss(weight=torch.arange(7, dtype=torch.float))  # class weights count
     assert microbatch_weights(weighted, y, [1, 2]) == [3 / 21, 18 / 21]
     floats = torch.zeros(5, 4)  # float targets: every element counts (-100 is a value)

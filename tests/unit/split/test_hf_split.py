@@ -37,7 +37,8 @@ def traced(llama):
 def test_llama_split_by_module_names_computes_the_model_on_any_length(llama, by_names):
     first, last = by_names
     assert isinstance(first.lm_head, Elsewhere) and isinstance(first.model.norm, Elsewhere)
-    assert isinstance(last.model.embed_tokens, Elsewhere) and len(last.model.layers) == 2
+    assert isinstance(last.model.embed_tokens, Elsewhere) and len(last.model.layers) == 4  # each at its index
+    assert [isinstance(layer, Elsewhere) for layer in last.model.layers] == [True, True, False, False]
     assert all(type(s.model.rotary_emb).__name__ == "LlamaRotaryEmbedding" for s in by_names)  # kept on every stage
     assert info_of(last).returns is transformers.modeling_outputs.CausalLMOutputWithPast
     names = set(first.state_dict()) | set(last.state_dict())
@@ -128,3 +129,20 @@ def test_dict_batches_and_model_outputs_in_a_runner(llama, how, request, tmp_pat
         plain.load_state_dict(state, strict=True)
         with torch.no_grad():
             assert torch.equal(plain(**x).logits, logits)
+
+
+def test_split_by_names_keeps_each_layers_index_for_its_mask():
+    """Qwen2 with sliding-window layers: the forward picks layer i's mask by ``config.layer_types[i]``,
+    so stage 1's layers 2 and 3 (sliding) must not run as layers 0 and 1 (full). The example (length
+    4, the window) cannot tell the masks apart; length 12 can."""
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                                      num_key_value_heads=2, intermediate_size=64, use_sliding_window=True,
+                                      sliding_window=4, max_window_layers=2, tie_word_embeddings=True,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    assert model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    first, last = pipeq.split(model, (torch.randint(0, 64, (2, 4)),), modules=LLAMA_BY_NAMES)
+    x = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(last.eval()(first.eval()(x)).logits, model(x).logits, atol=1e-5)
