@@ -19,6 +19,7 @@ import torch
 
 from pipeq.control.batching import check_batch
 from pipeq.control.dict_batch import DictBatch
+from pipeq.control.shape_check import TracedSizes
 from pipeq.control.stage_inputs import route, route_each
 from pipeq.stage import microbatch
 from pipeq.stage.microbatch import Microbatches
@@ -45,9 +46,10 @@ class Feed:
     """Turns a runner's batches into its backend's steps; ``batcher`` splits them, ``dicts``
     matches dict batches."""
 
-    def __init__(self, batcher: Batcher, dicts: DictBatch | None = None) -> None:
+    def __init__(self, batcher: Batcher, dicts: DictBatch | None = None, sizes: TracedSizes | None = None) -> None:
         self.batcher = batcher
         self.dicts = dicts or DictBatch(None)
+        self.sizes = sizes or TracedSizes(None)  # a traced split's held sizes, checked on every batch
         #: the runner's backend, once it exists (``schedule="auto"``: once the first batch settled it)
         self.backend: Backend | None = None
         self._declared: list[tuple[str, ...]] | None = None  # each stage's declared inputs, asked once
@@ -74,6 +76,7 @@ class Feed:
         """The training batch ``(x, target)`` (with ``given``, its ``stage_inputs``) as the next step."""
         x, given = self.match(x, given)
         x, target, n = self.batcher.training_pair(x, target)
+        self.sizes.check(x, given)
         inputs = self._route(given, x, n)
         shards = self.batcher.shards(target, n)
         self._step += 1
@@ -84,6 +87,7 @@ class Feed:
         x, given = self.match(x, given)
         x, n = check_batch("x", x)
         self.batcher.check_input(x)
+        self.sizes.check(x, given)
         inputs = self._route(given, x, n)
         self._step += 1
         split = isinstance(x, Microbatches)

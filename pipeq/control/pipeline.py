@@ -23,7 +23,7 @@ from pipeq.control.batching import given_batch
 from pipeq.control.dict_batch import DictBatch
 from pipeq.control.feed import Feed
 from pipeq.control.lifecycle import Lifecycle
-from pipeq.control.shape_check import FirstBatchCheck, warm_up
+from pipeq.control.shape_check import FirstBatchCheck, TracedSizes, warm_up
 from pipeq.control.snapshots import SnapshotSchedule
 from pipeq.control.stage_inputs import batch_item
 from pipeq.control.state import StateAccess
@@ -55,7 +55,7 @@ class Pipeline:
         self._settled = settled
         self._shapes = FirstBatchCheck.of(plan.model, config)  # at the first batch
         modules = None if plan.model.builder is not None else [s.module for s in plan.model.replicas[0]]
-        self.feed = Feed(plan.batcher(config), DictBatch.of(modules))  # batches -> steps
+        self.feed = Feed(plan.batcher(config), DictBatch.of(modules), TracedSizes(modules))  # batches -> steps
         self.snapshots = SnapshotSchedule()  # in-memory snapshots
         self.flight = InFlight(guard, self.snapshots)  # the steps in flight
         self.life = Lifecycle(config.placement.mode)  # built, running, closed

@@ -26,6 +26,8 @@ It runs once, on the first batch's first microbatch: a later batch of another le
 refused here (a traced split's stages are dynamic in the dimensions the model lets vary,
 :mod:`pipeq.split.dims`); a first batch whose length the model cannot take (one it fixed in the
 trace, ``Split.static``) is named like any other mismatch, at the first stage that cannot take it.
+:class:`TracedSizes` checks every batch against the sizes a traced split holds (in the driver,
+before anything is sent: cheap, shapes only).
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ import torch
 from torch import nn
 
 from pipeq.errors import PipelineError
+from pipeq.stage.microbatch import Microbatches
 from pipeq.tree import as_args, map_tensors, tensors_of
 
 if TYPE_CHECKING:
     from pipeq.control.batching import Batcher
 
-__all__ = ["FirstBatchCheck", "candidate", "check_stages", "checkable", "warm_up"]
+__all__ = ["FirstBatchCheck", "TracedSizes", "candidate", "check_stages", "checkable", "warm_up"]
 
 #: Where the layers come from whose forward runs here: code with no side effects of its own.
 TRUSTED = ("torch.", "torchvision.", "pipeq.split", "pipeq.models")
@@ -176,3 +179,34 @@ class FirstBatchCheck:
         except Exception:  # noqa: BLE001
             return
         check_stages(modules, first)
+
+
+class TracedSizes:
+    """The sizes beyond dim 0 that a traced split's stages hold for the model's inputs
+    (:func:`pipeq.split.dims.limits_of`), checked in the driver on every batch before anything is
+    sent: a length of 1, or another than one the trace fixed, is refused with the stage's
+    ValueError and the pipeline goes on. Stages that are not ``pipeq.split``'s (or a recipe's,
+    built elsewhere) check nothing here."""
+
+    def __init__(self, modules: Sequence[nn.Module] | None) -> None:
+        stages = [m for m in modules or () if getattr(m, "limits", None) and hasattr(m, "check_sizes")]
+        self.stages = stages
+        first = modules[0] if modules else None
+        self.first: tuple[str, ...] = tuple(getattr(getattr(first, "flow", None), "receives", ()) or ())
+
+    def check(self, x: Any, stage_inputs: Any) -> None:
+        """Check ``x`` (stage 0's positional inputs: one value, or a tuple of them) and the
+        ``stage_inputs`` dict, or each microbatch of a batch given as :class:`Microbatches`."""
+        if not self.stages:
+            return
+        if isinstance(x, Microbatches):  # each with its own stage inputs
+            given = stage_inputs if isinstance(stage_inputs, Microbatches) else [stage_inputs] * len(x)
+            for xj, gj in zip(x, given):
+                self.check(xj, gj)
+            return
+        values = x if isinstance(x, tuple) and len(self.first) > 1 else (x,)
+        inputs = dict(zip(self.first, values))
+        if isinstance(stage_inputs, dict):
+            inputs.update(stage_inputs)
+        for stage in self.stages:
+            stage.check_sizes(inputs)

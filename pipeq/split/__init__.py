@@ -46,7 +46,7 @@ from torch import nn
 from pipeq import balance as balancing
 from pipeq.split import points as cuts
 from pipeq.split.by_name import own_mapping, split_by_names, without_cache
-from pipeq.split.dims import SpecializedDim, describe
+from pipeq.split.dims import SpecializedDim, describe, limits_of
 from pipeq.split.graph import UntraceableModel, trace_stages
 from pipeq.split.stage import GraphStage
 from pipeq.split.ties import declared_groups, tie_stages
@@ -171,6 +171,9 @@ def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, An
                                 inputs=f.named) for k, (g, e, f) in enumerate(zip(graphs, evals, flow.stages)))
         stages.split_points = points
         stages.dynamic, stages.static, stages.why_static = flow.dynamic, flow.static, flow.why_static
+        for k, (stage, f) in enumerate(zip(stages, flow.stages)):
+            stage.limits = limits_of((f.receives if k == 0 else ()) + f.named, flow.dynamic, flow.static,
+                                     flow.why_static)
         set_info(stages[-1], returns=own_mapping(flow.out_spec.type))
     tie_stages(stages, groups)
     return stages

@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
 
-__all__ = ["SpecializedDim", "Request", "requested", "read_back", "describe", "explain"]
+__all__ = ["SpecializedDim", "Request", "requested", "read_back", "describe", "explain", "limits_of", "check_limits"]
 
 
 class SpecializedDim(ValueError):
@@ -211,3 +211,43 @@ def explain(exc: BaseException, request: Request) -> SpecializedDim | None:
         f"pipeq.split: dynamic= asks for {which} to stay dynamic, but the model's code fixes its size in the trace "
         f"(torch.export: {'; '.join(reasons)}). Give that dimension as Dim.AUTO (dynamic where the model allows) "
         "or None (fixed), or change the model")
+
+
+#: One input's held dimensions (dim 0 excepted): dim -> (lowest, highest or None, why); a
+#: fixed one has lowest == highest and says why the trace fixed it.
+Limits = dict[str, dict[int, tuple[int, "int | None", str]]]
+
+
+def limits_of(names: Any, dynamic: Dims, static: Dims, why: Dims) -> Limits:
+    """The sizes the trace holds for the inputs ``names`` (a stage's own: stage 0's positional
+    ones, and the keyword inputs the driver hands it), beyond dim 0: those a microbatch of
+    another size may not take. Dim 0 is left out: a batch splits into microbatches of any rows."""
+    out: Limits = {}
+    for name in names:
+        held = {d: (lo, hi, "") for d, (lo, hi) in dynamic.get(name, {}).items() if d > 0}
+        held.update((d, (n, n, why.get(name, {}).get(d, ""))) for d, n in static.get(name, {}).items() if d > 0)
+        if held:
+            out[name] = held
+    return out
+
+
+def check_limits(index: int, limits: Limits, values: dict[str, Any]) -> None:
+    """Refuse an input of stage ``index`` whose size the trace does not hold: a graph traced for
+    lengths of 2 or more may branch otherwise at length 1 (torch.export specializes sizes 0 and 1),
+    and one whose length the trace fixed computes on that length alone."""
+    for name, held in limits.items():
+        v = values.get(name)
+        if not isinstance(v, torch.Tensor):
+            continue
+        for d, (lo, hi, why) in held.items():
+            n = v.shape[d] if d < v.dim() else None
+            if n is None or lo <= n and (hi is None or n <= hi):
+                continue
+            if lo == hi:
+                raise ValueError(f"split stage {index}: input {name!r} has size {n} in dim {d}, but the trace fixed "
+                                 f"that dimension at {lo} ({why or 'the model fixes it'}; see Split.explain()): give "
+                                 f"inputs of that size, or split again with that dimension dynamic")
+            span = f"{lo}..{hi}" if hi is not None else f"{lo} or more"
+            raise ValueError(f"split stage {index}: input {name!r} has size {n} in dim {d}, outside the sizes the "
+                             f"trace holds for it ({span}: torch.export traces sizes 0 and 1 apart, and a forward may "
+                             f"branch on them): give it a size of {lo} or more")

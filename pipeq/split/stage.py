@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from pipeq.split.dims import check_limits
 from pipeq.split.graph import StageFlow, mark_constants, mark_non_persistent, unsaved_buffers
 
 __all__ = ["GraphStage"]
@@ -73,6 +74,9 @@ class GraphStage(nn.Module):
         self.flow = flow
         self.out_spec = _portable(out_spec)
         self.last = last
+        #: the model's inputs this stage takes, and the sizes beyond dim 0 that its trace holds
+        #: for them (:func:`pipeq.split.dims.limits_of`; set by :func:`pipeq.split`)
+        self.limits: dict[str, Any] = {}
         self.unsaved = unsaved_buffers(self)  # non-persistent buffers (RoPE's inv_freq): again after unpickling
 
     def forward(self, *received: Any, **named: Any) -> Any:
@@ -86,6 +90,7 @@ class GraphStage(nn.Module):
                 raise ValueError(f"split stage {self.index} needs the model's input {name!r}: pass it in "
                                  f"stage_inputs={{{name!r}: ...}}")
             env[name] = named[name]
+        self.check_sizes(env)
         args = [env[a] for a in flow.call]
         for i in flow.int_inputs:  # a symbolic size sent between stages as a 0-d tensor
             if isinstance(args[i], torch.Tensor):
@@ -102,6 +107,13 @@ class GraphStage(nn.Module):
         if self.last:
             return _unflatten(values, self.out_spec)
         return tuple(torch.tensor(v) if isinstance(v, int) else v for v in values)
+
+    def check_sizes(self, inputs: dict[str, Any]) -> None:
+        """Refuse (ValueError) a model input, by name, of a size beyond dim 0 that this stage's
+        trace does not hold (:func:`pipeq.split.dims.check_limits`); the driver calls it too, on
+        every batch, before anything is sent."""
+        if self.limits:
+            check_limits(self.index, self.limits, inputs)
 
     def __setstate__(self, state: dict) -> None:
         """Unpickled (in a stage process): torch.fx rebuilds each graph from its code, which turns

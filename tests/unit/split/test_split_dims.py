@@ -59,11 +59,11 @@ def test_every_input_dimension_the_model_lets_vary_is_dynamic_by_default(gpt3):
     assert all(s.flow.int_inputs for s in stages[1:])
 
 
-@pytest.mark.parametrize("T", [17, 40, 48, 1])
+@pytest.mark.parametrize("T", [17, 40, 48, 2])
 def test_the_traced_stages_run_lengths_other_than_the_examples(gpt3, T):
     """Lengths up to the context (positions 0..T-1 in the embedding), shorter and longer than the
-    example's, down to 1 (the trace's range starts at 2, but nothing in the graph refuses 1):
-    outputs and every gradient equal the model's."""
+    example's, down to 2 (where the trace's range starts): outputs and every gradient equal the
+    model's."""
     model, stages = gpt3
     g = torch.Generator().manual_seed(T)
     idx, target = torch.randint(0, 40, (3, T), generator=g), torch.randint(0, 40, (3, T), generator=g)
@@ -95,7 +95,7 @@ def test_dynamic_false_keeps_only_the_batch_dynamic():
     assert stages.dynamic == {"idx": {0: (2, None)}, "mask": {0: (2, None)}}
     assert stages.static == {"idx": {1: 32}, "mask": {1: 32}}
     _chain(stages, torch.randint(0, 40, (5, 32)), {"mask": torch.ones(5, 32)})  # another batch size
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="input 'idx' has size 24 in dim 1, but the trace fixed that dimension at 32"):
         _chain(stages, torch.randint(0, 40, (2, 24)), {"mask": torch.ones(2, 24)})
 
 
@@ -151,3 +151,31 @@ def test_bad_dynamic_arguments_say_what_to_pass(dynamic, message):
 def test_dynamic_is_for_a_traced_split():
     with pytest.raises(ValueError, match="do not pass n_stages, split_points, balance or dynamic"):
         pipeq.split(Feature(), modules=[["a"], ["b"]], dynamic=False)
+
+
+def test_sizes_outside_what_the_trace_holds_are_refused_naming_the_input_and_the_dimension():
+    """A forward may branch on a size of 1 (torch.export traces it apart from the range 2..), so a
+    stage refuses a length of 1 rather than compute other numbers than the model's; a length the
+    trace fixed is refused naming why (dim 0, the microbatch's rows, takes any size)."""
+
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            return self.head(h * 2 if h.shape[1] > 1 else h)
+
+    model = Branches()
+    stages = pipeq.split(model, (torch.randint(0, 10, (2, 5)),), split_points=["head"])
+    x = torch.randint(0, 10, (3, 4))
+    assert torch.allclose(stages[1](*stages[0](x)), model(x))
+    with pytest.raises(ValueError, match=r"split stage 0: input 'x' has size 1 in dim 1, outside the sizes the "
+                                         r"trace holds for it \(2 or more"):
+        stages[0](torch.randint(0, 10, (3, 1)))
+    fixed = pipeq.split(model, (torch.randint(0, 10, (2, 5)),), split_points=["head"], dynamic=False)
+    with pytest.raises(ValueError, match=r"input 'x' has size 4 in dim 1, but the trace fixed that dimension at 5 "
+                                         r"\(dynamic= fixes it"):
+        fixed[0](x)
+    assert fixed[0](torch.randint(0, 10, (1, 5)))[0].shape == (1, 5, 4)  # one row: any microbatch size
