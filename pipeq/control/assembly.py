@@ -22,6 +22,7 @@ from pipeq.control.batching import Batcher
 from pipeq.control.config import RunConfig, setting_default, setting_fields
 from pipeq.control.processes import RunSetup
 from pipeq.control.stage_inputs import route
+from pipeq.stage import compiled
 from pipeq.stage.info import info_of
 from pipeq.stage.numerics import Numerics
 
@@ -107,7 +108,7 @@ class BackendPlan:
             from pipeq.runtime.simulated import SimulatedBackend
 
             return SimulatedBackend(model.replicas[0], schedule, place.devices[0] if place.devices else "cpu",
-                                    self.numerics)
+                                    self.numerics, compiled.options(cfg.numerics.compile))
         from pipeq.control.driver import ProcessBackend
 
         return ProcessBackend(checks.process_payloads(model, schedule), RunSetup(cfg, self.numerics, self.tp_plans),

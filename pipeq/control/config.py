@@ -20,7 +20,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from pipeq import schedules
 from pipeq.schedules import SchedulePolicy
@@ -66,6 +66,16 @@ class NumericsConfig:
             microbatch's forward and backward and recomputes the forward in the backward (the same
             RNG state, so the same dropout masks): the same numbers, less activation memory.
             False: none.
+        compile: True, or a dict of ``torch.compile`` keyword arguments (``backend``, ``mode``,
+            ``dynamic``, ``fullgraph``, ``options``) and ``cache_dir``: each stage process compiles its
+            stage with ``torch.compile`` once it is on its device (a ``pipeq.split`` stage: its graph,
+            not pipeq's wrapper), keeping the module's own parameter names. ``cache_dir``: torch's
+            compile cache (inductor's and AOTAutograd's), shared by the stage processes and kept
+            across runs (default: torch's own, ``TORCHINDUCTOR_CACHE_DIR`` or
+            ``/tmp/torchinductor_<user>``; ``pipeq launch``: ``OUT/compile-cache``). Every built-in
+            schedule runs compiled stages; the split-backward ones compute a compiled stage's whole
+            backward at its ``I`` (see the splitting guide's "Compiled stages"). ``runner.stats()``
+            reports each stage's compile time and recompiles. False: eager.
 
     Precision, clipping, check_finite and recompute run with fill-drain, 1F1B, ZB-H1 and your own
     schedules (interlocking, async and AL compute their own way).
@@ -76,6 +86,12 @@ class NumericsConfig:
     clip_norm_type: float = 2.0
     check_finite: bool | str = False
     recompute: bool | Sequence[bool] = False
+    compile: bool | Mapping[str, Any] = False
+
+    def __post_init__(self) -> None:
+        from pipeq.stage.compiled import options
+
+        options(self.compile)  # checked now: a ValueError names what is wrong
 
 
 @dataclass(frozen=True)
@@ -307,6 +323,9 @@ class RunConfig:
             raise ValueError(
                 f"queue_capacity={cap!r} is too small: a stage may hold every microbatch of a "
                 f"step, so it must be an integer >= microbatches ({m})")
+        if self.numerics.compile not in (False, None) and self.placement.tensor_parallel > 1:
+            raise ValueError("compile: not with tensor_parallel (torch.compile of DTensor-sharded stages is not "
+                             "supported here yet): run the shards eager, or compile without tensor_parallel")
         if self.trace is not None and (not isinstance(self.trace, (str, os.PathLike))
                                        or self.placement.mode != "process"):
             raise ValueError(

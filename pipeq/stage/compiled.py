@@ -1,0 +1,165 @@
+"""Compiled stages: each stage process compiles its own stage with ``torch.compile``, after placement.
+
+The run's ``compile`` setting (:class:`pipeq.NumericsConfig`) is False, True, or a dict of
+``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``, ``fullgraph``,
+``options``...) plus ``cache_dir``, the directory of torch's compile cache (inductor's FX graph
+cache and AOTAutograd's cache, ``TORCHINDUCTOR_CACHE_DIR``; None: torch's own,
+``TORCHINDUCTOR_CACHE_DIR`` or ``/tmp/torchinductor_<user>``). :func:`options` checks it once in the
+driver; a stage process gets the resulting :class:`CompileOptions` and :func:`compile_stage` compiles
+its module in place once it is on its device:
+
+- a module with its own ``compile_graph`` (a stage of :func:`pipeq.split`, whose wrapper turns the
+  sizes sent between stages into ints) has its graph code compiled, not its wrapper: no graph break;
+- any other module has its ``forward`` compiled (an attribute of the instance): its parameters,
+  ``state_dict`` names, ties, checkpoints and exports are the module's own (no ``_orig_mod.``).
+
+The backward of a compiled forward is lowered with the forward (AOTAutograd's
+``force_non_lazy_backward_lowering``), so that all of a stage's compile time falls in its forward
+calls, where a :class:`CompileWatch` measures it: the compile seconds, the graphs compiled, the
+recompiles (a call that compiled again after the function's first), the graph breaks and the cache
+hits, which ``runner.stats()`` reports per stage. Dimensions become dynamic the way torch makes them
+(``dynamic=None``, automatic dynamic shapes): the first change of a length recompiles once, with that
+dimension symbolic, and later lengths reuse it (and with a cache directory, torch's profile of which
+dimensions changed is kept there: a later run compiles them dynamic at once).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["CompileOptions", "CompileWatch", "options", "compile_stage", "unwrap", "NO_COMPILE_FIGURES"]
+
+#: torch.compile's keyword arguments a ``compile`` dict may give (besides ``cache_dir``)
+TORCH_KWARGS = ("backend", "mode", "dynamic", "fullgraph", "options", "disable")
+#: a stage's compile figures when it is not compiled (what ``runner.stats()`` reports)
+NO_COMPILE_FIGURES = {"compile_s": 0.0, "compiles": 0, "recompiles": 0, "graph_breaks": 0, "compile_cache_hits": 0}
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What a stage process compiles with: ``torch.compile``'s keyword arguments and the cache directory."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str | None = None
+
+
+def options(setting: Any) -> CompileOptions | None:
+    """The run's ``compile`` setting checked: None (False: not compiled) or its :class:`CompileOptions`;
+    a ``ValueError`` names what is wrong."""
+    if setting is False or setting is None:
+        return None
+    if setting is True:
+        return CompileOptions()
+    if isinstance(setting, CompileOptions):
+        return setting
+    if not isinstance(setting, Mapping):
+        raise ValueError(f"compile must be True, False or a dict of torch.compile keyword arguments (backend, mode, "
+                         f"dynamic, fullgraph, options) and cache_dir, got {setting!r}")
+    unknown = sorted(set(setting) - {*TORCH_KWARGS, "cache_dir"})
+    if unknown:
+        raise ValueError(f"compile: unknown key(s) {unknown}; it takes torch.compile's {list(TORCH_KWARGS)} and "
+                         "cache_dir (the directory of torch's compile cache)")
+    cache = setting.get("cache_dir")
+    if cache is not None and not isinstance(cache, (str, os.PathLike)):
+        raise ValueError(f"compile: cache_dir must be a directory path, got {cache!r}")
+    backend = setting.get("backend", "inductor")
+    if not isinstance(backend, str):
+        raise ValueError(f"compile: backend must be a registered backend's name (a stage process compiles: the "
+                         f"setting crosses to it as data), got {backend!r}")
+    return CompileOptions({k: v for k, v in setting.items() if k != "cache_dir"},
+                          os.path.abspath(os.fspath(cache)) if cache is not None else None)
+
+
+def _totals() -> tuple[float, int, int, int]:
+    """Torch's process-wide compile figures now: seconds in Dynamo's compiles (the backends' included),
+    frames compiled, graph breaks, cache hits (inductor's FX graph cache, AOTAutograd's cache)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    times = compilation_time_metrics.get("_compile.compile_inner", ())
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    return float(sum(times)), len(times), sum(counters["graph_break"].values()), hits
+
+
+class CompileWatch:
+    """One stage's compiled functions and what compiling them cost (see the module)."""
+
+    def __init__(self, opts: CompileOptions) -> None:
+        self.opts = opts
+        self.seconds = 0.0
+        self.compiles = 0
+        self.recompiles = 0
+        self.graph_breaks = 0
+        self.cache_hits = 0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` compiled with the run's keyword arguments, its calls measured."""
+        from torch._functorch import config as aot_config
+
+        compiled = torch.compile(fn, **self.opts.kwargs)
+        compiled_before = [False]  # whether a call of this function compiled already
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0, n0, b0, h0 = _totals()
+            try:
+                with aot_config.patch(force_non_lazy_backward_lowering=True):
+                    return compiled(*args, **kwargs)
+            finally:
+                t1, n1, b1, h1 = _totals()
+                if n1 > n0:
+                    self.seconds += t1 - t0
+                    self.compiles += n1 - n0
+                    self.graph_breaks += b1 - b0
+                    self.cache_hits += h1 - h0
+                    self.recompiles += compiled_before[0]
+                    compiled_before[0] = True
+
+        call.pipeq_compiled = True  # type: ignore[attr-defined]
+        return call
+
+    def figures(self) -> dict[str, Any]:
+        """What ``runner.stats()`` reports of the stage's compiling (:data:`NO_COMPILE_FIGURES`' keys)."""
+        return {"compile_s": round(self.seconds, 3), "compiles": self.compiles, "recompiles": self.recompiles,
+                "graph_breaks": self.graph_breaks, "compile_cache_hits": self.cache_hits}
+
+
+def use_cache(opts: CompileOptions) -> None:
+    """Point torch's compile cache at ``opts.cache_dir`` (this process's, before its first compile)."""
+    if opts.cache_dir is not None:
+        os.makedirs(opts.cache_dir, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = opts.cache_dir
+
+
+def compile_stage(module: nn.Module, opts: CompileOptions) -> CompileWatch:
+    """Compile ``module`` (on its device already) in place, as the module says (see the module)."""
+    use_cache(opts)
+    watch = CompileWatch(opts)
+    own = getattr(module, "compile_graph", None)
+    if callable(own):
+        own(watch.wrap)
+    else:
+        module.forward = watch.wrap(module.forward)  # type: ignore[method-assign]
+    return watch
+
+
+def unwrap(module: nn.Module) -> tuple[nn.Module, bool]:
+    """``module`` as pipeq runs it, and whether it was compiled here: an ``OptimizedModule``
+    (``torch.compile(module)``) is its original module; a module whose ``compile()`` was called
+    has it undone (a compiled call does not cross to a stage process: the run's ``compile`` setting
+    compiles each stage there)."""
+    compiled = False
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    while dynamo is not None and isinstance(module, dynamo.OptimizedModule):
+        module, compiled = module._orig_mod, True
+    for m in module.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+            compiled = True
+    return module, compiled
