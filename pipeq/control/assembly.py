@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Sequence
+
+from torch import nn
 
 from pipeq.control import checks
 from pipeq.control.batching import Batcher
@@ -59,6 +62,29 @@ def signature(init: Any) -> inspect.Signature:
     settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=setting_default(f.name),
                                   annotation=f.type) for f in setting_fields()]
     return inspect.Signature(own + settings)
+
+
+def uncompiled(stages: Any, cfg: RunConfig) -> tuple[Any, RunConfig]:
+    """``stages`` with any compiled in this process (``torch.compile(stage)``, an ``OptimizedModule``
+    whose names gain ``_orig_mod.``; ``stage.compile()``, which pickling drops) as their own modules,
+    and the run's configuration: such a stage is compiled in its stage process by the run's
+    ``compile`` setting, turned on (with a warning) when it is off."""
+    if isinstance(stages, nn.Module):
+        one, found = compiled.unwrap(stages)
+        out, at = one, [0] if found else []
+    elif isinstance(stages, (list, tuple)):
+        pairs = [compiled.unwrap(s) if isinstance(s, nn.Module) else (s, False) for s in stages]
+        at = [k for k, (_, found) in enumerate(pairs) if found]
+        out = [s for s, _ in pairs] if at else stages
+    else:
+        return stages, cfg
+    if at and cfg.numerics.compile in (False, None):
+        warnings.warn(f"stage(s) {at} were compiled in this process (torch.compile or .compile()), which does not "
+                      "reach a stage process: pipeq runs their own modules and compiles each in its stage process, "
+                      "as compile=True does (pass compile=True, or a dict of torch.compile's arguments, to say so)",
+                      stacklevel=3)
+        cfg = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, compile=True))
+    return out, cfg
 
 
 @dataclasses.dataclass
