@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 from typing import Any, Callable
 
@@ -91,8 +90,8 @@ class GraphStage(nn.Module):
             if isinstance(args[i], torch.Tensor):
                 args[i] = int(args[i])
         if self.training or self._eval is None:
-            run = self.__dict__.get("_compiled")
-            out = run(*args) if run is not None else type(self._graph).forward(self, *args)
+            run = self.__dict__.get("_compiled") or type(self._graph).forward
+            out = run(self, *args)
         else:
             out = self._eval(*args)
         if flow.picks:
@@ -104,16 +103,16 @@ class GraphStage(nn.Module):
             return _unflatten(values, self.out_spec)
         return tuple(torch.tensor(v) if isinstance(v, int) else v for v in values)
 
-    def compile_graph(self, compile: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    def pipeq_compile(self, compile: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         """Compile the stage's graph code with ``compile`` (:func:`pipeq.stage.compiled.compile_stage`),
         not this wrapper (whose sizes sent as tensors would break the graph): its ``forward`` then
         calls the compiled code with the sizes as ints (the eval graph's too)."""
-        self.__dict__["_compiled"] = compile(functools.partial(type(self._graph).forward, self))
+        self.__dict__["_compiled"] = compile(type(self._graph).forward)  # its own code: its own compiled entries
         if self._eval is not None:
             self._eval.forward = compile(self._eval.forward)
 
     def __getstate__(self) -> dict:
-        """Pickled without what :meth:`compile_graph` compiled (a stage process compiles its own)."""
+        """Pickled without what :meth:`pipeq_compile` compiled (a stage process compiles its own)."""
         state = dict(super().__getstate__())
         state.pop("_compiled", None)
         return state

@@ -8,8 +8,9 @@ cache and AOTAutograd's cache, ``TORCHINDUCTOR_CACHE_DIR``; None: torch's own,
 driver; a stage process gets the resulting :class:`CompileOptions` and :func:`compile_stage` compiles
 its module in place once it is on its device:
 
-- a module with its own ``compile_graph`` (a stage of :func:`pipeq.split`, whose wrapper turns the
-  sizes sent between stages into ints) has its graph code compiled, not its wrapper: no graph break;
+- a module with its own ``pipeq_compile(compile)`` says what to compile: a stage of
+  :func:`pipeq.split` its graph code, not its wrapper (which turns the sizes sent between stages
+  into ints: no graph break); an AL layer its four parts, which its executor calls apart;
 - any other module has its ``forward`` compiled (an attribute of the instance): its parameters,
   ``state_dict`` names, ties, checkpoints and exports are the module's own (no ``_orig_mod.``).
 
@@ -17,10 +18,11 @@ The backward of a compiled forward is lowered with the forward (AOTAutograd's
 ``force_non_lazy_backward_lowering``), so that all of a stage's compile time falls in its forward
 calls, where a :class:`CompileWatch` measures it: the compile seconds, the graphs compiled, the
 recompiles (a call that compiled again after the function's first), the graph breaks and the cache
-hits, which ``runner.stats()`` reports per stage. Dimensions become dynamic the way torch makes them
-(``dynamic=None``, automatic dynamic shapes): the first change of a length recompiles once, with that
-dimension symbolic, and later lengths reuse it (and with a cache directory, torch's profile of which
-dimensions changed is kept there: a later run compiles them dynamic at once).
+hits, which ``runner.stats()`` reports per stage. With ``dynamic=None`` (torch's default) every
+dimension of a stage's tensor inputs but a floating tensor's last (its features) is marked as
+possibly dynamic (``torch._dynamo.maybe_mark_dynamic``): the first compile is dynamic in the batch
+and the sequence length, and a new length reuses it instead of recompiling (what torch's automatic
+dynamic shapes alone would do once per dimension). ``dynamic=True`` / ``False`` is torch's own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import nn
 __all__ = ["CompileOptions", "CompileWatch", "options", "compile_stage", "unwrap", "NO_COMPILE_FIGURES"]
 
 #: torch.compile's keyword arguments a ``compile`` dict may give (besides ``cache_dir``)
-TORCH_KWARGS = ("backend", "mode", "dynamic", "fullgraph", "options", "disable")
+TORCH_KWARGS = ("backend", "mode", "dynamic", "fullgraph", "options", "disable", "recompile_limit", "isolate_recompiles")
 #: a stage's compile figures when it is not compiled (what ``runner.stats()`` reports)
 NO_COMPILE_FIGURES = {"compile_s": 0.0, "compiles": 0, "recompiles": 0, "graph_breaks": 0, "compile_cache_hits": 0}
 
@@ -87,6 +89,19 @@ def _totals() -> tuple[float, int, int, int]:
     return float(sum(times)), len(times), sum(counters["graph_break"].values()), hits
 
 
+def _mark_dynamic(args: Any) -> None:
+    """Mark the dimensions of ``args``' tensors that vary in practice as dynamic (``maybe_mark_dynamic``:
+    torch may still specialize one): every dimension but a floating tensor's last (its features), so
+    that the first compile is dynamic in the batch and the sequence length and a new length (a
+    batch's, a last microbatch's) reuses it instead of recompiling."""
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            floating = t.is_floating_point() or t.is_complex()
+            dims = range(t.dim() - 1 if floating else t.dim())
+            if dims:
+                torch._dynamo.maybe_mark_dynamic(t, list(dims))
+
+
 class CompileWatch:
     """One stage's compiled functions and what compiling them cost (see the module)."""
 
@@ -102,11 +117,16 @@ class CompileWatch:
         """``fn`` compiled with the run's keyword arguments, its calls measured."""
         from torch._functorch import config as aot_config
 
-        compiled = torch.compile(fn, **self.opts.kwargs)
+        # each stage's functions recompile apart: two stages of one class (a split by module names)
+        # in one process do not spend each other's recompile limit
+        compiled = torch.compile(fn, **{"isolate_recompiles": True, **self.opts.kwargs})
         compiled_before = [False]  # whether a call of this function compiled already
+        mark = self.opts.kwargs.get("dynamic") is None  # torch's default: dynamic where it sees a change
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
+            if mark:
+                _mark_dynamic(args)
             t0, n0, b0, h0 = _totals()
             try:
                 with aot_config.patch(force_non_lazy_backward_lowering=True):
@@ -121,7 +141,6 @@ class CompileWatch:
                     self.recompiles += compiled_before[0]
                     compiled_before[0] = True
 
-        call.pipeq_compiled = True  # type: ignore[attr-defined]
         return call
 
     def figures(self) -> dict[str, Any]:
@@ -141,7 +160,7 @@ def compile_stage(module: nn.Module, opts: CompileOptions) -> CompileWatch:
     """Compile ``module`` (on its device already) in place, as the module says (see the module)."""
     use_cache(opts)
     watch = CompileWatch(opts)
-    own = getattr(module, "compile_graph", None)
+    own = getattr(module, "pipeq_compile", None)
     if callable(own):
         own(watch.wrap)
     else:
@@ -163,3 +182,4 @@ def unwrap(module: nn.Module) -> tuple[nn.Module, bool]:
             m._compiled_call_impl = None
             compiled = True
     return module, compiled
+
