@@ -81,12 +81,14 @@ def options(setting: Any) -> CompileOptions | None:
 
 def _totals() -> tuple[float, int, int, int]:
     """Torch's process-wide compile figures now: seconds in Dynamo's compiles (the backends' included),
-    frames compiled, graph breaks, cache hits (inductor's FX graph cache, AOTAutograd's cache)."""
+    frames compiled, graph breaks (a break Dynamo resumes after, or one that made it skip a frame:
+    ``unimplemented``), cache hits (inductor's FX graph cache, AOTAutograd's cache)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     times = compilation_time_metrics.get("_compile.compile_inner", ())
     hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-    return float(sum(times)), len(times), sum(counters["graph_break"].values()), hits
+    breaks = sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())
+    return float(sum(times)), len(times), breaks, hits
 
 
 def _mark_dynamic(args: Any) -> None:
