@@ -79,16 +79,19 @@ def options(setting: Any) -> CompileOptions | None:
                           os.path.abspath(os.fspath(cache)) if cache is not None else None)
 
 
-def _totals() -> tuple[float, int, int, int]:
-    """Torch's process-wide compile figures now: seconds in Dynamo's compiles (the backends' included),
-    frames compiled, graph breaks (a break Dynamo resumes after, or one that made it skip a frame:
-    ``unimplemented``), cache hits (inductor's FX graph cache, AOTAutograd's cache)."""
-    from torch._dynamo.utils import compilation_time_metrics, counters
+#: what Dynamo records of each frame it compiles: its seconds (the backends' included)
+_COMPILES = "_compile.compile_inner"
+#: cache hits and graph breaks as counted after this process's last compile (they change only in one)
+_seen: list[int] = []
 
-    times = compilation_time_metrics.get("_compile.compile_inner", ())
-    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-    breaks = sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())
-    return float(sum(times)), len(times), breaks, hits
+
+def _hits_and_breaks() -> list[int]:
+    """Torch's process-wide cache hits (inductor's FX graph cache, AOTAutograd's cache) and graph
+    breaks (a break Dynamo resumes after, or one that made it skip a frame: ``unimplemented``)."""
+    from torch._dynamo.utils import counters
+
+    return [counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
+            sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())]
 
 
 def _mark_dynamic(args: Any) -> None:
@@ -116,30 +119,34 @@ class CompileWatch:
         self.cache_hits = 0
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` compiled with the run's keyword arguments, its calls measured."""
-        from torch._functorch import config as aot_config
+        """``fn`` compiled with the run's keyword arguments, its calls measured (a call that compiles
+        nothing costs a dict lookup)."""
+        from torch._dynamo.utils import compilation_time_metrics as metrics
 
         # each stage's functions recompile apart: two stages of one class (a split by module names)
         # in one process do not spend each other's recompile limit
         compiled = torch.compile(fn, **{"isolate_recompiles": True, **self.opts.kwargs})
         compiled_before = [False]  # whether a call of this function compiled already
         mark = self.opts.kwargs.get("dynamic") is None  # torch's default: dynamic where it sees a change
+        if not _seen:
+            _seen.extend(_hits_and_breaks())
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if mark:
                 _mark_dynamic(args)
-            t0, n0, b0, h0 = _totals()
+            n0 = len(metrics.get(_COMPILES, ()))
             try:
-                with aot_config.patch(force_non_lazy_backward_lowering=True):
-                    return compiled(*args, **kwargs)
+                return compiled(*args, **kwargs)
             finally:
-                t1, n1, b1, h1 = _totals()
-                if n1 > n0:
-                    self.seconds += t1 - t0
-                    self.compiles += n1 - n0
-                    self.graph_breaks += b1 - b0
-                    self.cache_hits += h1 - h0
+                times = metrics.get(_COMPILES, ())
+                if len(times) > n0:
+                    hits, breaks = _hits_and_breaks()
+                    self.seconds += float(sum(times[n0:]))
+                    self.compiles += len(times) - n0
+                    self.cache_hits += hits - _seen[0]
+                    self.graph_breaks += breaks - _seen[1]
+                    _seen[:] = hits, breaks
                     self.recompiles += compiled_before[0]
                     compiled_before[0] = True
 
@@ -159,8 +166,13 @@ def use_cache(opts: CompileOptions) -> None:
 
 
 def compile_stage(module: nn.Module, opts: CompileOptions) -> CompileWatch:
-    """Compile ``module`` (on its device already) in place, as the module says (see the module)."""
+    """Compile ``module`` (on its device already) in place, as the module says (see the module).
+    Sets AOTAutograd's ``force_non_lazy_backward_lowering`` in this process (when a backward is
+    compiled, not what it computes)."""
+    from torch._functorch import config as aot_config
+
     use_cache(opts)
+    aot_config.force_non_lazy_backward_lowering = True
     watch = CompileWatch(opts)
     own = getattr(module, "pipeq_compile", None)
     if callable(own):
