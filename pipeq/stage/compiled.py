@@ -153,7 +153,10 @@ class CompileWatch:
         return call
 
     def figures(self) -> dict[str, Any]:
-        """What ``runner.stats()`` reports of the stage's compiling (:data:`NO_COMPILE_FIGURES`' keys)."""
+        """What ``runner.stats()`` reports of the stage's compiling: ``compile_s`` (seconds compiling),
+        ``compiles`` (graphs compiled), ``recompiles`` (calls that compiled again after a compiled
+        function's first: a new shape torch could not reuse a graph for, eval mode), ``graph_breaks``
+        and ``compile_cache_hits`` (torch's compile cache's)."""
         return {"compile_s": round(self.seconds, 3), "compiles": self.compiles, "recompiles": self.recompiles,
                 "graph_breaks": self.graph_breaks, "compile_cache_hits": self.cache_hits}
 
