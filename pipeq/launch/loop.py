@@ -15,6 +15,7 @@ from pipeq.launch.signals import StopSignals
 from pipeq.launch.snapshots import Snapshots
 from pipeq.launch.stream import EpochEnd, StepDone, train_steps
 from pipeq.launch.tensorboard import Board
+from pipeq.stage.compiled import NO_COMPILE_FIGURES
 
 __all__ = ["TrainingLoop"]
 
@@ -135,8 +136,7 @@ class TrainingLoop:
         step's metrics.jsonl line; None without."""
         if self.job.compile is False:
             return None
-        keys = ("compile_s", "compiles", "recompiles", "graph_breaks", "compile_cache_hits")
-        figures = [{k: s[k] for k in keys} for s in self.runner.stats()]
+        figures = [{k: s[k] for k in NO_COMPILE_FIGURES} for s in self.runner.stats()]
         self.log("compiled stages: " + "; ".join(
             f"stage {k}: {f['compile_s']:.1f} s compiling, {f['compiles']} graph(s), {f['recompiles']} recompile(s), "
             f"{f['compile_cache_hits']} cache hit(s)" for k, f in enumerate(figures)))

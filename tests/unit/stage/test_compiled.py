@@ -126,3 +126,23 @@ def test_a_job_compiles_into_its_run_directory_unless_it_names_a_cache(tmp_path)
     assert job.run_config().numerics.compile == {"mode": "max-autotune", "cache_dir": "/elsewhere"}
     job.compile = False
     assert job.run_config().numerics.compile is False
+
+
+def test_pipeq_launch_logs_each_stages_compile_figures_for_the_last_metrics_line():
+    from types import SimpleNamespace
+
+    from pipeq.launch.loop import TrainingLoop
+    from pipeq.stage.compiled import NO_COMPILE_FIGURES
+
+    stats = [{"peak_bytes": 1, "shm_waits": 0, **NO_COMPILE_FIGURES, "compile_s": 12.25, "compiles": 1},
+             {"peak_bytes": 1, "shm_waits": 0, **NO_COMPILE_FIGURES, "compile_s": 3.0, "compiles": 2, "recompiles": 1,
+              "compile_cache_hits": 4}]
+    said: list[str] = []
+    loop = SimpleNamespace(job=SimpleNamespace(compile={"cache_dir": "c"}), runner=SimpleNamespace(stats=lambda: stats),
+                           log=said.append)
+    got = TrainingLoop._compile_figures(loop)
+    assert got == [{k: s[k] for k in NO_COMPILE_FIGURES} for s in stats]
+    assert said == ["compiled stages: stage 0: 12.2 s compiling, 1 graph(s), 0 recompile(s), 0 cache hit(s); "
+                    "stage 1: 3.0 s compiling, 2 graph(s), 1 recompile(s), 4 cache hit(s)"]
+    loop.job.compile = False
+    assert TrainingLoop._compile_figures(loop) is None
