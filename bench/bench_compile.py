@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Compiled stages: the GPT example's model eager and compiled, in one process and as 2 pipeq stages.
 
-    PYTHONPATH=$PWD python bench/bench_compile.py                  # the --quick GPT, CPU: ~3-5 min on 2 cores
-    PYTHONPATH=$PWD python bench/bench_compile.py --size full      # examples/gpt.py's default GPT
+    PYTHONPATH=$PWD python bench/bench_compile.py                  # the --quick GPT: about 2-3 min on 2 cores
+    PYTHONPATH=$PWD python bench/bench_compile.py --size full      # examples/gpt.py default GPT: about 5 min
     PYTHONPATH=$PWD python bench/bench_compile.py --device cuda    # the same on a GPU
 
 Rows: the model in this process (eager, then ``torch.compile``'d as pipeq compiles a stage:

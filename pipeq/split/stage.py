@@ -93,7 +93,7 @@ class GraphStage(nn.Module):
             run = self.__dict__.get("_compiled") or type(self._graph).forward
             out = run(self, *args)
         else:
-            out = self._eval(*args)
+            out = (self.__dict__.get("_compiled_eval") or self._eval)(*args)
         if flow.picks:
             env.update((name, out[i]) for name, i in zip(flow.produces, flow.picks))
         else:
@@ -109,12 +109,13 @@ class GraphStage(nn.Module):
         calls the compiled code with the sizes as ints (the eval graph's too)."""
         self.__dict__["_compiled"] = compile(type(self._graph).forward)  # its own code: its own compiled entries
         if self._eval is not None:
-            self._eval.forward = compile(self._eval.forward)
+            self.__dict__["_compiled_eval"] = compile(self._eval.forward)
 
     def __getstate__(self) -> dict:
         """Pickled without what :meth:`pipeq_compile` compiled (a stage process compiles its own)."""
         state = dict(super().__getstate__())
         state.pop("_compiled", None)
+        state.pop("_compiled_eval", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
