@@ -67,7 +67,10 @@ class NumericsConfig:
             RNG state, so the same dropout masks): the same numbers, less activation memory.
             False: none.
         compile: True, or a dict of ``torch.compile`` keyword arguments (``backend``, ``mode``,
-            ``dynamic``, ``fullgraph``, ``options``) and ``cache_dir``: each stage process compiles its
+            ``dynamic``, ``fullgraph``, ``options``), ``cache_dir`` and ``mark_dynamic`` (default
+            True: the inputs' batch and length dimensions are dynamic from the first compile, so a
+            new length does not recompile; False: torch's automatic dynamic shapes, static until a
+            length changes, then one recompile): each stage process compiles its
             stage with ``torch.compile`` once it is on its device (a ``pipeq.split`` stage: its graph,
             not pipeq's wrapper), keeping the module's own parameter names. ``cache_dir``: torch's
             compile cache (inductor's and AOTAutograd's), shared by the stage processes and kept

@@ -29,6 +29,9 @@ def test_the_setting_is_checked_once_and_names_what_is_wrong():
     assert options(False) is None and options(True) == CompileOptions()
     got = options({"backend": "aot_eager", "cache_dir": "rel/cache"})
     assert got == CompileOptions({"backend": "aot_eager"}, os.path.abspath("rel/cache"))
+    assert options({"mark_dynamic": False}) == CompileOptions({}, None, False)
+    with pytest.raises(ValueError, match="mark_dynamic must be True or False"):
+        options({"mark_dynamic": "no"})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['backnd'\]"):
         options({"backnd": "eager"})
     with pytest.raises(ValueError, match="registered backend's name"):
@@ -146,3 +149,14 @@ def test_pipeq_launch_logs_each_stages_compile_figures_for_the_last_metrics_line
                     "stage 1: 3.0 s compiling, 2 graph(s), 1 recompile(s), 4 cache hit(s)"]
     loop.job.compile = False
     assert TrainingLoop._compile_figures(loop) is None
+
+
+@pytest.mark.parametrize("mark,recompiles", [(True, 0), (False, 1)])
+def test_a_new_length_reuses_the_first_compile_when_its_dimensions_are_marked(mark, recompiles):
+    """Marked (the default): dynamic from the first compile; unmarked: torch's automatic dynamic
+    shapes, static until the length changes, then one recompile; never one per length."""
+    m = model()
+    watch = compile_stage(m, CompileOptions({"backend": "eager"}, None, mark))
+    for T in (32, 24, 40, 17):
+        m(torch.randint(0, 64, (4, T)))
+    assert (watch.compiles, watch.recompiles) == (1 + recompiles, recompiles)
