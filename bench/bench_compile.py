@@ -44,7 +44,8 @@ def lengths(context: int) -> list[int]:
 
 def batch(n: int, T: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 256, (n, T), generator=g).to(device), torch.randint(0, 256, (n, T), generator=g).to(device))
+    x, y = torch.randint(0, 256, (n, T), generator=g), torch.randint(0, 256, (n, T), generator=g)
+    return x.to(device), y.to(device)
 
 
 def _sync(device: str) -> None:

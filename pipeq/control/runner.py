@@ -302,9 +302,9 @@ class PipelineRunner:
         set; ``memory`` says which), ``skipped_steps`` (steps skipped for non-finite gradients:
         ``precision="fp16"``, ``check_finite="skip"``), ``recompute`` and ``shm_waits`` (how often
         one of the stage's sends found every shared-memory slot of its channel in use: raise
-        ``shm_slots`` if it grows), and with ``compile``: ``compile_s``, ``compiles``, ``recompiles``,
-        ``graph_breaks``, ``compile_cache_hits`` (:class:`pipeq.stage.compiled.CompileWatch`; 0: eager). In simulated mode the peak is this process's; with
-        ``tensor_parallel``, shard 0's (each shard holds its own part of the stage)."""
+        ``shm_slots`` if it grows), ``compile_s``, ``compiles``, ``recompiles``, ``graph_breaks`` and
+        ``compile_cache_hits`` (``compile``: see pipeq.stage.compiled; 0 when eager). In simulated mode the
+        peak is this process's; with ``tensor_parallel``, shard 0's (each shard holds its own part)."""
         return self._pipeline.live().stats(reset_peak)
 
     @exclusive

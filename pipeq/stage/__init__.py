@@ -20,5 +20,5 @@ an executor alike. Its modules:
     transfer.py       host copies; ordered_sum, the one ordered sum
 """
 
-__all__ = ["backprop", "compiled", "executor", "grad_graph", "info", "loss", "lr_schedulers", "microbatch", "numerics", "spec",
-           "state", "step", "tie_groups", "ties", "transfer"]
+__all__ = ["backprop", "compiled", "executor", "grad_graph", "info", "loss", "lr_schedulers", "microbatch",
+           "numerics", "spec", "state", "step", "tie_groups", "ties", "transfer"]

@@ -42,7 +42,8 @@ from torch import nn
 __all__ = ["CompileOptions", "CompileWatch", "options", "compile_stage", "unwrap", "NO_COMPILE_FIGURES"]
 
 #: torch.compile's keyword arguments a ``compile`` dict may give (besides ``cache_dir``)
-TORCH_KWARGS = ("backend", "mode", "dynamic", "fullgraph", "options", "disable", "recompile_limit", "isolate_recompiles")
+TORCH_KWARGS = ("backend", "mode", "dynamic", "fullgraph", "options", "disable", "recompile_limit",
+                "isolate_recompiles")
 #: the keys of a ``compile`` dict that are pipeq's own
 OWN = ("cache_dir", "mark_dynamic")
 #: a stage's compile figures when it is not compiled (what ``runner.stats()`` reports)
