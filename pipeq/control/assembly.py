@@ -15,13 +15,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Sequence
+
+from torch import nn
 
 from pipeq.control import checks
 from pipeq.control.batching import Batcher
 from pipeq.control.config import RunConfig, setting_default, setting_fields
 from pipeq.control.processes import RunSetup
 from pipeq.control.stage_inputs import route, route_each
+from pipeq.stage import compiled
 from pipeq.stage.info import info_of
 from pipeq.stage.microbatch import Microbatches
 from pipeq.stage.numerics import Numerics
@@ -59,6 +63,29 @@ def signature(init: Any) -> inspect.Signature:
     settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=setting_default(f.name),
                                   annotation=f.type) for f in setting_fields()]
     return inspect.Signature(own + settings)
+
+
+def uncompiled(stages: Any, cfg: RunConfig) -> tuple[Any, RunConfig]:
+    """``stages`` with any compiled in this process (``torch.compile(stage)``, an ``OptimizedModule``
+    whose names gain ``_orig_mod.``; ``stage.compile()``, which pickling drops) as their own modules,
+    and the run's configuration: such a stage is compiled in its stage process by the run's
+    ``compile`` setting, turned on (with a warning) when it is off."""
+    if isinstance(stages, nn.Module):
+        one, found = compiled.unwrap(stages)
+        out, at = one, [0] if found else []
+    elif isinstance(stages, (list, tuple)):
+        pairs = [compiled.unwrap(s) if isinstance(s, nn.Module) else (s, False) for s in stages]
+        at = [k for k, (_, found) in enumerate(pairs) if found]
+        out = [s for s, _ in pairs] if at else stages
+    else:
+        return stages, cfg
+    if at and cfg.numerics.compile in (False, None):
+        warnings.warn(f"stage(s) {at} were compiled in this process (torch.compile or .compile()), which does not "
+                      "reach a stage process: pipeq runs their own modules and compiles each in its stage process, "
+                      "as compile=True does (pass compile=True, or a dict of torch.compile's arguments, to say so)",
+                      stacklevel=3)
+        cfg = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, compile=True))
+    return out, cfg
 
 
 @dataclasses.dataclass
@@ -108,7 +135,7 @@ class BackendPlan:
             from pipeq.runtime.simulated import SimulatedBackend
 
             return SimulatedBackend(model.replicas[0], schedule, place.devices[0] if place.devices else "cpu",
-                                    self.numerics)
+                                    self.numerics, compiled.options(cfg.numerics.compile))
         from pipeq.control.driver import ProcessBackend
 
         return ProcessBackend(checks.process_payloads(model, schedule), RunSetup(cfg, self.numerics, self.tp_plans),

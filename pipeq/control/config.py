@@ -20,7 +20,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from pipeq import schedules
 from pipeq.schedules import SchedulePolicy
@@ -75,6 +75,19 @@ class NumericsConfig:
             target elements and none is ignored) or ``"sample"`` (its rows). Any loss, a plain
             function too; a sum-reduced one is added up either way. See
             :mod:`pipeq.stage.loss`.
+        compile: True, or a dict of ``torch.compile`` keyword arguments (``backend``, ``mode``,
+            ``dynamic``, ``fullgraph``, ``options``), ``cache_dir`` and ``mark_dynamic`` (default
+            True: the inputs' batch and length dimensions are dynamic from the first compile, so a
+            new length does not recompile; False: torch's automatic dynamic shapes, static until a
+            length changes, then one recompile): each stage process compiles its
+            stage with ``torch.compile`` once it is on its device (a ``pipeq.split`` stage: its graph,
+            not pipeq's wrapper), keeping the module's own parameter names. ``cache_dir``: torch's
+            compile cache (inductor's and AOTAutograd's), shared by the stage processes and kept
+            across runs (default: torch's own, ``TORCHINDUCTOR_CACHE_DIR`` or
+            ``/tmp/torchinductor_<user>``; ``pipeq launch``: ``OUT/compile-cache``). Every built-in
+            schedule runs compiled stages; the split-backward ones compute a compiled stage's whole
+            backward at its ``I`` (see the splitting guide's "Compiled stages"). ``runner.stats()``
+            reports each stage's compile time and recompiles. False: eager.
 
     Precision, clipping, check_finite and recompute run with fill-drain, 1F1B, ZB-H1 and your own
     schedules (interlocking, async and AL compute their own way); loss_weighting with every schedule.
@@ -86,11 +99,15 @@ class NumericsConfig:
     check_finite: bool | str = False
     recompute: bool | Sequence[bool] = False
     loss_weighting: str = "token"
+    compile: bool | Mapping[str, Any] = False
 
     def __post_init__(self) -> None:
+        from pipeq.stage.compiled import options
+
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting must be 'token' (each microbatch's loss weighted by its target's "
                              f"tokens) or 'sample' (by its rows), got {self.loss_weighting!r}")
+        options(self.compile)  # checked now: a ValueError names what is wrong
 
 
 @dataclass(frozen=True)
@@ -322,6 +339,9 @@ class RunConfig:
             raise ValueError(
                 f"queue_capacity={cap!r} is too small: a stage may hold every microbatch of a "
                 f"step, so it must be an integer >= microbatches ({m})")
+        if self.numerics.compile not in (False, None) and self.placement.tensor_parallel > 1:
+            raise ValueError("compile: not with tensor_parallel (torch.compile of DTensor-sharded stages is not "
+                             "supported here yet): run the shards eager, or compile without tensor_parallel")
         if self.trace is not None and (not isinstance(self.trace, (str, os.PathLike))
                                        or self.placement.mode != "process"):
             raise ValueError(

@@ -27,6 +27,7 @@ from pipeq.control import forkserver
 from pipeq.control.main_guard import starting_stages
 from pipeq.control.stage_handle import StageHandle
 from pipeq import schedules
+from pipeq.stage import compiled
 from pipeq.stage.spec import StageBuilder
 from pipeq.stage.numerics import Numerics
 from pipeq.wire.security import WireAuth
@@ -115,7 +116,7 @@ class RunSetup:
             queue_capacity=config.queue_capacity, max_frame_bytes=config.wire.max_message_mb << 20,
             heartbeat_interval=config.fault.heartbeat_interval, spin_s=config.wire.spin,
             shm_slots=config.wire.shm_slots, trace=self.traced() if traced is None else traced,
-            numerics=self.numerics)
+            numerics=self.numerics, compile=compiled.options(config.numerics.compile))
 
     def with_security(self, tcp_security: str) -> "RunSetup":
         """This setup with another ``tcp_security`` (a node's agent takes node 0's)."""

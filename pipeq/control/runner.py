@@ -28,7 +28,7 @@ from torch import nn
 
 from pipeq import schedules
 from pipeq.control import evaluation
-from pipeq.control.assembly import BackendPlan, configure, signature
+from pipeq.control.assembly import BackendPlan, configure, signature, uncompiled
 from pipeq.control.config import RunConfig
 from pipeq.control.exclusive import CallGuard, exclusive
 from pipeq.control.pipeline import Pipeline
@@ -92,7 +92,8 @@ class PipelineRunner:
     Settings: every other keyword argument builds the run's :class:`~pipeq.RunConfig` (checked once, before
     anything starts); its default is in the signature, its meaning in the RunConfig part that holds it:
 
-    - :class:`~pipeq.NumericsConfig`: precision, clip_grad_norm, clip_norm_type, check_finite, recompute, loss_weighting
+    - :class:`~pipeq.NumericsConfig`: precision, clip_grad_norm, clip_norm_type, check_finite, recompute, loss_weighting,
+      compile
     - :class:`~pipeq.WireConfig`: transport, host, tcp_security, max_message_mb, shm_slots, queue_capacity, spin
     - :class:`~pipeq.FaultConfig`: heartbeat_interval, heartbeat_timeout, step_timeout, start_timeout,
       stop_timeout, fault_tolerance
@@ -121,7 +122,8 @@ class PipelineRunner:
                  balance: Sequence[int] | None = None, ties: Sequence[Sequence[str]] | None = None,
                  rendezvous: Rendezvous | None = None, **settings: Any) -> None:
         self._guard = CallGuard()  # one thread at a time (pipeq.control.exclusive)
-        self.config = cfg = configure(config, schedule, microbatches, settings)
+        stages, cfg = uncompiled(stages, configure(config, schedule, microbatches, settings))
+        self.config = cfg
         plan = BackendPlan.of(stages, loss_fn, optimizer, cfg, lr_scheduler=lr_scheduler, aux_heads=aux_heads,
                               lr_scheduler_interval=lr_scheduler_interval, aux_loss=aux_loss, balance=balance,
                               ties=ties, rendezvous=rendezvous)
@@ -303,8 +305,9 @@ class PipelineRunner:
         set; ``memory`` says which), ``skipped_steps`` (steps skipped for non-finite gradients:
         ``precision="fp16"``, ``check_finite="skip"``), ``recompute`` and ``shm_waits`` (how often
         one of the stage's sends found every shared-memory slot of its channel in use: raise
-        ``shm_slots`` if it grows). In simulated mode the peak is this process's; with
-        ``tensor_parallel``, shard 0's (each shard holds its own part of the stage)."""
+        ``shm_slots`` if it grows), ``compile_s``, ``compiles``, ``recompiles``, ``graph_breaks`` and
+        ``compile_cache_hits`` (``compile``: see pipeq.stage.compiled; 0 when eager). In simulated mode the
+        peak is this process's; with ``tensor_parallel``, shard 0's (each shard holds its own part)."""
         return self._pipeline.live().stats(reset_peak)
 
     @exclusive

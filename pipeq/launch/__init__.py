@@ -24,7 +24,10 @@ across batches; it drains only before an evaluation, a checkpoint and the end), 
                                  step's own), samples_per_s_avg (over the last 20 steps: what the
                                  progress shows), lr (the learning rate the step trained with), and
                                  eval_loss / eval_accuracy / eval_NAME (the job's metrics) where
-                                 evaluated
+                                 evaluated; with ``compile``, the last step's line holds each
+                                 stage's compile figures (``compile``: runner.stats()'s)
+    compile-cache/               with ``compile``: torch's compile cache, shared by the stage
+                                 processes and kept for restarts and later runs
 
 Epochs: messages count them from 1 (the first epoch is epoch 1); metrics.jsonl's ``epoch`` field
 and a checkpoint's counts them from 0, as the job's ``data(epoch)`` receives them.

@@ -15,6 +15,7 @@ from pipeq.launch.signals import StopSignals
 from pipeq.launch.snapshots import Snapshots
 from pipeq.launch.stream import EpochEnd, StepDone, train_steps
 from pipeq.launch.tensorboard import Board
+from pipeq.stage.compiled import NO_COMPILE_FIGURES
 
 __all__ = ["TrainingLoop"]
 
@@ -121,11 +122,25 @@ class TrainingLoop:
             self.last_eval = self.evaluator.run(self.runner)
             if self.last is None and self.tally.samples:  # data ran out before a step count: a line of its own
                 self.last = {"step": self.step, "epoch": self.pos[0]}
+        compiled = self._compile_figures()
         if self.last is not None:
             self.last.update(self.last_eval)
+            if compiled is not None:
+                self.last["compile"] = compiled
             self._write(self.last)
             if "loss" in self.last:
                 self.progress.report(self.last)
+
+    def _compile_figures(self) -> list[dict[str, Any]] | None:
+        """With ``compile``: each stage's compile figures (``runner.stats()``), logged, for the last
+        step's metrics.jsonl line; None without."""
+        if self.job.compile is False:
+            return None
+        figures = [{k: s[k] for k in NO_COMPILE_FIGURES} for s in self.runner.stats()]
+        self.log("compiled stages: " + "; ".join(
+            f"stage {k}: {f['compile_s']:.1f} s compiling, {f['compiles']} graph(s), {f['recompiles']} recompile(s), "
+            f"{f['compile_cache_hits']} cache hit(s)" for k, f in enumerate(figures)))
+        return figures
 
     def _write(self, line: dict[str, Any]) -> None:
         """A step's line, to metrics.jsonl and TensorBoard's pending scalars."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipeq.runtime.faults import Fault
+from pipeq.stage.compiled import CompileOptions
 from pipeq.stage.numerics import Numerics
 from pipeq.wire import shm
 from pipeq.wire.security import WireAuth
@@ -34,6 +35,7 @@ class StageSettings:
     shm_slots: int  # ipc: shared-memory slots per data channel (pipeq.wire.shm); 0: ZeroMQ frames only
     trace: bool  # record every action (pipeq.trace)
     numerics: Numerics  # precision, clipping, checks (pipeq.stage.numerics)
+    compile: CompileOptions | None  # torch.compile each stage (pipeq.stage.compiled); None: eager
 
 
 @dataclass(frozen=True)

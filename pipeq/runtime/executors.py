@@ -12,11 +12,13 @@ with a schedule or a split that cannot sum them (:func:`pipeq.stage.tie_groups.r
 
 from __future__ import annotations
 
+import dataclasses
 
 import torch
 
 from pipeq.schedules.protocol import SchedulePolicy
 from pipeq.schedules.registry import resolve
+from pipeq.stage.compiled import CompileOptions, compile_stage, unwrap
 from pipeq.stage.executor import StageExecutor
 from pipeq.stage.numerics import Numerics
 from pipeq.stage.spec import StageBuilder, StageSpec
@@ -26,10 +28,16 @@ __all__ = ["StageSpec", "StageBuilder", "make_executor"]
 
 
 def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, spec: StageSpec, device: torch.device,
-                  numerics: Numerics | None = None, sharded: bool = False) -> StageExecutor:
+                  numerics: Numerics | None = None, sharded: bool = False,
+                  compile: CompileOptions | None = None) -> StageExecutor:
     """Stage ``index``'s executor; ``numerics`` (precision, clipping...) apply to plain backprop's
     (the runner refuses them with the other schedules). ``sharded``: the module is split over
-    its tensor-parallel shards (plain backprop only: pipeq.parallel.tensor)."""
+    its tensor-parallel shards (plain backprop only: pipeq.parallel.tensor). ``compile``: the
+    stage's module is compiled, once on its device (:mod:`pipeq.stage.compiled`)."""
+    module, compiled_here = unwrap(spec.module)  # a recipe's stage compiled in the stage process
+    if compiled_here:
+        spec = dataclasses.replace(spec, module=module)
+        compile = compile or CompileOptions()
     refuse_ties(resolve(schedule), [spec.module], first=index, sharded=sharded)
     if sharded:
         from pipeq.parallel.tensor import ShardedStageExecutor
@@ -40,4 +48,6 @@ def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, s
         ex = StageExecutor(index, n_stages, spec, device)
         if numerics is not None:
             ex.set_numerics(numerics)
+    if compile is not None:
+        ex.compile_watch = compile_stage(ex.module, compile)
     return ex

@@ -25,6 +25,7 @@ from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import ChunkBatch, ChunkError, ProcessPlan, execute
 from pipeq.runtime.requests import Emit, Recv, Send, SwapTies
 from pipeq.stage.microbatch import rewrap
+from pipeq.stage.compiled import CompileOptions
 from pipeq.stage.numerics import Numerics
 from pipeq.schedules import Op, ScheduleFn
 from pipeq.schedules.plan import process_stages
@@ -53,11 +54,12 @@ class SimulatedBackend:
     """Every stage's executor in this process, each built from a private copy of its spec."""
 
     def __init__(self, specs: Sequence[StageSpec], schedule: "str | ScheduleFn", device: str = "cpu",
-                 numerics: Numerics | None = None) -> None:
+                 numerics: Numerics | None = None, compile: CompileOptions | None = None) -> None:
+        """``compile``: each stage's module compiled (:mod:`pipeq.stage.compiled`), in this process."""
         self.schedule = schedule
         n = len(specs)
         dev = torch.device(device)
-        self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev, numerics)
+        self.executors = [make_executor(schedule, k, n, copy.deepcopy(spec), dev, numerics, compile=compile)
                           for k, spec in enumerate(specs)]
         # the stages each process holds (virtual stages: several), by chunk
         self.groups = process_stages(schedule, n)

@@ -163,7 +163,7 @@ def _make_chunk(cfg: WorkerConfig, c: int, chunk: ChunkConfig, payload: Any, tra
         tensorpar.check_stage(chunk.stage, spec.module, chunk.tp_plan, cfg.shards)
         spec = dataclasses.replace(spec, module=tensorpar.parallelize(spec.module.to(device), chunk.tp_plan, mesh))
     executor = make_executor(cfg.schedule, chunk.stage, cfg.n_stages, spec, device, cfg.settings.numerics,
-                             sharded=cfg.shards > 1)
+                             sharded=cfg.shards > 1, compile=cfg.settings.compile)
     executor.keep_on_device = transport.device_payloads  # CUDA IPC to the neighbours
     links = PeerLinks(transport.stages[c], transport.senders[c], cfg.bind, executor, stage=chunk.stage,
                       replica=cfg.replica, replicas=cfg.replicas, shard=cfg.shard, shards=cfg.shards,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -152,6 +153,7 @@ def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, An
     it (:mod:`pipeq.split.dims`). The model itself is left as it was."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"pipeq.split splits an nn.Module, got {type(model).__name__}")
+    model = _original(model)
     groups = declared_groups(model, ties)
     if modules is not None:
         if n_stages is not None and n_stages != len(modules) or split_points is not None or balance is not None \
@@ -177,6 +179,17 @@ def split(model: nn.Module, example_args: Any = (), example_kwargs: dict[str, An
         set_info(stages[-1], returns=own_mapping(flow.out_spec.type))
     tie_stages(stages, groups)
     return stages
+
+
+def _original(model: nn.Module) -> nn.Module:
+    """A model compiled before the split (``torch.compile(model)``): its original module, which
+    torch.export traces (Dynamo cannot trace a compiled one), with a warning saying how stages compile."""
+    while hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        warnings.warn("pipeq.split: the model given was compiled (torch.compile): its original module is split. "
+                      "To compile the stages, split the plain model and pass compile=True to the runner (each "
+                      "stage process compiles its own stage)", stacklevel=4)
+        model = model._orig_mod
+    return model
 
 
 class _CallableModule(types.ModuleType):

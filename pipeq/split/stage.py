@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -96,9 +96,10 @@ class GraphStage(nn.Module):
             if isinstance(args[i], torch.Tensor):
                 args[i] = int(args[i])
         if self.training or self._eval is None:
-            out = type(self._graph).forward(self, *args)
+            run = self.__dict__.get("_compiled") or type(self._graph).forward
+            out = run(self, *args)
         else:
-            out = self._eval(*args)
+            out = (self.__dict__.get("_compiled_eval") or self._eval)(*args)
         if flow.picks:
             env.update((name, out[i]) for name, i in zip(flow.produces, flow.picks))
         else:
@@ -114,6 +115,20 @@ class GraphStage(nn.Module):
         every batch, before anything is sent."""
         if self.limits:
             check_limits(self.index, self.limits, inputs)
+    def pipeq_compile(self, compile: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Compile the stage's graph code with ``compile`` (:func:`pipeq.stage.compiled.compile_stage`),
+        not this wrapper (whose sizes sent as tensors would break the graph): its ``forward`` then
+        calls the compiled code with the sizes as ints (the eval graph's too)."""
+        self.__dict__["_compiled"] = compile(type(self._graph).forward)  # its own code: its own compiled entries
+        if self._eval is not None:
+            self.__dict__["_compiled_eval"] = compile(self._eval.forward)
+
+    def __getstate__(self) -> dict:
+        """Pickled without what :meth:`pipeq_compile` compiled (a stage process compiles its own)."""
+        state = dict(super().__getstate__())
+        state.pop("_compiled", None)
+        state.pop("_compiled_eval", None)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         """Unpickled (in a stage process): torch.fx rebuilds each graph from its code, which turns

@@ -7,6 +7,7 @@ an executor alike. Its modules:
     step.py           Stepper: the optimizer step, clipping, loss scaling, the replicas' sync
     backprop.py       Backprop: the backward, whole (B) or as input and weight gradients (I, W)
     grad_graph.py     where a split backward's weight gradients start
+    compiled.py       torch.compile of a stage in its process, and what compiling it cost
     state.py          StateIO: state tensors, checkpoint layout, snapshots and restores
     spec.py           StageSpec and StageBuilder: what a stage is built from
     info.py           what a stage module says of itself (StageInfo, Tie)
@@ -19,5 +20,5 @@ an executor alike. Its modules:
     transfer.py       host copies; ordered_sum, the one ordered sum
 """
 
-__all__ = ["backprop", "executor", "grad_graph", "info", "loss", "lr_schedulers", "microbatch", "numerics", "spec",
-           "state", "step", "tie_groups", "ties", "transfer"]
+__all__ = ["backprop", "compiled", "executor", "grad_graph", "info", "loss", "lr_schedulers", "microbatch",
+           "numerics", "spec", "state", "step", "tie_groups", "ties", "transfer"]

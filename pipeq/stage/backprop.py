@@ -14,6 +14,10 @@ parameter gradients, not the activation gradients ``I`` computed already. Each p
 gradient arrives as under ``B``: the same sums, accumulated in the same order, so ``I`` then ``W``
 gives ``B``'s bits.
 
+A compiled stage's backward is one node (``torch.compile``'s), computing the input and the
+weight gradients together: its ``I`` runs the whole backward and its ``W`` has nothing left to do
+(:func:`pipeq.stage.grad_graph.compiled_node`), the same numbers as ``B``.
+
 Stage 0 has no input gradient: its ``I`` only keeps what the ``W`` needs, and its ``W`` is the
 whole backward (so is a stage's whose inputs need no gradient). With recomputation the ``I``
 recomputes the forward and the ``W`` uses that graph. Gradients are final after the step's last
@@ -91,7 +95,9 @@ class Backprop:
         """``B j``: microbatch ``j``'s backward from ``outs`` (its outputs; the last stage: its
         scaled loss, or None) given ``grads`` (the next stage's), its parameter gradients
         accumulated; returns the gradients of its input ``leaves`` (None on stage 0)."""
-        roots, gs = self._roots(j, outs, grads)
+        return self._whole(*self._roots(j, outs, grads), leaves)
+
+    def _whole(self, roots: list[torch.Tensor], gs: list[Any], leaves: Tensors) -> Tensors | None:
         if roots:
             engine_backward(roots, gs)  # torch.autograd.backward(roots, gs), less its Python
         if self.is_first:
@@ -115,6 +121,9 @@ class Backprop:
             self.pending[j] = [WeightCall(roots, gs, params)] if roots and params else []
             return None if self.is_first else tuple(torch.zeros_like(t) for t in need)
         plan = plan_weights(roots, gs, need, params)
+        if plan.whole:  # a compiled stage: I computes its weight gradients too, W has nothing left
+            self.pending[j] = []
+            return self._whole(roots, gs, leaves)
         got = engine_grad(roots, gs, [*need, *plan.captures])
         self.pending[j] = plan.calls(got[len(need):])
         return tuple((g if g is not None else torch.zeros_like(t)).detach() for g, t in zip(got, need))

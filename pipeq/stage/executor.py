@@ -31,6 +31,7 @@ from torch import nn
 from pipeq.errors import StageComputeError, error_line
 from pipeq.stage import microbatch
 from pipeq.stage.backprop import Backprop
+from pipeq.stage.compiled import NO_COMPILE_FIGURES, CompileWatch
 from pipeq.stage.loss import step_weights, weighted_loss
 from pipeq.stage.microbatch import describe
 from pipeq.stage.numerics import Numerics, StepStats, all_finite, peak_memory
@@ -288,11 +289,16 @@ class StageExecutor:
         """Called after each backward (B, or W): after the step's last, the replicas' all-reduce starts."""
         self.stepper.backward_done()
 
+    #: the stage's compiled functions and their compile figures (pipeq.stage.compiled), None: eager
+    compile_watch: CompileWatch | None = None
+
     def stats(self, reset: bool = False) -> dict[str, Any]:
         """Peak memory since the last reset (see :func:`pipeq.stage.numerics.peak_memory`), the
-        optimizer steps skipped for non-finite gradients and whether the stage recomputes."""
+        optimizer steps skipped for non-finite gradients, whether the stage recomputes, and what
+        compiling it cost (:meth:`pipeq.stage.compiled.CompileWatch.figures`)."""
+        watch = self.compile_watch
         return {**peak_memory(self.device, reset), "skipped_steps": self.stepper.skipped_steps,
-                "recompute": self.recompute}
+                "recompute": self.recompute, **(watch.figures() if watch is not None else NO_COMPILE_FIGURES)}
 
     # -- transfer to the CPU ---------------------------------------------------------------
     #: the transport takes device tensors as they are (CUDA IPC on one host: pipeq.wire.shm)

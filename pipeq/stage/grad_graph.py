@@ -30,7 +30,8 @@ import torch
 from torch.autograd import graph as _graph
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightCall", "WeightPlan", "engine_backward", "engine_grad", "plan_weights", "run_weight_calls"]
+__all__ = ["WeightCall", "WeightPlan", "compiled_node", "engine_backward", "engine_grad", "plan_weights",
+           "run_weight_calls"]
 
 Roots = tuple[list[torch.Tensor], list[Any]]  # what a backward starts from: tensors, their gradients
 
@@ -94,11 +95,13 @@ class WeightPlan:
     """The groups of a microbatch's parameters: ``I`` differentiates with respect to
     :attr:`captures` as well as the inputs, and :meth:`calls` makes the ``W`` of what they got."""
 
-    def __init__(self, groups: list[_Group], captures: list[GradientEdge], roots: Roots) -> None:
+    def __init__(self, groups: list[_Group], captures: list[GradientEdge], roots: Roots, whole: bool = False) -> None:
         self.groups = groups
         #: the entries' input slots, whose gradients ``I`` keeps
         self.captures = captures
         self._roots = roots if any(g.chain for g in groups) else None
+        #: an entry is a compiled graph's backward (:func:`compiled_node`): ``I`` runs the whole backward
+        self.whole = whole
 
     def calls(self, got: Sequence[Any]) -> list[WeightCall]:
         """The ``W``, given what ``I`` got at :attr:`captures`: one call per group that has a
@@ -117,6 +120,16 @@ class WeightPlan:
             if edges:
                 out.append(WeightCall(edges, grads, g.params))
         return out
+
+
+def compiled_node(node: Node) -> bool:
+    """Whether ``node`` is a compiled graph's backward (``torch.compile``: AOTAutograd's
+    ``CompiledFunctionBackward``): one node that computes the gradients of all its inputs, the
+    stage's inputs' and its parameters' together. Its parameter side cannot run apart from its
+    input side (capturing the gradients at its inputs and running it again would compute both
+    twice, and torch does not give a compiled backward's input gradients right when its inputs are
+    captured), so a split backward through one computes everything at ``I``."""
+    return type(node).__name__.startswith("CompiledFunction")
 
 
 def _find(parent: dict[Node, Node], n: Node) -> Node:
@@ -201,6 +214,8 @@ def plan_weights(roots: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Se
     root_edges = [GradientEdge(r.grad_fn, r.output_nr) if r.grad_fn is not None else get_gradient_edge(r)
                   for r in roots]
     graph = _walk([e.node for e in root_edges], {id(t) for t in inputs}, {id(p): p for p in params})
+    if any(compiled_node(n) for n in graph.entries):
+        return WeightPlan([], [], (list(roots), list(grads)), whole=True)
     parent = graph.parent
     groups: dict[Node, _Group] = {}
     for node, p in graph.found:

@@ -424,13 +424,18 @@ class Lrs(Payload):
 
 @_control(Kind.STATS)
 class Stats(Payload):
-    """StageExecutor.stats (peak memory, skipped steps, recompute) and the shared-memory waits."""
+    """StageExecutor.stats (peak memory, skipped steps, recompute, compile figures) and the shared-memory waits."""
 
     peak_bytes: int | None = wire(nullable(COUNT))
     memory: str = wire(TEXT)
     skipped_steps: int = wire(COUNT)
     recompute: bool = wire(FLAG)
     shm_waits: int = wire(COUNT)
+    compile_s: float = wire(FLOAT)  # torch.compile: seconds compiling (pipeq.stage.compiled)
+    compiles: int = wire(COUNT)  # graphs compiled
+    recompiles: int = wire(COUNT)  # compiles after a compiled function's first
+    graph_breaks: int = wire(COUNT)
+    compile_cache_hits: int = wire(COUNT)  # inductor's and AOTAutograd's cache hits
 
 
 @_control(Kind.ERROR)

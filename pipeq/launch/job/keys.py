@@ -192,6 +192,9 @@ KEYS: dict[str, Key] = {
                           "training"),
     "recompute": Key((bool, list), RUN, "recompute each stage's forward in its backward (or one boolean per "
                      "stage): less activation memory", "numerics"),
+    "compile": Key((bool, dict), RUN, "torch.compile each stage in its process: true, or a table of torch.compile's "
+                   "arguments (backend, mode, dynamic, fullgraph, options), cache_dir (default: OUT/compile-cache, "
+                   "kept across restarts and runs) and mark_dynamic", "numerics"),
 }
 
 KEYS = {name: dataclasses.replace(key, default=LAUNCH_DEFAULTS[name][0] if name in LAUNCH_DEFAULTS

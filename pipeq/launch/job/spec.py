@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -70,6 +71,7 @@ class Job:
     check_finite: bool | str = field_of("check_finite")
     recompute: bool | list[bool] = field_of("recompute")
     loss_weighting: str = field_of("loss_weighting")
+    compile: bool | dict[str, Any] = field_of("compile")
     path: str = ""
 
     def data_fn(self) -> Callable[..., Iterable]:
@@ -136,7 +138,7 @@ class Job:
         return RunConfig(
             self.schedule, self.microbatches, self.trace,
             NumericsConfig(self.precision, self.clip_grad_norm, self.clip_norm_type, self.check_finite,
-                           self.recompute, self.loss_weighting),
+                           self.recompute, self.loss_weighting, self.compile_setting()),
             WireConfig(tcp_security=self.tcp_security, max_message_mb=self.max_message_mb, shm_slots=self.shm_slots),
             FaultConfig(heartbeat_timeout=self.heartbeat_timeout, step_timeout=self.step_timeout or None,  # 0: off
                         start_timeout=self.start_timeout, fault_tolerance=self.fault_tolerance),
@@ -144,6 +146,15 @@ class Job:
                             placement=self.placement, data_parallel=self.data_parallel, tensor_parallel=tp,
                             tp_plan=self.tp_plan if tp > 1 else None,  # --tensor-parallel 1: no plan
                             stages_per_process=self.stages_per_process))
+
+    def compile_setting(self) -> bool | dict[str, Any]:
+        """The job's ``compile``, its cache in the run directory (``OUT/compile-cache``: shared by the
+        stage processes, kept across restarts and later runs) unless the job names one."""
+        if self.compile is False:
+            return False
+        given = {} if self.compile is True else dict(self.compile)
+        given.setdefault("cache_dir", os.path.join(self.out, "compile-cache"))
+        return given
 
     def check(self) -> None:
         """Resolve what the driver calls (data, eval_data, metrics) and check their arguments,

@@ -57,6 +57,11 @@ class ALLayer(nn.Module):
     def forward(self, *s: Any) -> Any:
         return self.f(*s)
 
+    def pipeq_compile(self, compile: Any) -> None:
+        """Compiled stages (``compile=True``): each of f, b, g, h, which AL's executor calls apart."""
+        for part in (self.f, self.b, self.g, self.h):
+            part.forward = compile(part.forward)
+
 
 def label_input(g: nn.Module) -> tuple[str, int]:
     """What layer 1's ``g`` reads: ``("onehot", classes)`` when its first Linear / Embedding is a
