@@ -301,13 +301,11 @@ class PipelineRunner:
     @exclusive
     def stats(self, reset_peak: bool = False) -> list[dict[str, Any]]:
         """One dict per stage: ``peak_bytes``, the stage's peak memory since the start or the
-        last ``reset_peak=True`` (CUDA: allocated bytes; CPU: the stage process's peak resident
-        set; ``memory`` says which), ``skipped_steps`` (steps skipped for non-finite gradients:
-        ``precision="fp16"``, ``check_finite="skip"``), ``recompute`` and ``shm_waits`` (how often
-        one of the stage's sends found every shared-memory slot of its channel in use: raise
-        ``shm_slots`` if it grows), ``compile_s``, ``compiles``, ``recompiles``, ``graph_breaks`` and
-        ``compile_cache_hits`` (``compile``: see pipeq.stage.compiled; 0 when eager). In simulated mode the
-        peak is this process's; with ``tensor_parallel``, shard 0's (each shard holds its own part)."""
+        last ``reset_peak=True`` (CUDA: allocated bytes; CPU: the stage process's peak resident set;
+        ``memory`` says which), ``skipped_steps`` (``precision="fp16"``, ``check_finite="skip"``), ``recompute``,
+        ``shm_waits`` (sends that found every shared-memory slot in use: raise ``shm_slots``) and, with ``compile``,
+        ``compile_s``, ``compiles``, ``recompiles``, ``graph_breaks``, ``compile_cache_hits`` (pipeq.stage.compiled).
+        In simulated mode the peak is this process's; with ``tensor_parallel``, shard 0's (each holds its part)."""
         return self._pipeline.live().stats(reset_peak)
 
     @exclusive
