@@ -5,15 +5,18 @@ Process p of N holds stage p (chunk 0) and stage 2N-1-p (chunk 1), as in ZBV, wi
 split into ``I`` and ``W``. The paper shows a device's peak activation memory is the lifespan of
 its passes divided by the interval between microbatches: ZBV keeps about 2N chunks (N
 microbatches, 1F1B's peak) in flight; holding fewer, at some bubble, gives V-Half (about half of
-1F1B's) and V-Min (about a third). Here the order comes from one list scheduler over that
-placement, in the spirit of the paper's greedy construction (not its building blocks): at unit costs, time step by time step, each
-process runs an ``I`` whose gradient has arrived (oldest first), else a forward of chunk 1, else a
-forward of chunk 0 (a new microbatch entering the process), else the oldest deferred ``W``; a
-forward runs only while the process's chunks in flight (forwarded, ``W`` not yet done) stay within
-a cap, :func:`v_cap`, a chunk 0 forward only while room is left for one more. So the oldest
-unfinished microbatch always finds room for its next forward (whatever a process holds besides
-is newer than it, and at most cap - 1 chunk 0s): no cap and no microbatch count deadlocks, and
-the peak is the cap. The order only has to respect the data dependencies, so any costs run it.
+1F1B's) and V-Min (about a third).
+
+Here the order comes from one list scheduler over that placement, in the spirit of the paper's
+greedy construction (not its building blocks): at unit costs, time step by time step, each
+process runs an ``I`` whose gradient has arrived (oldest first), else a forward of chunk 1, else
+a forward of chunk 0 (a new microbatch entering the process), else the oldest deferred ``W``. A
+forward runs only while the process's chunks in flight (forwarded, ``W`` not yet done) stay
+within a cap, :func:`v_cap`, and a chunk 0 forward takes the last chunk of room only if no
+microbatch on the process waits for its chunk 1 forward. So the oldest unfinished microbatch
+always finds room for its next forward (what a process holds besides is newer, and leaves it a
+chunk): no cap and no microbatch count deadlocks, and the peak is the cap. The order only has
+to respect the data dependencies, so any costs run it.
 
 Pure: no I/O.
 """
@@ -32,9 +35,9 @@ __all__ = ["v_cap", "v_memory", "VHalf", "VMin"]
 
 
 def v_cap(n_processes: int, divisor: int) -> int:
-    """The chunks a process may hold in flight: ``2N / divisor`` (1F1B's N microbatches are 2N
-    chunks) rounded up, and at least 2 (one microbatch's two chunks)."""
-    return max(2, -(-2 * n_processes // divisor))
+    """The chunks a process may hold in flight: ``2N / divisor`` (1F1B's peak, N microbatches, is
+    2N chunks) to the nearest whole chunk, and at least 2 (one microbatch's two chunks)."""
+    return max(2, (4 * n_processes + divisor) // (2 * divisor))
 
 
 class _Timeline:
@@ -88,9 +91,11 @@ def _pick(tl: _Timeline, p: int, t: int, cap: int, level: list[int], deferred: d
         tl.i_end[s][j], tl.ni[s] = t + 1, j + 1
         deferred.append((t + 1, j, c))
         return Action(Op.INPUT_GRAD, j, c)
+    # the last chunk of room goes to a chunk 0 forward only if no microbatch here waits for its chunk 1
+    waiting = tl.nf[tl.stage(p, 0)] > tl.nf[tl.stage(p, 1)]
     for c in (1, 0):
         s = tl.stage(p, c)
-        if tl.can_forward(s, t) and level[p] + 2 - c <= cap:
+        if tl.can_forward(s, t) and level[p] + 1 + (c == 0 and waiting) <= cap:
             j = tl.nf[s]
             tl.f_end[s][j], tl.nf[s] = t + 1, j + 1
             level[p] += 1
