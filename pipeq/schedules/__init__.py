@@ -50,7 +50,7 @@ from pipeq.schedules.plan import build, format_table, process_stages
 from pipeq.schedules.zero_bubble import ZBV, zb_h1, zb_h2, zbv
 from pipeq.schedules.interleaved import Interleaved1F1B, LoopedBFS, interleaved_1f1b, looped_bfs
 from pipeq.schedules.dualpipe import DualPipeV, dualpipev
-from pipeq.schedules.v_memory import VHalf, VMin, v_memory
+from pipeq.schedules.v_memory import VHalf, VMin, capped_v
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
 from pipeq.schedules.registry import (EXPORTS, SCHEDULES, NeedsOptions, from_label, get_schedule, is_research,
                                       loss_stages, options_of, output_stage, register, resolve, schedule_name,
@@ -62,7 +62,7 @@ __all__ = [
     "NeedsOptions", "SCHEDULES", "register", "resolve", "get_schedule", "from_label", "loss_stages",
     "output_stage", "is_research", "schedule_name", "options_of", "check_consistency", "dry_run", "build",
     "format_table", "process_stages", "ScheduleError", "taking_aux_heads", "zb_h2", "Interleaved1F1B", "LoopedBFS", "interleaved_1f1b",
-    "looped_bfs", "ZBV", "zbv", "DualPipeV", "dualpipev", "VHalf", "VMin", "v_memory",
+    "looped_bfs", "ZBV", "zbv", "DualPipeV", "dualpipev", "VHalf", "VMin", "capped_v",
 ]
 
 

@@ -31,7 +31,7 @@ from pipeq.schedules.basic import check_counts
 from pipeq.schedules.interleaved import chunk_steps
 from pipeq.schedules.protocol import SchedulePolicy
 
-__all__ = ["v_cap", "v_memory", "VHalf", "VMin"]
+__all__ = ["v_cap", "capped_v", "VHalf", "VMin"]
 
 
 def v_cap(n_processes: int, divisor: int) -> int:
@@ -62,7 +62,7 @@ class _Timeline:
                 and (s == 2 * self.n - 1 or 0 <= self.i_end[s + 1][j] <= t))
 
 
-def v_memory(n_processes: int, n_microbatches: int, cap: int) -> Schedule:
+def capped_v(n_processes: int, n_microbatches: int, cap: int) -> Schedule:
     """The list schedule described above: one list per process, at most ``cap`` chunks in flight
     on any process (``cap`` >= 2)."""
     check_counts(n_processes, n_microbatches)
@@ -117,7 +117,7 @@ class _VMemory(SchedulePolicy):
     def plan(self, n_stages: int, n_microbatches: int) -> Schedule:
         """One list per process (``n_stages`` is the number of processes N; 2N model stages)."""
         check_counts(n_stages, n_microbatches)
-        return v_memory(n_stages, n_microbatches, v_cap(n_stages, self.divisor))
+        return capped_v(n_stages, n_microbatches, v_cap(n_stages, self.divisor))
 
 
 class VHalf(_VMemory):

@@ -12,7 +12,7 @@ import pipeq.schedules as S
 from pipeq.errors import ScheduleError
 from pipeq.schedules import Action, Op
 from pipeq.schedules.choose import peak_memory
-from pipeq.schedules.v_memory import v_cap, v_memory
+from pipeq.schedules.v_memory import capped_v, v_cap
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -86,7 +86,7 @@ def test_names_refusals_and_the_table():
     assert [v_cap(n, 2) for n in (1, 2, 4, 8)] == [2, 2, 4, 8]
     assert [v_cap(n, 3) for n in (1, 2, 3, 4, 6, 8)] == [2, 2, 2, 3, 4, 5]
     with pytest.raises(ScheduleError, match="cap >= 2"):
-        v_memory(4, 8, 1)
+        capped_v(4, 8, 1)
     with pytest.raises(ScheduleError, match="at least one microbatch"):
         S.VHalf().plan(2, 0)
     with pytest.raises(ScheduleError, match="3 stages do not divide"):
