@@ -15,6 +15,7 @@ any schedule that would deadlock. Nothing here does I/O.
     placement.py virtual stages: which model stages a process holds (looped, V)
     interleaved.py  interleaved 1F1B and looped BFS (v stages per process, looped)
     dualpipe.py  DualPipeV (DeepSeek's DualPipe in a V)
+    v_memory.py  V-Half and V-Min (a V under a cap on activations in flight: 1/2, 1/3 of 1F1B's)
     protocol.py  SchedulePolicy (what the runtime asks of a schedule), FunctionSchedule
     registry.py  SCHEDULES by name, register(), resolve()
     bubbles.py   each built-in schedule's bubble in closed form (printed beside its dry run)
@@ -49,6 +50,7 @@ from pipeq.schedules.plan import build, format_table, process_stages
 from pipeq.schedules.zero_bubble import ZBV, zb_h1, zb_h2, zbv
 from pipeq.schedules.interleaved import Interleaved1F1B, LoopedBFS, interleaved_1f1b, looped_bfs
 from pipeq.schedules.dualpipe import DualPipeV, dualpipev
+from pipeq.schedules.v_memory import VHalf, VMin, capped_v
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
 from pipeq.schedules.registry import (EXPORTS, SCHEDULES, NeedsOptions, from_label, get_schedule, is_research,
                                       loss_stages, options_of, output_stage, register, resolve, schedule_name,
@@ -60,7 +62,7 @@ __all__ = [
     "NeedsOptions", "SCHEDULES", "register", "resolve", "get_schedule", "from_label", "loss_stages",
     "output_stage", "is_research", "schedule_name", "options_of", "check_consistency", "dry_run", "build",
     "format_table", "process_stages", "ScheduleError", "taking_aux_heads", "zb_h2", "Interleaved1F1B", "LoopedBFS", "interleaved_1f1b",
-    "looped_bfs", "ZBV", "zbv", "DualPipeV", "dualpipev",
+    "looped_bfs", "ZBV", "zbv", "DualPipeV", "dualpipev", "VHalf", "VMin", "capped_v",
 ]
 
 

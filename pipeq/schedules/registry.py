@@ -14,6 +14,7 @@ from pipeq.schedules.basic import fill_drain, one_f_one_b
 from pipeq.schedules.dualpipe import DualPipeV
 from pipeq.schedules.interleaved import Interleaved1F1B, LoopedBFS
 from pipeq.schedules.protocol import FunctionSchedule, SchedulePolicy
+from pipeq.schedules.v_memory import VHalf, VMin
 from pipeq.schedules.zero_bubble import ZBV, zb_h1, zb_h2
 
 __all__ = ["SCHEDULES", "NeedsOptions", "register", "resolve", "get_schedule", "from_label", "schedule_name",
@@ -61,6 +62,8 @@ SCHEDULES: dict[str, "SchedulePolicy | NeedsOptions"] = {
     "looped-bfs": LoopedBFS(),  # breadth-first; { stages_per_process = v }
     "zbv": ZBV(),  # zero bubble in a V (arXiv 2401.10241)
     "dualpipev": DualPipeV(),  # DeepSeek's DualPipe in a V (arXiv 2412.19437)
+    "v-half": VHalf(),  # a V at half of 1F1B's activation memory (arXiv 2405.15362)
+    "v-min": VMin(),  # a V at a third of 1F1B's activation memory (arXiv 2405.15362)
 }
 """Every schedule name pipeq knows, and the schedule it names (``pipeq schedule NAME`` prints its plan)."""
 #: Names plug-ins add to :mod:`pipeq.schedules` (their schedule classes), by name.

@@ -37,7 +37,8 @@ def test_data_parallel_2_with_clipping_equals_full_batch_training(schedule, n):
         torch.testing.assert_close(state[name], ref, atol=1e-9, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("schedule,n", [("dualpipev", 4), ("interleaved-1f1b", 4), ("looped-bfs", 4), ("zb-h2", 3)])
+@pytest.mark.parametrize("schedule,n", [("dualpipev", 4), ("interleaved-1f1b", 4), ("looped-bfs", 4), ("zb-h2", 3),
+                                        ("v-half", 4), ("v-min", 6)])
 def test_uneven_microbatches_equal_one_process_and_every_stage_is_traced(schedule, n, tmp_path):
     stages = stages64(n)
     batches = batches64(2)  # 4 microbatches of 3, 3, 2, 2

@@ -20,8 +20,9 @@ from runner_cases import run as run_runner
 pytestmark = pytest.mark.timeout(120)
 
 SGD64 = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-#: (schedule, stages given): two processes each
-CASES = [("interleaved-1f1b", 4), ("looped-bfs", 4), ("zbv", 4), ("dualpipev", 4), ("zb-h2", 2)]
+#: (schedule, stages given): two processes each, but v-half's four and v-min's three (their caps differ there)
+CASES = [("interleaved-1f1b", 4), ("looped-bfs", 4), ("zbv", 4), ("dualpipev", 4), ("zb-h2", 2), ("v-half", 8),
+         ("v-min", 6)]
 
 
 @pytest.mark.parametrize("schedule,n", CASES)
