@@ -44,9 +44,8 @@ def stage0_inputs(module: nn.Module | None) -> tuple[tuple[str, ...] | None, boo
     as its one argument, and whether it needs every one of them (a traced split's stage 0)."""
     if module is None:
         return None, True, False
-    flow = getattr(module, "flow", None)
-    receives = getattr(flow, "receives", None)
-    if type(module).__name__ == "GraphStage" and isinstance(receives, tuple):
+    receives = getattr(module, "model_inputs", None)  # pipeq.split's stage 0 (GraphStage.model_inputs)
+    if isinstance(receives, tuple) and receives:
         return receives, False, True
     try:
         params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind in _POSITIONAL]

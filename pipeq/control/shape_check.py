@@ -192,7 +192,7 @@ class TracedSizes:
         stages = [m for m in modules or () if getattr(m, "limits", None) and hasattr(m, "check_sizes")]
         self.stages = stages
         first = modules[0] if modules else None
-        self.first: tuple[str, ...] = tuple(getattr(getattr(first, "flow", None), "receives", ()) or ())
+        self.first: tuple[str, ...] = tuple(getattr(first, "model_inputs", ()) or ())  # GraphStage.model_inputs
 
     def check(self, x: Any, stage_inputs: Any) -> None:
         """Check ``x`` (stage 0's positional inputs: one value, or a tuple of them) and the

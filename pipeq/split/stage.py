@@ -109,6 +109,12 @@ class GraphStage(nn.Module):
             return _unflatten(values, self.out_spec)
         return tuple(torch.tensor(v) if isinstance(v, int) else v for v in values)
 
+    @property
+    def model_inputs(self) -> tuple[str, ...]:
+        """The model's positional inputs this stage takes, by name, in order: stage 0's (the
+        driver's ``x``); none for a later stage, which takes what the stage before sends."""
+        return self.flow.receives if self.index == 0 else ()
+
     def check_sizes(self, inputs: dict[str, Any]) -> None:
         """Refuse (ValueError) a model input, by name, of a size beyond dim 0 that this stage's
         trace does not hold (:func:`pipeq.split.dims.check_limits`); the driver calls it too, on
