@@ -27,7 +27,7 @@ from torch import fx, nn
 from pipeq.split import dims
 
 __all__ = ["Flow", "StageFlow", "trace_stages", "mark_constants", "mark_non_persistent", "unsaved_buffers",
-           "UntraceableModel"]
+           "move_graphs", "UntraceableModel"]
 
 FALLBACK = ("split by module names instead: pipeq.split(model, modules=[[names of stage 0's modules], "
             "[stage 1's], ...]) runs the model's own forward on each stage")
@@ -115,6 +115,33 @@ def mark_non_persistent(module: nn.Module, model: nn.Module | None = None, names
             except AttributeError:  # not a module of the model's (a lifted constant)
                 continue
         module.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
+
+
+def move_graphs(graphs: Sequence[nn.Module], device: torch.device) -> bool:
+    """Point every device the trace burnt into the code of ``graphs`` (and their submodules) at
+    ``device``: a ``torch.arange(T, device=x.device)`` of position ids traced on the CPU is an
+    ``arange`` node with ``device=cpu`` once its length is dynamic. Its ``device=`` keyword, and
+    ``aten.to.device``'s device, are rewritten, as torch's ``move_to_device_pass`` does for an
+    ``ExportedProgram``. True when some code changed (it is recompiled)."""
+    moved = False
+    for graph in graphs:
+        for gm in graph.modules():
+            if not isinstance(gm, fx.GraphModule):
+                continue
+            changed = False
+            for node in gm.graph.nodes:
+                old = node.kwargs.get("device")
+                if isinstance(old, (torch.device, str)) and torch.device(old) != device:
+                    node.kwargs = {**node.kwargs, "device": device}
+                    changed = True
+                if (node.op == "call_function" and node.target is torch.ops.aten.to.device
+                        and len(node.args) > 1 and torch.device(node.args[1]) != device):
+                    node.args = (node.args[0], device, *node.args[2:])
+                    changed = True
+            if changed:
+                gm.recompile()
+                moved = True
+    return moved
 
 
 def unsaved_buffers(module: nn.Module) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from pipeq.split.dims import check_limits
-from pipeq.split.graph import StageFlow, mark_constants, mark_non_persistent, unsaved_buffers
+from pipeq.split.graph import StageFlow, mark_constants, mark_non_persistent, move_graphs, unsaved_buffers
 
 __all__ = ["GraphStage"]
 
@@ -173,6 +173,9 @@ class GraphStage(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> "GraphStage":
         super()._apply(fn, recurse)  # .to(device), .half()...: the eval graph follows
         self._share()
+        placed = next(iter([*self.parameters(), *self.buffers()]), None)
+        if placed is not None:  # the code's own devices (arange's) follow the tensors
+            move_graphs([self._graph] + ([self._eval] if self._eval is not None else []), placed.device)
         return self
 
     def extra_repr(self) -> str:

@@ -5,6 +5,8 @@ torch's reason."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -85,6 +87,25 @@ def test_the_traced_stages_run_lengths_other_than_the_examples(gpt3, T):
     grads["tok_emb.weight"] = grads["tok_emb.weight"] + tied
     for name, g in grads.items():
         assert torch.allclose(g, params[name].grad, atol=1e-5), name
+
+
+def _devices_in_code(stage):
+    graphs = [stage._graph] + ([stage._eval] if stage._eval is not None else [])
+    return {str(n.kwargs["device"]) for g in graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes if "device" in n.kwargs}
+
+
+def test_the_devices_the_trace_burnt_in_follow_the_stage_to_its_device(gpt3):
+    """Positions ``torch.arange(T, device=idx.device)`` of a dynamic length trace to an arange
+    node on the trace's device (the CPU): a stage placed on another device (``.to``, in its stage
+    process after unpickling) runs it there (on CUDA it failed: index on cpu, weights on cuda:0)."""
+    _, stages = gpt3
+    assert _devices_in_code(stages[0]) == {"cpu"}
+    stage = pickle.loads(pickle.dumps(stages[0])).to("meta")
+    assert _devices_in_code(stage) == {"meta"}
+    out = stage(torch.randint(0, 40, (2, 9), device="meta"), mask=torch.ones(2, 9, device="meta"))
+    assert {t.device.type for t in out if t.dim()} == {"meta"}  # the sizes (0-d) stay on the CPU
+    assert _devices_in_code(stage.to_empty(device="cpu")) == {"cpu"}
 
 
 def test_dynamic_false_keeps_only_the_batch_dynamic():
