@@ -95,7 +95,12 @@ class ProcessBackend:
                              if config.fault.fault_tolerance == "replicas" else None)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
-        self.snapshot_requests = snapshots.SnapshotRequests(n)  # asked of the stages, taken as they complete
+        # the processes a state or a prediction is asked of: replica 0's stages, or with sharded replicas
+        # (pipeq.parallel.fsdp: reading one is a collective of its replicas) every replica's, replica 0's
+        # answer taken
+        self.readers = range(self.n_processes) if config.placement.sharding == "fsdp" else range(n)
+        # asked of the stages, taken as they complete
+        self.snapshot_requests = snapshots.SnapshotRequests(n, len(self.readers))
 
     # -- lifecycle (pipeq.control.startup) ----------------------------------------------------------
     def start(self) -> None:
@@ -268,14 +273,16 @@ class ProcessBackend:
         mine = _packed(inputs, 0, sum(sizes), 0, len(sizes))
         t0 = time.perf_counter_ns()
         msgs = []
-        for k in range(self.n_stages):
+        for g in self.readers:  # (sharded replicas: every replica computes it, replica 0's output is taken)
+            k = g % self.n_stages
             part = _batch_part(xs if k == 0 else None, x_tree, None, None, mine[k] if mine is not None else None)
             predict = Predict(sizes=sizes, x=part.x, nx=part.nx, inputs=part.inputs, ninputs=part.ninputs,
                               split=isinstance(x, microbatch.Microbatches))
-            msgs.append((k, control.message(predict, step, 0, part.tensors)))
+            msgs.append((g, control.message(predict, step, 0, part.tensors)))
         self._send_all(sup, msgs)
-        out = self.output_stage
-        outputs = sup.collect(Kind.OUTPUT, {out: len(sizes)}, step=step, what=f"predict {step}")[out]
+        out, n = self.output_stage, self.n_stages
+        outs = {g: len(sizes) for g in self.readers if g % n == out}
+        outputs = sup.collect(Kind.OUTPUT, outs, step=step, what=f"predict {step}")[out]
         if self.recorder is not None:
             self.recorder.span(step, False, t0, len(sizes))
         outputs.sort(key=lambda m: m.microbatch)
@@ -291,7 +298,7 @@ class ProcessBackend:
         return [dataclasses.asdict(control.read(got[k][0], Stats)) for k in stages]
 
     def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
-        got = self.ask_each(Kind.GET_STATE, Kind.STATE, "state_dict", range(self.n_stages))
+        got = self.ask_each(Kind.GET_STATE, Kind.STATE, "state_dict", self.readers)
         return [(list(control.read(got[k], State).names), list(got[k].tensors)) for k in range(self.n_stages)]
 
     def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
@@ -303,7 +310,7 @@ class ProcessBackend:
 
     def get_snapshots(self) -> list[dict[str, Any]]:
         """Every stage's snapshot (see :meth:`StageExecutor.snapshot`), tensors included."""
-        got = self.ask_each(Kind.GET_SNAPSHOT, Kind.SNAPSHOT, "save", range(self.n_stages))
+        got = self.ask_each(Kind.GET_SNAPSHOT, Kind.SNAPSHOT, "save", self.readers)
         out = []
         for k in range(self.n_stages):
             try:

@@ -116,7 +116,8 @@ class RunSetup:
             queue_capacity=config.queue_capacity, max_frame_bytes=config.wire.max_message_mb << 20,
             heartbeat_interval=config.fault.heartbeat_interval, spin_s=config.wire.spin,
             shm_slots=config.wire.shm_slots, trace=self.traced() if traced is None else traced,
-            numerics=self.numerics, compile=compiled.options(config.numerics.compile))
+            numerics=self.numerics, compile=compiled.options(config.numerics.compile),
+            sharding=config.placement.sharding, fsdp_reshard=config.placement.fsdp_reshard)
 
     def with_security(self, tcp_security: str) -> "RunSetup":
         """This setup with another ``tcp_security`` (a node's agent takes node 0's)."""
@@ -234,14 +235,16 @@ def worker_configs(
     RNG. The workers watch this process (``driver_pid``) and exit when it is gone;
     ``die_with_parent`` adds the kernel's PDEATHSIG, which is only safe when this is the main
     thread (it fires when the *thread* that started them exits). ``tp_dir``: with tensor
-    parallelism, this host's private directory where each stage's shards meet (pipeq.parallel.tensor).
+    parallelism, this host's private directory where each stage's shards meet (pipeq.parallel.tensor),
+    and with sharded replicas where each stage process's replicas meet (pipeq.parallel.fsdp).
     Every shard of a stage gets its lead's seed (the same dropout masks outside split layers).
     ``traced``: see :meth:`RunSetup.stage_settings`.
     """
     schedule = setup.config.schedule
     num = Numbering(n_stages, replicas, setup.shards)
-    if num.shards > 1 and tp_dir is None:
-        raise ValueError("tensor-parallel stages need a private directory to meet in (tp_dir)")
+    sharded = setup.config.placement.sharding == "fsdp"
+    if (num.shards > 1 or sharded) and tp_dir is None:
+        raise ValueError("tensor-parallel stages and sharded replicas need a private directory to meet in (tp_dir)")
     # the OS process each stage runs in: its own, or its group's (virtual stages)
     owner = {g: host_process(num, g, schedule) for g in processes}
     hosts = list(dict.fromkeys(owner.values()))
@@ -270,6 +273,8 @@ def worker_configs(
             threads=threads_per_stage or threads, replica=num.replica(first), replicas=replicas,
             shard=num.shard(first), shards=num.shards,
             tp_store=os.path.join(tp_dir, f"tp-{num.lead(first)}") if num.shards > 1 and tp_dir else None,
+            # a stage process's replicas: the same first stage in every replica
+            replica_store=os.path.join(tp_dir, f"fsdp-{num.stage(first)}") if sharded and tp_dir else None,
             auth=auth, driver_pid=os.getpid(), die_with_parent=die_with_parent,
             store=rendezvous.store_address() if rendezvous is not None else None, fault=fault))
     return configs
