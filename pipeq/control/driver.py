@@ -95,12 +95,9 @@ class ProcessBackend:
                              if config.fault.fault_tolerance == "replicas" else None)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
-        # the processes a state or a prediction is asked of: replica 0's stages, or with sharded replicas
-        # (pipeq.parallel.fsdp: reading one is a collective of its replicas) every replica's, replica 0's
-        # answer taken
+        # asked a state or a prediction: replica 0's stages; with sharded replicas every one (pipeq.parallel.fsdp)
         self.readers = range(self.n_processes) if config.placement.sharding == "fsdp" else range(n)
-        # asked of the stages, taken as they complete
-        self.snapshot_requests = snapshots.SnapshotRequests(n, len(self.readers))
+        self.snapshot_requests = snapshots.SnapshotRequests(n, len(self.readers))  # taken as they complete
 
     # -- lifecycle (pipeq.control.startup) ----------------------------------------------------------
     def start(self) -> None:
@@ -272,16 +269,9 @@ class ProcessBackend:
         xs, x_tree = microbatch.pack(x)
         mine = _packed(inputs, 0, sum(sizes), 0, len(sizes))
         t0 = time.perf_counter_ns()
-        msgs = []
-        for g in self.readers:  # (sharded replicas: every replica computes it, replica 0's output is taken)
-            k = g % self.n_stages
-            part = _batch_part(xs if k == 0 else None, x_tree, None, None, mine[k] if mine is not None else None)
-            predict = Predict(sizes=sizes, x=part.x, nx=part.nx, inputs=part.inputs, ninputs=part.ninputs,
-                              split=isinstance(x, microbatch.Microbatches))
-            msgs.append((g, control.message(predict, step, 0, part.tensors)))
-        self._send_all(sup, msgs)
-        out, n = self.output_stage, self.n_stages
-        outs = {g: len(sizes) for g in self.readers if g % n == out}
+        split, n, out = isinstance(x, microbatch.Microbatches), self.n_stages, self.output_stage
+        self._send_all(sup, [(g, _predict(step, sizes, xs, x_tree, mine, g % n, split)) for g in self.readers])
+        outs = {g: len(sizes) for g in self.readers if g % n == out}  # sharded replicas': replica 0's is taken
         outputs = sup.collect(Kind.OUTPUT, outs, step=step, what=f"predict {step}")[out]
         if self.recorder is not None:
             self.recorder.span(step, False, t0, len(sizes))
@@ -371,6 +361,14 @@ class _Part(NamedTuple):
     target: Any = None
     inputs: Any = None
     ninputs: int | None = None  # the inputs' tensors, after x's
+
+
+def _predict(step: int, sizes: list[int], xs: list[torch.Tensor], x_tree: Any, mine: Any, k: int,
+             split: bool) -> Message:
+    """Stage ``k``'s PREDICT of a batch (x's tensors ``xs``, the stages' inputs ``mine``)."""
+    part = _batch_part(xs if k == 0 else None, x_tree, None, None, mine[k] if mine is not None else None)
+    predict = Predict(sizes=sizes, x=part.x, nx=part.nx, inputs=part.inputs, ninputs=part.ninputs, split=split)
+    return control.message(predict, step, 0, part.tensors)
 
 
 def _batch_part(xs: list[torch.Tensor] | None, x_tree: Any, ts: list[torch.Tensor] | None, t_tree: Any,
