@@ -213,6 +213,20 @@ def _check_shards_apart(num: Numbering, processes: Sequence[int], plan: Sequence
                 "are placed)")
 
 
+def _check_replicas_apart(num: Numbering, processes: Sequence[int], plan: Sequence[tuple[str, list[int], int]]) -> None:
+    """Sharded replicas (pipeq.parallel.fsdp): refuse a plan that puts two replicas of one CUDA stage on
+    one GPU, before any process starts (their NCCL group would refuse it later)."""
+    seen: dict[tuple[int, str], int] = {}
+    for g, (dev, _, _) in zip(processes, plan):
+        d = torch.device(dev)
+        if d.type == "cuda" and seen.setdefault((num.stage(g), f"cuda:{d.index or 0}"), g) != g:
+            raise ValueError(
+                f"sharding='fsdp': replicas {num.replica(seen[(num.stage(g), f'cuda:{d.index or 0}')])} and "
+                f"{num.replica(g)} of stage {num.stage(g)} would both run on cuda:{d.index or 0}, and NCCL refuses two "
+                "ranks of one group on one GPU; a stage's replicas need a GPU each (by default process g runs on "
+                "cuda:(g mod GPUs): a stage count that is no multiple of the GPUs does it), or use sharding='none'")
+
+
 def worker_configs(
     processes: Sequence[int],
     n_stages: int,
@@ -257,6 +271,8 @@ def worker_configs(
     plan = plan_devices(len(hosts), host_devices, rendezvous, places=places, shards=num.shards)
     if num.shards > 1:
         _check_shards_apart(num, [held[h][0] for h in hosts], plan)
+    if sharded:
+        _check_replicas_apart(num, [held[h][0] for h in hosts], plan)
     settings = setup.stage_settings(traced)
     fault = faults.from_environ(n_stages)  # PIPEQ_FAULT: read here, handed over as plain data
     threads_per_stage = setup.config.placement.threads_per_stage

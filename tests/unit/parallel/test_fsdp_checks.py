@@ -74,3 +74,16 @@ def test_the_job_keys_set_them(tmp_path):
                     'steps = 2\ndata_parallel = 2\nsharding = "fsdp"\nfsdp_reshard = "microbatch"\n')
     place = load_job(str(path), {}).run_config().placement
     assert (place.data_parallel, place.sharding, place.fsdp_reshard) == (2, "fsdp", "microbatch")
+
+
+def test_two_replicas_of_a_cuda_stage_on_one_gpu_are_refused():
+    """NCCL refuses two ranks of one group on one GPU: refused before any process starts."""
+    from pipeq.control.processes import Numbering, _check_replicas_apart
+
+    num = Numbering(2, 2)  # processes 0, 1: replica 0's stages; 2, 3: replica 1's
+    _check_replicas_apart(num, [0, 1, 2, 3], [("cuda:0", [], 1), ("cuda:1", [], 1), ("cuda:1", [], 1),
+                                              ("cuda:0", [], 1)])
+    _check_replicas_apart(num, [0, 1, 2, 3], [("cpu", [], 1)] * 4)
+    with pytest.raises(ValueError, match="replicas 0 and 1 of stage 0 would both run on cuda:0.*NCCL refuses"):
+        _check_replicas_apart(num, [0, 1, 2, 3], [("cuda:0", [], 1), ("cuda:1", [], 1), ("cuda:0", [], 1),
+                                                  ("cuda:1", [], 1)])
