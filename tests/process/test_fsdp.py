@@ -89,6 +89,30 @@ def test_clipping_counts_every_piece_once_and_recompute_composes():
     assert_close_states(state, flat_state(ref))
 
 
+def test_a_snapshot_of_a_sharded_run_restarts_it_sharded_or_whole():
+    """A restart from an in-memory snapshot (what ``pipeq launch --max-restarts`` restores): whole
+    tensors and momentum, taken from the pieces, restored into a fresh sharded run and into a
+    whole one; both go on as the uninterrupted run does."""
+    stages = mlp_stages((8, 16, 3), seed=2)
+    data = batches(4, 16, seed=4)
+    ref, ref_losses = reference_train(stages, nn.CrossEntropyLoss(), MOMENTUM, data)
+    sharded = dict(data_parallel=2, sharding="fsdp", **FAST)
+    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, "zbv", 4, **sharded) as first:
+        first.keep_snapshots(2)
+        losses = [first.step(x, y) for x, y in data[:2]]
+        first.state_dict()  # (asked after the snapshot: it has come back by now)
+        snap = first.snapshot
+    assert snap is not None and snap.step == 2
+    for settings in (sharded, FAST):
+        with pipeq.PipelineRunner(mlp_stages((8, 16, 3), seed=9), nn.CrossEntropyLoss(), MOMENTUM, "zbv", 4,
+                                  **settings) as again:
+            again.restore_snapshot(snap)
+            rest = [again.step(x, y) for x, y in data[2:]]
+            state = again.state_dict()
+        assert losses + rest == pytest.approx(ref_losses, abs=1e-5)
+        assert_close_states(state, flat_state(ref))
+
+
 def test_a_sharded_launch_checkpoints_whole_and_resumes_at_data_parallel_1(tmp_path):
     """``pipeq launch`` of a sharded job (2 replicas) checkpoints at step 2; the checkpoint, whole,
     resumes with ``data_parallel=1`` to step 4 and ends where an uninterrupted run ends."""
