@@ -105,6 +105,9 @@ def shard(module: nn.Module, mesh: Any) -> nn.Module:
     fully_shard(module, mesh=mesh, reshard_after_forward=False)
     module.set_gradient_divide_factor(1.0)  # type: ignore[operator]
     module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # a plain SUM (gloo has no PREMUL_SUM)
+    # a parameter one replica's microbatches left unused still takes part (a zero gradient), so that
+    # every replica's reduce-scatter holds the same tensors, as the replicated run's sum does
+    module.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
     return module
 
 
