@@ -75,6 +75,33 @@ def test_sharded_replicas_equal_single_process_full_batch_training(widths, sched
     wait_no_strays()
 
 
+class Unused(nn.Module):
+    """A stage with a parameter its forward never uses and a frozen one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.unused, self.frozen = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return torch.tanh(self.frozen(self.a(x)))
+
+
+def test_unused_frozen_and_no_parameters_shard_alike():
+    """A stage without parameters, one with a parameter it never uses (every replica's
+    reduce-scatter still holds it: zeros) and a frozen one: full-batch training's numbers."""
+    torch.manual_seed(5)
+    stages = [Unused(), nn.ReLU(), nn.Linear(8, 3)]
+    data = batches(3, 16, seed=6)
+    ref, ref_losses = reference_train(stages, nn.CrossEntropyLoss(), MOMENTUM, data)
+    with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, "zb-h1", 4, data_parallel=2,
+                              sharding="fsdp", **FAST) as runner:
+        losses = [runner.step(x, y) for x, y in data]
+        state = runner.state_dict()
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    assert_close_states(state, flat_state(ref))
+
+
 def test_clipping_counts_every_piece_once_and_recompute_composes():
     """The global norm over every stage and both replicas' pieces, as clip_grad_norm_ on the whole
     model: a clip that bites (0.05) gives full-batch training's clipped steps."""
