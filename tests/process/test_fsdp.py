@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import pipeq
+from attacker import listening_addresses
 from launch_util import model_state
 from models import flat_state, mlp_stages, reference_train
 from strays import wait_no_strays
@@ -66,6 +67,9 @@ def test_sharded_replicas_equal_single_process_full_batch_training(widths, sched
     with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, schedule, 4, data_parallel=2, sharding="fsdp",
                               fsdp_reshard=reshard, **FAST) as runner:
         losses = [runner.step(x, y) for x, y in data]
+        # the replicas' process group (gloo) listens on loopback only, as every other socket of the run
+        listening = listening_addresses([w["pid"] for w in runner.stage_processes])
+        assert listening and {addr for addr, _ in listening} == {"127.0.0.1"}, listening
         state = runner.state_dict()
         out = runner.predict(data[0][0])
     assert losses == pytest.approx(ref_losses, abs=1e-5)  # the whole batch's loss
