@@ -55,7 +55,7 @@ from pipeq.stage.spec import StageSpec
 from pipeq.stage.step import Stepper
 
 __all__ = ["join", "leave", "shard", "refuse_settings", "refuse_model", "ReduceScatter", "ShardedStepper",
-           "FsdpStageExecutor", "local_bytes"]
+           "FsdpStageExecutor"]
 
 
 def refuse_settings(cfg: Any) -> None:
@@ -178,16 +178,6 @@ class ShardedStepper(Stepper):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def local_bytes(tensors: Sequence[Any]) -> int:
-    """The bytes these tensors hold in this process (a DTensor: its local piece's)."""
-    out = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = _local(t)
-            out += t.numel() * t.element_size()
-    return out
 
 
 class FsdpStageExecutor(StageExecutor):
