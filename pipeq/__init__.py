@@ -34,7 +34,8 @@ docs/architecture.md lists every module with its job)::
                                step), state.py; numerics, microbatches, lr, info.py (what a stage
                                says of itself), tied weights: declared (tie_groups.py), their
                                gradients (ties.py); transfer.py (the one ordered sum)
-                   parallel/   data parallelism (replicas), tensor parallelism (shards), tied
+                   parallel/   data parallelism (replicas, whole or sharded: fsdp.py, torch FSDP2),
+                               tensor parallelism (shards), tied
                                weights' exchange between stage processes (ties.py)
                    checkpoint/ global names, snapshots, atomic writes, re-splitting, export
                    models/     ready-made staged models (ResNets with auxiliary heads)

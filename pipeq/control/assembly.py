@@ -117,6 +117,10 @@ class BackendPlan:
         numerics = cfg.numerics_for(model.n_stages)
         tp_plans = checks.check_tensor_parallel(model, cfg.schedule, place.tensor_parallel, place.tp_plan,
                                                 mode=place.mode, numerics=numerics)
+        if place.sharding == "fsdp":
+            from pipeq.parallel.fsdp import refuse_model
+
+            refuse_model(bool(model.ties), multi_host=rendezvous is not None)
         return cls(model, numerics, tp_plans, rendezvous)
 
     def batcher(self, cfg: RunConfig) -> Batcher:

@@ -6,7 +6,7 @@ parts, each a frozen dataclass that checks itself when built:
     numerics   NumericsConfig   precision, clipping, check_finite, recompute
     wire       WireConfig       transport, host, TCP security, message and queue sizes, shm, spin
     fault      FaultConfig      heartbeats, step / start / stop timeouts
-    placement  PlacementConfig  mode, devices, threads, start method, nodes, replicas, shards
+    placement  PlacementConfig  mode, devices, threads, start method, nodes, replicas, shards, sharding
 
 ``PipelineRunner(**settings)`` and job files are its front ends (:meth:`RunConfig.from_kwargs`
 takes the runner's keyword names); the backends, stage processes, node agents and job identity
@@ -39,6 +39,8 @@ START_METHODS = ("spawn", "forkserver")
 START_METHOD_ENV = "PIPEQ_START_METHOD"
 FAULT_TOLERANCE = (None, "replicas")  # see FaultConfig.fault_tolerance
 LOSS_WEIGHTINGS = ("token", "sample")  # see NumericsConfig.loss_weighting
+SHARDINGS = ("none", "fsdp")  # see PlacementConfig.sharding
+FSDP_RESHARDS = ("step", "microbatch")  # see PlacementConfig.fsdp_reshard
 
 
 def _whole(value: Any, lo: int, hi: int) -> bool:
@@ -249,6 +251,19 @@ class PlacementConfig:
             Tied weights work: the copies one process holds are summed in its memory, the others
             over the tie links; so do tensor parallelism (a process's shards split each of its
             stages) and multi-host runs (a node holds whole processes).
+        sharding: how the ``data_parallel`` replicas hold a stage: ``"none"`` (each whole, the
+            gradients summed over pipeq's replica links) or ``"fsdp"`` (needs ``data_parallel >= 2``:
+            each stage's R replicas shard its parameters, gradients and optimizer state with torch's
+            FSDP2, ``fully_shard``, over a process group of those replicas, gloo on CPU and NCCL
+            on CUDA; the gradients reduce-scatter once per step). States and checkpoints hold
+            whole tensors (they load at any ``data_parallel``, sharded or not). One host; every
+            synchronous schedule; not with tied weights, ``tensor_parallel``, ``compile`` or
+            ``fault_tolerance="replicas"`` (see :mod:`pipeq.parallel.fsdp`).
+        fsdp_reshard: with ``sharding="fsdp"``, when a stage's gathered parameters are freed:
+            ``"step"`` (gathered before the stage's first forward of a step and kept to the step's
+            reduce-scatter: one all-gather per step) or ``"microbatch"`` (gathered before every
+            forward and backward of a microbatch and freed after it: the whole parameters are held
+            only while computing, at an all-gather per action).
     """
 
     mode: str = "process"
@@ -260,8 +275,19 @@ class PlacementConfig:
     tensor_parallel: int = 1
     tp_plan: Sequence[Any] | None = None
     stages_per_process: int | None = None
+    sharding: str = "none"
+    fsdp_reshard: str = "step"
 
     def __post_init__(self) -> None:
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding must be 'none' (whole replicas) or 'fsdp' (replicas shard each stage with "
+                             f"torch's FSDP2), got {self.sharding!r}")
+        if self.fsdp_reshard not in FSDP_RESHARDS:
+            raise ValueError(f"fsdp_reshard must be 'step' (gathered parameters kept through the step) or "
+                             f"'microbatch' (freed after each forward and backward), got {self.fsdp_reshard!r}")
+        if self.sharding == "fsdp" and (type(self.data_parallel) is not int or self.data_parallel < 2):
+            raise ValueError(f"sharding='fsdp' shards each stage over its data_parallel replicas: it needs "
+                             f"data_parallel >= 2, got data_parallel={self.data_parallel!r}")
         if self.stages_per_process is not None and not _whole(self.stages_per_process, 1, 1 << 10):
             raise ValueError(f"stages_per_process must be a positive integer, got {self.stages_per_process!r}")
         if self.mode not in MODES:
@@ -342,6 +368,10 @@ class RunConfig:
         if self.numerics.compile not in (False, None) and self.placement.tensor_parallel > 1:
             raise ValueError("compile: not with tensor_parallel (torch.compile of DTensor-sharded stages is not "
                              "supported here yet): run the shards eager, or compile without tensor_parallel")
+        if self.placement.sharding == "fsdp":
+            from pipeq.parallel.fsdp import refuse_settings
+
+            refuse_settings(self)
         if self.trace is not None and (not isinstance(self.trace, (str, os.PathLike))
                                        or self.placement.mode != "process"):
             raise ValueError(

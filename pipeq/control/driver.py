@@ -95,7 +95,9 @@ class ProcessBackend:
                              if config.fault.fault_tolerance == "replicas" else None)
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
-        self.snapshot_requests = snapshots.SnapshotRequests(n)  # asked of the stages, taken as they complete
+        # asked a state or a prediction: replica 0's stages; with sharded replicas every one (pipeq.parallel.fsdp)
+        self.readers = range(self.n_processes) if config.placement.sharding == "fsdp" else range(n)
+        self.snapshot_requests = snapshots.SnapshotRequests(n, len(self.readers))  # taken as they complete
 
     # -- lifecycle (pipeq.control.startup) ----------------------------------------------------------
     def start(self) -> None:
@@ -267,15 +269,10 @@ class ProcessBackend:
         xs, x_tree = microbatch.pack(x)
         mine = _packed(inputs, 0, sum(sizes), 0, len(sizes))
         t0 = time.perf_counter_ns()
-        msgs = []
-        for k in range(self.n_stages):
-            part = _batch_part(xs if k == 0 else None, x_tree, None, None, mine[k] if mine is not None else None)
-            predict = Predict(sizes=sizes, x=part.x, nx=part.nx, inputs=part.inputs, ninputs=part.ninputs,
-                              split=isinstance(x, microbatch.Microbatches))
-            msgs.append((k, control.message(predict, step, 0, part.tensors)))
-        self._send_all(sup, msgs)
-        out = self.output_stage
-        outputs = sup.collect(Kind.OUTPUT, {out: len(sizes)}, step=step, what=f"predict {step}")[out]
+        split, n, out = isinstance(x, microbatch.Microbatches), self.n_stages, self.output_stage
+        self._send_all(sup, [(g, _predict(step, sizes, xs, x_tree, mine, g % n, split)) for g in self.readers])
+        outs = {g: len(sizes) for g in self.readers if g % n == out}  # sharded replicas': replica 0's is taken
+        outputs = sup.collect(Kind.OUTPUT, outs, step=step, what=f"predict {step}")[out]
         if self.recorder is not None:
             self.recorder.span(step, False, t0, len(sizes))
         outputs.sort(key=lambda m: m.microbatch)
@@ -291,7 +288,7 @@ class ProcessBackend:
         return [dataclasses.asdict(control.read(got[k][0], Stats)) for k in stages]
 
     def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
-        got = self.ask_each(Kind.GET_STATE, Kind.STATE, "state_dict", range(self.n_stages))
+        got = self.ask_each(Kind.GET_STATE, Kind.STATE, "state_dict", self.readers)
         return [(list(control.read(got[k], State).names), list(got[k].tensors)) for k in range(self.n_stages)]
 
     def set_state(self, per_stage: list[tuple[list[str], list[torch.Tensor]]]) -> None:
@@ -303,7 +300,7 @@ class ProcessBackend:
 
     def get_snapshots(self) -> list[dict[str, Any]]:
         """Every stage's snapshot (see :meth:`StageExecutor.snapshot`), tensors included."""
-        got = self.ask_each(Kind.GET_SNAPSHOT, Kind.SNAPSHOT, "save", range(self.n_stages))
+        got = self.ask_each(Kind.GET_SNAPSHOT, Kind.SNAPSHOT, "save", self.readers)
         out = []
         for k in range(self.n_stages):
             try:
@@ -364,6 +361,14 @@ class _Part(NamedTuple):
     target: Any = None
     inputs: Any = None
     ninputs: int | None = None  # the inputs' tensors, after x's
+
+
+def _predict(step: int, sizes: list[int], xs: list[torch.Tensor], x_tree: Any, mine: Any, k: int,
+             split: bool) -> Message:
+    """Stage ``k``'s PREDICT of a batch (x's tensors ``xs``, the stages' inputs ``mine``)."""
+    part = _batch_part(xs if k == 0 else None, x_tree, None, None, mine[k] if mine is not None else None)
+    predict = Predict(sizes=sizes, x=part.x, nx=part.nx, inputs=part.inputs, ninputs=part.ninputs, split=split)
+    return control.message(predict, step, 0, part.tensors)
 
 
 def _batch_part(xs: list[torch.Tensor] | None, x_tree: Any, ts: list[torch.Tensor] | None, t_tree: Any,

@@ -116,7 +116,8 @@ class RunSetup:
             queue_capacity=config.queue_capacity, max_frame_bytes=config.wire.max_message_mb << 20,
             heartbeat_interval=config.fault.heartbeat_interval, spin_s=config.wire.spin,
             shm_slots=config.wire.shm_slots, trace=self.traced() if traced is None else traced,
-            numerics=self.numerics, compile=compiled.options(config.numerics.compile))
+            numerics=self.numerics, compile=compiled.options(config.numerics.compile),
+            sharding=config.placement.sharding, fsdp_reshard=config.placement.fsdp_reshard)
 
     def with_security(self, tcp_security: str) -> "RunSetup":
         """This setup with another ``tcp_security`` (a node's agent takes node 0's)."""
@@ -212,6 +213,20 @@ def _check_shards_apart(num: Numbering, processes: Sequence[int], plan: Sequence
                 "are placed)")
 
 
+def _check_replicas_apart(num: Numbering, processes: Sequence[int], plan: Sequence[tuple[str, list[int], int]]) -> None:
+    """Sharded replicas (pipeq.parallel.fsdp): refuse a plan that puts two replicas of one CUDA stage on
+    one GPU, before any process starts (their NCCL group would refuse it later)."""
+    seen: dict[tuple[int, str], int] = {}
+    for g, (dev, _, _) in zip(processes, plan):
+        d = torch.device(dev)
+        if d.type == "cuda" and seen.setdefault((num.stage(g), f"cuda:{d.index or 0}"), g) != g:
+            raise ValueError(
+                f"sharding='fsdp': replicas {num.replica(seen[(num.stage(g), f'cuda:{d.index or 0}')])} and "
+                f"{num.replica(g)} of stage {num.stage(g)} would both run on cuda:{d.index or 0}, and NCCL refuses two "
+                "ranks of one group on one GPU; a stage's replicas need a GPU each (by default process g runs on "
+                "cuda:(g mod GPUs): a stage count that is no multiple of the GPUs does it), or use sharding='none'")
+
+
 def worker_configs(
     processes: Sequence[int],
     n_stages: int,
@@ -234,14 +249,16 @@ def worker_configs(
     RNG. The workers watch this process (``driver_pid``) and exit when it is gone;
     ``die_with_parent`` adds the kernel's PDEATHSIG, which is only safe when this is the main
     thread (it fires when the *thread* that started them exits). ``tp_dir``: with tensor
-    parallelism, this host's private directory where each stage's shards meet (pipeq.parallel.tensor).
+    parallelism, this host's private directory where each stage's shards meet (pipeq.parallel.tensor),
+    and with sharded replicas where each stage process's replicas meet (pipeq.parallel.fsdp).
     Every shard of a stage gets its lead's seed (the same dropout masks outside split layers).
     ``traced``: see :meth:`RunSetup.stage_settings`.
     """
     schedule = setup.config.schedule
     num = Numbering(n_stages, replicas, setup.shards)
-    if num.shards > 1 and tp_dir is None:
-        raise ValueError("tensor-parallel stages need a private directory to meet in (tp_dir)")
+    sharded = setup.config.placement.sharding == "fsdp"
+    if (num.shards > 1 or sharded) and tp_dir is None:
+        raise ValueError("tensor-parallel stages and sharded replicas need a private directory to meet in (tp_dir)")
     # the OS process each stage runs in: its own, or its group's (virtual stages)
     owner = {g: host_process(num, g, schedule) for g in processes}
     hosts = list(dict.fromkeys(owner.values()))
@@ -254,6 +271,8 @@ def worker_configs(
     plan = plan_devices(len(hosts), host_devices, rendezvous, places=places, shards=num.shards)
     if num.shards > 1:
         _check_shards_apart(num, [held[h][0] for h in hosts], plan)
+    if sharded:
+        _check_replicas_apart(num, [held[h][0] for h in hosts], plan)
     settings = setup.stage_settings(traced)
     fault = faults.from_environ(n_stages)  # PIPEQ_FAULT: read here, handed over as plain data
     threads_per_stage = setup.config.placement.threads_per_stage
@@ -270,6 +289,8 @@ def worker_configs(
             threads=threads_per_stage or threads, replica=num.replica(first), replicas=replicas,
             shard=num.shard(first), shards=num.shards,
             tp_store=os.path.join(tp_dir, f"tp-{num.lead(first)}") if num.shards > 1 and tp_dir else None,
+            # a stage process's replicas: the same first stage in every replica
+            replica_store=os.path.join(tp_dir, f"fsdp-{num.stage(first)}") if sharded and tp_dir else None,
             auth=auth, driver_pid=os.getpid(), die_with_parent=die_with_parent,
             store=rendezvous.store_address() if rendezvous is not None else None, fault=fault))
     return configs

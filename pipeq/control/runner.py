@@ -98,7 +98,7 @@ class PipelineRunner:
     - :class:`~pipeq.FaultConfig`: heartbeat_interval, heartbeat_timeout, step_timeout, start_timeout,
       stop_timeout, fault_tolerance
     - :class:`~pipeq.PlacementConfig`: mode, devices, threads_per_stage, start_method, placement,
-      data_parallel, tensor_parallel, tp_plan, stages_per_process
+      data_parallel, tensor_parallel, tp_plan, stages_per_process, sharding, fsdp_reshard
     - :class:`~pipeq.RunConfig`: trace
 
     Threads: one at a time. A call while another thread is inside the runner (a ``step``; a ``stream``

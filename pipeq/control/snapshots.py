@@ -113,11 +113,13 @@ class SnapshotSchedule:
 
 
 class SnapshotRequests:
-    """The snapshots a process backend has asked its ``n_stages`` stages for (replica 0's): asked
-    behind the commands already sent, taken once every stage has answered. Never waits."""
+    """The snapshots a process backend has asked its ``n_stages`` stages for (replica 0's; with
+    ``readers`` > n_stages, processes 0..readers-1 are asked: sharded replicas read theirs
+    together): asked behind the commands already sent, taken once every one has answered. Never waits."""
 
-    def __init__(self, n_stages: int) -> None:
+    def __init__(self, n_stages: int, readers: int | None = None) -> None:
         self.n_stages = n_stages
+        self.readers = n_stages if readers is None else readers
         self._asked: dict[int, int] = {}  # request id -> the step of the snapshot asked for
 
     def ask(self, sup: Supervisor, req: int, step: int) -> list[tuple[int, Message]]:
@@ -125,7 +127,7 @@ class SnapshotRequests:
         answers are kept by ``sup`` as they come."""
         sup.awaited.add((Kind.SNAPSHOT, req))
         self._asked[req] = step
-        return [(k, Message(Kind.GET_SNAPSHOT, req)) for k in range(self.n_stages)]
+        return [(g, Message(Kind.GET_SNAPSHOT, req)) for g in range(self.readers)]
 
     def take(self, sup: Supervisor | None) -> list[tuple[int, list[dict[str, Any]]]]:
         """The snapshots asked whose every stage has answered, as (step, per stage); works after
@@ -140,7 +142,7 @@ class SnapshotRequests:
                 pass
         done = []
         for req, step in list(asked.items()):
-            got = take_kept(sup, Kind.SNAPSHOT, req, n)
+            got = take_kept(sup, Kind.SNAPSHOT, req, self.readers)
             if got is None:
                 continue
             del asked[req]

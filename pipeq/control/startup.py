@@ -139,7 +139,7 @@ class StageProcesses:
         else:  # tcp: the job's secret (multi-host), or one of our own (one host)
             secret = rz.secret if rz is not None and rz.secret is not None else JobSecret.generate()
             bind, auth = BindTo.tcp(self.host), WireAuth(secret, self.setup.config.wire.tcp_security)
-        if self.numbering.shards > 1:
+        if self.numbering.shards > 1 or self.setup.config.placement.sharding == "fsdp":
             self.tp_dir = self.ipc_dir if self.ipc_dir is not None else make_ipc_dir()
         self.server = ControlServer(bind, auth)
         self.sup = Supervisor(self.server, self.procs, n_stages=self.n_stages, n_processes=self.n_all,
@@ -364,7 +364,9 @@ def peers_of(num: Numbering, ready: Sequence[Ready], joined: int,
         if replicas > 1 and num.shards > 1:  # every shard's replicas, by shard
             groups = [num.group(r * n + k) for r in range(replicas)]
             peers.replica_shards = [[replica_link(group[s]) for group in groups] for s in range(num.shards)]
-        elif replicas > 1:  # the same stage's replicas, by replica (gradients, start-up weights)
+        elif replicas > 1 and any(ready[r * n + k].replica_link for r in range(replicas)):
+            # the same stage's replicas, by replica (gradients, start-up weights); sharded ones
+            # (pipeq.parallel.fsdp) name none: they meet in their process group
             peers.replicas = [replica_link(r * n + k) for r in range(replicas)]
         out.append((g, control.message(peers, joined)))
     return out

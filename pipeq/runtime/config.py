@@ -36,6 +36,8 @@ class StageSettings:
     trace: bool  # record every action (pipeq.trace)
     numerics: Numerics  # precision, clipping, checks (pipeq.stage.numerics)
     compile: CompileOptions | None  # torch.compile each stage (pipeq.stage.compiled); None: eager
+    sharding: str  # "fsdp": the replicas shard each stage (pipeq.parallel.fsdp); "none": whole replicas
+    fsdp_reshard: str  # with sharding="fsdp": "step" or "microbatch" (PlacementConfig.fsdp_reshard)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class WorkerConfig:
     shard: int
     shards: int
     tp_store: str | None
+    # sharded replicas (sharding="fsdp"): the replicas of this process's stages meet in the FileStore
+    # ``replica_store`` (in a private directory of this host; pipeq.parallel.fsdp); None otherwise
+    replica_store: str | None
     auth: WireAuth | None  # tcp: the job's secret (handed over at start, never sent)
     driver_pid: int  # the process this one dies with: the driver, or its node's agent
     die_with_parent: bool

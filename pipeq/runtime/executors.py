@@ -29,11 +29,12 @@ __all__ = ["StageSpec", "StageBuilder", "make_executor"]
 
 def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, spec: StageSpec, device: torch.device,
                   numerics: Numerics | None = None, sharded: bool = False,
-                  compile: CompileOptions | None = None) -> StageExecutor:
+                  compile: CompileOptions | None = None, fsdp_reshard: str | None = None) -> StageExecutor:
     """Stage ``index``'s executor; ``numerics`` (precision, clipping...) apply to plain backprop's
     (the runner refuses them with the other schedules). ``sharded``: the module is split over
     its tensor-parallel shards (plain backprop only: pipeq.parallel.tensor). ``compile``: the
-    stage's module is compiled, once on its device (:mod:`pipeq.stage.compiled`)."""
+    stage's module is compiled, once on its device (:mod:`pipeq.stage.compiled`). ``fsdp_reshard``:
+    the module is sharded over its replicas with FSDP2, freed as it says (pipeq.parallel.fsdp)."""
     module, compiled_here = unwrap(spec.module)  # a recipe's stage compiled in the stage process
     if compiled_here:
         spec = dataclasses.replace(spec, module=module)
@@ -43,6 +44,13 @@ def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, s
         from pipeq.parallel.tensor import ShardedStageExecutor
 
         return ShardedStageExecutor(index, n_stages, spec, device)
+    if fsdp_reshard is not None:
+        from pipeq.parallel.fsdp import FsdpStageExecutor
+
+        ex = FsdpStageExecutor(index, n_stages, spec, device, reshard=fsdp_reshard)
+        if numerics is not None:
+            ex.set_numerics(numerics)
+        return ex
     ex = resolve(schedule).executor(index, n_stages, spec, device)
     if ex is None:
         ex = StageExecutor(index, n_stages, spec, device)

@@ -28,15 +28,19 @@ class PeerLinks:
     """Stage ``stage``'s (of replica ``replica``, shard ``shard`` of ``shards``) links to its
     replicas (``replicas > 1``) and to its tie peers in other processes (its executor holds tied
     weights; ``held``: the stages of its own process, whose copies are summed in memory); the
-    executor's gradient sync is the replicas'. ``receiver``, ``sender``: the stage's own channels."""
+    executor's gradient sync is the replicas' (``sharded_replicas``: FSDP2's; no replica link). ``receiver``, ``sender``: the stage's own channels."""
 
     def __init__(self, receiver: StageInbox, sender: StageSender, bind: BindTo, executor: StageExecutor, *,
-                 stage: int, replica: int, replicas: int, shard: int, shards: int, held: Collection[int]) -> None:
+                 stage: int, replica: int, replicas: int, shard: int, shards: int, held: Collection[int],
+                 sharded_replicas: bool = False) -> None:
         self.stage, self.shard, self.shards = stage, shard, shards
         self.replicas: Replicas | None = None
         self.ties: TieSync | None = None
+        # sharded replicas (pipeq.parallel.fsdp) agree on their start and sum their gradients in their
+        # process group: no replica link, but the driver's PEERS still waits for their ACK
+        self.sharded_replicas = sharded_replicas and replicas > 1
         try:
-            if replicas > 1:  # replica 0's weights, summed gradients
+            if replicas > 1 and not self.sharded_replicas:  # replica 0's weights, summed gradients
                 self.replicas = Replicas(receiver, sender, bind, stage=stage, replica=replica, replicas=replicas,
                                          params=executor.optimizer_params(), buffers=list(executor.module.buffers()),
                                          shard=shard)
@@ -60,7 +64,7 @@ class PeerLinks:
         if self.ties is not None:
             self.ties.join(peers.tie_links or [])
         if self.replicas is None:
-            return False
+            return self.sharded_replicas
         # before any step: replicas never start apart (a rebuilt one: restored by the driver next)
         self.replicas.join(self._replica_addresses(peers), peers.rejoin_round)
         return True

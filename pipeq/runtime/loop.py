@@ -68,6 +68,10 @@ from pipeq.wire.messages import Message
 __all__ = ["Chunk", "EventLoop"]
 
 _BATCH = (Train, Predict, Drain)
+#: reading a state of replicas that shard their stages is a collective (pipeq.parallel.fsdp): a
+#: process of several stages answers them once every stage has its command, in chunk order, as
+#: every replica of the process does
+_READS = (GetState, GetSnapshot)
 EXIT_GRACE_S = 5.0  # how long a process told EXIT for one stage waits for its other stages' EXIT
 
 
@@ -147,6 +151,7 @@ class EventLoop:
     def serve(self) -> None:
         """Carry out the commands until EXIT (see the module)."""
         v = len(self.chunks)
+        together = _BATCH + _READS if v > 1 and self.cfg.settings.sharding == "fsdp" else _BATCH
         batch: dict[int, tuple[Any, Message]] = {}
         exits: set[int] = set()  # the stages told EXIT: the process leaves once all are (the
         deadline = 0.0           # driver's sends to the others must still find them), or 5 s on
@@ -161,15 +166,25 @@ class EventLoop:
             if isinstance(cmd, Exit):
                 exits.add(c)
                 deadline = deadline or time.monotonic() + EXIT_GRACE_S
-            elif isinstance(cmd, _BATCH):
+            elif isinstance(cmd, together):
                 batch[c] = (cmd, msg)
                 if len(batch) == v:
-                    self.run_batch([batch[k] for k in range(v)])
+                    if isinstance(cmd, _READS):
+                        self.answer_each([batch[k] for k in range(v)])
+                    else:
+                        self.run_batch([batch[k] for k in range(v)])
                     batch.clear()
             else:
                 answer = on_chunk(self.executors, c, self.answer, self.chunks[c], cmd, msg)
                 if answer is not None:
                     self.transport.send_control(c, answer)
+
+    def answer_each(self, given: list[tuple[Any, Message]]) -> None:
+        """Every stage's command (``given[c]``: chunk c's), answered in chunk order."""
+        for c, (cmd, msg) in enumerate(given):
+            answer = on_chunk(self.executors, c, self.answer, self.chunks[c], cmd, msg)
+            if answer is not None:
+                self.transport.send_control(c, answer)
 
     def answer(self, ch: Chunk, cmd: Payload, msg: Message) -> Message | None:
         """Carry out command ``cmd`` (which ``msg`` carries) for stage ``ch``; the reply to send, if any."""

@@ -114,6 +114,8 @@ def _serve(cfg: WorkerConfig, payloads: Sequence[Any], transport: ProcessTranspo
         serving, mesh = transport, None
         if cfg.shards > 1:  # the shards of this process's stages meet; shard 0 leads
             serving, mesh = _shard(cfg, transport, device)
+        elif cfg.settings.sharding == "fsdp":  # the replicas of this process's stages meet, to shard them
+            mesh = _replica_mesh(cfg, device)
         for c, (chunk, payload) in enumerate(zip(cfg.chunks, payloads)):
             try:
                 chunks.append(_make_chunk(cfg, c, chunk, payload, transport, device, mesh))
@@ -157,17 +159,22 @@ def _make_chunk(cfg: WorkerConfig, c: int, chunk: ChunkConfig, payload: Any, tra
     its executor and links."""
     torch.manual_seed(chunk.seed)  # each stage its own stream (dropout masks differ by stage)
     spec = _build(chunk.stage, cfg.n_stages, payload)
+    fsdp = cfg.settings.fsdp_reshard if cfg.settings.sharding == "fsdp" else None
     if cfg.shards > 1:  # the stage's module split as its plan says, over the shards' mesh
         from pipeq.parallel import tensor as tensorpar
 
         tensorpar.check_stage(chunk.stage, spec.module, chunk.tp_plan, cfg.shards)
         spec = dataclasses.replace(spec, module=tensorpar.parallelize(spec.module.to(device), chunk.tp_plan, mesh))
+    elif fsdp is not None:  # the stage's module sharded over its replicas (FSDP2)
+        from pipeq.parallel import fsdp as fsdp_mod
+
+        spec = dataclasses.replace(spec, module=fsdp_mod.shard(spec.module.to(device), mesh))
     executor = make_executor(cfg.schedule, chunk.stage, cfg.n_stages, spec, device, cfg.settings.numerics,
-                             sharded=cfg.shards > 1, compile=cfg.settings.compile)
+                             sharded=cfg.shards > 1, compile=cfg.settings.compile, fsdp_reshard=fsdp)
     executor.keep_on_device = transport.device_payloads  # CUDA IPC to the neighbours
     links = PeerLinks(transport.stages[c], transport.senders[c], cfg.bind, executor, stage=chunk.stage,
                       replica=cfg.replica, replicas=cfg.replicas, shard=cfg.shard, shards=cfg.shards,
-                      held=cfg.stages)
+                      held=cfg.stages, sharded_replicas=fsdp is not None)
     return Chunk(c, chunk, executor, links, cfg.settings.trace)
 
 
@@ -187,6 +194,17 @@ def _shard(cfg: WorkerConfig, transport: ProcessTransport, device: torch.device)
     link = ShardLink(group, cfg.shard, cfg.shards, where, max_bytes=MAX_FRAMES * cfg.settings.max_frame_bytes,
                      host_copies=pinned_copies)
     return (LeadTransport(transport, link) if cfg.shard == 0 else FollowerTransport(transport, link)), mesh
+
+
+def _replica_mesh(cfg: WorkerConfig, device: torch.device) -> Any:
+    """Sharded replicas: join the other replicas of this process's stages (the process group
+    tensor parallelism's shards make, pipeq.parallel.tensor.join); the mesh FSDP2 shards over."""
+    from pipeq.parallel import fsdp
+
+    if cfg.replica_store is None:
+        raise RuntimeError(f"{cfg.name()}: no replica_store to meet the other replicas in")
+    mesh, _ = fsdp.join(cfg.replica_store, cfg.replica, cfg.replicas, device)
+    return mesh
 
 
 def _publish(cfg: WorkerConfig, chunk: ChunkConfig, info: dict[str, Any]) -> None:

@@ -93,6 +93,9 @@ class StageExecutor:
     Subclasses for other schedules take the same arguments plus the schedule object they run.
     """
 
+    #: what steps the optimizers (a sharded stage's steps its pieces: pipeq.parallel.fsdp)
+    stepper_type: type[Stepper] = Stepper
+
     def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device, *,
                  trains: nn.Module | None = None) -> None:
         """``trains``: what the optimizer covers (default: the module)."""
@@ -105,7 +108,7 @@ class StageExecutor:
         params = [p for p in (trains or self.module).parameters() if p.requires_grad]
         self.needs_target = self.is_last  # which stages get the batch's target
         self.tied = TiedGrads.of(self.module, index)  # tied weights (pipeq.stage.ties), or None
-        self.stepper = Stepper(index, self.module, device, spec, params, self.tied)
+        self.stepper = self.stepper_type(index, self.module, device, spec, params, self.tied)
         self.backprop = Backprop(index, n_stages, self.module, device)
         self.state_io = StateIO(index, self.module, device, self.stepper)
         self.loss_fn = spec.loss_fn

@@ -48,6 +48,9 @@ A job file (TOML, read with the standard library's tomllib)::
                                                  # fails is left out of that step and rebuilt; the run goes on
     tensor_parallel = 1                          # optional: T processes per stage (R x N x T), with
     tp_plan = [{ "0" = "colwise", "2" = "rowwise" }, {}]   # one table per stage (pipeq.parallel.tensor)
+    sharding = "fsdp"                            # optional, data_parallel >= 2: the replicas shard each
+                                                 # stage with torch's FSDP2 (default "none": whole replicas)
+    fsdp_reshard = "step"                        # optional: "step" (default) or "microbatch"
     stages_per_process = 1                       # optional: model stages per process (virtual stages:
                                                  # interleaved-1f1b, looped-bfs; zbv, dualpipev hold 2)
     precision = "bf16"                           # optional: "fp32" (default), "bf16", "fp16"

@@ -166,6 +166,11 @@ KEYS: dict[str, Key] = {
     "stages_per_process": Key(int, RUN, "model stages per process (virtual stages): interleaved-1f1b and "
                               "looped-bfs take any number >= 2; zbv and dualpipev hold 2", "processes", minimum=1),
     "tp_plan": Key(list, RUN, 'one table per stage: submodule names to "colwise" / "rowwise"', "processes"),
+    "sharding": Key(str, RUN, '"none" (whole replicas) or "fsdp" (data_parallel >= 2: the replicas shard each stage\'s '
+                    "parameters, gradients and optimizer state with torch's FSDP2; checkpoints stay whole)",
+                    "processes"),
+    "fsdp_reshard": Key(str, RUN, 'with sharding = "fsdp": "step" (gathered parameters kept through a step) or '
+                        '"microbatch" (freed after each forward and backward)', "processes"),
     "rejoin_timeout": Key(NUMBER, 60.0, "with max_restarts: seconds to wait for a lost node to join again (the "
                           "same --node-rank started anew) before its stages are re-placed or the run ends",
                           "multi-host"),

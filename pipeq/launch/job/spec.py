@@ -50,6 +50,8 @@ class Job:
     tensorboard: bool | None = field_of("tensorboard")
     data_parallel: int = field_of("data_parallel")
     tensor_parallel: int = field_of("tensor_parallel")
+    sharding: str = field_of("sharding")
+    fsdp_reshard: str = field_of("fsdp_reshard")
     tp_plan: list[dict[str, str]] | None = field_of("tp_plan")
     stages_per_process: int | None = field_of("stages_per_process")
     max_restarts: int = field_of("max_restarts")
@@ -145,7 +147,8 @@ class Job:
             PlacementConfig(threads_per_stage=self.threads_per_stage, start_method="forkserver",
                             placement=self.placement, data_parallel=self.data_parallel, tensor_parallel=tp,
                             tp_plan=self.tp_plan if tp > 1 else None,  # --tensor-parallel 1: no plan
-                            stages_per_process=self.stages_per_process))
+                            stages_per_process=self.stages_per_process, sharding=self.sharding,
+                            fsdp_reshard=self.fsdp_reshard))
 
     def compile_setting(self) -> bool | dict[str, Any]:
         """The job's ``compile``, its cache in the run directory (``OUT/compile-cache``: shared by the
