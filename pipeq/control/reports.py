@@ -27,7 +27,7 @@ from pipeq.stage.memory import FIGURES
 if TYPE_CHECKING:
     from pipeq.runtime.backend import Backend
 
-__all__ = ["StageMemory", "StageReports"]
+__all__ = ["StageMemory", "StageReports", "memory_table", "size"]
 
 
 @dataclass(frozen=True)
@@ -169,3 +169,29 @@ class StageReports:
         of = {k: p for p, held in enumerate(where) for k in held}
         return [{"in_flight": counts[k], "predicted_activation_bytes": round(stage_peak[k]),
                  "predicted_process_activation_bytes": round(process_peak[of[k]])} for k in range(len(rows))]
+
+
+def size(n: int | float | None) -> str:
+    """Bytes as people read them: ``512 B``, ``1.5 KiB``, ``3.2 MiB``, ``2.0 GiB``; ``-`` for None."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def memory_table(rows: Sequence[StageMemory]) -> str:
+    """``runner.memory()`` as a table: one line per stage and replica (what ``pipeq launch`` logs
+    after its first step)."""
+    head = ("stage", "replica", "params", "grads", "optimizer", "activations", "predicted", "per mb", "in flight",
+            "process peak")
+    body = [(str(r.stage), str(r.replica), size(r.param_bytes), size(r.grad_bytes), size(r.optimizer_bytes),
+             size(r.activation_peak_bytes), size(r.predicted_activation_bytes),
+             size(r.activation_bytes_per_microbatch), "-" if r.in_flight is None else str(r.in_flight),
+             size(r.process_activation_peak_bytes)) for r in rows]
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    step = next((r.measured_step for r in rows if r.measured_step is not None), None)
+    title = f"memory per stage (activations: step {step}'s peak, measured; predicted from the schedule's plan)"
+    return "\n".join([title] + ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head, *body]])

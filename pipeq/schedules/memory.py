@@ -30,8 +30,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 from pipeq.schedules.actions import Op, Schedule
 from pipeq.schedules.plan import build, process_stages
+from pipeq.schedules.registry import resolve, schedule_name
 
-__all__ = ["Weigh", "StageBytes", "peaks", "stage_in_flight", "process_peaks", "in_flight_peaks", "peak_bytes"]
+__all__ = ["Weigh", "StageBytes", "peaks", "stage_in_flight", "process_peaks", "in_flight_peaks", "peak_bytes",
+           "format_memory"]
 
 #: what a stage holds: ``weigh(stage, forwarded, waiting, running)``, with ``forwarded`` its
 #: microbatches forwarded and not yet backpropagated, ``waiting`` those past their ``I`` and
@@ -128,3 +130,27 @@ def peak_bytes(schedule: Any, n_stages: int, n_microbatches: int,
         return f * b.forward + w * (b.forward if b.waiting is None else b.waiting) + extra
 
     return peaks(build(schedule, n_stages, n_microbatches), process_stages(schedule, n_stages), weigh)
+
+
+def format_memory(schedule: Any, n_processes: int, n_microbatches: int) -> str:
+    """What ``pipeq schedule NAME --stages N --microbatches M --memory`` prints: each model stage's
+    peak of microbatches in flight and, with several stages per process, each process's peak of
+    its stages together in whole stages' microbatches (a chunk of v weighs 1/v) beside 1F1B's on
+    the same N processes (min(N, M), on stage 0)."""
+    policy = resolve(schedule)
+    v = policy.stages_per_process
+    lowered = build(policy, n_processes * v, n_microbatches)
+    where = process_stages(policy, n_processes * v)
+    per_stage = stage_in_flight(lowered, where)
+    what = f"{n_processes} stages" if v == 1 else f"{n_processes} processes x {v} stages"
+    lines = [f"{schedule_name(schedule)}, {what}, {n_microbatches} microbatches: each stage's peak of microbatches "
+             "in flight (from its F to its B, or to its W: an I keeps them)"]
+    at = {k: (p, c) for p, held in enumerate(where) for c, k in enumerate(held)}
+    lines += [f"  stage {k}: {n}" + (f"  (process {at[k][0]}, chunk {at[k][1]})" if v > 1 else "")
+              for k, n in enumerate(per_stage)]
+    if v > 1:
+        one = min(n_processes, n_microbatches)
+        for p, value in enumerate(process_peaks(lowered, lambda p, c: 1 / v)):
+            lines.append(f"  process {p} (stages {', '.join(map(str, where[p]))}): {value:g} whole stages' "
+                         f"microbatches at once, {value / one:.2f}x 1F1B's {one}")
+    return "\n".join(lines)
