@@ -40,3 +40,20 @@ def test_a_process_of_two_stages_holds_their_sum_at_each_moment():
     # weighted by bytes per microbatch: the process's peak in bytes
     weights = [[10.0, 1.0] for _ in where]
     assert process_peaks(lowered, lambda p, c: weights[p][c])[0] <= 10 * per_stage[0] + 1 * per_stage[7]
+
+
+def test_pipeq_schedule_memory_prints_each_stages_peak(capsys):
+    from pipeq.launch.cli import main
+
+    assert main(["schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--memory"]) == 0
+    out = capsys.readouterr().out
+    assert [line.strip() for line in out.splitlines() if line.startswith("  stage ")] == [
+        "stage 0: 4", "stage 1: 3", "stage 2: 2", "stage 3: 1"]
+    assert main(["schedule", "v-half", "--stages", "4", "--microbatches", "8", "--memory"]) == 0
+    out = capsys.readouterr().out
+    assert "process 0 (stages 0, 7): 2 whole stages' microbatches at once, 0.50x 1F1B's 4" in out
+    # auto's activation limit is --memory-limit; --memory with auto says so
+    assert main(["schedule", "auto", "--stages", "4", "--microbatches", "8", "--memory-limit", "0.5"]) == 0
+    assert "memory limit 0.5x 1F1B's" in capsys.readouterr().out
+    assert main(["schedule", "auto", "--stages", "4", "--microbatches", "8", "--memory"]) == 2
+    assert "--memory-limit X" in capsys.readouterr().err
