@@ -181,8 +181,11 @@ class MemoryMeter:
         if not (training and self._asked):
             return
         self._asked, self.on = False, True
-        kept = [*self.module.parameters(), *self.module.buffers(), *tensors_of(batch)]
-        self._skip = {_storage(t)[0] for t in kept}
+        try:
+            data = tensors_of(batch)
+        except ValueError:  # (split by the executor: always a tree)
+            data = []
+        self._skip = {_storage(t)[0] for t in [*self.module.parameters(), *self.module.buffers(), *data]}
         self._step, self._m, self._peak = step, n_microbatches, self.current
         self._fwd = self._wait = self._in_b = self._in_i = 0
         self._after_f.clear()
