@@ -14,7 +14,8 @@ A stage's :class:`MemoryMeter` (the executor's ``memory``) answers two questions
   backward's ``W``); so are the tensors the executor keeps for the backward (the input it received,
   its output, the weight gradients' inputs a split backward's ``I`` keeps), until they are freed.
   Distinct storages count once (a tensor saved by two nodes, a view of another); the parameters and
-  buffers, and the batch itself (held through the step whatever the schedule), do not count. The
+  buffers (and any parameter or view of one autograd saves: FSDP2's gathered weights too), and the
+  batch itself (held through the step whatever the schedule), do not count. The
   peak of that sum over the step is the stage's activation peak; it is the same on CPU and CUDA
   (no allocator involved). Each forward's growth is its microbatch's bytes (the largest over the
   step is reported); what a backward adds on top while it runs (a recomputed forward) is the
@@ -234,6 +235,8 @@ class MemoryMeter:
             self.tally.add(-n)
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight (FSDP2's unsharded too)
+            return t
         key, n = _storage(t)
         if n == 0 or key in self._skip:
             return t
