@@ -13,8 +13,8 @@ docs/architecture.md lists every module with its job)::
     control plane  launch/     pipeq launch: cli.py, job files (job/keys.py: the one table of keys),
                                the training loop (trainer.py, loop.py...), node agents (agent.py)
                    control/    runner.py (PipelineRunner, a facade over collaborators: lifecycle.py,
-                               feed.py, streaming.py, state.py, snapshots.py, shape_check.py,
-                               assembly.py), config.py (RunConfig: every setting, built and checked
+                               feed.py, streaming.py, state.py, snapshots.py, reports.py,
+                               shape_check.py, assembly.py), config.py (RunConfig: every setting, built and checked
                                once), checks.py, ties.py; process mode: driver.py, startup.py,
                                processes.py (what each stage process is told, from the RunConfig),
                                supervisor.py, rendezvous.py, trace_collector.py
@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers an
     from pipeq import balance, split
     from pipeq.control.config import FaultConfig, NumericsConfig, PlacementConfig, RunConfig, WireConfig
     from pipeq.control.rendezvous import Rendezvous
+    from pipeq.control.reports import StageMemory
     from pipeq.control.runner import PipelineRunner
     from pipeq.launch.csv_schedule import from_csv, to_csv
     from pipeq.launch.job.load import load_job
@@ -78,7 +79,7 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers an
 #: The public API: this package's names, and the public subpackages' (docs/reference/api.md
 #: documents them all; the folders below them are pipeq's own, and may change).
 __all__ = [
-    "PipelineRunner", "Microbatches", "RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig",
+    "PipelineRunner", "Microbatches", "StageMemory", "RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig",
     "StageInfo", "Tie", "set_info", "info_of", "LRSchedule", "StageExecutor",
     "split", "balance", "Recipe", "Job", "load_job", "Rendezvous", "from_csv", "to_csv",
     "SCHEDULES", "format_table", "PipelineError", "MainScriptError", "ScheduleError", "CodecError",
@@ -91,6 +92,7 @@ __version__ = "0.1.0"
 # pipeq.split, callable as their main functions (see there).
 _LAZY: dict[str, tuple[str, str | None]] = {
     "PipelineRunner": ("pipeq.control.runner", "PipelineRunner"),
+    "StageMemory": ("pipeq.control.reports", "StageMemory"),
     **{name: ("pipeq.control.config", name) for name in
        ("RunConfig", "NumericsConfig", "WireConfig", "FaultConfig", "PlacementConfig")},
     **{name: ("pipeq.stage.info", name) for name in ("StageInfo", "Tie", "set_info", "info_of")},

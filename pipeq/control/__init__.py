@@ -12,6 +12,7 @@ the simulated engine (:mod:`pipeq.runtime.simulated`). Its modules:
     streaming.py        the steps in flight, their losses handed back in order
     state.py            state dicts, checkpoints and snapshots under the flat model's names
     snapshots.py        in-memory snapshots every K steps, kept by the driver
+    reports.py          what the stages report: stats, learning rates, runner.memory()'s StageMemory
     shape_check.py      FirstBatchCheck: the shapes between stages, before the first batch
     assembly.py         BackendPlan: the configuration and the backend (after schedule="auto")
     exclusive.py        one thread at a time in a runner

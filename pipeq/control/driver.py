@@ -278,12 +278,12 @@ class ProcessBackend:
         outputs.sort(key=lambda m: m.microbatch)
         return [microbatch.Packed.of(m.tensors, control.read(m, Output).tree) for m in outputs]
 
-    def stats(self, reset: bool = False) -> list[dict[str, Any]]:
-        """Every stage's :meth:`~pipeq.StageExecutor.stats` (replica 0's)."""
+    def stats(self, reset: bool = False, memory: bool = False) -> list[dict[str, Any]]:
+        """Every stage's stats and bytes (replica 0's; ``memory``: every replica's, see the Backend)."""
         sup = self._usable()
         req = self._next_request_id()
-        stages = range(self.n_stages)
-        self._send_all(sup, [(k, control.message(GetStats(reset=reset), req)) for k in stages])
+        stages = range(self.n_processes if memory else self.n_stages)
+        self._send_all(sup, [(k, control.message(GetStats(reset=reset, measure=memory), req)) for k in stages])
         got = sup.collect(Kind.STATS, dict.fromkeys(stages, 1), step=req, what="stats")
         return [dataclasses.asdict(control.read(got[k][0], Stats)) for k in stages]
 

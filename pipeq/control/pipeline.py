@@ -9,7 +9,8 @@ The stages are started and closed once (:class:`~pipeq.control.lifecycle.Lifecyc
 become steps (:class:`~pipeq.control.feed.Feed`), sent ahead and handed back in order
 (:class:`~pipeq.control.streaming.InFlight`); the state is read and written
 (:class:`~pipeq.control.state.StateAccess`) and snapshotted in memory
-(:class:`~pipeq.control.snapshots.SnapshotSchedule`). Every call that needs the stages goes
+(:class:`~pipeq.control.snapshots.SnapshotSchedule`); the stages report of themselves
+(:class:`~pipeq.control.reports.StageReports`). Every call that needs the stages goes
 through :meth:`Pipeline.live`: the backend settled, running, and every step sent so far done.
 """
 
@@ -23,6 +24,7 @@ from pipeq.control.batching import given_batch
 from pipeq.control.dict_batch import DictBatch
 from pipeq.control.feed import Feed
 from pipeq.control.lifecycle import Lifecycle
+from pipeq.control.reports import StageReports
 from pipeq.control.shape_check import FirstBatchCheck, TracedSizes, warm_up
 from pipeq.control.snapshots import SnapshotSchedule
 from pipeq.control.stage_inputs import batch_item
@@ -62,6 +64,7 @@ class Pipeline:
         self.backend: Backend | None = None  # what runs the stages, once built
         self.processes: ProcessBackend | None = None  # the backend in process mode: what only it has
         self._state: StateAccess | None = None  # the stages' state, once the backend is built
+        self._lr_schedule = plan.model.lr_schedule  # how the stages' lr schedulers step (the reports')
         if not config.auto:
             self._use(plan.backend(config), self.feed.batcher)
 
@@ -94,6 +97,10 @@ class Pipeline:
         self.live()
         assert self._state is not None
         return self._state
+
+    def reports(self) -> StageReports:
+        """What the stages report of themselves (statistics, bytes, learning rates): each asks :meth:`live`."""
+        return StageReports(self.live, lambda: self.config.schedule, self.n_stages, self._lr_schedule)
 
     def replica_failures(self) -> list[PipelineError]:
         """The replicas' failures the run carried on after (``fault_tolerance="replicas"``)."""

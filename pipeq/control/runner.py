@@ -32,9 +32,9 @@ from pipeq.control.assembly import BackendPlan, configure, signature, uncompiled
 from pipeq.control.config import RunConfig
 from pipeq.control.exclusive import CallGuard, exclusive
 from pipeq.control.pipeline import Pipeline
+from pipeq.control.reports import StageMemory
 from pipeq.control.snapshots import MemorySnapshot
 from pipeq.errors import PipelineError
-from pipeq.stage import lr_schedulers
 from pipeq.stage.spec import StageBuilder
 
 if TYPE_CHECKING:
@@ -141,10 +141,9 @@ class PipelineRunner:
     # -- starting and stopping ------------------------------------------------------------------
     @exclusive
     def start(self) -> Any:
-        """Start the stages (one process per stage in process mode) and return the runner;
-        ``with runner:`` calls it. A runner starts once: one that ran and was closed refuses
-        (build a new one and load the ``state_dict`` you kept). In process mode the runner
-        must be started under the main script's ``if __name__ == "__main__":``."""
+        """Start the stages (one process per stage in process mode) and return the runner; ``with runner:`` calls it.
+        A runner starts once: one that ran and was closed refuses (build a new one and load the ``state_dict`` you
+        kept). In process mode the runner must be started under the main script's ``if __name__ == "__main__":``."""
         self._pipeline.start()
         return self
 
@@ -176,42 +175,38 @@ class PipelineRunner:
 
     @exclusive
     def predict(self, x: Any, stage_inputs: Mapping[Any, Any] | None = None) -> Any:
-        """Forward only (eval mode, no grad), microbatched; returns the output on the CPU, shaped
-        as the last stage returns it (a tensor, or a tuple / list / dict: tensors are joined
-        again on dim 0; of :class:`pipeq.Microbatches`, one per microbatch; a Hugging Face
-        ``ModelOutput`` of :func:`pipeq.split`'s stages as its class). ``x``, ``stage_inputs``: see :meth:`step`."""
+        """Forward only (eval mode, no grad), microbatched; returns the output on the CPU, shaped as the last stage
+        returns it (a tensor, or a tuple / list / dict: tensors are joined again on dim 0; of
+        :class:`pipeq.Microbatches`, one per microbatch; a Hugging Face ``ModelOutput`` of :func:`pipeq.split`'s
+        stages as its class). ``x``, ``stage_inputs``: see :meth:`step`."""
         return self._pipeline.predict(x, stage_inputs)
 
     @exclusive
     def evaluate(self, batches: Iterable[tuple[Any, ...]],
                  metrics: Mapping[str, Callable[[Any, torch.Tensor], Any]] | None = None,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-        """Forward only over ``batches`` (an iterable of ``(x, target)`` or ``(x, target, stage_inputs)``, or one) and
-        each metric's sample mean over them (the loss's: ``loss_weighting``'s): ``{"loss": ..., name: ...}``.
+        """Forward only over ``batches`` (an iterable of ``(x, target)`` or ``(x, target, stage_inputs)``, or one)
+        and each metric's sample mean over them (the loss's: ``loss_weighting``'s): ``{"loss": ..., name: ...}``.
 
-        ``metrics``: names to callables ``(output, target) -> float`` (the batch's mean), e.g.
-        ``{"top3": top3}``; each batch's value is weighted by its samples, so the result is the
-        mean over every sample of the set. ``loss`` is ``loss_fn``'s (default: the runner's;
-        the cross-entropy of the class scores with Associated Learning), ``accuracy`` the argmax
-        accuracy when every batch is a classification one (2-d float output, 1-d integer
-        target); a metric of the same name replaces either. See :mod:`pipeq.control.evaluation`."""
+        ``metrics``: names to callables ``(output, target) -> float`` (the batch's mean), e.g. ``{"top3": top3}``;
+        each batch's value is weighted by its samples, so the result is the mean over every sample of the set.
+        ``loss`` is ``loss_fn``'s (default: the runner's; the cross-entropy of the class scores with Associated
+        Learning), ``accuracy`` the argmax accuracy when every batch is a classification one (2-d float output, 1-d
+        integer target); a metric of the same name replaces either. See :mod:`pipeq.control.evaluation`."""
         return evaluation.evaluate(self.predict, batches, metrics, *self._pipeline.eval_loss(loss_fn))
 
     @exclusive
     def stream(self, batches: Iterable[tuple[Any, ...]], *, in_flight: int | None = None) -> Iterator[float]:
-        """Train on every ``(x, target)`` of ``batches`` (any iterable; a DataLoader works), or
-        ``(x, target, stage_inputs)`` (see :meth:`step`), and yield each batch's loss, in order,
-        while the stages work on the batches behind it.
+        """Train on every ``(x, target)`` of ``batches`` (any iterable; a DataLoader works), or ``(x, target,
+        stage_inputs)`` (see :meth:`step`), and yield each batch's loss, in order, while the stages work on the
+        batches behind it.
 
-        The pipeline is filled once and drained once: at the end of ``batches``, when the
-        iterator is closed (``break``: the batches already taken are finished first), and
-        before anything that needs a consistent state (``step``, ``predict``, ``state_dict``,
-        ``save``...). Every stage runs its batches in order, starting the next as soon as its
-        own work and update for the previous one are done, so the losses and weights are those
-        of ``[runner.step(x, y) for x, y in batches]``. At most ``in_flight`` batches are sent
-        ahead (default: one more than the stages, enough to keep every stage busy), so memory
-        stays bounded for an endless iterable.
-        """
+        The pipeline is filled once and drained once: at the end of ``batches``, when the iterator is closed
+        (``break``: the batches already taken are finished first), and before anything that needs a consistent state
+        (``step``, ``predict``, ``state_dict``, ``save``...). Every stage runs its batches in order, starting the
+        next as soon as its own work and update for the previous one are done, so the losses and weights are those
+        of ``[runner.step(x, y) for x, y in batches]``. At most ``in_flight`` batches are sent ahead (default: one
+        more than the stages, enough to keep every stage busy), so memory stays bounded for an endless iterable."""
         return self._pipeline.stream(batches, in_flight)
 
     @property
@@ -306,7 +301,13 @@ class PipelineRunner:
         ``shm_waits`` (sends that found every shared-memory slot in use: raise ``shm_slots``) and, with ``compile``,
         ``compile_s``, ``compiles``, ``recompiles``, ``graph_breaks``, ``compile_cache_hits`` (pipeq.stage.compiled).
         In simulated mode the peak is this process's; with ``tensor_parallel``, shard 0's (each holds its part)."""
-        return self._pipeline.live().stats(reset_peak)
+        return self._pipeline.reports().stats(reset_peak)
+
+    @exclusive
+    def memory(self) -> list[StageMemory]:
+        """Every byte each stage of each replica holds (:class:`pipeq.StageMemory`): parameters, gradients, optimizer
+        state, and the activations' peak in the last measured training step beside the schedule's prediction."""
+        return self._pipeline.reports().memory()
 
     @exclusive
     def scheduler_step(self, metric: float | None = None) -> None:
@@ -314,21 +315,19 @@ class PipelineRunner:
         "epoch"``: e.g. at the end of each epoch. ``metric`` is what a ``ReduceLROnPlateau``
         monitors (e.g. the evaluation's loss) and is required for it; other schedulers take none.
         Anything else is refused with a ``ValueError`` before any stage is told."""
-        value = lr_schedulers.check_metric(self.lr_schedule, metric)
-        self._pipeline.live().scheduler_step(value)
+        self._pipeline.reports().scheduler_step(metric)
 
     @exclusive
     def learning_rates(self) -> list[list[float]]:
         """Every stage's current learning rates, one per parameter group of its optimizer (AL
         layers: f and b's groups, then g and h's); ``[]`` for a stage without parameters."""
-        return self._pipeline.live().learning_rates()
+        return self._pipeline.reports().learning_rates()
 
     # -- in-memory snapshots (pipeq.control.snapshots) -------------------------------------------
     def keep_snapshots(self, every: int, first_step: int = 0) -> None:
-        """Take an in-memory snapshot after every ``every``-th training step (0: none), counting
-        steps from ``first_step`` (a resumed run's step: the runner's own count starts at 0;
-        ``predict`` and ``evaluate`` do not count), so that a snapshot's
-        :attr:`MemorySnapshot.step` is the caller's step number."""
+        """Take an in-memory snapshot after every ``every``-th training step (0: none), counting steps from
+        ``first_step`` (a resumed run's step: the runner's own count starts at 0; ``predict`` and ``evaluate`` do
+        not count), so that a snapshot's :attr:`MemorySnapshot.step` is the caller's step number."""
         self._pipeline.snapshots.keep(every, first_step)
 
     @property

@@ -24,8 +24,10 @@ across batches; it drains only before an evaluation, a checkpoint and the end), 
                                  step's own), samples_per_s_avg (over the last 20 steps: what the
                                  progress shows), lr (the learning rate the step trained with), and
                                  eval_loss / eval_accuracy / eval_NAME (the job's metrics) where
-                                 evaluated; with ``compile``, the last step's line holds each
-                                 stage's compile figures (``compile``: runner.stats()'s)
+                                 evaluated; the first step's line holds every byte each stage
+                                 holds (``memory``: runner.memory()'s, also logged as a table);
+                                 with ``compile``, the last step's line holds each stage's
+                                 compile figures (``compile``: runner.stats()'s)
     compile-cache/               with ``compile``: torch's compile cache, shared by the stage
                                  processes and kept for restarts and later runs
 

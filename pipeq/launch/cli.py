@@ -4,6 +4,7 @@
     pipeq schedule 1f1b --stages 4 --microbatches 8 --plot plan.png   # ... and draw it
     pipeq schedule zb-h1 --stages 4 --microbatches 8 --costs 1,1,1   # split backward: F, I, W costs
     pipeq schedule zb-h1 --stages 4 --microbatches 8 --csv zb.csv   # ... and write torch's schedule CSV
+    pipeq schedule v-half --stages 4 --microbatches 8 --memory   # ... and each stage's peak in flight
     pipeq schedule auto --stages 4 --microbatches 8 --costs 5,5,5   # which schedule these costs (ms) favour
     pipeq schedule auto --from-trace run.json          # ... with a traced run's measured costs
     pipeq launch examples/digits.toml                 # train a job file (see pipeq.launch)
@@ -107,7 +108,10 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
                                               "v x N stages); required but with auto --from-trace")
     p.add_argument("--microbatches", type=int, help="microbatches per step (required but with auto --from-trace)")
     p.add_argument("--hop", type=float, metavar="MS", help="auto: latency of one message between processes (ms)")
-    p.add_argument("--memory", type=float, default=1.0, metavar="X",
+    p.add_argument("--memory", action="store_true",
+                   help="also print each stage's predicted peak of microbatches in flight (a process's "
+                        "stages together with several per process, beside 1F1B's)")
+    p.add_argument("--memory-limit", type=float, default=1.0, metavar="X",
                    help="auto: activation memory allowed, relative to 1F1B's peak (default 1)")
     p.add_argument("--from-trace", metavar="TRACE.json", help="auto: take F, I, W and hop from a traced run")
     p.add_argument("--backward-cost", type=int, default=2,
@@ -141,18 +145,21 @@ def _auto(args: argparse.Namespace) -> int:
         from pipeq.trace.advice import choice_of
         from pipeq.trace.format import load_trace
 
-        choice = choice_of(load_trace(args.from_trace), memory_limit=args.memory, **more)
+        choice = choice_of(load_trace(args.from_trace), memory_limit=args.memory_limit, **more)
     else:
         if args.stages is None or args.microbatches is None:
             raise ValueError("schedule auto needs --stages and --microbatches (or --from-trace TRACE.json)")
         f, i, w = args.costs or (1, 1, 1)
-        choice = choose(stage_cost(f, i, w), args.stages, args.microbatches, memory_limit=args.memory, **more)
+        choice = choose(stage_cost(f, i, w), args.stages, args.microbatches, memory_limit=args.memory_limit, **more)
     print(format_choice(choice))
     return 0
 
 
 def _schedule(args: argparse.Namespace) -> int:
     if args.name == "auto":
+        if args.memory:
+            raise ValueError("--memory prints a schedule's predicted peaks (pipeq schedule NAME ... --memory); "
+                             "auto's activation limit is --memory-limit X (relative to 1F1B's peak)")
         return _auto(args)
     if args.stages is None or args.microbatches is None:
         raise ValueError(f"schedule {args.name} needs --stages and --microbatches")
@@ -168,6 +175,10 @@ def _schedule(args: argparse.Namespace) -> int:
             else schedules.resolve(args.name))
     print(schedules.format_table(name, args.stages, args.microbatches, backward_cost=args.backward_cost,
                                  costs=args.costs))
+    if args.memory:
+        from pipeq.schedules.memory import format_memory
+
+        print(format_memory(name, args.stages, args.microbatches))
     if args.plot:
         from pipeq.trace import plot
         from pipeq.trace.format import planned_trace

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from pipeq.control.reports import memory_table
 from pipeq.launch.checkpoints import Checkpoints
 from pipeq.launch.data import Batches, EpochLosses, job_batches, total_steps
 from pipeq.launch.evaluator import Evaluator
@@ -104,6 +105,8 @@ class TrainingLoop:
             # at an epoch's end: before its schedulers' step (a resumed run takes it, see EpochEnd)
             self.checkpoints.save(self.runner, self.step, self.pos)
         self.snapshots.finished(self.runner, self.step, self.pos)
+        if self.step == self.start_step + 1:  # the launch's first step: every byte each stage holds
+            line["memory"] = self._memory_figures()
         if final:  # its line is written by _finish, with the final evaluation
             self.last = line
             return True
@@ -141,6 +144,13 @@ class TrainingLoop:
             f"stage {k}: {f['compile_s']:.1f} s compiling, {f['compiles']} graph(s), {f['recompiles']} recompile(s), "
             f"{f['compile_cache_hits']} cache hit(s)" for k, f in enumerate(figures)))
         return figures
+
+    def _memory_figures(self) -> list[dict[str, Any]]:
+        """Each stage's bytes after the first step (``runner.memory()``), logged as a table, for that
+        step's metrics.jsonl line (its ``memory``: one dict per stage and replica)."""
+        rows = self.runner.memory()
+        self.log(memory_table(rows))
+        return [r.as_dict() for r in rows]
 
     def _write(self, line: dict[str, Any]) -> None:
         """A step's line, to metrics.jsonl and TensorBoard's pending scalars."""

@@ -11,7 +11,8 @@ __all__ = ["MetricsLog"]
 
 class MetricsLog:
     """The run's metrics.jsonl: one JSON line per step (step, epoch counted from 0, loss,
-    samples_per_s, samples_per_s_avg, lr, and eval_* where evaluated). Open (``with``) to append lines."""
+    samples_per_s, samples_per_s_avg, lr, and eval_* where evaluated; the launch's first step's
+    also ``memory``, ``runner.memory()`` as dicts). Open (``with``) to append lines."""
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -211,7 +211,7 @@ FRONTS = ("pipeq", "pipeq.schedules", "pipeq.research", "pipeq.split", "pipeq.ba
 #: not documented before; :func:`api_markdown` refuses a public name no section documents, and a
 #: section's name that is not public.
 API_SECTIONS: list[tuple[str, str, list[str]]] = [
-    ("The runner", "", ["pipeq.PipelineRunner", "pipeq.Microbatches"]),
+    ("The runner", "", ["pipeq.PipelineRunner", "pipeq.Microbatches", "pipeq.StageMemory"]),
     ("Settings", "`PipelineRunner`'s keyword settings as one object (`config=`), each part documented in full.",
      ["pipeq.RunConfig", "pipeq.NumericsConfig", "pipeq.WireConfig", "pipeq.FaultConfig", "pipeq.PlacementConfig"]),
     ("What a stage declares",
@@ -245,7 +245,7 @@ _OPTIONS: dict[str, dict[str, Any]] = {
         "inherited_members": True, "group_by_category": False,
         "members": ["start", "close", "step", "predict", "evaluate", "stream", "state_dict", "model_state_dict",
                     "load_state_dict", "save", "load", "scheduler_step", "learning_rates", "last_step_lr", "stats",
-                    "stage_processes",
+                    "memory", "stage_processes",
                     "keep_snapshots", "snapshot", "restore_snapshot", "degraded_steps", "last_step_replicas",
                     "replica_failures"]},
     "pipeq.RunConfig": {"members": False},

@@ -75,8 +75,11 @@ class Backend(Protocol):
         """Forward only, microbatches of ``sizes``: the output stage's outputs, one per microbatch."""
         ...
 
-    def stats(self, reset: bool = False) -> list[dict[str, Any]]:
-        """Every stage's statistics (``PipelineRunner.stats``), its peak memory reset with ``reset``."""
+    def stats(self, reset: bool = False, memory: bool = False) -> list[dict[str, Any]]:
+        """Every stage's statistics (``PipelineRunner.stats``), its peak memory reset with ``reset``,
+        with the bytes it holds (:mod:`pipeq.stage.memory`). ``memory``: every replica's stages
+        (replica r's stage k at ``r * n_stages + k``), and each measures its next training step's
+        activations (``PipelineRunner.memory``)."""
         ...
 
     def get_state(self) -> list[StageState]:

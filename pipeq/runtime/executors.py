@@ -5,8 +5,9 @@ A stage is built from a :class:`~pipeq.stage.spec.StageSpec` (or a
 from here too). :func:`make_executor` builds the executor the schedule asks for
 (:meth:`pipeq.schedules.SchedulePolicy.executor`): plain backprop's
 :class:`~pipeq.stage.executor.StageExecutor` with the run's numerics when it names none, the
-tensor-parallel one (:mod:`pipeq.parallel.tensor`) when the stage is sharded. The worker process
-and the simulated engine both build theirs here, and a stage with tied weights is refused here
+tensor-parallel one (:mod:`pipeq.parallel.tensor`) when the stage is sharded, its memory meter
+asked to measure the run's first training step. The worker process and the simulated engine both
+build theirs here, and a stage with tied weights is refused here
 with a schedule or a split that cannot sum them (:func:`pipeq.stage.tie_groups.refuse_ties`).
 """
 
@@ -43,19 +44,20 @@ def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, s
     if sharded:
         from pipeq.parallel.tensor import ShardedStageExecutor
 
-        return ShardedStageExecutor(index, n_stages, spec, device)
-    if fsdp_reshard is not None:
+        ex: StageExecutor = ShardedStageExecutor(index, n_stages, spec, device)
+    elif fsdp_reshard is not None:
         from pipeq.parallel.fsdp import FsdpStageExecutor
 
         ex = FsdpStageExecutor(index, n_stages, spec, device, reshard=fsdp_reshard)
         if numerics is not None:
             ex.set_numerics(numerics)
-        return ex
-    ex = resolve(schedule).executor(index, n_stages, spec, device)
-    if ex is None:
-        ex = StageExecutor(index, n_stages, spec, device)
-        if numerics is not None:
-            ex.set_numerics(numerics)
-    if compile is not None:
-        ex.compile_watch = compile_stage(ex.module, compile)
+    else:
+        ex = resolve(schedule).executor(index, n_stages, spec, device)
+        if ex is None:
+            ex = StageExecutor(index, n_stages, spec, device)
+            if numerics is not None:
+                ex.set_numerics(numerics)
+        if compile is not None:
+            ex.compile_watch = compile_stage(ex.module, compile)
+    ex.memory.ask()  # a run measures its first training step (pipeq.stage.memory)
     return ex

@@ -19,7 +19,8 @@ carries it out:
     RESTORE    load a snapshot, reply ACK
     CLOCK      reply TIME with this process's clock (aligning traces)
     GET_TRACE  reply TRACE: the stage's actions recorded since its last GET_TRACE (pipeq.trace)
-    GET_STATS  reply STATS: peak memory (``reset``: start a new peak), skipped steps
+    GET_STATS  reply STATS: peak memory (``reset``: start a new peak), skipped steps, the bytes
+               the stage holds (``measure``: its next training step's activations measured)
     STEP_SCHEDULER  step the lr schedulers once (with the metric it carries), reply ACK
     GET_LR     reply LR (the learning rate of every parameter group)
     LOST       a replica is lost (fault_tolerance="replicas"): gradients are summed without it from
@@ -58,6 +59,7 @@ from pipeq.runtime.requests import STATS, Emit, Recv, Request, Send, SwapTies
 from pipeq.schedules import Op
 from pipeq.stage import microbatch
 from pipeq.stage.executor import StageExecutor
+from pipeq.stage.memory import MemoryMeter
 from pipeq.trace import format as trace
 from pipeq.wire import control
 from pipeq.wire.control import (Ack, Clock, Drain, Exit, GetLr, GetSnapshot, GetState, GetStats, GetTrace,
@@ -105,6 +107,7 @@ class EventLoop:
         self.transport = transport
         self.chunks = list(chunks)
         self.executors = [ch.executor for ch in self.chunks]
+        MemoryMeter.share([ex.memory for ex in self.executors])  # the process's activation peak
         self.plan = ProcessPlan(cfg.schedule, cfg.index, cfg.n_stages)
         self.step: int | None = None  # the TRAIN/PREDICT step being run (named in an ERROR)
         self.trained = 0  # TRAINs begun in this process (an evaluation's PREDICTs are steps too, not these)
@@ -199,7 +202,10 @@ class EventLoop:
         elif isinstance(cmd, Restore):
             ex.restore(control.state_of(msg))
         elif isinstance(cmd, GetStats):
-            return control.message(Stats(**ex.stats(reset=cmd.reset), shm_waits=self.transport.shm_waits(ch.c)), step)
+            if cmd.measure:
+                ex.memory.ask()
+            return control.message(Stats(**ex.stats(reset=cmd.reset), **ex.memory.figures(),
+                                         shm_waits=self.transport.shm_waits(ch.c)), step)
         elif isinstance(cmd, StepScheduler):
             ex.scheduler_step(cmd.metric)
         elif isinstance(cmd, GetLr):

@@ -31,6 +31,7 @@ from pipeq.schedules import Op, ScheduleFn
 from pipeq.schedules.plan import process_stages
 from pipeq.stage.executor import Tensors
 from pipeq.stage.info import info_of
+from pipeq.stage.memory import MemoryMeter
 from pipeq.stage.spec import StageSpec
 
 
@@ -63,6 +64,8 @@ class SimulatedBackend:
                           for k, spec in enumerate(specs)]
         # the stages each process holds (virtual stages: several), by chunk
         self.groups = process_stages(schedule, n)
+        for held in self.groups:  # each process's activation peak (pipeq.stage.memory)
+            MemoryMeter.share([self.executors[k].memory for k in held])
         self._taken: list[tuple[int, list[dict[str, Any]]]] = []  # request_snapshots' snapshots
         self.plans = [ProcessPlan(schedule, p, n) for p in range(len(self.groups))]
         # messages sent and not yet received: (destination, kind, microbatch), or tied gradients'
@@ -191,9 +194,13 @@ class SimulatedBackend:
     def predict(self, step: int, sizes: list[int], x: Any, inputs: StageInputs | None = None) -> list[Tensors]:
         return self._run(step, sizes, x, None, training=False, inputs=inputs)
 
-    def stats(self, reset: bool = False) -> list[dict[str, Any]]:
-        """Every stage's stats (their peak memory is this one process's)."""
-        return [{**ex.stats(reset), "shm_waits": 0} for ex in self.executors]  # no transport: nothing waits
+    def stats(self, reset: bool = False, memory: bool = False) -> list[dict[str, Any]]:
+        """Every stage's stats (their peak memory is this one process's) and the bytes it holds;
+        ``memory``: each measures its next training step (one replica: no other rows)."""
+        for ex in self.executors if memory else ():
+            ex.memory.ask()
+        return [{**ex.stats(reset), **ex.memory.figures(), "shm_waits": 0}  # no transport: nothing waits
+                for ex in self.executors]
 
     def get_state(self) -> list[tuple[list[str], list[torch.Tensor]]]:
         out = []

@@ -22,6 +22,9 @@ any schedule that would deadlock. Nothing here does I/O.
     plan.py      build(): a validated, lowered, dry-run plan; format_table()
     dryrun.py    consistency checks and the symbolic dry run
     bounds.py    the plan under runner.stream and the time per batch it allows
+    memory.py    what a plan holds: each stage's peak of microbatches in flight (in_flight_peaks),
+                 each process's; in bytes from what a microbatch holds (peak_bytes, StageBytes:
+                 ``runner.memory()``'s prediction; ``pipeq schedule --memory``)
     choose.py    choose(): rank the schedules by their dry run with measured costs under a memory
                  limit, and search I/W placements (``schedule="auto"``, ``pipeq schedule auto``)
     tdp_csv.py   torch.distributed.pipelining's schedule CSV: dumps, loads, CsvSchedule
@@ -47,6 +50,7 @@ from pipeq.schedules.actions import (B, COMPUTE_OPS, GRAD_OPS, STEP, WEIGHT_DONE
 from pipeq.schedules.basic import fill_drain, forward_only, one_f_one_b, warmup_order
 from pipeq.schedules.dryrun import check_consistency, dry_run
 from pipeq.schedules.plan import build, format_table, process_stages
+from pipeq.schedules.memory import StageBytes, in_flight_peaks, peak_bytes, process_peaks, stage_in_flight
 from pipeq.schedules.zero_bubble import ZBV, zb_h1, zb_h2, zbv
 from pipeq.schedules.interleaved import Interleaved1F1B, LoopedBFS, interleaved_1f1b, looped_bfs
 from pipeq.schedules.dualpipe import DualPipeV, dualpipev
@@ -63,6 +67,7 @@ __all__ = [
     "output_stage", "is_research", "schedule_name", "options_of", "check_consistency", "dry_run", "build",
     "format_table", "process_stages", "ScheduleError", "taking_aux_heads", "zb_h2", "Interleaved1F1B", "LoopedBFS", "interleaved_1f1b",
     "looped_bfs", "ZBV", "zbv", "DualPipeV", "dualpipev", "VHalf", "VMin", "capped_v",
+    "in_flight_peaks", "stage_in_flight", "process_peaks", "peak_bytes", "StageBytes",
 ]
 
 

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 from pipeq.errors import ScheduleError
 from pipeq.schedules.actions import STEP, Action, Op, Schedule
 from pipeq.schedules.dryrun import dry_run, stage_costs
+from pipeq.schedules.memory import process_peaks
 from pipeq.schedules.plan import build, process_stages
 from pipeq.schedules.protocol import SchedulePolicy
 from pipeq.schedules.registry import resolve
@@ -59,17 +60,8 @@ def _complete(costs: Sequence[Mapping[Op, float]]) -> list[dict[Op, float]]:
 
 def peak_memory(lowered: Schedule, v: int = 1) -> float:
     """The busiest process's peak of microbatches in flight (forwarded, B or W not yet done), each
-    of a chunk weighing 1/v: 1F1B's is N (stage 0)."""
-    peak = 0.0
-    for acts in lowered:
-        level = 0.0
-        for a in acts:
-            if a.op is Op.FORWARD:
-                level += 1 / v
-                peak = max(peak, level)
-            elif a.op in (Op.BACKWARD, Op.WEIGHT_GRAD):
-                level -= 1 / v
-    return peak
+    of a chunk weighing 1/v: 1F1B's is N (stage 0). See :mod:`pipeq.schedules.memory`."""
+    return max(process_peaks(lowered, lambda p, c: 1 / v), default=0.0)
 
 
 def predict(schedule: Any, n_processes: int, n_microbatches: int, costs: Sequence[Mapping[Op, float]],

@@ -9,6 +9,7 @@ an executor alike. Its modules:
     grad_graph.py     where a split backward's weight gradients start
     compiled.py       torch.compile of a stage in its process, and what compiling it cost
     state.py          StateIO: state tensors, checkpoint layout, snapshots and restores
+    memory.py         MemoryMeter: the bytes a stage holds, its activations measured over a step
     spec.py           StageSpec and StageBuilder: what a stage is built from
     info.py           what a stage module says of itself (StageInfo, Tie)
     loss.py           each microbatch's loss weight

@@ -37,6 +37,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from pipeq.stage.memory import MemoryMeter
 from pipeq.stage.microbatch import describe
 from pipeq.stage.grad_graph import WeightCall, engine_backward, engine_grad, plan_weights, run_weight_calls
 
@@ -56,7 +57,9 @@ class Backprop:
     """Stage ``index`` of ``n_stages``'s backward (``module``'s parameters on ``device``): whole
     or split, and the ``W`` each ``I`` leaves behind (see the module)."""
 
-    def __init__(self, index: int, n_stages: int, module: nn.Module, device: torch.device) -> None:
+    def __init__(self, index: int, n_stages: int, module: nn.Module, device: torch.device,
+                 meter: MemoryMeter | None = None) -> None:
+        """``meter``: counts, on a measured step, what an ``I`` keeps for its ``W`` (:mod:`pipeq.stage.memory`)."""
         self.index = index
         self.is_first = index == 0
         self.is_last = index == n_stages - 1
@@ -67,6 +70,7 @@ class Backprop:
         #: microbatch -> what its W backpropagates (kept by its I)
         self.pending: dict[int, list[WeightCall]] = {}
         self._params: list[torch.Tensor] | None = None  # this step's (see _trained), None until asked
+        self.meter = meter
 
     def begin(self, step: int) -> None:
         """Start step ``step``: nothing pending, the trained parameters looked up again."""
@@ -114,6 +118,12 @@ class Backprop:
     def input_grad(self, j: int, leaves: Tensors, outs: Any, grads: Tensors | None) -> Tensors | None:
         """``I j``: as :meth:`whole`, but only the gradients of the input ``leaves`` (None on stage
         0), keeping what :meth:`weight_grad` needs for the parameters'."""
+        gin = self._input_grad(j, leaves, outs, grads)
+        if self.meter is not None and self.meter.on:  # the gradients its W starts from, held until then
+            self.meter.kept_for_w(j, [g for call in self.pending[j] for g in call.grads])
+        return gin
+
+    def _input_grad(self, j: int, leaves: Tensors, outs: Any, grads: Tensors | None) -> Tensors | None:
         roots, gs = self._roots(j, outs, grads)
         need = [t for t in leaves if t.requires_grad]
         params = self._trained()
@@ -134,4 +144,6 @@ class Backprop:
         if calls is None:
             raise ValueError(f"stage {self.index}, step {self.step}: action W{j} before I{j} "
                              f"(nothing kept for microbatch {j}'s weight gradients)")
+        if self.meter is not None and self.meter.on:
+            self.meter.waited(j)
         run_weight_calls(calls)

@@ -33,6 +33,7 @@ from pipeq.stage import microbatch
 from pipeq.stage.backprop import Backprop
 from pipeq.stage.compiled import NO_COMPILE_FIGURES, CompileWatch
 from pipeq.stage.loss import step_weights, weighted_loss
+from pipeq.stage.memory import MemoryMeter
 from pipeq.stage.microbatch import describe
 from pipeq.stage.numerics import Numerics, StepStats, all_finite, peak_memory
 from pipeq.stage.spec import StageSpec
@@ -109,7 +110,8 @@ class StageExecutor:
         self.needs_target = self.is_last  # which stages get the batch's target
         self.tied = TiedGrads.of(self.module, index)  # tied weights (pipeq.stage.ties), or None
         self.stepper = self.stepper_type(index, self.module, device, spec, params, self.tied)
-        self.backprop = Backprop(index, n_stages, self.module, device)
+        self.memory = MemoryMeter(self.module, self.stepper.optimizers)  # its bytes, activations (pipeq.stage.memory)
+        self.backprop = Backprop(index, n_stages, self.module, device, self.memory)
         self.state_io = StateIO(index, self.module, device, self.stepper)
         self.loss_fn = spec.loss_fn
         self._cpu = device.type == "cpu"  # received tensors are on the stage's device already (no .to())
@@ -156,6 +158,7 @@ class StageExecutor:
         self.kwargs = microbatch.split(microbatch.to_device(inputs, self.device), sizes) if inputs else None
         self.stash.clear()
         self.backprop.begin(step)
+        self.memory.begin(step, len(self.weights), training, (self.inputs, self.targets, self.kwargs))
         self.loss_sum = None
         if training:
             for m, mode in self._train_modes:
@@ -211,6 +214,11 @@ class StageExecutor:
 
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:
         """Forward of microbatch ``j``; returns the tensors to send on (None on the last stage)."""
+        if self.memory.on:  # a measured step (pipeq.stage.memory)
+            return self.memory.forward(self._forward, j, received, self.stash)
+        return self._forward(j, received)
+
+    def _forward(self, j: int, received: Tensors | None) -> Tensors | None:
         leaves, args, tree = self._inputs(j, received)
         if self._check and self.training and self.is_first:
             self._nonfinite("the input x", j, tensors_of(self.inputs[j]))
@@ -263,7 +271,7 @@ class StageExecutor:
         """Microbatch ``j``'s input leaves and what its backward starts from (its outputs, or the
         last stage's scaled loss), its forward's stash spent (a recompute runs now)."""
         leaves, outs, keep = self.stash.pop(j)
-        return leaves, (self._recompute(j, leaves, keep) if keep is not None else outs)
+        return leaves, (self.memory.recompute(self._recompute, j, leaves, keep) if keep is not None else outs)
 
     def _checked(self, j: int, grads: Tensors | None) -> Tensors | None:
         """``grads``, the input gradients of microbatch ``j``, checked (check_finite='raise';

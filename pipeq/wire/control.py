@@ -291,9 +291,11 @@ class StepScheduler(Payload):
 
 @_control(Kind.GET_STATS)
 class GetStats(Payload):
-    """Reply STATS; ``reset``: start a new memory peak."""
+    """Reply STATS; ``reset``: start a new memory peak; ``measure``: measure the next training
+    step's activations (``runner.memory()``: pipeq.stage.memory)."""
 
     reset: bool = wire(FLAG)
+    measure: bool = wire(FLAG, default=False)
 
 
 @_control(Kind.EXIT)
@@ -436,6 +438,18 @@ class Stats(Payload):
     recompiles: int = wire(COUNT)  # compiles after a compiled function's first
     graph_breaks: int = wire(COUNT)
     compile_cache_hits: int = wire(COUNT)  # inductor's and AOTAutograd's cache hits
+    # what the stage holds (pipeq.stage.memory): its state now, its last measured step's activations
+    param_bytes: int = wire(COUNT, default=0)
+    grad_bytes: int = wire(COUNT, default=0)
+    optimizer_bytes: int = wire(COUNT, default=0)
+    measured_step: int | None = wire(nullable(INT), default=None)
+    microbatches: int | None = wire(nullable(COUNT), default=None)
+    activation_peak_bytes: int | None = wire(nullable(COUNT), default=None)
+    activation_bytes_per_microbatch: int | None = wire(nullable(COUNT), default=None)
+    activation_bytes_waiting_w: int | None = wire(nullable(COUNT), default=None)
+    activation_bytes_in_backward: int | None = wire(nullable(COUNT), default=None)
+    activation_bytes_in_input_grad: int | None = wire(nullable(COUNT), default=None)
+    process_activation_peak_bytes: int | None = wire(nullable(COUNT), default=None)
 
 
 @_control(Kind.ERROR)

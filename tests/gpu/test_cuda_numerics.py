@@ -114,3 +114,24 @@ def test_peak_memory_is_cuda_max_memory_allocated():
         peaks[rc] = stats[0]["peak_bytes"]
     assert peaks[False] > 48 << 20, peaks  # 8 microbatches x 8 saved inputs of 1 MiB, at least
     assert peaks[False] - peaks[True] > 40 << 20, peaks
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_memory_on_cuda_measures_what_the_cpu_measures(schedule):
+    """runner.memory() counts saved tensors by their storages, with no allocator involved: CUDA
+    stages (process mode) measure what CPU stages of simulated mode measure, up to how the
+    transport lays a message's tensors out (a received message is one buffer), each as its plan
+    predicts; device_peak_bytes is the allocator's peak, above what the stage holds."""
+    rows = {}
+    for mode, devices in (("simulated", ["cpu"] * 4), ("process", round_robin(4))):
+        runner = pipeq.PipelineRunner([Wide(), Wide(), Wide(), nn.Sequential(Wide(), nn.Linear(256, 4))],
+                                      nn.CrossEntropyLoss(), SGD, schedule, 4, mode=mode, devices=devices)
+        with runner:
+            runner.step(torch.randn(256, 256), torch.randint(0, 4, (256,)))
+            rows[mode] = runner.memory()
+    for cpu, cuda in zip(rows["simulated"], rows["process"]):
+        assert cuda.activation_peak_bytes == pytest.approx(cpu.activation_peak_bytes, rel=0.05), (cpu, cuda)
+        assert cuda.activation_peak_bytes == pytest.approx(cuda.predicted_activation_bytes, rel=0.02), cuda
+        assert (cuda.param_bytes, cuda.grad_bytes, cuda.optimizer_bytes) == (cpu.param_bytes, cpu.grad_bytes,
+                                                                              cpu.optimizer_bytes)
+        assert cpu.device_peak_bytes is None and cuda.device_peak_bytes > cuda.state_bytes, cuda

@@ -91,6 +91,18 @@ def test_launch_trains_and_writes_state_and_metrics(uninterrupted: str, launched
     acc = float((model(x).argmax(1) == y).float().mean())
     assert acc == pytest.approx(lines[-1]["eval_accuracy"], abs=1e-6)
     assert acc > 0.85
+    # the first step's line holds every byte each stage holds (runner.memory(), logged as a table too): SGD's
+    # momentum is one buffer per parameter; 1F1B's activation peak is what its plan predicts
+    from examples.digits_job import stages
+
+    memory = lines[0]["memory"]
+    assert all("memory" not in ln for ln in lines[1:]) and "memory per stage" in launched["full"][1].stderr
+    assert [(m["stage"], m["replica"]) for m in memory] == [(0, 0), (1, 0), (2, 0)]
+    for m, stage in zip(memory, stages()):
+        size = sum(p.numel() * p.element_size() for p in stage.parameters())
+        assert m["param_bytes"] == m["grad_bytes"] == m["optimizer_bytes"] == size, m
+        assert m["measured_step"] == 1 and m["in_flight"] == 3 - m["stage"], m
+        assert m["activation_peak_bytes"] == pytest.approx(m["predicted_activation_bytes"], rel=0.05), m
     for d in ("final", "checkpoints/step-00000020", "checkpoints/step-00000040"):
         with open(os.path.join(out, d, "manifest.json")) as f:
             manifest = json.load(f)

@@ -122,15 +122,28 @@ def tp_run(request):
     with runner:
         info = [dict(w) for w in runner.stage_processes]
         losses = [runner.step(x, y) for x, y in data]
+        memory = runner.memory()
         state = runner.state_dict()
         pred = runner.predict(x_eval)
     model, _, ref_losses = reference(stages, MOMENTUM, data)
-    return SimpleNamespace(stages=stages, info=info, losses=losses, state=state, pred=pred,
+    return SimpleNamespace(stages=stages, info=info, losses=losses, state=state, pred=pred, memory=memory,
                            ref_losses=ref_losses, ref_state=model.state_dict(), ref_pred=eval_output(model, x_eval))
 
 
 def test_every_stage_runs_on_two_shards(tp_run):
     assert_numbering(tp_run.info, replicas=1, n_stages=2, shards=2)
+
+
+def test_memory_counts_what_each_shard_holds(tp_run):
+    """runner.memory() counts a DTensor's local part (shard 0's): half of each split weight and of a
+    colwise Linear's bias (a rowwise one's bias is whole on every shard), its gradient and momentum alike."""
+    assert [(m.stage, m.replica) for m in tp_run.memory] == [(0, 0), (1, 0)]
+    for m, stage, plan in zip(tp_run.memory, tp_run.stages, TP_PLAN):
+        split = [(p, name.endswith("weight") or plan[name.split(".")[0]] == "colwise")
+                 for name, p in stage.named_parameters()]
+        local = sum(p.numel() * p.element_size() // (2 if halved else 1) for p, halved in split)
+        assert m.param_bytes == m.grad_bytes == m.optimizer_bytes == local, m
+        assert m.measured_step == 1 and m.activation_peak_bytes > 0, m
 
 
 def test_losses_equal_full_batch_training(tp_run):

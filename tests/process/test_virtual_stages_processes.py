@@ -29,8 +29,19 @@ def test_data_parallel_2_with_clipping_equals_full_batch_training(schedule, n):
         losses = [r.step(x, y) for x, y in batches]
         state = r.state_dict()
         pids = {w["stage"]: w["pid"] for w in r.stage_processes if w["replica"] == 0}
+        memory = r.memory()
     if schedule == "zbv":  # V placement: stages 0 and 3 in one process, 1 and 2 in another
         assert pids[0] == pids[3] and pids[1] == pids[2] and pids[0] != pids[1]
+    # every stage of every replica measured its first step in its process, as its plan predicts (the
+    # stages of one process: one peak together); SGD's momentum: one buffer per parameter
+    assert [(m.replica, m.stage) for m in memory] == [(r, k) for r in range(2) for k in range(n)]
+    for m in memory:
+        size = sum(p.numel() * p.element_size() for p in stages[m.stage].parameters())
+        assert m.param_bytes == m.grad_bytes == m.optimizer_bytes == size and m.measured_step == 1, m
+        assert m.activation_peak_bytes == pytest.approx(m.predicted_activation_bytes, rel=0.02), m
+        assert m.process_activation_peak_bytes == pytest.approx(m.predicted_process_activation_bytes, rel=0.02), m
+    held = {(m.replica, m.process): m.process_activation_peak_bytes for m in memory}
+    assert all(held[m.replica, m.process] == m.process_activation_peak_bytes for m in memory)
     model, want = reference_train(stages, nn.CrossEntropyLoss(), SGD64, batches, clip=0.5)
     assert losses == pytest.approx(want, abs=1e-9)
     for name, ref in flat_state(model).items():
