@@ -18,13 +18,17 @@ from typing import Any, Sequence
 
 from pipeq.schedules.footprint import format_bytes
 
-__all__ = ["MemoryLimit", "parse", "device_bytes", "per_process"]
+__all__ = ["MemoryLimitError", "MemoryLimit", "parse", "device_bytes", "per_process"]
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _FORM = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*|%)\s*$", re.IGNORECASE)
 _HOW = ('give bytes (an integer, or a string such as "8GiB", "512MiB", "1.5GB") or a fraction of the '
         'device (a float in (0, 1], or a string such as "80%")')
+
+
+class MemoryLimitError(ValueError):
+    """No schedule fits ``auto_memory_limit`` (or the limit cannot be applied to this run)."""
 
 
 @dataclass(frozen=True)
