@@ -179,7 +179,8 @@ class BackendPlan:
                   "choosing at equal costs", file=sys.stderr)
             choice = auto_schedule.decide(model, self.numerics, n, m, None, can_profile=False, stages_per_process=v)
         print(format_choice(choice), file=sys.stderr)
-        return choice, dataclasses.replace(cfg, schedule=choice.schedule, auto=False)
+        # settled: the schedule named (the limit has chosen it; the choice keeps it, as choice.budget)
+        return choice, dataclasses.replace(cfg, schedule=choice.schedule, auto=False, auto_memory_limit=None)
 
     def _byte_limit(self, cfg: RunConfig, measured: bool) -> float | None:
         """``auto_memory_limit`` in bytes for the least of the run's stage processes (None: not

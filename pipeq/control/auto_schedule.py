@@ -30,10 +30,11 @@ from typing import Any, Sequence
 import torch
 
 from pipeq.control.memory_limit import MemoryLimitError
+from pipeq.control.reports import stage_bytes
 from pipeq.errors import ScheduleError
 from pipeq.schedules import Op
 from pipeq.schedules.choose import Budget, Choice, choose, stage_cost
-from pipeq.schedules.footprint import Footprint
+from pipeq.schedules.memory import Footprint
 from pipeq.trace.format import B as TRACE_B
 from pipeq.trace.format import F as TRACE_F
 from pipeq.trace.format import I as TRACE_I
@@ -66,11 +67,12 @@ def costs_of(rows: Sequence[Sequence[tuple[int, ...]]]) -> list[dict[Op, float]]
 
 
 def footprint(figures: Sequence[dict[str, Any]]) -> Footprint:
-    """What each stage holds, from its ``runner.memory()`` figures after a profiled step: static,
-    its parameters, their gradients (kept after a step until the next one clears them) and its
-    optimizer state; per microbatch, the activations one microbatch keeps."""
-    return Footprint(tuple(float(f["param_bytes"] + f["grad_bytes"] + f["optimizer_bytes"]) for f in figures),
-                     tuple(float(f.get("activation_bytes_per_microbatch", 0)) for f in figures))
+    """What each stage holds, from its figures after a profiled step (:mod:`pipeq.stage.memory`):
+    static, its parameters, their gradients (kept after a step until the next one clears them)
+    and its optimizer state; per microbatch in flight, what the profile's ZB-H1 step measured it
+    to hold after its ``F``, and after its ``I`` until its ``W`` (:func:`~pipeq.control.reports.stage_bytes`)."""
+    return Footprint([float(f["param_bytes"] + f["grad_bytes"] + f["optimizer_bytes"]) for f in figures],
+                     [stage_bytes(f) for f in figures])
 
 
 def profile(specs: Sequence[Any], numerics: Any, device: str, shards: Any, x: Any, target: Any,
@@ -87,7 +89,7 @@ def profile(specs: Sequence[Any], numerics: Any, device: str, shards: Any, x: An
         for step in range(1, steps + 1):
             backend.submit(step, shards, x, target, False, inputs)
             backend.result(step)
-        held = footprint(backend.memory()) if measure else None
+        held = footprint(backend.stats()) if measure else None
     finally:
         torch.random.set_rng_state(rng)
     return costs_of(backend.trace_rows), held

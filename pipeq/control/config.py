@@ -340,10 +340,8 @@ class RunConfig:
         auto_memory_limit: with ``schedule="auto"``: the memory each stage process may hold, in
             bytes (``"8GiB"``, ``"512MiB"``, an integer) or as a fraction of its device (``0.8``,
             ``"80%"``: of a GPU's memory, or of the host's on the CPU, shared by the processes on
-            it). The profile measures what each stage holds (parameters, gradients, optimizer
-            state, activations per microbatch) and ``auto`` picks the fastest schedule whose every
-            process's predicted peak fits (:mod:`pipeq.control.memory_limit`). None: the
-            activation limit of 1F1B's peak, counted in microbatches.
+            it): ``auto`` picks the fastest schedule whose every process's predicted peak fits
+            (:mod:`pipeq.control.memory_limit`). None: 1F1B's activations, in microbatches.
     """
 
     schedule: SchedulePolicy = "1f1b"  # type: ignore[assignment]  # a name or a schedule: resolved when built
@@ -366,7 +364,9 @@ class RunConfig:
         object.__setattr__(self, "schedule", _with_chunks(schedules.resolve(self.schedule),
                                                           self.placement.stages_per_process))
         if self.auto_memory_limit is not None:
-            self._check_memory_limit()
+            from pipeq.control.memory_limit import check_setting
+
+            check_setting(self.auto_memory_limit, self.auto, self.placement)
         m = self.microbatches
         if type(m) is not int or m < 1:
             raise ValueError(f"microbatches must be a positive integer, got {m!r}")
@@ -387,19 +387,6 @@ class RunConfig:
             raise ValueError(
                 f"trace={self.trace!r}: give a file path, in process mode (a simulated run has no timeline "
                 "worth tracing: every stage runs in this one process)")
-
-    def _check_memory_limit(self) -> None:
-        from pipeq.control import memory_limit
-
-        memory_limit.parse(self.auto_memory_limit)
-        if not self.auto:
-            raise ValueError(f"auto_memory_limit={self.auto_memory_limit!r} is for schedule='auto', which "
-                             "chooses the schedule by it; this run's schedule is given")
-        place = self.placement
-        if place.data_parallel > 1 or place.tensor_parallel > 1:
-            raise ValueError(f"auto_memory_limit: schedule='auto' measures what each stage holds by profiling "
-                             f"it in one process, which it does not with data_parallel={place.data_parallel} or "
-                             f"tensor_parallel={place.tensor_parallel}: name the schedule instead")
 
     @classmethod
     def from_kwargs(cls, schedule: Any = None, microbatches: int | None = None, **settings: Any) -> "RunConfig":

@@ -16,9 +16,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pipeq.schedules.footprint import format_bytes
+from pipeq.schedules.memory import size
 
-__all__ = ["MemoryLimitError", "MemoryLimit", "parse", "device_bytes", "per_process"]
+__all__ = ["MemoryLimitError", "MemoryLimit", "parse", "check_setting", "device_bytes", "per_process"]
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -39,7 +39,7 @@ class MemoryLimit:
     fraction: float | None = None
 
     def __str__(self) -> str:
-        return format_bytes(self.bytes) if self.bytes is not None else f"{100 * self.fraction:g}% of the device"
+        return size(self.bytes) if self.bytes is not None else f"{100 * self.fraction:g}% of the device"
 
 
 def parse(value: Any) -> MemoryLimit:
@@ -64,6 +64,19 @@ def parse(value: Any) -> MemoryLimit:
     if unit not in UNITS or number <= 0:
         raise bad
     return MemoryLimit(bytes=int(number * UNITS[unit]))
+
+
+def check_setting(value: Any, auto: bool, placement: Any) -> None:
+    """The setting checked against the run (its ``schedule`` is ``"auto"``; its ``placement``
+    lets auto profile the stages in one process), when the run is configured."""
+    parse(value)
+    if not auto:
+        raise ValueError(f"auto_memory_limit={value!r} is for schedule='auto', which chooses the schedule by "
+                         "it; this run's schedule is given")
+    if placement.data_parallel > 1 or placement.tensor_parallel > 1:
+        raise ValueError(f"auto_memory_limit: schedule='auto' measures what each stage holds by profiling it in "
+                         f"one process, which it does not with data_parallel={placement.data_parallel} or "
+                         f"tensor_parallel={placement.tensor_parallel}: name the schedule instead")
 
 
 def device_bytes(device: str) -> int:

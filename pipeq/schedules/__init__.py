@@ -27,7 +27,6 @@ any schedule that would deadlock. Nothing here does I/O.
                  ``runner.memory()``'s prediction; ``pipeq schedule --memory``)
     choose.py    choose(): rank the schedules by their dry run with measured costs under a memory
                  limit, and search I/W placements (``schedule="auto"``, ``pipeq schedule auto``)
-    footprint.py each process's peak bytes under a plan, from what its stages were measured to hold
     tdp_csv.py   torch.distributed.pipelining's schedule CSV: dumps, loads, CsvSchedule
                  (a file as a schedule: ``pipeq.from_csv(path)``)
 

@@ -7,9 +7,9 @@ processes, keeps those whose peak activation memory fits the limit (default: 1F1
 the fastest. Memory is counted in whole stages' microbatches: on each process, a microbatch is in
 flight from its forward to its B (or W), each of chunk c's weighing 1/v (v stages per process);
 the peak is the busiest process's (1F1B's: N microbatches, on stage 0). Given what each stage
-was measured to hold (a :class:`~pipeq.schedules.footprint.Footprint`) and a limit in bytes per
+was measured to hold (a :class:`~pipeq.schedules.memory.Footprint`) and a limit in bytes per
 process instead, a candidate fits when every process's predicted peak in bytes does
-(:func:`~pipeq.schedules.footprint.process_bytes`: ``schedule="auto"`` with ``auto_memory_limit``).
+(:func:`~pipeq.schedules.memory.process_bytes`: ``schedule="auto"`` with ``auto_memory_limit``).
 
 Candidates: fill-drain, 1F1B, ZB-H1 and ZB-H2 with one stage per process (S = N model stages);
 interleaved 1F1B, looped BFS, ZBV, DualPipeV, V-Half and V-Min with two (the model cut into 2N stages: each
@@ -29,8 +29,7 @@ from typing import Any, Mapping, Sequence
 from pipeq.errors import ScheduleError
 from pipeq.schedules.actions import STEP, Action, Op, Schedule
 from pipeq.schedules.dryrun import dry_run, stage_costs
-from pipeq.schedules.footprint import Footprint, format_bytes, process_bytes
-from pipeq.schedules.memory import process_peaks
+from pipeq.schedules.memory import Footprint, process_bytes, process_peaks, size
 from pipeq.schedules.plan import build, process_stages
 from pipeq.schedules.protocol import SchedulePolicy
 from pipeq.schedules.registry import resolve
@@ -78,7 +77,7 @@ def predict(schedule: Any, n_processes: int, n_microbatches: int, costs: Sequenc
 def _predict(schedule: Any, n_processes: int, n_microbatches: int, costs: Sequence[Mapping[Op, float]],
              hop: float = 0.0, footprint: Footprint | None = None) -> tuple[float, float, float, float | None]:
     """:func:`predict`'s figures and, with ``footprint`` (one per model stage), the busiest
-    process's peak bytes (:func:`~pipeq.schedules.footprint.process_bytes`)."""
+    process's peak bytes (:func:`~pipeq.schedules.memory.process_bytes`)."""
     policy = resolve(schedule)
     v = policy.stages_per_process
     lowered = build(policy, n_processes * v, n_microbatches)
@@ -251,8 +250,8 @@ class Budget:
     def cap(self, stages: Sequence[int]) -> float:
         """The most microbatches in flight on each of ``stages`` (one per process) within the limit."""
         fp = self.footprint
-        return min((self.limit - fp.static[s]) / fp.per_microbatch[s] if fp.per_microbatch[s] > 0 else float("inf")
-                   for s in stages)
+        each = [max(b.forward, b.waiting or 0.0) for b in fp.per_stage]
+        return min((self.limit - fp.static[s]) / each[s] if each[s] > 0 else float("inf") for s in stages)
 
 
 @dataclass
@@ -356,8 +355,8 @@ def choose(costs: "Mapping[Op, float] | Sequence[Mapping[Op, float]]", n_process
     fitting = [r for r in rows if r.fits]
     if not fitting:
         within = (f"{memory_limit:g}x 1F1B's activation memory" if budget is None else
-                  f"{format_bytes(budget.limit)} per process (the least any needs: "
-                  f"{format_bytes(min((r.bytes for r in rows if r.bytes is not None), default=0))})")
+                  f"{size(budget.limit)} per process (the least any needs: "
+                  f"{size(min((r.bytes for r in rows if r.bytes is not None), default=0))})")
         raise ScheduleError(f"no schedule fits {within} at {n} processes x {m} microbatches")
     best = min(fitting, key=lambda r: r.step_ms)  # the first of equals: built-ins before the search
     assert best.schedule is not None and best.step_ms is not None and best.bubble is not None
@@ -386,7 +385,7 @@ def format_choice(choice: Choice) -> str:
             continue
         extra = "" if row.fits else "  over the memory limit"
         extra += f"  ({row.note})" if row.note and row.name == SEARCHED else ""
-        peak = f" {format_bytes(row.bytes):>10}" if held and row.bytes is not None else ""
+        peak = f" {size(row.bytes):>10}" if held and row.bytes is not None else ""
         lines.append(f"{mark} {row.name:<22} {row.step_ms:>9.2f} {100 * row.bubble:>6.1f}% "
                      f"{row.memory:>6.2f}x{peak}{extra}")
     if (not held and any(r.schedule is not None and r.schedule.stages_per_process > 1 for r in choice.rows)
@@ -398,17 +397,17 @@ def format_choice(choice: Choice) -> str:
 
 def _limit(choice: Choice) -> str:
     if choice.budget is not None:
-        return f"{format_bytes(choice.budget.limit)} per process"
+        return f"{size(choice.budget.limit)} per process"
     return f"{choice.memory_limit:g}x 1F1B's"
 
 
 def why(choice: Choice) -> str:
     """What ``auto`` chose and why, in one line: the fastest within the limit, and the faster ones over it."""
     best = next(r for r in choice.rows if r.schedule is choice.schedule and r.name == choice.name)
-    held = f", peak {format_bytes(best.bytes)}" if best.bytes is not None else ""
+    held = f", peak {size(best.bytes)}" if best.bytes is not None else ""
     over = sorted((r for r in choice.rows if not r.fits and r.step_ms is not None and r.step_ms < choice.step_ms),
                   key=lambda r: r.step_ms or 0.0)
-    said = ", ".join(f"{r.name} ({format_bytes(r.bytes) if r.bytes is not None else f'{r.memory:.2f}x'})"
+    said = ", ".join(f"{r.name} ({size(r.bytes) if r.bytes is not None else f'{r.memory:.2f}x'})"
                      for r in over)
     return (f"chosen: {choice.name} ({choice.step_ms:.2f} ms per step, bubble {100 * choice.bubble:.1f}%{held}): "
             f"the fastest within {_limit(choice)}" + (f"; faster but over it: {said}" if said else ""))

@@ -1,5 +1,5 @@
 """``schedule="auto"`` under a limit in bytes: each process's predicted peak from what its stages
-hold (pipeq.schedules.footprint), the choice among the given cut's schedules, the one line that
+hold (pipeq.schedules.memory), the choice among the given cut's schedules, the one line that
 says why, and ``auto_memory_limit``'s forms (pipeq.control.memory_limit)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pipeq.control.config import RunConfig
 from pipeq.errors import ScheduleError
 from pipeq.schedules import build, process_stages
 from pipeq.schedules.choose import Budget, choose, format_choice, stage_cost, why
-from pipeq.schedules.footprint import Footprint, format_bytes, process_bytes
+from pipeq.schedules.memory import Footprint, StageBytes, process_bytes, size
 
 pytestmark = pytest.mark.timeout(60)
 GiB = 2**30
@@ -19,19 +19,19 @@ GiB = 2**30
 
 def test_each_process_holds_its_static_bytes_and_its_peak_of_activations_in_flight():
     """1F1B at 4 stages x 8 microbatches: stage k holds 4 - k microbatches at its peak."""
-    fp = Footprint(static=(1000.0, 2000.0, 3000.0, 4000.0), per_microbatch=(10.0, 20.0, 30.0, 40.0))
+    fp = Footprint(static=(1000.0, 2000.0, 3000.0, 4000.0), per_stage=[StageBytes(a) for a in (10.0, 20.0, 30.0, 40.0)])
     got = process_bytes(build("1f1b", 4, 8), [[k] for k in range(4)], fp)
     assert got == [1000 + 4 * 10, 2000 + 3 * 20, 3000 + 2 * 30, 4000 + 1 * 40]
     # fill-drain holds every microbatch on every stage
     assert process_bytes(build("fill-drain", 4, 8), [[k] for k in range(4)], fp) == [
-        s + 8 * a for s, a in zip(fp.static, fp.per_microbatch)]
+        s + 8 * b.forward for s, b in zip(fp.static, fp.per_stage)]
 
 
 def test_a_v_process_holds_both_its_stages_at_once():
     """ZBV at 2 processes (4 model stages: process 0 holds stages 0 and 3): each process's peak
     is its two stages' static bytes and the highest sum of their activations in flight, at most
     the sum of the two stages' own peaks."""
-    fp = Footprint(static=(100.0,) * 4, per_microbatch=(1.0, 10.0, 100.0, 1000.0))
+    fp = Footprint(static=(100.0,) * 4, per_stage=[StageBytes(a) for a in (1.0, 10.0, 100.0, 1000.0)])
     lowered, where = build("zbv", 4, 8), process_stages("zbv", 4)
     assert where == [[0, 3], [1, 2]]
     got = process_bytes(lowered, where, fp)
@@ -40,7 +40,7 @@ def test_a_v_process_holds_both_its_stages_at_once():
 
 
 def _fp8():
-    return Footprint(static=(1000.0,) * 8, per_microbatch=(100.0,) * 8)
+    return Footprint(static=(1000.0,) * 8, per_stage=[StageBytes(100.0)] * 8)
 
 
 def test_auto_picks_the_fastest_v_schedule_whose_every_process_fits():
@@ -56,20 +56,20 @@ def test_auto_picks_the_fastest_v_schedule_whose_every_process_fits():
     rows = {r.name: r for r in choice.rows}
     assert all(r.fits == (r.bytes <= limit) for r in rows.values() if r.bytes is not None)
     line = why(choice)
-    assert line.startswith("chosen: v-half ") and f"within {format_bytes(limit)} per process" in line
+    assert line.startswith("chosen: v-half ") and f"within {size(limit)} per process" in line
     assert "faster but over it: zbv" in line and "dualpipev" in line
     assert format_choice(choice).splitlines()[-1] == line and "peak" in format_choice(choice).splitlines()[1]
     # less still: V-Min; less than any: an error naming the least any schedule needs
     assert choose(costs, 4, 16, stages_per_process=2,
                   budget=Budget((free["v-min"].bytes + free["v-half"].bytes) / 2, _fp8())).name == "v-min"
-    with pytest.raises(ScheduleError, match=f"least any needs: {format_bytes(free['v-min'].bytes)}"):
+    with pytest.raises(ScheduleError, match=f"least any needs: {size(free['v-min'].bytes)}"):
         choose(costs, 4, 16, stages_per_process=2, budget=Budget(free["v-min"].bytes - 1, _fp8()))
 
 
 def test_one_stage_per_process_with_bytes_keeps_the_search_within_them():
     """One stage per process: ZB-H2 (twice 1F1B's activations) fits only a limit that allows it;
     the searched plan is held to the microbatches the limit leaves beside the static bytes."""
-    fp = Footprint(static=(1000.0,) * 4, per_microbatch=(100.0,) * 4)
+    fp = Footprint(static=(1000.0,) * 4, per_stage=[StageBytes(100.0)] * 4)
     costs = [stage_cost(1, 1, 1)] * 4
     tight = choose(costs, 4, 8, budget=Budget(1000 + 4 * 100, fp))  # 1F1B's stage 0 exactly
     rows = {r.name: r for r in tight.rows}
