@@ -341,7 +341,7 @@ class RunConfig:
             bytes (``"8GiB"``, ``"512MiB"``, an integer) or as a fraction of its device (``0.8``,
             ``"80%"``: of a GPU's memory, or of the host's on the CPU, shared by the processes on
             it): ``auto`` picks the fastest schedule whose every process's predicted peak fits
-            (:mod:`pipeq.control.memory_limit`). None: 1F1B's activations, in microbatches.
+            (the Memory guide says how). None: 1F1B's activations, in microbatches.
     """
 
     schedule: SchedulePolicy = "1f1b"  # type: ignore[assignment]  # a name or a schedule: resolved when built
