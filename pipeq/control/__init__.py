@@ -22,6 +22,7 @@ the simulated engine (:mod:`pipeq.runtime.simulated`). Its modules:
     ties.py             the runner's ties=: declared, copies made equal, other sharing refused
     evaluation.py       runner.evaluate and its metrics
     auto_schedule.py    schedule="auto": profile, then the schedule the costs favour
+    memory_limit.py     auto_memory_limit: bytes or a fraction of the device, per stage process
 
 process mode:
 

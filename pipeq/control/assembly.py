@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from torch import nn
 
-from pipeq.control import checks
+from pipeq import schedules
+from pipeq.control import checks, memory_limit
 from pipeq.control.batching import Batcher
 from pipeq.control.config import RunConfig, setting_default, setting_fields
-from pipeq.control.processes import RunSetup
+from pipeq.control.processes import RunSetup, plan_devices
 from pipeq.control.stage_inputs import route, route_each
 from pipeq.stage import compiled
 from pipeq.stage.info import info_of
@@ -166,16 +167,40 @@ class BackendPlan:
                           if isinstance(x, Microbatches) else route(batch[2], declared, size, cfg.schedule))
             args = (batcher.shards(target, size), x, target, inputs)
         device = place.devices[0] if place.devices else "cpu"
+        limit = self._byte_limit(cfg, measured=args is not None)
         try:
             choice = auto_schedule.decide(model, self.numerics, n, m, args, device=device, can_profile=can,
-                                          stages_per_process=v)
+                                          stages_per_process=v, byte_limit=limit)
+        except memory_limit.MemoryLimitError:
+            raise
         except Exception as exc:  # a profile that fails is no reason not to train: ZB-H1, said so
             why = str(exc).splitlines()[0] if str(exc) else ""
             print(f"pipeq: schedule='auto' could not profile the stages ({type(exc).__name__}: {why}); "
                   "choosing at equal costs", file=sys.stderr)
             choice = auto_schedule.decide(model, self.numerics, n, m, None, can_profile=False, stages_per_process=v)
         print(format_choice(choice), file=sys.stderr)
-        return choice, dataclasses.replace(cfg, schedule=choice.schedule, auto=False)
+        # settled: the schedule named (the limit has chosen it; the choice keeps it, as choice.budget)
+        return choice, dataclasses.replace(cfg, schedule=choice.schedule, auto=False, auto_memory_limit=None)
+
+    def _byte_limit(self, cfg: RunConfig, measured: bool) -> float | None:
+        """``auto_memory_limit`` in bytes for the least of the run's stage processes (None: not
+        given, or nothing to measure: the pipeline was needed before a first step, said so)."""
+        if cfg.auto_memory_limit is None:
+            return None
+        if self.rendezvous is not None:
+            raise memory_limit.MemoryLimitError(
+                "auto_memory_limit: a multi-host run is not profiled, so nothing would measure what its stages "
+                "hold: name the schedule instead")
+        if not measured:
+            print(f"pipeq: auto_memory_limit={cfg.auto_memory_limit!r} not applied: the pipeline was needed before "
+                  "a first step (predict, state_dict...), so nothing was measured; choosing within 1F1B's "
+                  "activation memory", file=sys.stderr)
+            return None
+        place = cfg.placement
+        where = schedules.process_stages(cfg.schedule, self.model.n_stages)
+        devices = None if place.devices is None else [place.devices[stages[0]] for stages in where]
+        on = [d for d, _, _ in plan_devices(len(where), devices)]
+        return min(memory_limit.per_process(memory_limit.parse(cfg.auto_memory_limit), on))
 
 
 def processes_of(backend: Backend, mode: str) -> ProcessBackend | None:

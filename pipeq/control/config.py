@@ -337,6 +337,11 @@ class RunConfig:
         wire: how the stages talk (:class:`WireConfig`).
         fault: how failures are noticed (:class:`FaultConfig`).
         placement: where the stages run (:class:`PlacementConfig`).
+        auto_memory_limit: with ``schedule="auto"``: the memory each stage process may hold, in
+            bytes (``"8GiB"``, ``"512MiB"``, an integer) or as a fraction of its device (``0.8``,
+            ``"80%"``: of a GPU's memory, or of the host's on the CPU, shared by the processes on
+            it): ``auto`` picks the fastest schedule whose every process's predicted peak fits
+            (the Memory guide says how). None: 1F1B's activations, in microbatches.
     """
 
     schedule: SchedulePolicy = "1f1b"  # type: ignore[assignment]  # a name or a schedule: resolved when built
@@ -349,6 +354,7 @@ class RunConfig:
     #: ``schedule="auto"`` was asked for: ``schedule`` is ZB-H1 until the runner settles it at its
     #: first step (see :mod:`pipeq.control.auto_schedule`)
     auto: bool = False
+    auto_memory_limit: str | int | float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, str) and self.schedule == "auto":  # a stand-in until it is settled
@@ -357,6 +363,10 @@ class RunConfig:
             object.__setattr__(self, "auto", True)
         object.__setattr__(self, "schedule", _with_chunks(schedules.resolve(self.schedule),
                                                           self.placement.stages_per_process))
+        if self.auto_memory_limit is not None:
+            from pipeq.control.memory_limit import check_setting
+
+            check_setting(self.auto_memory_limit, self.auto, self.placement)
         m = self.microbatches
         if type(m) is not int or m < 1:
             raise ValueError(f"microbatches must be a positive integer, got {m!r}")
@@ -388,7 +398,8 @@ class RunConfig:
             known = {f.name for f in dataclasses.fields(kind)}
             parts[name] = kind(**{k: settings.pop(k) for k in list(settings) if k in known})
         own = {k: v for k, v in (("schedule", schedule), ("microbatches", microbatches),
-                                 ("trace", settings.pop("trace", None))) if v is not None}
+                                 ("trace", settings.pop("trace", None)),
+                                 ("auto_memory_limit", settings.pop("auto_memory_limit", None))) if v is not None}
         if settings:
             from pipeq.control.checks import refuse_unknown
 
@@ -444,9 +455,9 @@ class RunConfig:
 
 
 def setting_fields() -> list[dataclasses.Field]:
-    """Every setting the runner takes by keyword: each part's fields, then ``trace``."""
+    """Every setting the runner takes by keyword: each part's fields, then ``trace`` and ``auto_memory_limit``."""
     out = [f for kind in _PARTS.values() for f in dataclasses.fields(kind)]
-    return out + [f for f in dataclasses.fields(RunConfig) if f.name == "trace"]
+    return out + [f for f in dataclasses.fields(RunConfig) if f.name in ("trace", "auto_memory_limit")]
 
 
 def setting_default(name: str) -> Any:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pipeq.errors import ScheduleError
-from pipeq.schedules.memory import StageBytes, in_flight_peaks, peak_bytes
+from pipeq.schedules.memory import StageBytes, in_flight_peaks, peak_bytes, size
 from pipeq.schedules.plan import process_stages
 from pipeq.stage import lr_schedulers
 from pipeq.stage.memory import FIGURES
@@ -27,7 +27,7 @@ from pipeq.stage.memory import FIGURES
 if TYPE_CHECKING:
     from pipeq.runtime.backend import Backend
 
-__all__ = ["StageMemory", "StageReports", "memory_table", "size"]
+__all__ = ["StageMemory", "StageReports", "stage_bytes", "memory_table", "size"]
 
 
 @dataclass(frozen=True)
@@ -158,8 +158,7 @@ class StageReports:
         if len(ms) != 1 or None in ms or any(row.get("activation_bytes_per_microbatch") is None for row in rows):
             return [none] * len(rows)
         (m,) = ms
-        per = [StageBytes(row["activation_bytes_per_microbatch"], row["activation_bytes_waiting_w"] or None,
-                          row["activation_bytes_in_backward"], row["activation_bytes_in_input_grad"]) for row in rows]
+        per = [stage_bytes(row) for row in rows]
         try:
             counts = in_flight_peaks(self.schedule, self.n_stages, m)
             stage_peak, process_peak = peak_bytes(self.schedule, self.n_stages, m, per)
@@ -171,15 +170,10 @@ class StageReports:
                  "predicted_process_activation_bytes": round(process_peak[of[k]])} for k in range(len(rows))]
 
 
-def size(n: int | float | None) -> str:
-    """Bytes as people read them: ``512 B``, ``1.5 KiB``, ``3.2 MiB``, ``2.0 GiB``; ``-`` for None."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+def stage_bytes(row: dict[str, Any]) -> StageBytes:
+    """What one microbatch of a stage holds (the plan's weights), from the stage's measured figures."""
+    return StageBytes(row["activation_bytes_per_microbatch"], row["activation_bytes_waiting_w"] or None,
+                      row["activation_bytes_in_backward"], row["activation_bytes_in_input_grad"])
 
 
 def memory_table(rows: Sequence[StageMemory]) -> str:

@@ -99,7 +99,7 @@ class PipelineRunner:
       stop_timeout, fault_tolerance
     - :class:`~pipeq.PlacementConfig`: mode, devices, threads_per_stage, start_method, placement,
       data_parallel, tensor_parallel, tp_plan, stages_per_process, sharding, fsdp_reshard
-    - :class:`~pipeq.RunConfig`: trace
+    - :class:`~pipeq.RunConfig`: trace, auto_memory_limit
 
     Threads: one at a time. A call while another thread is inside the runner (a ``step``; a ``stream``
     between two batches is not) raises a :class:`~pipeq.PipelineError` at once and changes nothing.

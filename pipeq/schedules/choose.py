@@ -6,10 +6,13 @@ given per-stage costs (F, I, W in ms; B = I + W) and a latency ``hop`` per messa
 processes, keeps those whose peak activation memory fits the limit (default: 1F1B's), and picks
 the fastest. Memory is counted in whole stages' microbatches: on each process, a microbatch is in
 flight from its forward to its B (or W), each of chunk c's weighing 1/v (v stages per process);
-the peak is the busiest process's (1F1B's: N microbatches, on stage 0).
+the peak is the busiest process's (1F1B's: N microbatches, on stage 0). Given what each stage
+was measured to hold (a :class:`~pipeq.schedules.memory.Footprint`) and a limit in bytes per
+process instead, a candidate fits when every process's predicted peak in bytes does
+(:func:`~pipeq.schedules.memory.process_bytes`: ``schedule="auto"`` with ``auto_memory_limit``).
 
 Candidates: fill-drain, 1F1B, ZB-H1 and ZB-H2 with one stage per process (S = N model stages);
-interleaved 1F1B, looped BFS, ZBV and DualPipeV with two (the model cut into 2N stages: each
+interleaved 1F1B, looped BFS, ZBV, DualPipeV, V-Half and V-Min with two (the model cut into 2N stages: each
 process's cost halved, an estimate, unless the caller gives 2N stage costs); and ``zb-search``,
 a search over I/W placements for one stage per process (arXiv 2401.10241, section 3's greedy: an
 ``I`` as soon as its gradient is there, a forward while the memory allows, a ``W`` when the stage
@@ -26,18 +29,18 @@ from typing import Any, Mapping, Sequence
 from pipeq.errors import ScheduleError
 from pipeq.schedules.actions import STEP, Action, Op, Schedule
 from pipeq.schedules.dryrun import dry_run, stage_costs
-from pipeq.schedules.memory import process_peaks
+from pipeq.schedules.memory import Footprint, process_bytes, process_peaks, size
 from pipeq.schedules.plan import build, process_stages
 from pipeq.schedules.protocol import SchedulePolicy
 from pipeq.schedules.registry import resolve
 from pipeq.schedules.zero_bubble import zb_h1, zb_h2
 
-__all__ = ["ONE_STAGE", "V_STAGE", "SEARCHED", "Row", "Choice", "SearchedSchedule", "stage_cost", "peak_memory",
-           "predict", "search", "choose", "format_choice"]
+__all__ = ["ONE_STAGE", "V_STAGE", "SEARCHED", "Budget", "Row", "Choice", "SearchedSchedule", "stage_cost",
+           "peak_memory", "predict", "search", "choose", "format_choice", "why"]
 
 #: the built-in candidates with one stage per process, and with v stages per process
 ONE_STAGE = ("fill-drain", "1f1b", "zb-h1", "zb-h2")
-V_STAGE = ("interleaved-1f1b", "looped-bfs", "zbv", "dualpipev")
+V_STAGE = ("interleaved-1f1b", "looped-bfs", "zbv", "dualpipev", "v-half", "v-min")
 #: the searched plan's name
 SEARCHED = "zb-search"
 _EPS = 1e-9
@@ -68,6 +71,13 @@ def predict(schedule: Any, n_processes: int, n_microbatches: int, costs: Sequenc
             hop: float = 0.0) -> tuple[float, float, float]:
     """(step time, bubble share, peak memory) of ``schedule``'s dry run at N processes, with one
     cost mapping per *model* stage (v·N of them) and ``hop`` per message between processes."""
+    return _predict(schedule, n_processes, n_microbatches, costs, hop)[:3]
+
+
+def _predict(schedule: Any, n_processes: int, n_microbatches: int, costs: Sequence[Mapping[Op, float]],
+             hop: float = 0.0, footprint: Footprint | None = None) -> tuple[float, float, float, float | None]:
+    """:func:`predict`'s figures and, with ``footprint`` (one per model stage), the busiest
+    process's peak bytes (:func:`~pipeq.schedules.memory.process_bytes`)."""
     policy = resolve(schedule)
     v = policy.stages_per_process
     lowered = build(policy, n_processes * v, n_microbatches)
@@ -78,7 +88,8 @@ def predict(schedule: Any, n_processes: int, n_microbatches: int, costs: Sequenc
     busy = sum(full[where[p][a.chunk]][a.op] for p, row in enumerate(timeline) for _, a in row
                if a.op is not Op.STEP)
     bubble = 1 - busy / (step * n_processes) if step > 0 else 0.0
-    return step, bubble, peak_memory(lowered, v)
+    held = max(process_bytes(lowered, where, footprint)) if footprint is not None else None
+    return step, bubble, peak_memory(lowered, v), held
 
 
 # ---------------------------------------------------------------- the search
@@ -228,9 +239,25 @@ def search(costs: Sequence[Mapping[Op, float]], n_microbatches: int, *, hop: flo
 # ---------------------------------------------------------------- the choice
 
 
+@dataclass(frozen=True)
+class Budget:
+    """A limit in bytes per process (``limit``) and what each model stage holds (``footprint``,
+    measured): a candidate fits when its every process's predicted peak is within the limit."""
+
+    limit: float
+    footprint: Footprint
+
+    def cap(self, stages: Sequence[int]) -> float:
+        """The most microbatches in flight on each of ``stages`` (one per process) within the limit."""
+        fp = self.footprint
+        each = [max(b.forward, b.waiting or 0.0) for b in fp.per_stage]
+        return min((self.limit - fp.static[s]) / each[s] if each[s] > 0 else float("inf") for s in stages)
+
+
 @dataclass
 class Row:
-    """One candidate: its predicted step (ms), bubble share, peak memory relative to 1F1B's."""
+    """One candidate: its predicted step (ms), bubble share, peak memory relative to 1F1B's (and
+    with a :class:`Budget`, the busiest process's predicted bytes)."""
 
     name: str
     step_ms: float | None
@@ -239,6 +266,7 @@ class Row:
     fits: bool
     note: str = ""
     schedule: SchedulePolicy | None = field(default=None, repr=False)
+    bytes: float | None = None
 
 
 @dataclass
@@ -255,6 +283,7 @@ class Choice:
     memory_limit: float  # relative to 1F1B's peak
     hop: float = 0.0
     costs: list[dict[Op, float]] = field(default_factory=list)  # per process (one stage each)
+    budget: Budget | None = None  # the limit in bytes per process, instead of memory_limit
 
 
 def _candidates(v: int) -> list[SchedulePolicy]:
@@ -277,51 +306,61 @@ def _model_costs(policy: SchedulePolicy, proc: Sequence[Mapping[Op, float]]) -> 
 
 
 def _row(policy: SchedulePolicy, n: int, m: int, costs: list[dict[Op, float]], hop: float, ref: float,
-         limit: float) -> Row:
+         limit: float, budget: Budget | None = None, note: str = "") -> Row:
     """A candidate's row (a schedule that cannot run these counts: a row saying why)."""
     try:
-        step, bubble, peak = predict(policy, n, m, costs, hop)
+        step, bubble, peak, held = _predict(policy, n, m, costs, hop, budget.footprint if budget else None)
     except ScheduleError as exc:
         return Row(policy.label, None, None, None, False, str(exc).split(";")[0][:60], policy)
-    return Row(policy.label, step, bubble, peak / ref, peak <= limit * ref + _EPS, "", policy)
+    fits = held <= budget.limit if budget is not None and held is not None else peak <= limit * ref + _EPS
+    return Row(policy.label, step, bubble, peak / ref, fits, note, policy, held)
 
 
 def choose(costs: "Mapping[Op, float] | Sequence[Mapping[Op, float]]", n_processes: int, n_microbatches: int, *,
            hop: float = 0.0, memory_limit: float = 1.0, stages_per_process: int | None = None,
-           search_plans: bool = True) -> Choice:
+           search_plans: bool = True, budget: Budget | None = None) -> Choice:
     """Rank the candidates (see the module docstring) and choose the fastest that fits.
 
     ``costs``: one mapping for every stage, or one per model stage: N of them (one stage per
     process; then two-stage schedules are compared too, each process's cost halved, unless
     ``stages_per_process`` says which v the caller has) or v·N (v stages per process, those only).
-    ``memory_limit``: peak activation memory allowed, relative to 1F1B's. ``hop``: ms per message
-    between processes."""
+    ``memory_limit``: peak activation memory allowed, relative to 1F1B's; or ``budget``: bytes per
+    process and what each model stage holds (then only the schedules of the given cut compete:
+    the footprint is the given stages'). ``hop``: ms per message between processes."""
     n, m = n_processes, n_microbatches
     given = [dict(costs)] * n if isinstance(costs, Mapping) else [dict(c) for c in costs]
     if n < 1 or len(given) % n:
         raise ScheduleError(f"{len(given)} stage costs for {n} processes: give N or v·N of them")
     v_given = len(given) // n
-    vs = [stages_per_process or v_given] if (stages_per_process or v_given > 1) else [1, 2]
+    vs = [stages_per_process or v_given] if (stages_per_process or v_given > 1 or budget) else [1, 2]
+    if budget is not None and len(budget.footprint.static) != len(given):
+        raise ScheduleError(f"a footprint of {len(budget.footprint.static)} stages for {len(given)} stage costs")
     ref = peak_memory(build("1f1b", n, m))
     rows: list[Row] = []
     proc = _complete(given) if v_given == 1 else []
     for v in vs:
         for policy in _candidates(v):
             per_stage = _complete(given) if v == v_given else _model_costs(policy, proc)
-            rows.append(_row(policy, n, m, per_stage, hop, ref, memory_limit))
+            rows.append(_row(policy, n, m, per_stage, hop, ref, memory_limit, budget))
     if search_plans and 1 in vs:
+        cap = memory_limit * ref if budget is None else min(budget.cap(range(n)), float(m))
         try:
-            found, step, bubble, peak = search(proc, m, hop=hop, limit=memory_limit * ref)
-            rows.append(Row(SEARCHED, step, bubble, peak / ref, True, found.variant, found))
+            found = search(proc, m, hop=hop, limit=cap)[0] if cap >= 1 else None
+            row = (_row(found, n, m, proc, hop, ref, memory_limit, budget, found.variant) if found else
+                   Row(SEARCHED, None, None, None, False, "no microbatch fits beside the static bytes"))
+            row.name = SEARCHED
+            rows.append(row)
         except ScheduleError as exc:
             rows.append(Row(SEARCHED, None, None, None, False, str(exc)[:60]))
     fitting = [r for r in rows if r.fits]
     if not fitting:
-        raise ScheduleError(f"no schedule fits {memory_limit:g}x 1F1B's activation memory at {n} processes x "
-                            f"{m} microbatches")
+        within = (f"{memory_limit:g}x 1F1B's activation memory" if budget is None else
+                  f"{size(budget.limit)} per process (the least any needs: "
+                  f"{size(min((r.bytes for r in rows if r.bytes is not None), default=0))})")
+        raise ScheduleError(f"no schedule fits {within} at {n} processes x {m} microbatches")
     best = min(fitting, key=lambda r: r.step_ms)  # the first of equals: built-ins before the search
     assert best.schedule is not None and best.step_ms is not None and best.bubble is not None
-    return Choice(best.schedule, best.name, best.step_ms, best.bubble, rows, n, m, memory_limit, hop, proc)
+    return Choice(best.schedule, best.name, best.step_ms, best.bubble, rows, n, m, memory_limit, hop, proc, budget)
 
 
 def format_choice(choice: Choice) -> str:
@@ -334,9 +373,10 @@ def format_choice(choice: Choice) -> str:
             f"{x[Op.FORWARD]:.3g}/{x[Op.INPUT_GRAD]:.3g}/{x[Op.WEIGHT_GRAD]:.3g}" for x in c)
     else:
         what = "costs per model stage"
+    held = choice.budget is not None
     lines = [f"auto: {choice.n_processes} processes x {choice.microbatches} microbatches, {what}, hop "
-             f"{choice.hop:g} ms; memory limit {choice.memory_limit:g}x 1F1B's",
-             f"  {'schedule':<22} {'step ms':>9} {'bubble':>7} {'memory':>7}"]
+             f"{choice.hop:g} ms; memory limit {_limit(choice)}",
+             f"  {'schedule':<22} {'step ms':>9} {'bubble':>7} {'memory':>7}" + (f" {'peak':>10}" if held else "")]
     for r in sorted(rows_ranked(choice.rows)):
         row = choice.rows[r[1]]
         mark = "*" if row.schedule is choice.schedule and row.name == choice.name else " "
@@ -345,12 +385,32 @@ def format_choice(choice: Choice) -> str:
             continue
         extra = "" if row.fits else "  over the memory limit"
         extra += f"  ({row.note})" if row.note and row.name == SEARCHED else ""
+        peak = f" {size(row.bytes):>10}" if held and row.bytes is not None else ""
         lines.append(f"{mark} {row.name:<22} {row.step_ms:>9.2f} {100 * row.bubble:>6.1f}% "
-                     f"{row.memory:>6.2f}x{extra}")
-    if any(r.schedule is not None and r.schedule.stages_per_process > 1 for r in choice.rows) and choice.costs:
+                     f"{row.memory:>6.2f}x{peak}{extra}")
+    if (not held and any(r.schedule is not None and r.schedule.stages_per_process > 1 for r in choice.rows)
+            and choice.costs):
         lines.append("  (two stages per process: the model cut into 2N stages, each process's cost halved)")
-    lines.append(f"chosen: {choice.name} ({choice.step_ms:.2f} ms per step, bubble {100 * choice.bubble:.1f}%)")
+    lines.append(why(choice))
     return "\n".join(lines)
+
+
+def _limit(choice: Choice) -> str:
+    if choice.budget is not None:
+        return f"{size(choice.budget.limit)} per process"
+    return f"{choice.memory_limit:g}x 1F1B's"
+
+
+def why(choice: Choice) -> str:
+    """What ``auto`` chose and why, in one line: the fastest within the limit, and the faster ones over it."""
+    best = next(r for r in choice.rows if r.schedule is choice.schedule and r.name == choice.name)
+    held = f", peak {size(best.bytes)}" if best.bytes is not None else ""
+    over = sorted((r for r in choice.rows if not r.fits and r.step_ms is not None and r.step_ms < choice.step_ms),
+                  key=lambda r: r.step_ms or 0.0)
+    said = ", ".join(f"{r.name} ({size(r.bytes) if r.bytes is not None else f'{r.memory:.2f}x'})"
+                     for r in over)
+    return (f"chosen: {choice.name} ({choice.step_ms:.2f} ms per step, bubble {100 * choice.bubble:.1f}%{held}): "
+            f"the fastest within {_limit(choice)}" + (f"; faster but over it: {said}" if said else ""))
 
 
 def rows_ranked(rows: Sequence[Row]) -> list[tuple[float, int]]:

@@ -21,7 +21,9 @@ In bytes (:func:`peak_bytes`), a stage's microbatch weighs what it holds after i
 holds after its ``I`` until its ``W``, and, while its ``B`` or ``I`` runs, what the backward adds
 on top (a recomputed forward; an ``I``'s gradients for the ``W`` beside its outputs, for a moment):
 :class:`StageBytes`; the stages measure each (``runner.memory()``). :func:`peaks` is
-the walk they all share, with any weighing. Pure: no I/O.
+the walk they all share, with any weighing. With each stage's static bytes too (parameters,
+gradients, optimizer state: a :class:`Footprint`), :func:`process_bytes` predicts each process's
+whole peak, what ``schedule="auto"`` holds against ``auto_memory_limit``. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from pipeq.schedules.actions import Op, Schedule
 from pipeq.schedules.plan import build, process_stages
 from pipeq.schedules.registry import resolve, schedule_name
 
-__all__ = ["Weigh", "StageBytes", "peaks", "stage_in_flight", "process_peaks", "in_flight_peaks", "peak_bytes",
-           "format_memory"]
+__all__ = ["Weigh", "StageBytes", "Footprint", "peaks", "stage_in_flight", "process_peaks", "in_flight_peaks",
+           "peak_bytes", "process_bytes", "format_memory", "size"]
 
 #: what a stage holds: ``weigh(stage, forwarded, waiting, running)``, with ``forwarded`` its
 #: microbatches forwarded and not yet backpropagated, ``waiting`` those past their ``I`` and
@@ -120,16 +122,48 @@ class StageBytes(NamedTuple):
     in_input_grad: float = 0.0
 
 
-def peak_bytes(schedule: Any, n_stages: int, n_microbatches: int,
-               per_stage: Sequence[StageBytes]) -> tuple[list[float], list[float]]:
-    """(each model stage's, each process's) predicted activation peak in bytes: ``schedule``'s
-    plan walked (:func:`peaks`) with each stage's microbatch weighing ``per_stage[k]``."""
+class Footprint(NamedTuple):
+    """What each model stage was measured to hold: ``static[k]`` bytes all step (its parameters,
+    their gradients, its optimizer state) and ``per_stage[k]``, what each of its microbatches in
+    flight holds (:class:`StageBytes`)."""
+
+    static: Sequence[float]
+    per_stage: Sequence[StageBytes]
+
+
+def _weigh(per_stage: Sequence[StageBytes]) -> Weigh:
     def weigh(k: int, f: int, w: int, running: Op | None) -> float:
         b = per_stage[k]
         extra = b.in_backward if running is Op.BACKWARD else b.in_input_grad if running is Op.INPUT_GRAD else 0.0
         return f * b.forward + w * (b.forward if b.waiting is None else b.waiting) + extra
 
-    return peaks(build(schedule, n_stages, n_microbatches), process_stages(schedule, n_stages), weigh)
+    return weigh
+
+
+def peak_bytes(schedule: Any, n_stages: int, n_microbatches: int,
+               per_stage: Sequence[StageBytes]) -> tuple[list[float], list[float]]:
+    """(each model stage's, each process's) predicted activation peak in bytes: ``schedule``'s
+    plan walked (:func:`peaks`) with each stage's microbatch weighing ``per_stage[k]``."""
+    return peaks(build(schedule, n_stages, n_microbatches), process_stages(schedule, n_stages), _weigh(per_stage))
+
+
+def process_bytes(lowered: Schedule, where: Sequence[Sequence[int]], footprint: Footprint) -> list[float]:
+    """Each process's predicted peak in bytes under ``lowered`` (``where[p]``: process p's model
+    stages): its stages' static bytes plus the peak of their activations (as :func:`peak_bytes`);
+    what ``schedule="auto"`` holds against ``auto_memory_limit`` (:mod:`pipeq.schedules.choose`)."""
+    acts = peaks(lowered, where, _weigh(footprint.per_stage))[1]
+    return [sum(footprint.static[k] for k in held) + a for held, a in zip(where, acts)]
+
+
+def size(n: int | float | None) -> str:
+    """Bytes as people read them: ``512 B``, ``1.5 KiB``, ``3.2 MiB``, ``2.0 GiB``; ``-`` for None."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def format_memory(schedule: Any, n_processes: int, n_microbatches: int) -> str:

@@ -129,6 +129,9 @@ KEYS: dict[str, Key] = {
                      "and at the end", "evaluation"),
     "schedule": Key((str, dict), RUN, 'a schedule name, or a table of its name and options '
                     '({ name = "nwise", distance = 2 })', "schedule"),
+    "auto_memory_limit": Key((str, int, float), RUN, 'with schedule = "auto": the memory each stage process may '
+                             'hold, "8GiB" (or bytes) or a fraction of its device (0.8, "80%"); auto picks the '
+                             "fastest schedule whose predicted peak fits", "schedule"),
     "microbatches": Key(int, RUN, "microbatches each batch is split into", "training", minimum=1),
     "steps": Key(int, None, f"optimizer steps to train ({LENGTH_RULE})", "training", minimum=1),
     "epochs": Key(int, None, "passes over the data to train (instead of steps)", "training", minimum=1),

@@ -32,6 +32,7 @@ class Job:
     eval_data: str | None = field_of("eval_data")
     schedule: "str | schedules.ScheduleFn" = field_of("schedule")  # a name, or a schedule object with its options
     microbatches: int = field_of("microbatches")
+    auto_memory_limit: str | int | float | None = field_of("auto_memory_limit")
     steps: int | None = field_of("steps")
     epochs: int | None = field_of("epochs")
     out: str = field_of("out")
@@ -148,7 +149,8 @@ class Job:
                             placement=self.placement, data_parallel=self.data_parallel, tensor_parallel=tp,
                             tp_plan=self.tp_plan if tp > 1 else None,  # --tensor-parallel 1: no plan
                             stages_per_process=self.stages_per_process, sharding=self.sharding,
-                            fsdp_reshard=self.fsdp_reshard))
+                            fsdp_reshard=self.fsdp_reshard),
+            auto_memory_limit=self.auto_memory_limit)
 
     def compile_setting(self) -> bool | dict[str, Any]:
         """The job's ``compile``, its cache in the run directory (``OUT/compile-cache``: shared by the
