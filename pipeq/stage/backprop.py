@@ -32,6 +32,7 @@ between ``I`` and ``W``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable
 
 import torch
@@ -39,7 +40,8 @@ from torch import nn
 
 from pipeq.stage.memory import MemoryMeter
 from pipeq.stage.microbatch import describe
-from pipeq.stage.grad_graph import WeightCall, engine_backward, engine_grad, plan_weights, run_weight_calls
+from pipeq.stage.grad_graph import (WeightCall, WeightPlan, engine_backward, engine_grad, plan_weights, read_saved,
+                                    run_weight_calls)
 
 __all__ = ["Backprop", "check_grad_shapes"]
 
@@ -118,25 +120,31 @@ class Backprop:
     def input_grad(self, j: int, leaves: Tensors, outs: Any, grads: Tensors | None) -> Tensors | None:
         """``I j``: as :meth:`whole`, but only the gradients of the input ``leaves`` (None on stage
         0), keeping what :meth:`weight_grad` needs for the parameters'."""
-        gin = self._input_grad(j, leaves, outs, grads)
-        if self.meter is not None and self.meter.on:  # the gradients its W starts from, held until then
-            self.meter.kept_for_w(j, [g for call in self.pending[j] for g in call.grads])
+        gin, plan = self._input_grad(j, leaves, outs, grads)
+        meter = self.meter
+        if meter is not None and meter.on:  # the gradients its W starts from, held until then
+            meter.kept_for_w(j, [g for call in self.pending[j] for g in call.grads])
+        if meter is not None and meter.frees:  # what its forward saved and its W will not read: freed
+            nodes = plan.weight_nodes() if plan is not None else None
+            meter.keep_for_w(j, functools.partial(read_saved, nodes) if nodes is not None else None)
         return gin
 
-    def _input_grad(self, j: int, leaves: Tensors, outs: Any, grads: Tensors | None) -> Tensors | None:
+    def _input_grad(self, j: int, leaves: Tensors, outs: Any,
+                    grads: Tensors | None) -> tuple[Tensors | None, WeightPlan | None]:
+        """``I j``'s input gradients, and the plan of its ``W`` (None: the whole backward, or nothing)."""
         roots, gs = self._roots(j, outs, grads)
         need = [t for t in leaves if t.requires_grad]
         params = self._trained()
         if not (roots and need):  # stage 0 (or no input gradient): W is the whole backward
             self.pending[j] = [WeightCall(roots, gs, params)] if roots and params else []
-            return None if self.is_first else tuple(torch.zeros_like(t) for t in need)
+            return (None if self.is_first else tuple(torch.zeros_like(t) for t in need)), None
         plan = plan_weights(roots, gs, need, params)
         if plan.whole:  # a compiled stage: I computes its weight gradients too, W has nothing left
             self.pending[j] = []
-            return self._whole(roots, gs, leaves)
+            return self._whole(roots, gs, leaves), None
         got = engine_grad(roots, gs, [*need, *plan.captures])
         self.pending[j] = plan.calls(got[len(need):])
-        return tuple((g if g is not None else torch.zeros_like(t)).detach() for g, t in zip(got, need))
+        return tuple((g if g is not None else torch.zeros_like(t)).detach() for g, t in zip(got, need)), plan
 
     def weight_grad(self, j: int) -> None:
         """``W j``: microbatch ``j``'s parameter gradients, accumulated; frees its graph."""

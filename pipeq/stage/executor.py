@@ -214,7 +214,7 @@ class StageExecutor:
 
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:
         """Forward of microbatch ``j``; returns the tensors to send on (None on the last stage)."""
-        if self.memory.on:  # a measured step (pipeq.stage.memory)
+        if self.memory.hooked:  # a measured step, or a split backward's (pipeq.stage.memory)
             return self.memory.forward(self._forward, j, received, self.stash)
         return self._forward(j, received)
 
@@ -295,6 +295,13 @@ class StageExecutor:
     def weight_grad(self, j: int) -> None:
         """``W j``: microbatch ``j``'s parameter gradients, accumulated; frees its graph."""
         self.backprop.weight_grad(j)
+
+    def split_backward(self, on: bool) -> None:
+        """Whether this step's plan splits the stage's backward (has its ``I``): then what a
+        microbatch's forward saved and its ``W`` will not read is freed after its ``I``
+        (:meth:`pipeq.stage.memory.MemoryMeter.split`; not for a compiled stage, whose ``I`` is
+        its whole backward)."""
+        self.memory.split(on and self.compile_watch is None)
 
     def backward_done(self) -> None:
         """Called after each backward (B, or W): after the step's last, the replicas' all-reduce starts."""

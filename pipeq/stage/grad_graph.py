@@ -31,7 +31,7 @@ from torch.autograd import graph as _graph
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["WeightCall", "WeightPlan", "compiled_node", "engine_backward", "engine_grad", "plan_weights",
-           "run_weight_calls"]
+           "read_saved", "run_weight_calls"]
 
 Roots = tuple[list[torch.Tensor], list[Any]]  # what a backward starts from: tensors, their gradients
 
@@ -95,8 +95,10 @@ class WeightPlan:
     """The groups of a microbatch's parameters: ``I`` differentiates with respect to
     :attr:`captures` as well as the inputs, and :meth:`calls` makes the ``W`` of what they got."""
 
-    def __init__(self, groups: list[_Group], captures: list[GradientEdge], roots: Roots, whole: bool = False) -> None:
+    def __init__(self, groups: list[_Group], captures: list[GradientEdge], roots: Roots, whole: bool = False,
+                 graph: "_Graph | None" = None) -> None:
         self.groups = groups
+        self.graph = graph
         #: the entries' input slots, whose gradients ``I`` keeps
         self.captures = captures
         self._roots = roots if any(g.chain for g in groups) else None
@@ -120,6 +122,53 @@ class WeightPlan:
             if edges:
                 out.append(WeightCall(edges, grads, g.params))
         return out
+
+
+    def weight_nodes(self) -> list[Node] | None:
+        """The nodes the ``W`` runs (each group's entries, its own roots and the parameter side
+        below them), whose saved tensors it reads: the rest of the graph's (the input side
+        below the entries) may be freed after ``I``. None: the ``W`` may run any node (it starts
+        from the roots, or ``I`` ran the whole backward) or a node hides what it saved (a C++
+        custom function): nothing may be freed."""
+        graph = self.graph
+        if self.whole or self._roots is not None or graph is None:
+            return None
+        todo = [n for g in self.groups for n in g.entries] + [e.node for g in self.groups for e, _ in g.seeds]
+        seen = set(todo)
+        reaches, children = graph.reaches, graph.children
+        for node in todo:  # (grows as it goes)
+            for c in children[node]:
+                if not reaches[c] and c not in seen:
+                    seen.add(c)
+                    todo.append(c)
+        return todo if all(_readable(n) for n in todo) else None
+
+
+#: autograd's generated nodes (``AddmmBackward0``...), which show each tensor they saved as a
+#: ``_saved_*`` attribute, and AccumulateGrad
+_GENERATED = frozenset(v for v in vars(torch._C._functions).values() if isinstance(v, type))
+_BACKWARD_FUNCTION = torch.autograd.function.BackwardCFunction  # a Python autograd.Function's: saved_tensors
+_SAVED: dict[type, tuple[str, ...]] = {}  # a generated node type -> its _saved_* attributes
+
+
+def _readable(node: Node) -> bool:
+    """Whether every tensor ``node`` saved can be read from Python (see :func:`read_saved`)."""
+    return type(node) in _GENERATED or isinstance(node, _BACKWARD_FUNCTION)
+
+
+def read_saved(nodes: Sequence[Node]) -> None:
+    """Read every tensor ``nodes`` saved (each through the saved-tensor hooks it was saved under:
+    :meth:`pipeq.stage.memory.MemoryMeter.keep_for_w` marks what it reads)."""
+    for node in nodes:
+        if isinstance(node, _BACKWARD_FUNCTION):
+            node.saved_tensors  # noqa: B018 (unpacks them)
+            continue
+        kind = type(node)
+        names = _SAVED.get(kind)
+        if names is None:
+            names = _SAVED[kind] = tuple(a for a in dir(kind) if a.startswith("_saved_"))
+        for name in names:
+            getattr(node, name)
 
 
 def compiled_node(node: Node) -> bool:
@@ -245,7 +294,7 @@ def plan_weights(roots: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Se
                 for k in range(n):  # type: ignore[arg-type]
                     g.taken.append(len(captures))
                     captures.append(GradientEdge(node, k))
-    return WeightPlan(list(groups.values()), captures, (list(roots), list(grads)))
+    return WeightPlan(list(groups.values()), captures, (list(roots), list(grads)), graph=graph)
 
 
 def _slots(node: Node) -> int | None:
