@@ -163,12 +163,24 @@ def read_saved(nodes: Sequence[Node]) -> None:
         if isinstance(node, _BACKWARD_FUNCTION):
             node.saved_tensors  # noqa: B018 (unpacks them)
             continue
-        kind = type(node)
-        names = _SAVED.get(kind)
+        names = _SAVED.get(type(node))
         if names is None:
-            names = _SAVED[kind] = tuple(a for a in dir(kind) if a.startswith("_saved_"))
+            names = _SAVED[type(node)] = _tensor_names(node)
         for name in names:
             getattr(node, name)
+
+
+def _tensor_names(node: Node) -> tuple[str, ...]:
+    """``node``'s ``_saved_*`` attributes that may hold tensors (read once per node type: sizes,
+    strides and scalars are not; a None, an optional tensor not given here, may be)."""
+    names = []
+    for name in dir(type(node)):
+        if name.startswith("_saved_"):
+            value = getattr(node, name)
+            items = value if isinstance(value, (tuple, list)) else (value,)
+            if not items or any(v is None or isinstance(v, torch.Tensor) for v in items):
+                names.append(name)
+    return tuple(names)
 
 
 def compiled_node(node: Node) -> bool:

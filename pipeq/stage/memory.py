@@ -103,6 +103,16 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
         return id(x), x.numel() * x.element_size()
 
 
+def _weight(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter or a view of one: ``isinstance(t, nn.Parameter)`` (or its
+    ``_base``'s) without the parameter type's ``__instancecheck__`` in Python for a plain tensor
+    (a pack hook's every call)."""
+    for x in (t, t._base):
+        if x is not None and type(x) is not torch.Tensor and isinstance(x, nn.Parameter):
+            return True
+    return False
+
+
 class Tally:
     """The held bytes of a process's stages together, and their peak since :meth:`reset`."""
 
@@ -260,7 +270,7 @@ class MemoryMeter:
             self.tally.add(-n)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight (FSDP2's unsharded too)
+        if _weight(t):  # a weight (FSDP2's unsharded too)
             return t
         key: int | None = None
         if self.on:
