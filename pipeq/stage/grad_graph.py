@@ -31,7 +31,7 @@ from torch.autograd import graph as _graph
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["WeightCall", "WeightPlan", "compiled_node", "engine_backward", "engine_grad", "plan_weights",
-           "read_saved", "run_weight_calls"]
+           "read_saved", "readable", "run_weight_calls"]
 
 Roots = tuple[list[torch.Tensor], list[Any]]  # what a backward starts from: tensors, their gradients
 
@@ -141,7 +141,13 @@ class WeightPlan:
                 if not reaches[c] and c not in seen:
                     seen.add(c)
                     todo.append(c)
-        return todo if all(_readable(n) for n in todo) else None
+        return todo if all(readable(n) for n in todo) else None
+
+
+    def input_side(self) -> list[Node]:
+        """The nodes ``I`` runs (from which a stage input is reachable), the entries among them."""
+        graph = self.graph
+        return [n for n, r in graph.reaches.items() if r] if graph is not None else []
 
 
 #: autograd's generated nodes (``AddmmBackward0``...), which show each tensor they saved as a
@@ -151,7 +157,7 @@ _BACKWARD_FUNCTION = torch.autograd.function.BackwardCFunction  # a Python autog
 _SAVED: dict[type, tuple[str, ...]] = {}  # a generated node type -> its _saved_* attributes
 
 
-def _readable(node: Node) -> bool:
+def readable(node: Node) -> bool:
     """Whether every tensor ``node`` saved can be read from Python (see :func:`read_saved`)."""
     return type(node) in _GENERATED or isinstance(node, _BACKWARD_FUNCTION)
 
