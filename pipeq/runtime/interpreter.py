@@ -124,8 +124,8 @@ class ProcessPlan:
                          aux_weights=part.aux_weights, **more)
             acts = self.actions(len(sizes), training)
             split = self._split[(len(sizes), training)]
-            for c, ex in enumerate(exs):  # (pipeq.stage.memory: freed after an I what its W will not read)
-                ex.split_backward(training and c in split)
+            for c, ex in enumerate(exs):  # what an I frees (pipeq.stage.memory; a compiled stage's I is its B)
+                ex.memory.split(training and c in split and ex.compile_watch is None)
             return acts, None
         (ex,), (part,) = exs, parts  # a schedule that streams holds one stage per process
         done = [g for g in self.keys if g < self.cursor.next_b]

@@ -296,13 +296,6 @@ class StageExecutor:
         """``W j``: microbatch ``j``'s parameter gradients, accumulated; frees its graph."""
         self.backprop.weight_grad(j)
 
-    def split_backward(self, on: bool) -> None:
-        """Whether this step's plan splits the stage's backward (has its ``I``): then what a
-        microbatch's forward saved and its ``W`` will not read is freed after its ``I``
-        (:meth:`pipeq.stage.memory.MemoryMeter.split`; not for a compiled stage, whose ``I`` is
-        its whole backward)."""
-        self.memory.split(on and self.compile_watch is None)
-
     def backward_done(self) -> None:
         """Called after each backward (B, or W): after the step's last, the replicas' all-reduce starts."""
         self.stepper.backward_done()

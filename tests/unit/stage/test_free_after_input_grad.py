@@ -58,7 +58,7 @@ def _run(index: int, split: bool, frees: bool = True, recompute: bool = False):
     ex.memory.ask()
     ex.begin(1, SIZES, True, x=x if index == 0 else None, target=y if index == 2 else None,
              weights=microbatch_weights(nn.MSELoss(), y, SIZES))
-    ex.split_backward(split and frees)
+    ex.memory.split(split and frees)
     received = [None if index == 0 else (torch.randn(n, T, D, generator=g),) for n in SIZES]
     grads = [None if index == 2 else (torch.randn(n, T, D, generator=g),) for n in SIZES]
     torch.manual_seed(1)  # the dropout masks
@@ -101,7 +101,7 @@ def test_a_backward_that_reads_a_freed_tensor_fails_loudly():
     torch.manual_seed(0)
     ex = StageExecutor(1, 3, StageSpec(nn.Sequential(_Block()), SGD, None), torch.device("cpu"))
     ex.begin(0, [2], True)
-    ex.split_backward(True)
+    ex.memory.split(True)
     ex.forward(0, (torch.randn(2, T, D),))
     _, outs, _ = ex.stash[0]
     g = torch.randn(2, T, D)
