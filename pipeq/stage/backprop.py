@@ -42,8 +42,8 @@ from torch import nn
 
 from pipeq.stage.memory import MemoryMeter, free_all
 from pipeq.stage.microbatch import describe
-from pipeq.stage.grad_graph import (WeightCall, WeightPlan, engine_backward, engine_grad, plan_weights, read_saved,
-                                    readable, run_weight_calls)
+from pipeq.stage.grad_graph import (WeightCall, WeightPlan, engine_backward, engine_grad, plan_weights, read_node,
+                                    read_saved, run_weight_calls, saving)
 
 __all__ = ["Backprop", "check_grad_shapes"]
 
@@ -142,11 +142,8 @@ class Backprop:
             meter.keep_for_w(j, False)
             return False
         w = set(nodes)
-        for node in plan.input_side():
-            if node not in w and readable(node):
-                saved = meter.unkept(functools.partial(read_saved, (node,)))
-                if saved:
-                    node.register_hook(free_all(saved))
+        for node, saved in meter.unkept(saving(n for n in plan.input_side() if n not in w), read_node):
+            node.register_hook(free_all(saved))
         return True
 
     def _input_grad(self, j: int, leaves: Tensors, outs: Any,

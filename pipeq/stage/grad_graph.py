@@ -24,14 +24,14 @@ gradients are ``B``'s bits.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.autograd import graph as _graph
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["WeightCall", "WeightPlan", "compiled_node", "engine_backward", "engine_grad", "plan_weights",
-           "read_saved", "readable", "run_weight_calls"]
+           "read_node", "read_saved", "readable", "run_weight_calls", "saving"]
 
 Roots = tuple[list[torch.Tensor], list[Any]]  # what a backward starts from: tensors, their gradients
 
@@ -162,18 +162,41 @@ def readable(node: Node) -> bool:
     return type(node) in _GENERATED or isinstance(node, _BACKWARD_FUNCTION)
 
 
+def saving(nodes: Iterable[Node]) -> list[Node]:
+    """Those of ``nodes`` that may have saved a tensor and show it (:func:`readable`, with a
+    ``_saved_*`` tensor attribute or a Python function's ``saved_tensors``)."""
+    out = []
+    for node in nodes:
+        kind = type(node)
+        if kind in _GENERATED:
+            names = _SAVED.get(kind)
+            if names is None:
+                names = _SAVED[kind] = _tensor_names(node)
+            if names:
+                out.append(node)
+        elif isinstance(node, _BACKWARD_FUNCTION):
+            out.append(node)
+    return out
+
+
 def read_saved(nodes: Sequence[Node]) -> None:
     """Read every tensor ``nodes`` saved (each through the saved-tensor hooks it was saved under:
-    :meth:`pipeq.stage.memory.MemoryMeter.keep_for_w` marks what it reads)."""
+    :meth:`pipeq.stage.memory.MemoryMeter.mark` marks what it reads)."""
     for node in nodes:
-        if isinstance(node, _BACKWARD_FUNCTION):
-            node.saved_tensors  # noqa: B018 (unpacks them)
-            continue
-        names = _SAVED.get(type(node))
-        if names is None:
-            names = _SAVED[type(node)] = _tensor_names(node)
-        for name in names:
-            getattr(node, name)
+        read_node(node)
+
+
+def read_node(node: Node) -> None:
+    """Read every tensor ``node`` saved (a generated node's ``_saved_*`` attributes, a Python
+    function's ``saved_tensors``)."""
+    if isinstance(node, _BACKWARD_FUNCTION):
+        node.saved_tensors  # noqa: B018 (unpacks them)
+        return
+    names = _SAVED.get(type(node))
+    if names is None:
+        names = _SAVED[type(node)] = _tensor_names(node)
+    for name in names:
+        getattr(node, name)
 
 
 def _tensor_names(node: Node) -> tuple[str, ...]:
