@@ -138,7 +138,11 @@ class Backprop:
         meter = self.meter
         assert meter is not None
         nodes = plan.weight_nodes()
-        if nodes is None or not meter.mark(j, functools.partial(read_saved, nodes)):
+        try:
+            marked = nodes is not None and meter.mark(j, functools.partial(read_saved, nodes))
+        except RuntimeError:  # a node that would not show what it saved: the W may need any of it
+            marked = False
+        if not marked:
             meter.keep_for_w(j, False)
             return False
         w = set(nodes)

@@ -422,7 +422,11 @@ class MemoryMeter:
         self._collect = got = []
         try:
             for item in items:
-                read(item)
+                try:
+                    read(item)
+                except RuntimeError:  # (what it saved is freed with the rest after the I)
+                    got.clear()
+                    continue
                 if got:
                     mine = [s for s in got if not s.kept]
                     if mine:

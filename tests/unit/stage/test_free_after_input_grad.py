@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 import pipeq
-from pipeq.testing import backend_of
 from pipeq.stage.executor import StageExecutor
 from pipeq.stage.loss import microbatch_weights
 from pipeq.stage.memory import FreedTensorError
 from pipeq.stage.numerics import Numerics
 from pipeq.stage.spec import StageSpec
+from pipeq.testing import backend_of
 
 pytestmark = pytest.mark.timeout(60)
 
