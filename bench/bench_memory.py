@@ -18,7 +18,10 @@ steps (the first is the one measured), then ``--steps`` timed ones, whose median
 
 Per schedule, from ``runner.memory()`` (:mod:`pipeq.stage.memory`: saved-tensor hooks, CPU and CUDA
 alike): each stage's measured activation peak, the busiest process's (a V process holds two
-stages) and the plan's prediction for it, and that peak against 1F1B's and ZBV's. Then data parallelism:
+stages) and the plan's prediction for it, that peak against 1F1B's and ZBV's, and, for a split
+backward, what a microbatch holds waiting for its ``W`` against what it holds after its ``F``
+("W/F": the ``I`` frees what the ``W`` will not read, and the ``W`` keeps each Linear's input and
+output gradient). Then data parallelism:
 1F1B with ``data_parallel=2``, each replica's parameter + gradient + optimizer bytes (summed over
 its stages) beside ``data_parallel=1``'s, and ``sharding="fsdp"``'s when the runner takes that
 keyword (a note when it refuses it). ``--json PATH`` also writes every figure.
@@ -113,7 +116,7 @@ def busiest(rows: list[dict[str, Any]], key: str) -> int:
 
 def schedules_table(results: list[dict[str, Any]]) -> str:
     peaks = {r["schedule"]: busiest(r["rows"], "process_activation_peak_bytes") for r in results}
-    head = ["schedule", "stages", "step ms", "busiest process", "predicted", "vs 1F1B", "vs ZBV",
+    head = ["schedule", "stages", "step ms", "busiest process", "predicted", "vs 1F1B", "vs ZBV", "W/F",
             "per stage (stage 0 first)"]
     body = []
     for r in results:
@@ -121,9 +124,17 @@ def schedules_table(results: list[dict[str, Any]]) -> str:
         body.append([r["schedule"], str(r["stages"]), f"{r['step_ms']:.0f}", size(peak),
                      size(busiest(r["rows"], "predicted_process_activation_bytes")),
                      f"{peak / peaks['1f1b']:.2f}x" if "1f1b" in peaks else "-",
-                     f"{peak / peaks['zbv']:.2f}x" if "zbv" in peaks else "-",
+                     f"{peak / peaks['zbv']:.2f}x" if "zbv" in peaks else "-", waiting_share(r["rows"]),
                      " ".join(size(x["activation_peak_bytes"]).replace(" ", "") for x in r["rows"])])
     return _table(head, body)
+
+
+def waiting_share(rows: list[dict[str, Any]]) -> str:
+    """A split backward's microbatch waiting for its ``W`` against one after its ``F`` (the
+    median over the stages after the first, whose ``W`` is its whole backward), "-" without."""
+    shares = [x["activation_bytes_waiting_w"] / x["activation_bytes_per_microbatch"] for x in rows
+              if x["stage"] > 0 and x["activation_bytes_waiting_w"] and x["activation_bytes_per_microbatch"]]
+    return f"{statistics.median(shares):.2f}" if shares else "-"
 
 
 def replicas_table(results: list[dict[str, Any]]) -> str:

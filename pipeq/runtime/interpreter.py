@@ -99,6 +99,7 @@ class ProcessPlan:
         self.process = process
         self.n_stages = n_stages
         self._plans: dict[tuple[int, bool], list[Action]] = {}
+        self._split: dict[tuple[int, bool], set[int]] = {}  # the chunks whose backward the plan splits
         self.cursor = schedule.cursor(process, n_stages) if schedule.streams_across_batches else None
         self.keys: dict[int, tuple[int, int]] = {}  # stream microbatch -> (step, microbatch) on the wire
 
@@ -107,6 +108,7 @@ class ProcessPlan:
         acts = self._plans.get(key)
         if acts is None:
             acts = self._plans[key] = schedules.build(self.schedule, self.n_stages, m, training=training)[self.process]
+            self._split[key] = {a.chunk for a in acts if a.op is Op.INPUT_GRAD}
         return acts
 
     def begin(self, exs: Sequence[StageExecutor], step: int, sizes: list[int], training: bool,
@@ -120,7 +122,11 @@ class ProcessPlan:
                 more = {"inputs": part.inputs} if part.inputs is not None else {}
                 on_chunk(exs, c, ex.begin, step, sizes, training, part.x, part.target, part.weights,
                          aux_weights=part.aux_weights, **more)
-            return self.actions(len(sizes), training), None
+            acts = self.actions(len(sizes), training)
+            split = self._split[(len(sizes), training)]
+            for c, ex in enumerate(exs):  # what an I frees (pipeq.stage.memory; a compiled stage's I is its B)
+                ex.memory.split(training and c in split and ex.compile_watch is None)
+            return acts, None
         (ex,), (part,) = exs, parts  # a schedule that streams holds one stage per process
         done = [g for g in self.keys if g < self.cursor.next_b]
         for g in done:

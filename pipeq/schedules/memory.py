@@ -3,10 +3,12 @@
 A stage keeps a microbatch's activations (what its backward needs: the tensors autograd saved,
 the input it received, its output) from the microbatch's forward ``F`` until its backward is
 done: a whole backward ``B`` frees them, and so does a weight gradient ``W``. An input gradient
-``I`` frees nothing: it differentiates with respect to the stage's input and keeps the graph for
-the ``W`` (:mod:`pipeq.stage.backprop`: ``torch.autograd.grad(..., retain_graph=True)``, freed by
-the ``W``'s last call), and with it the gradients the ``W`` starts from; so a zero-bubble schedule
-holds a microbatch from its ``F`` to its ``W``, a little more of it after its ``I``.
+``I`` frees part: it differentiates with respect to the stage's input and keeps for the ``W`` only
+what the ``W`` computes from (:mod:`pipeq.stage.backprop`, :mod:`pipeq.stage.memory`: a Linear's
+input, a LayerNorm's input and statistics) and the gradients the ``W`` starts from; so a
+zero-bubble schedule holds a microbatch from its ``F`` to its ``W``, after its ``I`` with other
+bytes than after its ``F`` (fewer where non-linear operations saved much, such as attention's
+probabilities; more where the weight gradients' inputs dominate).
 
 :func:`stage_in_flight` counts, walking each process's lowered actions in order, every model
 stage's microbatches in flight and returns each stage's peak, in that stage's microbatches (1F1B

@@ -12,7 +12,9 @@ input side with an edge towards a parameter (see :mod:`pipeq.stage.grad_graph`).
 parameters (one call per group of parameters), which frees the graph: ``W`` computes only the
 parameter gradients, not the activation gradients ``I`` computed already. Each parameter's
 gradient arrives as under ``B``: the same sums, accumulated in the same order, so ``I`` then ``W``
-gives ``B``'s bits.
+gives ``B``'s bits. After ``I``, what the forward saved that the ``W``'s nodes will not read is
+freed (:meth:`pipeq.stage.memory.MemoryMeter.keep_for_w`): a microbatch waiting for its ``W``
+holds what the ``W`` computes from, not its whole forward.
 
 A compiled stage's backward is one node (``torch.compile``'s), computing the input and the
 weight gradients together: its ``I`` runs the whole backward and its ``W`` has nothing left to do
@@ -32,14 +34,16 @@ between ``I`` and ``W``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from pipeq.stage.memory import MemoryMeter
+from pipeq.stage.memory import MemoryMeter, free_all
 from pipeq.stage.microbatch import describe
-from pipeq.stage.grad_graph import WeightCall, engine_backward, engine_grad, plan_weights, run_weight_calls
+from pipeq.stage.grad_graph import (WeightCall, WeightPlan, engine_backward, engine_grad, plan_weights, read_node,
+                                    read_saved, run_weight_calls, saving)
 
 __all__ = ["Backprop", "check_grad_shapes"]
 
@@ -118,25 +122,54 @@ class Backprop:
     def input_grad(self, j: int, leaves: Tensors, outs: Any, grads: Tensors | None) -> Tensors | None:
         """``I j``: as :meth:`whole`, but only the gradients of the input ``leaves`` (None on stage
         0), keeping what :meth:`weight_grad` needs for the parameters'."""
-        gin = self._input_grad(j, leaves, outs, grads)
-        if self.meter is not None and self.meter.on:  # the gradients its W starts from, held until then
-            self.meter.kept_for_w(j, [g for call in self.pending[j] for g in call.grads])
+        gin, marked = self._input_grad(j, leaves, outs, grads)
+        meter = self.meter
+        if meter is not None and meter.on:  # the gradients its W starts from, held until then
+            meter.kept_for_w(j, [g for call in self.pending[j] for g in call.grads])
+        if marked:  # what its forward saved and its W will not read, not freed as the I ran: now
+            meter.keep_for_w(j, True)  # type: ignore[union-attr]
         return gin
 
-    def _input_grad(self, j: int, leaves: Tensors, outs: Any, grads: Tensors | None) -> Tensors | None:
+    def _free_early(self, j: int, plan: WeightPlan) -> bool:
+        """Before ``I j``: mark what its ``W`` will read (the ``W``'s nodes' saved tensors) and have
+        each other node free what it saved and the ``W`` will not read as soon as it has run (a
+        post-hook): the ``I`` never holds the whole forward beside the gradients it captures.
+        False: nothing may be freed (see :meth:`~pipeq.stage.grad_graph.WeightPlan.weight_nodes`)."""
+        meter = self.meter
+        assert meter is not None
+        nodes = plan.weight_nodes()
+        try:
+            marked = nodes is not None and meter.mark(j, functools.partial(read_saved, nodes))
+        except RuntimeError:  # a node that would not show what it saved: the W may need any of it
+            marked = False
+        if not marked:
+            meter.keep_for_w(j, False)
+            return False
+        w = set(nodes)
+        for node, saved in meter.unkept(saving(n for n in plan.input_side() if n not in w), read_node):
+            node.register_hook(free_all(saved))
+        return True
+
+    def _input_grad(self, j: int, leaves: Tensors, outs: Any,
+                    grads: Tensors | None) -> tuple[Tensors | None, bool]:
+        """``I j``'s input gradients, and whether what its ``W`` will read is marked (the rest is
+        freed: see :meth:`_free_early`)."""
         roots, gs = self._roots(j, outs, grads)
         need = [t for t in leaves if t.requires_grad]
         params = self._trained()
         if not (roots and need):  # stage 0 (or no input gradient): W is the whole backward
             self.pending[j] = [WeightCall(roots, gs, params)] if roots and params else []
-            return None if self.is_first else tuple(torch.zeros_like(t) for t in need)
+            if self.meter is not None:
+                self.meter.keep_for_w(j, False)
+            return (None if self.is_first else tuple(torch.zeros_like(t) for t in need)), False
         plan = plan_weights(roots, gs, need, params)
         if plan.whole:  # a compiled stage: I computes its weight gradients too, W has nothing left
             self.pending[j] = []
-            return self._whole(roots, gs, leaves)
+            return self._whole(roots, gs, leaves), False
+        marked = self.meter is not None and self.meter.frees and self._free_early(j, plan)
         got = engine_grad(roots, gs, [*need, *plan.captures])
         self.pending[j] = plan.calls(got[len(need):])
-        return tuple((g if g is not None else torch.zeros_like(t)).detach() for g, t in zip(got, need))
+        return tuple((g if g is not None else torch.zeros_like(t)).detach() for g, t in zip(got, need)), marked
 
     def weight_grad(self, j: int) -> None:
         """``W j``: microbatch ``j``'s parameter gradients, accumulated; frees its graph."""

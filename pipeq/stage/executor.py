@@ -214,7 +214,7 @@ class StageExecutor:
 
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:
         """Forward of microbatch ``j``; returns the tensors to send on (None on the last stage)."""
-        if self.memory.on:  # a measured step (pipeq.stage.memory)
+        if self.memory.hooked:  # a measured step, or a split backward's (pipeq.stage.memory)
             return self.memory.forward(self._forward, j, received, self.stash)
         return self._forward(j, received)
 

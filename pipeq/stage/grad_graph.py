@@ -24,14 +24,14 @@ gradients are ``B``'s bits.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.autograd import graph as _graph
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["WeightCall", "WeightPlan", "compiled_node", "engine_backward", "engine_grad", "plan_weights",
-           "run_weight_calls"]
+           "read_node", "read_saved", "readable", "run_weight_calls", "saving"]
 
 Roots = tuple[list[torch.Tensor], list[Any]]  # what a backward starts from: tensors, their gradients
 
@@ -95,8 +95,10 @@ class WeightPlan:
     """The groups of a microbatch's parameters: ``I`` differentiates with respect to
     :attr:`captures` as well as the inputs, and :meth:`calls` makes the ``W`` of what they got."""
 
-    def __init__(self, groups: list[_Group], captures: list[GradientEdge], roots: Roots, whole: bool = False) -> None:
+    def __init__(self, groups: list[_Group], captures: list[GradientEdge], roots: Roots, whole: bool = False,
+                 graph: "_Graph | None" = None) -> None:
         self.groups = groups
+        self.graph = graph
         #: the entries' input slots, whose gradients ``I`` keeps
         self.captures = captures
         self._roots = roots if any(g.chain for g in groups) else None
@@ -120,6 +122,94 @@ class WeightPlan:
             if edges:
                 out.append(WeightCall(edges, grads, g.params))
         return out
+
+
+    def weight_nodes(self) -> list[Node] | None:
+        """The nodes the ``W`` runs (each group's entries, its own roots and the parameter side
+        below them), whose saved tensors it reads: the rest of the graph's (the input side
+        below the entries) may be freed after ``I``. None: the ``W`` may run any node (it starts
+        from the roots, or ``I`` ran the whole backward) or a node hides what it saved (a C++
+        custom function): nothing may be freed."""
+        graph = self.graph
+        if self.whole or self._roots is not None or graph is None:
+            return None
+        todo = [n for g in self.groups for n in g.entries] + [e.node for g in self.groups for e, _ in g.seeds]
+        seen = set(todo)
+        reaches, children = graph.reaches, graph.children
+        for node in todo:  # (grows as it goes)
+            for c in children[node]:
+                if not reaches[c] and c not in seen:
+                    seen.add(c)
+                    todo.append(c)
+        return todo if all(readable(n) for n in todo) else None
+
+
+    def input_side(self) -> list[Node]:
+        """The nodes ``I`` runs (from which a stage input is reachable), the entries among them."""
+        graph = self.graph
+        return [n for n, r in graph.reaches.items() if r] if graph is not None else []
+
+
+#: autograd's generated nodes (``AddmmBackward0``...), which show each tensor they saved as a
+#: ``_saved_*`` attribute, and AccumulateGrad
+_GENERATED = frozenset(v for v in vars(torch._C._functions).values() if isinstance(v, type))
+_BACKWARD_FUNCTION = torch.autograd.function.BackwardCFunction  # a Python autograd.Function's: saved_tensors
+_SAVED: dict[type, tuple[str, ...]] = {}  # a generated node type -> its _saved_* attributes
+
+
+def readable(node: Node) -> bool:
+    """Whether every tensor ``node`` saved can be read from Python (see :func:`read_saved`)."""
+    return type(node) in _GENERATED or isinstance(node, _BACKWARD_FUNCTION)
+
+
+def saving(nodes: Iterable[Node]) -> list[Node]:
+    """Those of ``nodes`` that may have saved a tensor and show it (:func:`readable`, with a
+    ``_saved_*`` tensor attribute or a Python function's ``saved_tensors``)."""
+    out = []
+    for node in nodes:
+        kind = type(node)
+        if kind in _GENERATED:
+            names = _SAVED.get(kind)
+            if names is None:
+                names = _SAVED[kind] = _tensor_names(node)
+            if names:
+                out.append(node)
+        elif isinstance(node, _BACKWARD_FUNCTION):
+            out.append(node)
+    return out
+
+
+def read_saved(nodes: Sequence[Node]) -> None:
+    """Read every tensor ``nodes`` saved (each through the saved-tensor hooks it was saved under:
+    :meth:`pipeq.stage.memory.MemoryMeter.mark` marks what it reads)."""
+    for node in nodes:
+        read_node(node)
+
+
+def read_node(node: Node) -> None:
+    """Read every tensor ``node`` saved (a generated node's ``_saved_*`` attributes, a Python
+    function's ``saved_tensors``)."""
+    if isinstance(node, _BACKWARD_FUNCTION):
+        node.saved_tensors  # noqa: B018 (unpacks them)
+        return
+    names = _SAVED.get(type(node))
+    if names is None:
+        names = _SAVED[type(node)] = _tensor_names(node)
+    for name in names:
+        getattr(node, name)
+
+
+def _tensor_names(node: Node) -> tuple[str, ...]:
+    """``node``'s ``_saved_*`` attributes that may hold tensors (read once per node type: sizes,
+    strides and scalars are not; a None, an optional tensor not given here, may be)."""
+    names = []
+    for name in dir(type(node)):
+        if name.startswith("_saved_"):
+            value = getattr(node, name)
+            items = value if isinstance(value, (tuple, list)) else (value,)
+            if not items or any(v is None or isinstance(v, torch.Tensor) for v in items):
+                names.append(name)
+    return tuple(names)
 
 
 def compiled_node(node: Node) -> bool:
@@ -245,7 +335,7 @@ def plan_weights(roots: Sequence[torch.Tensor], grads: Sequence[Any], inputs: Se
                 for k in range(n):  # type: ignore[arg-type]
                     g.taken.append(len(captures))
                     captures.append(GradientEdge(node, k))
-    return WeightPlan(list(groups.values()), captures, (list(roots), list(grads)))
+    return WeightPlan(list(groups.values()), captures, (list(roots), list(grads)), graph=graph)
 
 
 def _slots(node: Node) -> int | None:
