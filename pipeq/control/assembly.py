@@ -126,9 +126,12 @@ class BackendPlan:
 
     def batcher(self, cfg: RunConfig) -> Batcher:
         """What splits the run's batches into microbatches (and replica shards), for ``cfg``'s schedule."""
-        model = self.model
+        model, place = self.model, cfg.placement
+        even = ("fsdp_reshard='microbatch' gathers each stage's parameters around every microbatch's forward and "
+                "backward, a collective of its replicas" if place.sharding == "fsdp" and place.fsdp_reshard == "microbatch"
+                else None)
         return Batcher(cfg.schedule, model.n_stages, cfg.microbatches, model.loss_fn, model.aux_loss,
-                       cfg.placement.data_parallel, cfg.numerics.loss_weighting)
+                       place.data_parallel, cfg.numerics.loss_weighting, even)
 
     def backend(self, cfg: RunConfig) -> Backend:
         """The backend that runs the stages: this process's (simulated) or one process per stage."""

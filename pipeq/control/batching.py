@@ -73,8 +73,12 @@ class Batcher:
     """
 
     def __init__(self, schedule: SchedulePolicy, n_stages: int, microbatches: int, loss_fn: Callable,
-                 aux_loss: Callable | None = None, replicas: int = 1, loss_weighting: str = "token") -> None:
+                 aux_loss: Callable | None = None, replicas: int = 1, loss_weighting: str = "token",
+                 even: str | None = None) -> None:
+        """``even``: why every replica must run as many microbatches (a setting that makes each
+        microbatch a collective of the replicas), or None."""
         self.schedule = schedules.resolve(schedule)
+        self.even = even
         self.n_stages = n_stages
         self.microbatches = microbatches
         self.loss_fn = loss_fn
@@ -169,6 +173,11 @@ class Batcher:
         else:
             per = [self.sizes(n) for n in split_sizes(batch, self.replicas)]
             flat = [s for sizes in per for s in sizes]
+            if self.even is not None and len({len(sizes) for sizes in per}) > 1:
+                raise ValueError(
+                    f"{self.even}: the replicas must run as many microbatches each, but a batch of {batch} samples "
+                    f"over data_parallel={self.replicas} gives them {[len(sizes) for sizes in per]}: give a batch "
+                    f"of at least microbatches x data_parallel = {self.microbatches * self.replicas} samples")
         weights = microbatch_weights(self.loss_fn, target, flat, self.loss_weighting)
         aux = (microbatch_weights(self.aux_loss, target, flat, self.loss_weighting)
                if self.aux_loss is not None else None)

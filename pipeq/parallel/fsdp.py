@@ -207,11 +207,14 @@ class FsdpStageExecutor(StageExecutor):
               weights: Sequence[float] | None = None, aux_weights: Sequence[float] | None = None,
               inputs: dict[str, Any] | None = None) -> None:
         super().begin(step, sizes, training, x, target, weights, aux_weights, inputs)
-        if not self.per_action:
+        if training and not self.per_action:
             self._gather()
 
     def _around(self, fn: Any, *args: Any) -> Any:
-        if not self.per_action:
+        """``fn(*args)`` on the gathered parameters: gathered per action with ``"microbatch"``, and
+        in a forward-only step (predict, evaluate) whatever the policy, which no reduce-scatter
+        ends: a replica keeps only its pieces after it (every replica runs the same forwards)."""
+        if self.training and not self.per_action:
             return fn(*args)
         self._gather()
         try:

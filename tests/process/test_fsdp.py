@@ -71,7 +71,12 @@ def test_sharded_replicas_equal_single_process_full_batch_training(widths, sched
         listening = listening_addresses([w["pid"] for w in runner.stage_processes])
         assert listening and {addr for addr, _ in listening} == {"127.0.0.1"}, listening
         state = runner.state_dict()
+        held = [m.param_bytes for m in runner.memory()]
         out = runner.predict(data[0][0])
+        assert [m.param_bytes for m in runner.memory()] == held  # a predict leaves each replica its pieces only
+        if reshard == "microbatch":  # 7 samples over 2 replicas: 4 and 3 microbatches, a gather one would wait for
+            with pytest.raises(ValueError, match=r"fsdp_reshard='microbatch'.* gives them \[4, 3\]"):
+                runner.step(data[0][0][:7], data[0][1][:7])
     assert losses == pytest.approx(ref_losses, abs=1e-5)  # the whole batch's loss
     assert_close_states(state, flat_state(ref))  # whole tensors under the usual names
     torch.testing.assert_close(out, ref(data[0][0]), **TOL)
