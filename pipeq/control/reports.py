@@ -39,7 +39,8 @@ class StageMemory:
     Attributes:
         stage: the model stage (with virtual stages, each of a process's chunks is one).
         replica: the data-parallel replica (0 without ``data_parallel``).
-        process: the pipeline rank (process) that holds the stage: two stages share one in a V.
+        process: the pipeline rank (process) that holds the stage, within its replica (replica 1's
+            count from 0 too): two stages share one in a V.
         param_bytes: the stage's parameters.
         grad_bytes: their gradients allocated now (after a step, until the next one zeroes them).
         optimizer_bytes: its optimizers' state (Adam: ``exp_avg``, ``exp_avg_sq`` and ``step``).
