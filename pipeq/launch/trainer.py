@@ -69,7 +69,7 @@ class Trainer:
             done = self._finished()
             if done is not None:
                 self.log(done)
-                return 0
+                return self._model_file()
             return self._run()
         finally:
             self.run_dir.release()
@@ -93,6 +93,19 @@ class Trainer:
         return (f"--resume: this run already trained all {total} steps of the job (its final state is "
                 f"step {final_step}); no new step, no stage started. Pass a larger --steps or --epochs to "
                 "train it further")
+
+    def _model_file(self) -> int:
+        """A finished run's model.pt, written from its final state when it is missing (the disk
+        filled as the run wrote it): the exit code."""
+        if os.path.exists(self.run_dir.model):
+            return 0
+        try:
+            self.checkpoints.write_model()
+        except checkpoint.NoSpaceError as exc:
+            self.log(str(exc))
+            return 1
+        self.log(f"wrote {self.run_dir.model} from the final state {self.run_dir.final} (it was missing)")
+        return 0
 
     def _runner(self) -> Any:
         """The job's PipelineRunner, not started yet (a ``ValueError`` names what is wrong)."""
@@ -201,7 +214,8 @@ class Trainer:
             return self.signals.exit_code(), None
         except checkpoint.NoSpaceError as exc:  # said in full: no traceback adds to it
             newest = checkpoint.latest(self.run_dir.checkpoints)
-            self.log(f"{exc}" + (f"; --resume continues from {newest}" if newest is not None else ""))
+            then = newest is not None and exc.path != self.run_dir.model  # model.pt's error says what --resume does
+            self.log(f"{exc}" + (f"; --resume continues from {newest}" if then else ""))
             return 1, None
         except (ValueError, TypeError, OSError, checkpoint.CheckpointError) as exc:
             self.log(f"{type(exc).__name__}: {exc}")
