@@ -5,8 +5,10 @@ builds a new one and resumes from the newest complete checkpoint, as ``--resume`
 data order, RNG streams, lr schedulers and loss scaler, so the final weights equal an
 uninterrupted run's; or from the newest in-memory snapshot (``snapshot_every``) when it is newer,
 with no disk read. Each restart is written to metrics.jsonl (``restart``: the error, the stage,
-the first step that did not finish, the step resumed from, the seconds lost). :class:`Restarts` decides: it gives up after K restarts,
-or when the same step fails twice in a row with the same error (a bug, not a fault). An injected
+the first step that did not finish, the step resumed from, the seconds lost; a restart whose
+stages failed again as they started: ``"resumed_from": null`` and ``start_failed``, that error),
+and kept there when a later restart trims the file. :class:`Restarts` decides: it gives up after
+K restarts, or when the same step fails twice in a row with the same error (a bug, not a fault). An injected
 fault (``PIPEQ_FAULT``) fires in the first start only, so that a restart can show it recovers.
 """
 
@@ -41,6 +43,7 @@ class Restarts:
         finish (steps after it may have been in flight too); saying why not."""
         # the runner numbers its steps from each start: "(step 1)" after a restart is step 3 before it
         key = (failed_step, exc.stage, re.sub(r"\bstep \d+", "step N", exc.message))
+        self._unresumed(exc, failed_step)
         if self.count >= self.limit:
             if self.limit:
                 self.log(f"gave up after {self.count} restart(s) (--max-restarts {self.limit})")
@@ -59,6 +62,19 @@ class Restarts:
                  "snapshot")
         return True
 
+    def _unresumed(self, exc: PipelineError, failed_step: int) -> None:
+        """The pending restart failed again before it resumed (as its stages started): its record
+        too, with ``start_failed`` (the error) and no step resumed from."""
+        if self._pending is None:
+            return
+        self._write({**self._pending, "step": failed_step - 1, "resumed_from": None, "state_from": None,
+                     "seconds_lost": round(time.monotonic() - self._failed_at, 3), "start_failed": exc.message})
+
+    def _write(self, record: dict) -> None:
+        self._pending = None
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     def note(self, **fields: object) -> None:
         """Add ``fields`` to the pending restart's record (e.g. the nodes it runs on after a node was lost)."""
         if self._pending is not None:
@@ -72,9 +88,7 @@ class Restarts:
             return None
         record = {**self._pending, "step": step, "resumed_from": step, "state_from": source,
                   "seconds_lost": round(time.monotonic() - self._failed_at, 3)}
-        self._pending = None
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._write(record)
         self.log(f"restart {record['restart']}: resumed from step {step} ({source}), {record['seconds_lost']:.1f} s after "
                  f"stage {record['stage']} failed (step {record['unfinished_step']} unfinished)")
         return record
