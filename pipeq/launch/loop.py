@@ -37,7 +37,7 @@ class TrainingLoop:
         self.signals = signals
         self.progress = progress
         self.log = log
-        self.start_step = self.step = step
+        self.start_step = self.step = self.arrived = step  # arrived: the newest step whose loss came
         self.pos = (epoch, skip)  # where the next batch comes from: (epoch, index in it)
         self.metrics = MetricsLog(run_dir.metrics)
         self.metrics.trim(step)
@@ -64,7 +64,8 @@ class TrainingLoop:
             every = (self.evaluator.every, self.job.checkpoint_every)
             if self.runner.schedule.streams_across_batches:  # its snapshots wait for a drain
                 every += (self.snapshots.every,)
-            for done in train_steps(self.runner, source, self.step, self.total, every, self.by_epoch, self.signals):
+            for done in train_steps(self.runner, source, self.step, self.total, every, self.by_epoch, self.signals,
+                                    self._arrived):
                 if isinstance(done, EpochEnd):  # resumed at the end of an epoch: its step first
                     metric, _ = self.evaluator.epoch_metric(self.runner, done.epoch, None, self.losses)
                     self.runner.scheduler_step(metric)
@@ -78,6 +79,9 @@ class TrainingLoop:
             self._finish()
         self.progress.close()
         return True
+
+    def _arrived(self, step: int) -> None:
+        self.arrived = step
 
     def _trained(self, done: StepDone) -> bool:
         """After step ``done``: its evaluation, checkpoint, line and (at an epoch's end) the

@@ -23,7 +23,14 @@ from typing import Callable
 from pipeq.errors import PipelineError
 from pipeq.runtime.faults import ENV as FAULT_ENV
 
-__all__ = ["Restarts"]
+__all__ = ["Restarts", "identity"]
+
+
+def identity(message: str) -> str:
+    """A failure's message without what differs from one start to the next: the runner numbers its
+    steps from each start ("(step 1)" after a restart is step 3 before it), and a process's pid
+    ("stage process (pid 4242) was killed by SIGSEGV") is new each time."""
+    return re.sub(r"\bpids? [\d, ]*\d", "pid N", re.sub(r"\bstep \d+", "step N", message))
 
 
 class Restarts:
@@ -41,8 +48,7 @@ class Restarts:
     def again(self, exc: PipelineError, failed_step: int) -> bool:
         """Whether to restart after ``exc``, ``failed_step`` the first training step that did not
         finish (steps after it may have been in flight too); saying why not."""
-        # the runner numbers its steps from each start: "(step 1)" after a restart is step 3 before it
-        key = (failed_step, exc.stage, re.sub(r"\bstep \d+", "step N", exc.message))
+        key = (failed_step, exc.stage, identity(exc.message))
         self._unresumed(exc, failed_step)
         if self.count >= self.limit:
             if self.limit:

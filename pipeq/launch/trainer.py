@@ -176,8 +176,16 @@ class Trainer:
         return True
 
     def _failed_step(self) -> int:
+        """The first step the failed attempt did not finish: the one after the newest whose loss
+        came; an attempt that failed as its stages started, the one it would have started with."""
         loop = self._loop
-        return loop.step + 1 if loop is not None else 1
+        if loop is not None:
+            return loop.arrived + 1
+        if not self.resume:
+            return 1
+        newest, memory = self.run_dir.newest_checkpoint(), self.snapshots.newest()
+        on_disk = checkpoint_step(newest) if newest is not None else None
+        return max(on_disk or 0, memory[0].step if memory is not None else 0) + 1
 
     def _attempt(self, restarts: "Restarts") -> tuple[int, PipelineError | None]:
         """One start of the stages and their training: the exit code, and the failure (if a stage failed)."""

@@ -54,3 +54,27 @@ def test_a_restart_whose_stages_fail_again_as_they_start_is_on_record(tmp_path) 
     assert all(r["resumed_from"] is None and r["unfinished_step"] == 31 for r in got)
     assert got[0]["error"].endswith("SIGKILL") and got[0]["start_failed"].startswith("timed out after 60 s")
     assert got[1]["error"].startswith("timed out") and got[1]["start_failed"].endswith("SIGKILL")
+
+
+def test_a_failure_is_the_same_whatever_the_pid_of_the_process(tmp_path) -> None:
+    said: list[str] = []
+    restarts = Restarts(5, str(tmp_path / "metrics.jsonl"), said.append)
+    assert restarts.again(PipelineError("stage process (pid 4242) was killed by SIGSEGV", 1), 29)
+    restarts.resumed(20)
+    assert not restarts.again(PipelineError("stage process (pid 4317) was killed by SIGSEGV", 1), 29)
+    assert said[-1].startswith("step 29 failed twice in a row with the same error")
+
+
+def test_a_start_that_fails_after_a_resume_names_the_step_it_would_have_trained(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from pipeq.launch.trainer import Trainer
+
+    out = tmp_path / "run"
+    found = out / "checkpoints" / "step-00000030"
+    found.mkdir(parents=True)
+    (found / "manifest.json").write_text(json.dumps({"meta": {"step": 30}}))
+    trainer = Trainer(SimpleNamespace(out=str(out), snapshot_every=0), None)
+    assert trainer._failed_step() == 1  # the run's first start
+    trainer.resume = True  # a restart, its stages failed as they started: it would have trained step 31
+    assert trainer._failed_step() == 31
