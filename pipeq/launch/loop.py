@@ -110,7 +110,11 @@ class TrainingLoop:
             self.checkpoints.save(self.runner, self.step, self.pos)
         self.snapshots.finished(self.runner, self.step, self.pos)
         if self.step == self.start_step + 1:  # the launch's first step: every byte each stage holds
-            line["memory"] = self._memory_figures()
+            try:
+                line["memory"] = self._memory_figures()
+            except BaseException:  # (a stage failed) the step is done and may be resumed from: its line stays
+                self._write(line)
+                raise
         if final:  # its line is written by _finish, with the final evaluation
             self.last = line
             return True
