@@ -32,7 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     if words[:1] == ["launch"] and not {"-h", "--help"} & set(words):
         from pipeq.control import forkserver
+        from pipeq.runtime import faults
 
+        try:  # a malformed PIPEQ_FAULT: refused before any process starts (the stages and replicas it
+            faults.from_environ()  # names are checked once the job is known, before the stages start)
+        except ValueError as exc:
+            print(f"pipeq launch: {exc}", file=sys.stderr)
+            return 2
         forkserver.start()  # its imports (torch) run while this process imports launch's
     args = build_parser().parse_args(argv)
     if args.command == "launch":

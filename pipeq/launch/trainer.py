@@ -12,7 +12,7 @@ from pipeq import checkpoint
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import PipelineError
 from pipeq.launch.checkpoints import Checkpoints
-from pipeq.launch.data import total_steps
+from pipeq.launch.data import DataError, check_first_batch, total_steps
 from pipeq.launch.elastic import GIVE_UP, REPLACE, Elastic
 from pipeq.launch.job import Job
 from pipeq.launch.loop import TrainingLoop
@@ -22,6 +22,7 @@ from pipeq.launch.rundir import RunDir, RunDirError, checkpoint_step
 from pipeq.launch.signals import StopSignals
 from pipeq.launch.snapshots import Snapshots
 from pipeq.launch.tensorboard import Board, stage_times, writer_class
+from pipeq.runtime import faults
 
 __all__ = ["Trainer"]
 
@@ -114,8 +115,10 @@ class Trainer:
         job = self.job
         job.check()  # data, eval_data, metrics and their arguments, before any process starts
         if self._recipe is None:  # made once per run: a restart's stages are the very same
+            check_first_batch(job)
             self._recipe = job.recipe.stages_made()
         runner = PipelineRunner(self._recipe, None, None, config=job.run_config(), rendezvous=self.rz)
+        faults.from_environ(runner.n_stages, replicas=job.data_parallel)  # a fault that would never fire: refused
         if job.lr_scheduler_monitor is not None and not runner.lr_schedule.takes_metric:
             raise ValueError(f"lr_scheduler_monitor = {job.lr_scheduler_monitor!r}, but {job.recipe.lr_scheduler} "
                              "takes no metric (only a ReduceLROnPlateau does): drop lr_scheduler_monitor")
@@ -224,6 +227,9 @@ class Trainer:
             newest = checkpoint.latest(self.run_dir.checkpoints)
             then = newest is not None and exc.path != self.run_dir.model  # model.pt's error says what --resume does
             self.log(f"{exc}" + (f"; --resume continues from {newest}" if then else ""))
+            return 1, None
+        except DataError as exc:  # (a generator's batch) said in full: no traceback adds to it
+            self.log(str(exc))
             return 1, None
         except (ValueError, TypeError, OSError, checkpoint.CheckpointError) as exc:
             self.log(f"{type(exc).__name__}: {exc}")

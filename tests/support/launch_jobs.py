@@ -153,3 +153,18 @@ def microbatch_batches(epoch: int = 0, steps: int = 3) -> list[tuple]:
             ys.append(y)
         out.append((Microbatches(xs), Microbatches(ys)))
     return out
+
+
+def broken_stages() -> list[nn.Module]:
+    """A stages function that fails (a file it needs is missing)."""
+    raise FileNotFoundError("weights/encoder.pt: no such file")
+
+
+def unpaired_batches(epoch: int) -> list[torch.Tensor]:
+    """train_batches' x alone: no targets (a list: checked before any stage starts)."""
+    return [x for x, _ in train_batches(epoch)]
+
+
+def unpaired_stream(epoch: int):
+    """The same as a generator: checked as its first batch comes."""
+    yield from unpaired_batches(epoch)
