@@ -25,11 +25,13 @@ class TrainingLoop:
     """One launch's training on a started runner, from ``start`` (step, epoch, batch index in
     it: where a resumed run continues) to the job's last step, the end of its data, or a stop
     signal. Made before it runs: the metrics log trimmed to ``start``, the eval set resolved.
-    Each metrics.jsonl line also goes to ``board`` (TensorBoard's event files; its owner closes it)."""
+    Each metrics.jsonl line also goes to ``board`` (TensorBoard's event files; its owner closes it),
+    and each step's samples and loss to ``run_tally`` too (the launch's, across restarts)."""
 
     def __init__(self, job: Job, runner: Any, start: tuple[int, int, int], *, run_dir: RunDir,
                  checkpoints: Checkpoints, signals: StopSignals, progress: Progress,
-                 log: Callable[[str], None], snapshots: Snapshots | None = None, board: Board | None = None) -> None:
+                 log: Callable[[str], None], snapshots: Snapshots | None = None, board: Board | None = None,
+                 run_tally: Tally | None = None) -> None:
         step, epoch, skip = start
         self.job = job
         self.runner = runner
@@ -45,7 +47,8 @@ class TrainingLoop:
         self.by_epoch = runner.lr_schedule.interval == "epoch"  # the schedulers step between epochs
         self.losses = EpochLosses(epoch, self.metrics.losses(epoch))
         self.total = total_steps(job)
-        self.tally = Tally()
+        self.tally = Tally()  # this attempt's; run_tally: the launch's, every attempt's (restarts)
+        self.run_tally = run_tally if run_tally is not None else self.tally
         self.rate = MovingRate()  # samples/s over the last steps (metrics.jsonl: samples_per_s_avg)
         self.progress.start(self.total, step)
         self.last_eval: dict[str, float] = {}
@@ -88,6 +91,8 @@ class TrainingLoop:
         schedulers' step. True: it was the last step (its line waits for the final evaluation)."""
         self.step, self.pos = done.step, (done.epoch, done.batch + 1)
         self.tally.add(done.size, done.loss)
+        if self.run_tally is not self.tally:
+            self.run_tally.add(done.size, done.loss)
         self.losses.add(done.epoch, done.loss)
         line = done.line()
         average = self.rate.add(done.size, done.seconds)

@@ -16,7 +16,7 @@ from pipeq.launch.data import DataError, check_first_batch, total_steps
 from pipeq.launch.elastic import GIVE_UP, REPLACE, Elastic
 from pipeq.launch.job import Job
 from pipeq.launch.loop import TrainingLoop
-from pipeq.launch.progress import Progress, print_summary
+from pipeq.launch.progress import Progress, Tally, print_summary
 from pipeq.launch.restarts import Restarts
 from pipeq.launch.rundir import RunDir, RunDirError, checkpoint_step
 from pipeq.launch.signals import StopSignals
@@ -48,6 +48,7 @@ class Trainer:
         self.snapshots = Snapshots(job.snapshot_every)  # outlives each attempt's runner
         self._writer: Any = None  # TensorBoard's SummaryWriter class (None: no event files), found by _run
         self._board = Board(self.run_dir.tb)  # each attempt's event files (this one: none)
+        self._tally: Tally | None = None  # the launch's samples, losses and time: every attempt's
 
     def log(self, line: str) -> None:
         print(f"pipeq launch: {line}", file=self.stream, flush=True)
@@ -267,9 +268,11 @@ class Trainer:
         progress.restarts = self._restarts.count if self._restarts is not None else 0
         start = self.checkpoints.resume_point(runner, self.resume, self.snapshots.newest())
         self._board.start(start[0])
+        if self._tally is None:  # the first attempt's training starts: the summary's time counts from here
+            self._tally = Tally()
         loop = self._loop = TrainingLoop(self.job, runner, start, run_dir=self.run_dir, checkpoints=self.checkpoints,
                                          signals=self.signals, progress=progress, log=self.log,
-                                         snapshots=self.snapshots, board=self._board)
+                                         snapshots=self.snapshots, board=self._board, run_tally=self._tally)
         if self._restarts is not None:
             restart = self._restarts.resumed(loop.step, self.checkpoints.source)
             if restart is not None:
@@ -281,8 +284,8 @@ class Trainer:
             raise
         if not finished:
             return
-        elapsed = loop.tally.elapsed()
+        elapsed = self._tally.elapsed()
         self.checkpoints.write_final(runner, loop.step, loop.pos, loop.tally.samples)
         nnodes = (len(self.rz.nodes) if self.rz.nodes else self.rz.nnodes) if self.rz is not None else None
-        print_summary(self.job, self.run_dir, loop.step, runner.n_stages, nnodes, loop.tally, loop.last_eval, elapsed,
-                      tensorboard=self._board.active)
+        print_summary(self.job, self.run_dir, loop.step, runner.n_stages, nnodes, self._tally, loop.last_eval, elapsed,
+                      tensorboard=self._board.active, restarts=progress.restarts)

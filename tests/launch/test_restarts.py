@@ -93,6 +93,15 @@ def test_a_restart_after_a_stage_death_loads_the_in_memory_snapshot_without_read
     assert f"in-memory snapshot of step {step}" in r.stderr
     assert_same_state(model_state(out), model_state(whole))
     assert [ln["step"] for ln in metrics(out) if "loss" in ln] == [1, 2, 3, 4, 5, 6], (r.stderr, metrics(out))
+    # the summary is the whole run's: its time since the first attempt's first step, its first loss
+    import re
+
+    losses = {ln["step"]: ln["loss"] for ln in metrics(out) if "loss" in ln}
+    summary = re.search(r"trained 6 steps \(.*\) in ([\d.]+) s with 1 restart, \d+ samples/s\n  loss ([\d.]+) -> "
+                        r"([\d.]+)", r.stdout)
+    assert summary is not None, r.stdout
+    assert summary[2] == f"{losses[1]:.4f}" and summary[3] == f"{losses[6]:.4f}", (r.stdout, losses)
+    assert float(summary[1]) + 0.05 >= restart[0]["seconds_lost"], (r.stdout, restart)
     # TensorBoard: each attempt's event file; the steps trained again show once, the restart at its step
     tb = tensorboard_scalars(out)
     if tb is not None:
