@@ -68,3 +68,39 @@ def test_data_that_yields_no_pairs_is_named_in_one_line(tmp_path, capsys, data) 
         assert code == 2 and "starting" not in err, err
     else:  # a generator: its first batch, once the stages run
         assert code == 1, err
+
+
+def test_a_refused_launch_leaves_no_fork_server_behind(tmp_path) -> None:
+    """A launch refused at once (--out holds another run) ends its fork server and the resource
+    tracker with it, not seconds later when the server's imports are done."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from launch_util import ROOT
+    from strays import session_left
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # another run's
+    job = write(tmp_path, MLP + f'steps = 2\nout = "{out}"\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "support")])}
+    with open(tmp_path / "err", "w") as err_file:  # (not a pipe: the fork server would hold it open)
+        p = subprocess.Popen([sys.executable, "-m", "pipeq", "launch", job], cwd=ROOT, env=env,
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=err_file)
+    try:
+        assert p.wait(timeout=60) == 2
+        ended = time.monotonic()
+        err = (tmp_path / "err").read_text()
+        assert f"{out} holds another run" in err, err
+        while session_left(p.pid) and time.monotonic() < ended + 0.5:
+            time.sleep(0.02)
+        assert session_left(p.pid) == [], "the fork server (or its resource tracker) outlived the launch"
+    finally:
+        if session_left(p.pid):
+            os.killpg(p.pid, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
