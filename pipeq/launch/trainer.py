@@ -97,16 +97,21 @@ class Trainer:
                 "train it further")
 
     def _model_file(self) -> int:
-        """A finished run's model.pt, written from its final state when it is missing (the disk
-        filled as the run wrote it): the exit code."""
-        if os.path.exists(self.run_dir.model):
-            return 0
+        """A finished run's model.pt, written from its final state when it is missing or older
+        than it (the disk filled as the run wrote it): the exit code."""
+        model, final = self.run_dir.model, os.path.join(self.run_dir.final, checkpoint.MANIFEST)
+        try:
+            if os.path.getmtime(model) >= os.path.getmtime(final):
+                return 0
+            why = "it was older than the final state"
+        except FileNotFoundError:
+            why = "it was missing"
         try:
             self.checkpoints.write_model()
         except checkpoint.NoSpaceError as exc:
             self.log(str(exc))
             return 1
-        self.log(f"wrote {self.run_dir.model} from the final state {self.run_dir.final} (it was missing)")
+        self.log(f"wrote {model} from the final state {self.run_dir.final} ({why})")
         return 0
 
     def _runner(self) -> Any:

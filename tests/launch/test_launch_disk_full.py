@@ -80,3 +80,39 @@ def test_a_full_disk_at_model_pt_keeps_the_final_state_and_resume_writes_it(tmp_
     got, want = (torch.load(d / "model.pt", weights_only=True) for d in (out, other))
     assert list(got) == list(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.timeout(180)
+def test_a_full_disk_replacing_model_pt_keeps_the_old_one_whole_and_resume_replaces_it(tmp_path, monkeypatch,
+                                                                                         capsys) -> None:
+    """A run trained further (--resume --steps 6 after 4 steps) finds the disk full at model.pt: the
+    step-4 model.pt stays whole, and --resume (all 6 steps trained) replaces it from final/."""
+    import torch
+
+    from pipeq.checkpoint import atomic
+
+    write_file = atomic.write_file
+
+    def writing(path, write):
+        if os.path.basename(path) == "model.pt.tmp":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_file(path, write)
+
+    out = tmp_path / "out"
+    job = write(tmp_path, MLP + f'steps = 4\ncheckpoint_every = 2\nout = "{out}"\n')
+    assert launch_code(job) == 0
+    before = torch.load(out / "model.pt", weights_only=True)
+    monkeypatch.setattr(atomic, "write_file", writing)
+    assert launch_code(job, "--resume", "--steps", "6") == 1
+    assert "while saving the model state" in capsys.readouterr().err
+    assert not (out / "model.pt.tmp").exists()
+    kept = torch.load(out / "model.pt", weights_only=True)  # the old one, whole
+    assert all(torch.equal(kept[k], before[k]) for k in before)
+
+    monkeypatch.setattr(atomic, "write_file", write_file)
+    assert launch_code(job, "--resume", "--steps", "6") == 0
+    assert "(it was older than the final state)" in capsys.readouterr().err
+    other = tmp_path / "uninterrupted"
+    assert launch_code(job, "--steps", "6", "--out", str(other)) == 0
+    got, want = (torch.load(d / "model.pt", weights_only=True) for d in (out, other))
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
