@@ -82,17 +82,17 @@ def parse(text: str) -> Fault:
 
 
 def from_environ(n_stages: int | None = None, environ: "os._Environ[str] | dict[str, str] | None" = None,
-                 replicas: int = 1) -> Fault | None:
-    """The fault ``PIPEQ_FAULT`` asks for (None when unset), checked against ``n_stages`` (None:
-    its spelling only) and ``replicas``: a fault that names a stage or replica the run does not
-    have would never fire."""
+                 replicas: int | None = None) -> Fault | None:
+    """The fault ``PIPEQ_FAULT`` asks for (None when unset), checked against ``n_stages`` and
+    ``replicas`` (None: not known yet, its spelling only): a fault that names a stage or replica
+    the run does not have would never fire."""
     text = (environ if environ is not None else os.environ).get(ENV, "").strip()
     if not text:
         return None
     fault = parse(text)
     if n_stages is not None and fault.stage >= n_stages:
         raise ValueError(f"{ENV}={text!r}: stage {fault.stage} does not exist (the run has {n_stages} stages)")
-    if fault.replica is not None and fault.replica >= replicas:
+    if fault.replica is not None and replicas is not None and fault.replica >= replicas:
         has = "no replicas (data_parallel = 1)" if replicas == 1 else f"{replicas} replicas, 0 to {replicas - 1}"
         raise ValueError(f"{ENV}={text!r}: replica {fault.replica} does not exist (the run has {has})")
     return fault

@@ -37,11 +37,11 @@ def test_a_stage_the_run_does_not_have_is_refused():
 def test_a_fault_names_a_replica_the_run_has() -> None:
     env = {"PIPEQ_FAULT": "stage:1,step:3,kind:kill,replica:5"}
     with pytest.raises(ValueError, match=r"replica 5 does not exist \(the run has no replicas \(data_parallel = 1\)\)"):
-        from_environ(3, env)
+        from_environ(3, env, replicas=1)
     with pytest.raises(ValueError, match=r"replica 5 does not exist \(the run has 2 replicas, 0 to 1\)"):
         from_environ(3, env, replicas=2)
     assert from_environ(3, env, replicas=6).replica == 5
-    assert from_environ(environ={"PIPEQ_FAULT": "stage:9,step:1,kind:kill"}).stage == 9  # the spelling only
+    assert from_environ(environ={"PIPEQ_FAULT": "stage:9,step:1,kind:kill,replica:3"}).replica == 3  # the spelling only
 
 
 @pytest.mark.parametrize("key", ["heartbeat_interval", "heartbeat_timeout", "start_timeout", "stop_timeout"])
