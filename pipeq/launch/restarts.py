@@ -49,7 +49,7 @@ class Restarts:
         """Whether to restart after ``exc``, ``failed_step`` the first training step that did not
         finish (steps after it may have been in flight too); saying why not."""
         key = (failed_step, exc.stage, identity(exc.message))
-        self._unresumed(exc, failed_step)
+        self._unresumed(exc.message, failed_step)
         if self.count >= self.limit:
             if self.limit:
                 self.log(f"gave up after {self.count} restart(s) (--max-restarts {self.limit})")
@@ -68,13 +68,20 @@ class Restarts:
                  "snapshot")
         return True
 
-    def _unresumed(self, exc: PipelineError, failed_step: int) -> None:
+    def ended(self, code: int) -> None:
+        """The launch ends (exit code ``code``) without another stage failure: a restart that never
+        resumed (interrupted, or refused as its stages were made) is on record too."""
+        if self._pending is not None:
+            self._unresumed(f"the launch ended (exit code {code}) before it resumed",
+                            int(self._pending["unfinished_step"]))
+
+    def _unresumed(self, message: str, failed_step: int) -> None:
         """The pending restart failed again before it resumed (as its stages started): its record
         too, with ``start_failed`` (the error) and no step resumed from."""
         if self._pending is None:
             return
         self._write({**self._pending, "step": failed_step - 1, "resumed_from": None, "state_from": None,
-                     "seconds_lost": round(time.monotonic() - self._failed_at, 3), "start_failed": exc.message})
+                     "seconds_lost": round(time.monotonic() - self._failed_at, 3), "start_failed": message})
 
     def _write(self, record: dict) -> None:
         self._pending = None

@@ -155,7 +155,10 @@ class Trainer:
                     code, failure = self._attempt(restarts)
                 finally:  # a failed attempt's too: its writer's thread ends
                     self._board.close()
-                if failure is None or not restarts.again(failure, self._failed_step()):
+                if failure is None:
+                    restarts.ended(code)
+                    return code
+                if not restarts.again(failure, self._failed_step()):
                     return code
                 if elastic is not None and not self._regroup(elastic, restarts):
                     return code

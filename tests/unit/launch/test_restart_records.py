@@ -56,6 +56,17 @@ def test_a_restart_whose_stages_fail_again_as_they_start_is_on_record(tmp_path) 
     assert got[1]["error"].startswith("timed out") and got[1]["start_failed"].endswith("SIGKILL")
 
 
+def test_a_restart_the_launch_never_resumed_is_on_record(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    restarts = Restarts(3, str(path), lambda line: None)
+    assert restarts.again(PipelineError("stage process (pid 11) was killed by SIGKILL", 1), 8)
+    restarts.ended(130)  # Ctrl-C as its stages started
+    restarts.ended(130)  # (once)
+    got = records(path)
+    assert len(got) == 1 and got[0]["resumed_from"] is None and got[0]["step"] == 7
+    assert got[0]["start_failed"] == "the launch ended (exit code 130) before it resumed"
+
+
 def test_a_failure_is_the_same_whatever_the_pid_of_the_process(tmp_path) -> None:
     said: list[str] = []
     restarts = Restarts(5, str(tmp_path / "metrics.jsonl"), said.append)
