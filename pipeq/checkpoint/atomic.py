@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeq.checkpoint.data import MANIFEST
 
-__all__ = ["write_file", "fsync_dir", "complete_at", "old_of", "foreign", "remove", "recover", "make_temp", "swap"]
+__all__ = ["write_file", "replace_file", "fsync_dir", "complete_at", "old_of", "foreign", "remove", "recover", "make_temp", "swap"]
 
 #: What a checkpoint directory may hold: its files, and temporary files of older pipeq versions.
 _OURS = re.compile(r"manifest\.json|stage-\d+\.pt|\..+\.tmp")
@@ -31,6 +31,28 @@ def write_file(path: str, write: Any) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def replace_file(path: str, write: Any) -> None:
+    """Write the single file ``path`` crash-safe: write(f) into ``path.tmp`` (fsynced), renamed
+    over ``path``; ``path`` is the old file or the new one at any moment, and a failure (a full
+    disk) leaves no ``path.tmp`` behind."""
+    tmp = path + ".tmp"
+    _unlink(tmp)  # a killed write's leftover
+    try:
+        write_file(tmp, write)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def fsync_dir(directory: str) -> None:

@@ -20,11 +20,13 @@ from typing import Mapping
 
 import torch
 
+from pipeq.checkpoint.atomic import replace_file
 from pipeq.checkpoint.data import MANIFEST, CheckpointError
 from pipeq.checkpoint.disk import load
+from pipeq.checkpoint.full import describe_checkpoint, is_no_space, no_space_error
 from pipeq.checkpoint.steps import latest
 
-__all__ = ["FORMATS", "ALIASES", "model_state", "with_aliases", "export"]
+__all__ = ["FORMATS", "ALIASES", "model_state", "save_model", "with_aliases", "export"]
 
 FORMATS = ("dcp", "safetensors", "pt")
 #: The checkpoint meta entry (and model.pt's companion) that maps each tied alias to its key.
@@ -68,6 +70,20 @@ def model_state(source: str) -> dict[str, torch.Tensor]:
         return state
     ckpt = load(path)
     return with_aliases(ckpt.model, ckpt.meta.get(ALIASES, {}))
+
+
+def save_model(source: str, path: str, then: str) -> None:
+    """``source``'s model state (a checkpoint, see :func:`model_state`) as the ``torch.save`` file
+    ``path``, crash-safe (:func:`~pipeq.checkpoint.atomic.replace_file`). A full disk raises a
+    :class:`~pipeq.checkpoint.NoSpaceError` that says ``source`` is intact and ``then`` what to do."""
+    state = model_state(source)
+    try:
+        replace_file(path, lambda f: torch.save(state, f))
+    except (OSError, RuntimeError) as exc:
+        if is_no_space(exc):
+            raise no_space_error(path, "the model state", exc, f"{describe_checkpoint(source)} is intact",
+                                 then) from exc
+        raise
 
 
 def _write_dcp(state: dict[str, torch.Tensor], out: str) -> None:

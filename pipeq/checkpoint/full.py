@@ -75,9 +75,11 @@ def _previous(path: str) -> str:
     return f"no checkpoint was there to lose ({path} is as it was)"
 
 
-def no_space_error(path: str, what: str, exc: BaseException) -> NoSpaceError:
-    """The error of a save into ``path`` that ran out of space while writing ``what`` (``stage k``)."""
+def no_space_error(path: str, what: str, exc: BaseException, intact: str | None = None,
+                   then: str = "Free some space (or save elsewhere) and save again") -> NoSpaceError:
+    """The error of a save into ``path`` that ran out of space while writing ``what`` (``stage k``);
+    ``intact``: what is still there (by default the previous checkpoint), ``then``: what to do."""
     cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
     return NoSpaceError(
         f"no space left on {_device_of(os.path.dirname(path))} for {path} while saving {what}; "
-        f"{_previous(path)} ({cause}). Free some space (or save elsewhere) and save again", path)
+        f"{intact or _previous(path)} ({cause}). {then}", path)

@@ -199,6 +199,9 @@ class FaultConfig:
         if self.fault_tolerance not in FAULT_TOLERANCE:
             raise ValueError(f"fault_tolerance must be None (a failure ends the run) or 'replicas', got "
                              f"{self.fault_tolerance!r}")
+        for name in ("heartbeat_interval", "heartbeat_timeout", "start_timeout", "stop_timeout"):
+            if not getattr(self, name) > 0:  # (NaN too)
+                raise ValueError(f"{name} must be positive (seconds), got {getattr(self, name)!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         check_step_timeout(self.step_timeout, self.heartbeat_interval)

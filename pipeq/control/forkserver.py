@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
 
@@ -27,15 +28,16 @@ _SUN_PATH = 108  # the longest path of a unix socket, its NUL included (Linux)
 _TEMP_DIR = re.compile(rf"{re.escape(TEMP_PREFIX)}(\d+)-\w+")
 
 
-def start() -> None:
+def start() -> bool:
     """Start the fork server (once per process; a no-op when it runs) without the current
     directory on its sys.path: it runs ``python -c``, which would put it first, so a ``pipeq/``
     folder there (a source checkout beside a job file) would be preloaded instead of this pipeq,
     and every stage die with "cannot import name ... from 'pipeq'". (Its stages then take this
     process's sys.path.) Returns at once: the server imports in the background, and the first
-    stage start waits for it."""
+    stage start waits for it. True: it was not running (this call started it, see :func:`stop`)."""
     from multiprocessing import forkserver
 
+    was = _running()
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
     _own_temp_dir()
     saved = os.environ.get("PYTHONSAFEPATH")
@@ -47,6 +49,31 @@ def start() -> None:
             del os.environ["PYTHONSAFEPATH"]
         else:
             os.environ["PYTHONSAFEPATH"] = saved
+    return not was
+
+
+def _running() -> bool:
+    from multiprocessing import forkserver
+
+    pid = forkserver._forkserver._forkserver_pid
+    return pid is not None and not _dead(pid)
+
+
+def stop() -> None:
+    """Stop the fork server now (a command that started it ends: one still importing torch would
+    outlive it by seconds, and multiprocessing's resource tracker with it). Only once no stage
+    runs: none is forked from it any more."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = server._forkserver_pid
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)  # (closing its "alive" pipe is only read once its imports are done)
+    except ProcessLookupError:
+        pass
+    server._stop()  # reaped, its socket removed
 
 
 def _own_temp_dir() -> None:

@@ -274,7 +274,7 @@ def worker_configs(
     if sharded:
         _check_replicas_apart(num, [held[h][0] for h in hosts], plan)
     settings = setup.stage_settings(traced)
-    fault = faults.from_environ(n_stages)  # PIPEQ_FAULT: read here, handed over as plain data
+    fault = faults.from_environ(n_stages, replicas=replicas)  # PIPEQ_FAULT: read here, handed over as plain data
     threads_per_stage = setup.config.placement.threads_per_stage
     tp_plans = setup.tp_plans
     configs = []

@@ -88,6 +88,7 @@ class Supervisor:
         self.deferred: tuple[int, PipelineError] | None = None
         self._excused: set[int] = set()  # processes that failed with a deferred error
         self._collecting: int | None = None  # the training step whose loss collect() waits for
+        self._waiting: tuple[Kind, int] | None = None  # the (kind, step) collect() waits for
         # fault_tolerance="replicas": absorb(g, error) -> True when process g's failure is taken
         # (its replica dropped) rather than ending the run; the processes of a dropped replica
         self.absorb: Callable[[int, PipelineError], bool] | None = None
@@ -241,8 +242,9 @@ class Supervisor:
                 return None  # (timeout 0 drains what is pending instead)
 
     def _keep(self, g: int, msg: Message) -> None:
-        """A stage's reply that is not the one being waited for: kept for whoever awaits it."""
-        if (msg.kind, msg.step) in self.awaited:
+        """A stage's reply that is not the one being waited for (or is, read on the way, e.g. while
+        looking for the ERROR in flight of a dead process): kept for whoever awaits it."""
+        if (msg.kind, msg.step) in self.awaited or (msg.kind, msg.step) == self._waiting:
             self.kept.keep(g, msg)
         elif msg.kind not in REPLIES:
             raise self.fail(self.error(f"protocol error: unexpected {msg.kind.name}", g))
@@ -284,10 +286,11 @@ class Supervisor:
         if self.deferred is not None and (not training or step >= self.deferred[0]):
             raise self.fail(self.deferred[1])
         self._collecting = step if training else None
+        self._waiting = (kind, step)
         try:
             return self._collect(kind, counts, step, timeout, what, on_timeout)
         finally:
-            self._collecting = None
+            self._collecting = self._waiting = None
 
     def _collect(self, kind: Kind, counts: dict[int, int], step: int, timeout: float | None, what: str,
                  on_timeout: Callable[[set[int]], str] | None) -> dict[int, list[Message]]:
@@ -323,7 +326,10 @@ class Supervisor:
                     else:
                         self._keep(peer.index, msg)
             if r is None or now - self._last_health > _POLL_MS / 1000:
-                self.check_health()
+                self.check_health()  # (a READY, a LOSS it read looking for an ERROR in flight: kept)
+                for g, msg in self.kept.take(kind, step):
+                    if g in missing:
+                        take(g, msg)
             missing -= self.ignored  # a replica dropped meanwhile: not waited for
             if deadline is not None and now > deadline:
                 hint = on_timeout(missing) if on_timeout is not None else ""

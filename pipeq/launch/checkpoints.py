@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-import torch
-
 from pipeq import checkpoint
-from pipeq.checkpoint.export import model_state
+from pipeq.checkpoint.export import save_model
 from pipeq import schedules
 from pipeq.launch.job import Job
 from pipeq.launch.progress import shown_epoch
@@ -82,9 +80,13 @@ class Checkpoints:
         self._save(runner, final, step, *pos)
         if samples and self.job.checkpoint_every and not self.due(step):  # else just saved
             self.save(runner, step, pos)
-        tmp = self.run_dir.model + ".tmp"
-        torch.save(model_state(final), tmp)  # tied parameters under each of their names, as the model has them
-        os.replace(tmp, self.run_dir.model)
+        self.write_model()
+
+    def write_model(self) -> None:
+        """model.pt: final/'s model state (tied parameters under each of their names, as the model
+        has them), crash-safe; a full disk raises a NoSpaceError saying final/ is intact."""
+        save_model(self.run_dir.final, self.run_dir.model,
+                   "Free some space and run again with --resume: it writes model.pt from the final state")
 
     def _save(self, runner: Any, directory: str, step: int, epoch: int, batch: int) -> None:
         schedule = self.job.schedule

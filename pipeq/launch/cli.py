@@ -32,13 +32,33 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     if words[:1] == ["launch"] and not {"-h", "--help"} & set(words):
         from pipeq.control import forkserver
+        from pipeq.runtime import faults
 
-        forkserver.start()  # its imports (torch) run while this process imports launch's
+        try:  # a malformed PIPEQ_FAULT: refused before any process starts (the stages and replicas it
+            faults.from_environ()  # names are checked once the job is known, before the stages start)
+        except ValueError as exc:
+            print(f"pipeq launch: {exc}", file=sys.stderr)
+            return 2
+        started = forkserver.start()  # its imports (torch) run while this process imports launch's
+        try:
+            return _launch(argv)
+        finally:
+            if started:  # every stage has stopped: it goes at once, not seconds after the command ends
+                forkserver.stop()
+    return _command(argv)
+
+
+def _launch(argv: list[str] | None) -> int:
+    from pipeq.launch import command as launch_command  # torch: only now, not for --help
+
+    return launch_command.run(build_parser().parse_args(argv))
+
+
+def _command(argv: list[str] | None) -> int:
+    """Every other subcommand (or ``launch --help``)."""
     args = build_parser().parse_args(argv)
     if args.command == "launch":
-        from pipeq.launch import command as launch_command  # torch: only now, not for --help
-
-        return launch_command.run(args)
+        return _launch(argv)
     try:
         if args.command == "schedule":
             return _schedule(args)

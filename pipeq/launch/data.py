@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 from typing import Any, Iterator
 
@@ -9,7 +10,11 @@ import torch
 
 from pipeq.launch.job import Job
 
-__all__ = ["Batches", "EpochLosses", "job_batches", "total_steps", "samples_of"]
+__all__ = ["Batches", "EpochLosses", "DataError", "job_batches", "check_first_batch", "total_steps", "samples_of"]
+
+
+class DataError(ValueError):
+    """The job's data yields something other than (x, target) pairs (said in one line, no traceback)."""
 
 
 class Batches:
@@ -79,13 +84,26 @@ def job_batches(job: Job, epoch: int, skip: int) -> Iterator[tuple[int, int, Any
             empty = False
             if e == epoch and i < skip:
                 continue
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                third = (" (pipeq launch takes no stage_inputs: train with runner.stream((x, target, stage_inputs) "
-                         "...) for those)" if isinstance(item, (tuple, list)) and len(item) == 3 else "")
-                raise ValueError(f"data ({job.data}) must yield (x, target) pairs, got {type(item).__name__}{third}")
+            _check_pair(job, item, e, i)
             yield e, i, item
         if empty:
             return
+
+
+def _check_pair(job: Job, item: Any, epoch: int, index: int) -> None:
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        third = (" (pipeq launch takes no stage_inputs: train with runner.stream((x, target, stage_inputs) "
+                 "...) for those)" if isinstance(item, (tuple, list)) and len(item) == 3 else "")
+        raise DataError(f"data = {job.data!r} must yield (x, target) pairs, got {type(item).__name__}{third} "
+                        f"(epoch {epoch + 1}, batch {index})")
+
+
+def check_first_batch(job: Job) -> None:
+    """The first batch of the job's data, checked before any stage starts when the data is a
+    sequence (a list: its first item is there to look at); a generator's is checked as it comes."""
+    batches = job.batches(0)
+    if isinstance(batches, collections.abc.Sequence) and len(batches) > 0:
+        _check_pair(job, batches[0], 0, 0)
 
 
 def total_steps(job: Job) -> int | None:

@@ -25,11 +25,13 @@ class TrainingLoop:
     """One launch's training on a started runner, from ``start`` (step, epoch, batch index in
     it: where a resumed run continues) to the job's last step, the end of its data, or a stop
     signal. Made before it runs: the metrics log trimmed to ``start``, the eval set resolved.
-    Each metrics.jsonl line also goes to ``board`` (TensorBoard's event files; its owner closes it)."""
+    Each metrics.jsonl line also goes to ``board`` (TensorBoard's event files; its owner closes it),
+    and each step's samples and loss to ``run_tally`` too (the launch's, across restarts)."""
 
     def __init__(self, job: Job, runner: Any, start: tuple[int, int, int], *, run_dir: RunDir,
                  checkpoints: Checkpoints, signals: StopSignals, progress: Progress,
-                 log: Callable[[str], None], snapshots: Snapshots | None = None, board: Board | None = None) -> None:
+                 log: Callable[[str], None], snapshots: Snapshots | None = None, board: Board | None = None,
+                 run_tally: Tally | None = None) -> None:
         step, epoch, skip = start
         self.job = job
         self.runner = runner
@@ -37,7 +39,7 @@ class TrainingLoop:
         self.signals = signals
         self.progress = progress
         self.log = log
-        self.start_step = self.step = step
+        self.start_step = self.step = self.arrived = step  # arrived: the newest step whose loss came
         self.pos = (epoch, skip)  # where the next batch comes from: (epoch, index in it)
         self.metrics = MetricsLog(run_dir.metrics)
         self.metrics.trim(step)
@@ -45,7 +47,8 @@ class TrainingLoop:
         self.by_epoch = runner.lr_schedule.interval == "epoch"  # the schedulers step between epochs
         self.losses = EpochLosses(epoch, self.metrics.losses(epoch))
         self.total = total_steps(job)
-        self.tally = Tally()
+        self.tally = Tally()  # this attempt's; run_tally: the launch's, every attempt's (restarts)
+        self.run_tally = run_tally if run_tally is not None else self.tally
         self.rate = MovingRate()  # samples/s over the last steps (metrics.jsonl: samples_per_s_avg)
         self.progress.start(self.total, step)
         self.last_eval: dict[str, float] = {}
@@ -64,7 +67,8 @@ class TrainingLoop:
             every = (self.evaluator.every, self.job.checkpoint_every)
             if self.runner.schedule.streams_across_batches:  # its snapshots wait for a drain
                 every += (self.snapshots.every,)
-            for done in train_steps(self.runner, source, self.step, self.total, every, self.by_epoch, self.signals):
+            for done in train_steps(self.runner, source, self.step, self.total, every, self.by_epoch, self.signals,
+                                    self._arrived):
                 if isinstance(done, EpochEnd):  # resumed at the end of an epoch: its step first
                     metric, _ = self.evaluator.epoch_metric(self.runner, done.epoch, None, self.losses)
                     self.runner.scheduler_step(metric)
@@ -79,11 +83,16 @@ class TrainingLoop:
         self.progress.close()
         return True
 
+    def _arrived(self, step: int) -> None:
+        self.arrived = step
+
     def _trained(self, done: StepDone) -> bool:
         """After step ``done``: its evaluation, checkpoint, line and (at an epoch's end) the
         schedulers' step. True: it was the last step (its line waits for the final evaluation)."""
         self.step, self.pos = done.step, (done.epoch, done.batch + 1)
         self.tally.add(done.size, done.loss)
+        if self.run_tally is not self.tally:
+            self.run_tally.add(done.size, done.loss)
         self.losses.add(done.epoch, done.loss)
         line = done.line()
         average = self.rate.add(done.size, done.seconds)

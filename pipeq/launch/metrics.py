@@ -19,15 +19,16 @@ class MetricsLog:
         self._file: TextIO | None = None
 
     def trim(self, step: int) -> None:
-        """Keep the metrics of steps up to ``step`` (a resumed run rewrites the later ones)."""
+        """Keep the metrics of steps up to ``step`` (a resumed run rewrites the later ones), and
+        every restart record, whatever its step: each restart stays on record."""
         path = self.path
         if not os.path.exists(path):
             return
-        if step == 0:
+        with open(path) as f:
+            lines = [ln for ln in f if ln.strip() and _kept(json.loads(ln), step)]
+        if not lines:
             os.remove(path)
             return
-        with open(path) as f:
-            lines = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= step]
         with open(path + ".tmp", "w") as f:
             f.writelines(lines)
         os.replace(path + ".tmp", path)
@@ -55,3 +56,8 @@ class MetricsLog:
             raise ValueError(f"{self.path} is not open: write its lines inside `with MetricsLog(...)`")
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
+
+
+def _kept(line: dict[str, Any], step: int) -> bool:
+    """Whether a trim to ``step`` keeps ``line``: a restart record, or a line of a step up to it."""
+    return "restart" in line or line.get("step", 0) <= step

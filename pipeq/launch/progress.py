@@ -114,14 +114,16 @@ class Tally:
 
 
 def print_summary(job: Job, run_dir: RunDir, steps: int, n_stages: int, nnodes: int | None, tally: Tally,
-                  ev: dict[str, float], elapsed: float, tensorboard: bool = False) -> None:
+                  ev: dict[str, float], elapsed: float, tensorboard: bool = False, restarts: int = 0) -> None:
     """The run in a few lines on stdout: steps, processes, speed, losses, evaluation, where the
-    state and metrics are (and with ``tensorboard`` its event files)."""
+    state and metrics are (and with ``tensorboard`` its event files). ``tally`` and ``elapsed``
+    are the launch's, every attempt's after ``restarts`` restarts (steps trained again count again)."""
     nodes = f", {nnodes} node{'' if nnodes == 1 else 's'}" if nnodes is not None else ""
     first, last, samples = tally.first_loss, tally.last_loss, tally.samples
+    again = f" with {restarts} restart{'s' if restarts > 1 else ''}" if restarts else ""
     lines = [
         f"pipeq launch: trained {steps} steps ({n_stages} stages{nodes}, {job.schedule}, "
-        f"{job.microbatches} microbatches) in {elapsed:.1f} s, {samples / max(elapsed, 1e-9):.0f} samples/s",
+        f"{job.microbatches} microbatches) in {elapsed:.1f} s{again}, {samples / max(elapsed, 1e-9):.0f} samples/s",
         (f"  loss {first:.4f} -> {last:.4f}" if samples else "  no new step (the run had trained them all)")
         + (f"; eval accuracy {ev['eval_accuracy']:.4f}" if "eval_accuracy" in ev else "")
         + (f"; eval loss {ev['eval_loss']:.4f}" if "eval_loss" in ev else "")

@@ -5,8 +5,10 @@ builds a new one and resumes from the newest complete checkpoint, as ``--resume`
 data order, RNG streams, lr schedulers and loss scaler, so the final weights equal an
 uninterrupted run's; or from the newest in-memory snapshot (``snapshot_every``) when it is newer,
 with no disk read. Each restart is written to metrics.jsonl (``restart``: the error, the stage,
-the first step that did not finish, the step resumed from, the seconds lost). :class:`Restarts` decides: it gives up after K restarts,
-or when the same step fails twice in a row with the same error (a bug, not a fault). An injected
+the first step that did not finish, the step resumed from, the seconds lost; a restart whose
+stages failed again as they started: ``"resumed_from": null`` and ``start_failed``, that error),
+and kept there when a later restart trims the file. :class:`Restarts` decides: it gives up after
+K restarts, or when the same step fails twice in a row with the same error (a bug, not a fault). An injected
 fault (``PIPEQ_FAULT``) fires in the first start only, so that a restart can show it recovers.
 """
 
@@ -21,7 +23,14 @@ from typing import Callable
 from pipeq.errors import PipelineError
 from pipeq.runtime.faults import ENV as FAULT_ENV
 
-__all__ = ["Restarts"]
+__all__ = ["Restarts", "identity"]
+
+
+def identity(message: str) -> str:
+    """A failure's message without what differs from one start to the next: the runner numbers its
+    steps from each start ("(step 1)" after a restart is step 3 before it), and a process's pid
+    ("stage process (pid 4242) was killed by SIGSEGV") is new each time."""
+    return re.sub(r"\bpids? [\d, ]*\d", "pid N", re.sub(r"\bstep \d+", "step N", message))
 
 
 class Restarts:
@@ -39,8 +48,8 @@ class Restarts:
     def again(self, exc: PipelineError, failed_step: int) -> bool:
         """Whether to restart after ``exc``, ``failed_step`` the first training step that did not
         finish (steps after it may have been in flight too); saying why not."""
-        # the runner numbers its steps from each start: "(step 1)" after a restart is step 3 before it
-        key = (failed_step, exc.stage, re.sub(r"\bstep \d+", "step N", exc.message))
+        key = (failed_step, exc.stage, identity(exc.message))
+        self._unresumed(exc.message, failed_step)
         if self.count >= self.limit:
             if self.limit:
                 self.log(f"gave up after {self.count} restart(s) (--max-restarts {self.limit})")
@@ -59,6 +68,26 @@ class Restarts:
                  "snapshot")
         return True
 
+    def ended(self, code: int) -> None:
+        """The launch ends (exit code ``code``) without another stage failure: a restart that never
+        resumed (interrupted, or refused as its stages were made) is on record too."""
+        if self._pending is not None:
+            self._unresumed(f"the launch ended (exit code {code}) before it resumed",
+                            int(self._pending["unfinished_step"]))
+
+    def _unresumed(self, message: str, failed_step: int) -> None:
+        """The pending restart failed again before it resumed (as its stages started): its record
+        too, with ``start_failed`` (the error) and no step resumed from."""
+        if self._pending is None:
+            return
+        self._write({**self._pending, "step": failed_step - 1, "resumed_from": None, "state_from": None,
+                     "seconds_lost": round(time.monotonic() - self._failed_at, 3), "start_failed": message})
+
+    def _write(self, record: dict) -> None:
+        self._pending = None
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     def note(self, **fields: object) -> None:
         """Add ``fields`` to the pending restart's record (e.g. the nodes it runs on after a node was lost)."""
         if self._pending is not None:
@@ -72,9 +101,7 @@ class Restarts:
             return None
         record = {**self._pending, "step": step, "resumed_from": step, "state_from": source,
                   "seconds_lost": round(time.monotonic() - self._failed_at, 3)}
-        self._pending = None
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._write(record)
         self.log(f"restart {record['restart']}: resumed from step {step} ({source}), {record['seconds_lost']:.1f} s after "
                  f"stage {record['stage']} failed (step {record['unfinished_step']} unfinished)")
         return record

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from pipeq.launch.data import Batches, samples_of
 from pipeq.launch.signals import StopSignals
@@ -52,14 +52,16 @@ class EpochEnd:
 
 
 def train_steps(runner: Any, source: Batches, step: int, total: int | None, every: Sequence[int], by_epoch: bool,
-                signals: StopSignals) -> Iterator[StepDone | EpochEnd]:
+                signals: StopSignals, arrived: Callable[[int], None] | None = None) -> Iterator[StepDone | EpochEnd]:
     """Train on ``source`` from step ``step`` on with ``runner.stream``: the pipeline stays
     full across batches, and is drained only at the end of each segment, which ends exactly
     at the next multiple of one of ``every`` (the evaluations, the checkpoints), at the last
     step, and (``by_epoch``) at the end of each epoch that another follows. A segment's last
     step is yielded once that stream is done, so what the caller does then (evaluate, save,
     step the schedulers) sees the state of that step; with ``by_epoch`` it says which epoch
-    follows (:attr:`StepDone.next_epoch`). After a stop signal no batch is sent."""
+    follows (:attr:`StepDone.next_epoch`). After a stop signal no batch is sent. ``arrived(step)``
+    is told each step as its loss comes, before it is yielded (a step is yielded once the next
+    one's loss is in, or its segment is done)."""
     while total is None or step < total:
         following = source.next_epoch() if by_epoch and not signals.stopping else None
         if following is not None:  # resumed where an epoch ended
@@ -73,6 +75,8 @@ def train_steps(runner: Any, source: Batches, step: int, total: int | None, ever
             now = time.perf_counter()
             epoch, index, size = taken.popleft()  # losses come back in the order batches went
             step += 1
+            if arrived is not None:
+                arrived(step)
             # The stages work on several batches at once, so a batch has no time of its own:
             # its time is the wall time since the previous loss (a segment's first also covers
             # filling the pipeline), hence samples_per_s = its samples / that time.

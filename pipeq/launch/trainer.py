@@ -12,16 +12,17 @@ from pipeq import checkpoint
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import PipelineError
 from pipeq.launch.checkpoints import Checkpoints
-from pipeq.launch.data import total_steps
+from pipeq.launch.data import DataError, check_first_batch, total_steps
 from pipeq.launch.elastic import GIVE_UP, REPLACE, Elastic
 from pipeq.launch.job import Job
 from pipeq.launch.loop import TrainingLoop
-from pipeq.launch.progress import Progress, print_summary
+from pipeq.launch.progress import Progress, Tally, print_summary
 from pipeq.launch.restarts import Restarts
 from pipeq.launch.rundir import RunDir, RunDirError, checkpoint_step
 from pipeq.launch.signals import StopSignals
 from pipeq.launch.snapshots import Snapshots
 from pipeq.launch.tensorboard import Board, stage_times, writer_class
+from pipeq.runtime import faults
 
 __all__ = ["Trainer"]
 
@@ -47,6 +48,7 @@ class Trainer:
         self.snapshots = Snapshots(job.snapshot_every)  # outlives each attempt's runner
         self._writer: Any = None  # TensorBoard's SummaryWriter class (None: no event files), found by _run
         self._board = Board(self.run_dir.tb)  # each attempt's event files (this one: none)
+        self._tally: Tally | None = None  # the launch's samples, losses and time: every attempt's
 
     def log(self, line: str) -> None:
         print(f"pipeq launch: {line}", file=self.stream, flush=True)
@@ -69,7 +71,7 @@ class Trainer:
             done = self._finished()
             if done is not None:
                 self.log(done)
-                return 0
+                return self._model_file()
             return self._run()
         finally:
             self.run_dir.release()
@@ -94,6 +96,24 @@ class Trainer:
                 f"step {final_step}); no new step, no stage started. Pass a larger --steps or --epochs to "
                 "train it further")
 
+    def _model_file(self) -> int:
+        """A finished run's model.pt, written from its final state when it is missing or older
+        than it (the disk filled as the run wrote it): the exit code."""
+        model, final = self.run_dir.model, os.path.join(self.run_dir.final, checkpoint.MANIFEST)
+        try:
+            if os.path.getmtime(model) >= os.path.getmtime(final):
+                return 0
+            why = "it was older than the final state"
+        except FileNotFoundError:
+            why = "it was missing"
+        try:
+            self.checkpoints.write_model()
+        except checkpoint.NoSpaceError as exc:
+            self.log(str(exc))
+            return 1
+        self.log(f"wrote {model} from the final state {self.run_dir.final} ({why})")
+        return 0
+
     def _runner(self) -> Any:
         """The job's PipelineRunner, not started yet (a ``ValueError`` names what is wrong)."""
         from pipeq.control.runner import PipelineRunner
@@ -101,8 +121,10 @@ class Trainer:
         job = self.job
         job.check()  # data, eval_data, metrics and their arguments, before any process starts
         if self._recipe is None:  # made once per run: a restart's stages are the very same
+            check_first_batch(job)
             self._recipe = job.recipe.stages_made()
         runner = PipelineRunner(self._recipe, None, None, config=job.run_config(), rendezvous=self.rz)
+        faults.from_environ(runner.n_stages, replicas=job.data_parallel)  # a fault that would never fire: refused
         if job.lr_scheduler_monitor is not None and not runner.lr_schedule.takes_metric:
             raise ValueError(f"lr_scheduler_monitor = {job.lr_scheduler_monitor!r}, but {job.recipe.lr_scheduler} "
                              "takes no metric (only a ReduceLROnPlateau does): drop lr_scheduler_monitor")
@@ -133,7 +155,10 @@ class Trainer:
                     code, failure = self._attempt(restarts)
                 finally:  # a failed attempt's too: its writer's thread ends
                     self._board.close()
-                if failure is None or not restarts.again(failure, self._failed_step()):
+                if failure is None:
+                    restarts.ended(code)
+                    return code
+                if not restarts.again(failure, self._failed_step()):
                     return code
                 if elastic is not None and not self._regroup(elastic, restarts):
                     return code
@@ -163,8 +188,16 @@ class Trainer:
         return True
 
     def _failed_step(self) -> int:
+        """The first step the failed attempt did not finish: the one after the newest whose loss
+        came; an attempt that failed as its stages started, the one it would have started with."""
         loop = self._loop
-        return loop.step + 1 if loop is not None else 1
+        if loop is not None:
+            return loop.arrived + 1
+        if not self.resume:
+            return 1
+        newest, memory = self.run_dir.newest_checkpoint(), self.snapshots.newest()
+        on_disk = checkpoint_step(newest) if newest is not None else None
+        return max(on_disk or 0, memory[0].step if memory is not None else 0) + 1
 
     def _attempt(self, restarts: "Restarts") -> tuple[int, PipelineError | None]:
         """One start of the stages and their training: the exit code, and the failure (if a stage failed)."""
@@ -201,7 +234,11 @@ class Trainer:
             return self.signals.exit_code(), None
         except checkpoint.NoSpaceError as exc:  # said in full: no traceback adds to it
             newest = checkpoint.latest(self.run_dir.checkpoints)
-            self.log(f"{exc}" + (f"; --resume continues from {newest}" if newest is not None else ""))
+            then = newest is not None and exc.path != self.run_dir.model  # model.pt's error says what --resume does
+            self.log(f"{exc}" + (f"; --resume continues from {newest}" if then else ""))
+            return 1, None
+        except DataError as exc:  # (a generator's batch) said in full: no traceback adds to it
+            self.log(str(exc))
             return 1, None
         except (ValueError, TypeError, OSError, checkpoint.CheckpointError) as exc:
             self.log(f"{type(exc).__name__}: {exc}")
@@ -239,9 +276,11 @@ class Trainer:
         progress.restarts = self._restarts.count if self._restarts is not None else 0
         start = self.checkpoints.resume_point(runner, self.resume, self.snapshots.newest())
         self._board.start(start[0])
+        if self._tally is None:  # the first attempt's training starts: the summary's time counts from here
+            self._tally = Tally()
         loop = self._loop = TrainingLoop(self.job, runner, start, run_dir=self.run_dir, checkpoints=self.checkpoints,
                                          signals=self.signals, progress=progress, log=self.log,
-                                         snapshots=self.snapshots, board=self._board)
+                                         snapshots=self.snapshots, board=self._board, run_tally=self._tally)
         if self._restarts is not None:
             restart = self._restarts.resumed(loop.step, self.checkpoints.source)
             if restart is not None:
@@ -253,8 +292,8 @@ class Trainer:
             raise
         if not finished:
             return
-        elapsed = loop.tally.elapsed()
+        elapsed = self._tally.elapsed()
         self.checkpoints.write_final(runner, loop.step, loop.pos, loop.tally.samples)
         nnodes = (len(self.rz.nodes) if self.rz.nodes else self.rz.nnodes) if self.rz is not None else None
-        print_summary(self.job, self.run_dir, loop.step, runner.n_stages, nnodes, loop.tally, loop.last_eval, elapsed,
-                      tensorboard=self._board.active)
+        print_summary(self.job, self.run_dir, loop.step, runner.n_stages, nnodes, self._tally, loop.last_eval, elapsed,
+                      tensorboard=self._board.active, restarts=progress.restarts)

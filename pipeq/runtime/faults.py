@@ -14,7 +14,8 @@ none. Kinds:
 
 ``replica:R`` picks one replica of the stage (default: every replica). Process mode only (a
 simulated run has no stage process to fail). The same value can be
-given to :func:`parse` in a test. Pure parsing here; :func:`inject` acts in the stage process.
+given to :func:`parse` in a test. Pure parsing here (no torch: ``pipeq launch`` checks the
+value before it starts any process); :func:`inject` acts in the stage process.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import signal
 import time
 from dataclasses import dataclass
 from typing import Callable
-
-from pipeq.trace.format import F as TRACE_F
 
 __all__ = ["Fault", "KINDS", "ENV", "parse", "from_environ", "inject"]
 
@@ -82,14 +81,20 @@ def parse(text: str) -> Fault:
     return Fault(numbers["stage"], numbers["step"], fields["kind"], numbers.get("replica"))
 
 
-def from_environ(n_stages: int, environ: "os._Environ[str] | dict[str, str] | None" = None) -> Fault | None:
-    """The fault ``PIPEQ_FAULT`` asks for (None when unset), checked against ``n_stages``."""
+def from_environ(n_stages: int | None = None, environ: "os._Environ[str] | dict[str, str] | None" = None,
+                 replicas: int | None = None) -> Fault | None:
+    """The fault ``PIPEQ_FAULT`` asks for (None when unset), checked against ``n_stages`` and
+    ``replicas`` (None: not known yet, its spelling only): a fault that names a stage or replica
+    the run does not have would never fire."""
     text = (environ if environ is not None else os.environ).get(ENV, "").strip()
     if not text:
         return None
     fault = parse(text)
-    if fault.stage >= n_stages:
+    if n_stages is not None and fault.stage >= n_stages:
         raise ValueError(f"{ENV}={text!r}: stage {fault.stage} does not exist (the run has {n_stages} stages)")
+    if fault.replica is not None and replicas is not None and fault.replica >= replicas:
+        has = "no replicas (data_parallel = 1)" if replicas == 1 else f"{replicas} replicas, 0 to {replicas - 1}"
+        raise ValueError(f"{ENV}={text!r}: replica {fault.replica} does not exist (the run has {has})")
     return fault
 
 
@@ -107,6 +112,8 @@ def inject(fault: Fault | None, stage: int, step: int, replica: int = 0,
         raise RuntimeError(f"injected fault ({ENV}={fault.text()}): stage {stage} fails at step {step}")
     else:  # hang: inside a "forward", forever (the driver's step_timeout or the user ends it)
         if note is not None:
+            from pipeq.trace.format import F as TRACE_F  # (torch: not for the launch command's early check)
+
             note(TRACE_F, 0)
         while True:
             time.sleep(3600)

@@ -78,7 +78,7 @@ class Kind(enum.IntEnum):
 
 #: Replies to a driver's command: one that nobody waits for any more (the caller was
 #: interrupted, e.g. by Ctrl-C) is stale and dropped.
-REPLIES = frozenset({Kind.LOSS, Kind.OUTPUT, Kind.STATE, Kind.SNAPSHOT, Kind.ACK, Kind.TIME, Kind.TRACE,
+REPLIES = frozenset({Kind.READY, Kind.LOSS, Kind.OUTPUT, Kind.STATE, Kind.SNAPSHOT, Kind.ACK, Kind.TIME, Kind.TRACE,
                      Kind.LR, Kind.STATS})
 
 

@@ -23,6 +23,7 @@ import torch
 from pipeq.testing import backend_of
 
 from launch_util import ROOT, assert_same_state, launch_here, metrics, model_state
+from strays import session_left
 
 JOB_MODULE = '''\
 """A tiny 3-stage job; PIPEQ_TEST_DELAY seconds per batch make it slow enough to signal."""
@@ -82,25 +83,9 @@ def _cmd(job: str, *args: str) -> list[str]:
 
 
 def _start(job: str, *args: str, delay: float = 0.0) -> subprocess.Popen:
-    """A launch from the job's folder, in a session of its own (see _session_left)."""
+    """A launch from the job's folder, in a session of its own (see strays.session_left)."""
     return subprocess.Popen(_cmd(job, *args), cwd=os.path.dirname(job), env=_env(delay),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _session_left(sid: int) -> list[int]:
-    """The processes still in session ``sid`` (a launch's: driver, fork server, stages)."""
-    left = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # (state, ppid, pgrp, session, ...)
-            left.append(int(entry))
-    return left
 
 
 def _finish(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -112,9 +97,9 @@ def _finish(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedPr
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
     deadline = time.monotonic() + 10
-    while _session_left(p.pid) and time.monotonic() < deadline:
+    while session_left(p.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = _session_left(p.pid)
+    left = session_left(p.pid)
     if left:
         os.killpg(p.pid, signal.SIGKILL)
     assert not left, f"processes left behind by the launch: {left}"

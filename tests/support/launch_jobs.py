@@ -98,6 +98,26 @@ def picky_stages() -> list[nn.Module]:
     return [_Picky(), nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, CLASSES)]
 
 
+class _Crashing(_Picky):
+    """A stage whose native code crashes (SIGSEGV) on an input holding a value over 1e6, once
+    what was in flight before it has had time to finish."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > 1e6:
+            import os
+            import signal
+            import time
+
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return self.inner(x)
+
+
+def crashing_stages() -> list[nn.Module]:
+    """mlp_stages whose stage 0 dies of a SIGSEGV on poisoned_batches' third batch, every time."""
+    return [_Crashing(), nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, CLASSES)]
+
+
 def poisoned_batches(epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """train_batches with the third batch's first value set to 1e9."""
     out = train_batches(epoch)
@@ -133,3 +153,18 @@ def microbatch_batches(epoch: int = 0, steps: int = 3) -> list[tuple]:
             ys.append(y)
         out.append((Microbatches(xs), Microbatches(ys)))
     return out
+
+
+def broken_stages() -> list[nn.Module]:
+    """A stages function that fails (a file it needs is missing)."""
+    raise FileNotFoundError("weights/encoder.pt: no such file")
+
+
+def unpaired_batches(epoch: int) -> list[torch.Tensor]:
+    """train_batches' x alone: no targets (a list: checked before any stage starts)."""
+    return [x for x, _ in train_batches(epoch)]
+
+
+def unpaired_stream(epoch: int):
+    """The same as a generator: checked as its first batch comes."""
+    yield from unpaired_batches(epoch)

@@ -127,3 +127,20 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def session_left(sid: int) -> list[int]:
+    """The processes still in session ``sid`` (a command started with ``start_new_session``: its
+    driver, fork server, resource tracker, stages), zombies left out."""
+    left = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # (state, ppid, pgrp, session, ...)
+            left.append(int(entry))
+    return left

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -35,6 +36,18 @@ def _seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+@contextlib.contextmanager
+def _raised_in(key: str, spec: Any) -> Iterator[None]:
+    """Call the job's ``key`` function: an exception of its own comes out as a ValueError that
+    names the key and where it was raised (``pipeq launch`` says it in one line)."""
+    try:
+        yield
+    except Exception as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if len(frames) > 1 else ""
+        raise ValueError(f"{key} = {spec!r} raised {type(exc).__name__}: {exc}{where}") from exc
 
 
 def _make_loss(spec: str, key: str, args: Mapping[str, Any] | None = None) -> Callable:
@@ -128,7 +141,7 @@ class Recipe(StageBuilder):
 
     def _all_stages(self, fn: Callable) -> list[nn.Module]:
         args = self.stages_args
-        with _seeded(self.seed):
+        with _seeded(self.seed), _raised_in("stages", self.stages):
             stages = fn(**args) if required_positional(fn, args) == 0 else fn(self.n_stages, **args)
         if not isinstance(stages, (list, tuple)) or not all(isinstance(s, nn.Module) for s in stages):
             raise ValueError(f"stages = {self.stages!r} must return a list of nn.Module")
@@ -211,7 +224,7 @@ class Recipe(StageBuilder):
             raise ValueError(f"model = {self.model!r} must be a function returning the model, called with "
                              "model_args (none by default)")
         check_args(fn, self.model_args, "model", self.model)
-        with _seeded(self.seed):
+        with _seeded(self.seed), _raised_in("model", self.model):
             model = fn(**self.model_args)
         if sequential:
             balancing.layers_of(model, f"the model of model = {self.model!r}")

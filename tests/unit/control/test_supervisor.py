@@ -222,3 +222,48 @@ def test_a_dead_process_of_two_stages_is_named_by_the_first_with_every_stage_it_
             pipe.train(*data())
     assert info.value.stage == 1
     assert info.value.message == "stage process (pid 4242) of stages 1 and 2 was killed by SIGKILL"
+
+
+class _Wire:
+    """The control server as the supervisor reads it: these messages in turn (None: a quiet poll)."""
+
+    def __init__(self, replies: list) -> None:
+        self.replies = list(replies)
+
+    def recv(self, timeout_ms: int):
+        if self.replies:
+            return self.replies.pop(0)
+        time.sleep(timeout_ms / 1000)
+        return None
+
+
+def _ready(g: int) -> tuple[Peer, Message]:
+    from pipeq.wire import control
+    from pipeq.wire.control import Ready
+
+    return Peer(STAGE, g), control.message(Ready(forward="f", backward="b", pid=100 + g, device="cpu", replica=0,
+                                                 stage=g, shard=0, threads=1, host="h", cores=[], layout={}))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("absorbed", [False, True], ids=["run-ends", "replica-dropped"])
+def test_a_healthy_stages_ready_read_while_looking_for_a_dead_ones_error_blames_the_dead_one(absorbed) -> None:
+    """Stage 1 died before its READY; stages 0 and 2's READYs arrive while the supervisor looks for
+    stage 1's ERROR in flight: they are kept for the start, and stage 1 is named (or, absorbed
+    like a dropped replica, the start goes on with the others' READYs)."""
+    from pipeq.control.processes import Numbering
+    from pipeq.control.supervisor import Supervisor
+
+    procs = {0: SimpleNamespace(exitcode=None, pid=100), 1: SimpleNamespace(exitcode=-9, pid=101),
+             2: SimpleNamespace(exitcode=None, pid=102)}
+    sup = Supervisor(_Wire([None, _ready(0), _ready(2)]), procs, n_stages=3, n_processes=3, n_nodes=1,
+                     heartbeat_timeout=15.0, step_timeout=None, teardown=lambda: None, numbering=Numbering(3, 1))
+    if absorbed:
+        sup.absorb = lambda g, err: (sup.ignore([g]), True)[1]
+        got = sup.collect(Kind.READY, dict.fromkeys(range(3), 1), timeout=10.0, what="start")
+        assert [len(got[g]) for g in range(3)] == [1, 0, 1]
+        return
+    with pytest.raises(pipeq.PipelineError) as info:
+        sup.collect(Kind.READY, dict.fromkeys(range(3), 1), timeout=10.0, what="start")
+    assert info.value.stage == 1, info.value
+    assert "pid 101" in str(info.value) and "SIGKILL" in str(info.value)

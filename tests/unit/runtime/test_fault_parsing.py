@@ -32,3 +32,21 @@ def test_refusals_name_the_part_at_fault(text, match):
 def test_a_stage_the_run_does_not_have_is_refused():
     with pytest.raises(ValueError, match=r"stage 5 does not exist \(the run has 3 stages\)"):
         from_environ(3, {"PIPEQ_FAULT": "stage:5,step:1,kind:kill"})
+
+
+def test_a_fault_names_a_replica_the_run_has() -> None:
+    env = {"PIPEQ_FAULT": "stage:1,step:3,kind:kill,replica:5"}
+    with pytest.raises(ValueError, match=r"replica 5 does not exist \(the run has no replicas \(data_parallel = 1\)\)"):
+        from_environ(3, env, replicas=1)
+    with pytest.raises(ValueError, match=r"replica 5 does not exist \(the run has 2 replicas, 0 to 1\)"):
+        from_environ(3, env, replicas=2)
+    assert from_environ(3, env, replicas=6).replica == 5
+    assert from_environ(environ={"PIPEQ_FAULT": "stage:9,step:1,kind:kill,replica:3"}).replica == 3  # the spelling only
+
+
+@pytest.mark.parametrize("key", ["heartbeat_interval", "heartbeat_timeout", "start_timeout", "stop_timeout"])
+def test_fault_timeouts_must_be_positive(key) -> None:
+    from pipeq.control.config import FaultConfig
+
+    with pytest.raises(ValueError, match=rf"^{key} must be positive \(seconds\), got -1$"):
+        FaultConfig(**{key: -1})

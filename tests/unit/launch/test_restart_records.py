@@ -1,0 +1,91 @@
+"""Every restart stays on record in metrics.jsonl: one that resumes from step 0 (the file trimmed
+to it), one whose stages failed again as they started, one after which the run gave up."""
+
+from __future__ import annotations
+
+import json
+
+from pipeq.errors import PipelineError
+from pipeq.launch.metrics import MetricsLog
+from pipeq.launch.restarts import Restarts
+
+
+def records(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def test_restarts_that_resume_from_step_0_keep_every_earlier_record(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    log, restarts = MetricsLog(str(path)), Restarts(20, str(path), lambda line: None)
+    for n in range(20):  # each attempt trains two steps, then a stage is killed (no checkpoint yet)
+        log.trim(0)  # what a TrainingLoop does as it starts from step 0
+        restarts.resumed(0, "start")
+        with log:
+            log.write({"step": 1, "loss": 1.0})
+            log.write({"step": 2, "loss": 1.0})
+        assert restarts.again(PipelineError(f"stage process (pid {1000 + n}) was killed by SIGKILL", 1), 3 + n % 2)
+    log.trim(0)
+    restarts.resumed(0, "start")
+    got = records(path)
+    assert [r["restart"] for r in got] == list(range(1, 21))
+    assert all(r["resumed_from"] == 0 and r["state_from"] == "start" for r in got)
+
+
+def test_a_trim_to_a_later_step_keeps_the_restart_records_of_any_step(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0}, {"restart": 1, "step": 2, "resumed_from": 2},
+             {"step": 3, "loss": 1.0}, {"restart": 2, "step": 3, "resumed_from": 3}, {"step": 4, "loss": 1.0}]
+    path.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    MetricsLog(str(path)).trim(1)  # a restart that found only the checkpoint of step 1
+    assert records(path) == [lines[0], lines[2], lines[4]]
+
+
+def test_a_restart_whose_stages_fail_again_as_they_start_is_on_record(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    restarts = Restarts(2, str(path), lambda line: None)
+    assert restarts.again(PipelineError("stage process (pid 11) was killed by SIGKILL", 1), 31)
+    # restart 1's stages fail as they start: no resume, its record written all the same
+    assert restarts.again(PipelineError("timed out after 60 s waiting for READY (start)"), 31)
+    # and restart 2's: the run gives up (2 restarts), with both on record
+    assert not restarts.again(PipelineError("stage process (pid 13) was killed by SIGKILL", 0), 31)
+    got = records(path)
+    assert [r["restart"] for r in got] == [1, 2]
+    assert all(r["resumed_from"] is None and r["unfinished_step"] == 31 for r in got)
+    assert got[0]["error"].endswith("SIGKILL") and got[0]["start_failed"].startswith("timed out after 60 s")
+    assert got[1]["error"].startswith("timed out") and got[1]["start_failed"].endswith("SIGKILL")
+
+
+def test_a_restart_the_launch_never_resumed_is_on_record(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    restarts = Restarts(3, str(path), lambda line: None)
+    assert restarts.again(PipelineError("stage process (pid 11) was killed by SIGKILL", 1), 8)
+    restarts.ended(130)  # Ctrl-C as its stages started
+    restarts.ended(130)  # (once)
+    got = records(path)
+    assert len(got) == 1 and got[0]["resumed_from"] is None and got[0]["step"] == 7
+    assert got[0]["start_failed"] == "the launch ended (exit code 130) before it resumed"
+
+
+def test_a_failure_is_the_same_whatever_the_pid_of_the_process(tmp_path) -> None:
+    said: list[str] = []
+    restarts = Restarts(5, str(tmp_path / "metrics.jsonl"), said.append)
+    assert restarts.again(PipelineError("stage process (pid 4242) was killed by SIGSEGV", 1), 29)
+    restarts.resumed(20)
+    assert not restarts.again(PipelineError("stage process (pid 4317) was killed by SIGSEGV", 1), 29)
+    assert said[-1].startswith("step 29 failed twice in a row with the same error")
+
+
+def test_a_start_that_fails_after_a_resume_names_the_step_it_would_have_trained(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from pipeq.launch.trainer import Trainer
+
+    out = tmp_path / "run"
+    found = out / "checkpoints" / "step-00000030"
+    found.mkdir(parents=True)
+    (found / "manifest.json").write_text(json.dumps({"meta": {"step": 30}}))
+    trainer = Trainer(SimpleNamespace(out=str(out), snapshot_every=0), None)
+    assert trainer._failed_step() == 1  # the run's first start
+    trainer.resume = True  # a restart, its stages failed as they started: it would have trained step 31
+    assert trainer._failed_step() == 31
