@@ -169,7 +169,7 @@ def _strike(run: Run, rng: random.Random, sig: int, count: int, pause: tuple[flo
 
 # -- scenarios ---------------------------------------------------------------------------------
 def _report(name: str, ref: dict, got: dict, ref_out: str, out: str, waits: list[float] | None = None) -> bool:
-    lost = [r["seconds_lost"] for r in got["restarts"]]
+    lost = [r["seconds_lost"] for r in got["restarts"] if r.get("resumed_from") is not None]  # not a failed start
     ok = ref["code"] == 0 and got["code"] == 0 and same_weights(ref_out, out)
     clean = not got["leftover"] and not got["new_shm"] and not ref["leftover"] and not ref["new_shm"]
     line = (f"{name:<28} exit {got['code']}, {len(lost)} restart(s), weights "

@@ -24,8 +24,7 @@ class MetricsLog:
         path = self.path
         if not os.path.exists(path):
             return
-        with open(path) as f:
-            lines = [ln for ln in f if ln.strip() and _kept(json.loads(ln), step)]
+        lines = [json.dumps(d) + "\n" for d in self._lines() if _kept(d, step)]
         if not lines:
             os.remove(path)
             return
@@ -33,13 +32,22 @@ class MetricsLog:
             f.writelines(lines)
         os.replace(path + ".tmp", path)
 
+    def _lines(self) -> list[dict[str, Any]]:
+        """The file's lines, read; a line cut short (a full disk, a kill mid-write) is left out."""
+        out = []
+        with open(self.path) as f:
+            for ln in f:
+                try:
+                    out.append(json.loads(ln))
+                except ValueError:  # blank, or half written
+                    continue
+        return out
+
     def losses(self, epoch: int) -> list[float]:
         """The step losses of ``epoch`` in the file (a resumed run's, trimmed to its step)."""
         if not os.path.exists(self.path):
             return []
-        with open(self.path) as f:
-            lines = [json.loads(ln) for ln in f if ln.strip()]
-        return [float(ln["loss"]) for ln in lines if ln.get("epoch") == epoch and "loss" in ln]
+        return [float(ln["loss"]) for ln in self._lines() if ln.get("epoch") == epoch and "loss" in ln]
 
     def __enter__(self) -> "MetricsLog":
         self._file = open(self.path, "a")

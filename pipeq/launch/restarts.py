@@ -26,11 +26,20 @@ from pipeq.runtime.faults import ENV as FAULT_ENV
 __all__ = ["Restarts", "identity"]
 
 
+#: signals a process gets from outside (an operator, the OOM killer, a chaos script): a process
+#: killed by one twice at the same step is two faults, never "the same error" (its pid tells them apart)
+OUTSIDE = ("SIGKILL", "SIGTERM", "SIGHUP", "SIGINT", "SIGQUIT")
+
+
 def identity(message: str) -> str:
     """A failure's message without what differs from one start to the next: the runner numbers its
     steps from each start ("(step 1)" after a restart is step 3 before it), and a process's pid
-    ("stage process (pid 4242) was killed by SIGSEGV") is new each time."""
-    return re.sub(r"\bpids? [\d, ]*\d", "pid N", re.sub(r"\bstep \d+", "step N", message))
+    ("stage process (pid 4242) was killed by SIGSEGV") is new each time. A kill from outside
+    (:data:`OUTSIDE`) keeps its pid: the same step killed twice is not a bug of the stage's."""
+    message = re.sub(r"\bstep \d+", "step N", message)
+    if any(re.search(rf"\b{sig}\b", message) for sig in OUTSIDE):
+        return message
+    return re.sub(r"\bpids? [\d, ]*\d", "pid N", message)
 
 
 class Restarts:

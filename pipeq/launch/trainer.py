@@ -146,6 +146,7 @@ class Trainer:
             except RuntimeError as exc:  # the rendezvous store cannot be hosted (its port in use)
                 self.log(str(exc))
                 return 1
+        code = 1
         try:
             while True:
                 if elastic is not None:
@@ -155,15 +156,13 @@ class Trainer:
                     code, failure = self._attempt(restarts)
                 finally:  # a failed attempt's too: its writer's thread ends
                     self._board.close()
-                if failure is None:
-                    restarts.ended(code)
-                    return code
-                if not restarts.again(failure, self._failed_step()):
+                if failure is None or not restarts.again(failure, self._failed_step()):
                     return code
                 if elastic is not None and not self._regroup(elastic, restarts):
                     return code
                 self.resume = True
-        finally:
+        finally:  # however the launch ends (given up, regroup refused, an error): a restart pending is on record
+            restarts.ended(code)
             if elastic is not None:
                 elastic.close()
 

@@ -76,6 +76,27 @@ def test_a_failure_is_the_same_whatever_the_pid_of_the_process(tmp_path) -> None
     assert said[-1].startswith("step 29 failed twice in a row with the same error")
 
 
+def test_a_kill_from_outside_twice_at_the_same_step_is_two_faults(tmp_path) -> None:
+    """SIGKILL (an operator, the OOM killer, a chaos script) says nothing of the stage: the same
+    step killed twice restarts again, as long as restarts are left."""
+    restarts = Restarts(5, str(tmp_path / "metrics.jsonl"), lambda line: None)
+    assert restarts.again(PipelineError("stage process (pid 4242) was killed by SIGKILL", 1), 10)
+    restarts.resumed(8)
+    assert restarts.again(PipelineError("stage process (pid 4300) was killed by SIGKILL", 1), 10)
+
+
+def test_a_line_cut_short_by_a_full_disk_or_a_kill_does_not_stop_a_resume(tmp_path) -> None:
+    """metrics.jsonl's last line half written: a trim (any step, 0 too) drops it, losses skip it."""
+    path = tmp_path / "metrics.jsonl"
+    for step in (0, 2):
+        path.write_text('{"step": 1, "epoch": 0, "loss": 2.0}\n{"restart": 1, "step": 1}\n'
+                        '{"step": 2, "epoch": 0, "loss": 1.5}\n{"step": 3, "epoch": 0, "lo')
+        log = MetricsLog(str(path))
+        assert log.losses(0) == [2.0, 1.5]
+        log.trim(step)
+        assert [ln.get("step") for ln in records(path)] == ([1] if step == 0 else [1, 1, 2])
+
+
 def test_a_start_that_fails_after_a_resume_names_the_step_it_would_have_trained(tmp_path) -> None:
     from types import SimpleNamespace
 
