@@ -181,7 +181,7 @@ def _runner(stages: list[nn.Module], loss: Callable, schedule: str, m: int, devi
     import pipeq
 
     return pipeq.PipelineRunner(stages, loss, functools.partial(torch.optim.AdamW, lr=1e-4), schedule=schedule,
-                                microbatches=m, devices=devices, threads_per_stage=1,
+                                microbatches=m, devices=devices, threads_per_stage=1, start_method="forkserver",
                                 **({"stages_per_process": v} if v > 1 else {}), **extra)
 
 
