@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import statistics
 import sys
@@ -59,12 +58,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_schedules as bs  # noqa: E402  (bench/ on the path first: the ideals of the schedules)
+import bench_schedules as bs
 
-from pipeq import schedules  # noqa: E402
-from pipeq.schedules import Op  # noqa: E402
-from pipeq.schedules.placement import stages_of  # noqa: E402
-from pipeq.testing import SleepStage  # noqa: E402
+from pipeq import schedules
+from pipeq.schedules import Op
+from pipeq.schedules.placement import stages_of
+from pipeq.testing import SleepStage
 
 PARTS = ("gpt", "ipc", "slots", "memory")
 SCHEDULES = ("1f1b", "zb-h1", "zbv")
@@ -272,7 +271,7 @@ def part_memory(gpt_rows: list[dict]) -> dict:
             for r in gpt_rows if r.get("memory") for m in r["memory"]]
     if not rows:
         raise RuntimeError("no pipeq run of part gpt finished: nothing to read the memory of")
-    mib = lambda b: None if b is None else b / MIB  # noqa: E731
+    mib = lambda b: None if b is None else b / MIB
     print(_table(["run", "schedule", "procs", "stage", "process", "act peak MiB", "predicted MiB", "device peak MiB"],
                  [[r["run"], r["schedule"], r["processes"], r["stage"], r["process"], mib(r["activation_peak_bytes"]),
                    mib(r["predicted_activation_bytes"]), mib(r["device_peak_bytes"])] for r in rows]))
