@@ -86,9 +86,11 @@ def test_quick_cpu_run_has_every_part(tmp_path):
     slots = {r["schedule"]: r for r in parts["slots"]["rows"]}
     assert set(slots) == {"1f1b", "zb-h1", "zbv"}
     for r in slots.values():
-        assert r["status"] == "ok" and _finite(r["step_ms"], r["ideal_ms"], r["slots"], r["ms_per_slot"]), r
+        assert r["status"] == "ok" and _finite(r["step_ms"], r["ideal_ms"], r["slots"], r["ms_per_slot"],
+                                                r["work_ms"]), r
         assert r["step_ms"] >= 0.9 * r["ideal_ms"], r  # a step cannot beat its plan's critical path
     assert slots["1f1b"]["slots"] == 2 * (4 + 2 - 1)  # 2(m + N - 1) at m = 4, N = 2
+    assert slots["1f1b"]["work_ms"] == 4 * (2 * 3 - 1)  # m(N(F + I + W) - stage 0's I), 1 ms each
 
     memory = parts["memory"]["rows"]
     assert {(r["schedule"], r["stage"]) for r in memory} == {
