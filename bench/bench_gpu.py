@@ -44,14 +44,16 @@ machine without CUDA exits with status 2 and says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
+import signal
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +91,7 @@ class Sizes:
     slot_microbatches: int = 8
     slot_steps: int = 5
     budget_s: float = 200.0  # runs not started by then are skipped (the GPU check allows 240 s)
+    run_limit_s: float = 90.0  # one run (a runner's start, steps and close) that takes longer fails
 
 
 QUICK = Sizes(d_model=32, layers=8, heads=2, seq=16, batch=4, microbatches=2, warmup=1, steps=2,
@@ -163,6 +166,21 @@ class Clock:
     def check(self) -> None:
         if time.monotonic() - self.t0 > self.budget_s:
             raise TimeoutError(f"skipped: the run's {self.budget_s:.0f} s budget is spent")
+
+    @contextlib.contextmanager
+    def limit(self, seconds: float) -> Iterator[None]:
+        """A run that hangs: a TimeoutError in this (the main) thread after ``seconds``, so that the
+        runner's ``with`` closes its processes and the next run starts."""
+        def ring(signum: int, frame: Any) -> None:
+            raise TimeoutError(f"failed: ran past its {seconds:g} s limit")
+
+        old = signal.signal(signal.SIGALRM, ring)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
 
 
 def _err(e: BaseException) -> str:
@@ -251,7 +269,8 @@ def part_gpt(s: Sizes, device: str, clock: Clock) -> list[dict]:
         row: dict[str, Any] = {"run": f"pipeq {where}", "schedule": sch, "processes": n, "stages": len(devices)}
         try:
             clock.check()
-            got = pipeq_gpt(s, sch, n, devices, data)
+            with clock.limit(s.run_limit_s):
+                got = pipeq_gpt(s, sch, n, devices, data)
             step = 1e3 * statistics.median(got["times"])
             diff = max(abs(a - b) for a, b in zip(got["losses"], base["losses"]))
             row.update(status="ok", step_ms=step, ratio=step / base_ms, loss_max_diff=diff, losses=got["losses"],
@@ -342,7 +361,8 @@ def eval_ms(nbytes: int, device: str, reps: int, limit_mb: int) -> float:
 def part_ipc(s: Sizes, device: str, clock: Clock) -> dict:
     limit_mb = max(256, 2 * max(s.ipc_mib))  # above the largest activation (the default is 256 MiB)
     clock.check()
-    base = eval_ms(4096, device, s.ipc_reps, limit_mb)
+    with clock.limit(s.run_limit_s):
+        base = eval_ms(4096, device, s.ipc_reps, limit_mb)
     rows = []
     for mib in s.ipc_mib:
         n = mib * MIB
@@ -351,7 +371,8 @@ def part_ipc(s: Sizes, device: str, clock: Clock) -> dict:
             clock.check()
             copy = copy_rate(n, device, 10)
             row.update(copy_ms=copy, copy_gib_s=n / 2**30 / (copy / 1e3))
-            ev = eval_ms(n, device, s.ipc_reps, limit_mb)
+            with clock.limit(s.run_limit_s):
+                ev = eval_ms(n, device, s.ipc_reps, limit_mb)
             net = ev - base
             row.update(status="ok", eval_ms=ev, whole_gib_s=n / 2**30 / (ev / 1e3),
                        transfer_ms=net if net > 0 else None, gib_s=n / 2**30 / (net / 1e3) if net > 0 else None)
@@ -452,7 +473,7 @@ def part_slots(s: Sizes, device: str, clock: Clock) -> dict:
             make = SleepChunks(s.sleep_ms, n, cpm)
             runner = _runner([make(k, n * v) for k in range(n * v)], nn.MSELoss(), name, m, [device] * (n * v), v)
             times = []
-            with runner:
+            with clock.limit(s.run_limit_s), runner:
                 for _ in range(s.warmup + s.slot_steps):
                     t0 = time.perf_counter()
                     runner.step(x, y)
@@ -484,7 +505,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int)
     p.add_argument("--layers", type=int)
     p.add_argument("--steps", type=int, help="timed steps per run (after the warm-up)")
-    p.add_argument("--budget", type=float, help="seconds after which runs not yet started are skipped")
+    p.add_argument("--budget", type=float, help="seconds after which runs not yet started are skipped (200)")
+    p.add_argument("--run-limit", type=float, help="seconds one run may take before it fails (90)")
     p.add_argument("--json", metavar="PATH", help="every figure as JSON (rewritten after each part)")
     a = p.parse_args(argv)
     bad = set(a.parts.split(",")) - set(PARTS)
@@ -495,7 +517,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def sizes_of(a: argparse.Namespace) -> Sizes:
     s = QUICK if a.quick else Sizes()
-    given = {"d_model": a.d_model, "layers": a.layers, "steps": a.steps, "slot_steps": a.steps, "budget_s": a.budget}
+    given = {"d_model": a.d_model, "layers": a.layers, "steps": a.steps, "slot_steps": a.steps, "budget_s": a.budget,
+             "run_limit_s": a.run_limit}
     return replace(s, **{k: v for k, v in given.items() if v is not None})
 
 
