@@ -10,7 +10,7 @@ on its own; a part (or a run within one) that fails prints its error and the oth
 JSON (``--json PATH``, rewritten after every part, so a run cut short keeps what it measured) holds
 every figure, and per part ``status`` ("ok", "failed: ...", "skipped: ...").
 
-1. **gpt**: a GPT-style model (``--d-model`` 1024, ``--layers`` 8, 16 heads, sequence 1024, vocabulary
+1. **gpt**: a GPT-style model (examples/gpt.py's blocks between a learned embedding and a head; ``--d-model`` 1024, ``--layers`` 8, 16 heads, sequence 1024, vocabulary
    256, batch 8 in 8 microbatches of one sequence, AdamW, bf16 autocast) trained by a plain torch loop in
    this process (the whole batch at once), then by pipeq (``precision="bf16"``) with 2 and 4 processes
    on ``cuda:0`` (``devices=["cuda:0"] * stages``) for 1F1B, ZB-H1 and ZBV (ZBV: 2 stages per process,
@@ -59,8 +59,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [BENCH, ROOT]  # bench_schedules; examples.gpt, importable in the stage processes too (PYTHONPATH)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 import bench_schedules as bs
+from examples.gpt import Block  # noqa: E402  (the example's pre-norm block: causal SDPA attention, 4x GELU MLP)
 
 from pipeq import schedules
 from pipeq.schedules import Op
@@ -100,25 +104,6 @@ QUICK = Sizes(d_model=32, layers=8, heads=2, seq=16, batch=4, microbatches=2, wa
 
 
 # -- the model: module-level classes (the stage processes import them from this script) ---------
-
-class Block(nn.Module):
-    """A pre-norm transformer block: causal attention (``scaled_dot_product_attention``), a 4x GELU MLP."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        B, T, C = h.shape
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2)
-                   for t in self.qkv(self.ln1(h)).split(C, dim=-1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = h + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return h + self.mlp(self.ln2(h))
-
 
 class Embed(nn.Module):
     def __init__(self, s: Sizes) -> None:
