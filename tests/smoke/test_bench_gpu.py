@@ -14,24 +14,12 @@ import time
 import pytest
 import torch
 
+from strays import session_left
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 SCRIPT = os.path.join(ROOT, "bench", "bench_gpu.py")
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _group_alive(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid`` (the script's session: its stages, its fork server)."""
-    alive = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(pid))
-    return alive
 
 
 def _run(args: list[str], timeout: float = 100) -> tuple[int, str]:
@@ -47,9 +35,9 @@ def _run(args: list[str], timeout: float = 100) -> tuple[int, str]:
         out, _ = proc.communicate()
         pytest.fail(f"bench_gpu.py ran past {timeout} s:\n{out}")
     deadline = time.monotonic() + 10
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
+    while session_left(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = _group_alive(proc.pid)
+    left = session_left(proc.pid)
     if left:
         os.killpg(proc.pid, signal.SIGKILL)
     assert not left, f"processes outlived bench_gpu.py: {left}"
