@@ -23,7 +23,7 @@ import torch
 from pipeq.testing import backend_of
 
 from launch_util import ROOT, assert_same_state, launch_here, metrics, model_state
-from strays import session_left
+from strays import assert_session_ends
 
 JOB_MODULE = '''\
 """A tiny 3-stage job; PIPEQ_TEST_DELAY seconds per batch make it slow enough to signal."""
@@ -96,13 +96,7 @@ def _finish(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedPr
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
-    deadline = time.monotonic() + 10
-    while session_left(p.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = session_left(p.pid)
-    if left:
-        os.killpg(p.pid, signal.SIGKILL)
-    assert not left, f"processes left behind by the launch: {left}"
+    assert_session_ends(p.pid, "the launch")
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 

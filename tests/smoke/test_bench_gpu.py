@@ -9,12 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from strays import session_left
+from strays import assert_session_ends
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 SCRIPT = os.path.join(ROOT, "bench", "bench_gpu.py")
@@ -34,13 +33,7 @@ def _run(args: list[str], timeout: float = 100) -> tuple[int, str]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"bench_gpu.py ran past {timeout} s:\n{out}")
-    deadline = time.monotonic() + 10
-    while session_left(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = session_left(proc.pid)
-    if left:
-        os.killpg(proc.pid, signal.SIGKILL)
-    assert not left, f"processes outlived bench_gpu.py: {left}"
+    assert_session_ends(proc.pid, "bench_gpu.py")
     return proc.returncode, out
 
 

@@ -7,6 +7,7 @@ multiprocessing's long-lived helpers (the fork server, the resource tracker) are
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 
@@ -144,3 +145,15 @@ def session_left(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":  # (state, ppid, pgrp, session, ...)
             left.append(int(entry))
     return left
+
+
+def assert_session_ends(sid: int, what: str, timeout: float = 10.0) -> None:
+    """No process of session ``sid`` (``what``'s, started with ``start_new_session``) outlives it
+    by ``timeout`` s: those left are killed, and the assertion names them."""
+    deadline = time.monotonic() + timeout
+    while session_left(sid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = session_left(sid)
+    if left:
+        os.killpg(sid, signal.SIGKILL)
+    assert not left, f"processes left behind by {what}: {left}"
