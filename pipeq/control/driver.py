@@ -39,6 +39,7 @@ from pipeq.wire.control import (GetStats, Loss, Lrs, Output, Predict, Restore, S
 from pipeq.wire.messages import Kind, Message
 from pipeq.control.processes import Numbering, RunSetup
 from pipeq.control.rendezvous import Rendezvous
+from pipeq.control.degraded import DegradedSteps
 from pipeq.control.replica_loss import ReplicaLoss
 from pipeq.parallel.data import survivor_scale
 from pipeq.stage.executor import Tensors
@@ -88,11 +89,11 @@ class ProcessBackend:
         self._rounds = 0  # training steps sent: every replica's gradient rounds so far
         self._sending = False  # a TRAIN is being sent (a failure then is a training step's)
         self._done: dict[int, float] = {}  # losses collected before a rebuild, until result() asks
-        #: fault_tolerance="replicas": training step -> how many replicas completed it, when fewer than all
-        self.degraded: dict[int, int] = {}
         self.replica_loss = (ReplicaLoss(self.processes, lambda: bool(self._submitted) or self._sending,
                                          lambda: self._rounds - len(self._submitted) + 1, self._next_request_id)
                              if config.fault.fault_tolerance == "replicas" else None)
+        #: fault_tolerance="replicas": the training steps a lost replica degraded, and where
+        self.degraded = DegradedSteps(replicas, n, self.replica_loss.rounds) if self.replica_loss else None
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
         # asked a state or a prediction: replica 0's stages; with sharded replicas every one (pipeq.parallel.fsdp)
@@ -162,8 +163,7 @@ class ProcessBackend:
         return self.sup
 
     def _rebuild_lost(self) -> None:
-        """A replica was lost: finish the steps in flight (their losses kept for result()), then
-        rebuild it, so that the next step runs on every replica again."""
+        """A replica was lost: finish the steps in flight (losses kept for result()), then rebuild it."""
         loss = self.replica_loss
         if loss is not None and loss.down:
             for step in sorted(self._submitted):
@@ -224,6 +224,7 @@ class ProcessBackend:
         finally:
             self._sending = False
         self._rounds += 1
+        self.degraded.sent(self._rounds, step) if self.degraded is not None else None
         sup.awaited.add((Kind.LOSS, step))
         self._submitted[step] = (t0, len(shards), len(shards[0][0]), shares, live)
 
@@ -232,7 +233,10 @@ class ProcessBackend:
         the mean over the samples of the replicas that completed it)."""
         if step in self._done:
             return self._done.pop(step)
-        return self._result(step)
+        loss = self._result(step)
+        if self.replica_loss and self.replica_loss.down:  # rebuilt now if nothing is in flight: this step pays
+            self._usable()
+        return loss
 
     def _result(self, step: int) -> float:
         sup = self._usable()
@@ -251,7 +255,7 @@ class ProcessBackend:
         total = sum(losses[g].loss for g in sorted(losses))
         if len(losses) < n_shards:  # the mean over the completed replicas' samples
             done = sorted(g // self.n_stages for g in losses)
-            self.degraded[step] = len(done)
+            self.degraded.finished(step, done) if self.degraded is not None else None
             total *= survivor_scale(shares, done, n_shards)
         return total
 

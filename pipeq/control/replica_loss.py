@@ -6,28 +6,32 @@ is stuck past ``step_timeout``), the driver does not end the run:
 1. it stops the failed process and tells the other replicas' stages (LOST) to sum the gradients
    without replica r from the step's gradient round on (the oldest step outstanding: the
    failed process's step, or an earlier one): a stage waiting for r's buckets of that round (or
-   a later one) stops waiting at once. A step before it is not degraded by the loss: a stage still
-   summing one (runner.step() sends the next step once a step's loss is in, while the first
-   stages may still be finishing it) still waits for r's buckets of it, which r's stages that did
-   not fail, still running, send; each stage ACKs the LOST once it is past those rounds, and r's
-   other processes are stopped only then (or when one of them dies: what its stage sent before
-   is summed; or when they have not delivered within ``step_timeout``, else
-   ``heartbeat_timeout``: they are stopped, and that earlier round is summed without them at
-   those stages, with a warning);
+   a later one) stops waiting at once. The round before may still be summing at the first
+   stages: it still takes r's buckets of it from r's stages that deliver them. Replica r's own
+   stages that still run are told too (LOST naming their replica): one that has not sent its
+   buckets of that round and waits while a dead stage of r is downstream of it gives the round
+   up and exits (:mod:`pipeq.wire.replica_link`); a dead stage's copies leave r out of the round
+   (LOST's ``dead``). So nobody waits for a time-out. Each survivor ACKs the LOST once past
+   that round, naming the rounds it summed with r (:class:`~pipeq.control.degraded.DegradedSteps`
+   records, per step and stage, who was left out); r's other processes are stopped then (or
+   after ``step_timeout``, else ``heartbeat_timeout``, when one of them hangs: its round is
+   summed without it, with a warning);
 2. each surviving stage sums, in replica order, the buckets of the replicas whose copy of that
    stage delivered all of them for the step, and scales the sum by the whole batch's loss weight
    over theirs (:func:`pipeq.parallel.data.survivor_scale`). Every microbatch's loss is weighted
    by its share of the whole batch, so the step's update is the one a batch made of the
    completed replicas' samples only gives: the mean loss over those samples. The loss reported
    for the step is that mean too (the survivors' weighted losses, scaled alike);
-3. before the next command (the next step), replica r is started again: fresh processes, wired
+3. at the end of the step of the failure (in a stream: once the steps in flight are done),
+   replica r is started again: fresh processes, wired
    to their neighbours and to the other replicas, then loaded with a healthy replica's live
    state (weights and buffers, optimizer, lr schedulers, loss scaler: the state the survivors
    hold after the step; each stage keeps its own random streams, seeded as at the run's start).
    The next step runs with every replica again.
 
 The run never stops and never rolls back. The steps that had fewer replicas are recorded
-(``runner.degraded_steps``; ``pipeq launch`` writes ``"replicas"`` in their metrics line).
+(``runner.degraded_steps``, and where: ``runner.degraded_stages``; ``pipeq launch`` writes
+``"replicas"`` in the metrics line of the step of the failure).
 
 A failure of the last healthy replica, a failure while a replica is being rebuilt, and a failure
 outside a training step (an evaluation, a save) still end the run, as without this setting. A
@@ -53,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from pipeq.control.processes import stop_processes
 from pipeq.errors import PipelineError
 from pipeq.wire import control, shm
-from pipeq.wire.control import GetSnapshot, Lost, Ready, Rejoin, Restore
+from pipeq.wire.control import Ack, GetSnapshot, Lost, Ready, Rejoin, Restore
 from pipeq.wire.errors import PeerUnreachable
 from pipeq.wire.lanes import lane_path
 from pipeq.wire.messages import Kind, Message
@@ -97,7 +101,7 @@ class _Parting:
     request: int
     deadline: float
     dead: set[int]  # its stages whose process is dead or stopped
-    acked: set[int] = field(default_factory=set)  # the survivors' processes that ACKed
+    acked: dict[int, set[int]] = field(default_factory=dict)  # survivor that ACKed -> rounds it summed with r
 
 
 class ReplicaLoss:
@@ -114,6 +118,10 @@ class ReplicaLoss:
         self.down: dict[int, PipelineError] = {}  # replica -> the failure that dropped it
         self.failures: list[PipelineError] = []  # every failure absorbed, in order
         self.parting: dict[int, _Parting] = {}  # dropped replicas whose other processes still run
+        #: gradient round -> stage -> the replicas it left out, for the rounds before a loss's
+        #: first (a stage whose lost copy had not delivered) and the rounds from it on that a
+        #: stage had summed before the loss came (``(replica, False)``: kept in, not left out)
+        self.rounds: dict[int, dict[int, dict[int, bool]]] = {}
         processes.absorb = self.absorb
 
     def live(self) -> list[int]:
@@ -166,6 +174,11 @@ class ReplicaLoss:
             sup.server.send_many([(g, lost) for g in self._survivors() if g not in part.acked])
         except PeerUnreachable as exc:  # a survivor is gone too: that one ends the run
             raise sup.fail(sup.error("its control socket is gone", exc.process))
+        for h in self._running(r):  # its own stages part: one that cannot finish its round gives it up
+            try:
+                sup.server.send_many([(h, lost)])
+            except PeerUnreachable:  # (dying too: watch() sees it)
+                pass
 
     def watch(self) -> None:
         """(At each of the supervisor's health checks.) A dropped replica's other processes are
@@ -174,11 +187,13 @@ class ReplicaLoss:
         sup = self.p.sup
         assert sup is not None
         for r, part in list(self.parting.items()):
-            part.acked.update(g for g, _ in sup.kept.take(Kind.ACK, part.request))
+            for g, msg in sup.kept.take(Kind.ACK, part.request):
+                part.acked[g] = set(control.read(msg, Ack).with_lost or ())
             late = [g for g in self._survivors() if g not in part.acked]
             if not late:
                 stop_processes([self.p.procs.pop(h) for h in self._running(r)])
                 sup.awaited.discard((Kind.ACK, part.request))
+                self._note_rounds(r, part)
                 del self.parting[r]
                 continue
             died = {h for h in self._running(r) if self.p.procs[h].exitcode is not None}
@@ -191,6 +206,16 @@ class ReplicaLoss:
             if died:
                 self._stop(r, part, died)
 
+    def _note_rounds(self, r: int, part: _Parting) -> None:
+        """Every survivor ACKed: note, per stage, the round before the loss's first when that stage
+        left replica r out of it, and a later round it had summed with r before the LOST came."""
+        n = self.p.n_stages
+        for g, with_lost in part.acked.items():
+            if part.from_round > 1 and part.from_round - 1 not in with_lost:
+                self.rounds.setdefault(part.from_round - 1, {}).setdefault(g % n, {})[r] = True
+            for x in with_lost - {part.from_round - 1}:
+                self.rounds.setdefault(x, {}).setdefault(g % n, {})[r] = False
+
     def _part(self, r: int) -> None:
         """Wait until replica r's processes are all stopped (every survivor ACKed its LOST)."""
         sup = self.p.sup
@@ -198,7 +223,7 @@ class ReplicaLoss:
         end = sup.begin_wait() + 2 * (sup.step_timeout or sup.heartbeat_timeout) + 5.0
         while r in self.parting:
             if time.monotonic() > end:
-                late = sorted(set(self._survivors()) - self.parting[r].acked)
+                late = sorted(set(self._survivors()) - set(self.parting[r].acked))
                 raise sup.fail(PipelineError(f"processes {late} never summed the gradients of the steps before "
                                              f"replica {r} was lost (no ACK to its LOST)"))
             sup.drain_pending()

@@ -218,32 +218,33 @@ class PipelineRunner:
 
     @property
     def degraded_steps(self) -> dict[int, int]:
-        """``fault_tolerance="replicas"``: the training steps some replica did not complete (it
-        failed), each with how many replicas did, e.g. ``{5: 1}``. Steps count from 1, in the
-        order this runner handed their losses back (``step`` calls and stream batches alike)."""
+        """``fault_tolerance="replicas"``: the training steps some replica did not complete (it failed), each
+        with how many did, e.g. ``{5: 1}``; steps count from 1 as their losses were handed back."""
+        self._pipeline.flight.sweep()
         return dict(self._pipeline.flight.degraded)
 
     @property
-    def last_step_replicas(self) -> int | None:
-        """How many replicas completed the last step handed back, when fewer than all (a replica
-        failed in it, ``fault_tolerance="replicas"``); None when every replica did."""
-        return self._pipeline.flight.last_replicas
+    def degraded_stages(self) -> dict[int, dict[int, list[int]]]:
+        """The same steps -> stage -> the replicas it summed, for the stages that summed fewer than all."""
+        self._pipeline.flight.sweep()
+        return {step: dict(row) for step, row in self._pipeline.flight.degraded_stages.items()}
+
+    last_step_replicas = property(lambda self: self._pipeline.flight.last_replicas,
+                                  doc="How many replicas completed the last step handed back, when fewer than all; else None.")
 
     @property
     def replica_failures(self) -> list[PipelineError]:
-        """``fault_tolerance="replicas"``: the failures the run carried on after, in order (each
-        names the stage and replica; the replica was rebuilt)."""
+        """The failures the run carried on after, in order (each names its stage and replica, rebuilt)."""
         return self._pipeline.replica_failures()
 
     @property
     def stage_processes(self) -> list[dict[str, Any]]:
-        """One dict per stage (per shard), as its process reported it once started (process mode;
-        ``[]`` before ``start`` and in simulated mode; the stages of a process that holds several,
-        with virtual stages, share its ``pid``): ``pid``, ``host``, ``device``, ``threads`` and
-        ``cores`` (those it is pinned to), ``replica``, ``stage`` and ``shard``, and the addresses
-        its peers reach it at (``forward``, ``backward``; ``replica_link``, ``tie_link``: None
-        without such peers). Each stage's shard 0 first, numbered ``replica * n_stages + stage``,
-        then the other shards. It reads no stage: a monitor may read it from another thread."""
+        """One dict per stage (per shard), as its process reported it once started (``[]`` before ``start``
+        and in simulated mode; a process's stages share its ``pid``): ``pid``, ``host``, ``device``,
+        ``threads`` and ``cores`` (those it is pinned to), ``replica``, ``stage``, ``shard``, and the addresses
+        its peers reach it at (``forward``, ``backward``; ``replica_link``, ``tie_link``: None without such
+        peers). Each stage's shard 0 first, numbered ``replica * n_stages + stage``, then the other shards.
+        It reads no stage: a monitor may read it from another thread."""
         return self._pipeline.stage_processes()
 
     # -- state (pipeq.control.state) -------------------------------------------------------------
@@ -311,10 +312,9 @@ class PipelineRunner:
 
     @exclusive
     def scheduler_step(self, metric: float | None = None) -> None:
-        """Step every stage's lr scheduler once (every replica's), with ``lr_scheduler_interval=
-        "epoch"``: e.g. at the end of each epoch. ``metric`` is what a ``ReduceLROnPlateau``
-        monitors (e.g. the evaluation's loss) and is required for it; other schedulers take none.
-        Anything else is refused with a ``ValueError`` before any stage is told."""
+        """Step every stage's lr scheduler once (every replica's), with ``lr_scheduler_interval="epoch"``: e.g.
+        at the end of each epoch. ``metric`` is what a ``ReduceLROnPlateau`` monitors (e.g. the evaluation's
+        loss), required for it; other schedulers take none. Else a ``ValueError``, before any stage is told."""
         self._pipeline.reports().scheduler_step(metric)
 
     @exclusive

@@ -20,6 +20,7 @@ from pipeq.control.stage_inputs import batch_item
 from pipeq.errors import PipelineError
 
 if TYPE_CHECKING:
+    from pipeq.control.degraded import DegradedSteps
     from pipeq.control.feed import TrainingStep
     from pipeq.control.snapshots import SnapshotSchedule
     from pipeq.runtime.backend import Backend
@@ -61,7 +62,8 @@ class InFlight:
         #: the runner's backend, once it exists (``schedule="auto"``: once the first batch settled it)
         self.backend: Backend | None = None
         self._across = False  # the schedule leaves work between a stream's batches (asynchronous 1F1B)
-        self._replicas: dict[int, int] = {}  # the backend's: step -> replicas that completed it, when fewer
+        self._replicas: DegradedSteps | None = None  # the backend's record of the degraded steps
+        self._handed_as: dict[int, int] = {}  # the last steps handed back -> their count from 1
         self._submitted: collections.deque[int] = collections.deque()  # steps whose loss is not back
         self._losses: dict[int, float] = {}  # losses collected early (settle), not yet handed out
         self._undrained = False  # a stream left work behind (see settle)
@@ -71,14 +73,28 @@ class InFlight:
         self.last_replicas: int | None = None
         #: the steps handed back that some replica did not complete, by their count from 1
         self.degraded: dict[int, int] = {}
+        #: the same steps -> stage -> the replicas that stage summed, for each stage that summed fewer
+        self.degraded_stages: dict[int, dict[int, list[int]]] = {}
         self._handed = 0  # training steps handed back
 
-    def attach(self, backend: Backend, schedule: SchedulePolicy, replicas: dict[int, int] | None) -> None:
+    def attach(self, backend: Backend, schedule: SchedulePolicy, replicas: DegradedSteps | None) -> None:
         """Send through ``backend``, which runs ``schedule``; ``replicas``: the backend's record of
         the steps some replica did not complete (process mode's ``degraded``), None without one."""
         self.backend = backend
         self._across = schedule.streams_across_batches
-        self._replicas = replicas if replicas is not None else {}
+        self._replicas = replicas
+
+    def sweep(self) -> None:
+        """Take the backend's record of the degraded steps handed back (one may be degraded after
+        it was handed back: the step before a replica's loss, at its first stages)."""
+        if self._replicas is None:
+            return
+        stages = self._replicas.stages()
+        for step, row in stages.items():
+            handed = self._handed_as.get(step)
+            if handed is not None:
+                self.degraded[handed] = min(len(s) for s in row.values())
+                self.degraded_stages[handed] = row
 
     def _backend(self) -> Backend:
         if self.backend is None:
@@ -106,9 +122,11 @@ class InFlight:
             loss = backend.result(step)
         self.last_lr = backend.step_lrs.pop(step, None)
         self._handed += 1
-        self.last_replicas = self._replicas.pop(step, None)
-        if self.last_replicas is not None:
-            self.degraded[self._handed] = self.last_replicas
+        self._handed_as[step] = self._handed
+        if len(self._handed_as) > 64:  # (a late record names one of the last few steps)
+            del self._handed_as[next(iter(self._handed_as))]
+        self.sweep()
+        self.last_replicas = self.degraded.get(self._handed)
         return loss
 
     def settle(self) -> None:

@@ -202,6 +202,7 @@ class GradSync:
             flat = to_host(self.layout.gather(b, grads))
             self.link.send(self.round, b, [flat])
             self.pending.append(flat)
+        self.link.sent_round = self.round
 
     def finish(self) -> None:
         """Before the optimizer step: wait for the other replicas' buckets, add, put the sums back."""
@@ -227,7 +228,7 @@ class GradSync:
                 layout.scatter(b, to_device(acc, layout.devices[b]), grads)
         self.pending.clear()
         self.started = False
-        link.round_done(self.round)  # (a LOST that waited for this round is ACKed)
+        link.round_done(self.round, summed)  # (a LOST that waited for this round is ACKed)
 
     def _receive(self) -> dict[int, list[torch.Tensor]]:
         """The round's buckets of every other replica that delivered them all: a replica lost
@@ -296,7 +297,7 @@ class Replicas:
         if rejoin_round is None:
             broadcast_from_replica_0(self.link, self.weights, self.bucket_bytes)
         else:
-            self.sync.round = self.link.done_round = rejoin_round
+            self.sync.round = self.link.done_round = self.link.sent_round = rejoin_round
 
     def close(self, linger_ms: int = 0) -> None:
         self.link.close(linger_ms)

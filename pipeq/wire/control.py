@@ -185,7 +185,9 @@ class Lost(Payload):
     every sum not yet made) goes on without it. A round before ``from_round`` still waits for
     its buckets, unless this stage is among ``dead`` (the replica's stages whose process is dead
     or stopped: what it sent before is summed, nothing more is waited for). With ``from_round``
-    the stage replies ACK (the message's step) once its rounds before ``from_round`` are summed."""
+    the stage replies ACK (the message's step) once its rounds before ``from_round`` are summed,
+    naming those it summed with the lost replica (``Ack.with_lost``). To the lost replica's own
+    stages: they are parting (:mod:`pipeq.wire.replica_link`)."""
 
     replica: int = wire(COUNT)
     from_round: int | None = wire(COUNT, default=None)
@@ -387,7 +389,11 @@ class Output(Payload):
 
 @_control(Kind.ACK)
 class Ack(Payload):
-    """A command is done."""
+    """A command is done. A LOST's ACK names the gradient rounds, from the LOST's
+    ``from_round - 1`` on, that the stage had already summed with the lost replica
+    (``with_lost``: the driver's record of which stages a loss degraded)."""
+
+    with_lost: list[int] | None = wire(list_of(COUNT), default=None)
 
 
 @_control(Kind.STATE)

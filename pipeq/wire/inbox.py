@@ -49,6 +49,7 @@ class Inbox:
         self._readers: dict[Source, Callable[[Source], None]] = {}
         self._takers: dict[zmq.Socket, Callable[[Sequence[Any]], None]] = {}
         self._commands: list[collections.deque[Message]] = []  # every stage's command queue
+        self._checks: list[Callable[[], None]] = []  # run where EXIT is looked for (see on_check)
 
     def watch(self, source: Source, read: Callable[[Source], None]) -> None:
         """Poll ``source`` too; ``read(source)`` files what waits on it when it is readable."""
@@ -92,12 +93,20 @@ class Inbox:
                 read(source)
         return bool(events)
 
+    def on_check(self, check: Callable[[], None]) -> None:
+        """Run ``check()`` wherever a blocked wait looks for the driver's EXIT: it may raise
+        :class:`~pipeq.wire.errors.Stopped` too (a lost replica's stage that gives its step up)."""
+        self._checks.append(check)
+
     def check_exit(self) -> None:
-        """Raise :class:`~pipeq.wire.errors.Stopped` if the driver's EXIT is among the queued commands."""
+        """Raise :class:`~pipeq.wire.errors.Stopped` if the driver's EXIT is among the queued
+        commands (or a check of :meth:`on_check` says the wait must end)."""
         for queue in self._commands:
             for msg in queue:
                 if msg.kind is Kind.EXIT:
                     raise Stopped()
+        for check in self._checks:
+            check()
 
     def wait(self, take: Callable[[], T | None], *, give_up: Callable[[], bool] | None = None,
              spin_s: float = 0.0, probe: Callable[[], bool] | None = None) -> T | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipeq.wire import control
+from pipeq.wire.errors import Stopped
 from pipeq.wire.group_link import GroupLink
 from pipeq.wire.messages import Kind
 from pipeq.wire.sockets import BindTo
@@ -36,8 +37,16 @@ class ReplicaLink(GroupLink):
     commands), but still waits for its buckets of an earlier round, which its processes, still
     running, send; unless its process of this stage is dead (LOST's ``dead``): then what it sent
     before it died is all there is. The stage ACKs the LOST once its rounds before the first one
-    missed are summed (:meth:`round_done`): only then does the driver stop the lost replica's
-    other processes. REJOIN brings the replica back."""
+    missed are summed (:meth:`round_done`), naming the rounds from there on it summed with the lost
+    replica: only then does the driver stop the lost replica's other processes. REJOIN brings the
+    replica back.
+
+    The lost replica's own stages that still run get the LOST too (they are parting). One that
+    has not sent its buckets of the round before ``from_round`` and finds itself waiting (for
+    anything) while a stage of its replica downstream of it is dead gives that round up at once:
+    it raises :class:`~pipeq.wire.errors.Stopped` and its process exits, which the driver tells the
+    other replicas (``dead``), so that none of them waits for a round that cannot come. One with
+    no dead stage downstream finishes the round (its inputs still come) and sends its buckets."""
 
     def __init__(self, receiver: StageInbox, sender: StageSender, bind: BindTo, *, stage: int, replica: int,
                  replicas: int, capacity: int, shard: int = 0) -> None:
@@ -56,7 +65,12 @@ class ReplicaLink(GroupLink):
                          peer="replica", socket_name=f"s{receiver.process}-replicas")
         self.dead: set[int] = set()  # lost replicas whose process of this stage is dead
         self.done_round = 0  # the last gradient round summed (pipeq.parallel.data.GradSync)
-        self._acks: list[tuple[int, int]] = []  # LOSTs to ACK: (the round to sum first, their step)
+        self.sent_round = 0  # the last gradient round whose buckets this stage sent
+        self.summed: dict[int, list[int]] = {}  # the last rounds summed -> the replicas summed in each
+        # LOSTs to ACK: (the round to sum first, their step, the lost replica)
+        self._acks: list[tuple[int, int, int]] = []
+        self.parting: control.Lost | None = None  # this stage's own replica is lost (see the class)
+        receiver.inbox.on_check(self._check_parting)
 
     def connect(self, addresses: Sequence[str | None]) -> None:
         """Connect to every other replica; ``addresses[r]`` is replica r's bound address."""
@@ -67,7 +81,7 @@ class ReplicaLink(GroupLink):
 
     def take_notices(self) -> None:
         """Act on every LOST the driver has sent that is queued for the event loop (and take it
-        out of the queue): that replica is forgotten until it rejoins."""
+        out of the queue): that replica is forgotten until it rejoins (this stage's own: it parts)."""
         queue = self.commands
         if not queue or not any(m.kind is Kind.LOST for m in queue):
             return
@@ -83,21 +97,42 @@ class ReplicaLink(GroupLink):
     def lose(self, notice: control.Lost, request: int) -> None:
         """LOST (message step ``request``): forget its replica for the rounds from its
         ``from_round`` on (for every round when it has none, or when this stage is among its
-        ``dead`` and nothing more comes); ACK once the rounds before are summed."""
+        ``dead`` and nothing more comes); ACK once the rounds before are summed. This stage's
+        own replica: it is parting (see the class)."""
+        if notice.replica == self.replica:
+            self.parting = notice
+            self._check_parting()
+            return
         self.forget(notice.replica, notice.from_round or 0)
         if self.stage in (notice.dead or ()):
             self.dead.add(notice.replica)
         if notice.from_round is not None:
-            self._acks.append((notice.from_round - 1, request))
+            self._acks.append((notice.from_round - 1, request, notice.replica))
             self.round_done(self.done_round)
 
-    def round_done(self, n: int) -> None:
-        """Gradient round ``n`` is summed: ACK every LOST that waited for it."""
+    def _check_parting(self) -> None:
+        """(Where a wait looks for EXIT.) Parting, with the round before the lost one unsent and a
+        dead stage of this replica downstream: give the round up (:class:`Stopped`)."""
+        self.take_notices()
+        part = self.parting
+        if part is None or part.from_round is None or self.sent_round >= part.from_round - 1:
+            return
+        if any(k > self.stage for k in part.dead or ()):
+            raise Stopped(f"stage {self.stage}, replica {self.replica}: gives gradient round "
+                          f"{part.from_round - 1} up (its replica is lost, stages {part.dead} dead)")
+
+    def round_done(self, n: int, summed: Sequence[int] | None = None) -> None:
+        """Gradient round ``n`` is summed (over the replicas ``summed``): ACK every LOST that
+        waited for it, naming the rounds from there on summed with its replica."""
         self.done_round = n
-        due = [req for before, req in self._acks if before <= n]
-        self._acks = [(before, req) for before, req in self._acks if before > n]
-        for req in due:
-            self.reply(control.message(control.Ack(), req))
+        if summed is not None:
+            self.summed[n] = list(summed)
+            self.summed.pop(n - 8, None)  # (a LOST asks about the last two rounds at most)
+        due = [(before, req, r) for before, req, r in self._acks if before <= n]
+        self._acks = [a for a in self._acks if a[0] > n]
+        for before, req, r in due:
+            with_lost = [k for k in range(max(before, 1), n + 1) if r in self.summed.get(k, ())]
+            self.reply(control.message(control.Ack(with_lost=with_lost), req))
 
     def skips(self, sender: int, step: int) -> bool:
         """Whether round ``step`` goes on without replica ``sender`` (once what it sent is read)."""

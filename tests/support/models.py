@@ -378,3 +378,26 @@ class SlowBackwardAt(nn.Module):
     def forward(self, x):
         slow = self.armed and bool((x == self.marker).any())
         return _SlowBackward.apply(self.inner(x), self.seconds if slow else 0.0)
+
+
+class CarryFirst(nn.Module):
+    """``inner``, whose output carries its input's first feature as one more column: a marker in
+    the data reaches the next stage (see :class:`DropLast`)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.cat([self.inner(x), x[:, :1]], dim=1)
+
+
+class DropLast(nn.Module):
+    """``inner`` of its input without the column :class:`CarryFirst` added."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x[:, :-1])

@@ -72,7 +72,7 @@ class FakeLink:
     def send(self, step, index, tensors, to=None):
         self.sent.append((step, index))
 
-    def round_done(self, n):
+    def round_done(self, n, summed=None):
         self.done_round = n
 
     def wait_replica(self, sender, step, index):
