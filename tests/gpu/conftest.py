@@ -9,7 +9,22 @@ import the models from there); README.md here says how to run the folder and wha
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
+
+from pipeq.control.config import START_METHOD_ENV
+
+
+@pytest.fixture(autouse=True)
+def _fork_server(monkeypatch):
+    """Stage processes from a fork server (a fresh interpreter that never touches CUDA: its
+    children initialise CUDA themselves, as spawned ones do) rather than one interpreter each, so
+    that the folder fits the GPU check's time limit. spawn is tested by name (test_cuda_devices.py;
+    the GPU check runs examples/gpt.py with the default). A value the caller set wins."""
+    if START_METHOD_ENV not in os.environ:
+        monkeypatch.setenv(START_METHOD_ENV, "forkserver")
 
 
 def pytest_report_header(config) -> str:
