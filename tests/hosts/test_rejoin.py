@@ -34,10 +34,12 @@ HANG = "stage:1,step:4,kind:hang"  # node 1's stage 1 stops making progress at s
 class Node:
     """One ``pipeq launch`` node in a namespace, in its own process group; stderr read as it comes."""
 
-    def __init__(self, h: TwoHosts, rank: int, out: str, *extra: str, **env: str) -> None:
+    def __init__(self, h: TwoHosts, rank: int, out: str, *extra: str, on: str | None = None, **env: str) -> None:
+        """``on``: the host (namespace) to run on; by default host A for node 0, host B for node 1."""
         argv = launch_cmd("--nnodes", "2", "--node-rank", str(rank), "--master-addr", h.addr_a,
                           "--master-port", str(PORT), "--out", out, *ARGS, *extra)
-        self.p = h.popen(h.a if rank == 0 else h.b, argv, cwd=ROOT, stdout=subprocess.DEVNULL,
+        on = on or (h.a if rank == 0 else h.b)
+        self.p = h.popen(on, argv, cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, env=secret_env(**env), start_new_session=True)
         self.lines: list[tuple[float, str]] = []  # each stderr line with when it came
         self._reader = threading.Thread(target=lambda: self.lines.extend((time.monotonic(), ln) for ln in self.p.stderr),
@@ -70,6 +72,16 @@ class Node:
             self.p.wait(10)
 
 
+def _checkpointed(node0: Node, out: str, step: int, *others: Node) -> None:
+    """Wait until ``out`` holds step ``step``'s checkpoint (node 0 still running), and half a second more."""
+    done = os.path.join(out, "checkpoints", f"step-{step:08d}", "manifest.json")
+    end = time.monotonic() + 60
+    while not os.path.exists(done):
+        assert node0.p.poll() is None and time.monotonic() < end, node0.err + "".join(n.err for n in others)
+        time.sleep(0.1)
+    time.sleep(0.5)
+
+
 def _lose_node_1(h: TwoHosts, out: str, *extra: str, cut: bool = False) -> tuple[Node, Node, float]:
     """Node 0 training, node 1 killed (its process group), or cut off (host B's link down, its
     processes left running), while its stage 1 hangs at step 4; and when that was done."""
@@ -77,12 +89,7 @@ def _lose_node_1(h: TwoHosts, out: str, *extra: str, cut: bool = False) -> tuple
     node0 = Node(h, 0, out, *extra)
     try:
         # step 2's checkpoint is written (the driver reports step 3 only with step 4, which hangs)
-        done = os.path.join(out, "checkpoints", "step-00000002", "manifest.json")
-        end = time.monotonic() + 60
-        while not os.path.exists(done):
-            assert node0.p.poll() is None and time.monotonic() < end, node0.err + node1.err
-            time.sleep(0.1)
-        time.sleep(0.5)
+        _checkpointed(node0, out, 2, node1)
         if cut:
             subprocess.run(h.cmd(h.b, ["ip", "link", "set", h.veth_b, "down"]), check=True)
         else:
@@ -182,3 +189,104 @@ def test_a_live_agent_takes_part_in_the_restart_after_a_stage_of_node_0_dies(hos
     record = _restart_record(out)
     assert record["nodes"] == 2 and record["lost_nodes"] == [] and record["stage"] == 0, record
     assert_same_state(model_state(out), model_state(request.getfixturevalue("single_host_digits")))
+
+
+def _nothing_left(h: TwoHosts, timeout: float = 10) -> None:
+    """No process is left on either host (within ``timeout`` s: the last ones may still be exiting)."""
+    end = time.monotonic() + timeout
+    while (h.procs(h.a) or h.procs(h.b)) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not h.procs(h.a) and not h.procs(h.b), f"processes left on the hosts: {h.procs(h.a)} {h.procs(h.b)}"
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_does_not_rejoin_in_time_ends_the_run_naming_it(hosts, tmp_path):
+    """Without --min-nodes every node is needed: node 1 killed and not started again ends the run
+    once the rejoin timeout has passed, with one line naming node 1 and what to do; node 0 exits 1,
+    no process is left on either host, and the restart is on record with the node lost."""
+    h = hosts
+    out = str(tmp_path / "run")
+    node0, node1, _ = _lose_node_1(h, out, "--rejoin-timeout", "2")
+    try:
+        assert node0.finish(30) == 1, node0.err
+    finally:
+        node0.kill()
+        node1.kill()
+    err = node0.err
+    assert "node 1 lost; waiting up to 2 s" in err, err
+    assert ("node 1 did not rejoin within 2 s, and the 1 node(s) left are fewer than min_nodes = 2: the run ends. "
+            "Start node 1 again (pipeq launch ... --node-rank 1) with --resume on node 0, or allow fewer nodes "
+            "(--min-nodes 1)") in err, err
+    assert "restart 1 of 2" in err and "resumed from" not in err, err  # no stage started again
+    _nothing_left(h)
+    record = _restart_record(out)
+    assert record["resumed_from"] is None and record["lost_nodes"] == [1] and record["nodes"] == 1, record
+    assert "start_failed" in record and record["step"] == 3, record  # steps 1-3 trained, the checkpoint of 2 kept
+    assert os.path.isdir(os.path.join(out, "checkpoints", "step-00000002")) and not os.path.exists(
+        os.path.join(out, "model.pt"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xdist_group("single_host_digits")
+def test_a_node_lost_twice_rejoins_twice_the_second_time_from_another_host(hosts, request, tmp_path):
+    """Node 1 killed at step 4, its replacement killed at step 6 (its own 4th step: the fault is
+    the replacement's own), and the second replacement started on host A: two restarts, from step
+    2's checkpoint and step 4's, and the single-host run's weights."""
+    h = hosts
+    out = str(tmp_path / "run")
+    node0, _, _ = _lose_node_1(h, out, "--rejoin-timeout", "40")
+    again = again2 = None
+    try:
+        node0.wait_for("node 1 lost; waiting up to 40 s for it to rejoin", 30)
+        again = Node(h, 1, out + "-again", PIPEQ_FAULT="stage:1,step:4,kind:hang")  # resumed from 2: step 6
+        _checkpointed(node0, out, 4, again)
+        again.kill()
+        end = time.monotonic() + 30
+        while node0.err.count("node 1 lost; waiting up to 40 s") < 2:
+            assert node0.p.poll() is None and time.monotonic() < end, node0.err
+            time.sleep(0.1)
+        again2 = Node(h, 1, out + "-again2", on=h.a)  # on node 0's host this time
+        assert node0.finish(60) == 0, node0.err
+        assert again2.finish(20) == 0, again2.err
+    finally:
+        node0.kill()
+        for n in (again, again2):
+            if n is not None:
+                n.kill()
+    assert node0.err.count("node 1 rejoined") == 2, node0.err
+    assert "started stage(s) [1, 2]" in again.err and "started stage(s) [1, 2]" in again2.err, again2.err
+    records = [m for m in metrics(out) if "restart" in m]
+    assert [(r["restart"], r["resumed_from"], r["lost_nodes"], r["rejoined"], r["nodes"], r["replaced"])
+            for r in records] == [(1, 2, [1], [1], 2, False), (2, 4, [1], [1], 2, False)], records
+    assert [m["step"] for m in metrics(out) if "loss" in m] == list(range(1, REFERENCE_STEPS + 1))
+    assert_same_state(model_state(out), model_state(request.getfixturevalue("single_host_digits")))
+    _nothing_left(h)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xdist_group("single_host_digits")
+def test_the_driver_killed_and_every_node_started_with_resume_ends_with_the_same_weights(hosts, request, tmp_path):
+    """Node 0's whole process group (the driver, its store, its stage) SIGKILLed after step 2's
+    checkpoint: node 1's agent stops its stages by itself; every node started again with --resume
+    goes on from that checkpoint and ends with the single-host run's weights."""
+    h = hosts
+    out = str(tmp_path / "run")
+    node1 = Node(h, 1, out + "-node1", PIPEQ_FAULT=HANG)
+    node0 = Node(h, 0, out)
+    resumed: list[Node] = []
+    try:
+        _checkpointed(node0, out, 2, node1)
+        node0.kill()
+        assert node1.finish(30) != 0, node1.err
+        assert "lost the driver" in node1.err, node1.err
+        _nothing_left(h)
+        resumed = [Node(h, 1, out + "-node1", "--resume"), Node(h, 0, out, "--resume")]
+        assert resumed[1].finish(60) == 0, resumed[1].err
+        assert resumed[0].finish(20) == 0, resumed[0].err
+    finally:
+        for n in (node0, node1, *resumed):
+            n.kill()
+    assert "resuming from" in resumed[1].err.lower() or "step 2" in resumed[1].err, resumed[1].err
+    assert [m["step"] for m in metrics(out) if "loss" in m] == list(range(1, REFERENCE_STEPS + 1))
+    assert_same_state(model_state(out), model_state(request.getfixturevalue("single_host_digits")))
+    _nothing_left(h)
