@@ -275,3 +275,22 @@ def test_the_driver_killed_and_every_node_started_with_resume_ends_with_the_same
     assert [m["step"] for m in metrics(out) if "loss" in m] == list(range(1, REFERENCE_STEPS + 1))
     assert_same_state(model_state(out), model_state(request.getfixturevalue("single_host_digits")))
     _nothing_left(h)
+
+
+@pytest.mark.timeout(60)
+def test_without_restarts_a_stage_of_node_1_that_dies_ends_the_run_on_every_node(hosts, tmp_path):
+    """No --max-restarts: node 1's stage 1 killed at step 3 is named by node 0, which exits 1; node
+    1's agent, told the run ended, stops its other stage and exits 1 too; no process is left."""
+    h = hosts
+    out = str(tmp_path / "run")
+    node1 = Node(h, 1, out + "-node1", "--max-restarts", "0", PIPEQ_FAULT="stage:1,step:3,kind:kill")
+    node0 = Node(h, 0, out, "--max-restarts", "0")
+    try:
+        assert node0.finish(60) == 1, node0.err
+        assert node1.finish(20) == 1, node1.err
+    finally:
+        node0.kill()
+        node1.kill()
+    assert "stage 1 failed: stage process" in node0.err and "SIGKILL" in node0.err, node0.err
+    assert "restart" not in node0.err and "waiting up to" not in node1.err, node1.err
+    _nothing_left(h)
