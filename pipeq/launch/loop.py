@@ -14,7 +14,7 @@ from pipeq.launch.progress import MovingRate, Progress, Tally
 from pipeq.launch.rundir import RunDir
 from pipeq.launch.signals import StopSignals
 from pipeq.launch.snapshots import Snapshots
-from pipeq.launch.stream import EpochEnd, StepDone, train_steps
+from pipeq.launch.stream import EpochEnd, StepDone, segment_end, train_steps
 from pipeq.launch.tensorboard import Board
 from pipeq.stage.compiled import NO_COMPILE_FIGURES
 
@@ -56,6 +56,7 @@ class TrainingLoop:
         self.snapshots = snapshots if snapshots is not None else Snapshots(0)
         self.snapshots.attach(runner, step)
         self.board = board if board is not None else Board(run_dir.tb)  # without a writer: writes nothing
+        self._memory_at: int | None = step + 1  # the step after which every byte each stage holds is asked for
 
     def run(self) -> bool:
         """Train; True: to the end (the final state is due), False: a signal stopped it (its
@@ -67,6 +68,9 @@ class TrainingLoop:
             every = (self.evaluator.every, self.job.checkpoint_every)
             if self.runner.schedule.streams_across_batches:  # its snapshots wait for a drain
                 every += (self.snapshots.every,)
+                # and its memory figures too: asking waits for the steps in flight, a drain of its own
+                # (where an uninterrupted run has none: a resumed one's weights would differ)
+                self._memory_at = segment_end(self.step, self.total, every)
             for done in train_steps(self.runner, source, self.step, self.total, every, self.by_epoch, self.signals,
                                     self._arrived):
                 if isinstance(done, EpochEnd):  # resumed at the end of an epoch: its step first
@@ -114,7 +118,7 @@ class TrainingLoop:
             # at an epoch's end: before its schedulers' step (a resumed run takes it, see EpochEnd)
             self.checkpoints.save(self.runner, self.step, self.pos)
         self.snapshots.finished(self.runner, self.step, self.pos)
-        if self.step == self.start_step + 1:  # the launch's first step: every byte each stage holds
+        if self.step == self._memory_at:  # the launch's first step (or first drain): every byte each stage holds
             try:
                 line["memory"] = self._memory_figures()
             except BaseException:  # asking waits for the steps in flight: a stage failed meanwhile

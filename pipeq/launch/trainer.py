@@ -180,11 +180,10 @@ class Trainer:
             def place(alive: Sequence[int] | None) -> list[list[int]]:
                 return place_leads(num, schedule, nnodes, alive, nodes)
         decision = elastic.regroup(place=place)
-        if decision.action == GIVE_UP:
-            return False
+        # (a run given up is on record too: the nodes left, and the ones lost)
         restarts.note(nodes=len(decision.nodes), lost_nodes=list(decision.lost or decision.rejoined),
                       rejoined=list(decision.rejoined), replaced=decision.action == REPLACE)
-        return True
+        return decision.action != GIVE_UP
 
     def _failed_step(self) -> int:
         """The first step the failed attempt did not finish: the one after the newest whose loss
