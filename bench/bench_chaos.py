@@ -1,0 +1,438 @@
+"""Chaos from outside, as an operator meets it: processes SIGKILLed, a node lost, a full disk; the weights checked after.
+
+    sudo PYTHONPATH=. python bench/bench_chaos.py                  # both parts, 600 steps (about 2 minutes)
+    sudo PYTHONPATH=. python bench/bench_chaos.py --quick          # a short run of each (about 1 minute)
+    sudo PYTHONPATH=. python bench/bench_chaos.py --part nodes --steps 900 --seed 7 --json chaos.json
+
+Part "nodes": examples/digits.toml on two "hosts" (network namespaces joined by a veth pair, the
+test suite's tests/support/netns.py), ``--data-parallel 2`` (node 0 runs replica 0's three stages and
+the driver, node 1 replica 1's), ``--max-restarts``, snapshots and checkpoints. During the run the
+script SIGKILLs random stage processes on both nodes, SIGKILLs node 1's whole ``pipeq launch``
+process group and starts node 1 again (it rejoins), and once fills the disk of node 0's run
+directory (a small tmpfs mounted for it), then frees it and relaunches with ``--resume``. A
+restart resumes with the same data order and random streams, so the final model.pt must equal a
+plain torch training of every step on full batches in this process (compared at atol 1e-5, the
+tolerance of the suite's two-node data-parallel launch test: the replicas sum their gradients in
+another order than one process does; a lost or repeated step would differ by about 1e-3).
+
+Part "replicas": the same job on one host in this process's ``PipelineRunner(data_parallel=2,
+fault_tolerance="replicas")`` while a thread SIGKILLs a random stage of a random replica at random
+moments. The run never stops: each loss leaves one step to the surviving replica, so the weights
+must equal the plain torch training in which the steps of ``runner.degraded_steps`` train on the
+survivor's half of the batch only (docs/guides/faults.md, "Replicas that carry on").
+
+Per event the script prints when it came, how long until node 0 (or the runner) named it, how long
+until training went on, and what was lost; then a verdict, and exits 0 when every check held,
+1 when one failed, 2 when this machine cannot run it (part "nodes" needs root and ``ip netns``).
+Every process it started is gone at its end, the namespaces and the tmpfs removed, even on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# examples.digits_job; the suite's netns, launch_util and strays (tests/support); chaos_run beside this script
+sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "bench"))
+                if p not in sys.path]
+
+import strays
+import torch
+from chaos_run import Event, TwoNodeRun, Unavailable, secs, tmpfs
+from launch_util import DIGITS_JOB
+from netns import TwoHosts, netns_available
+from torch import nn
+
+ATOL = 1e-5  # tests/process/test_data_parallel.py's two-node launch against full-batch training
+STAGE_LAYERS = (2, 2, 1)  # examples.digits_job.stages(): the flat model's layers per stage
+
+
+def print_table(title: str, events: list[Event]) -> None:
+    rows = [("#", "event", "when", "detected after", "training again after", "lost")]
+    rows += [(str(i), e.name + ("" if e.ok else "  [FAILED]"), e.when, secs(e.detected), secs(e.again), e.lost)
+             for i, e in enumerate(events, 1)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    print(f"\n{title}", flush=True)
+    for i, r in enumerate(rows):
+        print("  " + " | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if i == 0:
+            print("  " + "-+-".join("-" * w for w in widths))
+    for i, e in enumerate(events, 1):
+        if e.note:
+            print(f"  ({i}) {e.note}")
+    sys.stdout.flush()
+
+
+# -- the plain torch reconstruction --------------------------------------------------------------
+def digits_job(steps: int):
+    from pipeq.launch.job import load_job
+
+    return load_job(DIGITS_JOB, {"steps": steps})
+
+
+def reconstruct(steps: int, dropped: dict[int, dict[int, set[int]]] | None = None, replicas: int = 2):
+    """examples/digits.toml trained ``steps`` steps in one process: its stages' flat model built
+    under the job's seed, its optimizer and lr scheduler (stepped every step), its batches in
+    order. Each batch is split into ``replicas`` contiguous shards as the runner splits it (larger
+    ones first); ``dropped[step][stage]`` names the replicas whose shard that stage's update left
+    out at that step: the stage's gradient is then the mean over the other shards' samples."""
+    from examples.digits_job import layers
+
+    job = digits_job(steps)
+    torch.manual_seed(job.recipe.seed)
+    model = nn.Sequential(*layers())
+    opt = job.recipe.optimizer_factory()(model.parameters())
+    sched = job.recipe.scheduler_factory()(opt)
+    loss_fn = job.recipe.loss_fn()
+    stage_of = {}
+    for k, (lo, n) in enumerate(zip(itertools.accumulate((0,) + STAGE_LAYERS), STAGE_LAYERS)):
+        for i in range(lo, lo + n):
+            for name, p in model[i].named_parameters():
+                stage_of[p] = k
+    batches = itertools.islice((b for e in itertools.count() for b in job.batches(e)), steps)
+    for step, (x, y) in enumerate(batches, start=1):
+        shards = list(zip(torch.tensor_split(x, replicas), torch.tensor_split(y, replicas)))
+        grads = []
+        for xs, ys in shards:  # each shard's loss weighted by its share of the batch, as the runner weights it
+            opt.zero_grad()
+            (loss_fn(model(xs), ys) * (len(ys) / len(y))).backward()
+            grads.append({p: p.grad.clone() for p in model.parameters()})
+        out = (dropped or {}).get(step, {})
+        for p in model.parameters():
+            keep = [r for r in range(replicas) if r not in out.get(stage_of[p], set())]
+            weight = sum(len(shards[r][1]) for r in keep) / len(y)
+            p.grad = sum(grads[r][p] for r in keep) / weight
+        opt.step()
+        sched.step()
+    return model.state_dict()
+
+
+def compare(got: dict, want: dict) -> tuple[bool, float, list[str]]:
+    """Whether ``got`` equals ``want`` within ATOL; the largest difference; the tensors over it."""
+    if sorted(got) != sorted(want):
+        return False, float("inf"), sorted(set(got) ^ set(want))
+    diffs = {k: float((got[k].double() - want[k].double()).abs().max()) for k in want}
+    over = [k for k, d in diffs.items() if d > ATOL]
+    return not over, max(diffs.values()), over
+
+
+# -- part "nodes": two hosts ---------------------------------------------------------------------
+def plan(rng: random.Random, steps: int, stage_kills: int) -> list[tuple[int, str]]:
+    """The events, in a random order, one in each of equal slices of the run (at a random step of
+    its first half): ``stage_kills`` stage SIGKILLs (on node 0 and node 1 in turn, then either), a
+    node loss, a full disk."""
+    kinds = [f"stage{(0, 1)[i] if i < 2 else ''}" for i in range(stage_kills)] + ["node", "disk"]
+    rng.shuffle(kinds)
+    start, end = 25, steps - 40
+    width = (end - start) // len(kinds)
+    return [(start + i * width + rng.randrange(max(1, width // 2)), kind) for i, kind in enumerate(kinds)]
+
+
+def nodes_part(steps: int, stage_kills: int, rng: random.Random) -> tuple[list[Event], dict]:
+    """The two-node run with its events; the events and the checks at its end."""
+    reason = netns_available()
+    if reason:
+        raise Unavailable(f"part 'nodes' needs network namespaces: {reason} (run as root with iproute2's ip)")
+    events: list[Event] = []
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with tempfile.TemporaryDirectory(prefix="pipeq-chaos-") as tmp, tmpfs(os.path.join(tmp, "disk"), "16m") as fs, \
+            TwoHosts() as h:
+        run = TwoNodeRun(h, os.path.join(fs, "run"), tmp, steps)
+        try:
+            run.start()
+            for target, kind in plan(rng, steps, stage_kills):
+                if run.wait_step(target) >= steps or not run.alive():
+                    break
+                time.sleep(rng.uniform(0, 0.03))  # anywhere in a step
+                ev = (run.kill_node1() if kind == "node" else run.fill_disk(fs) if kind == "disk"
+                      else run.kill_stage(rng, int(kind[5:]) if kind[5:] else None))
+                print(f"  {len(events) + 1}. {ev.name} at {ev.when}: {'ok' if ev.ok else 'FAILED'}", flush=True)
+                events.append(ev)
+            ended = run.finish()
+            left = run.left()
+            records = run.metrics.records()
+            steps_on_record = [m["step"] for _, m in run.metrics.snapshot() if "loss" in m]
+            model = os.path.join(run.out, "model.pt")
+            state = torch.load(model, weights_only=True) if os.path.exists(model) else None
+        finally:
+            run.close()
+    leftover = {ns: procs for ns, procs in itertools.chain(left.items(), h.leftover.items()) if procs}
+    checks = nodes_checks(steps, events, ended, records, steps_on_record, state)
+    checks["left in the namespaces"] = leftover
+    checks["new /dev/shm entries"] = sorted(set(os.listdir("/dev/shm")) - shm_before) if shm_before else []
+    checks["ok"] = checks["ok"] and not leftover and not checks["new /dev/shm entries"]
+    return events, checks
+
+
+def nodes_checks(steps: int, events: list[Event], ended: dict, records: list[dict], on_record: list[int],
+                 state: dict | None) -> dict:
+    """Both nodes exit 0, every step on record once, a restart record per restart, and model.pt
+    equal to the plain torch training within ATOL."""
+    restarts = sum(1 for e in events if not e.name.startswith("disk"))
+    checks: dict = {"exit codes": [ended["node 0 exit"], ended["node 1 exit"]],
+                    "restart records": len(records), "restarts expected": restarts,
+                    "steps on record once each": on_record == list(range(1, steps + 1))}
+    ok = checks["exit codes"] == [0, 0] and len(records) == restarts and checks["steps on record once each"]
+    if state is None:
+        checks["model.pt"] = "MISSING"
+        ok = False
+    else:
+        same, diff, over = compare(state, reconstruct(steps))
+        checks["model.pt"] = (f"equal to the plain torch training within {ATOL} (largest difference {diff:.1e})"
+                              if same else f"DIFFERS from the plain torch training: {over} (largest {diff:.1e})")
+        ok &= same
+    if checks["exit codes"] != [0, 0]:
+        checks["node 0 tail"], checks["node 1 tail"] = ended["node 0 tail"], ended["node 1 tail"]
+    checks["ok"] = ok and all(e.ok for e in events)
+    return checks
+
+
+# -- part "replicas": one host, fault_tolerance="replicas" ----------------------------------------
+class TimedStderr:
+    """sys.stderr while the runner runs: each line it writes, with when (the runner names a lost
+    replica there), kept and not shown."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[float, str]] = []
+
+    def write(self, text: str) -> int:
+        self.lines.append((time.monotonic(), text))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def dropped_as_the_guide_says(runner, replicas: int = 2) -> dict[int, dict[int, set[int]]]:
+    """What docs/guides/faults.md ("Replicas that carry on") says was left out: at each step of
+    ``runner.degraded_steps``, the failed replica's samples, at every stage (the failures of
+    ``runner.replica_failures`` in the order of those steps)."""
+    steps = sorted(runner.degraded_steps)
+    failures = runner.replica_failures
+    if len(steps) != len(failures):
+        raise AssertionError(f"{len(failures)} replica failure(s) but degraded steps {runner.degraded_steps}")
+    return {d: {k: {err.replica} for k in range(len(STAGE_LAYERS))} for d, err in zip(steps, failures)}
+
+
+def _killer(runner, done: list[float], targets: list[int], rng: random.Random, kills: list[dict],
+            stop: threading.Event) -> None:
+    """At each target step: once the step before it is done, a random moment later (up to 1.5
+    step times), SIGKILL a random stage of a random replica."""
+    for target in targets:
+        while len(done) < target - 1 and not stop.is_set():
+            time.sleep(0.002)
+        if stop.is_set():
+            return
+        times = [b - a for a, b in itertools.pairwise(done[1:])] or [0.05]
+        time.sleep(rng.uniform(0, 1.5 * statistics.median(times[-20:])))
+        procs = [p for p in runner.stage_processes if p.get("pid")]
+        victim = rng.choice(procs)
+        kills.append({"at": time.monotonic(), "steps done": len(done) - 1, "stage": victim["stage"],
+                      "replica": victim["replica"], "pid": victim["pid"]})
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim["pid"], signal.SIGKILL)
+
+
+def replicas_part(steps: int, kills_wanted: int, rng: random.Random) -> tuple[list[Event], dict]:
+    """The runner with fault_tolerance="replicas" on one host, its stages SIGKILLed at random."""
+    import pipeq
+    from examples.digits_job import stages
+
+    job = digits_job(steps)
+    torch.manual_seed(job.recipe.seed)
+    runner = pipeq.PipelineRunner(stages(), job.recipe.loss_fn(), job.recipe.optimizer_factory(), "1f1b", 4,
+                                  lr_scheduler=job.recipe.scheduler_factory(), data_parallel=2,
+                                  fault_tolerance="replicas", start_method="forkserver", threads_per_stage=1,
+                                  heartbeat_timeout=6)
+    data = list(itertools.islice((b for e in itertools.count() for b in job.batches(e)), steps))
+    gap = (steps - 20) // kills_wanted
+    targets = [10 + i * gap + rng.randrange(max(1, gap // 2)) for i in range(kills_wanted)]
+    done: list[float] = []
+    kills: list[dict] = []
+    stop = threading.Event()
+    err, sys.stderr = sys.stderr, TimedStderr()
+    state, degraded, failures, dropped, ended = None, {}, [], {}, None
+    mid: dict[int, dict] = {}
+    after_loss = False
+    try:
+        with runner:
+            done.append(time.monotonic())
+            killer = threading.Thread(target=_killer, args=(runner, done, targets, rng, kills, stop), daemon=True)
+            killer.start()
+            try:
+                for step, (x, y) in enumerate(data, start=1):
+                    runner.step(x, y)
+                    done.append(time.monotonic())
+                    if runner.last_step_replicas is not None:
+                        after_loss = True
+                    elif after_loss:  # the weights the step after a loss left: what explain() reads
+                        mid[step], after_loss = runner.state_dict(), False
+            except pipeq.PipelineError as exc:  # the run ended: a check fails, the script goes on
+                ended = f"the run ended at step {len(done)}: {str(exc).splitlines()[0]}"
+            stop.set()
+            killer.join(5)
+            degraded, failures = runner.degraded_steps, runner.replica_failures
+            if ended is None:
+                state = runner.state_dict()
+                try:
+                    dropped = dropped_as_the_guide_says(runner)
+                except AssertionError as exc:
+                    ended = str(exc)
+    finally:
+        stop.set()
+        said, sys.stderr = sys.stderr.lines, err
+    left = strays.wait_no_strays(10)
+    sizes = [len(y) for _, y in data]
+    events, checks = replicas_report(steps, sizes, done, kills, said, degraded, failures, dropped, state, left, ended)
+    for ev, how in zip(events, explain(degraded, failures, mid)):
+        ev.note += f"; the weights after the step after it match {how}"
+    return events, checks
+
+
+def explain(degraded: dict[int, int], failures: list, mid: dict[int, dict]) -> list[str]:
+    """Per loss (replica r's stage k at step d): which accounting of it the runner's weights after
+    step d + 1 match (the losses before it taken as they matched): the guide's (step d without
+    replica r at every stage), or without it at stages 0..k only (r's later stages had sent their
+    gradients), and either with step d - 1 also without r at stages 0..k (issue 40's defect 2)."""
+    chosen: dict[int, dict[int, set[int]]] = {}
+    out = []
+    for d, err in zip(sorted(degraded), failures):
+        r, k, n = err.replica, err.stage if err.stage is not None else 0, len(STAGE_LAYERS)
+        every, upto = {j: {r} for j in range(n)}, {j: {r} for j in range(k + 1)}
+        options = {f"the guide's (step {d} without replica {r} at every stage)": {d: every},
+                   f"step {d} without replica {r} at stages 0..{k} only": {d: upto},
+                   f"step {d} without replica {r} at every stage, step {d - 1} at stages 0..{k}": {d: every, d - 1: upto},
+                   f"step {d} and step {d - 1} without replica {r} at stages 0..{k}": {d: upto, d - 1: upto}}
+        match = None
+        if d + 1 in mid:
+            for label, extra in options.items():
+                trial = {s: {j: set(v) for j, v in st.items()} for s, st in chosen.items()}
+                for s, st in extra.items():
+                    for j, reps in st.items():
+                        trial.setdefault(s, {}).setdefault(j, set()).update(reps)
+                if compare(mid[d + 1], reconstruct(d + 1, trial))[0]:
+                    match, chosen = label, trial
+                    break
+        if match is None:
+            first = next(iter(options.values()))
+            for s, st in first.items():
+                for j, reps in st.items():
+                    chosen.setdefault(s, {}).setdefault(j, set()).update(reps)
+        out.append(match or "NONE of the accountings tried (the guide's, stages 0..k only, step d-1 too)")
+    return out
+
+
+def replicas_report(steps: int, sizes: list[int], done: list[float], kills: list[dict], said: list[tuple[float, str]],
+                    degraded: dict[int, int], failures: list, dropped: dict, state: dict | None, left: list,
+                    ended: str | None) -> tuple[list[Event], dict]:
+    """An event per kill (its loss named, the survivor's step done, the replica back), and the checks."""
+    took = [b - a for a, b in itertools.pairwise(done)]  # took[i]: step i + 1
+    median = statistics.median(took) if took else 0.0
+    events = []
+    order = sorted(degraded)
+    for i, kill in enumerate(kills):
+        ev = Event(f"SIGKILL stage {kill['stage']} of replica {kill['replica']}",
+                   f"step {kill['steps done'] + 1}, {kill['at'] - done[0]:.1f} s", at=kill["at"])
+        named = next((t for t, text in said if t >= kill["at"] and "finish the step without replica" in text), None)
+        ev.detected = None if named is None else named - kill["at"]
+        if i < len(order) and i < len(failures):
+            d, r = order[i], failures[i].replica
+            back = done[d + 1] - kill["at"] if d + 1 < len(done) else None
+            ev.again = done[d] - kill["at"]
+            ev.lost = (f"replica {r}'s {sizes[d - 1] - sizes[d - 1] // 2 if r == 0 else sizes[d - 1] // 2} of "
+                       f"{sizes[d - 1]} samples at step {d}; no step redone")
+            ev.note = (f"step {d} took {took[d - 1]:.2f} s (median {median:.3f} s); replica {r} rebuilt and training "
+                       f"again {secs(back)} after the kill (step {d + 1} took {secs(took[d] if d < len(took) else None)})")
+        else:
+            ev.ok, ev.note = False, "no degraded step for this kill"
+        events.append(ev)
+    slow = [i + 1 for i, t in enumerate(took) if t > 2 * median and i + 1 not in degraded]  # noisy on a busy machine
+    waited = [i + 1 for i, t in enumerate(took) if t > 4.8]  # 0.8 x heartbeat_timeout: a stall on a timeout
+    checks: dict = {"degraded steps": degraded, "replica failures": [str(e).splitlines()[0] for e in failures],
+                    "kills": len(kills), "median step": round(median, 4),
+                    "steps over 2x the median (loss steps aside; not judged)": len(slow),
+                    "steps that waited for a timeout (> 4.8 s)": waited, "left behind": left}
+    ok = ended is None and not waited and not left and len(kills) == len(failures) == len(degraded)
+    if ended is not None:
+        checks["ended"] = ended
+    if state is not None:
+        same, diff, over = compare(state, reconstruct(steps, dropped))
+        checks["weights"] = (f"equal to the plain torch reconstruction from degraded_steps within {ATOL} (largest "
+                             f"difference {diff:.1e})" if same else
+                             f"DIFFER from the plain torch reconstruction from degraded_steps: {over} (largest {diff:.1e})")
+        ok &= same
+    checks["ok"] = ok and all(e.ok for e in events)
+    return events, checks
+
+
+# -- the script ----------------------------------------------------------------------------------
+def _terminate(signum, frame):  # SIGTERM ends the script as Ctrl-C does: every finally block runs
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _verdict(name: str, checks: dict) -> str:
+    if checks["ok"]:
+        return f"{name}: every event recovered, {checks.get('model.pt') or checks.get('weights')}, nothing left behind"
+    bad = {k: v for k, v in checks.items() if k != "ok"}
+    return f"{name}: FAILED: {json.dumps(bad, default=str)}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["all", "nodes", "replicas"], default="all")
+    p.add_argument("--steps", type=int, default=None, help="steps of the two-node run (default 600; --quick 150)")
+    p.add_argument("--seed", type=int, default=None, help="the draw of events, stages and moments (default: random)")
+    p.add_argument("--quick", action="store_true", help="a short run: fewer steps and events")
+    p.add_argument("--json", metavar="PATH", help="also write the events and checks as JSON")
+    args = p.parse_args()
+    steps = args.steps or (150 if args.quick else 600)
+    if steps < 120:
+        p.error("--steps must be at least 120 (room for the events)")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
+    rng = random.Random(seed)
+    signal.signal(signal.SIGTERM, _terminate)
+    print(f"bench_chaos: seed {seed} (--seed {seed} repeats the draw), {steps} steps on two nodes", flush=True)
+    results: dict = {"seed": seed, "steps": steps}
+    lines = []
+    try:
+        if args.part in ("all", "nodes"):
+            print("part nodes: two hosts (network namespaces), data_parallel=2, --max-restarts", flush=True)
+            events, checks = nodes_part(steps, 2 if args.quick else 4, rng)
+            print_table(f"two nodes, {steps} steps, data_parallel=2, restarts from snapshots and checkpoints", events)
+            results["nodes"] = {"events": [asdict(e) for e in events], "checks": checks}
+            lines.append(_verdict("two nodes", checks))
+        if args.part in ("all", "replicas"):
+            r_steps = 60 if args.quick else 200
+            print(f"part replicas: one host, fault_tolerance='replicas', {r_steps} steps", flush=True)
+            events, checks = replicas_part(r_steps, 1 if args.quick else 4, rng)
+            print_table(f"one host, {r_steps} steps, data_parallel=2, fault_tolerance='replicas'", events)
+            results["replicas"] = {"events": [asdict(e) for e in events], "checks": checks}
+            lines.append(_verdict("replicas", checks))
+    except Unavailable as exc:
+        print(f"bench_chaos: {exc}", file=sys.stderr)
+        return 2
+    ok = all(part["checks"]["ok"] for key, part in results.items() if key in ("nodes", "replicas"))
+    print()
+    for line in lines:
+        print(line)
+    print(f"VERDICT: {'PASS' if ok else 'FAIL'} (seed {seed})", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
