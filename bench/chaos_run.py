@@ -31,6 +31,7 @@ class Event:
     lost: str = ""
     ok: bool = True
     note: str = ""
+    log: str = field(default="", repr=False)  # what a node said, where that explains a failure
     at: float = field(default=0.0, repr=False)
 
 
@@ -301,9 +302,11 @@ class TwoNodeRun:
         left = {ns: procs for ns, procs in self.left(5).items() if procs}
         if left:
             problems.append(f"processes left after both nodes ended: {left}")
-        said0 = self.node0.err
-        if "Traceback" in said0:
-            problems.append(f"node 0 printed a traceback:\n{said0[said0.index('Traceback'):][-3000:]}")
+        ev.log = self.node0.err  # (in --json)
+        if "Traceback" in ev.log:
+            told = [ln.strip() for t, ln in self.node0.lines if t >= ev.at and ln.startswith(("pipeq launch:", "Exc"))]
+            problems.append(f"node 0 printed {ev.log.count('Traceback')} traceback(s) ({ev.log.strip().splitlines()[-1]}) "
+                            f"and said: {' | '.join(told)}")
         self.node0.kill()
         self.node1.kill()
         os.remove(os.path.join(fs, "filler"))
