@@ -1,8 +1,8 @@
 """Chaos from outside, as an operator meets it: processes SIGKILLed, a node lost, a full disk; the weights checked after.
 
-    sudo PYTHONPATH=. python bench/bench_chaos.py                  # both parts, 600 steps (about 2 minutes)
-    sudo PYTHONPATH=. python bench/bench_chaos.py --quick          # a short run of each (about 1 minute)
-    sudo PYTHONPATH=. python bench/bench_chaos.py --part nodes --steps 900 --seed 7 --json chaos.json
+    PYTHONPATH=. python bench/bench_chaos.py                  # as root: both parts, 600 steps (2-4 minutes on 2 cores)
+    PYTHONPATH=. python bench/bench_chaos.py --quick          # a short run of each (about 1 minute)
+    PYTHONPATH=. python bench/bench_chaos.py --part replicas --seed 40 --json chaos.json
 
 Part "nodes": examples/digits.toml on two "hosts" (network namespaces joined by a veth pair, the
 test suite's tests/support/netns.py), ``--data-parallel 2`` (node 0 runs replica 0's three stages and
@@ -19,7 +19,10 @@ Part "replicas": the same job on one host in this process's ``PipelineRunner(dat
 fault_tolerance="replicas")`` while a thread SIGKILLs a random stage of a random replica at random
 moments. The run never stops: each loss leaves one step to the surviving replica, so the weights
 must equal the plain torch training in which the steps of ``runner.degraded_steps`` train on the
-survivor's half of the batch only (docs/guides/faults.md, "Replicas that carry on").
+survivor's half of the batch only (docs/guides/faults.md, "Replicas that carry on"). Each loss is
+also explained: the weights the runner has a step after it are matched against the ways the loss
+may have been summed (step d without the lost replica at stages 0..j only, step d - 1 too), so
+that a difference says which stages of which steps left the replica out.
 
 Per event the script prints when it came, how long until node 0 (or the runner) named it, how long
 until training went on, and what was lost; then a verdict, and exits 0 when every check held,
@@ -463,6 +466,9 @@ def main() -> int:
     except Unavailable as exc:
         print(f"bench_chaos: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (every process it started is stopped, the namespaces and the tmpfs removed)
+        print("bench_chaos: interrupted; everything it started is stopped", file=sys.stderr)
+        return 130
     ok = not any(part["checks"]["problems"] for key, part in results.items() if key in ("nodes", "replicas"))
     print()
     for line in lines:
