@@ -198,7 +198,7 @@ def nodes_checks(steps: int, events: list[Event], ended: dict, records: list[dic
                  state: dict | None) -> dict:
     """Both nodes exit 0, every step on record once, a restart record per restart, and model.pt
     equal to the plain torch training within ATOL; ``problems`` says what did not hold."""
-    restarts = sum(1 for e in events if not e.name.startswith("disk"))
+    restarts = sum(1 for e in events if "disk" not in e.name)
     codes = [ended["node 0 exit"], ended["node 1 exit"]]
     checks: dict = {"exit codes": codes, "restart records": len(records), "restarts done": restarts,
                     "steps on record once each": on_record == list(range(1, steps + 1))}
@@ -429,7 +429,9 @@ def _terminate(signum, frame):  # SIGTERM ends the script as Ctrl-C does: every 
 def _verdict(name: str, checks: dict) -> str:
     if not checks["problems"]:
         return f"{name}: every event recovered, {checks.get('model.pt') or checks.get('weights')}, nothing left behind"
-    return f"{name}: FAILED: " + "; ".join(checks["problems"])
+    weights = checks.get("model.pt") or checks.get("weights")
+    return f"{name}: FAILED: " + "; ".join(checks["problems"]) + (f" (model.pt {weights})" if "model.pt" in checks
+                                                                   and "DIFFER" not in weights else "")
 
 
 def main() -> int:

@@ -260,7 +260,7 @@ class TwoNodeRun:
         """SIGKILL node 1's process group (its agent, fork server and stages); once node 0 has
         named the loss, start node 1 again (a replacement, as an operator would): it rejoins."""
         assert self.node0 is not None and self.node1 is not None
-        ev = Event("SIGKILL node 1's pipeq launch (process group); node 1 started again", self.when())
+        ev = Event("SIGKILL node 1 (its pipeq launch's process group); started again", self.when())
         before = len(self.metrics.records())
         ev.at = time.monotonic()
         self.node1.kill()
@@ -282,8 +282,7 @@ class TwoNodeRun:
         node 0 must say so in one line and end; node 1 must end too. Then free the space and
         start both again, node 0 with ``--resume``."""
         assert self.node0 is not None and self.node1 is not None
-        ev = Event("disk of node 0's run directory full; space freed, both nodes relaunched with --resume",
-                   self.when())
+        ev = Event("node 0's run directory's disk filled; freed, both relaunched (--resume)", self.when())
         ev.at = time.monotonic()
         written = fill(fs)
         said = self.node0.said(("no space left",), ev.at, 60)
