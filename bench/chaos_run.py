@@ -246,7 +246,11 @@ class TwoNodeRun:
         return record
 
     def kill_stage(self, rng: random.Random, node: int | None) -> Event:
-        procs = [p for p in self.stage_pids() if node is None or p[2] == node]
+        end = time.monotonic() + 30
+        while not (procs := [p for p in self.stage_pids() if node is None or p[2] == node]) and time.monotonic() < end:
+            time.sleep(0.05)  # (between a restart's stop and start)
+        if not procs:
+            return Event(f"SIGKILL a stage of node {node}", self.when(), ok=False, note="no stage process to kill")
         pid, comm, n = rng.choice(procs)
         stage, _, replica = comm.removeprefix("pipeq-stage").partition("r")
         ev = Event(f"SIGKILL stage {stage} of replica {replica} (node {n})", self.when())
