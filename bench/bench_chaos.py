@@ -320,7 +320,8 @@ def replicas_part(steps: int, kills_wanted: int, rng: random.Random) -> tuple[li
     left = strays.wait_no_strays(10)
     sizes = [len(y) for _, y in data]
     events, checks = replicas_report(steps, sizes, done, kills, said, degraded, failures, dropped, state, left, ended)
-    found, chosen = explain(degraded, failures, mid)
+    found, chosen = explain(steps, degraded, failures, mid)
+    checks["weights read after steps"] = sorted(mid)
     for ev, how in zip(events, found):
         ev.note += f"; the weights a step later match: {how}"
     if state is not None and chosen is not None:
@@ -347,13 +348,13 @@ def _accountings(d: int, r: int, k: int, n: int):
             yield label + (" (the guide's)" if before < 0 and j == n - 1 else ""), dropped
 
 
-def explain(degraded: dict[int, int], failures: list, mid: dict[int, dict]) -> tuple[list[str], dict | None]:
+def explain(steps: int, degraded: dict[int, int], failures: list, mid: dict[int, dict]) -> tuple[list[str], dict | None]:
     """Per loss (replica r's stage k at step d), the accounting of :func:`_accountings` that the
     runner's weights after step d + 1 match, the losses before it taken as they matched; and all
     of them together (None: a loss that none explains)."""
     chosen: dict[int, dict[int, set[int]]] | None = {}
     out = []
-    base = Plain(max(mid, default=1))
+    base = Plain(steps)
     for d, err in zip(sorted(degraded), failures):
         match = None
         if chosen is not None:
