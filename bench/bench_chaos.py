@@ -419,6 +419,8 @@ def replicas_report(steps: int, sizes: list[int], done: list[float], kills: list
         if not same:
             problems.append(f"the weights {checks['weights']}")
     checks["problems"] = problems
+    if problems:  # (in --json) what the runner said, from the script's start
+        checks["runner said"] = [f"{t - done[0]:.2f} s: {text.rstrip()}" for t, text in said if text.strip()]
     return events, checks
 
 
