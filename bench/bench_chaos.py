@@ -420,7 +420,7 @@ def replicas_report(steps: int, sizes: list[int], done: list[float], kills: list
             problems.append(f"the weights {checks['weights']}")
     checks["problems"] = problems
     if problems:  # (in --json) what the runner said, from the script's start
-        checks["runner said"] = [f"{t - done[0]:.2f} s: {text.rstrip()}" for t, text in said if text.strip()]
+        checks["runner said"] = [f"{t - (done or [t])[0]:.2f} s: {text.rstrip()}" for t, text in said if text.strip()]
     return events, checks
 
 
