@@ -17,9 +17,11 @@ another order than one process does; a lost or repeated step would differ by abo
 
 Part "replicas": the same job on one host in this process's ``PipelineRunner(data_parallel=2,
 fault_tolerance="replicas")`` while a thread SIGKILLs a random stage of a random replica at random
-moments. The run never stops: each loss leaves one step to the surviving replica, so the weights
-must equal the plain torch training in which the steps of ``runner.degraded_steps`` train on the
-survivor's half of the batch only (docs/guides/faults.md, "Replicas that carry on"). Each loss is
+moments. The run never stops: each loss leaves a step (at some stages, the step before too) to the
+surviving replica, so the weights must equal the plain torch training in which each stage, at each
+step the runner names in ``runner.degraded_stages``, trains on the samples of the replicas it summed
+(a runner without that attribute: the survivor's half at every stage at the steps of
+``runner.degraded_steps``; docs/guides/faults.md, "Replicas that carry on"). Each loss is
 also explained: the weights the runner has a step after it are matched against the ways the loss
 may have been summed (step d without the lost replica at stages 0..j only, step d - 1 too), so
 that a difference says which stages of which steps left the replica out.
@@ -239,15 +241,32 @@ class TimedStderr:
         pass
 
 
-def dropped_as_the_guide_says(runner, replicas: int = 2) -> dict[int, dict[int, set[int]]]:
-    """What docs/guides/faults.md ("Replicas that carry on") says was left out: at each step of
-    ``runner.degraded_steps``, the failed replica's samples, at every stage (the failures of
-    ``runner.replica_failures`` in the order of those steps)."""
+def dropped_as_the_run_says(runner, replicas: int = 2) -> dict[int, dict[int, set[int]]]:
+    """What the runner says it left out, as docs/guides/faults.md ("Replicas that carry on") reads
+    it: ``runner.degraded_stages`` (step -> stage -> the replicas it summed, for the stages that
+    summed fewer than all), where the runner has it; else the failed replica's samples at every
+    stage at each step of ``runner.degraded_steps`` (the failures of ``runner.replica_failures`` in
+    the order of those steps)."""
+    rows = getattr(runner, "degraded_stages", None)
+    if rows is not None:
+        return {step: {k: set(range(replicas)) - set(summed) for k, summed in row.items()}
+                for step, row in rows.items()}
     steps = sorted(runner.degraded_steps)
     failures = runner.replica_failures
     if len(steps) != len(failures):
         raise AssertionError(f"{len(failures)} replica failure(s) but degraded steps {runner.degraded_steps}")
     return {d: {k: {err.replica} for k in range(len(STAGE_LAYERS))} for d, err in zip(steps, failures)}
+
+
+def loss_steps(kills: list[dict], degraded: dict[int, int]) -> list[int | None]:
+    """Each kill's step of the loss: the last degraded step from the one whose loss was in when it
+    came (its step before may be degraded too) to two after it, not an earlier kill's."""
+    out: list[int | None] = []
+    for kill in kills:
+        s = kill["steps done"]
+        mine = [d for d in sorted(degraded) if s <= d <= s + 2 and (not out or out[-1] is None or d > out[-1])]
+        out.append(mine[-1] if mine else None)
+    return out
 
 
 def _killer(runner, done: list[float], targets: list[int], rng: random.Random, kills: list[dict],
@@ -311,7 +330,7 @@ def replicas_part(steps: int, kills_wanted: int, rng: random.Random) -> tuple[li
             if ended is None:
                 state = runner.state_dict()
                 try:
-                    dropped = dropped_as_the_guide_says(runner)
+                    dropped = dropped_as_the_run_says(runner)
                 except AssertionError as exc:
                     ended = str(exc)
     finally:
@@ -319,8 +338,10 @@ def replicas_part(steps: int, kills_wanted: int, rng: random.Random) -> tuple[li
         said, sys.stderr = sys.stderr.lines, err
     left = strays.wait_no_strays(10)
     sizes = [len(y) for _, y in data]
-    events, checks = replicas_report(steps, sizes, done, kills, said, degraded, failures, dropped, state, left, ended)
-    found, chosen = explain(steps, degraded, failures, mid)
+    source = "degraded_stages" if hasattr(runner, "degraded_stages") else "degraded_steps"
+    events, checks = replicas_report(steps, sizes, done, kills, said, degraded, failures, dropped, state, left, ended,
+                                     source)
+    found, chosen = explain(steps, loss_steps(kills, degraded), failures, mid)
     checks["weights read after steps"] = sorted(mid)
     for ev, how in zip(events, found):
         ev.note += f"; the weights a step later match: {how}"
@@ -348,15 +369,19 @@ def _accountings(d: int, r: int, k: int, n: int):
             yield label + (" (the guide's)" if before < 0 and j == n - 1 else ""), dropped
 
 
-def explain(steps: int, degraded: dict[int, int], failures: list, mid: dict[int, dict]) -> tuple[list[str], dict | None]:
+def explain(steps: int, losses: list[int | None], failures: list, mid: dict[int, dict]) -> tuple[list[str], dict | None]:
     """Per loss (replica r's stage k at step d), the accounting of :func:`_accountings` that the
     runner's weights after step d + 1 match, the losses before it taken as they matched; and all
     of them together (None: a loss that none explains)."""
     chosen: dict[int, dict[int, set[int]]] | None = {}
     out = []
     base = Plain(steps)
-    for d, err in zip(sorted(degraded), failures):
+    for d, err in zip(losses, failures):
         match = None
+        if d is None:
+            chosen = None
+            out.append("no degraded step")
+            continue
         if chosen is not None:
             base.train(d - 2, chosen)  # the steps no accounting of this loss touches
         for label, extra in _accountings(d, err.replica, err.stage or 0, len(STAGE_LAYERS)):
@@ -377,19 +402,20 @@ def explain(steps: int, degraded: dict[int, int], failures: list, mid: dict[int,
 
 def replicas_report(steps: int, sizes: list[int], done: list[float], kills: list[dict], said: list[tuple[float, str]],
                     degraded: dict[int, int], failures: list, dropped: dict, state: dict | None, left: list,
-                    ended: str | None) -> tuple[list[Event], dict]:
+                    ended: str | None, source: str) -> tuple[list[Event], dict]:
     """An event per kill (its loss named, the survivor's step done, the replica back), and the checks."""
     took = [b - a for a, b in itertools.pairwise(done)]  # took[i]: step i + 1
     median = statistics.median(took) if took else 0.0
     events = []
-    order = sorted(degraded)
+    order = loss_steps(kills, degraded)
     for i, kill in enumerate(kills):
         ev = Event(f"SIGKILL stage {kill['stage']} of replica {kill['replica']}",
                    f"step {kill['steps done'] + 1}, {kill['at'] - done[0]:.1f} s", at=kill["at"])
         named = next((t for t, text in said if t >= kill["at"] and "finish the step without replica" in text), None)
         ev.detected = None if named is None else named - kill["at"]
-        if i < len(order) and i < len(failures):
-            d, r = order[i], failures[i].replica
+        d = order[i]
+        if d is not None and i < len(failures):
+            r = failures[i].replica
             back = done[d + 1] - kill["at"] if d + 1 < len(done) else None
             ev.again = done[d] - kill["at"]
             ev.lost = (f"replica {r}'s {sizes[d - 1] - sizes[d - 1] // 2 if r == 0 else sizes[d - 1] // 2} of "
@@ -409,13 +435,13 @@ def replicas_report(steps: int, sizes: list[int], done: list[float], kills: list
     problems += [f"the run ended: {ended}"] if ended is not None else []
     problems += [f"step(s) {waited} waited for a timeout"] if waited else []
     problems += [f"left behind: {left}"] if left else []
-    if not len(kills) == len(failures) == len(degraded):
+    if len(kills) != len(failures):
         problems.append(f"{len(kills)} kills, {len(failures)} replica failures, degraded steps {degraded}")
     if state is not None:
         same, diff, over = compare(state, reconstruct(steps, dropped))
-        checks["weights"] = (f"equal to the plain torch reconstruction from degraded_steps within {ATOL} (largest "
+        checks["weights"] = (f"equal to the plain torch reconstruction from {source} within {ATOL} (largest "
                              f"difference {diff:.1e})" if same else
-                             f"DIFFER from the plain torch reconstruction from degraded_steps: {over} (largest {diff:.1e})")
+                             f"DIFFER from the plain torch reconstruction from {source}: {over} (largest {diff:.1e})")
         if not same:
             problems.append(f"the weights {checks['weights']}")
     checks["problems"] = problems
