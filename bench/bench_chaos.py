@@ -378,9 +378,8 @@ def explain(steps: int, losses: list[int | None], failures: list, mid: dict[int,
     base = Plain(steps)
     for d, err in zip(losses, failures):
         match = None
-        if d is None:
-            chosen = None
-            out.append("no degraded step")
+        if d is None:  # (a loss between two steps: the replica rebuilt before the next one)
+            out.append("nothing left out")
             continue
         if chosen is not None:
             base.train(d - 2, chosen)  # the steps no accounting of this loss touches
@@ -422,8 +421,11 @@ def replicas_report(steps: int, sizes: list[int], done: list[float], kills: list
                        f"{sizes[d - 1]} samples at step {d}; no step redone")
             ev.note = (f"step {d} took {took[d - 1]:.2f} s (median {median:.3f} s); replica {r} rebuilt and training "
                        f"again {secs(back)} after the kill (step {d + 1} took {secs(took[d] if d < len(took) else None)})")
+        elif i < len(failures) and named is not None:  # lost between two steps: no step left it out
+            ev.again = next((t for t in done if t >= named), named) - kill["at"]
+            ev.lost = "nothing: no step was degraded (the replica was rebuilt between two steps)"
         else:
-            ev.ok, ev.note = False, "no degraded step for this kill"
+            ev.ok, ev.note = False, "no failure on record, or no degraded step, for this kill"
         events.append(ev)
     slow = [i + 1 for i, t in enumerate(took) if t > 2 * median and i + 1 not in degraded]  # noisy on a busy machine
     waited = [i + 1 for i, t in enumerate(took) if t > 4.8]  # 0.8 x heartbeat_timeout: a stall on a timeout
