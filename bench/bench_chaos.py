@@ -53,6 +53,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # examples.digits_job; the suite's netns, launch_util and strays (tests/support); chaos_run beside this script
 sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "bench"))
                 if p not in sys.path]
+# this checkout's pipeq for the runner's fork server too, which leaves the script's folder and the current
+# one off its path: without it (a fresh clone, no PYTHONPATH) every stage would import torch and pipeq itself
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 import strays
 import torch
