@@ -255,12 +255,14 @@ class ReplicaLoss:
                     if path is not None and os.path.exists(path):
                         os.unlink(path)
         p.spawn(mine)
-        now = time.monotonic()
-        for g in mine:  # they count again, judged for heartbeats from now on
-            sup.ignored.discard(g)
-            sup.last_beat[g] = now
+        for g in mine:  # they count again (a death is a failure), judged for heartbeats once READY,
+            sup.ignored.discard(g)  # as at the run's start: until then start_timeout is the limit
+            sup.last_beat[g] = float("inf")
         replies = sup.collect(Kind.READY, dict.fromkeys(mine, 1), timeout=p.start_timeout,
                               what=f"replica {r}'s restart")
+        now = time.monotonic()
+        for g in mine:  # READY: judged for heartbeats from now on
+            sup.last_beat[g] = now
         for g in mine:
             p.ready[g] = control.read(replies[g][0], Ready)
         healthy = self.live()
