@@ -238,10 +238,11 @@ def test_a_stage_lost_before_its_gradients_of_the_step_before_stalls_nobody(monk
         assert runner.degraded_steps == {lost - 1: 1, lost: 1}
         assert runner.degraded_stages == {lost - 1: {0: [0], 1: [0]}, lost: {0: [0], 1: [0], 2: [0]}}
     assert not wait_no_strays(5.0), "stage processes outlived the run"
-    # step 4 (the loss, and the rebuild) waits for no time-out; no other step is slower than usual
-    # (step 3 is handed back once its loss is in: its slow backward is step 4's wait)
+    # step 4 (the loss, and the rebuild: about 1 s on an idle machine) waits for no time-out (the
+    # heartbeat_timeout of 15 s it used to wait for); no other step is slower than usual (step 3 is
+    # handed back once its loss is in: its slow backward is step 4's wait)
     median = sorted(times)[len(times) // 2]
-    assert times[lost - 1] < 3.0 and all(t < max(2 * median, 0.5) for t in times[1:lost - 1] + times[lost:]), times
+    assert times[lost - 1] < 7.5 and all(t < max(2 * median, 1.0) for t in times[1:lost - 1] + times[lost:]), times
     assert losses == pytest.approx(ref_losses, abs=1e-12)
     for key in ref:
         torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
