@@ -246,3 +246,64 @@ def test_a_stage_lost_before_its_gradients_of_the_step_before_stalls_nobody(monk
     for key in ref:
         torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
         assert torch.equal(state[key], rebuilt[key]), key
+
+
+def _wide_then_narrow(armed):
+    """Stage 0 wide (its gradients, 16 rows x 601 float64 a microbatch, cross in shared-memory
+    slots), stage 1 narrow (its gradients fit a lane), stage 1's backward slowed (0.1 s) at a
+    microbatch holding MARKER (carried from the data through stage 0, as in _stages_slow_at_1)."""
+    torch.manual_seed(0)
+    s0 = nn.Sequential(nn.Linear(6, 600), nn.Tanh()).double()
+    s1 = nn.Sequential(nn.Linear(600, 8), nn.Tanh()).double()
+    return [CarryFirst(s0), SlowBackwardAt(DropLast(s1), MARKER, 0.1, armed=armed), nn.Linear(8, 4).double()]
+
+
+def test_a_lost_replicas_stage_finishing_the_step_before_never_waits_on_its_dead_previous_stage():
+    """Replica 1's stage 1 is slow in every backward of step 3 (fill-drain, 16 microbatches), so
+    that when step 3's loss is in, it still has most of them to do, each sending a gradient to
+    stage 0 through a shared-memory slot (4 a channel). Replica 1's stage 0 is SIGKILLed then. Its
+    stage 1 has no dead stage downstream: it finishes step 3, and its sends to the dead stage 0,
+    whose slots are never freed again, are dropped instead of waiting for ever (which held up
+    replica 0's stage 1 until heartbeat_timeout). Step 3 is degraded at stage 0 only."""
+    import os
+    import signal
+    import threading
+    import time
+
+    steps, lost, batch, m = 5, 4, 512, 16
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (batch,), generator=g))
+            for _ in range(steps)]
+    data[lost - 2][0][batch // 2:, 0] = MARKER  # every microbatch of replica 1's at step 3
+    model = Chain(*copy.deepcopy(_wide_then_narrow(False)))
+    opt = ADAM(model.parameters())
+    halves = {lost - 1: {0}, lost: {0, 1, 2}}  # step -> the stages that trained on replica 0's half
+    for step, (x, y) in enumerate(data, start=1):
+        grads = {}
+        for part, keep in (("whole", slice(0, batch)), ("half", slice(0, batch // 2))):
+            model.zero_grad()
+            nn.CrossEntropyLoss()(model(x[keep]), y[keep]).backward()
+            grads[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model]
+        for k, stage in enumerate(model):
+            for p, g_whole, g_half in zip(stage.parameters(), grads["whole"][k], grads["half"][k]):
+                p.grad = g_half if k in halves.get(step, ()) else g_whole
+        opt.step()
+    ref = flat_state(model)
+
+    runner = pipeq.PipelineRunner(_wide_then_narrow(True), nn.CrossEntropyLoss(), ADAM, "fill-drain", m,
+                                  data_parallel=2, fault_tolerance="replicas", heartbeat_timeout=10.0, **FAST)
+    times = []
+    with runner:
+        victim = runner.stage_processes[1 * 3 + 0]["pid"]
+        for step, (x, y) in enumerate(data, start=1):
+            if step == lost:
+                threading.Timer(0.05, os.kill, (victim, signal.SIGKILL)).start()
+            t0 = time.monotonic()
+            runner.step(x, y)
+            times.append(time.monotonic() - t0)
+        state = runner.state_dict()
+        assert runner.degraded_stages == {lost - 1: {0: [0]}, lost: {0: [0], 1: [0], 2: [0]}}
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    assert times[lost - 1] < 6.0, times  # stage 1's slow backwards (1.6 s) and the rebuild: no time-out
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
