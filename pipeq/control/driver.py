@@ -193,7 +193,11 @@ class ProcessBackend:
         batches (asynchronous 1F1B) does not; :meth:`drain` ends the stream."""
         self._rebuild_lost()
         sup = self._usable()
-        sup.drain_pending()
+        self._sending = True  # an ERROR read now is from the step before (its first stages finish it last)
+        try:
+            sup.drain_pending()
+        finally:
+            self._sending = False
         shares = [math.fsum(weights) for _, weights, _ in shards]
         live = self.replica_loss.live() if self.replica_loss is not None else list(range(len(shards)))
         if sup.deferred is not None:  # a stage failed in an earlier step: this one cannot run;

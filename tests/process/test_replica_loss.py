@@ -307,3 +307,50 @@ def test_a_lost_replicas_stage_finishing_the_step_before_never_waits_on_its_dead
     assert times[lost - 1] < 6.0, times  # stage 1's slow backwards (1.6 s) and the rebuild: no time-out
     for key in ref:
         torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+
+
+def test_a_stage_failing_after_its_steps_loss_is_in_is_absorbed_while_the_caller_pauses():
+    """Replica 1's stage 0 raises in its last backward of step 3, 0.5 s after step 3's loss is in
+    (the first stages finish a step last), while the caller does something else between steps
+    (1 s). Its ERROR is read as step 4 is sent: it is that step's failure (the run goes on), not
+    one outside training (it once ended the run). Step 3 is degraded at stage 0, step 4 everywhere."""
+    import time
+
+    from models import RaiseBackwardAt
+
+    steps, lost = 5, 4
+    data = batches64(steps, BATCH)
+    data[lost - 2][0][BATCH - 1, 0] = MARKER  # replica 1's last microbatch of step 3
+
+    def stages(armed):
+        s = stages64(3)
+        return [RaiseBackwardAt(s[0], MARKER, 0.5, armed=armed), *s[1:]]
+
+    model = Chain(*copy.deepcopy(stages(False)))
+    opt = ADAM(model.parameters())
+    halves = {lost - 1: {0}, lost: {0, 1, 2}}  # step -> the stages that trained on replica 0's half
+    for step, (x, y) in enumerate(data, start=1):
+        grads = {}
+        for part, keep in (("whole", slice(0, BATCH)), ("half", slice(0, BATCH // 2))):
+            model.zero_grad()
+            nn.CrossEntropyLoss()(model(x[keep]), y[keep]).backward()
+            grads[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model]
+        for k, stage in enumerate(model):
+            for p, g_whole, g_half in zip(stage.parameters(), grads["whole"][k], grads["half"][k]):
+                p.grad = g_half if k in halves.get(step, ()) else g_whole
+        opt.step()
+    ref = flat_state(model)
+
+    runner = pipeq.PipelineRunner(stages(True), nn.CrossEntropyLoss(), ADAM, "1f1b", 2, data_parallel=2,
+                                  fault_tolerance="replicas", **FAST)
+    with runner:
+        for step, (x, y) in enumerate(data, start=1):
+            runner.step(x, y)
+            if step == lost - 1:
+                time.sleep(1.0)
+        state = runner.state_dict()
+        assert runner.degraded_stages == {lost - 1: {0: [0]}, lost: {0: [0], 1: [0], 2: [0]}}
+        assert len(runner.replica_failures) == 1
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
