@@ -354,3 +354,51 @@ def test_a_stage_failing_after_its_steps_loss_is_in_is_absorbed_while_the_caller
     assert not wait_no_strays(5.0), "stage processes outlived the run"
     for key in ref:
         torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+
+
+def test_a_replica_lost_in_a_stream_is_rebuilt_without_the_buckets_sent_to_its_lost_processes():
+    """runner.stream keeps 4 steps in flight (3 stages, stage 0's backward slowed): replica 1's
+    stage 0 is SIGKILLed once step 2's loss is handed back. Replica 0 sent its buckets of the steps
+    in flight to it as always, and they waited in ZeroMQ for its address, where the rebuilt process
+    binds: they filled its queue and failed it again ("a peer is running ahead"), or the run. Now a
+    replica sends nothing for a round a peer is lost for, and a rebuilt one drops what is older
+    than the round it rejoins at."""
+    import os
+    import signal
+
+    steps = 10
+    s = stages64(3)
+    stages, data = [SlowBackwardAt(s[0], MARKER, 0.02), *s[1:]], batches64(steps, BATCH)
+    for x, _ in data:
+        x[:, 0] = MARKER  # every backward of stage 0 slowed: the stream's steps stay in flight
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "1f1b", 2, data_parallel=2,
+                                  fault_tolerance="replicas", **FAST)
+    with runner:
+        victim = runner.stage_processes[1 * 3 + 0]["pid"]
+        losses = []
+        for step, loss in enumerate(runner.stream(data), start=1):
+            losses.append(loss)
+            if step == 2:
+                os.kill(victim, signal.SIGKILL)
+        state = runner.state_dict()
+        rebuilt = replica_state(runner, 1)
+        degraded = runner.degraded_stages
+        assert len(runner.replica_failures) == 1, runner.replica_failures
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    assert len(losses) == steps and 2 <= len(degraded) <= 5, degraded
+    model = Chain(*copy.deepcopy([SlowBackwardAt(s[0], MARKER, 0.02, armed=False), *s[1:]]))
+    opt = ADAM(model.parameters())
+    for step, (x, y) in enumerate(data, start=1):
+        grads = {}
+        for part, keep in (((0, 1), slice(0, BATCH)), ((0,), slice(0, BATCH // 2))):
+            model.zero_grad()
+            nn.CrossEntropyLoss()(model(x[keep]), y[keep]).backward()
+            grads[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model]
+        for k, stage in enumerate(model):
+            for p, g in zip(stage.parameters(), grads[tuple(degraded.get(step, {}).get(k, (0, 1)))][k]):
+                p.grad = g
+        opt.step()
+    ref = flat_state(model)
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+        assert torch.equal(state[key], rebuilt[key]), key
