@@ -34,7 +34,7 @@ process mode:
     forkserver.py       the fork server stage processes are forked from
     supervisor.py       every wait watched: errors, deaths, silence, stuck actions
     replica_loss.py     fault_tolerance="replicas": a failed replica dropped and rebuilt
-    degraded.py         fault_tolerance="replicas": which steps a lost replica degraded, where
+    degraded.py         fault_tolerance="replicas": which steps a lost replica degraded, and where
     rendezvous.py       multi-host: node 0, the store, which stages run where
     trace_collector.py  a traced run on the driver's side
 """

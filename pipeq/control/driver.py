@@ -90,7 +90,7 @@ class ProcessBackend:
         self._sending = False  # a TRAIN is being sent (a failure then is a training step's)
         self._done: dict[int, float] = {}  # losses collected before a rebuild, until result() asks
         self.replica_loss = (ReplicaLoss(self.processes, lambda: bool(self._submitted) or self._sending,
-                                         lambda: self._rounds - len(self._submitted) + 1, self._next_request_id)
+                                         lambda: (self._rounds - len(self._submitted) + 1, self._rounds), self._next_request_id)
                              if config.fault.fault_tolerance == "replicas" else None)
         #: fault_tolerance="replicas": the training steps a lost replica degraded, and where
         self.degraded = DegradedSteps(replicas, n, self.replica_loss.rounds) if self.replica_loss else None
@@ -136,10 +136,8 @@ class ProcessBackend:
         return [control.encode(ready) for ready in self.processes.ready]
 
     def _send_all(self, sup: Supervisor, messages: list[tuple[int, Message]]) -> None:
-        """``sup.send_all``, noting a command whose per-stage sends were cut short by
-        KeyboardInterrupt (or SystemExit) between them: see :meth:`close`. (An exception leaves
-        no such command: a message that cannot be encoded fails before the first send, a stage
-        that cannot be reached fails the run.)"""
+        """``sup.send_all``, noting a command whose per-stage sends KeyboardInterrupt (or SystemExit) cut short (see
+        :meth:`close`; an exception leaves none: encoding fails before the first send, an unreachable stage fails the run)."""
         self._cut_short = True
         try:
             sup.send_all(messages)
@@ -193,7 +191,9 @@ class ProcessBackend:
         batches (asynchronous 1F1B) does not; :meth:`drain` ends the stream."""
         self._rebuild_lost()
         sup = self._usable()
-        sup.drain_pending()
+        self._sending = True  # an ERROR read now is the step before's (its first stages finish it last)
+        sup.drain_pending()  # (what it raises ends the run)
+        self._sending = False
         shares = [math.fsum(weights) for _, weights, _ in shards]
         live = self.replica_loss.live() if self.replica_loss is not None else list(range(len(shards)))
         if sup.deferred is not None:  # a stage failed in an earlier step: this one cannot run;

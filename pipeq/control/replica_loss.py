@@ -102,19 +102,20 @@ class _Parting:
     deadline: float
     dead: set[int]  # its stages whose process is dead or stopped
     acked: dict[int, set[int]] = field(default_factory=dict)  # survivor that ACKed -> rounds it summed with r
+    last_round: int = 0  # the last gradient round sent to it (from_round on: summed with it only where ACKed so)
 
 
 class ReplicaLoss:
     """The driver's side: drops a failed replica (the supervisor's ``absorb``) and rebuilds it.
 
     ``busy()`` says whether a training step is outstanding: only then is a failure absorbed;
-    ``first_round()`` is the gradient round of the oldest step outstanding (the first a dropped
-    replica misses); ``request_id()`` numbers a LOST, which the survivors ACK."""
+    ``rounds()`` is the gradient round of the oldest step outstanding (the first a dropped replica
+    misses) and the last one sent; ``request_id()`` numbers a LOST, which the survivors ACK."""
 
-    def __init__(self, processes: "StageProcesses", busy: Callable[[], bool], first_round: Callable[[], int],
+    def __init__(self, processes: "StageProcesses", busy: Callable[[], bool], rounds: Callable[[], tuple[int, int]],
                  request_id: Callable[[], int]) -> None:
         self.p = processes
-        self.busy, self.first_round, self.request_id = busy, first_round, request_id
+        self.busy, self.rounds_out, self.request_id = busy, rounds, request_id
         self.down: dict[int, PipelineError] = {}  # replica -> the failure that dropped it
         self.failures: list[PipelineError] = []  # every failure absorbed, in order
         self.parting: dict[int, _Parting] = {}  # dropped replicas whose other processes still run
@@ -149,7 +150,8 @@ class ReplicaLoss:
         sup.ignore(self.processes_of(r))
         sup.watch = self.watch
         grace = sup.step_timeout or sup.heartbeat_timeout
-        part = self.parting[r] = _Parting(self.first_round(), self.request_id(), time.monotonic() + grace, set())
+        first, last = self.rounds_out()
+        part = self.parting[r] = _Parting(first, self.request_id(), time.monotonic() + grace, set(), last_round=last)
         sup.awaited.add((Kind.ACK, part.request))  # kept as they come, whoever is waiting then
         self._stop(r, part, {g} | {h for h in self._running(r) if p.procs[h].exitcode is not None})
         print(f"pipeq: {_where(err)}: {err.message}; the other replicas finish the step without replica {r}, "
@@ -213,8 +215,10 @@ class ReplicaLoss:
         for g, with_lost in part.acked.items():
             if part.from_round > 1 and part.from_round - 1 not in with_lost:
                 self.rounds.setdefault(part.from_round - 1, {}).setdefault(g % n, {})[r] = True
-            for x in with_lost - {part.from_round - 1}:
-                self.rounds.setdefault(x, {}).setdefault(g % n, {})[r] = False
+            # the rounds from the loss's first on that r was sent: left out unless the ACK says summed (a
+            # step whose loss r had sent counts r at the driver, yet a stage may have left it out)
+            for x in set(range(part.from_round, part.last_round + 1)) | (with_lost - {part.from_round - 1}):
+                self.rounds.setdefault(x, {}).setdefault(g % n, {})[r] = x not in with_lost
 
     def _part(self, r: int) -> None:
         """Wait until replica r's processes are all stopped (every survivor ACKed its LOST)."""

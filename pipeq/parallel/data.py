@@ -298,6 +298,7 @@ class Replicas:
             broadcast_from_replica_0(self.link, self.weights, self.bucket_bytes)
         else:
             self.sync.round = self.link.done_round = self.link.sent_round = rejoin_round
+            self.link.stale_until(rejoin_round)  # (the others' buckets for its lost process)
 
     def close(self, linger_ms: int = 0) -> None:
         self.link.close(linger_ms)

@@ -116,7 +116,8 @@ class GroupLink:
     def send(self, step: int, index: int, tensors: Sequence[torch.Tensor], to: Sequence[int] | None = None) -> None:
         """Send ``tensors`` (CPU tensors ZeroMQ may read until it is done with them: never
         modify them after) as ``(step, index)`` to members ``to`` (default: every other one).
-        Does not block (short of ZeroMQ's high-water mark, far above what a step sends)."""
+        Does not block (short of ZeroMQ's high-water mark, far above what a step sends). Nothing
+        goes to a member lost for ``step`` (:meth:`forget`)."""
         frames = codec.encode(self.kind, step, index, tensors)
         for i, f in enumerate(frames[1:]):
             if f.nbytes > self.max_frame_bytes:
@@ -125,6 +126,8 @@ class GroupLink:
                     f"{f.nbytes / 2**20:.1f} MiB, over the {self.max_frame_bytes / 2**20:.0f} MiB "
                     "cap of a data frame")
         for m in self.others() if to is None else to:
+            if step >= self.gone.get(m, step + 1):
+                continue  # lost for this step: nobody would read it (its address may be a rebuilt process's)
             sock = self._out.get(m)
             if sock is None:
                 raise RuntimeError(f"{self.who}: not connected to {self.peer} {m}")
@@ -186,6 +189,14 @@ class GroupLink:
         from ``from_step`` on (what it sent for earlier steps is still filed and waited for)."""
         first = self.gone[member] = min(from_step, self.gone.get(member, from_step))
         self.queue.discard(keep=lambda k: k[0] != member or k[1] < first)
+
+    def stale_until(self, step: int) -> None:
+        """(This member is a rebuilt one, bound where its lost process was.) Every other member's
+        messages of steps up to ``step`` are stale: what they sent its lost process, still in flight
+        to this address, is dropped (that already filed too), never waited for."""
+        for m in self.others():
+            self._stale[m] = step
+        self.queue.discard(keep=lambda k: k[1] > step)
 
     def rejoin(self, member: int, address: str, after_step: int) -> None:
         """``member`` is back, rebuilt, at ``address``: a new socket to it (what the old one still

@@ -46,7 +46,9 @@ class ReplicaLink(GroupLink):
     anything) while a stage of its replica downstream of it is dead gives that round up at once:
     it raises :class:`~pipeq.wire.errors.Stopped` and its process exits, which the driver tells the
     other replicas (``dead``), so that none of them waits for a round that cannot come. One with
-    no dead stage downstream finishes the round (its inputs still come) and sends its buckets."""
+    no dead stage downstream finishes the round (its inputs still come) and sends its buckets; its
+    sends to a dead previous stage are dropped (:attr:`~pipeq.wire.stage_link.StageSender.backward_gone`:
+    that stage's shared-memory slots are never freed again)."""
 
     def __init__(self, receiver: StageInbox, sender: StageSender, bind: BindTo, *, stage: int, replica: int,
                  replicas: int, capacity: int, shard: int = 0) -> None:
@@ -58,6 +60,7 @@ class ReplicaLink(GroupLink):
         self.stage, self.shard = stage, shard
         self.replica, self.replicas = replica, replicas
         self.commands, self.reply = receiver.control_queue, sender.send_control
+        self._out_of_stage = sender  # (its sends to the previous stage: see _check_parting)
         prefix = f"R{stage}" + (f".{shard}" if shard else "")
         super().__init__(receiver.inbox, bind, auth=receiver.auth, max_frame_bytes=receiver.max_frame_bytes,
                          me=replica, members=range(replicas), kind=Kind.REPLICA, capacity=capacity,
@@ -85,14 +88,12 @@ class ReplicaLink(GroupLink):
         queue = self.commands
         if not queue or not any(m.kind is Kind.LOST for m in queue):
             return
-        rest = []
-        for m in queue:
-            if m.kind is Kind.LOST:
-                self.lose(control.read(m, control.Lost), m.step)
-            else:
-                rest.append(m)
+        notices = [m for m in queue if m.kind is Kind.LOST]
+        rest = [m for m in queue if m.kind is not Kind.LOST]
         queue.clear()
         queue.extend(rest)
+        for m in notices:  # out of the queue first: lose() looks at it again (_check_parting)
+            self.lose(control.read(m, control.Lost), m.step)
 
     def lose(self, notice: control.Lost, request: int) -> None:
         """LOST (message step ``request``): forget its replica for the rounds from its
@@ -112,9 +113,12 @@ class ReplicaLink(GroupLink):
 
     def _check_parting(self) -> None:
         """(Where a wait looks for EXIT.) Parting, with the round before the lost one unsent and a
-        dead stage of this replica downstream: give the round up (:class:`Stopped`)."""
+        dead stage of this replica downstream: give the round up (:class:`Stopped`). With the
+        previous stage dead, what this stage sends it is dropped (a send never waits for room there)."""
         self.take_notices()
         part = self.parting
+        if part is not None and self.stage - 1 in (part.dead or ()):  # sends there could wait for ever
+            self._out_of_stage.backward_gone = True
         if part is None or part.from_round is None or self.sent_round >= part.from_round - 1:
             return
         if any(k > self.stage for k in part.dead or ()):

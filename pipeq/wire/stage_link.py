@@ -35,6 +35,10 @@ from pipeq.wire.stage_inbox import StageInbox
 __all__ = ["StageSender", "Outlet"]
 
 
+class _Gone(Exception):
+    """(A send to a dead previous stage, given up: see StageSender.backward_gone.)"""
+
+
 class Outlet:
     """One outbound data channel: its socket, lane, shared-memory slot writers and MAC."""
 
@@ -58,6 +62,10 @@ class StageSender:
         self.process = receiver.process
         self.max_frame_bytes = receiver.max_frame_bytes
         self._seals = seals_data(receiver.auth, receiver.tcp)
+        #: the previous stage's process is dead and this one only finishes its gradient round (a lost
+        #: replica's stage, :mod:`pipeq.wire.replica_link`): what it would send there is dropped
+        self.backward_gone = False
+        self._sending_back = False  # a send to the previous stage waits for room (see _idle)
         self.forward: Outlet | None = None
         self.backward: Outlet | None = None
 
@@ -98,6 +106,8 @@ class StageSender:
         inbox = self.receiver.inbox
         inbox.pump(0)
         inbox.check_exit()
+        if self._sending_back and self.backward_gone:  # nobody will ever make room: drop the send
+            raise _Gone()
         os.sched_yield()
 
     @property
@@ -140,7 +150,15 @@ class StageSender:
 
     def send_gradient(self, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
         assert self.backward is not None, "stage has no previous stage"
-        self._send(self.backward, self.data_frames(Kind.GRADIENT, step, mb, tensors, self.backward))
+        if self.backward_gone:
+            return
+        self._sending_back = True
+        try:
+            self._send(self.backward, self.data_frames(Kind.GRADIENT, step, mb, tensors, self.backward))
+        except _Gone:
+            pass
+        finally:
+            self._sending_back = False
 
     def _send(self, out: Outlet, frames: list[Any]) -> None:
         """Through the lane when there is one and the message fits a datagram, else ZeroMQ. A

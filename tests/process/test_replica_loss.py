@@ -247,3 +247,159 @@ def test_a_stage_lost_before_its_gradients_of_the_step_before_stalls_nobody(monk
     for key in ref:
         torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
         assert torch.equal(state[key], rebuilt[key]), key
+
+
+def _wide_then_narrow(armed):
+    """Stage 0 wide (its gradients, 16 rows x 601 float64 a microbatch, cross in shared-memory
+    slots), stage 1 narrow (its gradients fit a lane), stage 1's backward slowed (0.1 s) at a
+    microbatch holding MARKER (carried from the data through stage 0, as in _stages_slow_at_1)."""
+    torch.manual_seed(0)
+    s0 = nn.Sequential(nn.Linear(6, 600), nn.Tanh()).double()
+    s1 = nn.Sequential(nn.Linear(600, 8), nn.Tanh()).double()
+    return [CarryFirst(s0), SlowBackwardAt(DropLast(s1), MARKER, 0.1, armed=armed), nn.Linear(8, 4).double()]
+
+
+def test_a_lost_replicas_stage_finishing_the_step_before_never_waits_on_its_dead_previous_stage():
+    """Replica 1's stage 1 is slow in every backward of step 3 (fill-drain, 16 microbatches), so
+    that when step 3's loss is in, it still has most of them to do, each sending a gradient to
+    stage 0 through a shared-memory slot (4 a channel). Replica 1's stage 0 is SIGKILLed then. Its
+    stage 1 has no dead stage downstream: it finishes step 3, and its sends to the dead stage 0,
+    whose slots are never freed again, are dropped instead of waiting for ever (which held up
+    replica 0's stage 1 until heartbeat_timeout). Step 3 is degraded at stage 0 only."""
+    import os
+    import signal
+    import threading
+    import time
+
+    steps, lost, batch, m = 5, 4, 512, 16
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (batch,), generator=g))
+            for _ in range(steps)]
+    data[lost - 2][0][batch // 2:, 0] = MARKER  # every microbatch of replica 1's at step 3
+    model = Chain(*copy.deepcopy(_wide_then_narrow(False)))
+    opt = ADAM(model.parameters())
+    halves = {lost - 1: {0}, lost: {0, 1, 2}}  # step -> the stages that trained on replica 0's half
+    for step, (x, y) in enumerate(data, start=1):
+        grads = {}
+        for part, keep in (("whole", slice(0, batch)), ("half", slice(0, batch // 2))):
+            model.zero_grad()
+            nn.CrossEntropyLoss()(model(x[keep]), y[keep]).backward()
+            grads[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model]
+        for k, stage in enumerate(model):
+            for p, g_whole, g_half in zip(stage.parameters(), grads["whole"][k], grads["half"][k]):
+                p.grad = g_half if k in halves.get(step, ()) else g_whole
+        opt.step()
+    ref = flat_state(model)
+
+    runner = pipeq.PipelineRunner(_wide_then_narrow(True), nn.CrossEntropyLoss(), ADAM, "fill-drain", m,
+                                  data_parallel=2, fault_tolerance="replicas", heartbeat_timeout=10.0, **FAST)
+    times = []
+    with runner:
+        victim = runner.stage_processes[1 * 3 + 0]["pid"]
+        for step, (x, y) in enumerate(data, start=1):
+            if step == lost:
+                threading.Timer(0.05, os.kill, (victim, signal.SIGKILL)).start()
+            t0 = time.monotonic()
+            runner.step(x, y)
+            times.append(time.monotonic() - t0)
+        state = runner.state_dict()
+        assert runner.degraded_stages == {lost - 1: {0: [0]}, lost: {0: [0], 1: [0], 2: [0]}}
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    assert times[lost - 1] < 6.0, times  # stage 1's slow backwards (1.6 s) and the rebuild: no time-out
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+
+
+def test_a_stage_failing_after_its_steps_loss_is_in_is_absorbed_while_the_caller_pauses():
+    """Replica 1's stage 0 raises in its last backward of step 3, 0.5 s after step 3's loss is in
+    (the first stages finish a step last), while the caller does something else between steps
+    (1 s). Its ERROR is read as step 4 is sent: it is that step's failure (the run goes on), not
+    one outside training (it once ended the run). Step 3 is degraded at stage 0, step 4 everywhere."""
+    import time
+
+    from models import RaiseBackwardAt
+
+    steps, lost = 5, 4
+    data = batches64(steps, BATCH)
+    data[lost - 2][0][BATCH - 1, 0] = MARKER  # replica 1's last microbatch of step 3
+
+    def stages(armed):
+        s = stages64(3)
+        return [RaiseBackwardAt(s[0], MARKER, 0.5, armed=armed), *s[1:]]
+
+    model = Chain(*copy.deepcopy(stages(False)))
+    opt = ADAM(model.parameters())
+    halves = {lost - 1: {0}, lost: {0, 1, 2}}  # step -> the stages that trained on replica 0's half
+    for step, (x, y) in enumerate(data, start=1):
+        grads = {}
+        for part, keep in (("whole", slice(0, BATCH)), ("half", slice(0, BATCH // 2))):
+            model.zero_grad()
+            nn.CrossEntropyLoss()(model(x[keep]), y[keep]).backward()
+            grads[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model]
+        for k, stage in enumerate(model):
+            for p, g_whole, g_half in zip(stage.parameters(), grads["whole"][k], grads["half"][k]):
+                p.grad = g_half if k in halves.get(step, ()) else g_whole
+        opt.step()
+    ref = flat_state(model)
+
+    runner = pipeq.PipelineRunner(stages(True), nn.CrossEntropyLoss(), ADAM, "1f1b", 2, data_parallel=2,
+                                  fault_tolerance="replicas", **FAST)
+    with runner:
+        for step, (x, y) in enumerate(data, start=1):
+            runner.step(x, y)
+            if step == lost - 1:
+                time.sleep(1.0)
+        state = runner.state_dict()
+        assert runner.degraded_stages == {lost - 1: {0: [0]}, lost: {0: [0], 1: [0], 2: [0]}}
+        assert len(runner.replica_failures) == 1
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+
+
+def test_a_replica_lost_in_a_stream_is_rebuilt_without_the_buckets_sent_to_its_lost_processes():
+    """runner.stream keeps 4 steps in flight (3 stages, stage 0's backward slowed): replica 1's
+    stage 0 is SIGKILLed once step 2's loss is handed back. Replica 0 sent its buckets of the steps
+    in flight to it as always, and they waited in ZeroMQ for its address, where the rebuilt process
+    binds: they filled its queue and failed it again ("a peer is running ahead"), or the run. Now a
+    replica sends nothing for a round a peer is lost for, and a rebuilt one drops what is older
+    than the round it rejoins at."""
+    import os
+    import signal
+
+    steps = 10
+    s = stages64(3)
+    stages, data = [SlowBackwardAt(s[0], MARKER, 0.02), *s[1:]], batches64(steps, BATCH)
+    for x, _ in data:
+        x[:, 0] = MARKER  # every backward of stage 0 slowed: the stream's steps stay in flight
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "1f1b", 2, data_parallel=2,
+                                  fault_tolerance="replicas", **FAST)
+    with runner:
+        victim = runner.stage_processes[1 * 3 + 0]["pid"]
+        losses = []
+        for step, loss in enumerate(runner.stream(data), start=1):
+            losses.append(loss)
+            if step == 2:
+                os.kill(victim, signal.SIGKILL)
+        state = runner.state_dict()
+        rebuilt = replica_state(runner, 1)
+        degraded = runner.degraded_stages
+        assert len(runner.replica_failures) == 1, runner.replica_failures
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    assert len(losses) == steps and 2 <= len(degraded) <= 5, degraded
+    model = Chain(*copy.deepcopy([SlowBackwardAt(s[0], MARKER, 0.02, armed=False), *s[1:]]))
+    opt = ADAM(model.parameters())
+    for step, (x, y) in enumerate(data, start=1):
+        grads = {}
+        for part, keep in (((0, 1), slice(0, BATCH)), ((0,), slice(0, BATCH // 2))):
+            model.zero_grad()
+            nn.CrossEntropyLoss()(model(x[keep]), y[keep]).backward()
+            grads[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model]
+        for k, stage in enumerate(model):
+            for p, g in zip(stage.parameters(), grads[tuple(degraded.get(step, {}).get(k, (0, 1)))][k]):
+                p.grad = g
+        opt.step()
+    ref = flat_state(model)
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
+        assert torch.equal(state[key], rebuilt[key]), key

@@ -401,3 +401,33 @@ class DropLast(nn.Module):
 
     def forward(self, x):
         return self.inner(x[:, :-1])
+
+
+class _RaiseBackward(torch.autograd.Function):
+    """The identity, whose backward sleeps ``seconds``, then raises (when ``armed``)."""
+
+    @staticmethod
+    def forward(ctx, y, seconds, armed):
+        ctx.seconds, ctx.armed = seconds, armed
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.armed:
+            time.sleep(ctx.seconds)
+            raise RuntimeError("injected: a backward failed late in the step")
+        return grad, None, None
+
+
+class RaiseBackwardAt(nn.Module):
+    """``inner``, except that the backward of a microbatch whose input holds the value ``marker``
+    sleeps ``seconds``, then raises (``armed=False``: never; the same numbers otherwise)."""
+
+    def __init__(self, inner: nn.Module, marker: float, seconds: float, armed: bool = True) -> None:
+        super().__init__()
+        self.inner = inner
+        self.marker, self.seconds, self.armed = marker, seconds, armed
+
+    def forward(self, x):
+        armed = self.armed and bool((x == self.marker).any())
+        return _RaiseBackward.apply(self.inner(x), self.seconds, armed)

@@ -131,3 +131,23 @@ def test_what_replicas_mode_does_not_support_is_refused_by_name():
     check_replicas_mode(RunConfig(schedule=schedules.resolve("interleaved-1f1b"),  # per process too
                                   fault=FaultConfig(fault_tolerance="replicas"),
                                   placement=PlacementConfig(data_parallel=2)), multi_host=False)
+
+
+def test_the_record_names_each_stage_that_left_a_lost_replica_out_even_when_its_loss_counted():
+    """Replica 1 is lost at gradient round 5 (the step outstanding) after its last stage sent the
+    step's loss (the driver counts it: no finished() row), while its stage 0 died before sending
+    rounds 4 and 5. Replica 0's stage 0 ACKs having summed neither with it, stages 1 and 2 both:
+    the record says step 4 and step 5 were degraded at stage 0 (step 5 was once missed)."""
+    import types
+
+    from pipeq.control.degraded import DegradedSteps
+    from pipeq.control.replica_loss import ReplicaLoss, _Parting
+
+    loss = ReplicaLoss(types.SimpleNamespace(n_stages=3), lambda: True, lambda: (5, 5), lambda: 1)
+    record = DegradedSteps(2, 3, loss.rounds)
+    for rnd in range(1, 6):
+        record.sent(rnd, 10 + rnd)  # round k is the driver's step 10 + k
+    part = _Parting(5, 1, 0.0, {0}, acked={0: set(), 1: {4, 5}, 2: {4, 5}}, last_round=5)
+    loss._note_rounds(1, part)
+    assert record.stages() == {14: {0: [0]}, 15: {0: [0]}}
+    assert record.counts() == {14: 1, 15: 1}

@@ -486,3 +486,37 @@ def test_a_lost_replica_is_waited_for_before_its_first_missed_round_and_acked_pa
         _close(stages, links)
         server.close()
         remove_ipc_dir(where)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dead,gives_up", [([2], True), ([0], False)])
+def test_a_lost_replicas_own_stage_reads_its_lost_in_a_wait(dead, gives_up):
+    """Replica 1 is lost (LOST naming it, from round 3) while its stage 1, alive, has not sent its
+    buckets of round 2 and waits (for anything): the LOST is read there, once. With a dead stage
+    downstream (stage 2) the wait ends (Stopped: the round is given up); with only the previous
+    stage dead (stage 0) it goes on (the round can still be finished), and its sends to that stage
+    are dropped from then on: a send never waits for room there. (Reading the LOST from within
+    that wait once recursed until Python's limit.)"""
+    from pipeq.wire import control
+    from pipeq.wire.errors import Stopped
+
+    where = make_ipc_dir()
+    server = ControlServer(BindTo.ipc(where))
+    stages, links = _replica_pair(BindTo.ipc(where), server_addr=server.address)
+    try:
+        b = links[1]
+        stages[1].send_control(Message(Kind.READY))  # connect the stage's control socket
+        wait_for(lambda: server.recv(100))
+        server.send_many([(3, control.message(control.Lost(replica=1, from_round=3, dead=dead), -9))])
+        wait_for(lambda: stages[1].pump(50) or None if not stages[1].control_queue else True)
+        if gives_up:
+            with pytest.raises(Stopped, match="gives gradient round 2 up"):
+                stages[1].inbox.check_exit()
+        else:
+            stages[1].inbox.check_exit()
+            assert b.parting is not None and stages[1].tx.backward_gone
+        assert not stages[1].control_queue  # taken, once
+    finally:
+        _close(stages, links)
+        server.close()
+        remove_ipc_dir(where)
