@@ -248,7 +248,10 @@ class Trainer:
         except DataError as exc:  # (a generator's batch) said in full: no traceback adds to it
             self.log(str(exc))
             return 1, None
-        except (ValueError, TypeError, OSError, checkpoint.CheckpointError) as exc:
+        except checkpoint.CheckpointError as exc:  # names the file and what to do: no traceback adds to it
+            self.log(f"CheckpointError: {exc}")
+            return 1, None
+        except (ValueError, TypeError, OSError) as exc:
             self.log(f"{type(exc).__name__}: {exc}")
             traceback.print_exc(file=self.stream)
             return 1, None
