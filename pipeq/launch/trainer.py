@@ -230,6 +230,7 @@ class Trainer:
         except PipelineError as exc:
             if self._loop is not None:  # the snapshots that had arrived, for a restart
                 self.snapshots.adopt(runner, self._loop.step)
+                exc = self._run_steps(exc, self._loop.numbers)
             where = f"stage {exc.stage}" if exc.stage is not None else "the pipeline"
             self.log(f"{where} failed: {exc.message}")
             if exc.remote_traceback:
@@ -258,6 +259,16 @@ class Trainer:
         if self.signals.stopping:
             return self.signals.exit_code(), None
         return 0, None
+
+    @staticmethod
+    def _run_steps(exc: PipelineError, numbers: Any) -> PipelineError:
+        """``exc`` naming the run's steps, where the stages named their runner's (from 1 in each
+        start, evaluations' batches counted: :class:`~pipeq.launch.stream.StepNumbers`); the
+        traceback's own lines (indented: the code) are left as they are."""
+        tb = exc.remote_traceback
+        if tb is not None:
+            tb = "".join(ln if ln[:1].isspace() else numbers.rewrite(ln) for ln in tb.splitlines(keepends=True))
+        return PipelineError(numbers.rewrite(exc.message), exc.stage, tb, replica=exc.replica, shard=exc.shard)
 
     def _stage_times(self) -> None:
         """With ``trace`` and TensorBoard: each stage's busy time and bubble in each step this

@@ -56,3 +56,60 @@ def test_a_damaged_checkpoint_on_resume_is_one_line_naming_the_file_and_what_to_
                            "manifest: corrupted. "), said
     assert (f"move it out of {out}/checkpoints and run again with --resume to continue from the one before it"
             in last), said
+
+
+class _Failing:
+    """A runner whose stages fail in its own step ``fails`` (it numbers every step it sends from
+    1, an evaluation's batches too, as PipelineRunner.steps_sent says), naming that step."""
+
+    last_step_lr = None
+
+    def __init__(self, fails: int) -> None:
+        self.steps_sent, self.fails = 0, fails
+
+    def stream(self, batches):
+        from pipeq.errors import PipelineError
+
+        for _ in batches:
+            self.steps_sent += 1
+            if self.steps_sent == self.fails:
+                s = self.steps_sent
+                raise PipelineError(
+                    f"FloatingPointError: stage 0: the input x of microbatch 0 (step {s}) holds NaN or Inf", 0,
+                    "Traceback (most recent call last):\n  File \"stage.py\", line 3, in forward\n"
+                    "    raise FloatingPointError(f'... (step 2)')\n"
+                    f"FloatingPointError: stage 0: the input x of microbatch 0 (step {s}) holds NaN or Inf\n")
+            yield 1.0
+
+    def evaluate(self, batches: int) -> None:
+        self.steps_sent += batches
+
+
+def test_a_stage_error_after_a_restart_and_evaluations_names_the_runs_step() -> None:
+    """Resumed from step 4, an evaluation of 3 batches after each even step: the runner's step 7
+    is the run's step 8 (5, 6, evaluation, 7, 8), and the error says so (its traceback's last line
+    too; the code's lines are left as they are)."""
+    import torch
+
+    from pipeq.launch.data import Batches
+    from pipeq.launch.signals import StopSignals
+    from pipeq.launch.stream import StepNumbers, train_steps
+
+    runner = _Failing(fails=7)
+    numbers = StepNumbers(runner)
+    source = Batches(((0, i, (torch.zeros(2, 1), torch.zeros(2))) for i in range(4, 10)), 0)
+    trained = []
+    try:
+        for done in train_steps(runner, source, 4, 10, (2,), False, StopSignals(), numbers=numbers):
+            trained.append(done.step)
+            if done.step % 2 == 0:  # every segment ends at an even step: its evaluation
+                runner.evaluate(3)
+    except Exception as exc:  # noqa: BLE001 (the stages' failure, as the runner raises it)
+        failure = exc
+    assert trained == [5, 6], trained
+    said = Trainer._run_steps(failure, numbers)
+    assert said.message == "FloatingPointError: stage 0: the input x of microbatch 0 (step 8) holds NaN or Inf"
+    assert said.stage == 0 and said.remote_traceback.splitlines()[-2:] == [
+        "    raise FloatingPointError(f'... (step 2)')",
+        "FloatingPointError: stage 0: the input x of microbatch 0 (step 8) holds NaN or Inf"]
+    assert [numbers.run_step(n) for n in (1, 2, 3, 5, 6, 7)] == [5, 6, None, None, 7, 8]  # 3-5: the evaluation's
