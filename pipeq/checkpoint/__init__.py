@@ -23,7 +23,8 @@ Everything is named by *global* names, those of the flat model ``nn.Sequential(*
 from __future__ import annotations
 
 from pipeq.checkpoint.atomic import recover
-from pipeq.checkpoint.data import FORMAT, MANIFEST, VERSION, Checkpoint, CheckpointError, NoSpaceError, StageSnapshot
+from pipeq.checkpoint.data import (FORMAT, MANIFEST, VERSION, Checkpoint, CheckpointError, DamagedCheckpointError,
+                                   NoSpaceError, StageSnapshot)
 from pipeq.checkpoint.disk import load, save
 from pipeq.checkpoint.names import (AUX_PREFIX, StageLayout, aux_name, flat_model, global_names, global_state,
                                     is_sequential, layer_of, layers_of, layout_of, split_state, tie_aliases,
@@ -34,7 +35,8 @@ from pipeq.checkpoint.snapshot import (load_optimizer_snapshot, load_schedulers_
 from pipeq.checkpoint.steps import checkpoint_dir, latest, prune
 
 __all__ = [
-    "FORMAT", "VERSION", "MANIFEST", "CheckpointError", "NoSpaceError", "StageSnapshot", "Checkpoint",
+    "FORMAT", "VERSION", "MANIFEST", "CheckpointError", "DamagedCheckpointError", "NoSpaceError", "StageSnapshot",
+    "Checkpoint",
     "StageLayout", "is_sequential", "layers_of", "layout_of", "flat_model", "layer_of", "to_global", "AUX_PREFIX",
     "aux_name", "global_names", "global_state", "split_state", "tie_aliases",
     "optimizer_snapshot", "load_optimizer_snapshot", "optimizers_snapshot", "schedulers_snapshot",

@@ -7,7 +7,8 @@ from typing import NotRequired, TypedDict
 
 import torch
 
-__all__ = ["FORMAT", "VERSION", "MANIFEST", "CheckpointError", "NoSpaceError", "StageSnapshot", "Checkpoint"]
+__all__ = ["FORMAT", "VERSION", "MANIFEST", "CheckpointError", "DamagedCheckpointError", "NoSpaceError",
+           "StageSnapshot", "Checkpoint"]
 
 FORMAT = "pipeq-checkpoint"
 """The ``format`` a checkpoint's manifest names."""
@@ -19,6 +20,13 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted, or does not fit the current stages."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files are damaged: a manifest that is not readable or not consistent, a
+    stage file missing, or one whose size or sha256 differs from its manifest, or that does not
+    load. (One that is whole but does not fit, or of another format version, is a plain
+    :class:`CheckpointError`.)"""
 
 
 class NoSpaceError(CheckpointError):

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from pipeq.checkpoint.atomic import complete_at, foreign, fsync_dir, make_temp, old_of, recover, swap, write_file
-from pipeq.checkpoint.data import FORMAT, MANIFEST, VERSION, Checkpoint, CheckpointError, StageSnapshot
+from pipeq.checkpoint.data import (FORMAT, MANIFEST, VERSION, Checkpoint, CheckpointError, DamagedCheckpointError,
+                                   StageSnapshot)
 from pipeq.checkpoint.full import is_no_space, no_space_error
 from pipeq.checkpoint.names import StageNames, aux_name
 
@@ -174,9 +175,9 @@ def _read_manifest(directory: str) -> dict[str, Any]:
         with open(manifest_path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{manifest_path} is not readable JSON ({e}); the checkpoint is damaged")
+        raise DamagedCheckpointError(f"{manifest_path} is not readable JSON ({e}); the checkpoint is damaged")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path} is not a pipeq checkpoint manifest")
+        raise DamagedCheckpointError(f"{manifest_path} is not a pipeq checkpoint manifest")
     if manifest.get("version") != VERSION:
         raise CheckpointError(
             f"{directory} is checkpoint format version {manifest.get('version')!r}; "
@@ -184,27 +185,27 @@ def _read_manifest(directory: str) -> dict[str, Any]:
         )
     files = manifest.setdefault("files", [])
     if not (len(files) == manifest.get("n_stages") == len(manifest.get("layers", [])) and "meta" in manifest):
-        raise CheckpointError(f"{manifest_path} is inconsistent (n_stages, layers, files, meta): damaged")
+        raise DamagedCheckpointError(f"{manifest_path} is inconsistent (n_stages, layers, files, meta): damaged")
     return manifest
 
 
 def _read_stage(path: str, entry: dict[str, Any], layers: int) -> dict[str, Any]:
     """The stage file ``path``, verified against its manifest ``entry`` and read safely."""
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+        raise DamagedCheckpointError(f"{path} is missing; the checkpoint is incomplete")
     size = os.path.getsize(path)
     if size != entry["bytes"]:
-        raise CheckpointError(f"{path} has {size} bytes, the manifest says {entry['bytes']}: corrupted")
+        raise DamagedCheckpointError(f"{path} has {size} bytes, the manifest says {entry['bytes']}: corrupted")
     if _sha256(path) != entry["sha256"]:
-        raise CheckpointError(f"{path} does not match its sha256 in the manifest: corrupted")
+        raise DamagedCheckpointError(f"{path} does not match its sha256 in the manifest: corrupted")
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:
-        raise CheckpointError(f"{path} cannot be loaded safely (weights_only): {e}") from e
+        raise DamagedCheckpointError(f"{path} cannot be loaded safely (weights_only): {e}") from e
     if not isinstance(data, dict) or not {"model", "optim", "sched", "rng", "layers"} <= data.keys():
-        raise CheckpointError(f"{path} is not a pipeq stage file")
+        raise DamagedCheckpointError(f"{path} is not a pipeq stage file")
     if data["layers"] != layers:
-        raise CheckpointError(f"{path} has {data['layers']} layers, its manifest {layers}")
+        raise DamagedCheckpointError(f"{path} has {data['layers']} layers, its manifest {layers}")
     return data
 
 

@@ -55,6 +55,11 @@ class Feed:
         self._declared: list[tuple[str, ...]] | None = None  # each stage's declared inputs, asked once
         self._step = 0  # the last step's number
 
+    @property
+    def sent(self) -> int:
+        """The steps numbered so far, training and predict alike: a stage names one of 1..sent."""
+        return self._step
+
     def attach(self, backend: Backend, batcher: Batcher) -> None:
         """Feed ``backend``, its batches split by ``batcher`` (both built for the run's schedule)."""
         self.backend, self.batcher, self._declared = backend, batcher, None

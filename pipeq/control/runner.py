@@ -229,6 +229,7 @@ class PipelineRunner:
         self._pipeline.flight.sweep()
         return {step: dict(row) for step, row in self._pipeline.flight.degraded_stages.items()}
 
+    steps_sent = property(lambda self: self._pipeline.feed.sent, doc="Steps sent, training and predict: stages name 1 to it.")
     last_step_replicas = property(lambda self: self._pipeline.flight.last_replicas,
                                   doc="How many replicas completed the last step handed back, when fewer than all; else None.")
 

@@ -45,7 +45,12 @@ class Checkpoints:
         if found is None:
             self.log(f"--resume: no complete checkpoint under {self.run_dir.checkpoints}; starting fresh")
             return 0, 0, 0
-        meta = runner.load(found)
+        try:
+            meta = runner.load(found)
+        except checkpoint.DamagedCheckpointError as exc:  # said with what to do (never an older one by itself)
+            raise checkpoint.DamagedCheckpointError(
+                f"{exc}. {found} is the newest checkpoint, the one --resume (and a restart) loads: move it out of "
+                f"{os.path.dirname(found)} and run again with --resume to continue from the one before it") from None
         self.source = "disk"
         step, epoch, skip = int(meta["step"]), int(meta["epoch"]), int(meta["batch"])
         self.log(f"resumed from {found} (step {step}, epoch {shown_epoch(epoch, skip)})")

@@ -14,7 +14,7 @@ from pipeq.launch.progress import MovingRate, Progress, Tally
 from pipeq.launch.rundir import RunDir
 from pipeq.launch.signals import StopSignals
 from pipeq.launch.snapshots import Snapshots
-from pipeq.launch.stream import EpochEnd, StepDone, segment_end, train_steps
+from pipeq.launch.stream import EpochEnd, StepDone, StepNumbers, segment_end, train_steps
 from pipeq.launch.tensorboard import Board
 from pipeq.stage.compiled import NO_COMPILE_FIGURES
 
@@ -57,6 +57,7 @@ class TrainingLoop:
         self.snapshots.attach(runner, step)
         self.board = board if board is not None else Board(run_dir.tb)  # without a writer: writes nothing
         self._memory_at: int | None = step + 1  # the step after which every byte each stage holds is asked for
+        self.numbers = StepNumbers(runner)  # the run's step of a step the stages name (a failure's message)
 
     def run(self) -> bool:
         """Train; True: to the end (the final state is due), False: a signal stopped it (its
@@ -72,7 +73,7 @@ class TrainingLoop:
                 # (where an uninterrupted run has none: a resumed one's weights would differ)
                 self._memory_at = segment_end(self.step, self.total, every)
             for done in train_steps(self.runner, source, self.step, self.total, every, self.by_epoch, self.signals,
-                                    self._arrived):
+                                    self._arrived, self.numbers):
                 if isinstance(done, EpochEnd):  # resumed at the end of an epoch: its step first
                     metric, _ = self.evaluator.epoch_metric(self.runner, done.epoch, None, self.losses)
                     self.runner.scheduler_step(metric)

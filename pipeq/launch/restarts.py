@@ -8,7 +8,10 @@ with no disk read. Each restart is written to metrics.jsonl (``restart``: the er
 the first step that did not finish, the step resumed from, the seconds lost; a restart whose
 stages failed again as they started: ``"resumed_from": null`` and ``start_failed``, that error),
 and kept there when a later restart trims the file. :class:`Restarts` decides: it gives up after
-K restarts, or when the same step fails twice in a row with the same error (a bug, not a fault). An injected
+K restarts, or when the same step fails twice in a row with the same error (a bug, not a fault),
+unless the failure came from outside: a process killed by a signal from outside (its pid tells
+the two kills apart), or, on several hosts, a start in which a node was lost (the restart
+record's ``lost_nodes``: its agent gone or its host cut off, as node 0's regroup found). An injected
 fault (``PIPEQ_FAULT``) fires in the first start only, so that a restart can show it recovers.
 """
 
@@ -18,7 +21,7 @@ import json
 import re
 import os
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from pipeq.errors import PipelineError
 from pipeq.runtime.faults import ENV as FAULT_ENV
@@ -54,28 +57,41 @@ class Restarts:
         self._pending: dict | None = None  # the restart record, written once the resume point is known
         self._failed_at = 0.0
 
-    def again(self, exc: PipelineError, failed_step: int) -> bool:
+    def again(self, exc: PipelineError, failed_step: int, lost_nodes: Sequence[int] = (), start: bool = True,
+              failed_at: float | None = None) -> bool:
         """Whether to restart after ``exc``, ``failed_step`` the first training step that did not
-        finish (steps after it may have been in flight too); saying why not."""
+        finish (steps after it may have been in flight too); saying why not. ``lost_nodes``: the
+        nodes node 0's regroup found lost in that start (a failure from outside: never "a bug",
+        and not the first of two either). ``start``: False when the restart is on record but
+        will not start (the nodes left are too few, as the regroup said). ``failed_at``: when
+        the failure was seen (``time.monotonic()``; default now), the start of the seconds lost."""
         key = (failed_step, exc.stage, identity(exc.message))
         self._unresumed(exc.message, failed_step)
         if self.count >= self.limit:
             if self.limit:
                 self.log(f"gave up after {self.count} restart(s) (--max-restarts {self.limit})")
             return False
-        if key == self._last:
+        if key == self._last and not lost_nodes:
             self.log(f"step {failed_step} failed twice in a row with the same error: a bug, not a fault; not "
                      "restarting")
             return False
-        self._last = key
+        self._last = None if lost_nodes else key
         self.count += 1
-        self._failed_at = time.monotonic()
+        self._failed_at = time.monotonic() if failed_at is None else failed_at
         self._pending = {"restart": self.count, "error": exc.message, "stage": exc.stage,
                          "unfinished_step": failed_step}
         os.environ.pop(FAULT_ENV, None)  # an injected fault fires once
-        self.log(f"restart {self.count} of {self.limit}: starting the stages again from the newest checkpoint or "
-                 "snapshot")
+        if start:
+            self.log(f"restart {self.count} of {self.limit}: starting the stages again from the newest checkpoint "
+                     "or snapshot")
+        else:
+            self.log(f"restart {self.count} of {self.limit} not started (too few nodes left)")
         return True
+
+    @property
+    def left(self) -> bool:
+        """Whether a restart is left (a multi-host run regroups its nodes only then)."""
+        return self.count < self.limit
 
     def ended(self, code: int) -> None:
         """The launch ends (exit code ``code``) without another stage failure: a restart that never

@@ -1,8 +1,10 @@
-"""The batches through ``runner.stream`` in segments that end where the run needs a consistent state."""
+"""The batches through ``runner.stream`` in segments that end where the run needs a consistent state,
+and the run's step of each step number the stages name."""
 
 from __future__ import annotations
 
 import collections
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -10,7 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 from pipeq.launch.data import Batches, samples_of
 from pipeq.launch.signals import StopSignals
 
-__all__ = ["StepDone", "EpochEnd", "train_steps", "segment_end"]
+__all__ = ["StepDone", "EpochEnd", "StepNumbers", "train_steps", "segment_end"]
 
 
 @dataclass
@@ -51,8 +53,43 @@ class EpochEnd:
     next_epoch: int
 
 
+class StepNumbers:
+    """The run's step of each step a runner's stages name in their errors and heartbeat reports
+    (``F(step 3, microbatch 2)``, ``(step 3)``): the runner numbers every step it sends from 1,
+    training and predict alike (:attr:`PipelineRunner.steps_sent`), each runner anew (a restart's
+    first step is its step 1), while the run counts its training steps from its start. Told where
+    each segment of training starts and ends (:func:`train_steps`), it rewrites such a text."""
+
+    _STEP = re.compile(r"\bstep (\d+)\b")
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        # (the runner's steps_sent, the run's step, training?): from there on, up to the next entry
+        self._marks: list[tuple[int, int, bool]] = []
+
+    def segment(self, step: int, training: bool = True) -> None:
+        """A segment of training starts after the run's step ``step`` (False: it ended at ``step``;
+        the steps sent from now on are an evaluation's)."""
+        self._marks.append((self.runner.steps_sent, step, training))
+
+    def run_step(self, sent: int) -> int | None:
+        """The run's step of the runner's step ``sent`` (None: not a training step this knows of)."""
+        for base, step, training in reversed(self._marks):
+            if sent > base:
+                return step + sent - base if training else None
+        return None
+
+    def rewrite(self, text: str) -> str:
+        """``text`` with each "step N" of the runner's numbering as the run's."""
+        def run(m: re.Match[str]) -> str:
+            step = self.run_step(int(m[1]))
+            return m[0] if step is None else f"step {step}"
+        return self._STEP.sub(run, text)
+
+
 def train_steps(runner: Any, source: Batches, step: int, total: int | None, every: Sequence[int], by_epoch: bool,
-                signals: StopSignals, arrived: Callable[[int], None] | None = None) -> Iterator[StepDone | EpochEnd]:
+                signals: StopSignals, arrived: Callable[[int], None] | None = None,
+                numbers: StepNumbers | None = None) -> Iterator[StepDone | EpochEnd]:
     """Train on ``source`` from step ``step`` on with ``runner.stream``: the pipeline stays
     full across batches, and is drained only at the end of each segment, which ends exactly
     at the next multiple of one of ``every`` (the evaluations, the checkpoints), at the last
@@ -61,7 +98,7 @@ def train_steps(runner: Any, source: Batches, step: int, total: int | None, ever
     step the schedulers) sees the state of that step; with ``by_epoch`` it says which epoch
     follows (:attr:`StepDone.next_epoch`). After a stop signal no batch is sent. ``arrived(step)``
     is told each step as its loss comes, before it is yielded (a step is yielded once the next
-    one's loss is in, or its segment is done)."""
+    one's loss is in, or its segment is done). ``numbers`` is told where each segment starts and ends."""
     while total is None or step < total:
         following = source.next_epoch() if by_epoch and not signals.stopping else None
         if following is not None:  # resumed where an epoch ended
@@ -71,6 +108,8 @@ def train_steps(runner: Any, source: Batches, step: int, total: int | None, ever
         taken: collections.deque[tuple[int, int, int]] = collections.deque()
         last: StepDone | None = None
         t = time.perf_counter()
+        if numbers is not None:
+            numbers.segment(step)
         for loss in runner.stream(_take(source, None if end is None else end - step, taken, signals, by_epoch)):
             now = time.perf_counter()
             epoch, index, size = taken.popleft()  # losses come back in the order batches went
@@ -86,6 +125,8 @@ def train_steps(runner: Any, source: Batches, step: int, total: int | None, ever
             if last is not None:
                 yield last
             last = done
+        if numbers is not None:
+            numbers.segment(step, training=False)
         if last is None:  # no batch: the data ran out, or a signal stopped the run
             return
         if by_epoch and step != total and not signals.stopping:

@@ -13,7 +13,7 @@ from pipeq.control import rendezvous as rdzv
 from pipeq.errors import PipelineError
 from pipeq.launch.checkpoints import Checkpoints
 from pipeq.launch.data import DataError, check_first_batch, total_steps
-from pipeq.launch.elastic import GIVE_UP, REPLACE, Elastic
+from pipeq.launch.elastic import GIVE_UP, REPLACE, Decision, Elastic
 from pipeq.launch.job import Job
 from pipeq.launch.loop import TrainingLoop
 from pipeq.launch.progress import Progress, Tally, print_summary
@@ -156,9 +156,7 @@ class Trainer:
                     code, failure = self._attempt(restarts)
                 finally:  # a failed attempt's too: its writer's thread ends
                     self._board.close()
-                if failure is None or not restarts.again(failure, self._failed_step()):
-                    return code
-                if elastic is not None and not self._regroup(elastic, restarts):
+                if failure is None or not self._restart(failure, restarts, elastic):
                     return code
                 self.resume = True
         finally:  # however the launch ends (given up, regroup refused, an error): a restart pending is on record
@@ -166,8 +164,24 @@ class Trainer:
             if elastic is not None:
                 elastic.close()
 
-    def _regroup(self, elastic: Elastic, restarts: Restarts) -> bool:
-        """Multi-host: wait for the nodes to say they are there for the restart; whether it goes on."""
+    def _restart(self, failure: PipelineError, restarts: Restarts, elastic: Elastic | None) -> bool:
+        """Whether the run starts again after ``failure``. Multi-host, while a restart is left,
+        the nodes regroup first: a start in which a node was lost failed from outside, and is
+        never "the same step failed twice" (:meth:`Restarts.again`)."""
+        failed_at, step = time.monotonic(), self._failed_step()
+        if elastic is None or not restarts.left:
+            return restarts.again(failure, step, failed_at=failed_at)
+        decision = self._regroup(elastic)
+        lost = list(decision.lost or decision.rejoined)
+        if not restarts.again(failure, step, lost, start=decision.action != GIVE_UP, failed_at=failed_at):
+            return False
+        # (a run given up is on record too: the nodes left, and the ones lost)
+        restarts.note(nodes=len(decision.nodes), lost_nodes=lost, rejoined=list(decision.rejoined),
+                      replaced=decision.action == REPLACE)
+        return decision.action != GIVE_UP
+
+    def _regroup(self, elastic: Elastic) -> Decision:
+        """Multi-host: wait for the nodes to say they are there for the restart (:meth:`Elastic.regroup`)."""
         # the processes each node leads (only to name the stages re-placed in the log)
         runner = self._loop.runner if self._loop is not None else None
         place = None
@@ -179,11 +193,7 @@ class Trainer:
 
             def place(alive: Sequence[int] | None) -> list[list[int]]:
                 return place_leads(num, schedule, nnodes, alive, nodes)
-        decision = elastic.regroup(place=place)
-        # (a run given up is on record too: the nodes left, and the ones lost)
-        restarts.note(nodes=len(decision.nodes), lost_nodes=list(decision.lost or decision.rejoined),
-                      rejoined=list(decision.rejoined), replaced=decision.action == REPLACE)
-        return decision.action != GIVE_UP
+        return elastic.regroup(place=place)
 
     def _failed_step(self) -> int:
         """The first step the failed attempt did not finish: the one after the newest whose loss
@@ -220,6 +230,7 @@ class Trainer:
         except PipelineError as exc:
             if self._loop is not None:  # the snapshots that had arrived, for a restart
                 self.snapshots.adopt(runner, self._loop.step)
+                exc = self._run_steps(exc, self._loop.numbers)
             where = f"stage {exc.stage}" if exc.stage is not None else "the pipeline"
             self.log(f"{where} failed: {exc.message}")
             if exc.remote_traceback:
@@ -238,13 +249,26 @@ class Trainer:
         except DataError as exc:  # (a generator's batch) said in full: no traceback adds to it
             self.log(str(exc))
             return 1, None
-        except (ValueError, TypeError, OSError, checkpoint.CheckpointError) as exc:
+        except checkpoint.CheckpointError as exc:  # names the file and what to do: no traceback adds to it
+            self.log(f"CheckpointError: {exc}")
+            return 1, None
+        except (ValueError, TypeError, OSError) as exc:
             self.log(f"{type(exc).__name__}: {exc}")
             traceback.print_exc(file=self.stream)
             return 1, None
         if self.signals.stopping:
             return self.signals.exit_code(), None
         return 0, None
+
+    @staticmethod
+    def _run_steps(exc: PipelineError, numbers: Any) -> PipelineError:
+        """``exc`` naming the run's steps, where the stages named their runner's (from 1 in each
+        start, evaluations' batches counted: :class:`~pipeq.launch.stream.StepNumbers`); the
+        traceback's own lines (indented: the code) are left as they are."""
+        tb = exc.remote_traceback
+        if tb is not None:
+            tb = "".join(ln if ln[:1].isspace() else numbers.rewrite(ln) for ln in tb.splitlines(keepends=True))
+        return PipelineError(numbers.rewrite(exc.message), exc.stage, tb, replica=exc.replica, shard=exc.shard)
 
     def _stage_times(self) -> None:
         """With ``trace`` and TensorBoard: each stage's busy time and bubble in each step this

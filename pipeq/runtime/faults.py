@@ -99,9 +99,10 @@ def from_environ(n_stages: int | None = None, environ: "os._Environ[str] | dict[
 
 
 def inject(fault: Fault | None, stage: int, step: int, replica: int = 0,
-           note: Callable[[int, int], None] | None = None) -> None:
+           note: Callable[[int, int], None] | None = None, named: int | None = None) -> None:
     """In a stage process, as training step ``step`` starts: fail as ``fault`` says if it hits
-    (``note(code, microbatch)`` marks a hang as a forward in progress, for ``step_timeout``)."""
+    (``note(code, microbatch)`` marks a hang as a forward in progress, for ``step_timeout``).
+    ``named``: the step's number as the stage's other errors name it (its TRAIN's; default ``step``)."""
     if fault is None or not fault.hits(stage, step, replica):
         return
     if fault.kind == "kill":
@@ -109,7 +110,7 @@ def inject(fault: Fault | None, stage: int, step: int, replica: int = 0,
     elif fault.kind == "exit":
         os._exit(3)
     elif fault.kind == "raise":
-        raise RuntimeError(f"injected fault ({ENV}={fault.text()}): stage {stage} fails at step {step}")
+        raise RuntimeError(f"injected fault ({ENV}={fault.text()}): stage {stage} fails at step {step if named is None else named}")
     else:  # hang: inside a "forward", forever (the driver's step_timeout or the user ends it)
         if note is not None:
             from pipeq.trace.format import F as TRACE_F  # (torch: not for the launch command's early check)

@@ -268,7 +268,7 @@ class EventLoop:
         fault = self.cfg.fault
         for ch in self.chunks if fault is not None else ():
             on_chunk(self.executors, ch.c, inject, fault, ch.stage, self.trained, self.cfg.replica,
-                     lambda code, j, c=ch.c: self.note(code, j, c))
+                     lambda code, j, c=ch.c: self.note(code, j, c), named=given[0][1].step)
 
     def run(self, actions: list[schedules.Action], step: int, keys: Any) -> None:
         """Run ``actions``, answering the interpreter's requests with the transport. Messages are

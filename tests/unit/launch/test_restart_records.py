@@ -110,3 +110,55 @@ def test_a_start_that_fails_after_a_resume_names_the_step_it_would_have_trained(
     assert trainer._failed_step() == 1  # the run's first start
     trainer.resume = True  # a restart, its stages failed as they started: it would have trained step 31
     assert trainer._failed_step() == 31
+
+
+HUNG = "no heartbeat for 2.0 s (heartbeat_timeout=2.0); the stage is hung or unreachable"
+
+
+def test_a_node_lost_twice_at_the_same_step_is_two_faults_not_a_bug(tmp_path) -> None:
+    """A failure from outside (a node lost: its agent gone, its host cut off, as the regroup
+    found) never counts as "the same step failed twice"; the same hang on nodes that all
+    stayed still does."""
+    said: list[str] = []
+    restarts = Restarts(5, str(tmp_path / "metrics.jsonl"), said.append)
+    assert restarts.again(PipelineError(HUNG, stage=1), 4, lost_nodes=[1])
+    restarts.resumed(2)
+    assert restarts.again(PipelineError(HUNG, stage=1), 4, lost_nodes=[1])
+    restarts.resumed(2)
+    # a lost node's failure is not the first of two either: the same hang once more, no node lost
+    assert restarts.again(PipelineError(HUNG, stage=1), 4)
+    restarts.resumed(2)
+    assert not restarts.again(PipelineError(HUNG, stage=1), 4)  # twice on healthy nodes: a bug
+    assert said[-1].startswith("step 4 failed twice in a row with the same error")
+
+
+def test_the_launch_regroups_before_it_judges_a_repeated_failure(tmp_path) -> None:
+    """Multi-host: node 0's regroup says which nodes were lost before :meth:`Restarts.again`
+    judges the failure; node 1 lost twice at step 4 restarts twice, with both on record."""
+    from types import SimpleNamespace
+
+    from pipeq.launch.elastic import GIVE_UP, GO, Decision
+    from pipeq.launch.trainer import Trainer
+
+    def launch(*decisions: Decision) -> tuple[list[bool], list[str], Trainer]:
+        out = tmp_path / f"run{len(decisions)}-{decisions[0].action}"
+        said: list[str] = []
+        trainer = Trainer(SimpleNamespace(out=str(out), snapshot_every=0), None)
+        trainer.log = said.append
+        restarts = Restarts(3, str(tmp_path / f"{out.name}.jsonl"), said.append)
+        trainer._loop = SimpleNamespace(arrived=3, runner=None)  # steps 1-3 trained, step 4 unfinished
+        went = []
+        for decision in decisions:
+            elastic = SimpleNamespace(regroup=lambda place=None, d=decision: d)
+            went.append(trainer._restart(PipelineError(HUNG, stage=1), restarts, elastic))
+        return went, said, trainer
+
+    rejoined = Decision(GO, (0, 1), (), rejoined=(1,))
+    went, said, _ = launch(rejoined, rejoined, rejoined)
+    assert went == [True, True, True], said
+    went, said, _ = launch(Decision(GO, (0, 1)), Decision(GO, (0, 1)))  # no node lost: a hang on a live node
+    assert went == [True, False] and "a bug, not a fault" in said[-1], said
+    went, said, _ = launch(Decision(GIVE_UP, (0,), (1,)))
+    assert went == [False] and said[-1] == "restart 1 of 3 not started (too few nodes left)", said
+    path = tmp_path / "run1-give up.jsonl"
+    assert not path.exists()  # written as the launch ends (Restarts.ended)

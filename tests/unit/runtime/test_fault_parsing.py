@@ -50,3 +50,15 @@ def test_fault_timeouts_must_be_positive(key) -> None:
 
     with pytest.raises(ValueError, match=rf"^{key} must be positive \(seconds\), got -1$"):
         FaultConfig(**{key: -1})
+
+
+def test_an_injected_raise_names_its_step_as_the_stages_other_errors_do() -> None:
+    """It hits the process's 3rd training step; its message names that step's TRAIN number
+    (7: an evaluation's steps came between), which the launch turns into the run's step."""
+    from pipeq.runtime.faults import inject
+
+    with pytest.raises(RuntimeError, match=r"stage 1 fails at step 7$"):
+        inject(parse("stage:1,step:3,kind:raise"), 1, 3, named=7)
+    with pytest.raises(RuntimeError, match=r"stage 1 fails at step 3$"):
+        inject(parse("stage:1,step:3,kind:raise"), 1, 3)
+    inject(parse("stage:1,step:3,kind:raise"), 1, 4, named=3)  # another step: nothing
