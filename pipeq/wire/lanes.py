@@ -163,8 +163,8 @@ class LaneInbox:
         One system call per datagram: it lands at the next 64-byte boundary of a buffer of
         :data:`_ARENA` bytes (torch's, 64-byte aligned like torch's own tensors, not zeroed) with
         room for the largest datagram a lane sends; a new buffer is taken once less is left (the
-        old one lives as long as the tensors over it). A datagram that would not fit (no lane
-        sends one) is refused, never cut short unseen."""
+        old one lives as long as the tensors over it). A datagram over that size (no lane sends
+        one) is refused, never cut short unseen."""
         view = self._room()
         try:
             n = conn.recv_into(view, 0, _TRUNC)
@@ -175,7 +175,7 @@ class LaneInbox:
         if n == 0:  # the peer closed (a SEQPACKET datagram is never empty: it has a count)
             self._drop(conn)
             return None
-        if n > len(view):
+        if n > MAX_DATAGRAM:  # (past len(view), it was cut short)
             raise LaneError(f"{self.where}: a lane datagram of {n} bytes is over the {MAX_DATAGRAM} a lane sends")
         self._pos += (n + _ALIGN - 1) & ~(_ALIGN - 1)
         return split(view[:n], self.where)
