@@ -136,6 +136,8 @@ class LaneInbox:
         self.conns: list[socket.socket] = []
         self._arena = memoryview(bytearray())  # where the next datagram lands (see receive)
         self._pos = 0
+        self._free = self._arena  # the arena from _pos on
+        self._room()
         self.changed = False  # conns changed since the owner last looked (re-register the poller)
 
     def fds(self) -> list[int]:
@@ -165,7 +167,7 @@ class LaneInbox:
         room for the largest datagram a lane sends; a new buffer is taken once less is left (the
         old one lives as long as the tensors over it). A datagram over that size (no lane sends
         one) is refused, never cut short unseen."""
-        view = self._room()
+        view = self._free
         try:
             n = conn.recv_into(view, 0, _TRUNC)
         except (BlockingIOError, InterruptedError):
@@ -178,14 +180,15 @@ class LaneInbox:
         if n > MAX_DATAGRAM:  # (past len(view), it was cut short)
             raise LaneError(f"{self.where}: a lane datagram of {n} bytes is over the {MAX_DATAGRAM} a lane sends")
         self._pos += (n + _ALIGN - 1) & ~(_ALIGN - 1)
+        self._room()
         return split(view[:n], self.where)
 
-    def _room(self) -> memoryview:
-        """The free end of the receive buffer, at least :data:`MAX_DATAGRAM` bytes."""
+    def _room(self) -> None:
+        """The free end of the receive buffer (:attr:`_free`), at least :data:`MAX_DATAGRAM` bytes."""
         if len(self._arena) - self._pos < MAX_DATAGRAM:
             self._arena = memoryview(torch.empty(_ARENA, dtype=torch.uint8).numpy())
             self._pos = 0
-        return self._arena[self._pos:]
+        self._free = self._arena[self._pos:]
 
     def _drop(self, conn: socket.socket) -> None:
         if conn in self.conns:
