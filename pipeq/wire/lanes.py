@@ -40,9 +40,12 @@ MAX_FRAMES = 1 << 16
 _SNDBUF = 1 << 20  # asked for; the kernel caps it (net.core.wmem_max) and doubles it
 _ALIGN = 64
 _PADS = [bytes(i) for i in range(_ALIGN)]
-#: a peek at the next datagram's length (a plain int: an IntFlag's ``|`` costs microseconds, per poll)
-_PEEK_LENGTH = int(socket.MSG_PEEK | socket.MSG_TRUNC)
+#: a receive that says a datagram's whole length even when it was cut (a plain int: an IntFlag's
+#: ``|`` costs microseconds, per poll)
+_TRUNC = int(socket.MSG_TRUNC)
 _DONTWAIT = int(socket.MSG_DONTWAIT)
+MAX_DATAGRAM = 256 << 10  # the largest datagram a Lane sends (its max_bytes is at most this)
+_ARENA = 1 << 20  # received datagrams are packed into buffers of this size (see LaneInbox.receive)
 
 
 def _layout(lengths: Sequence[int]) -> tuple[list[int], int]:
@@ -79,15 +82,16 @@ class Lane:
             self.sock.close()
             raise
         # the largest datagram the kernel takes on this socket, with room for its bookkeeping
-        self.max_bytes = min(256 << 10, self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2 - 4096)
+        self.max_bytes = min(MAX_DATAGRAM, self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2 - 4096)
         self.broken = False
 
     def datagram(self, frames: Sequence[Any]) -> list[Any] | None:
         """The parts of the datagram carrying ``frames`` (prefix, frames, padding), or None when
         it would not fit :attr:`max_bytes` (the message then goes through ZeroMQ)."""
         lengths = [memoryview(f).nbytes for f in frames]
-        parts: list[Any] = [_COUNT.pack(len(frames)) + struct.pack(f"<{len(frames)}I", *lengths)]
-        pos = 4 * (len(frames) + 1)
+        k = len(frames)
+        parts: list[Any] = [struct.pack(f"<{k + 1}I", k, *lengths)]
+        pos = 4 * (k + 1)
         for i, (f, n) in enumerate(zip(frames, lengths)):
             if i and pos % _ALIGN:
                 parts.append(_PADS[_ALIGN - pos % _ALIGN])
@@ -130,7 +134,10 @@ class LaneInbox:
         self.listener.setblocking(False)
         self.listener_fd = self.listener.fileno()  # what a poller reports when a connection waits
         self.conns: list[socket.socket] = []
-        self._peek = bytearray(1)
+        self._arena = memoryview(bytearray())  # where the next datagram lands (see receive)
+        self._pos = 0
+        self._free = self._arena  # the arena from _pos on
+        self._room()
         self.changed = False  # conns changed since the owner last looked (re-register the poller)
 
     def fds(self) -> list[int]:
@@ -152,10 +159,17 @@ class LaneInbox:
             self.changed = True
 
     def receive(self, conn: socket.socket) -> list[Any] | None:
-        """The frames of the next datagram on ``conn`` (memoryviews over a buffer of its own),
-        or None when none is waiting. A closed connection is dropped."""
+        """The frames of the next datagram on ``conn`` (memoryviews over the inbox's buffer), or
+        None when none is waiting. A closed connection is dropped.
+
+        One system call per datagram: it lands at the next 64-byte boundary of a buffer of
+        :data:`_ARENA` bytes (torch's, 64-byte aligned like torch's own tensors, not zeroed) with
+        room for the largest datagram a lane sends; a new buffer is taken once less is left (the
+        old one lives as long as the tensors over it). A datagram over that size (no lane sends
+        one) is refused, never cut short unseen."""
+        view = self._free
         try:
-            n = conn.recv_into(self._peek, 0, _PEEK_LENGTH)
+            n = conn.recv_into(view, 0, _TRUNC)
         except (BlockingIOError, InterruptedError):
             return None
         except OSError:
@@ -163,11 +177,18 @@ class LaneInbox:
         if n == 0:  # the peer closed (a SEQPACKET datagram is never empty: it has a count)
             self._drop(conn)
             return None
-        buf = torch.empty(n, dtype=torch.uint8).numpy()  # not zeroed; 64-byte aligned, like torch's own tensors
-        got = conn.recv_into(buf, n)
-        if got != n:
-            raise LaneError(f"{self.where}: a lane datagram of {n} bytes arrived as {got}")
-        return split(memoryview(buf), self.where)
+        if n > MAX_DATAGRAM:  # (past len(view), it was cut short)
+            raise LaneError(f"{self.where}: a lane datagram of {n} bytes is over the {MAX_DATAGRAM} a lane sends")
+        self._pos += (n + _ALIGN - 1) & ~(_ALIGN - 1)
+        self._room()
+        return split(view[:n], self.where)
+
+    def _room(self) -> None:
+        """The free end of the receive buffer (:attr:`_free`), at least :data:`MAX_DATAGRAM` bytes."""
+        if len(self._arena) - self._pos < MAX_DATAGRAM:
+            self._arena = memoryview(torch.empty(_ARENA, dtype=torch.uint8).numpy())
+            self._pos = 0
+        self._free = self._arena[self._pos:]
 
     def _drop(self, conn: socket.socket) -> None:
         if conn in self.conns:

@@ -160,6 +160,8 @@ class FrameMac:
         mac.update(seq)
         for f in frames:
             view = memoryview(f)
+            if view.ndim != 1 or view.format != "B":  # (a frame over a tensor of another dtype or shape)
+                view = view.cast("B")
             mac.update(struct.pack(">Q", view.nbytes))
             mac.update(view)
         return mac.finalize()

@@ -178,10 +178,14 @@ class StageInbox:
         if msg is not None:  # (already filed: most waits, once a pipeline runs)
             return msg
         sock = self.fwd_in if queue is self.forward_queue else self.bwd_in
+        lane = sock in self._lanes
+        if lane and self._drain_lane(sock):  # sent already, not filed yet: one look at its lane
+            msg = queue.pop(key)
+            if msg is not None:
+                return msg
         probe = None
         if self.spin_s > 0:  # a lane is read with one non-blocking syscall; ZeroMQ (what does
-            lane = sock in self._lanes  # not fit a lane) is looked at every 16th turn
-            spins = [0]
+            spins = [0]      # not fit a lane) is looked at every 16th turn
 
             def probe() -> bool:
                 spins[0] += 1

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
 import struct
 
 import pytest
 import torch
 
 from pipeq.wire import codec
-from pipeq.wire.lanes import Lane, LaneError, LaneInbox, lane_path, split
+from pipeq.wire.lanes import MAX_DATAGRAM, Lane, LaneError, LaneInbox, lane_path, split
 
 
 @pytest.fixture
@@ -49,6 +50,33 @@ def test_messages_arrive_in_order_one_datagram_each(pair) -> None:
     for j in range(5):
         assert lane.send(lane.datagram(codec.encode(1, 0, j, [torch.full((3,), float(j))], None)))
     assert [codec.decode(receive(inbox)).microbatch for _ in range(5)] == list(range(5))
+
+
+def test_datagrams_share_a_buffer_each_whole_aligned_and_apart_past_its_end(pair) -> None:
+    """One system call per datagram: each lands at the next 64-byte boundary of the inbox's
+    buffer, and when the room left could not hold the largest datagram a new buffer is taken;
+    every message keeps its own bytes, the earlier ones' tensors too."""
+    lane, inbox = pair
+    sizes = [1, 17, 1000, lane.max_bytes // 4 - 64, 5, lane.max_bytes // 4 - 64, 3, lane.max_bytes // 4 - 64, 2]
+    sent, got = [], []
+    for j, n in enumerate(sizes * 2):  # past the end of the first buffer
+        t = torch.arange(n, dtype=torch.float32) + j
+        sent.append(t)
+        assert lane.send(lane.datagram(codec.encode(1, 0, j, [t], None)))
+        frames = receive(inbox)
+        assert torch.frombuffer(frames[1], dtype=torch.uint8).data_ptr() % 64 == 0
+        got.append(codec.decode(frames))
+    for j, (t, msg) in enumerate(zip(sent, got)):
+        assert msg.microbatch == j and torch.equal(msg.tensors[0], t)
+
+
+def test_a_datagram_over_the_largest_a_lane_sends_is_refused_not_cut(pair) -> None:
+    lane, inbox = pair
+    frames = [struct.pack("<2I", 1, MAX_DATAGRAM) + bytes(MAX_DATAGRAM)]  # one frame: count, length, bytes
+    lane.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MAX_DATAGRAM)
+    lane.sock.sendmsg(frames)
+    with pytest.raises(LaneError, match=f"over the {MAX_DATAGRAM}"):
+        receive(inbox)
 
 
 def test_a_message_too_big_for_a_datagram_is_left_to_zeromq(pair) -> None:
