@@ -246,7 +246,7 @@ _OPTIONS: dict[str, dict[str, Any]] = {
         "members": ["start", "close", "step", "predict", "evaluate", "stream", "state_dict", "model_state_dict",
                     "load_state_dict", "save", "load", "scheduler_step", "learning_rates", "last_step_lr", "stats",
                     "memory", "stage_processes",
-                    "keep_snapshots", "snapshot", "restore_snapshot", "degraded_steps", "degraded_stages", "last_step_replicas",
+                    "keep_snapshots", "snapshot", "restore_snapshot", "degraded_steps", "degraded_stages", "last_step_replicas", "steps_sent",
                     "replica_failures"]},
     "pipeq.RunConfig": {"members": False},
     "pipeq.Rendezvous": {"members": ["from_settings"]},

@@ -47,7 +47,7 @@ class ReplicaLink(GroupLink):
     it raises :class:`~pipeq.wire.errors.Stopped` and its process exits, which the driver tells the
     other replicas (``dead``), so that none of them waits for a round that cannot come. One with
     no dead stage downstream finishes the round (its inputs still come) and sends its buckets; its
-    sends to a dead previous stage are dropped (:attr:`~pipeq.wire.stage_link.StageSender.backward_gone`:
+    sends to a dead previous stage are dropped (``StageSender.backward_gone``:
     that stage's shared-memory slots are never freed again)."""
 
     def __init__(self, receiver: StageInbox, sender: StageSender, bind: BindTo, *, stage: int, replica: int,
