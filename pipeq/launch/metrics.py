@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any, TextIO
 
+from pipeq.checkpoint.full import is_no_space, no_space_error
+
 __all__ = ["MetricsLog"]
 
 
@@ -59,11 +61,19 @@ class MetricsLog:
             self._file = None
 
     def write(self, line: dict[str, Any]) -> None:
-        """Append one step's line (the log is open), at once on disk."""
+        """Append one step's line (the log is open), at once on disk. A full disk raises a
+        :class:`~pipeq.checkpoint.NoSpaceError` naming the file (a line it cut short is skipped
+        when the file is read: :meth:`trim`)."""
         if self._file is None:
             raise ValueError(f"{self.path} is not open: write its lines inside `with MetricsLog(...)`")
-        self._file.write(json.dumps(line) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(line) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            if is_no_space(exc):
+                raise no_space_error(self.path, f"step {line.get('step')}'s metrics", exc,
+                                     "the lines written before are intact", "Free some space") from exc
+            raise
 
 
 def _kept(line: dict[str, Any], step: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -66,8 +67,10 @@ class Board:
         hides what an earlier attempt wrote after ``step`` (``purge_step``): those steps are trained again."""
         if self._writer_class is None or self._writer is not None:
             return
+        _quiet_writer_threads()
         # max_queue: handing a write-out to the writer's thread does not wait for each event to be written
-        self._writer = self._writer_class(log_dir=self.directory, purge_step=step + 1, max_queue=1024)
+        self._guarded(lambda: setattr(self, "_writer", self._writer_class(
+            log_dir=self.directory, purge_step=step + 1, max_queue=1024)))
 
     def record(self, line: dict[str, Any]) -> None:
         """One metrics.jsonl record (not changed afterwards); written out at an evaluation or a
@@ -77,16 +80,36 @@ class Board:
         now = time.time()
         self._pending.append((now, line))
         if "restart" in line or any(k.startswith("eval_") for k in line) or now - self._pending[0][0] > WRITE_EVERY_S:
-            self.write_out()
+            self._guarded(self.write_out)
 
     def scalars(self, rows: Iterable[tuple[int, str, float]]) -> None:
         """Scalars of their own, (step, tag, value) (a trace's stage times: after the run), written at once."""
         if self._writer is None:
             return
-        self.write_out()
-        for step, tag, value in rows:
-            self._writer.add_scalar(tag, float(value), step)
-        self._writer.flush()
+
+        def write() -> None:
+            self.write_out()
+            for step, tag, value in rows:
+                self._writer.add_scalar(tag, float(value), step)
+            self._writer.flush()
+        self._guarded(write)
+
+    def _guarded(self, write: Callable[[], None]) -> None:
+        """``write()``; if it fails (a full disk), say so once and write no more event files: the
+        run goes on (metrics.jsonl has every step), and a full disk is said plainly where it
+        matters, at the next checkpoint or metrics line."""
+        try:
+            write()
+        except Exception as exc:
+            writer, self._writer, self._pending = self._writer, None, []
+            if self.log is not None:
+                self.log(f"TensorBoard: writing {self.directory} failed ({type(exc).__name__}: {exc}); "
+                         "no more event files in this attempt (metrics.jsonl has every step)")
+            try:
+                if writer is not None:
+                    writer.close()
+            except Exception:
+                pass
 
     def write_out(self) -> None:
         """Hand the pending scalars to the writer and flush the event file."""
@@ -131,3 +154,22 @@ def stage_times(trace_path: str, last_step: int) -> list[tuple[int, str, float]]
             rows += [(step, f"busy_ms/stage{st.stage}", st.compute_us / 1e3), (step, f"bubble/stage{st.stage}", st.bubble)]
         rows.append((step, "bubble/mean", s.bubble))
     return rows
+
+
+_WRITER_THREAD = "_AsyncWriterThread"  # tensorboard's event writer thread (tensorboard.summary.writer)
+
+
+def _quiet_writer_threads() -> None:
+    """An event writer thread that fails (a full disk) re-raises, which prints its traceback; the
+    :class:`Board` says it in one line instead (the writer's next call raises the same error). Every
+    other thread's exception is printed as before. Installed once per process."""
+    previous = threading.excepthook
+    if getattr(previous, "_pipeq_quiet", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ != _WRITER_THREAD:
+            previous(args)
+
+    hook._pipeq_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook

@@ -11,6 +11,7 @@ from typing import Any, Sequence, TextIO
 from pipeq import checkpoint
 from pipeq.control import rendezvous as rdzv
 from pipeq.errors import PipelineError
+from pipeq.checkpoint.full import is_no_space
 from pipeq.launch.checkpoints import Checkpoints
 from pipeq.launch.data import DataError, check_first_batch, total_steps
 from pipeq.launch.elastic import GIVE_UP, REPLACE, Decision, Elastic
@@ -254,7 +255,12 @@ class Trainer:
             return 1, None
         except (ValueError, TypeError, OSError) as exc:
             self.log(f"{type(exc).__name__}: {exc}")
-            traceback.print_exc(file=self.stream)
+            if is_no_space(exc):  # said plainly: the write that failed, and where --resume goes on
+                newest = checkpoint.latest(self.run_dir.checkpoints)
+                self.log(f"the disk of {self.run_dir.out} is full; free some space and run again with --resume"
+                         + (f" (it continues from {newest})" if newest is not None else ""))
+            else:
+                traceback.print_exc(file=self.stream)
             return 1, None
         if self.signals.stopping:
             return self.signals.exit_code(), None
