@@ -55,10 +55,19 @@ class MetricsLog:
         self._file = open(self.path, "a")
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        f, self._file = self._file, None
+        if f is None:
+            return
+        try:
+            f.close()  # (flushes what a failed write left buffered: on a full disk, fails again)
+        except OSError as err:
+            if exc_type is not None:  # the error on its way out says it
+                return
+            if is_no_space(err):
+                raise no_space_error(self.path, "the metrics", err, "the lines written before are intact",
+                                     "Free some space") from err
+            raise
 
     def write(self, line: dict[str, Any]) -> None:
         """Append one step's line (the log is open), at once on disk. A full disk raises a

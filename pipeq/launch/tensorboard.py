@@ -128,12 +128,9 @@ class Board:
         writer = self._writer
         if writer is None:
             return
-        for step in (self.write_out, writer.close):
-            try:
-                step()
-            except Exception as exc:
-                if self.log is not None:
-                    self.log(f"TensorBoard: writing {self.directory} failed: {type(exc).__name__}: {exc}")
+        self._guarded(self.write_out)
+        if self._writer is not None:  # (a failed write-out closed it already)
+            self._guarded(writer.close)
         self._writer = None
 
 

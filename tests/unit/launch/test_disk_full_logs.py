@@ -20,19 +20,16 @@ def _full(*_a, **_k):
 
 
 class _FullFile:
-    write = flush = staticmethod(_full)
-
-    def close(self):
-        pass
+    write = flush = close = staticmethod(_full)
 
 
 def test_a_metrics_line_on_a_full_disk_raises_a_no_space_error_naming_the_file(tmp_path):
     log = MetricsLog(str(tmp_path / "metrics.jsonl"))
-    with log:
-        log.write({"step": 1, "loss": 1.0})
-        log._file.close()
-        log._file = _FullFile()
-        with pytest.raises(NoSpaceError) as got:
+    with pytest.raises(NoSpaceError) as got:  # (and the close on the way out, failing too, hides it not)
+        with log:
+            log.write({"step": 1, "loss": 1.0})
+            log._file.close()
+            log._file = _FullFile()
             log.write({"step": 2, "loss": 0.5})
     text = str(got.value)
     assert "metrics.jsonl" in text and "step 2's metrics" in text and "the lines written before are intact" in text
