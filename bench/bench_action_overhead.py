@@ -5,6 +5,8 @@
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --steps 100 --schedule zb-h1
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --profile 1     # + cProfile of stage 1
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --micro         # in-process CPU per action, ~20 s
+    PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path # where each slot's time goes, ~1.5 min
+    PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path --schedule zbv --slots
 
 N=4 stage processes (``PipelineRunner``, process mode, 1 torch thread each), m=8 microbatches of
 8 x 16 float32, every stage a :class:`pipeq.testing.SleepStage` that sleeps 0 s in F, I and W (a
@@ -26,6 +28,13 @@ does not blur.
 dumped at the end of the timed steps) and prints the top functions by own time and by cumulative
 time, in CPU time of the stage's main thread (waiting and preemption do not count): where an
 action's time goes (codec, transport, shm, autograd, executor, interpreter).
+
+``--critical-path`` runs instead issue 41's F/I/W harness (4 ms each per process, 2-chunk
+schedules at half per chunk) traced, for each ``--schedule`` (default 1f1b, zb-h1, zbv,
+dualpipev), and prints the median wall microseconds of each part of a critical-path slot
+(compute, the sleep's overshoot, autograd entry/exit, interpreter, send, wait for an already-sent
+message, wake-up, receive, codec) per kind of slot; ``--slots`` adds the last step slot by slot.
+See bench/critical_path.py and :mod:`pipeq.trace.critical`.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+import critical_path  # noqa: E402  (bench/ is this script's directory: on the path)
 from pipeq.testing import SleepStage
 
 __all__ = ["ProfiledStage", "main", "micro", "run"]
@@ -198,17 +208,40 @@ def _print_profile(path: str, top: int) -> None:
         stats.sort_stats(key).print_stats(top)
 
 
+def _critical(names: list[str], warmup: int, steps: int, slots: bool) -> None:
+    from pipeq.trace.critical import format_critical
+
+    enc, dec = critical_path.codec_cost(critical_path.ROWS * critical_path.WIDTH * 4)
+    print(f"F/I/W harness: N={critical_path.N} processes, m={critical_path.M}, F=I=W={critical_path.COST_S * 1e3:g} ms "
+          f"per process (2-chunk schedules: half per chunk); {warmup} warm-up + {steps} traced steps; wall us on "
+          f"the host clock; codec: encode {enc:.1f} + decode {dec:.1f} us CPU per message (in-process "
+          f"estimate); load {os.getloadavg()[0]:.2f}")
+    for name in names:
+        cp, times = critical_path.analyse(name, warmup, steps)
+        print()
+        print(format_critical(cp, per_slot=slots))
+        print(f"measured step (untraced clock, driver): median {1e3 * statistics.median(times):.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", action="append", help="1f1b, zb-h1 (default: both)")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=None, help="default 10 (--critical-path: 5)")
+    ap.add_argument("--steps", type=int, default=None, help="default 60 (--critical-path: 20)")
     ap.add_argument("--spin", type=float, default=None, help="PipelineRunner(spin=...) (default: the library's)")
     ap.add_argument("--profile", type=int, default=None, help="profile stage K (cProfile)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--micro", action="store_true", help="only the in-process CPU cost of each action")
+    ap.add_argument("--critical-path", action="store_true", help="the F/I/W harness's critical path, part by part")
+    ap.add_argument("--slots", action="store_true", help="with --critical-path: the last step slot by slot")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.critical_path:
+        _critical(args.schedule or list(critical_path.SCHEDULES), 5 if args.warmup is None else args.warmup,
+                  20 if args.steps is None else args.steps, args.slots)
+        return
+    args.warmup = 10 if args.warmup is None else args.warmup
+    args.steps = 60 if args.steps is None else args.steps
     if args.micro:
         print("CPU us per call, in process: " + ", ".join(f"{k} {v:.1f}" for k, v in micro().items()))
         return
