@@ -232,17 +232,22 @@ def _compute_parts(x: Event, inner: Inner | None, parts: dict[str, float]) -> No
 def _codec_parts(parts: dict[str, float], codec: Codec, sent: Sequence[int], received: Sequence[int]) -> None:
     """Move the estimated encoding (of ``sent`` messages, by size) out of ``send`` and the decoding
     (of ``received``) out of ``wake``/``recv`` into ``codec``, never more than they hold."""
-    enc = sum(codec(b)[0] for b in sent)
-    dec = sum(codec(b)[1] for b in received)
-    take = min(enc, parts.get("send", 0.0))
-    parts["send"] = parts.get("send", 0.0) - take
-    moved = take
-    for key in ("wake", "recv"):
-        d = min(dec, parts.get(key, 0.0))
-        parts[key] = parts.get(key, 0.0) - d
-        dec -= d
-        moved += d
+    moved = _take(parts, ("send",), sum(codec(b)[0] for b in sent))
+    moved += _take(parts, ("wake", "recv"), sum(codec(b)[1] for b in received))
     _add(parts, "codec", moved)
+
+
+def _take(parts: dict[str, float], keys: Sequence[str], us: float) -> float:
+    """Up to ``us`` taken out of ``parts[keys]``, in order (a part emptied is dropped); how much."""
+    taken = 0.0
+    for key in keys:
+        d = min(us - taken, parts.get(key, 0.0))
+        if d > 0:
+            parts[key] -= d
+            taken += d
+            if parts[key] <= 0:
+                del parts[key]
+    return taken
 
 
 def _gap_or_start(st: _Step, p: int, pred: Event | None, t0: float, t1: float, parts: dict[str, float]) -> None:
