@@ -210,7 +210,8 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.scale:
         for name in args.schedule or ["1f1b"]:
-            scale.main_scale(name, 2 if args.warmup is None else args.warmup, 4 if args.steps is None else args.steps)
+            scale.main_scale(name, 2 if args.warmup is None else args.warmup, 4 if args.steps is None else args.steps,
+                             args.spin)
         return
     if args.critical_path:
         _critical(args.schedule or list(critical_path.SCHEDULES), 5 if args.warmup is None else args.warmup,

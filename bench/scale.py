@@ -11,7 +11,10 @@ float32 microbatches:
   codec, transport, the spin-polling while waiting) per step over the step's compute actions; and
   the wall time per critical-path slot, the step's wall time over the plan's critical path in
   actions (its dry run with every compute action costing 1: 1F1B 2(m+N-1), ZB-H1 3m+N-1).
-  N = 8 on 2 cores is oversubscribed: its wall time is CPU-bound.
+  N = 4 and 8 on 2 cores are oversubscribed: their wall time is CPU-bound, so the wall per
+  slot grows with the plan's compute actions per slot (printed too: 2.9 at m = 8 to 3.9 at
+  m = 128 for 1F1B on 4 processes, as the pipeline's fill and drain shrink against its steady
+  state) while the CPU per action stays flat.
 - **simulated mode** (N = 2 ... 16, every stage in this process: the interpreter, the executors
   and autograd without any transport; the stages' sleeps skipped): CPU us per compute action.
 - **plan**: CPU us per action of building the plan (``pipeq.schedules.build``: the schedule,
@@ -107,11 +110,14 @@ def _data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(m * ROWS, WIDTH, generator=g), torch.randn(m * ROWS, WIDTH, generator=g)
 
 
-def process_point(schedule: str, n: int, m: int, warmup: int, steps: int) -> dict[str, float]:
+def process_point(schedule: str, n: int, m: int, warmup: int, steps: int, spin: float | None = None
+                  ) -> dict[str, float]:
     """One (N, m) in process mode: CPU us per compute action (stage processes), wall us per slot."""
     from pipeq import PipelineRunner
 
     stages, kw = _stages(schedule, n)
+    if spin is not None:
+        kw["spin"] = spin
     x, y = _data(m)
     compute, _, slots = plan_shape(schedule, n, m)
     times = []
@@ -127,7 +133,7 @@ def process_point(schedule: str, n: int, m: int, warmup: int, steps: int) -> dic
     cpu = sum(v - before.get(k, 0.0) for k, v in after.items()) / steps
     wall = statistics.median(times[warmup:])
     return {"cpu_us": 1e6 * cpu / compute, "slot_us": 1e6 * wall / slots, "step_ms": 1e3 * wall,
-            "actions": compute, "slots": slots}
+            "actions": compute, "slots": slots, "per_slot": compute / slots}
 
 
 def simulated_point(schedule: str, n: int, m: int, warmup: int, steps: int) -> dict[str, float]:
@@ -181,10 +187,12 @@ def _table(title: str, ns: tuple[int, ...], got: dict[tuple[int, int], dict[str,
     return "\n".join([title, line.format(*head), *(line.format(*r) for r in rows)])
 
 
-def main_scale(schedule: str, warmup: int, steps: int, say: Callable[[str], None] = print) -> dict[str, Any]:
+def main_scale(schedule: str, warmup: int, steps: int, spin: float | None = None,
+               say: Callable[[str], None] = print) -> dict[str, Any]:
     """The three tables (see the module); returns their numbers."""
     torch.set_num_threads(1)
-    say(f"scale: {schedule}, zero-cost stages, {warmup} warm-up + {steps} timed steps per point; "
+    say(f"scale: {schedule}, zero-cost stages, {warmup} warm-up + {steps} timed steps per point"
+        f"{'' if spin is None else f', spin={spin:g}'}; "
         f"load {os.getloadavg()[0]:.2f} (a shared machine: wall figures are noisy, CPU figures less so)")
     plan = {(n, m): plan_point(schedule, n, m) for n in SIM_NS for m in MS}
     say(_table("plan: CPU us per action to build (schedules.build), once per (m, training)", SIM_NS, plan,
@@ -195,7 +203,9 @@ def main_scale(schedule: str, warmup: int, steps: int, say: Callable[[str], None
     proc: dict[tuple[int, int], dict[str, float]] = {}
     for n in NS:
         for m in MS:
-            proc[(n, m)] = process_point(schedule, n, m, warmup, steps)
+            proc[(n, m)] = process_point(schedule, n, m, warmup, steps, spin)
     say(_table("process mode: CPU us per compute action (all stage processes' threads)", NS, proc, "cpu_us"))
     say(_table("process mode: wall us per critical-path slot (step / plan's slots)", NS, proc, "slot_us", "{:.0f}"))
+    say(_table("the plan's compute actions per slot (how many run at once: with more processes than cores the "
+               "wall per slot grows with it)", NS, proc, "per_slot", "{:.2f}"))
     return {"plan": plan, "simulated": sim, "process": proc}

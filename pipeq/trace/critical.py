@@ -28,8 +28,10 @@ own timestamps:
                command's delivery and the batch's set-up
     other      another compute span inside a gap, and what the clocks leave unaccounted
 
-The first slot of a step counts from the driver's step start (``start``: the command's delivery
-and the batch's set-up). On one host every process reads the same monotonic clock: the path is
+The first slot of a step counts from the driver's step start, or from the end of its process's
+last action of the step before when that came later (the driver's step ends with the last
+stage's loss; the other stages' last actions overlap the next step): ``start``, the command's
+delivery and the batch's set-up. On one host every process reads the same monotonic clock: the path is
 read on the stages' own clocks (``host_clock``), free of the alignment's estimate (up to half a
 control round trip, tens of microseconds), using the file's ``clock_samples``.
 """
@@ -151,8 +153,9 @@ def _processes(trace: Trace) -> list[int]:
 class _Step:
     """One step's events of replica 0, indexed for the walk."""
 
-    def __init__(self, events: list[Event], proc: list[int], n: int) -> None:
+    def __init__(self, events: list[Event], proc: list[int], n: int, tails: dict[int, float]) -> None:
         self.proc, self.n = proc, n
+        self.tails = tails  # per process, the end of its last compute action of the step before
         self.timeline: dict[int, list[Event]] = {}
         self.compute: dict[int, list[Event]] = {}
         self.msgs: dict[tuple[str, int, int], Event] = {}
@@ -250,6 +253,15 @@ def _take(parts: dict[str, float], keys: Sequence[str], us: float) -> float:
     return taken
 
 
+def _begin(st: _Step, p: int, pred: Event | None, step_start: float) -> float:
+    """Where a slot after ``pred`` on process ``p`` begins: its end; before the process's first
+    action of the step, the step's start, or the end of the process's last action of the step
+    before when that came later (the steps overlap: it was still busy)."""
+    if pred is not None:
+        return pred.end_us
+    return max(step_start, st.tails.get(p, step_start))
+
+
 def _gap_or_start(st: _Step, p: int, pred: Event | None, t0: float, t1: float, parts: dict[str, float]) -> None:
     """A gap after ``pred`` on process ``p``; before the process's first action: ``start``."""
     if pred is None:
@@ -277,7 +289,7 @@ def _walk(st: _Step, step_start: float, inner: Inner | None, codec: Codec | None
             send, wait = msg
             q = st.proc[send.stage]
             pred = st.before(q, send.start_us)
-            begin = pred.end_us if pred is not None else step_start
+            begin = _begin(st, q, pred, step_start)
             _gap_or_start(st, q, pred, begin, send.start_us, parts)
             _add(parts, "send", send.dur_us)
             sent.append(send.bytes)
@@ -291,7 +303,7 @@ def _walk(st: _Step, step_start: float, inner: Inner | None, codec: Codec | None
             edge = "msg"
         else:
             pred = prev
-            begin = pred.end_us if pred is not None else step_start
+            begin = _begin(st, p, pred, step_start)
             _gap_or_start(st, p, pred, begin, x.start_us, parts)
             edge = "local" if pred is not None else "start"
         _compute_parts(x, inner, parts)
@@ -326,10 +338,14 @@ def critical_path(trace: Trace, skip_first: int = 1, inner: Inner | None = None,
     out = CriticalPath(str(tr.meta.get("schedule")), tr.n_stages, {}, {}, {}, {}, on_host is not None)
     for s in keys:
         events = by_step[s]
+        tails: dict[int, float] = {}
+        for e in by_step.get(s - 1, ()):
+            if e.cat in COMPUTE_CATS:
+                tails[proc[e.stage]] = max(tails.get(proc[e.stage], e.end_us), e.end_us)
         span = tr.driver.get((0, s))
         first = min(e.start_us for e in events)
         start = span[0] if span is not None else first
-        slots = _walk(_Step(events, proc, tr.n_stages), start, inner, codec)
+        slots = _walk(_Step(events, proc, tr.n_stages, tails), start, inner, codec)
         if not slots:
             continue
         out.steps[s] = slots
