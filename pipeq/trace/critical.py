@@ -398,10 +398,10 @@ def format_critical(cp: CriticalPath, per_slot: bool = False) -> str:
     if per_slot:
         s = max(cp.steps)
         lines.append(f"step {s}, slot by slot (us)")
-        lines.append(_grid(["#", "proc", "stage", "action", "edge", "slot", *used],
-                           [[str(i), str(sl.process), str(sl.stage), f"{sl.op}{sl.microbatch if sl.microbatch >= 0 else ''}",
-                             sl.edge, f"{sl.slot_us:.0f}", *(f"{sl.parts.get(p, 0.0):.0f}" for p in used)]
-                            for i, sl in enumerate(cp.steps[s])]))
+        rows = [[str(i), str(sl.process), str(sl.stage), sl.op + (str(sl.microbatch) if sl.microbatch >= 0 else ""),
+                 sl.edge, f"{sl.slot_us:.0f}", *(f"{sl.parts.get(p, 0.0):.0f}" for p in used)]
+                for i, sl in enumerate(cp.steps[s])]
+        lines.append(_grid(["#", "proc", "stage", "action", "edge", "slot", *used], rows))
     return "\n".join(lines)
 
 

@@ -118,7 +118,8 @@ def test_a_step_that_begins_while_a_process_is_still_busy_counts_from_its_last_a
     """Step 2 is step 1 750 us later, its driver span starting at 700: stage 0 was busy with step
     1's STEP until 745, so step 2's first slot begins there (start 15 us, not 60)."""
     one = hand()
-    two = [{**e, "ts": e["ts"] + 750, "args": {**e["args"], "step": 2}} for e in one["traceEvents"] if e["cat"] != "driver"]
+    two = [{**e, "ts": e["ts"] + 750, "args": {**e["args"], "step": 2}}
+           for e in one["traceEvents"] if e["cat"] != "driver"]
     two.append({"ph": "X", "name": "step 2", "cat": "driver", "pid": 0, "tid": 2, "ts": 700, "dur": 1000,
                 "args": {"step": 2, "replica": 0, "training": True}})
     cp = C.critical_path(T.trace_from_dict({**one, "traceEvents": one["traceEvents"] + two}), skip_first=1)
