@@ -7,6 +7,7 @@
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --micro         # in-process CPU per action, ~20 s
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path # where each slot's time goes, ~1.5 min
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path --schedule zbv --slots
+    PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path --processes 2 --spin 0
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --scale         # cost vs m and N, ~3 min
 
 N=4 stage processes (``PipelineRunner``, process mode, 1 torch thread each), m=8 microbatches of
@@ -179,16 +180,16 @@ def _print_profile(path: str, top: int) -> None:
         stats.sort_stats(key).print_stats(top)
 
 
-def _critical(names: list[str], warmup: int, steps: int, slots: bool) -> None:
+def _critical(names: list[str], warmup: int, steps: int, slots: bool, n: int, spin: float | None) -> None:
     from pipeq.trace.critical import format_critical
 
     enc, dec = critical_path.codec_cost(critical_path.ROWS * critical_path.WIDTH * 4)
-    print(f"F/I/W harness: N={critical_path.N} processes, m={critical_path.M}, F=I=W={critical_path.COST_S * 1e3:g} ms "
+    print(f"F/I/W harness: N={n} processes{'' if spin is None else f', spin={spin:g}'}, m={critical_path.M}, F=I=W={critical_path.COST_S * 1e3:g} ms "
           f"per process (2-chunk schedules: half per chunk); {warmup} warm-up + {steps} traced steps; wall us on "
           f"the host clock; codec: encode {enc:.1f} + decode {dec:.1f} us CPU per message (in-process "
           f"estimate); load {os.getloadavg()[0]:.2f}")
     for name in names:
-        cp, times = critical_path.analyse(name, warmup, steps)
+        cp, times = critical_path.analyse(name, warmup, steps, n=n, spin=spin)
         print()
         print(format_critical(cp, per_slot=slots))
         print(f"measured step (untraced clock, driver): median {1e3 * statistics.median(times):.2f} ms")
@@ -205,6 +206,7 @@ def main() -> None:
     ap.add_argument("--micro", action="store_true", help="only the in-process CPU cost of each action")
     ap.add_argument("--critical-path", action="store_true", help="the F/I/W harness's critical path, part by part")
     ap.add_argument("--slots", action="store_true", help="with --critical-path: the last step slot by slot")
+    ap.add_argument("--processes", type=int, default=critical_path.N, help="with --critical-path: stage processes")
     ap.add_argument("--scale", action="store_true", help="per-action CPU and per-slot wall vs m and N")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -215,7 +217,7 @@ def main() -> None:
         return
     if args.critical_path:
         _critical(args.schedule or list(critical_path.SCHEDULES), 5 if args.warmup is None else args.warmup,
-                  20 if args.steps is None else args.steps, args.slots)
+                  20 if args.steps is None else args.steps, args.slots, args.processes, args.spin)
         return
     args.warmup = 10 if args.warmup is None else args.warmup
     args.steps = 60 if args.steps is None else args.steps

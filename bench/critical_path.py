@@ -2,8 +2,9 @@
 
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path                 # 1f1b zb-h1 zbv dualpipev
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path --schedule zbv --slots
+    PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path --processes 2 --spin 0
 
-The harness: 4 stage processes, 8 microbatches of 8 x 16, every process's forward (F), input
+The harness: 4 stage processes (``--processes``), 8 microbatches of 8 x 16, every process's forward (F), input
 gradient (I) and weight gradient (W) sleeping 4 ms (a process of two chunks: 2 ms per chunk; a
 whole backward sleeps I + W; stage 0 has no input gradient) - the stages of issue 41 and of
 ``bench_schedules.py``. The run is traced (``PipelineRunner(trace=...)``), and every stage also
@@ -84,7 +85,7 @@ def layout(schedule: str) -> int:
 
 
 def run_traced(schedule: str, warmup: int, steps: int, out_dir: str, n: int = N, m: int = M,
-               cost_s: float = COST_S) -> list[float]:
+               cost_s: float = COST_S, spin: float | None = None) -> list[float]:
     """``warmup + steps + 1`` traced steps of ``schedule`` on the harness (the last one only to
     write the stages' logs), the trace at ``out_dir/trace.json``, stage k's sleeps at
     ``out_dir/stage{k}.json``; the step times (s) of the timed steps."""
@@ -97,6 +98,8 @@ def run_traced(schedule: str, warmup: int, steps: int, out_dir: str, n: int = N,
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(m * ROWS, WIDTH, generator=g), torch.randn(m * ROWS, WIDTH, generator=g)
     kw: dict[str, Any] = {"stages_per_process": v} if v > 1 else {}
+    if spin is not None:
+        kw["spin"] = spin
     times = []
     with PipelineRunner(stages, nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.01), schedule=schedule,
                         microbatches=m, threads_per_stage=1, trace=os.path.join(out_dir, "trace.json"), **kw) as r:
@@ -169,13 +172,15 @@ class InnerIndex(dict):
         return out
 
 
-def analyse(schedule: str, warmup: int, steps: int, codec: bool = True) -> tuple[Any, list[float]]:
-    """Run the harness traced and return (the critical path of the timed steps, step times)."""
+def analyse(schedule: str, warmup: int, steps: int, codec: bool = True, n: int = N,
+            spin: float | None = None) -> tuple[Any, list[float]]:
+    """Run the harness traced on ``n`` processes and return (the critical path of the timed
+    steps, step times)."""
     from pipeq.trace import load_trace
     from pipeq.trace.critical import critical_path
 
     out_dir = tempfile.mkdtemp(prefix="pipeq-cpath-")
-    times = run_traced(schedule, warmup, steps, out_dir)
+    times = run_traced(schedule, warmup, steps, out_dir, n=n, spin=spin)
     trace = load_trace(os.path.join(out_dir, "trace.json"))
     origin = trace.meta.get("clock_origin_ns")
     inner = InnerIndex(inner_spans(out_dir, trace.n_stages, origin)) if origin is not None else None
