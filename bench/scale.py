@@ -14,7 +14,8 @@ float32 microbatches:
   N = 4 and 8 on 2 cores are oversubscribed: their wall time is CPU-bound, so the wall per
   slot grows with the plan's compute actions per slot (printed too: 2.9 at m = 8 to 3.9 at
   m = 128 for 1F1B on 4 processes, as the pipeline's fill and drain shrink against its steady
-  state) while the CPU per action stays flat.
+  state) while the CPU per action stays flat; the last table, the cores the stages kept busy
+  (CPU over wall), closes the sum: wall per slot = CPU per action x actions per slot / busy cores.
 - **simulated mode** (N = 2 ... 16, every stage in this process: the interpreter, the executors
   and autograd without any transport; the stages' sleeps skipped): CPU us per compute action.
 - **plan**: CPU us per action of building the plan (``pipeq.schedules.build``: the schedule,
@@ -133,7 +134,7 @@ def process_point(schedule: str, n: int, m: int, warmup: int, steps: int, spin: 
     cpu = sum(v - before.get(k, 0.0) for k, v in after.items()) / steps
     wall = statistics.median(times[warmup:])
     return {"cpu_us": 1e6 * cpu / compute, "slot_us": 1e6 * wall / slots, "step_ms": 1e3 * wall,
-            "actions": compute, "slots": slots, "per_slot": compute / slots}
+            "actions": compute, "slots": slots, "per_slot": compute / slots, "busy": cpu / wall}
 
 
 def simulated_point(schedule: str, n: int, m: int, warmup: int, steps: int) -> dict[str, float]:
@@ -173,15 +174,15 @@ def plan_point(schedule: str, n: int, m: int, repeat: int = 3) -> dict[str, floa
 
 
 def _table(title: str, ns: tuple[int, ...], got: dict[tuple[int, int], dict[str, float]], key: str,
-           fmt: str = "{:.1f}") -> str:
+           fmt: str = "{:.1f}", mark: bool = True) -> str:
     head = ["N \\ m", *(str(m) for m in MS), "128/8"]
     rows = []
     for n in ns:
         vals = [got.get((n, m), {}).get(key) for m in MS]
         ratio = vals[-1] / vals[0] if vals[0] and vals[-1] else None
-        mark = "" if ratio is None or ratio <= 1.2 else " !"
+        flag = " !" if mark and ratio is not None and ratio > 1.2 else ""
         rows.append([str(n), *("-" if v is None else fmt.format(v) for v in vals),
-                     "-" if ratio is None else f"{ratio:.2f}{mark}"])
+                     "-" if ratio is None else f"{ratio:.2f}{flag}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     line = "  ".join("{:>%d}" % w for w in widths)
     return "\n".join([title, line.format(*head), *(line.format(*r) for r in rows)])
@@ -207,5 +208,7 @@ def main_scale(schedule: str, warmup: int, steps: int, spin: float | None = None
     say(_table("process mode: CPU us per compute action (all stage processes' threads)", NS, proc, "cpu_us"))
     say(_table("process mode: wall us per critical-path slot (step / plan's slots)", NS, proc, "slot_us", "{:.0f}"))
     say(_table("the plan's compute actions per slot (how many run at once: with more processes than cores the "
-               "wall per slot grows with it)", NS, proc, "per_slot", "{:.2f}"))
+               "wall per slot grows with it)", NS, proc, "per_slot", "{:.2f}", mark=False))
+    say(_table("process mode: cores the stage processes kept busy (their CPU / wall; wall per slot = CPU per "
+               "action x actions per slot / this)", NS, proc, "busy", "{:.2f}", mark=False))
     return {"plan": plan, "simulated": sim, "process": proc}

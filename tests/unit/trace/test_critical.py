@@ -126,3 +126,12 @@ def test_a_step_that_begins_while_a_process_is_still_busy_counts_from_its_last_a
     first = cp.steps[2][0]
     assert (first.op, first.edge, first.slot_us) == ("F", "start", pytest.approx(115))
     assert first.parts == pytest.approx({"start": 15, "compute": 100})
+
+
+def test_pipeq_report_prints_the_critical_path(tmp_path, capsys):
+    from pipeq.launch.cli import main
+
+    path = T.save_trace(hand(), tmp_path / "run.json")
+    assert main(["report", path, "--critical-path"]) == 0
+    out = capsys.readouterr().out
+    assert "critical path: 1f1b, 2 stages, 1 steps" in out and "B msg" in out
