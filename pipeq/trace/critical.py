@@ -118,7 +118,9 @@ def stage_clock(meta: Mapping[str, Any], stage: int) -> Callable[[float], float]
 
 def host_clock(trace: Trace) -> Trace | None:
     """``trace`` with replica 0's stage events on the stages' own clock (one host: one clock);
-    None when the file has no ``clock_samples`` (an older trace, a plan)."""
+    None when the file has no ``clock_samples`` (an older trace, a plan) or names several hosts."""
+    if len(set(trace.meta.get("hosts") or ())) > 1:
+        return None  # several hosts, several clocks: the aligned times are the best there are
     maps = [stage_clock(trace.meta, k) for k in range(trace.n_stages)]
     if any(m is None for m in maps):
         return None

@@ -135,3 +135,10 @@ def test_pipeq_report_prints_the_critical_path(tmp_path, capsys):
     assert main(["report", path, "--critical-path"]) == 0
     out = capsys.readouterr().out
     assert "critical path: 1f1b, 2 stages, 1 steps" in out and "B msg" in out
+
+
+def test_a_trace_of_several_hosts_keeps_the_aligned_times():
+    data = hand(shift1=30.0, samples=True)
+    data["otherData"]["hosts"] = ["a", "b"]
+    assert C.host_clock(T.trace_from_dict(data)) is None
+    assert [s.parts for s in _path(data)] == [s.parts for s in _path(hand(shift1=30.0))]
