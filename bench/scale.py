@@ -10,7 +10,9 @@ float32 microbatches:
   (F, B, I, W), the stage processes' CPU time (all their threads, from /proc: Python, autograd,
   codec, transport, the spin-polling while waiting) per step over the step's compute actions; and
   the wall time per critical-path slot, the step's wall time over the plan's critical path in
-  actions (its dry run with every compute action costing 1: 1F1B 2(m+N-1), ZB-H1 3m+N-1).
+  actions (its dry run with every compute action costing 1: 1F1B 2(m+N-1), ZB-H1 3m+N-1). The
+  CPU is the scheduler's nanosecond count (/proc/PID/task/TID/schedstat); a point runs at least
+  ``--steps`` timed steps and at least 2048 compute actions (m = 8 on 2 processes: 64 steps).
   N = 4 and 8 on 2 cores are oversubscribed: their wall time is CPU-bound, so the wall per
   slot grows with the plan's compute actions per slot (printed too: 2.9 at m = 8 to 3.9 at
   m = 128 for 1F1B on 4 processes, as the pipeline's fill and drain shrink against its steady
@@ -38,19 +40,52 @@ from torch import nn
 
 from pipeq.testing import SleepStage
 
-__all__ = ["descendants_cpu", "plan_shape", "process_point", "simulated_point", "plan_point", "main_scale"]
+__all__ = ["descendants_cpu", "descendants_cpu_ns", "plan_shape", "process_point", "simulated_point", "plan_point", "main_scale"]
 
 ROWS, WIDTH = 8, 16
 MS = (8, 32, 128)
 NS = (2, 4, 8)
 SIM_NS = (2, 4, 8, 16)
 COMPUTE = ("F", "B", "I", "W")
+MIN_ACTIONS = 2048  # a process-mode point times at least this many compute actions (more steps when short)
 
 
 def descendants_cpu() -> dict[str, float]:
     """The CPU seconds (user + system) so far of this process's live descendants, by thread name
     (``pipeq-stage``: the stages' main threads; ``ZMQbg/IO/0``...) and user / system."""
     tick = os.sysconf("SC_CLK_TCK")
+    cpu: dict[str, float] = {}
+    for p in _descendants():
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/stat") as f:
+                    head, rest = f.read().rsplit(")", 1)
+                fields = rest.split()
+                name = head.split("(", 1)[1]
+                name = "pipeq-stage" if name.startswith("pipeq-stage") else name
+                cpu[name + " user"] = cpu.get(name + " user", 0.0) + int(fields[11]) / tick
+                cpu[name + " sys"] = cpu.get(name + " sys", 0.0) + int(fields[12]) / tick
+        except OSError:
+            continue
+    return cpu
+
+
+def descendants_cpu_ns() -> int:
+    """The CPU nanoseconds so far of this process's live descendants, every thread, from
+    /proc/PID/task/TID/schedstat (the scheduler's own count: nanoseconds, where /proc's stat counts
+    10 ms ticks)."""
+    total = 0
+    for p in _descendants():
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def _descendants() -> set[int]:
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         try:
@@ -65,20 +100,7 @@ def descendants_cpu() -> dict[str, float]:
             if parent == p and child not in mine:
                 mine.add(child)
                 todo.append(child)
-    cpu: dict[str, float] = {}
-    for p in mine:
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/stat") as f:
-                    head, rest = f.read().rsplit(")", 1)
-                fields = rest.split()
-                name = head.split("(", 1)[1]
-                name = "pipeq-stage" if name.startswith("pipeq-stage") else name
-                cpu[name + " user"] = cpu.get(name + " user", 0.0) + int(fields[11]) / tick
-                cpu[name + " sys"] = cpu.get(name + " sys", 0.0) + int(fields[12]) / tick
-        except OSError:
-            continue
-    return cpu
+    return mine
 
 
 def plan_shape(schedule: str, n: int, m: int) -> tuple[int, int, int]:
@@ -121,17 +143,17 @@ def process_point(schedule: str, n: int, m: int, warmup: int, steps: int, spin: 
         kw["spin"] = spin
     x, y = _data(m)
     compute, _, slots = plan_shape(schedule, n, m)
+    steps = max(steps, -(-MIN_ACTIONS // compute))  # short steps: more of them
     times = []
     with PipelineRunner(stages, nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.01), schedule=schedule,
                         microbatches=m, threads_per_stage=1, **kw) as runner:
         for i in range(warmup + steps):
             if i == warmup:
-                before = descendants_cpu()
+                before = descendants_cpu_ns()
             t0 = time.perf_counter()
             runner.step(x, y)
             times.append(time.perf_counter() - t0)
-        after = descendants_cpu()
-    cpu = sum(v - before.get(k, 0.0) for k, v in after.items()) / steps
+        cpu = (descendants_cpu_ns() - before) / 1e9 / steps
     wall = statistics.median(times[warmup:])
     return {"cpu_us": 1e6 * cpu / compute, "slot_us": 1e6 * wall / slots, "step_ms": 1e3 * wall,
             "actions": compute, "slots": slots, "per_slot": compute / slots, "busy": cpu / wall}
