@@ -40,7 +40,8 @@ from torch import nn
 
 from pipeq.testing import SleepStage
 
-__all__ = ["descendants_cpu", "descendants_cpu_ns", "plan_shape", "process_point", "simulated_point", "plan_point", "main_scale"]
+__all__ = ["descendants_cpu", "descendants_cpu_ns", "plan_shape", "process_point", "simulated_point", "plan_point",
+           "main_scale"]
 
 ROWS, WIDTH = 8, 16
 MS = (8, 32, 128)
