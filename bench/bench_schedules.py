@@ -4,7 +4,7 @@
     PYTHONPATH=. python bench/bench_schedules.py        # both cost sets + real compute, ~6-8 min
     PYTHONPATH=. python bench/bench_schedules.py --costs 5,5,5 --part sleep --steps 10   # ~3 min
     PYTHONPATH=. python bench/bench_schedules.py --only 1f1b --only tdp:zbv --json runs/schedules.json
-    PYTHONPATH=. python bench/bench_schedules.py --fiw                  # issue 41's F/I/W harness, ~3.5 min
+    PYTHONPATH=. python bench/bench_schedules.py --fiw                  # issue 41's F/I/W harness, ~4 min idle
     PYTHONPATH=. python bench/bench_schedules.py --fiw --processes 2    # 2 processes on 2 cores
 
 (from the repository root: ``PYTHONPATH=.`` measures this checkout's pipeq, not an installed one).
