@@ -8,7 +8,7 @@
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path # where each slot's time goes, ~1.5 min
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path --schedule zbv --slots
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path --processes 2 --spin 0
-    PYTHONPATH=$PWD python bench/bench_action_overhead.py --scale         # cost vs m and N, ~3 min
+    PYTHONPATH=$PWD python bench/bench_action_overhead.py --scale         # cost vs m and N, ~1-2 min
 
 N=4 stage processes (``PipelineRunner``, process mode, 1 torch thread each), m=8 microbatches of
 8 x 16 float32, every stage a :class:`pipeq.testing.SleepStage` that sleeps 0 s in F, I and W (a

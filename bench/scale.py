@@ -1,6 +1,6 @@
 """How the fixed cost per action grows with microbatches and stages (issue 41's "Scale").
 
-    PYTHONPATH=$PWD python bench/bench_action_overhead.py --scale                  # ~3 min
+    PYTHONPATH=$PWD python bench/bench_action_overhead.py --scale                  # ~1-2 min
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --scale --schedule zb-h1 --steps 4
 
 Three tables, every stage a zero-cost :class:`pipeq.testing.SleepStage` (sleeps of 0 s), 8 x 16
