@@ -5,6 +5,10 @@
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --steps 100 --schedule zb-h1
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --profile 1     # + cProfile of stage 1
     PYTHONPATH=$PWD python bench/bench_action_overhead.py --micro         # in-process CPU per action, ~20 s
+    PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path # where each slot's time goes, ~1.5 min
+    PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path --schedule zbv --slots
+    PYTHONPATH=$PWD python bench/bench_action_overhead.py --critical-path --processes 2 --spin 0
+    PYTHONPATH=$PWD python bench/bench_action_overhead.py --scale         # cost vs m and N, ~1-2 min
 
 N=4 stage processes (``PipelineRunner``, process mode, 1 torch thread each), m=8 microbatches of
 8 x 16 float32, every stage a :class:`pipeq.testing.SleepStage` that sleeps 0 s in F, I and W (a
@@ -26,6 +30,17 @@ does not blur.
 dumped at the end of the timed steps) and prints the top functions by own time and by cumulative
 time, in CPU time of the stage's main thread (waiting and preemption do not count): where an
 action's time goes (codec, transport, shm, autograd, executor, interpreter).
+
+``--critical-path`` runs instead issue 41's F/I/W harness (4 ms each per process, 2-chunk
+schedules at half per chunk) traced, for each ``--schedule`` (default 1f1b, zb-h1, zbv,
+dualpipev), and prints the median wall microseconds of each part of a critical-path slot
+(compute, the sleep's overshoot, autograd entry/exit, interpreter, send, wait for an already-sent
+message, wake-up, receive, codec) per kind of slot; ``--slots`` adds the last step slot by slot.
+See bench/critical_path.py and :mod:`pipeq.trace.critical`.
+
+``--scale`` prints per-action CPU and per-slot wall time against m = 8, 32, 128 and N = 2, 4, 8
+processes, and in simulated mode (N up to 16) the interpreter's and the plan's CPU per action
+(bench/scale.py); default schedule 1f1b, 2 warm-up + 4 timed steps per point.
 """
 
 from __future__ import annotations
@@ -44,6 +59,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+import critical_path  # noqa: E402  (bench/ is this script's directory: on the path)
+import scale  # noqa: E402
 from pipeq.testing import SleepStage
 
 __all__ = ["ProfiledStage", "main", "micro", "run"]
@@ -74,41 +91,6 @@ class ProfiledStage(SleepStage):
         return super().forward(x)
 
 
-def _descendants_cpu() -> dict[str, float]:
-    """The CPU seconds (user + system) so far of this process's live descendants (the stage
-    processes...), from /proc, by thread name (``pipeq-stage``: the stages' main threads;
-    ``ZMQbg/IO/0``: ZeroMQ's I/O threads...) and user / system time."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-    mine, todo = set(), [os.getpid()]
-    while todo:
-        p = todo.pop()
-        for child, parent in parents.items():
-            if parent == p and child not in mine:
-                mine.add(child)
-                todo.append(child)
-    cpu: dict[str, float] = {}
-    for p in mine:
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/stat") as f:
-                    head, rest = f.read().rsplit(")", 1)
-                fields = rest.split()
-                name = head.split("(", 1)[1]
-                name = "pipeq-stage" if name.startswith("pipeq-stage") else name
-                cpu[name + " user"] = cpu.get(name + " user", 0.0) + int(fields[11]) / tick
-                cpu[name + " sys"] = cpu.get(name + " sys", 0.0) + int(fields[12]) / tick
-        except OSError:
-            continue
-    return cpu
-
-
 def run(schedule: str, warmup: int, steps: int, spin: float | None, profile: int | None,
         path: str) -> tuple[list[float], dict[str, float], float]:
     """The step times (s) of ``steps`` timed steps of ``schedule`` after ``warmup``, and the CPU
@@ -126,12 +108,12 @@ def run(schedule: str, warmup: int, steps: int, spin: float | None, profile: int
                         microbatches=M, threads_per_stage=1, **kw) as runner:
         for i in range(warmup + steps + (profile is not None)):
             if i == warmup:
-                stage_cpu, own_cpu = _descendants_cpu(), time.process_time()
+                stage_cpu, own_cpu = scale.descendants_cpu(), time.process_time()
             t0 = time.perf_counter()
             runner.step(x, y)
             times.append(time.perf_counter() - t0)
             if i == warmup + steps - 1:
-                after = _descendants_cpu()
+                after = scale.descendants_cpu()
                 stage_cpu = {k: (v - stage_cpu.get(k, 0.0)) / steps for k, v in after.items()}
                 own_cpu = (time.process_time() - own_cpu) / steps
     return times[warmup:warmup + steps], stage_cpu, own_cpu
@@ -198,17 +180,47 @@ def _print_profile(path: str, top: int) -> None:
         stats.sort_stats(key).print_stats(top)
 
 
+def _critical(names: list[str], warmup: int, steps: int, slots: bool, n: int, spin: float | None) -> None:
+    from pipeq.trace.critical import format_critical
+
+    enc, dec = critical_path.codec_cost(critical_path.ROWS * critical_path.WIDTH * 4)
+    print(f"F/I/W harness: N={n} processes{'' if spin is None else f', spin={spin:g}'}, m={critical_path.M}, F=I=W={critical_path.COST_S * 1e3:g} ms "
+          f"per process (2-chunk schedules: half per chunk); {warmup} warm-up + {steps} traced steps; wall us on "
+          f"the host clock; codec: encode {enc:.1f} + decode {dec:.1f} us CPU per message (in-process "
+          f"estimate); load {os.getloadavg()[0]:.2f}")
+    for name in names:
+        cp, times = critical_path.analyse(name, warmup, steps, n=n, spin=spin)
+        print()
+        print(format_critical(cp, per_slot=slots))
+        print(f"measured step (untraced clock, driver): median {1e3 * statistics.median(times):.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", action="append", help="1f1b, zb-h1 (default: both)")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=None, help="default 10 (--critical-path: 5)")
+    ap.add_argument("--steps", type=int, default=None, help="default 60 (--critical-path: 20)")
     ap.add_argument("--spin", type=float, default=None, help="PipelineRunner(spin=...) (default: the library's)")
     ap.add_argument("--profile", type=int, default=None, help="profile stage K (cProfile)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--micro", action="store_true", help="only the in-process CPU cost of each action")
+    ap.add_argument("--critical-path", action="store_true", help="the F/I/W harness's critical path, part by part")
+    ap.add_argument("--slots", action="store_true", help="with --critical-path: the last step slot by slot")
+    ap.add_argument("--processes", type=int, default=critical_path.N, help="with --critical-path: stage processes")
+    ap.add_argument("--scale", action="store_true", help="per-action CPU and per-slot wall vs m and N")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.scale:
+        for name in args.schedule or ["1f1b"]:
+            scale.main_scale(name, 2 if args.warmup is None else args.warmup, 4 if args.steps is None else args.steps,
+                             args.spin)
+        return
+    if args.critical_path:
+        _critical(args.schedule or list(critical_path.SCHEDULES), 5 if args.warmup is None else args.warmup,
+                  20 if args.steps is None else args.steps, args.slots, args.processes, args.spin)
+        return
+    args.warmup = 10 if args.warmup is None else args.warmup
+    args.steps = 60 if args.steps is None else args.steps
     if args.micro:
         print("CPU us per call, in process: " + ", ".join(f"{k} {v:.1f}" for k, v in micro().items()))
         return

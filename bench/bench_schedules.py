@@ -4,6 +4,8 @@
     PYTHONPATH=. python bench/bench_schedules.py        # both cost sets + real compute, ~6-8 min
     PYTHONPATH=. python bench/bench_schedules.py --costs 5,5,5 --part sleep --steps 10   # ~3 min
     PYTHONPATH=. python bench/bench_schedules.py --only 1f1b --only tdp:zbv --json runs/schedules.json
+    PYTHONPATH=. python bench/bench_schedules.py --fiw                  # issue 41's F/I/W harness, ~4 min idle
+    PYTHONPATH=. python bench/bench_schedules.py --fiw --processes 2    # 2 processes on 2 cores
 
 (from the repository root: ``PYTHONPATH=.`` measures this checkout's pipeq, not an installed one).
 
@@ -42,6 +44,15 @@ W would not). The MLP's 1-chunk and 2-chunk cuts hold the same layers, so all it
 sleep chunks hold 8 biases where 4 stages hold 4, so there the 2-chunk rows agree among themselves.
 A row reads "n/a (not in this build)" when pipeq has no schedule of that name yet, "error: ..."
 when a run failed (the exception's first line). The machine is shared: compare rows of one run.
+
+**--fiw** (issue 41's harness): F, I and W each ``--fiw-ms`` (default 4) ms per process (a
+2-chunk schedule's chunk sleeps half), m = 8, ``--processes`` (default 4; 2: no
+oversubscription on 2 cores) processes, for 1f1b, zb-h1, interleaved-1f1b, zbv and dualpipev and
+TDP's class of each, in ``--rounds`` (default 2) alternating rounds: pipeq's rows (one child),
+then TDP's, then pipeq's again... Each cell: the median step over every round's timed steps, the
+range of the rounds' medians when they differ, and step over the schedule's own ideal (pipeq's
+plan of it with these costs, for both sides: the same work, the same bound); **vs 1F1B** is the
+side's 1F1B step over this row's (the speed-up the schedule brings on that runtime).
 """
 
 from __future__ import annotations
@@ -81,6 +92,10 @@ SLEEP_ROWS = [("fill-drain", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"), ("zb-h1
 MLP_ROWS = [("1f1b", "Schedule1F1B"), ("zb-h1", "ScheduleInterleavedZeroBubble"),
             ("interleaved-1f1b", "ScheduleInterleaved1F1B"), ("zbv", "ScheduleZBVZeroBubble"),
             ("auto", None), ("auto-v2", None)]
+#: issue 41's F/I/W harness: the modern schedules and TDP's class of each
+FIW_ROWS = [("1f1b", "Schedule1F1B"), ("zb-h1", "ScheduleInterleavedZeroBubble"),
+            ("interleaved-1f1b", "ScheduleInterleaved1F1B"), ("zbv", "ScheduleZBVZeroBubble"),
+            ("dualpipev", "ScheduleDualPipeV")]
 #: schedule="auto" rows: the model in 4 stages (one per process), or in 8 (two per process)
 AUTO = {"auto": 1, "auto-v2": 2}
 
@@ -324,6 +339,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--part", choices=("sleep", "mlp", "both"), default="both")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per row before it counts as hung")
     p.add_argument("--json", metavar="PATH", help="also write the rows (with every step time) as JSON")
+    p.add_argument("--fiw", action="store_true", help="issue 41's F/I/W harness, alternating rounds (see above)")
+    p.add_argument("--fiw-ms", type=float, default=4.0, help="--fiw: F = I = W ms per process (default 4)")
+    p.add_argument("--processes", type=int, default=N, help="--fiw: stage processes (default 4)")
+    p.add_argument("--rounds", type=int, default=2, help="--fiw: alternating rounds (default 2)")
     return p.parse_args(argv)
 
 
@@ -337,10 +356,95 @@ def mlp_data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(MLP_BATCH, MLP_WIDTH, generator=g), torch.randn(MLP_BATCH, MLP_WIDTH, generator=g)
 
 
+def fiw_rounds(a: argparse.Namespace) -> dict[tuple[str, str], dict]:
+    """Issue 41's harness in ``a.rounds`` alternating rounds: per (schedule, side), every round's
+    result (times or error), plus the ideal."""
+    n, ms = a.processes, a.fiw_ms
+    costs = (ms, ms, ms)
+    make = SleepChunks(ms / 1e3, ms / 1e3, ms / 1e3, n_procs=n)
+    rows = [(name, cls) for name, cls in FIW_ROWS if wanted(a.only, "pipeq", name) or wanted(a.only, "tdp", name)]
+    out: dict[tuple[str, str], dict] = {}
+    for name, cls in rows:
+        ideal = pipeq_ideal(name, n, M, costs)
+        for side in ("pipeq", "tdp"):
+            out[(name, side)] = {"ideal_ms": ideal, "rounds": [], "impl": "PipelineRunner" if side == "pipeq" else cls}
+    for r in range(a.rounds):
+        t0 = time.monotonic()
+        got = run_pipeq([name for name, _ in rows if wanted(a.only, "pipeq", name)], make, n, *sleep_data(), a)
+        for name, res in got.items():
+            out[(name, "pipeq")]["rounds"].append(res)
+        print(f"  .. round {r + 1}: pipeq rows in {time.monotonic() - t0:.0f} s", flush=True)
+        for name, cls in rows:
+            if cls and wanted(a.only, "tdp", name):
+                t0 = time.monotonic()
+                out[(name, "tdp")]["rounds"].append(run_tdp(cls, make, n, *sleep_data(), a))
+                print(f"  .. round {r + 1}: TDP {cls} in {time.monotonic() - t0:.0f} s", flush=True)
+    return out
+
+
+def _fiw_cell(res: dict) -> tuple[str, float | None]:
+    """'155.6 ms, 1.18x' (with the rounds' range when they differ) and the median step (ms)."""
+    rounds = [r for r in res["rounds"] if r.get("times")]
+    if not rounds:
+        errs = [r.get("error") or r.get("status") for r in res["rounds"]]
+        return (f"error: {errs[0]}" if errs and errs[0] else "not run"), None
+    step = 1e3 * statistics.median([t for r in rounds for t in r["times"]])
+    meds = [1e3 * statistics.median(r["times"]) for r in rounds]
+    ideal = res["ideal_ms"]
+    lo, hi = min(meds), max(meds)
+    text = f"{step:.1f} ms" + (f" ({lo:.1f}-{hi:.1f})" if len(meds) > 1 else "")
+    if ideal:
+        text += f", {step / ideal:.2f}x" + (f" ({lo / ideal:.2f}-{hi / ideal:.2f})" if len(meds) > 1 else "")
+    return text, step
+
+
+def fiw_table(out: dict[tuple[str, str], dict], a: argparse.Namespace) -> str:
+    names = list(dict.fromkeys(name for name, _ in out))
+    cells, steps = {}, {}
+    for key, res in out.items():
+        cells[key], steps[key] = _fiw_cell(res)
+    rows = []
+    for name in names:
+        ideal = out[(name, "pipeq")]["ideal_ms"]
+        row = [name, _ms(ideal)]
+        for side in ("pipeq", "tdp"):
+            res = out[(name, side)]
+            if side == "tdp" and not res["rounds"]:
+                row += ["(TDP has no such class)" if res["impl"] is None else "not run", ""]
+                continue
+            base, mine = steps.get(("1f1b", side)), steps.get((name, side))
+            row += [cells[(name, side)], f"{base / mine:.2f}" if base and mine else "-"]
+        rows.append(row)
+    head = ["schedule", "ideal ms", "pipeq: step, step/ideal", "vs 1F1B", "TDP: step, step/ideal", "vs 1F1B"]
+    note = (f"  F/I/W harness: {a.processes} processes, m={M}, F=I=W={a.fiw_ms:g} ms per process (2-chunk schedules: "
+            f"half per chunk); {a.rounds} alternating rounds of {a.warmup} warm-up + {a.steps} timed steps; "
+            "median step over all rounds (range of the rounds' medians); ideal = pipeq's plan with these costs")
+    return bc._table(head, rows) + "\n" + note
+
+
+def fiw_main(a: argparse.Namespace) -> int:
+    print(f"issue 41 F/I/W harness, pipeq vs TDP {torch.__version__}: {a.processes} processes, {a.rounds} rounds; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    try:
+        out = fiw_rounds(a)
+    finally:
+        bc.cleanup_children()
+    print()
+    print(fiw_table(out, a))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"torch": torch.__version__, "processes": a.processes, "fiw_ms": a.fiw_ms, "rounds": a.rounds,
+                       "steps": a.steps, "warmup": a.warmup,
+                       "rows": [{"schedule": k[0], "side": k[1], **v} for k, v in out.items()]}, fh, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     bc._become_subreaper()
     torch.set_num_threads(1)
+    if a.fiw:
+        return fiw_main(a)
     print(f"pipeq vs torch.distributed.pipelining {torch.__version__}: {a.warmup} warm-up + {a.steps} timed steps "
           f"per row; load average {os.getloadavg()[0]:.1f}", flush=True)
     rows: list[dict] = []

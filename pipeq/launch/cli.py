@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-first", type=int, default=0, metavar="K",
                    help="leave the first K steps out of the report (the first includes lazy set-up)")
     p.add_argument("--include-predict", action="store_true", help="also cover forward-only (predict) steps")
+    p.add_argument("--critical-path", action="store_true",
+                   help="also split each step's critical path, slot by slot (pipeq.trace.critical; one host)")
     p = sub.add_parser("secret", help="print a fresh job secret (64 hex characters) for a multi-host run",
                        description="Print a fresh random job secret. Every node of a multi-host run needs "
                                    f"the same one: as `pipeq launch --secret-file FILE` or in ${SECRET_ENV}.")
@@ -242,6 +244,10 @@ def _report(args: argparse.Namespace) -> int:
     steps = report.parse_steps(args.steps) if args.steps else None
     print(report.format_report(report.analyze(trace, args.include_predict, skip_first=args.skip_first,
                                               steps="all" if steps is None else steps)))
+    if args.critical_path:
+        from pipeq.trace import critical
+
+        print(critical.format_critical(critical.critical_path(trace, skip_first=args.skip_first)))
     if args.plot:
         print(f"plot: {plot.plot_trace(trace, args.plot, steps=steps)}")
     return 0

@@ -13,7 +13,10 @@ track per stage (``tid`` = stage, ``pid`` = replica) plus a driver track (:func:
 
 The file (version 1, :data:`VERSION`): ``otherData`` holds ``pipeq_trace_version`` (1),
 ``schedule``, ``n_stages``, ``microbatches``, ``replicas``, ``clock_offsets_us`` (and a run's
-``clock_rtt_us``; a plan's ``planned``, ``backward_cost``, ``unit_us``); every ``"X"`` event of a
+``clock_rtt_us``, ``clock_origin_ns``: the driver's clock at ``ts`` 0, ``clock_samples``: per
+stage, every ``[at_ns, offset_ns, rtt_ns]`` measured, from which :mod:`pipeq.trace.critical` maps a
+stage's times back onto its own clock, and ``hosts``, each stage's, when they were several; a
+plan's ``planned``, ``backward_cost``, ``unit_us``); every ``"X"`` event of a
 stage has ``ts`` and ``dur`` (microseconds, clocks aligned to the driver's) and ``args`` with
 ``stage``, ``step`` and optionally ``replica`` (default: the event's ``pid``), ``microbatch``
 (default -1), ``op``, ``bytes`` (default 0) and ``training`` (default true). ``cat`` says what
@@ -190,7 +193,9 @@ def build(
     for step, train, t0, t1, m in driver_spans:
         events.append(_step_span(replica, n, step, train, m, (t0 - origin) / 1e3, (t1 - t0) / 1e3))
     return _file(meta, events, clock_offsets_us=[c[0].offset_ns / 1e3 if c else 0.0 for c in clocks],
-                 clock_rtt_us=[c[0].rtt_ns / 1e3 if c else 0.0 for c in clocks])
+                 clock_rtt_us=[c[0].rtt_ns / 1e3 if c else 0.0 for c in clocks], clock_origin_ns=origin,
+                 clock_samples=[[[s.at_ns, s.offset_ns, s.rtt_ns] for s in c] for c in clocks],
+                 **({"hosts": list(hosts)} if hosts else {}))
 
 
 def _tracks(pid: int, process: str, stages: list[str]) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """The package's layering holds, as its folders show it (and pipeq's docstring draws it).
 
-    control plane   control/ (runner, backends), launch/ (pipeq launch), trace/report, trace/plot
+    control plane   control/ (runner, backends), launch/ (pipeq launch), trace/report, trace/plot, trace/critical
     event loop      runtime/: a stage process's event loop and the simulated engine run its actions
     compute         schedules/ (pure), stage/, research/, parallel/, checkpoint/, models/, trace/format
     transport       wire/: sockets, links, shared memory, lanes
@@ -27,7 +27,8 @@ PACKAGE = os.path.dirname(pipeq.__file__)
 #: Each layer's modules, by dotted name under pipeq: a name ending in "." is a whole folder.
 #: The first pattern that matches a module decides its layer (longest patterns first).
 LAYERS: dict[str, list[str]] = {
-    "control plane": ["__init__", "__main__", "control.", "launch.", "trace.report", "trace.plot", "trace.advice"],
+    "control plane": ["__init__", "__main__", "control.", "launch.", "trace.report", "trace.plot", "trace.advice",
+                      "trace.critical"],
     "event loop": ["runtime."],
     "compute": ["schedules.", "stage.", "research.", "parallel.", "checkpoint.", "models.", "trace.__init__",
                 "trace.format", "balance", "testing", "split."],

@@ -64,3 +64,23 @@ def test_placement_and_table(bench):
         r["vs_1f1b"] = None
     text = bench.table(rows)
     assert "n/a (not in this build)" in text and "127.5*" in text and "1.28" in text
+
+
+def test_fiw_rounds_table(bench):
+    """--fiw: the median over every round's steps, the rounds' range, step over the ideal, the speed
+    against the same side's 1F1B, and a row whose rounds all failed."""
+    a = bench.parse_args(["--fiw", "--processes", "2", "--rounds", "2"])
+    assert a.fiw and a.processes == 2 and a.rounds == 2 and a.fiw_ms == 4.0
+    assert [name for name, _ in bench.FIW_ROWS] == ["1f1b", "zb-h1", "interleaved-1f1b", "zbv", "dualpipev"]
+    out = {("1f1b", "pipeq"): {"ideal_ms": 100.0, "impl": "PipelineRunner",
+                               "rounds": [{"times": [0.110, 0.120, 0.130]}, {"times": [0.140, 0.150, 0.160]}]},
+           ("1f1b", "tdp"): {"ideal_ms": 100.0, "impl": "Schedule1F1B", "rounds": [{"error": "boom"}]},
+           ("zbv", "pipeq"): {"ideal_ms": 80.0, "impl": "PipelineRunner", "rounds": [{"times": [0.090]}]},
+           ("zbv", "tdp"): {"ideal_ms": 80.0, "impl": "ScheduleZBVZeroBubble", "rounds": []}}
+    text, step = bench._fiw_cell(out[("1f1b", "pipeq")])
+    assert step == pytest.approx(135.0)  # the median of all six steps
+    assert text == "135.0 ms (120.0-150.0), 1.35x (1.20-1.50)"
+    assert bench._fiw_cell(out[("1f1b", "tdp")]) == ("error: boom", None)
+    table = bench.fiw_table(out, a)
+    assert "90.0 ms, 1.12x" in table and "1.50" in table  # zbv: 135 / 90 = 1.5x 1F1B's speed
+    assert "not run" in table
