@@ -47,14 +47,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import math
 import os
 import pstats
 import statistics
 import tempfile
 import time
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -119,17 +118,6 @@ def run(schedule: str, warmup: int, steps: int, spin: float | None, profile: int
     return times[warmup:warmup + steps], stage_cpu, own_cpu
 
 
-def _cpu_us(fn: Callable[[], Any], n: int = 2000) -> float:
-    """``fn``'s CPU time (this thread's), microseconds per call: the best of 5 rounds of ``n``."""
-    for _ in range(200):
-        fn()
-    best = math.inf
-    for _ in range(5):
-        t0 = time.thread_time()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.thread_time() - t0) / n * 1e6)
-    return best
 
 
 def micro() -> dict[str, float]:
@@ -150,9 +138,9 @@ def micro() -> dict[str, float]:
                                            partial(torch.optim.SGD, lr=0.0)), torch.device("cpu"))
         ex.begin(0, [ROWS] * M, True)
         x, g = torch.randn(ROWS, WIDTH), (torch.randn(ROWS, WIDTH),)
-        out = {"F": _cpu_us(lambda: (ex.forward(0, (x,)), ex.stash.clear())),
-               "F+B": _cpu_us(lambda: (ex.forward(0, (x,)), ex.backward(0, g))),
-               "F+I+W": _cpu_us(lambda: (ex.forward(0, (x,)), ex.input_grad(0, g), ex.weight_grad(0)))}
+        out = {"F": critical_path.cpu_us(lambda: (ex.forward(0, (x,)), ex.stash.clear())),
+               "F+B": critical_path.cpu_us(lambda: (ex.forward(0, (x,)), ex.backward(0, g))),
+               "F+I+W": critical_path.cpu_us(lambda: (ex.forward(0, (x,)), ex.input_grad(0, g), ex.weight_grad(0)))}
     finally:
         pipeq.testing.time.sleep = sleep  # type: ignore[assignment]
     path = os.path.join(tempfile.mkdtemp(prefix="pipeq-lane-"), "lane")
@@ -165,8 +153,8 @@ def micro() -> dict[str, float]:
         lane.send(lane.datagram(codec.encode(Kind.ACTIVATION, 1, 2, [x])))  # type: ignore[arg-type]
         decode_aligned(box.receive(conn))  # type: ignore[arg-type]
 
-    out["message"] = _cpu_us(hop)
-    out["empty poll"] = _cpu_us(lambda: box.receive(conn))
+    out["message"] = critical_path.cpu_us(hop)
+    out["empty poll"] = critical_path.cpu_us(lambda: box.receive(conn))
     lane.close()
     box.close()
     return out

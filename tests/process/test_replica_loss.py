@@ -48,6 +48,31 @@ def reference(stages, data, degraded_step, keep=slice(0, BATCH // 2)):
     return flat_state(model), losses
 
 
+def per_stage_reference(stages, data, summed, batch=BATCH):
+    """Plain torch for a run whose step s summed, at stage k, the replicas ``summed[s][k]``
+    (``runner.degraded_stages``; by default both of two): each stage's gradient is the mean loss's
+    over those replicas' samples (replica 0 holds a batch's first half, replica 1 its second).
+    The state, and each step's loss over the samples its last stage summed."""
+    model = Chain(*copy.deepcopy(stages))
+    opt = ADAM(model.parameters())
+    parts = {(0, 1): slice(0, batch), (0,): slice(0, batch // 2), (1,): slice(batch // 2, batch)}
+    losses = []
+    for step, (x, y) in enumerate(data, start=1):
+        grads, loss = {}, {}
+        for part, keep in parts.items():
+            model.zero_grad()
+            value = nn.CrossEntropyLoss()(model(x[keep]), y[keep])
+            value.backward()
+            grads[part], loss[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model], value.item()
+        row = summed.get(step, {})
+        for k, stage in enumerate(model):
+            for p, g in zip(stage.parameters(), grads[tuple(row.get(k, (0, 1)))][k]):
+                p.grad = g
+        opt.step()
+        losses.append(loss[tuple(row.get(len(model) - 1, (0, 1)))])
+    return flat_state(model), losses
+
+
 def replica_state(runner, r):
     """Replica r's parameters and buffers, keyed like ``state_dict()`` (which reads replica 0)."""
     be = backend_of(runner)
@@ -201,24 +226,8 @@ def test_a_stage_lost_before_its_gradients_of_the_step_before_stalls_nobody(monk
     steps, lost = 6, 4
     data = batches64(steps, BATCH)
     data[lost - 2][0][BATCH - 1, 0] = MARKER  # replica 1's last microbatch of step 3
-    model = Chain(*copy.deepcopy(_stages_slow_at_1(False)))
-    opt = ADAM(model.parameters())
-    halves = {lost - 1: {0, 1}, lost: {0, 1, 2}}  # step -> the stages that trained on replica 0's half
-    ref_losses = []
-    for step, (x, y) in enumerate(data, start=1):
-        grads = {}
-        for part, keep in (("whole", slice(0, BATCH)), ("half", slice(0, BATCH // 2))):
-            model.zero_grad()
-            loss = nn.CrossEntropyLoss()(model(x[keep]), y[keep])
-            loss.backward()
-            grads[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model]
-            if part == ("half" if step == lost else "whole"):  # the loss reported: the step's samples
-                ref_losses.append(loss.item())
-        for k, stage in enumerate(model):
-            for p, g_whole, g_half in zip(stage.parameters(), grads["whole"][k], grads["half"][k]):
-                p.grad = g_half if k in halves.get(step, ()) else g_whole
-        opt.step()
-    ref = flat_state(model)
+    where = {lost - 1: {0: [0], 1: [0]}, lost: {0: [0], 1: [0], 2: [0]}}  # step -> stage -> replicas summed
+    ref, ref_losses = per_stage_reference(_stages_slow_at_1(False), data, where)
 
     runner = pipeq.PipelineRunner(_stages_slow_at_1(True), nn.CrossEntropyLoss(), ADAM, "1f1b", 2,
                                   data_parallel=2, fault_tolerance="replicas", **FAST)
@@ -236,7 +245,7 @@ def test_a_stage_lost_before_its_gradients_of_the_step_before_stalls_nobody(monk
         state = runner.state_dict()
         rebuilt = replica_state(runner, 1)
         assert runner.degraded_steps == {lost - 1: 1, lost: 1}
-        assert runner.degraded_stages == {lost - 1: {0: [0], 1: [0]}, lost: {0: [0], 1: [0], 2: [0]}}
+        assert runner.degraded_stages == where
     assert not wait_no_strays(5.0), "stage processes outlived the run"
     # step 4 (the loss, and the rebuild: about 1 s on an idle machine) waits for no time-out (the
     # heartbeat_timeout of 15 s it used to wait for); no other step is slower than usual (step 3 is
@@ -276,20 +285,8 @@ def test_a_lost_replicas_stage_finishing_the_step_before_never_waits_on_its_dead
     data = [(torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (batch,), generator=g))
             for _ in range(steps)]
     data[lost - 2][0][batch // 2:, 0] = MARKER  # every microbatch of replica 1's at step 3
-    model = Chain(*copy.deepcopy(_wide_then_narrow(False)))
-    opt = ADAM(model.parameters())
-    halves = {lost - 1: {0}, lost: {0, 1, 2}}  # step -> the stages that trained on replica 0's half
-    for step, (x, y) in enumerate(data, start=1):
-        grads = {}
-        for part, keep in (("whole", slice(0, batch)), ("half", slice(0, batch // 2))):
-            model.zero_grad()
-            nn.CrossEntropyLoss()(model(x[keep]), y[keep]).backward()
-            grads[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model]
-        for k, stage in enumerate(model):
-            for p, g_whole, g_half in zip(stage.parameters(), grads["whole"][k], grads["half"][k]):
-                p.grad = g_half if k in halves.get(step, ()) else g_whole
-        opt.step()
-    ref = flat_state(model)
+    where = {lost - 1: {0: [0]}, lost: {0: [0], 1: [0], 2: [0]}}  # step -> stage -> replicas summed
+    ref, _ = per_stage_reference(_wide_then_narrow(False), data, where, batch)
 
     runner = pipeq.PipelineRunner(_wide_then_narrow(True), nn.CrossEntropyLoss(), ADAM, "fill-drain", m,
                                   data_parallel=2, fault_tolerance="replicas", heartbeat_timeout=10.0, **FAST)
@@ -303,7 +300,7 @@ def test_a_lost_replicas_stage_finishing_the_step_before_never_waits_on_its_dead
             runner.step(x, y)
             times.append(time.monotonic() - t0)
         state = runner.state_dict()
-        assert runner.degraded_stages == {lost - 1: {0: [0]}, lost: {0: [0], 1: [0], 2: [0]}}
+        assert runner.degraded_stages == where
     assert not wait_no_strays(5.0), "stage processes outlived the run"
     assert times[lost - 1] < 6.0, times  # stage 1's slow backwards (1.6 s) and the rebuild: no time-out
     for key in ref:
@@ -327,20 +324,8 @@ def test_a_stage_failing_after_its_steps_loss_is_in_is_absorbed_while_the_caller
         s = stages64(3)
         return [RaiseBackwardAt(s[0], MARKER, 0.5, armed=armed), *s[1:]]
 
-    model = Chain(*copy.deepcopy(stages(False)))
-    opt = ADAM(model.parameters())
-    halves = {lost - 1: {0}, lost: {0, 1, 2}}  # step -> the stages that trained on replica 0's half
-    for step, (x, y) in enumerate(data, start=1):
-        grads = {}
-        for part, keep in (("whole", slice(0, BATCH)), ("half", slice(0, BATCH // 2))):
-            model.zero_grad()
-            nn.CrossEntropyLoss()(model(x[keep]), y[keep]).backward()
-            grads[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model]
-        for k, stage in enumerate(model):
-            for p, g_whole, g_half in zip(stage.parameters(), grads["whole"][k], grads["half"][k]):
-                p.grad = g_half if k in halves.get(step, ()) else g_whole
-        opt.step()
-    ref = flat_state(model)
+    where = {lost - 1: {0: [0]}, lost: {0: [0], 1: [0], 2: [0]}}  # step -> stage -> replicas summed
+    ref, _ = per_stage_reference(stages(False), data, where)
 
     runner = pipeq.PipelineRunner(stages(True), nn.CrossEntropyLoss(), ADAM, "1f1b", 2, data_parallel=2,
                                   fault_tolerance="replicas", **FAST)
@@ -387,19 +372,7 @@ def test_a_replica_lost_in_a_stream_is_rebuilt_without_the_buckets_sent_to_its_l
         assert len(runner.replica_failures) == 1, runner.replica_failures
     assert not wait_no_strays(5.0), "stage processes outlived the run"
     assert len(losses) == steps and 2 <= len(degraded) <= 5, degraded
-    model = Chain(*copy.deepcopy([SlowBackwardAt(s[0], MARKER, 0.02, armed=False), *s[1:]]))
-    opt = ADAM(model.parameters())
-    for step, (x, y) in enumerate(data, start=1):
-        grads = {}
-        for part, keep in (((0, 1), slice(0, BATCH)), ((0,), slice(0, BATCH // 2))):
-            model.zero_grad()
-            nn.CrossEntropyLoss()(model(x[keep]), y[keep]).backward()
-            grads[part] = [[p.grad.clone() for p in stage.parameters()] for stage in model]
-        for k, stage in enumerate(model):
-            for p, g in zip(stage.parameters(), grads[tuple(degraded.get(step, {}).get(k, (0, 1)))][k]):
-                p.grad = g
-        opt.step()
-    ref = flat_state(model)
+    ref, _ = per_stage_reference([SlowBackwardAt(s[0], MARKER, 0.02, armed=False), *s[1:]], data, degraded)
     for key in ref:
         torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
         assert torch.equal(state[key], rebuilt[key]), key
