@@ -183,6 +183,36 @@ def _critical(names: list[str], warmup: int, steps: int, slots: bool, n: int, sp
         print(f"measured step (untraced clock, driver): median {1e3 * statistics.median(times):.2f} ms")
 
 
+def cold() -> dict[str, float]:
+    """The same small forward and backward (8 x 16 by 16 x 16, tanh), wall us, right after 4 ms of:
+    nothing, a Python busy loop, a sleep, large matmuls. What an action's code costs around a stage
+    whose own work took that long: the machine's, not the runtime's instructions."""
+    a, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
+    big = torch.randn(700, 700)
+
+    def small() -> None:
+        (a @ w).tanh().sum().backward()
+
+    def busy(matmul: bool) -> None:
+        end = time.perf_counter() + 0.004
+        while time.perf_counter() < end:
+            if matmul:
+                big @ big
+
+    before = {"nothing": lambda: None, "a Python busy loop": lambda: busy(False),
+              "a sleep": lambda: time.sleep(0.004), "large matmuls": lambda: busy(True)}
+    out = {}
+    for name, work in before.items():
+        took = []
+        for _ in range(60):
+            work()
+            t0 = time.perf_counter()
+            small()
+            took.append(1e6 * (time.perf_counter() - t0))
+        out[name] = statistics.median(took[10:])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", action="append", help="1f1b, zb-h1 (default: both)")
@@ -192,6 +222,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=None, help="profile stage K (cProfile)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--micro", action="store_true", help="only the in-process CPU cost of each action")
+    ap.add_argument("--cold", action="store_true", help="a small forward+backward's wall time after 4 ms of other work")
     ap.add_argument("--critical-path", action="store_true", help="the F/I/W harness's critical path, part by part")
     ap.add_argument("--slots", action="store_true", help="with --critical-path: the last step slot by slot")
     ap.add_argument("--processes", type=int, default=critical_path.N, help="with --critical-path: stage processes")
@@ -211,6 +242,10 @@ def main() -> None:
     args.steps = 60 if args.steps is None else args.steps
     if args.micro:
         print("CPU us per call, in process: " + ", ".join(f"{k} {v:.1f}" for k, v in micro().items()))
+        return
+    if args.cold:
+        print("a small forward+backward, wall us, right after 4 ms of: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in cold().items()))
         return
     print(f"N={N} stages, m={M} microbatches of {ROWS}x{WIDTH}, zero-cost SleepStage, process mode, "
           f"load {os.getloadavg()[0]:.2f}")
