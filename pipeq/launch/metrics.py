@@ -65,8 +65,7 @@ class MetricsLog:
             if exc_type is not None:  # the error on its way out says it
                 return
             if is_no_space(err):
-                raise no_space_error(self.path, "the metrics", err, "the lines written before are intact",
-                                     "Free some space") from err
+                raise self._full(err, "the metrics") from err
             raise
 
     def write(self, line: dict[str, Any]) -> None:
@@ -80,9 +79,12 @@ class MetricsLog:
             self._file.flush()
         except OSError as exc:
             if is_no_space(exc):
-                raise no_space_error(self.path, f"step {line.get('step')}'s metrics", exc,
-                                     "the lines written before are intact", "Free some space") from exc
+                raise self._full(exc, f"step {line.get('step')}'s metrics") from exc
             raise
+
+    def _full(self, exc: OSError, what: str) -> Exception:
+        """The NoSpaceError of a write of ``what`` that found the disk full: the file, what is intact."""
+        return no_space_error(self.path, what, exc, "the lines written before are intact", "Free some space")
 
 
 def _kept(line: dict[str, Any], step: int) -> bool:
