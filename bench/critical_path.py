@@ -31,11 +31,21 @@ from typing import Any
 import torch
 from torch import nn
 
+import pipeq.testing
+
 __all__ = ["TimedSleepStage", "run_traced", "codec_cost", "analyse", "SCHEDULES"]
 
 N, M, ROWS, WIDTH = 4, 8, 8, 16
 COST_S = 0.004  # F, I and W per process
 SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev")
+
+
+def _logged_sleep(seconds: float, log: list[tuple[int, int, int]]) -> None:
+    """``pipeq.testing.sleep(seconds)`` (a SleepStage's: precise, a zero one skipped), logged."""
+    if seconds > 0:
+        t0 = time.perf_counter_ns()
+        pipeq.testing.sleep(seconds)
+        log.append((t0, time.perf_counter_ns(), int(seconds * 1e9)))
 
 
 class _TimedSleep(torch.autograd.Function):
@@ -44,16 +54,12 @@ class _TimedSleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, forward_s, backward_s, log):  # type: ignore[override]
         ctx.backward_s, ctx.log = backward_s, log
-        t0 = time.perf_counter_ns()
-        time.sleep(forward_s)
-        log.append((t0, time.perf_counter_ns(), int(forward_s * 1e9)))
+        _logged_sleep(forward_s, log)
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        t0 = time.perf_counter_ns()
-        time.sleep(ctx.backward_s)
-        ctx.log.append((t0, time.perf_counter_ns(), int(ctx.backward_s * 1e9)))
+        _logged_sleep(ctx.backward_s, ctx.log)
         return g, None, None, None
 
 

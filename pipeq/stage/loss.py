@@ -123,4 +123,4 @@ def weighted_loss(loss_fn: Callable, out: Any, target: Any, weight: float, autoc
                          f"{describe((loss,)) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
     if weight == 0.0:
         return None
-    return loss.reshape(()) * weight
+    return (loss if loss.dim() == 0 else loss.reshape(())) * weight
