@@ -188,5 +188,7 @@ def memory_table(rows: Sequence[StageMemory]) -> str:
              size(r.process_activation_peak_bytes)) for r in rows]
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
     step = next((r.measured_step for r in rows if r.measured_step is not None), None)
-    title = f"memory per stage (activations: step {step}'s peak, measured; predicted from the schedule's plan)"
+    title = (f"memory per stage (activations: step {step}'s peak, measured; predicted from the schedule's plan)"
+             if step is not None else "memory per stage (activations not measured: no training step yet, or this "
+                                      "schedule's stages do not measure them)")
     return "\n".join([title] + ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head, *body]])
