@@ -105,9 +105,9 @@ class ProcessBackend:
         """Start the stage processes and wire them up (see :meth:`StageProcesses.start`)."""
         self.processes.start(self._next_request_id)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Stop every worker and remove the ipc files (see :meth:`StageProcesses.stop`)."""
-        self.processes.stop(self._next_request_id, self._cut_short)
+        self.processes.stop(self._next_request_id, self._cut_short, failed)
 
     def _teardown(self) -> None:
         self.processes.teardown()

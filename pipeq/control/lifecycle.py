@@ -47,12 +47,13 @@ class Lifecycle:
             backend.start()
         self.running = True
 
-    def close(self, backend: Backend | None) -> None:
-        """Stop ``backend``'s stages, once (letting them finish what they were sent)."""
+    def close(self, backend: Backend | None, failed: bool = False) -> None:
+        """Stop ``backend``'s stages, once (letting them finish what they were sent); ``failed``:
+        see :meth:`~pipeq.runtime.backend.Backend.close`."""
         if self.running:
             self.running = False
             if backend is not None:
-                backend.close()
+                backend.close(failed)
 
     def check(self) -> None:
         """Raise what a call finds when the stages do not run (closed, or never started)."""

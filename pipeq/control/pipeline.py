@@ -80,8 +80,8 @@ class Pipeline:
         """Start the stages, once (the shape check's warm-up meanwhile, when it will run)."""
         self.life.start(self.backend, warm_up if self._shapes.pending else lambda: None)
 
-    def close(self) -> None:
-        self.life.close(self.backend)
+    def close(self, failed: bool = False) -> None:
+        self.life.close(self.backend, failed)
 
     def live(self) -> Backend:
         """The backend, settled (``schedule="auto"``) and running, every step sent so far done."""

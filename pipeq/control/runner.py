@@ -148,16 +148,16 @@ class PipelineRunner:
         return self
 
     @exclusive
-    def close(self) -> None:
-        """Stop every stage (letting them finish what they were sent, up to ``stop_timeout``);
-        the end of a ``with runner:`` block calls it. A closed runner cannot start again."""
-        self._pipeline.close()
+    def close(self, *, failed: bool = False) -> None:
+        """Stop every stage (letting them finish what they were sent, up to ``stop_timeout``), as a ``with``
+        block's end does; ``failed`` (it raised): other nodes exit non-zero. A closed runner cannot start again."""
+        self._pipeline.close(failed)
 
     __enter__ = start  # (returns the runner)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         with contextlib.suppress(*(() if exc_type is None else (PipelineError,))):  # not masking the one in flight
-            self.close()
+            self.close(failed=exc_type is not None and issubclass(exc_type, Exception))  # (not Ctrl-C)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -205,8 +205,9 @@ class StageProcesses:
             self._republisher = None
 
     # -- stopping --------------------------------------------------------------------------------------
-    def stop(self, request_id: Callable[[], int], cut_short: bool) -> None:
-        """Stop every worker and remove the ipc files.
+    def stop(self, request_id: Callable[[], int], cut_short: bool, failed: bool = False) -> None:
+        """Stop every worker and remove the ipc files; ``failed``: the driver ends the run on an
+        error of its own (see :meth:`teardown`).
 
         Two phases: STOP lets each stage finish what it was sent and answer ACK (so an error in
         the last step still reaches the caller, and no message is in flight any more); EXIT
@@ -216,7 +217,7 @@ class StageProcesses:
         """
         sup = self.sup
         if self.server is None or sup is None or sup.failure is not None or cut_short:
-            self.teardown()
+            self.teardown(failed)
             return
         merged = None
         try:
@@ -231,17 +232,19 @@ class StageProcesses:
             for p in self.procs.values():
                 p.join(max(0.0, deadline - time.monotonic()))
         finally:  # whatever happened (Ctrl-C included), no process or ipc file outlives stop()
-            self.teardown()
+            self.teardown(failed)
         if merged is not None and self.recorder is not None:
             self.recorder.write(merged)
 
-    def teardown(self) -> None:
+    def teardown(self, failed: bool = False) -> None:
         """Stop every process (telling remote ones and the node agents to go), close the control
-        channel, remove the ipc files."""
+        channel, remove the ipc files. The agents are told whether the run failed (a stage's
+        failure, or ``failed``: the driver's own error, such as a full disk): then they exit
+        non-zero too, unless node 0 starts the run again."""
         self._stop_republishing()
         if self.server is not None and self.rendezvous is not None:
             # Remote stages and agents: tell them to go (their agents also see us vanish).
-            abort = control.message(Exit(abort=self.sup is not None and self.sup.failure is not None))
+            abort = control.message(Exit(abort=failed or (self.sup is not None and self.sup.failure is not None)))
             for g in range(self.n_all):
                 if g not in self.procs:
                     self.server.send_best_effort(STAGE, g, abort)

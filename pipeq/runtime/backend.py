@@ -47,8 +47,9 @@ class Backend(Protocol):
         """Start the stages (one process each in process mode); returns once every one is ready."""
         ...
 
-    def close(self) -> None:
-        """Stop every stage, letting them finish what they were sent."""
+    def close(self, failed: bool = False) -> None:
+        """Stop every stage, letting them finish what they were sent. ``failed``: the caller ends
+        the run on an error of its own (not a stage's): other nodes are told the run failed."""
         ...
 
     def submit(self, step: int, shards: list[Shard], x: Any, target: Any, stream: bool = False,

@@ -80,7 +80,7 @@ class SimulatedBackend:
     def start(self) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass
 
     def _run(

@@ -157,6 +157,40 @@ def test_a_node_with_another_secret_is_refused_and_both_say_so(tmp_path, monkeyp
 
 
 @pytest.mark.timeout(120)
+def test_a_run_that_node_0_ends_on_a_full_disk_fails_on_every_node(tmp_path, monkeypatch) -> None:
+    """Node 0's own error (its model.pt finds the disk full) ends the run: node 1's agent is told
+    the run failed and exits 1 as node 0 does, not 0 as after a run that went well."""
+    import errno
+
+    from pipeq.checkpoint import atomic
+
+    write_file = atomic.write_file
+
+    def writing(path, write):
+        if os.path.basename(path) == "model.pt.tmp":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_file(path, write)
+
+    monkeypatch.setattr(atomic, "write_file", writing)
+    port = free_port()
+    steps = ("--steps", "2", "--checkpoint-every", "0")
+    node1 = _loopback_node(1, port, str(tmp_path / "node1"), *steps, env=secret_env())
+    try:
+        monkeypatch.setenv("PIPEQ_SECRET", SECRET)
+        node0 = launch_here("--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                            "--master-port", str(port), "--out", str(tmp_path / "node0"), *steps)
+        _, err1 = node1.communicate(timeout=60)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.communicate()
+    assert node0.returncode == 1, node0.stderr
+    assert "no space left" in node0.stderr.lower(), node0.stderr
+    assert node1.returncode == 1, err1
+    assert "node 1: the driver ended the run after a failure" in err1, err1
+
+
+@pytest.mark.timeout(120)
 def test_sigterm_to_every_node_checkpoints_and_each_exits_143(tmp_path) -> None:
     """A batch system's cancel signals every process of every node at once: the agents leave the
     stopping to the driver, which finishes the steps in flight and checkpoints the last one."""

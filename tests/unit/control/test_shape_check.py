@@ -36,7 +36,7 @@ def never(*args, **kwargs):
 def no_processes(monkeypatch):
     """Process mode with nothing started or sent: the check must answer before either."""
     for name in ("start", "close"):
-        monkeypatch.setattr(ProcessBackend, name, lambda self: None)
+        monkeypatch.setattr(ProcessBackend, name, lambda self, *args: None)
     monkeypatch.setattr(ProcessBackend, "submit", never)
     import torch._dynamo  # noqa: F401 - what warm_up() imports while the stages start: time the check alone
 
