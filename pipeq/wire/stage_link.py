@@ -17,7 +17,7 @@ on each other.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import zmq
@@ -40,11 +40,12 @@ class _Gone(Exception):
 
 
 class Outlet:
-    """One outbound data channel: its socket, lane, shared-memory slot writers and MAC."""
+    """One outbound data channel: its socket, lane, shared-memory slot writers and MAC, and what
+    a send does while it waits for room (``idle``)."""
 
     def __init__(self, sock: zmq.Socket, lane: Lane | None, slots: SlotWriter | None, dev: CudaSlotWriter | None,
-                 mac: FrameMac | None) -> None:
-        self.sock, self.lane, self.slots, self.dev, self.mac = sock, lane, slots, dev, mac
+                 mac: FrameMac | None, idle: Callable[[], None]) -> None:
+        self.sock, self.lane, self.slots, self.dev, self.mac, self.idle = sock, lane, slots, dev, mac, idle
 
     def close(self, linger_ms: int) -> None:
         self.sock.close(linger=linger_ms)
@@ -65,7 +66,6 @@ class StageSender:
         #: the previous stage's process is dead and this one only finishes its gradient round (a lost
         #: replica's stage, :mod:`pipeq.wire.replica_link`): what it would send there is dropped
         self.backward_gone = False
-        self._sending_back = False  # a send to the previous stage waits for room (see _idle)
         self.forward: Outlet | None = None
         self.backward: Outlet | None = None
 
@@ -83,12 +83,13 @@ class StageSender:
         channel = f"{direction}{self.process}"
         sock = data_outlet(rx.inbox.ctx, rx.auth, address)
         slots = dev = None
+        idle = self._idle_back if direction == "B" else self._idle
         if rx.shm is not None:
-            slots = SlotWriter(rx.shm, channel, self._idle)
+            slots = SlotWriter(rx.shm, channel, idle)
             if rx.device_payloads:
-                dev = CudaSlotWriter(rx.shm, channel, rx.device, self._idle)
+                dev = CudaSlotWriter(rx.shm, channel, rx.device, idle)
         mac = FrameMac(rx.auth, channel) if self._seals else None  # type: ignore[arg-type]
-        return Outlet(sock, self._connect_lane(address), slots, dev, mac)
+        return Outlet(sock, self._connect_lane(address), slots, dev, mac, idle)
 
     def _connect_lane(self, address: str) -> Lane | None:
         path = lane_path(address) if self.receiver.shm is not None else None
@@ -106,9 +107,14 @@ class StageSender:
         inbox = self.receiver.inbox
         inbox.pump(0)
         inbox.check_exit()
-        if self._sending_back and self.backward_gone:  # nobody will ever make room: drop the send
-            raise _Gone()
         os.sched_yield()
+
+    def _idle_back(self) -> None:
+        """:meth:`_idle` of a send to the previous stage, which gives the send up (``_Gone``)
+        once that stage is known dead: nobody will ever make room."""
+        if self.backward_gone:
+            raise _Gone()
+        self._idle()
 
     @property
     def shm_waits(self) -> int:
@@ -152,13 +158,10 @@ class StageSender:
         assert self.backward is not None, "stage has no previous stage"
         if self.backward_gone:
             return
-        self._sending_back = True
         try:
             self._send(self.backward, self.data_frames(Kind.GRADIENT, step, mb, tensors, self.backward))
         except _Gone:
             pass
-        finally:
-            self._sending_back = False
 
     def _send(self, out: Outlet, frames: list[Any]) -> None:
         """Through the lane when there is one and the message fits a datagram, else ZeroMQ. A
@@ -167,7 +170,7 @@ class StageSender:
         parts = lane.datagram(frames) if lane is not None else None
         if parts is not None:
             while not lane.send(parts):  # type: ignore[union-attr]
-                self._idle()
+                out.idle()
             return
         out.sock.send_multipart(frames, copy=False)
 
