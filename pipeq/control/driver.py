@@ -92,8 +92,8 @@ class ProcessBackend:
         self.replica_loss = (ReplicaLoss(self.processes, lambda: bool(self._submitted) or self._sending,
                                          lambda: (self._rounds - len(self._submitted) + 1, self._rounds), self._next_request_id)
                              if config.fault.fault_tolerance == "replicas" else None)
-        #: fault_tolerance="replicas": the training steps a lost replica degraded, and where
-        self.degraded = DegradedSteps(replicas, n, self.replica_loss.rounds) if self.replica_loss else None
+        #: fault_tolerance="replicas": the training steps a lost replica degraded, and where (else none)
+        self.degraded = DegradedSteps(replicas, n, self.replica_loss.rounds if self.replica_loss else {})
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
         # asked a state or a prediction: replica 0's stages; with sharded replicas every one (pipeq.parallel.fsdp)
@@ -224,7 +224,7 @@ class ProcessBackend:
         finally:
             self._sending = False
         self._rounds += 1
-        self.degraded.sent(self._rounds, step) if self.degraded is not None else None
+        self.degraded.sent(self._rounds, step)
         sup.awaited.add((Kind.LOSS, step))
         self._submitted[step] = (t0, len(shards), len(shards[0][0]), shares, live)
 
@@ -255,7 +255,7 @@ class ProcessBackend:
         total = sum(losses[g].loss for g in sorted(losses))
         if len(losses) < n_shards:  # the mean over the completed replicas' samples
             done = sorted(g // self.n_stages for g in losses)
-            self.degraded.finished(step, done) if self.degraded is not None else None
+            self.degraded.finished(step, done)
             total *= survivor_scale(shares, done, n_shards)
         return total
 
