@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from torch import nn
 
-from pipeq import schedules
+from pipeq import compat, schedules
 from pipeq.control import checks, memory_limit
 from pipeq.control.batching import Batcher
 from pipeq.control.config import RunConfig, setting_default, setting_fields
@@ -116,28 +116,21 @@ class BackendPlan:
                                    rendezvous=rendezvous, lr_scheduler_interval=lr_scheduler_interval, ties=ties)
         cfg.check_stages(model.n_stages)
         numerics = cfg.numerics_for(model.n_stages)
-        tp_plans = checks.check_tensor_parallel(model, cfg.schedule, place.tensor_parallel, place.tp_plan,
-                                                mode=place.mode, numerics=numerics)
-        if place.sharding == "fsdp":
-            from pipeq.parallel.fsdp import refuse_model
-
-            refuse_model(bool(model.ties), multi_host=rendezvous is not None)
+        compat.check(cfg, multi_host=rendezvous is not None, ties=model.ties, numerics=numerics != Numerics())
+        tp_plans = checks.check_tensor_parallel(model, place.tensor_parallel, place.tp_plan)
         return cls(model, numerics, tp_plans, rendezvous)
 
     def batcher(self, cfg: RunConfig) -> Batcher:
         """What splits the run's batches into microbatches (and replica shards), for ``cfg``'s schedule."""
         model, place = self.model, cfg.placement
         even = ("fsdp_reshard='microbatch' gathers each stage's parameters around every microbatch's forward and "
-                "backward, a collective of its replicas" if place.sharding == "fsdp" and place.fsdp_reshard == "microbatch"
+                "backward, a collective of its replicas" if place.sharding != "none" and place.fsdp_reshard == "microbatch"
                 else None)
         return Batcher(cfg.schedule, model.n_stages, cfg.microbatches, model.loss_fn, model.aux_loss,
                        place.data_parallel, cfg.numerics.loss_weighting, even)
 
     def backend(self, cfg: RunConfig) -> Backend:
         """The backend that runs the stages: this process's (simulated) or one process per stage."""
-        from pipeq.control.replica_loss import check_replicas_mode
-
-        check_replicas_mode(cfg, multi_host=self.rendezvous is not None)
         place, schedule, model = cfg.placement, cfg.schedule, self.model
         if place.mode == "simulated":
             from pipeq.runtime.simulated import SimulatedBackend

@@ -76,16 +76,6 @@ def check_model(
 ) -> Model:
     """The model arguments of :class:`~pipeq.PipelineRunner`, checked (see its docstring); ``ties``
     declared on the stages (:func:`pipeq.control.ties.apply_ties`)."""
-    if type(data_parallel) is not int or data_parallel < 1:
-        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
-    if data_parallel > 1:
-        if mode != "process":
-            raise ValueError("data_parallel > 1 runs R x N stage processes: use mode='process'")
-        if schedule.per_microbatch_steps:
-            raise ValueError(
-                f"schedule {schedule.name!r} updates after every microbatch; replicas would have to all-reduce "
-                "every microbatch: data_parallel is not supported with it (use fill-drain, 1f1b or an "
-                "interlocking schedule)")
     if isinstance(stages, StageBuilder):
         if aux_heads is not None or aux_loss is not None:
             raise ValueError("with a stage recipe, the auxiliary heads come from it: name them in the "
@@ -216,29 +206,15 @@ def _check_heads(schedule: SchedulePolicy, n: int, aux_heads: Any, aux_loss: Any
         schedule.check_heads(n, aux_heads, aux_loss, hint)
 
 
-def check_tensor_parallel(model: Model, schedule: SchedulePolicy, tensor_parallel: Any, tp_plan: Any, *, mode: str,
-                          numerics: Numerics) -> list[Any] | None:
-    """``tensor_parallel`` and ``tp_plan`` (see :mod:`pipeq.parallel.tensor`): each stage's plan, or
-    None without tensor parallelism. Checked against the stages' modules when this process has
-    them; a recipe's stages are built on the meta device to be checked (no memory, no data)."""
-    if model.ties and tensor_parallel != 1:
-        refuse_ties(schedule, [spec.module for spec in model.replicas[0]], sharded=True)
+def check_tensor_parallel(model: Model, tensor_parallel: int, tp_plan: Any) -> list[Any] | None:
+    """``tp_plan`` (see :mod:`pipeq.parallel.tensor`): each stage's plan, or None without tensor
+    parallelism. Checked against the stages' modules when this process has them; a recipe's
+    stages are built on the meta device to be checked (no memory, no data)."""
     if tensor_parallel == 1 and tp_plan is None:
         return None
-    if type(tensor_parallel) is not int or tensor_parallel < 1:
-        raise ValueError(f"tensor_parallel must be a positive integer, got {tensor_parallel!r}")
     if tensor_parallel == 1:
         raise ValueError("tp_plan is given but tensor_parallel=1: pass tensor_parallel=T (the shards per "
                          "stage), or drop tp_plan")
-    if mode != "process":
-        raise ValueError(f"tensor_parallel={tensor_parallel} runs each stage on {tensor_parallel} processes: "
-                         "use mode='process'")
-    if not schedule.plain_backprop:
-        raise ValueError(f"tensor_parallel is supported with fill-drain, 1f1b and your own schedules of F, B "
-                         f"and STEP, not with {schedule.name!r}")
-    if numerics != Numerics(recompute=numerics.recompute) or any(numerics.recompute):
-        raise ValueError("tensor_parallel does not support precision, clip_grad_norm, check_finite or "
-                         "recompute yet: leave them at their defaults")
     from pipeq.parallel import tensor as tensorpar
 
     stages: list[nn.Module] | None = None

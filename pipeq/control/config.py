@@ -39,7 +39,7 @@ START_METHODS = ("spawn", "forkserver")
 START_METHOD_ENV = "PIPEQ_START_METHOD"
 FAULT_TOLERANCE = (None, "replicas")  # see FaultConfig.fault_tolerance
 LOSS_WEIGHTINGS = ("token", "sample")  # see NumericsConfig.loss_weighting
-SHARDINGS = ("none", "fsdp")  # see PlacementConfig.sharding
+SHARDINGS = ("none", "fsdp", "hsdp")  # see PlacementConfig.sharding
 FSDP_RESHARDS = ("step", "microbatch")  # see PlacementConfig.fsdp_reshard
 
 
@@ -135,6 +135,11 @@ class WireConfig:
             virtual machine, on every hop. 0 never spins (least CPU, most latency).
         queue_capacity: messages a stage's queue holds, at least ``microbatches`` (None: four
             steps' worth, at least 64).
+        trusted_network: whether the network between a multi-host run's hosts is yours alone. The
+            replicas' and shards' collectives are torch's (gloo, NCCL), which authenticate and
+            encrypt nothing, so a multi-host run with ``data_parallel`` or ``tensor_parallel`` is
+            refused without it (the pipeline's own channels stay authenticated either way; the
+            security guide says what each covers). On one host they bind to loopback only.
     """
 
     transport: str = "ipc"
@@ -144,10 +149,13 @@ class WireConfig:
     shm_slots: int = 4
     queue_capacity: int | None = None
     spin: float = 0.01
+    trusted_network: bool = False
 
     def __post_init__(self) -> None:
         from pipeq.wire.security import SECURITY_MODES
 
+        if type(self.trusted_network) is not bool:
+            raise ValueError(f"trusted_network must be True or False, got {self.trusted_network!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.tcp_security not in SECURITY_MODES:
@@ -254,15 +262,18 @@ class PlacementConfig:
             Tied weights work: the copies one process holds are summed in its memory, the others
             over the tie links; so do tensor parallelism (a process's shards split each of its
             stages) and multi-host runs (a node holds whole processes).
-        sharding: how the ``data_parallel`` replicas hold a stage: ``"none"`` (each whole, the
-            gradients summed over pipeq's replica links) or ``"fsdp"`` (needs ``data_parallel >= 2``:
-            each stage's R replicas shard its parameters, gradients and optimizer state with torch's
-            FSDP2, ``fully_shard``, over a process group of those replicas, gloo on CPU and NCCL
-            on CUDA; the gradients reduce-scatter once per step). States and checkpoints hold
-            whole tensors (they load at any ``data_parallel``, sharded or not). One host; every
-            synchronous schedule; not with tied weights, ``tensor_parallel``, ``compile`` or
-            ``fault_tolerance="replicas"`` (see :mod:`pipeq.parallel.fsdp`).
-        fsdp_reshard: with ``sharding="fsdp"``, when a stage's gathered parameters are freed:
+        sharding: how the ``data_parallel`` replicas hold a stage (:mod:`pipeq.parallel.mesh`):
+            ``"none"`` (each whole, the gradients all-reduced with torch's collectives), ``"fsdp"``
+            (the R replicas shard its parameters, gradients and optimizer state with torch's FSDP2,
+            ``fully_shard``; the gradients reduce-scatter once per step) or ``"hsdp"`` (shard
+            inside groups of ``shard_size`` replicas, replicate across the groups: the groups
+            all-reduce their pieces). States and checkpoints hold whole tensors (they load at any
+            ``data_parallel``, sharded or not). With every synchronous schedule, ``tensor_parallel``
+            (FSDP shards the shards' pieces: a 2-D mesh), compile and tied weights;
+            ``fault_tolerance="replicas"`` with ``"none"`` and ``"hsdp"`` (a shard group lost whole).
+        shard_size: with ``sharding="hsdp"``, the replicas of each shard group (at least 2, a divisor
+            of ``data_parallel`` smaller than it).
+        fsdp_reshard: with ``sharding="fsdp"`` or ``"hsdp"``, when a stage's gathered parameters are freed:
             ``"step"`` (gathered before the stage's first forward of a step and kept to the step's
             reduce-scatter: one all-gather per step) or ``"microbatch"`` (gathered before every
             forward and backward of a microbatch and freed after it: the whole parameters are held
@@ -279,18 +290,25 @@ class PlacementConfig:
     tp_plan: Sequence[Any] | None = None
     stages_per_process: int | None = None
     sharding: str = "none"
+    shard_size: int | None = None
     fsdp_reshard: str = "step"
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
-            raise ValueError(f"sharding must be 'none' (whole replicas) or 'fsdp' (replicas shard each stage with "
-                             f"torch's FSDP2), got {self.sharding!r}")
+            raise ValueError(f"sharding must be 'none' (whole replicas), 'fsdp' (replicas shard each stage with "
+                             f"torch's FSDP2) or 'hsdp' (shard in groups of shard_size, replicate across them), got "
+                             f"{self.sharding!r}")
         if self.fsdp_reshard not in FSDP_RESHARDS:
             raise ValueError(f"fsdp_reshard must be 'step' (gathered parameters kept through the step) or "
                              f"'microbatch' (freed after each forward and backward), got {self.fsdp_reshard!r}")
-        if self.sharding == "fsdp" and (type(self.data_parallel) is not int or self.data_parallel < 2):
+        if type(self.data_parallel) is not int or self.data_parallel < 1:
+            raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}")
+        if type(self.tensor_parallel) is not int or self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be a positive integer, got {self.tensor_parallel!r}")
+        if self.sharding == "fsdp" and self.data_parallel < 2:
             raise ValueError(f"sharding='fsdp' shards each stage over its data_parallel replicas: it needs "
                              f"data_parallel >= 2, got data_parallel={self.data_parallel!r}")
+        _check_shard_size(self.sharding, self.shard_size, self.data_parallel)
         if self.stages_per_process is not None and not _whole(self.stages_per_process, 1, 1 << 10):
             raise ValueError(f"stages_per_process must be a positive integer, got {self.stages_per_process!r}")
         if self.mode not in MODES:
@@ -304,6 +322,25 @@ class PlacementConfig:
                                 else ""))
         if self.devices:
             _check_devices(self.devices)
+
+    @property
+    def shard_group(self) -> int:
+        """The replicas that shard a stage together: 1 (``"none"``), R (``"fsdp"``), ``shard_size`` (``"hsdp"``)."""
+        return {"none": 1, "fsdp": self.data_parallel}.get(self.sharding, self.shard_size or 1)
+
+
+def _check_shard_size(sharding: str, size: Any, replicas: int) -> None:
+    """``shard_size``: with ``"hsdp"``, a divisor of ``data_parallel`` from 2 to ``data_parallel / 2``."""
+    if sharding != "hsdp":
+        if size is not None:
+            raise ValueError(f"shard_size={size!r} is for sharding='hsdp' (shard groups of shard_size replicas); "
+                             f"this run's sharding is {sharding!r}")
+        return
+    if type(size) is not int or size < 2 or size >= replicas or replicas % size:
+        divisors = [d for d in range(2, replicas) if replicas % d == 0]
+        allowed = f"one of {divisors}" if divisors else "none here: use a data_parallel with a divisor, or 'fsdp'"
+        raise ValueError(f"sharding='hsdp' needs shard_size: the replicas of each shard group, a divisor of "
+                         f"data_parallel={replicas} from 2 to {replicas // 2} ({allowed}), got shard_size={size!r}")
 
 
 def _check_devices(devices: Sequence[str]) -> None:
@@ -378,13 +415,9 @@ class RunConfig:
             raise ValueError(
                 f"queue_capacity={cap!r} is too small: a stage may hold every microbatch of a "
                 f"step, so it must be an integer >= microbatches ({m})")
-        if self.numerics.compile not in (False, None) and self.placement.tensor_parallel > 1:
-            raise ValueError("compile: not with tensor_parallel (torch.compile of DTensor-sharded stages is not "
-                             "supported here yet): run the shards eager, or compile without tensor_parallel")
-        if self.placement.sharding == "fsdp":
-            from pipeq.parallel.fsdp import refuse_settings
+        from pipeq import compat
 
-            refuse_settings(self)
+        compat.check(self)
         if self.trace is not None and (not isinstance(self.trace, (str, os.PathLike))
                                        or self.placement.mode != "process"):
             raise ValueError(
@@ -443,15 +476,12 @@ class RunConfig:
         from pipeq.stage import numerics as numerics_mod
         from pipeq.stage.numerics import Numerics
 
+        from pipeq import compat
+
         given = self.numerics
         nm = numerics_mod.check(given.precision, given.clip_grad_norm, given.clip_norm_type,
                                 given.check_finite, given.recompute, n_stages)
-        if not self.schedule.plain_backprop and nm != Numerics():
-            used = [f.name for f in dataclasses.fields(nm) if getattr(nm, f.name) != getattr(Numerics(), f.name)]
-            raise ValueError(
-                f"{', '.join(used)}: schedule {self.schedule.name!r} computes its own way (its "
-                "own losses, updates or recomputation); these options run with fill-drain, 1F1B, ZB-H1 and your own "
-                "schedule functions")
+        compat.check(self, numerics=nm != Numerics())
         devices = self.placement.devices
         numerics_mod.check_device(nm, devices or (["cuda"] if torch.cuda.is_available() else ["cpu"]))
         return nm

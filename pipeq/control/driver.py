@@ -90,14 +90,16 @@ class ProcessBackend:
         self._sending = False  # a TRAIN is being sent (a failure then is a training step's)
         self._done: dict[int, float] = {}  # losses collected before a rebuild, until result() asks
         self.replica_loss = (ReplicaLoss(self.processes, lambda: bool(self._submitted) or self._sending,
-                                         lambda: (self._rounds - len(self._submitted) + 1, self._rounds), self._next_request_id)
+                                         lambda: (self._rounds - len(self._submitted) + 1, self._rounds), self._next_request_id,
+                                         config.placement.shard_group)
                              if config.fault.fault_tolerance == "replicas" else None)
         #: fault_tolerance="replicas": the training steps a lost replica degraded, and where (else none)
         self.degraded = DegradedSteps(replicas, n, self.replica_loss.rounds if self.replica_loss else {})
         self._cut_short = False  # a command's sends were interrupted part-way (see _send_all)
         self.step_lrs: dict[int, float | None] = {}  # step -> its learning rate, until the runner takes it
-        # asked a state or a prediction: replica 0's stages; with sharded replicas every one (pipeq.parallel.fsdp)
-        self.readers = range(self.n_processes) if config.placement.sharding == "fsdp" else range(n)
+        # asked a state or a prediction: replica 0's stages; with sharded replicas its whole shard group
+        # (the stage's pieces are gathered: a collective, pipeq.stage.state)
+        self.readers = range(config.placement.shard_group * n)
         self.snapshot_requests = snapshots.SnapshotRequests(n, len(self.readers))  # taken as they complete
 
     # -- lifecycle (pipeq.control.startup) ----------------------------------------------------------

@@ -33,6 +33,7 @@ from pipeq.stage.numerics import Numerics
 from pipeq.wire.security import WireAuth
 from pipeq.wire.sockets import BindTo
 from pipeq.runtime import faults
+from pipeq.parallel.mesh import MeshPlan, gloo_interface
 from pipeq.runtime.config import ChunkConfig, StageSettings, WorkerConfig
 from pipeq.runtime.worker import worker_entry
 from pipeq.schedules.placement import process_chunk, stages_of
@@ -117,7 +118,8 @@ class RunSetup:
             heartbeat_interval=config.fault.heartbeat_interval, spin_s=config.wire.spin,
             shm_slots=config.wire.shm_slots, trace=self.traced() if traced is None else traced,
             numerics=self.numerics, compile=compiled.options(config.numerics.compile),
-            sharding=config.placement.sharding, fsdp_reshard=config.placement.fsdp_reshard)
+            sharding=config.placement.sharding, fsdp_reshard=config.placement.fsdp_reshard,
+            fault_tolerant=config.fault.fault_tolerance == "replicas")
 
     def with_security(self, tcp_security: str) -> "RunSetup":
         """This setup with another ``tcp_security`` (a node's agent takes node 0's)."""
@@ -194,37 +196,33 @@ def _shard_device(device: str, shard: int) -> str:
     return f"cuda:{index % count if count else index}"
 
 
-def _check_shards_apart(num: Numbering, processes: Sequence[int], plan: Sequence[tuple[str, list[int], int]]) -> None:
-    """Refuse a plan that puts two shards of one stage on one GPU, before any process starts
-    (NCCL would refuse it later, in the stage processes)."""
-    seen: dict[tuple[int, int], int] = {}
+def _check_mesh_apart(num: Numbering, processes: Sequence[int], plan: Sequence[tuple[str, list[int], int]],
+                      slice_of: Callable[[int], int]) -> None:
+    """Refuse a plan that puts two processes of one stage's slice (its shards, its sharding
+    replicas) on one GPU, before any process starts (NCCL would refuse it later, in the stage
+    processes); ``slice_of(g)``: process g's slice (its replicate slice)."""
+    from pipeq.compat import refusal
+
+    seen: dict[tuple[int, int, int], int] = {}
     for g, (dev, _, _) in zip(processes, plan):
         d = torch.device(dev)
         if d.type != "cuda":
             continue
         index = d.index or 0  # an unindexed "cuda": a fresh process's current device, cuda:0
-        other = seen.setdefault((num.lead(g), index), g)
+        other = seen.setdefault((num.stage(g), slice_of(g), index), g)
         if other != g:
-            raise ValueError(
-                f"{num.where(other)} and shard {num.shard(g)} would both run on cuda:{index}: a stage's "
-                f"tensor_parallel={num.shards} shards need a GPU each (NCCL refuses two on one GPU), and this "
-                f"host has {torch.cuda.device_count()} GPU(s) visible (under torchrun/srun, this node a share of "
-                "them); use fewer shards, or give the stages devices= (pipeq.PlacementConfig.devices says how shards "
-                "are placed)")
+            raise ValueError(f"{num.where(other)} and {num.where(g)} would both run on cuda:{index}, and this host "
+                             f"has {torch.cuda.device_count()} GPU(s) visible (under torchrun/srun, this node a "
+                             "share of them): " + refusal("nccl-one-gpu").message()
+                             + "; pipeq.PlacementConfig.devices says how shards are placed")
 
 
-def _check_replicas_apart(num: Numbering, processes: Sequence[int], plan: Sequence[tuple[str, list[int], int]]) -> None:
-    """Sharded replicas (pipeq.parallel.fsdp): refuse a plan that puts two replicas of one CUDA stage on
-    one GPU, before any process starts (their NCCL group would refuse it later)."""
-    seen: dict[tuple[int, str], int] = {}
-    for g, (dev, _, _) in zip(processes, plan):
-        d = torch.device(dev)
-        if d.type == "cuda" and seen.setdefault((num.stage(g), f"cuda:{d.index or 0}"), g) != g:
-            raise ValueError(
-                f"sharding='fsdp': replicas {num.replica(seen[(num.stage(g), f'cuda:{d.index or 0}')])} and "
-                f"{num.replica(g)} of stage {num.stage(g)} would both run on cuda:{d.index or 0}, and NCCL refuses two "
-                "ranks of one group on one GPU; a stage's replicas need a GPU each (by default process g runs on "
-                "cuda:(g mod GPUs): a stage count that is no multiple of the GPUs does it), or use sharding='none'")
+def mesh_store(tp_dir: str | None, rendezvous: "Rendezvous | None", replicas: int) -> tuple[Any, ...] | None:
+    """Where a run's meshes meet: the multi-host rendezvous store when replicas span hosts, else a
+    FileStore in this host's private directory ``tp_dir``."""
+    if rendezvous is not None and replicas > 1:
+        return ("tcp", *rendezvous.store_address())
+    return ("file", os.path.join(tp_dir, "mesh")) if tp_dir is not None else None
 
 
 def worker_configs(
@@ -241,6 +239,7 @@ def worker_configs(
     auth: WireAuth | None = None,
     tp_dir: str | None = None,
     traced: bool | None = None,
+    generation: int = 0,
 ) -> list[WorkerConfig]:
     """The start-up configuration of each OS process that holds this host's ``processes``
     (numbers g; with several stages per process, one configuration holds several g).
@@ -248,17 +247,21 @@ def worker_configs(
     ``auth`` carries the job secret to stages on tcp. ``seed_of(g)`` seeds process g's torch
     RNG. The workers watch this process (``driver_pid``) and exit when it is gone;
     ``die_with_parent`` adds the kernel's PDEATHSIG, which is only safe when this is the main
-    thread (it fires when the *thread* that started them exits). ``tp_dir``: with tensor
-    parallelism, this host's private directory where each stage's shards meet (pipeq.parallel.tensor),
-    and with sharded replicas where each stage process's replicas meet (pipeq.parallel.fsdp).
+    thread (it fires when the *thread* that started them exits). ``tp_dir``: with replicas or
+    tensor parallelism, this host's private directory where each stage's processes meet (their
+    mesh, :mod:`pipeq.parallel.mesh`; across hosts, replicas meet in the rendezvous store).
     Every shard of a stage gets its lead's seed (the same dropout masks outside split layers).
-    ``traced``: see :meth:`RunSetup.stage_settings`.
+    ``traced``: see :meth:`RunSetup.stage_settings`. ``generation``: how often these processes'
+    replicas were started again (fault_tolerance="replicas": their groups meet under new names).
     """
     schedule = setup.config.schedule
     num = Numbering(n_stages, replicas, setup.shards)
-    sharded = setup.config.placement.sharding == "fsdp"
-    if (num.shards > 1 or sharded) and tp_dir is None:
-        raise ValueError("tensor-parallel stages and sharded replicas need a private directory to meet in (tp_dir)")
+    place = setup.config.placement
+    meshed = replicas > 1 or num.shards > 1
+    store = mesh_store(tp_dir, rendezvous, replicas) if meshed else None
+    if meshed and store is None:
+        raise ValueError("replicas and tensor-parallel stages need a private directory to meet in (tp_dir)")
+    group = place.shard_group
     # the OS process each stage runs in: its own, or its group's (virtual stages)
     owner = {g: host_process(num, g, schedule) for g in processes}
     hosts = list(dict.fromkeys(owner.values()))
@@ -269,10 +272,9 @@ def worker_configs(
     stages = {lead: j for j, lead in enumerate(dict.fromkeys(num.lead(held[h][0]) for h in hosts))}
     places = [(stages[num.lead(held[h][0])], num.shard(held[h][0])) for h in hosts]
     plan = plan_devices(len(hosts), host_devices, rendezvous, places=places, shards=num.shards)
-    if num.shards > 1:
-        _check_shards_apart(num, [held[h][0] for h in hosts], plan)
-    if sharded:
-        _check_replicas_apart(num, [held[h][0] for h in hosts], plan)
+    if meshed:
+        _check_mesh_apart(num, [held[h][0] for h in hosts], plan, lambda g: num.replica(g) // group)
+    ifname = gloo_interface(bind.host if bind.scheme == "tcp" else None) if rendezvous is not None else None
     settings = setup.stage_settings(traced)
     fault = faults.from_environ(n_stages, replicas=replicas)  # PIPEQ_FAULT: read here, handed over as plain data
     threads_per_stage = setup.config.placement.threads_per_stage
@@ -288,9 +290,8 @@ def worker_configs(
             settings=settings, control_addr=control_addr, bind=bind, device=dev, cores=cores,
             threads=threads_per_stage or threads, replica=num.replica(first), replicas=replicas,
             shard=num.shard(first), shards=num.shards,
-            tp_store=os.path.join(tp_dir, f"tp-{num.lead(first)}") if num.shards > 1 and tp_dir else None,
-            # a stage process's replicas: the same first stage in every replica
-            replica_store=os.path.join(tp_dir, f"fsdp-{num.stage(first)}") if sharded and tp_dir else None,
+            mesh=MeshPlan(replicas, group, num.shards, num.replica(first), num.shard(first),
+                          f"p{_index(num, first, schedule)}", store, generation, ifname) if store is not None else None,
             auth=auth, driver_pid=os.getpid(), die_with_parent=die_with_parent,
             store=rendezvous.store_address() if rendezvous is not None else None, fault=fault))
     return configs

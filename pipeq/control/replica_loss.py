@@ -10,15 +10,15 @@ is stuck past ``step_timeout``), the driver does not end the run:
    stages: it still takes r's buckets of it from r's stages that deliver them. Replica r's own
    stages that still run are told too (LOST naming their replica): one that has not sent its
    buckets of that round and waits while a dead stage of r is downstream of it gives the round
-   up and exits (:mod:`pipeq.wire.replica_link`); a dead stage's copies leave r out of the round
-   (LOST's ``dead``). So nobody waits for a time-out. Each survivor ACKs the LOST once past
+   up and exits (:mod:`pipeq.parallel.membership`). So nobody waits for a time-out. Each survivor ACKs the LOST once past
    that round, naming the rounds it summed with r (:class:`~pipeq.control.degraded.DegradedSteps`
    records, per step and stage, who was left out); r's other processes are stopped then (or
    after ``step_timeout``, else ``heartbeat_timeout``, when one of them hangs: its round is
    summed without it, with a warning);
-2. each surviving stage sums, in replica order, the buckets of the replicas whose copy of that
-   stage delivered all of them for the step, and scales the sum by the whole batch's loss weight
-   over theirs (:func:`pipeq.parallel.data.survivor_scale`). Every microbatch's loss is weighted
+2. each surviving stage sums its gradients in a torch process group rebuilt without replica r,
+   agreeing with the other survivors of its stage on whether the round in flight counted r
+   (:mod:`pipeq.parallel.membership`), and scales the sum by the whole batch's loss weight over
+   theirs (:func:`pipeq.parallel.data.survivor_scale`). Every microbatch's loss is weighted
    by its share of the whole batch, so the step's update is the one a batch made of the
    completed replicas' samples only gives: the mean loss over those samples. The loss reported
    for the step is that mean too (the survivors' weighted losses, scaled alike);
@@ -42,8 +42,11 @@ and a stage of it that died before delivering its gradients of an earlier step (
 was in: the first stages finish a step last) is left out of that step at that stage. A failure
 at a step's start causes neither.
 A process holding several stages (virtual stages) fails as a whole: every stage it holds is
-dropped for the step and rebuilt with it. Supported on one host, without tensor parallelism, with
-schedules that finish every batch before the next (not asynchronous 1F1B).
+dropped for the step and rebuilt with it; so does a tensor-parallel stage's process: the
+replica's shards are dropped and rebuilt together. With ``sharding="hsdp"`` a replica is lost
+with its shard group (its replicate slice: the others cannot gather its pieces), which is rebuilt
+from another group's copy. Supported on one host, with schedules that finish every batch before
+the next (not asynchronous 1F1B): see :mod:`pipeq.compat`.
 """
 
 from __future__ import annotations
@@ -66,30 +69,7 @@ if TYPE_CHECKING:
     from pipeq.control.config import RunConfig
     from pipeq.control.startup import StageProcesses
 
-__all__ = ["check_replicas_mode", "ReplicaLoss"]
-
-
-def check_replicas_mode(cfg: "RunConfig", *, multi_host: bool) -> None:
-    """Refuse, naming the setting, what ``fault_tolerance="replicas"`` does not support."""
-    if cfg.fault.fault_tolerance != "replicas":
-        return
-    place, schedule = cfg.placement, cfg.schedule
-    what = "fault_tolerance='replicas'"
-    if place.mode != "process":
-        raise ValueError(f"{what} needs mode='process' (a simulated run has no replicas to lose)")
-    if place.data_parallel < 2:
-        raise ValueError(f"{what} needs data_parallel >= 2 (the other replicas carry on without a failed one), "
-                         f"got data_parallel={place.data_parallel}: set data_parallel=2 or more, or leave "
-                         "fault_tolerance unset (pipeq launch --max-restarts restarts a run from its checkpoint)")
-    if place.tensor_parallel > 1:
-        raise ValueError(f"{what} does not support tensor_parallel={place.tensor_parallel} yet: use "
-                         "tensor_parallel=1, or leave fault_tolerance unset")
-    if schedule.streams_across_batches:
-        raise ValueError(f"{what} does not support schedule {schedule.name!r}, which carries work across "
-                         "batches: use a schedule that finishes each batch (e.g. '1f1b')")
-    if multi_host:
-        raise ValueError(f"{what} runs on one host only for now: leave it unset in a multi-host run "
-                         "(pipeq launch --max-restarts restarts a run from its checkpoint)")
+__all__ = ["ReplicaLoss"]
 
 
 @dataclass
@@ -113,8 +93,9 @@ class ReplicaLoss:
     misses) and the last one sent; ``request_id()`` numbers a LOST, which the survivors ACK."""
 
     def __init__(self, processes: "StageProcesses", busy: Callable[[], bool], rounds: Callable[[], tuple[int, int]],
-                 request_id: Callable[[], int]) -> None:
+                 request_id: Callable[[], int], shard_group: int = 1) -> None:
         self.p = processes
+        self.group = shard_group  # the replicas lost and rebuilt together (a replicate slice)
         self.busy, self.rounds_out, self.request_id = busy, rounds, request_id
         self.down: dict[int, PipelineError] = {}  # replica -> the failure that dropped it
         self.failures: list[PipelineError] = []  # every failure absorbed, in order
@@ -123,21 +104,32 @@ class ReplicaLoss:
         #: first (a stage whose lost copy had not delivered) and the rounds from it on that a
         #: stage had summed before the loss came (``(replica, False)``: kept in, not left out)
         self.rounds: dict[int, dict[int, dict[int, bool]]] = {}
+        self.rebuilds = 0  # replicas started again so far (their groups meet under new names)
         processes.absorb = self.absorb
 
     def live(self) -> list[int]:
         """The replicas running now."""
         return [r for r in range(self.p.replicas) if r not in self.down]
 
-    def processes_of(self, r: int) -> list[int]:
+    def slice_of(self, r: int) -> list[int]:
+        """Replica r and the replicas lost and rebuilt with it (its replicate slice)."""
+        first = r // self.group * self.group
+        return list(range(first, first + self.group))
+
+    def leads_of(self, r: int) -> list[int]:
+        """The processes the driver commands of replica r's slice (each stage's shard 0)."""
         n = self.p.n_stages
-        return list(range(r * n, (r + 1) * n))
+        return [rr * n + k for rr in self.slice_of(r) for k in range(n)]
+
+    def processes_of(self, r: int) -> list[int]:
+        """Every process of replica r's slice, the shards of tensor-parallel stages included."""
+        return [g for lead in self.leads_of(r) for g in self.p.numbering.group(lead)]
 
     def absorb(self, g: int, err: PipelineError) -> bool:
-        """Process g has failed: drop its replica and carry on (True), when a training step is
-        outstanding and another replica is healthy; else False (the run ends)."""
+        """Process g has failed: drop its replica (its slice) and carry on (True), when a training
+        step is outstanding and another slice is healthy; else False (the run ends)."""
         r = self.p.numbering.replica(g)
-        if not self.busy() or r in self.down or len(self.live()) < 2:
+        if not self.busy() or r in self.down or len(self.live()) <= self.group:
             return False
         self._drop(r, g, err)
         return True
@@ -145,7 +137,8 @@ class ReplicaLoss:
     def _drop(self, r: int, g: int, err: PipelineError) -> None:
         p, sup = self.p, self.p.sup
         assert sup is not None
-        self.down[r] = err
+        for lost in self.slice_of(r):
+            self.down[lost] = err
         self.failures.append(err)
         sup.ignore(self.processes_of(r))
         sup.watch = self.watch
@@ -162,7 +155,7 @@ class ReplicaLoss:
         return [h for h in self.processes_of(r) if h in self.p.procs]
 
     def _survivors(self) -> list[int]:
-        return [g for s in self.live() for g in self.processes_of(s)]
+        return sorted({g for s in self.live() for g in self.processes_of(s)})
 
     def _stop(self, r: int, part: _Parting, processes: set[int]) -> None:
         """Stop ``processes`` of dropped replica r, and tell the survivors that have not ACKed yet
@@ -170,7 +163,7 @@ class ReplicaLoss:
         p, sup = self.p, self.p.sup
         assert sup is not None and sup.server is not None
         stop_processes([p.procs.pop(h) for h in sorted(processes) if h in p.procs])
-        part.dead |= {h % p.n_stages for h in processes}
+        part.dead |= {p.numbering.stage(h) for h in processes}
         lost = control.message(Lost(replica=r, from_round=part.from_round, dead=sorted(part.dead)), part.request)
         try:
             sup.server.send_many([(g, lost) for g in self._survivors() if g not in part.acked])
@@ -211,14 +204,15 @@ class ReplicaLoss:
     def _note_rounds(self, r: int, part: _Parting) -> None:
         """Every survivor ACKed: note, per stage, the round before the loss's first when that stage
         left replica r out of it, and a later round it had summed with r before the LOST came."""
-        n = self.p.n_stages
+        stage = self.p.numbering.stage
         for g, with_lost in part.acked.items():
-            if part.from_round > 1 and part.from_round - 1 not in with_lost:
-                self.rounds.setdefault(part.from_round - 1, {}).setdefault(g % n, {})[r] = True
-            # the rounds from the loss's first on that r was sent: left out unless the ACK says summed (a
-            # step whose loss r had sent counts r at the driver, yet a stage may have left it out)
-            for x in set(range(part.from_round, part.last_round + 1)) | (with_lost - {part.from_round - 1}):
-                self.rounds.setdefault(x, {}).setdefault(g % n, {})[r] = x not in with_lost
+            for lost in self.slice_of(r):
+                if part.from_round > 1 and part.from_round - 1 not in with_lost:
+                    self.rounds.setdefault(part.from_round - 1, {}).setdefault(stage(g), {})[lost] = True
+                # the rounds from the loss's first on that r was sent: left out unless the ACK says summed (a
+                # step whose loss r had sent counts r at the driver, yet a stage may have left it out)
+                for x in set(range(part.from_round, part.last_round + 1)) | (with_lost - {part.from_round - 1}):
+                    self.rounds.setdefault(x, {}).setdefault(stage(g), {})[lost] = x not in with_lost
 
     def _part(self, r: int) -> None:
         """Wait until replica r's processes are all stopped (every survivor ACKed its LOST)."""
@@ -238,9 +232,12 @@ class ReplicaLoss:
         """Start every lost replica again from a healthy one's state (nothing may be in flight);
         ``rounds``: the gradient rounds every replica has made so far (the training steps sent)."""
         for r in sorted(self.down):
+            if r not in self.down:  # (rebuilt with its slice already)
+                continue
             self._part(r)
             self._rebuild(r, rounds, request_id)
-            del self.down[r]
+            for lost in self.slice_of(r):
+                del self.down[lost]
 
     def _rebuild(self, r: int, rounds: int, request_id: Callable[[], int]) -> None:
         p, sup = self.p, self.p.sup
@@ -258,7 +255,8 @@ class ReplicaLoss:
                     path = lane_path(address)
                     if path is not None and os.path.exists(path):
                         os.unlink(path)
-        p.spawn(mine)
+        self.rebuilds += 1
+        p.spawn(mine, generation=self.rebuilds)
         for g in mine:  # they count again (a death is a failure), judged for heartbeats once READY,
             sup.ignored.discard(g)  # as at the run's start: until then start_timeout is the limit
             sup.last_beat[g] = float("inf")
@@ -270,35 +268,38 @@ class ReplicaLoss:
         for g in mine:
             p.ready[g] = control.read(replies[g][0], Ready)
         healthy = self.live()
-        others = [g for s in healthy for g in self.processes_of(s)]
+        leads = self.leads_of(r)
+        others = [g for s in healthy for g in range(s * p.n_stages, (s + 1) * p.n_stages)]
         req = request_id()
+        # the rebuilt slice makes the replicas' group with the others (its PEERS: a rejoin), the
+        # others with it (REJOIN; a tensor-parallel lead shares it with its shards)
         msgs: list[tuple[int, Message]] = [(g, m) for g, m in p.peers(p.ready, req, rejoin_round=rounds)
-                                           if g in mine]
-        for g in others:
-            link = p.ready[r * p.n_stages + g % p.n_stages].replica_link
-            assert link is not None
-            msgs.append((g, control.message(Rejoin(replica=r, address=link, round=rounds), req)))
+                                           if g in leads]
+        msgs += [(g, control.message(Rejoin(replica=r, round=rounds), req)) for g in others]
         sup.send_all(msgs)
-        sup.collect(Kind.ACK, dict.fromkeys(mine + others, 1), step=req, timeout=p.start_timeout,
+        sup.collect(Kind.ACK, dict.fromkeys(leads + others, 1), step=req, timeout=p.start_timeout,
                     what=f"replica {r}'s rejoining")
-        self._copy_state(self.processes_of(healthy[0]), mine, request_id)
+        self._copy_state(healthy, r, request_id)
 
-    def _copy_state(self, source: list[int], target: list[int], request_id: Callable[[], int]) -> None:
-        """Each stage of ``target`` (a rebuilt replica) loads the live state of the same stage of
-        ``source`` (a healthy one): weights, optimizer, schedulers, scaler; not its RNG."""
+    def _copy_state(self, healthy: list[int], r: int, request_id: Callable[[], int]) -> None:
+        """Each stage of replica r's rebuilt slice loads the live state of the same stage of a
+        healthy slice: weights, optimizer, schedulers, scaler; not its RNG. (A slice's stages are
+        read together: a sharded stage's state is gathered from its pieces.)"""
         sup = self.p.sup
         assert sup is not None
+        n = self.p.n_stages
+        source = self.leads_of(healthy[0])
         req = request_id()
         sup.send_all([(g, control.message(GetSnapshot(), req)) for g in source])
         got = sup.collect(Kind.SNAPSHOT, dict.fromkeys(source, 1), step=req, what="a healthy replica's state")
         req = request_id()
         msgs = []
-        for g, h in zip(source, target):
-            snap: dict[str, Any] = control.state_of(got[g][0])
+        for h in self.leads_of(r):
+            snap: dict[str, Any] = control.state_of(got[source[h % n]][0])
             snap.pop("rng", None)  # each replica's own random streams (dropout masks differ)
-            msgs.append((h, control.state_message(Restore, req, snap, f"stage {g % self.p.n_stages}'s state")))
+            msgs.append((h, control.state_message(Restore, req, snap, f"stage {h % n}'s state")))
         sup.send_all(msgs)
-        sup.collect(Kind.ACK, dict.fromkeys(target, 1), step=req, what="the rebuilt replica's state")
+        sup.collect(Kind.ACK, dict.fromkeys(self.leads_of(r), 1), step=req, what="the rebuilt replica's state")
 
 
 def _where(err: PipelineError) -> str:

@@ -243,7 +243,7 @@ class PipelineRunner:
         """One dict per stage (per shard), as its process reported it once started (``[]`` before ``start``
         and in simulated mode; a process's stages share its ``pid``): ``pid``, ``host``, ``device``,
         ``threads`` and ``cores`` (those it is pinned to), ``replica``, ``stage``, ``shard``, and the addresses
-        its peers reach it at (``forward``, ``backward``; ``replica_link``, ``tie_link``: None without such
+        its peers reach it at (``forward``, ``backward``; ``tie_link``: None without such
         peers). Each stage's shard 0 first, numbered ``replica * n_stages + stage``, then the other shards.
         It reads no stage: a monitor may read it from another thread."""
         return self._pipeline.stage_processes()

@@ -139,7 +139,7 @@ class StageProcesses:
         else:  # tcp: the job's secret (multi-host), or one of our own (one host)
             secret = rz.secret if rz is not None and rz.secret is not None else JobSecret.generate()
             bind, auth = BindTo.tcp(self.host), WireAuth(secret, self.setup.config.wire.tcp_security)
-        if self.numbering.shards > 1 or self.setup.config.placement.sharding == "fsdp":
+        if self.numbering.shards > 1 or self.replicas > 1:  # where each stage's processes meet (pipeq.parallel.mesh)
             self.tp_dir = self.ipc_dir if self.ipc_dir is not None else make_ipc_dir()
         self.server = ControlServer(bind, auth)
         self.sup = Supervisor(self.server, self.procs, n_stages=self.n_stages, n_processes=self.n_all,
@@ -151,9 +151,9 @@ class StageProcesses:
             self._publish(rz)
         return bind, auth
 
-    def spawn(self, processes: Sequence[int] | None = None) -> None:
+    def spawn(self, processes: Sequence[int] | None = None, generation: int = 0) -> None:
         """Start this node's processes (or ``processes`` of them again: a lost replica's,
-        fault_tolerance="replicas", with the seeds they had)."""
+        fault_tolerance="replicas", with the seeds they had, started for the ``generation``-th time)."""
         assert self.server is not None and self._bind is not None
         bind, auth = self._bind, self._auth
         ctx = process_context(self.start_method)
@@ -170,7 +170,7 @@ class StageProcesses:
             self.placement[0] if processes is None else processes, self.n_stages, self.replicas, self.setup,
             control_addr=self.server.address, bind=bind, seed_of=seed_of, rendezvous=self.rendezvous,
             die_with_parent=threading.current_thread() is threading.main_thread(), auth=auth,
-            tp_dir=self.tp_dir,
+            tp_dir=self.tp_dir, generation=generation,
         )
         if processes is not None:  # started again: an injected fault (PIPEQ_FAULT) fired in the first start only
             configs = [dataclasses.replace(c, fault=None) for c in configs]
@@ -305,10 +305,10 @@ class StageProcesses:
     def replicas_hint(self, missing: set[int]) -> str:
         """Start-up with replicas: who is still waiting for (or sending) replica 0's weights."""
         stages = sorted({g % self.n_stages for g in missing})
-        hint = f"stage(s) {stages} of the replicas did not exchange replica 0's weights"
+        hint = f"stage(s) {stages} of the replicas did not make their group and exchange replica 0's weights"
         if self.rendezvous is not None:
-            hint += ("; is every stage process's replicas port (READY's 'replica_link') reachable from "
-                     "the nodes of the same stage's other replicas?")
+            hint += ("; can each node reach the others' gloo (or NCCL) ports on the interface its stages bind "
+                     "to (a firewall between the hosts)?")
         return hint
 
     def _entry_state(self, rz: Rendezvous, key: str) -> str:
@@ -341,35 +341,21 @@ class WiringError(Exception):
 def peers_of(num: Numbering, ready: Sequence[Ready], joined: int,
              rejoin_round: int | None = None) -> list[tuple[int, Message]]:
     """Each lead's PEERS, from every process's READY (``ready[g]``): its neighbours within the
-    replica, its replica's tie links (once the stages' ties are checked to agree: each tie named
-    alike by every stage holding a copy) and, with data parallelism, its stage's replicas (by
-    replica; with tensor parallelism too, by shard); ``rejoin_round``: for a rebuilt replica (see
-    :class:`~pipeq.wire.control.Peers`). :class:`WiringError` names a READY that cannot be wired."""
-    n, replicas = num.n_stages, num.replicas
+    replica and its replica's tie links, by shard (once the stages' ties are checked to agree:
+    each tie named alike by every stage holding a copy); ``rejoin_round``: for a rebuilt replica
+    (see :class:`~pipeq.wire.control.Peers`). :class:`WiringError` names a READY that cannot be wired."""
+    n = num.n_stages
     wrong = tie_mismatch([ready[k].layout.get("tie_stages") or {} for k in range(n)])
     if wrong is not None:
         raise WiringError(f"its tied weights do not match the other stages': {wrong[1]}", wrong[0])
-    ties = [[ready[r * n + k].tie_link for k in range(n)] for r in range(replicas)]
-
-    def replica_link(g: int) -> str:
-        link = ready[g].replica_link
-        if link is None:
-            raise WiringError("its READY names no replica_link, which its replicas need", g)
-        return link
-
     out = []
     for g in range(num.leads):
-        k = g % n
+        k, r = g % n, g // n
+        ties = [[ready[num.group(r * n + j)[s]].tie_link for j in range(n)] for s in range(num.shards)]
         peers = Peers(next_forward=ready[g + 1].forward if k + 1 < n else None,
                       prev_backward=ready[g - 1].backward if k > 0 else None,
-                      tie_links=ties[g // n] if ready[g].tie_link is not None else None,
+                      tie_links=ties[0] if ready[g].tie_link is not None else None,
+                      tie_shards=ties if ready[g].tie_link is not None and num.shards > 1 else None,
                       rejoin_round=rejoin_round)
-        if replicas > 1 and num.shards > 1:  # every shard's replicas, by shard
-            groups = [num.group(r * n + k) for r in range(replicas)]
-            peers.replica_shards = [[replica_link(group[s]) for group in groups] for s in range(num.shards)]
-        elif replicas > 1 and any(ready[r * n + k].replica_link for r in range(replicas)):
-            # the same stage's replicas, by replica (gradients, start-up weights); sharded ones
-            # (pipeq.parallel.fsdp) name none: they meet in their process group
-            peers.replicas = [replica_link(r * n + k) for r in range(replicas)]
         out.append((g, control.message(peers, joined)))
     return out

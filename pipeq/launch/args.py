@@ -78,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --max-restarts: if a lost node does not rejoin within --rejoin-timeout, re-place "
                         "its stages on the nodes left, as long as at least N remain (default: every node, i.e. "
                         "the run ends instead)")
+    m.add_argument("--trusted-network", action="store_true", default=None,
+                   help=KEYS["trusted_network"].help + " (default: false)")
     m.add_argument("--run-id", help="keeps concurrent runs on one store apart")
     m.add_argument("--secret-file", metavar="PATH",
                    help="the job's secret, the same on every node, in a file only its owner may read "
@@ -96,5 +98,6 @@ def job_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The job-file keys the command line sets (None: not given)."""
     keys = ("steps", "epochs", "schedule", "microbatches", "out", "seed", "checkpoint_every", "keep_checkpoints",
             "eval_every", "threads_per_stage", "heartbeat_timeout", "start_timeout", "trace", "data_parallel",
-            "tensor_parallel", "max_restarts", "snapshot_every", "rejoin_timeout", "min_nodes", "tensorboard")
+            "tensor_parallel", "max_restarts", "snapshot_every", "rejoin_timeout", "min_nodes", "tensorboard",
+            "trusted_network")
     return {k: getattr(args, k) for k in keys}

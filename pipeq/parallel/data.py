@@ -1,64 +1,40 @@
-"""Data parallelism beside the pipeline: R replicas of every stage, gradients summed.
+"""Data parallelism beside the pipeline: the replicas' gradients summed with torch's collectives.
 
-Stage k of replica r talks to stage k of every other replica over a
-:class:`~pipeq.wire.replica_link.ReplicaLink`: pipeq's own ZeroMQ transport, authenticated like
-the pipeline's data channels (ipc in the run's private directory on one host; tcp with the job's
-keys otherwise), with no torch.distributed and no port that anyone else can join. Each replica
-runs its own shard of the batch through its own pipeline; the loss of every microbatch is weighted
-by its share of the *whole* batch, so the sum of the replicas' gradients is the full-batch gradient.
+Every replica runs its own share of the batch through its own pipeline; each microbatch's loss is
+weighted by its share of the *whole* batch, so the sum of the replicas' gradients is the full
+batch's. A stage's copies in the replicate slices (:mod:`pipeq.parallel.mesh`) sum theirs with a
+ring all-reduce of torch's (gloo on the CPU, NCCL on CUDA: the buckets never leave the device),
+in flat buckets of at most :data:`BUCKET_BYTES`: :class:`GradSync`. A bucket is issued as soon as
+the step's last backward has made its gradients final (a hook on each parameter's gradient
+accumulation, armed for that backward only), overlapped with the rest of the backward, the
+stage's last sends and the other stages' work; the optimizer step waits for them all. A sharded
+stage (FSDP2) reduce-scatters first, over its slice, and the replicate slices then all-reduce
+their pieces (HSDP), as torch's own HSDP does.
 
-When the driver has told the replicas where their siblings are (PEERS), replica 0 sends its
-parameters and buffers to the others, which load them before anything else: replicas never start
-apart. Then every step, :class:`GradSync` sends the stage's gradients, in flat buckets, to every
-other replica as soon as the stage's last backward of the step is done (without blocking: the
-stage still sends its last gradient down meanwhile); the optimizer step waits for the other
-replicas' buckets and adds all R of them in replica order 0, 1, ..., R-1
-(:func:`~pipeq.stage.transfer.ordered_sum`), so every replica holds the very same bits (for the
-small R pipeq runs this moves as many bytes as a ring would)::
+At start (the driver's PEERS) the replicate group is made and slice 0's parameters and buffers
+are broadcast to the others (:func:`broadcast_weights`): replicas never start apart.
 
-    replica 0, stage k | ... B6 B7 [send buckets] ..... [wait, add 0+1] ST
-    replica 1, stage k | ... B6 B7 [send buckets] ..... [wait, add 0+1] ST
-                                    \\________ both ways ________/
-
-With ``fault_tolerance="replicas"`` a replica may be lost mid-step (the driver's LOST says so, and
-from which round on: :mod:`pipeq.control.replica_loss`): a stage then sums, in replica order, the
-buckets of the replicas whose same stage delivered *all* of its buckets for the round (never part
-of one; a round before the lost replica's first missed one still waits for its buckets, unless
-its process of this stage is dead), and scales the
-sum by ``survivor_scale``: the whole batch's loss weight over the weight of the replicas summed,
-``fsum(shares) / fsum(shares[r] for r summed)`` (each replica's share, the sum of its microbatches'
-weights, rides in TRAIN). Since every microbatch's loss is weighted by its share of the whole
-batch, the scaled sum is the gradient of the mean loss over the samples of the replicas summed.
-
-A CUDA stage copies each bucket to pinned host memory before sending it and adds on the host, so
-replicas on different devices add alike; the sum goes back to the device once.
+With ``fault_tolerance="replicas"`` a replica may be lost mid-step: the group is rebuilt without
+its slice and the survivors agree on each round's sum (:mod:`pipeq.parallel.membership`); a
+sum made without some replicas is scaled by :func:`survivor_scale`, the whole batch's loss weight
+over the weight of the replicas summed, so that it is the gradient of the mean loss over their
+samples.
 """
 
 from __future__ import annotations
 
-import collections
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from pipeq.stage.transfer import ordered_sum, pinned_copies
-from pipeq.wire.replica_link import ReplicaLink
-from pipeq.wire.sockets import BindTo
-from pipeq.wire.stage_inbox import StageInbox
-from pipeq.wire.stage_link import StageSender
+from pipeq.stage.memory import local
+from pipeq.stage.transfer import pinned_copies
 
-__all__ = ["BUCKET_BYTES", "WEIGHTS_STEP", "FlatLayout", "to_host", "to_device", "survivor_scale", "GradSync",
-           "broadcast_from_replica_0", "Replicas"]
+__all__ = ["BUCKET_BYTES", "FlatLayout", "to_host", "survivor_scale", "GradSync", "broadcast_weights", "Replicas",
+           "rejoin_tag"]
 
 BUCKET_BYTES = 25 << 20
-WEIGHTS_STEP = 0  # the message "step" of replica 0's weights at start; GradSync's rounds count from 1
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel shard's own piece of ``t`` (a DTensor; pipeq.parallel.tensor), else ``t``:
-    each shard sums its piece with the same shard of the other replicas."""
-    return t.to_local() if hasattr(t, "device_mesh") and hasattr(t, "to_local") else t
 
 
 class FlatLayout:
@@ -125,25 +101,19 @@ class FlatLayout:
         if (len(got) != 1 or got[0].dim() != 1 or got[0].dtype != self.dtypes[b]
                 or got[0].numel() != self.numels[b]):
             desc = ", ".join(f"{list(t.shape)} {t.dtype}" for t in got)
-            hint = "do the replicas hold the same stage?" if sender_is == "replica" else \
-                "do both hold the same tied weights?"
+            hint = "do both hold the same tied weights?"
             raise RuntimeError(f"{sender_is} {sender} sent {what} bucket {b} as [{desc}], expected one flat "
                                f"{self.dtypes[b]} tensor of {self.numels[b]} elements: {hint}")
         return got[0]
 
 
 def to_host(flat: torch.Tensor) -> torch.Tensor:
-    """``flat`` on the CPU, ready to send: a CUDA tensor goes through pinned memory."""
+    """``flat`` on the CPU, ready to send (tied weights' exchange): a CUDA tensor goes through pinned memory."""
     if flat.device.type == "cpu":
         return flat
     if flat.device.type == "cuda" and torch.cuda.is_available():
         return pinned_copies([flat], flat.device)[0]
     return flat.to("cpu")
-
-
-def to_device(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A received (host) bucket on ``device``; the copy is complete when this returns."""
-    return flat if device.type == "cpu" else flat.to(device)
 
 
 def survivor_scale(shares: Sequence[float] | None, summed: Sequence[int], replicas: int) -> float:
@@ -165,140 +135,178 @@ def survivor_scale(shares: Sequence[float] | None, summed: Sequence[int], replic
     return math.fsum(shares) / part
 
 
+
+
+class _Grads:
+    """``params[i]``'s gradient piece, as :meth:`FlatLayout.gather` reads ``tensors[i]``."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = params
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return local(self.params[i].grad)  # type: ignore[arg-type]
+
+
 class GradSync:
-    """Sums the parameters' gradients over the replicas, in buckets, without blocking.
+    """Sums the parameters' gradients over the replicate slices, in buckets, without blocking.
 
-    Each call of :meth:`start` (and its :meth:`finish`) is one round, numbered from 1 alike on
-    every replica: the messages are tagged ``(round, bucket)``."""
+    ``group``: the stage's :class:`~pipeq.parallel.mesh.ReplicaGroup`; ``rounds``: with
+    ``fault_tolerance="replicas"``, the :class:`~pipeq.parallel.membership.Membership` that says
+    who is summed each round (None: every replica, always); ``replicas``: R, the batch's replicas,
+    ``shard_size`` of them in each replicate slice (the group's members are slices). Each :meth:`start` / :meth:`finish` is one round, numbered
+    from 1 alike on every replica. ``hooks``: issue each bucket as the step's last backward makes
+    its gradients final (off for a sharded stage, whose pieces are final only after its
+    reduce-scatter)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], link: ReplicaLink, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], group: Any, replicas: int, shard_size: int = 1,
+                 rounds: Any = None, bucket_bytes: int = BUCKET_BYTES, hooks: bool = True) -> None:
         self.params = list(params)
-        self.link = link
-        # a tensor-parallel shard sums its own pieces (pipeq.parallel.tensor); else the tensors as they are
-        self.local = _local if any(hasattr(p, "device_mesh") for p in self.params) else (lambda t: t)
-        self.layout = FlatLayout([self.local(p) for p in self.params], bucket_bytes)
+        self.group, self.rounds, self.replicas, self.shard_size = group, rounds, replicas, shard_size
+        self.layout = FlatLayout([local(p) for p in self.params], bucket_bytes)
         self.round = 0
         self.started = False
-        self.pending: list[torch.Tensor] = []  # this replica's buckets of the round (host), as sent
-        # fault_tolerance="replicas": each coming round's replica shares (TRAIN's), in order
-        self.shares: collections.deque[list[float]] = collections.deque()
+        self.armed = False
+        self._flat: list[torch.Tensor | None] = [None] * len(self.layout)
+        self._works: list[Any] = [None] * len(self.layout)
+        self._members: list[int] = []  # the group's members when this round's buckets were issued
+        self._bucket_of: list[list[int]] = [[] for _ in self.params]
+        for b, pieces in enumerate(self.layout.pieces):
+            for i, _, _ in pieces:
+                if b not in self._bucket_of[i]:
+                    self._bucket_of[i].append(b)
+        self._waiting: list[set[int]] = []
+        self.shares: list[list[float]] = []  # fault_tolerance="replicas": the coming rounds' replica shares (TRAIN's)
         self.round_shares: list[float] | None = None
-        self.summed: list[int] = list(range(link.replicas))  # the replicas the last round summed
-        # told True as the round starts waiting for the other replicas, False when it computes
-        # again: waiting for a peer is not being stuck in one's own computation (step_timeout)
-        self.note_wait: Callable[[bool], None] | None = None
+        self.summed: list[int] = list(range(replicas))  # the replicas the last round summed
+        self.bytes_reduced = 0  # the bytes all-reduced so far (bench_dp's)
+        if hooks:
+            for i, p in enumerate(self.params):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda _p, i=i: self._final(i))
 
-    def start(self) -> None:
-        """After the step's last backward: send every bucket to every other replica."""
+    # -- a round ----------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        """Start round ``round + 1`` (once): its shares, and its group (a lost replica's left behind)."""
+        if self.started:
+            return
         self.round += 1
         self.started = True
-        self.round_shares = self.shares.popleft() if self.shares else None
-        grads = []
+        self.round_shares = self.shares.pop(0) if self.shares else None
+        if self.rounds is not None:
+            self.rounds.before_round(self.round)
+        self._members = list(self.group.members)
+        self._waiting = [{i for i, _, _ in pieces} for pieces in self.layout.pieces]
+
+    def arm(self) -> None:
+        """Before the step's last backward: issue each bucket once its gradients are final."""
+        self._begin()
+        self.armed = True
+
+    def _final(self, i: int) -> None:
+        """(A hook.) Parameter ``i``'s gradient is final if the step's last backward is running."""
+        if not self.armed:
+            return
+        for b in self._bucket_of[i]:
+            waiting = self._waiting[b]
+            waiting.discard(i)
+            if not waiting and self._works[b] is None and self._flat[b] is None:
+                self._issue(b)
+
+    def _issue(self, b: int) -> None:
+        flat = self.layout.gather(b, _Grads(self.params))
+        self._flat[b] = flat
+        self._works[b] = self.group.all_reduce(flat)
+        self.bytes_reduced += flat.numel() * flat.element_size()
+
+    def start(self) -> None:
+        """After the step's last backward: issue every bucket not issued yet."""
+        self._begin()
+        self.armed = False
         for p in self.params:  # a parameter this replica did not use still takes part (zeros)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(self.local(p.grad))
         for b in range(len(self.layout)):
-            flat = to_host(self.layout.gather(b, grads))
-            self.link.send(self.round, b, [flat])
-            self.pending.append(flat)
-        self.link.sent_round = self.round
+            if self._flat[b] is None:
+                self._issue(b)
+        if self.rounds is not None:
+            self.rounds.sent_round = self.round
 
     def finish(self) -> None:
-        """Before the optimizer step: wait for the other replicas' buckets, add, put the sums back."""
-        if not self.started:
-            self.start()  # no backward ran (nothing to learn in this step): still take part
-        link, layout = self.link, self.layout
-        if self.note_wait is not None:
-            self.note_wait(True)
-        try:
-            received = self._receive()
-        finally:
-            if self.note_wait is not None:
-                self.note_wait(False)
-        summed = self.summed = sorted([link.replica, *received])
-        scale = survivor_scale(self.round_shares, summed, link.replicas)
+        """Before the optimizer step: wait for the sums, scale them if replicas were left out, put
+        them back into the gradients."""
+        self.start()
+        while True:
+            try:
+                self.group.finish(self._works, f"the gradients' all-reduce (round {self.round})")
+                ok = True
+            except Exception as exc:
+                from pipeq.parallel.mesh import CollectiveError
+
+                if not isinstance(exc, CollectiveError) or self.rounds is None:
+                    raise
+                ok = False
+            if self.rounds is None or self.rounds.settle(self.round, ok, self._members) == "keep":
+                break
+            self._members = list(self.group.members)  # redo the round on the group rebuilt without the lost
+            self._flat = [None] * len(self.layout)
+            for b in range(len(self.layout)):
+                self._issue(b)
+        s = self.shard_size
+        self.summed = sorted(r for m in self._members for r in range(m * s, (m + 1) * s))
+        scale = survivor_scale(self.round_shares, self.summed, self.replicas)
         with torch.no_grad():
-            grads = [self.local(p.grad) for p in self.params]
-            for b, mine in enumerate(self.pending):
-                got = [mine if r == link.replica else received[r][b] for r in summed]
-                acc = ordered_sum(got, summed.index(link.replica)) if len(got) > 1 else mine.clone()
+            grads = _Grads(self.params)
+            for b, flat in enumerate(self._flat):
+                assert flat is not None
                 if scale != 1.0:
-                    acc.mul_(scale)
-                layout.scatter(b, to_device(acc, layout.devices[b]), grads)
-        self.pending.clear()
+                    flat.mul_(scale)
+                self.layout.scatter(b, flat, grads)  # type: ignore[arg-type]
+        self._flat = [None] * len(self.layout)
+        self._works = [None] * len(self.layout)
         self.started = False
-        link.round_done(self.round, summed)  # (a LOST that waited for this round is ACKed)
-
-    def _receive(self) -> dict[int, list[torch.Tensor]]:
-        """The round's buckets of every other replica that delivered them all: a replica lost
-        (LOST) for this round before its last bucket came is left out of the whole round."""
-        link, layout = self.link, self.layout
-        received: dict[int, list[torch.Tensor]] = {}
-        for r in link.others():
-            mine: list[torch.Tensor] = []
-            for b in range(len(self.pending)):
-                got = link.wait_replica(r, self.round, b)
-                if got is None:
-                    break
-                mine.append(layout.check(b, got, r, "gradient"))
-            if len(mine) == len(self.pending):
-                received[r] = mine
-        return received
+        if self.rounds is not None:
+            self.rounds.round_done(self.round, self.summed)
 
 
-def broadcast_from_replica_0(link: ReplicaLink, tensors: Sequence[torch.Tensor],
-                             bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Replica 0 sends ``tensors`` (its parameters and buffers); the others load them, in place."""
+def broadcast_weights(group: Any, tensors: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Slice 0's ``tensors`` (its parameters' and buffers' pieces) to every other slice, in place."""
+    if group is None or group.backend is None:
+        return
     with torch.no_grad():
-        tensors = [_local(t.detach()) for t in tensors]
-    layout = FlatLayout(tensors, bucket_bytes)
-    with torch.no_grad():
+        tensors = [local(t.detach()) for t in tensors]
+        layout = FlatLayout(tensors, bucket_bytes)
         for b in range(len(layout)):
-            if link.replica == 0:
-                link.send(WEIGHTS_STEP, b, [to_host(layout.gather(b, tensors))])
-            else:
-                flat = layout.check(b, link.wait(0, WEIGHTS_STEP, b), 0, "weight")
-                layout.scatter(b, to_device(flat, layout.devices[b]), tensors)
+            flat = layout.gather(b, tensors)
+            group.finish([group.broadcast(flat, 0)], "replica 0's weights")
+            if group.me != 0:
+                layout.scatter(b, flat, tensors)
 
 
 class Replicas:
-    """Stage k's place among its replicas: the link to them, the start-up broadcast, the
-    :class:`GradSync` the executor calls.
+    """A stage's place among its replicate slices: its ``group``, the :class:`GradSync` its
+    executor's reductions call, and with ``fault_tolerance="replicas"`` its ``rounds``
+    (:class:`~pipeq.parallel.membership.Membership`). ``weights``: its parameters and buffers,
+    which slice 0's replace at start."""
 
-    Made before the stage reports READY (its link is bound: :attr:`address` travels in READY);
-    :meth:`join` runs when the driver's PEERS names the other replicas' addresses.
-    """
+    def __init__(self, group: Any, sync: GradSync, rounds: Any, weights: Sequence[torch.Tensor], slice_: int,
+                 slices: int) -> None:
+        self.group, self.sync, self.rounds, self.weights = group, sync, rounds, list(weights)
+        self.slice, self.slices = slice_, slices
 
-    def __init__(self, receiver: StageInbox, sender: StageSender, bind: BindTo, *, stage: int, replica: int,
-                 replicas: int, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], shard: int = 0) -> None:
-        # a bucket is one data frame: never over the frame cap
-        self.bucket_bytes = min(BUCKET_BYTES, receiver.max_frame_bytes)
-        self.params = list(params)
-        self.weights = self.params + list(buffers)
-        n_grads = len(FlatLayout([_local(p) for p in self.params], self.bucket_bytes))
-        n_weights = len(FlatLayout([_local(w) for w in self.weights], self.bucket_bytes))
-        # what may wait, per sibling: its weights and a round of buckets, or two rounds (a replica
-        # is never more than one round ahead of another: each round waits for everyone's buckets)
-        self.link = ReplicaLink(receiver, sender, bind, stage=stage, replica=replica, replicas=replicas, shard=shard,
-                                capacity=(replicas - 1) * (n_weights + 2 * n_grads + 1))
-        self.sync = GradSync(self.params, self.link, self.bucket_bytes)
-
-    @property
-    def address(self) -> str:
-        return self.link.address
-
-    def join(self, addresses: Sequence[str], rejoin_round: int | None = None) -> None:
-        """Connect to the other replicas and start from replica 0's parameters and buffers; a
-        rebuilt replica (``rejoin_round``: the rounds the others have made) gets no weights from
-        replica 0 (the driver restores a healthy replica's state into it) and goes on counting
-        rounds from there."""
-        self.link.connect(addresses)
+    def join(self, rejoin_round: int | None = None) -> None:
+        """Make the group of every slice (the driver's PEERS) and start from slice 0's weights; a
+        rebuilt replica (``rejoin_round``: the rounds the others have made) gets no weights (the
+        driver restores a healthy replica's state into it) and counts rounds on from there."""
         if rejoin_round is None:
-            broadcast_from_replica_0(self.link, self.weights, self.bucket_bytes)
-        else:
-            self.sync.round = self.link.done_round = self.link.sent_round = rejoin_round
-            self.link.stale_until(rejoin_round)  # (the others' buckets for its lost process)
+            self.group.form(range(self.slices), "start")
+            broadcast_weights(self.group, self.weights)
+            return
+        self.group.form(range(self.slices), rejoin_tag(self.slice, rejoin_round))
+        self.sync.round = rejoin_round
+        if self.rounds is not None:
+            self.rounds.done_round = self.rounds.sent_round = rejoin_round
 
-    def close(self, linger_ms: int = 0) -> None:
-        self.link.close(linger_ms)
+
+def rejoin_tag(slice_: int, after_round: int) -> str:
+    """The name of the group that slice ``slice_`` rebuilt after round ``after_round`` meets in."""
+    return f"rejoin{slice_}@{after_round}"

@@ -23,36 +23,27 @@ entry after it gathers its output, so that a stage always hands its neighbour wh
 does anything else. :func:`check_plans` refuses, before any process starts, a plan that names a
 submodule a stage lacks, a style pipeq does not know, or a size that does not divide by T.
 
-Inside a stage process, :func:`join` makes the shards' process group (gloo over loopback, with
-NCCL beside it for CUDA tensors, from a FileStore in the run's private directory: nothing listens
-beyond this host) and their 1-D mesh; :class:`ShardedStageExecutor` runs the stage on it and
-keeps every state it hands out *whole*: ``state_dict``, snapshots and checkpoints hold full
-tensors under the usual names, so they load at any T (and without tensor parallelism).
+Inside a stage process, the shards of a stage are the ``"tp"`` dimension of its mesh
+(:mod:`pipeq.parallel.mesh`: with FSDP too, ``shard x tp``); :func:`parallelize` splits the
+stage's module over it and the stage's parallel layers (:mod:`pipeq.parallel.layers`) hand its
+neighbours whole tensors (:func:`whole`). Every state it hands out is whole too
+(:mod:`pipeq.stage.state`, with :func:`whole` and :func:`like`): ``state_dict``, snapshots and
+checkpoints hold full tensors under the usual names, so they load at any T (and without tensor
+parallelism).
 """
 
 from __future__ import annotations
 
-import datetime
-import os
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from pipeq.stage.executor import StageExecutor, Tensors
-from pipeq.stage.spec import StageSpec
-from pipeq.stage.state import StateIO
 
-__all__ = ["STYLES", "GROUP_TIMEOUT", "check_plans", "check_stage", "styles", "join", "leave", "parallelize", "whole",
-           "like", "ShardedStageExecutor"]
+__all__ = ["STYLES", "check_plans", "check_stage", "styles", "parallelize", "whole", "like"]
 
 STYLES = ("colwise", "rowwise")
-#: how long one shard waits for another in a collective: a follower waits for its lead's next
-#: command for as long as the caller pauses between calls (up to this long: a runner left idle
-#: longer fails), so torch's default of 30 minutes would end idle runs; a shard that dies is
-#: noticed by the driver, which watches every process and ends the run
-GROUP_TIMEOUT = datetime.timedelta(days=30)
 
 
 def _divides(module: nn.Module, style: str, t: int) -> tuple[str, int] | None:
@@ -152,34 +143,6 @@ def styles(plan: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def join(store_path: str, shard: int, shards: int, device: torch.device) -> tuple[Any, Any]:
-    """This process's place among its stage's shards: (the mesh DTensor computes on, the CPU
-    group the lead shares its messages over). A FileStore in the run's private directory is
-    the rendezvous; gloo binds to loopback."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    # the shards share a host: nothing of theirs listens beyond loopback (whatever the environment says)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    if device.type == "cuda":
-        os.environ["NCCL_SOCKET_IFNAME"] = "lo"  # NCCL's bootstrap sockets (its data takes NVLink / PCIe)
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    store = dist.FileStore(store_path, shards)
-    dist.init_process_group(backend, store=store, rank=shard, world_size=shards, timeout=GROUP_TIMEOUT)
-    mesh = DeviceMesh(device.type, list(range(shards)), mesh_dim_names=("shard",))
-    cpu_group = dist.new_group(list(range(shards)), backend="gloo", timeout=GROUP_TIMEOUT) \
-        if device.type == "cuda" else dist.group.WORLD
-    return mesh, cpu_group
-
-
-def leave() -> None:
-    """Leave the shards' process group (if this process joined one)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def parallelize(module: nn.Module, plan: Any, mesh: Any) -> nn.Module:
     """``module`` (on its device) split over ``mesh`` as ``plan`` says."""
     if callable(plan) and not isinstance(plan, Mapping):
@@ -220,50 +183,3 @@ def like(full: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         return full
     return distribute_tensor(full.to(current.device_mesh.device_type), current.device_mesh, current.placements,
                              src_data_rank=None)
-
-
-class ShardedStateIO(StateIO):
-    """A sharded stage's state, handed out whole: gathered from the shards' DTensors, and loaded
-    cut to each shard's piece (so it loads at any T, and without tensor parallelism)."""
-
-    def tensors(self) -> tuple[list[str], list[torch.Tensor]]:
-        sd = self.module.state_dict()
-        names = list(sd)
-        return names, [whole(sd[n].detach()).to("cpu") for n in names]
-
-    def load(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
-        current = self.module.state_dict()
-        self.module.load_state_dict({n: like(t, current[n]) if n in current else t
-                                     for n, t in zip(names, tensors)}, strict=True)
-
-    def snapshot(self) -> dict[str, Any]:
-        return whole(super().snapshot())
-
-    def restore(self, snap: dict[str, Any]) -> None:
-        current = self.module.state_dict()
-        by_name = dict(self.module.named_parameters())
-        model = {n: like(t, current[n]) if n in current else t for n, t in snap["model"].items()}
-        optim = snap.get("optim") or {}
-        resharded = {}
-        for name, entry in optim.items():
-            p = by_name.get(name)
-            state = {k: like(v, p) if p is not None and isinstance(v, torch.Tensor) and v.shape == p.shape else v
-                     for k, v in (entry.get("state") or {}).items()}
-            resharded[name] = {**entry, "state": state}
-        super().restore({**snap, "model": model, "optim": resharded})
-
-
-class ShardedStageExecutor(StageExecutor):
-    """A stage split over its shards (fill-drain, 1F1B and schedules of F, B and STEP).
-
-    Computes as :class:`~pipeq.stage.executor.StageExecutor` does, on the parallelized module; hands
-    whole tensors to its neighbours, and whole states to the driver (a :class:`ShardedStateIO`)."""
-
-    def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device) -> None:
-        super().__init__(index, n_stages, spec, device)
-        self.state_io = ShardedStateIO(index, self.module, device, self.stepper)
-
-    def _call(self, j: int, args: Tensors, tree: Any, grad: bool,
-              buffers: dict[str, torch.Tensor] | None = None) -> Any:
-        # a user's style with use_local_output=False may leave a DTensor: whole for the neighbour
-        return whole(super()._call(j, args, tree, grad, buffers))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pipeq.parallel.mesh import MeshPlan
 from pipeq.runtime.faults import Fault
 from pipeq.stage.compiled import CompileOptions
 from pipeq.stage.numerics import Numerics
@@ -36,8 +37,9 @@ class StageSettings:
     trace: bool  # record every action (pipeq.trace)
     numerics: Numerics  # precision, clipping, checks (pipeq.stage.numerics)
     compile: CompileOptions | None  # torch.compile each stage (pipeq.stage.compiled); None: eager
-    sharding: str  # "fsdp": the replicas shard each stage (pipeq.parallel.fsdp); "none": whole replicas
-    fsdp_reshard: str  # with sharding="fsdp": "step" or "microbatch" (PlacementConfig.fsdp_reshard)
+    sharding: str  # "fsdp" / "hsdp": the replicas shard each stage (pipeq.parallel.fsdp); "none": whole replicas
+    fsdp_reshard: str  # with sharding: "step" or "microbatch" (PlacementConfig.fsdp_reshard)
+    fault_tolerant: bool  # fault_tolerance="replicas": replicas carry on without a lost one (pipeq.parallel.membership)
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,11 @@ class WorkerConfig:
     # data parallelism: this process belongs to replica ``replica`` of ``replicas``
     replica: int
     replicas: int
-    # tensor parallelism: this process is shard ``shard`` of its stages' ``shards``; they meet in
-    # the FileStore ``tp_store`` (in a private directory of this host; pipeq.parallel.tensor)
+    # tensor parallelism: this process is shard ``shard`` of its stages' ``shards``
     shard: int
     shards: int
-    tp_store: str | None
-    # sharded replicas (sharding="fsdp"): the replicas of this process's stages meet in the FileStore
-    # ``replica_store`` (in a private directory of this host; pipeq.parallel.fsdp); None otherwise
-    replica_store: str | None
+    # with replicas or shards: the process's place in its stages' mesh (pipeq.parallel.mesh), None otherwise
+    mesh: MeshPlan | None
     auth: WireAuth | None  # tcp: the job's secret (handed over at start, never sent)
     driver_pid: int  # the process this one dies with: the driver, or its node's agent
     die_with_parent: bool

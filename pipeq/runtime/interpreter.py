@@ -337,6 +337,11 @@ class _Process:
         into one of the parts it received), the others' through one :class:`SwapTies`."""
         exs = self.exs
         held = {ex.index: c for c, ex in enumerate(exs)}
+        for c in tied:  # which piece of each tie the process's other chunks hold (once)
+            mine = exs[c].tied
+            for peer in mine.peers:  # type: ignore[union-attr]
+                if peer in held and peer not in mine.theirs:  # type: ignore[union-attr]
+                    mine.learn(peer, exs[held[peer]].tied.pieces())  # type: ignore[union-attr]
         outgoing = {c: on_chunk(exs, c, exs[c].tied.outgoing) for c in tied}  # type: ignore[union-attr]
         got: dict[int, dict[int, Any]] = {c: {} for c in tied}
         remote: dict[int, dict[int, Any]] = {}

@@ -1,10 +1,12 @@
 """A stage process's links beyond its neighbours: to its stage's replicas and to its tie peers.
 
-With data parallelism, stage k talks to stage k of the other replicas (:class:`~pipeq.parallel.data.Replicas`:
-replica 0's weights at start, the gradients' all-reduce); with tied weights, to the other stages of
-its replica holding a copy (:class:`~pipeq.parallel.ties.TieSync`: the tied gradients' sum). Both
-links are bound before the stage reports READY (their addresses travel in it) and joined when the
-driver's PEERS names the others'.
+With data parallelism, stage k sums its gradients with stage k of the other replicate slices in a
+torch process group (:class:`~pipeq.parallel.data.Replicas`: slice 0's weights at start, the
+gradients' all-reduce, and with ``fault_tolerance="replicas"`` who is summed each round); with
+tied weights, it swaps them with the other stages of its replica holding a copy
+(:class:`~pipeq.parallel.ties.TieSync`: the tied gradients' sum). The tie link is bound before the
+stage reports READY (its address travels in it); both are joined when the driver's PEERS names
+the others'.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 import torch
 
-from pipeq.parallel.data import Replicas
+from pipeq.parallel.data import GradSync, Replicas
 from pipeq.parallel.ties import TieSync
 from pipeq.stage.executor import StageExecutor
 from pipeq.wire.control import Lost, Peers
@@ -25,49 +27,44 @@ __all__ = ["PeerLinks", "swap_ties"]
 
 
 class PeerLinks:
-    """Stage ``stage``'s (of replica ``replica``, shard ``shard`` of ``shards``) links to its
-    replicas (``replicas > 1``) and to its tie peers in other processes (its executor holds tied
-    weights; ``held``: the stages of its own process, whose copies are summed in memory); the
-    executor's gradient sync is the replicas' (``sharded_replicas``: FSDP2's; no replica link). ``receiver``, ``sender``: the stage's own channels."""
+    """Stage ``stage``'s (of replica ``replica`` of ``replicas``, shard ``shard``) links to its
+    replicate slices (``mesh``: the process's :class:`~pipeq.parallel.mesh.StageMesh`, None for a
+    stage of one process; ``wait``: how its collectives wait, serving the process) and to its tie
+    peers in other processes (its executor holds tied weights; ``held``: the stages of its own
+    process, whose copies are summed in memory). ``receiver``, ``sender``: the stage's own channels."""
 
     def __init__(self, receiver: StageInbox, sender: StageSender, bind: BindTo, executor: StageExecutor, *,
-                 stage: int, replica: int, replicas: int, shard: int, shards: int, held: Collection[int],
-                 sharded_replicas: bool = False) -> None:
-        self.stage, self.shard, self.shards = stage, shard, shards
+                 stage: int, replica: int, replicas: int, shard: int, held: Collection[int], mesh: Any = None,
+                 wait: Any = None, fault_tolerant: bool = False) -> None:
+        self.stage, self.shard = stage, shard
+        self.acks = replicas > 1  # PEERS: the driver waits for every replica's ACK (a sharded one's too)
         self.replicas: Replicas | None = None
         self.ties: TieSync | None = None
-        # sharded replicas (pipeq.parallel.fsdp) agree on their start and sum their gradients in their
-        # process group: no replica link, but the driver's PEERS still waits for their ACK
-        self.sharded_replicas = sharded_replicas and replicas > 1
         try:
-            if replicas > 1 and not self.sharded_replicas:  # replica 0's weights, summed gradients
-                self.replicas = Replicas(receiver, sender, bind, stage=stage, replica=replica, replicas=replicas,
-                                         params=executor.optimizer_params(), buffers=list(executor.module.buffers()),
-                                         shard=shard)
-                executor.grad_sync = self.replicas.sync
-            remote = {s: params for s, params in (executor.tied.peer_params().items() if executor.tied else ())
-                      if s not in held}
+            if mesh is not None and mesh.plan.slices > 1:  # slice 0's weights, summed gradients
+                self.replicas = _replicas(receiver, sender, executor, mesh, wait, stage=stage, replica=replica,
+                                          replicas=replicas, fault_tolerant=fault_tolerant)
+            tied = executor.tied
+            remote = [s for s in (tied.peers if tied is not None else ()) if s not in held]
             if remote:  # the tied weights' summed gradients, with the stages of other processes
-                self.ties = TieSync(receiver, bind, stage=stage, replica=replica, peers=remote)
+                self.ties = TieSync(receiver, bind, stage=stage, replica=replica, tied=tied, peers=remote,
+                                    shard=shard)
         except BaseException:
             self.close()
             raise
 
     def addresses(self) -> dict[str, Any]:
-        """READY's fields for these links: where the replicas and the tie peers reach this stage."""
-        return {"replica_link": self.replicas.address if self.replicas is not None else None,
-                "tie_link": self.ties.address if self.ties is not None else None}
+        """READY's fields for these links: where the tie peers reach this stage."""
+        return {"tie_link": self.ties.address if self.ties is not None else None}
 
     def join(self, peers: Peers) -> bool:
-        """Connect to the peers PEERS names; True when the driver waits for an ACK (the replicas
-        then hold replica 0's parameters and buffers)."""
+        """Connect to the peers PEERS names, and make the replicas' group; True when the driver
+        waits for an ACK (the replicas then hold slice 0's parameters and buffers)."""
         if self.ties is not None:
-            self.ties.join(peers.tie_links or [])
-        if self.replicas is None:
-            return self.sharded_replicas
-        # before any step: replicas never start apart (a rebuilt one: restored by the driver next)
-        self.replicas.join(self._replica_addresses(peers), peers.rejoin_round)
-        return True
+            self.ties.join(self._tie_addresses(peers))
+        if self.replicas is not None:
+            self.replicas.join(peers.rejoin_round)
+        return self.acks
 
     def note_train(self, shares: list[float] | None) -> None:
         """A TRAIN's replica shares (fault_tolerance="replicas"), for its gradient round."""
@@ -76,31 +73,51 @@ class PeerLinks:
 
     def replica_lost(self, notice: Lost, request: int) -> None:
         """LOST (read between steps, message step ``request``): sum without its replica from its
-        ``from_round`` on, until it is back (:meth:`~pipeq.wire.replica_link.ReplicaLink.lose`)."""
-        if self.replicas is not None:
-            self.replicas.link.lose(notice, request)
+        ``from_round`` on, until it is back (:meth:`~pipeq.parallel.membership.Membership.lose`)."""
+        if self.replicas is not None and self.replicas.rounds is not None:
+            self.replicas.rounds.lose(notice, request)
 
-    def replica_back(self, replica: int, address: str, after_round: int) -> None:
-        """REJOIN: ``replica`` is rebuilt, at ``address``; its messages up to ``after_round`` are stale."""
-        if self.replicas is None:
-            raise RuntimeError(f"stage {self.stage}: REJOIN, but this stage has no replicas")
-        self.replicas.link.rejoin(replica, address, after_round)
+    def replica_back(self, replica: int, after_round: int) -> None:
+        """REJOIN: ``replica`` is rebuilt; the group of every slice again from round ``after_round + 1``."""
+        if self.replicas is None or self.replicas.rounds is None:
+            raise RuntimeError(f"stage {self.stage}: REJOIN, but this stage has no replicas to lose")
+        self.replicas.rounds.rejoin(replica, after_round)
 
-    def _replica_addresses(self, peers: Peers) -> list[str]:
-        """The same stage's (and shard's) other replicas, from PEERS: with tensor parallelism,
-        ``replica_shards[s]`` lists shard s's, as the lead's PEERS reaches every shard."""
-        if self.shards == 1:
-            return peers.replicas or []
-        by_shard = peers.replica_shards
-        if by_shard is None or len(by_shard) != self.shards:
-            raise ValueError(f"stage {self.stage}, shard {self.shard}: bad replica_shards {by_shard!r} in PEERS")
-        return by_shard[self.shard]
+    def _tie_addresses(self, peers: Peers) -> list[str | None]:
+        """This shard's tie peers, from PEERS (with tensor parallelism, ``tie_shards[s]`` lists
+        shard s's, as the lead's PEERS reaches every shard)."""
+        if self.shard == 0 or peers.tie_shards is None:
+            return peers.tie_links or []
+        if self.shard >= len(peers.tie_shards):
+            raise ValueError(f"stage {self.stage}, shard {self.shard}: bad tie_shards in PEERS")
+        return peers.tie_shards[self.shard]
 
     def close(self, linger_ms: int = 0) -> None:
-        """Close both links (their sockets share the transport's context: before it)."""
-        for link in (self.replicas, self.ties):
-            if link is not None:
-                link.close(linger_ms)
+        """Close the tie link (its sockets share the transport's context: before it) and leave the replicas' group."""
+        if self.ties is not None:
+            self.ties.close(linger_ms)
+        if self.replicas is not None:
+            self.replicas.group.abort()
+
+
+def _replicas(receiver: StageInbox, sender: StageSender, executor: StageExecutor, mesh: Any, wait: Any, *,
+              stage: int, replica: int, replicas: int, fault_tolerant: bool) -> Replicas:
+    """Stage ``stage``'s replicate group, its gradient sum and (fault tolerance) its rounds."""
+    from pipeq.parallel.membership import Membership
+
+    plan = mesh.plan
+    group = mesh.replica_group(f"s{stage}", wait)
+    rounds = Membership(group, receiver.control_queue, sender.send_control, sender, stage=stage, replica=replica,
+                        replicas=replicas, shard_size=plan.shard_size) if fault_tolerant else None
+    if rounds is not None:
+        receiver.inbox.on_check(rounds.check_parting)
+    parallel = executor.parallel
+    sync = GradSync(executor.optimizer_params(), group, replicas, plan.shard_size, rounds,
+                    hooks=not (parallel is not None and parallel.sharded))
+    if parallel is not None:
+        parallel.attach_replicas(sync)
+    weights = [*executor.module.parameters(), *executor.module.buffers()]
+    return Replicas(group, sync, rounds, weights, plan.slice, plan.slices)
 
 
 def swap_ties(links: Sequence[PeerLinks | None], n: int,
@@ -117,4 +134,4 @@ def swap_ties(links: Sequence[PeerLinks | None], n: int,
         ties[c] = link.ties
     for c, by_peer in outgoing.items():
         ties[c].send(n, by_peer)
-    return {c: ties[c].receive(n, list(by_peer)) for c, by_peer in outgoing.items()}
+    return {c: ties[c].receive(n, list(by_peer), by_peer) for c, by_peer in outgoing.items()}

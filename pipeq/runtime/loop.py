@@ -5,9 +5,8 @@ always is, with a control channel of its own; the loop waits for a command on an
 carries it out:
 
     PEERS      connect the stage's forward/backward channels to the neighbours' addresses (with
-               tied weights: to the stages of other processes sharing them; with replicas:
-               connect to the same stage's other replicas, start from replica 0's weights,
-               reply ACK)
+               tied weights: to the stages of other processes sharing them; with replicas: make
+               the replicas' group, start from replica 0's weights, reply ACK)
     TRAIN      run the schedule's actions for one batch (x rides along to stage 0, the target
                to the stages that compute a loss, its stage inputs to each stage that takes
                some: pipeq.runtime.batch_command); the last stage replies LOSS
@@ -24,9 +23,9 @@ carries it out:
     STEP_SCHEDULER  step the lr schedulers once (with the metric it carries), reply ACK
     GET_LR     reply LR (the learning rate of every parameter group)
     LOST       a replica is lost (fault_tolerance="replicas"): gradients are summed without it from
-               the round it names on (a stage waiting for that replica's gradients takes it from the
-               queue at once); reply ACK once the rounds before are summed
-    REJOIN     the lost replica is rebuilt: reconnect to it, reply ACK
+               the round it names on (a stage waiting in a collective takes it from the queue at
+               once); reply ACK once the rounds before are summed (pipeq.parallel.membership)
+    REJOIN     the lost replica is rebuilt: the replicas' group with it again, reply ACK
     STOP       (after every earlier command is done) reply ACK: all this stage's traffic is over
     EXIT       leave the loop (once every stage of the process is told, or 5 s after the first)
 
@@ -116,13 +115,10 @@ class EventLoop:
         self.current: tuple[int, int, float, int] | None = None
         self._paused: tuple[int, int, float, int] | None = None
         self._keys: Any = None  # the running batch's microbatch -> (step, microbatch), see run
-        for ch in self.chunks:  # waiting for the replicas is no compute
-            if ch.links is not None and ch.links.replicas is not None:
-                ch.links.replicas.sync.note_wait = self._waiting
 
     # -- what the process computes (for the heartbeats) ---------------------------------------
-    def _waiting(self, waits: bool) -> None:
-        """The optimizer step waits for the other replicas' gradients (True), or goes on (False)."""
+    def waiting(self, waits: bool) -> None:
+        """A collective waits for the stage's other processes (True: not computing), or is over (False)."""
         if waits:
             self._paused, self.current = self.current, None
         elif self._paused is not None:
@@ -154,7 +150,7 @@ class EventLoop:
     def serve(self) -> None:
         """Carry out the commands until EXIT (see the module)."""
         v = len(self.chunks)
-        together = _BATCH + _READS if v > 1 and self.cfg.settings.sharding == "fsdp" else _BATCH
+        together = _BATCH + _READS if v > 1 and self.cfg.mesh is not None and self.cfg.mesh.slice_size > 1 else _BATCH
         batch: dict[int, tuple[Any, Message]] = {}
         exits: set[int] = set()  # the stages told EXIT: the process leaves once all are (the
         deadline = 0.0           # driver's sends to the others must still find them), or 5 s on
@@ -223,7 +219,7 @@ class EventLoop:
             ch.links.replica_lost(cmd, step)  # (its ACK, if any, is the link's to send)
             return None
         elif isinstance(cmd, Rejoin) and ch.links is not None:
-            ch.links.replica_back(cmd.replica, cmd.address, cmd.round)
+            ch.links.replica_back(cmd.replica, cmd.round)
         elif not isinstance(cmd, Stop):
             raise RuntimeError(f"stage {ch.stage}: unexpected command {msg.kind.name}")
         return control.message(Ack(), step)

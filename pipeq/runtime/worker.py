@@ -33,6 +33,8 @@ from pipeq.runtime.executors import make_executor
 from pipeq.runtime.interpreter import ChunkError, chunk_error
 from pipeq.runtime.links import PeerLinks
 from pipeq.runtime.loop import Chunk, EventLoop
+from pipeq.parallel.layers import StageParallel
+from pipeq.parallel.mesh import PEER_FAILURE_GRACE_S, StageMesh, peer_failure
 from pipeq.stage.executor import StageExecutor
 from pipeq.stage.info import info_of
 from pipeq.stage.spec import StageSpec
@@ -104,6 +106,7 @@ def _serve(cfg: WorkerConfig, payloads: Sequence[Any], transport: ProcessTranspo
     beats: list[Heartbeat] = []
     chunks: list[Chunk] = []
     loop: EventLoop | None = None
+    mesh: StageMesh | None = None
     try:
         # From here on the driver is watched: if it dies, this process cleans up and exits.
         for c, chunk in enumerate(cfg.chunks):
@@ -111,14 +114,12 @@ def _serve(cfg: WorkerConfig, payloads: Sequence[Any], transport: ProcessTranspo
                                    cfg.driver_pid or os.getppid(), lambda: _orphaned(cfg), auth=cfg.auth,
                                    status=lambda c=c: control.encode(loop.doing(c)) if loop is not None else None))
         device = select_device(cfg.device)
-        serving, mesh = transport, None
-        if cfg.shards > 1:  # the shards of this process's stages meet; shard 0 leads
-            serving, mesh = _shard(cfg, transport, device)
-        elif cfg.settings.sharding == "fsdp":  # the replicas of this process's stages meet, to shard them
-            mesh = _replica_mesh(cfg, device)
+        mesh = StageMesh(cfg.mesh, device) if cfg.mesh is not None else None
+        wait = _Wait(transport.inbox, cfg.settings.spin_s)
+        serving = _shard(cfg, transport, mesh) if cfg.shards > 1 else transport
         for c, (chunk, payload) in enumerate(zip(cfg.chunks, payloads)):
             try:
-                chunks.append(_make_chunk(cfg, c, chunk, payload, transport, device, mesh))
+                chunks.append(_make_chunk(cfg, c, chunk, payload, transport, device, mesh, wait))
             except Exception as exc:
                 err = chunk_error(exc, len(cfg.chunks), chunk.stage, c)
                 if err is None:
@@ -126,11 +127,14 @@ def _serve(cfg: WorkerConfig, payloads: Sequence[Any], transport: ProcessTranspo
                 raise err from exc
             _report_ready(cfg, c, chunks[-1], transport)
         loop = EventLoop(cfg, serving, chunks)
+        wait.loop = loop
         loop.serve()
         return True
     except Stopped:
         return True
     except BaseException as exc:  # report everything, KeyboardInterrupt included
+        if peer_failure(exc) and _driver_ends_it(transport):
+            return True  # a peer of a collective died: the driver names it, and ends the run
         failed = [exc.chunk] if isinstance(exc, ChunkError) else range(len(cfg.chunks))
         for c in failed:
             _report_error(transport, c, exc, loop)
@@ -142,6 +146,22 @@ def _serve(cfg: WorkerConfig, payloads: Sequence[Any], transport: ProcessTranspo
             if ch.links is not None:
                 ch.links.close(linger_ms=200)
         transport.close(linger_ms=200)
+        if mesh is not None:
+            mesh.close()
+
+
+def _driver_ends_it(transport: ProcessTransport) -> bool:
+    """(A collective failed: its peer is gone.) Whether the driver's EXIT comes within
+    :data:`~pipeq.parallel.mesh.PEER_FAILURE_GRACE_S`: the peer's death is the run's failure, which
+    the driver names; else this process reports the failure as its own."""
+    end = time.monotonic() + PEER_FAILURE_GRACE_S
+    try:
+        transport.inbox.until(lambda: time.monotonic() > end)
+    except Stopped:
+        return True
+    except Exception:
+        return False
+    return False
 
 
 def _build(stage: int, n_stages: int, payload: Any) -> StageSpec:
@@ -154,57 +174,58 @@ def _build(stage: int, n_stages: int, payload: Any) -> StageSpec:
 
 
 def _make_chunk(cfg: WorkerConfig, c: int, chunk: ChunkConfig, payload: Any, transport: ProcessTransport,
-                device: torch.device, mesh: Any) -> Chunk:
-    """Chunk ``c``'s stage on the process's device (with tensor parallelism, split over ``mesh``):
-    its executor and links."""
+                device: torch.device, mesh: StageMesh | None, wait: "_Wait") -> Chunk:
+    """Chunk ``c``'s stage on the process's device, on its mesh's layers when it has one
+    (tensor parallelism, FSDP, replicas: :class:`~pipeq.parallel.layers.StageParallel`): its
+    executor and links."""
     torch.manual_seed(chunk.seed)  # each stage its own stream (dropout masks differ by stage)
     spec = _build(chunk.stage, cfg.n_stages, payload)
-    fsdp = cfg.settings.fsdp_reshard if cfg.settings.sharding == "fsdp" else None
-    if cfg.shards > 1:  # the stage's module split as its plan says, over the shards' mesh
-        from pipeq.parallel import tensor as tensorpar
-
-        tensorpar.check_stage(chunk.stage, spec.module, chunk.tp_plan, cfg.shards)
-        spec = dataclasses.replace(spec, module=tensorpar.parallelize(spec.module.to(device), chunk.tp_plan, mesh))
-    elif fsdp is not None:  # the stage's module sharded over its replicas (FSDP2)
-        from pipeq.parallel import fsdp as fsdp_mod
-
-        spec = dataclasses.replace(spec, module=fsdp_mod.shard(spec.module.to(device), mesh))
-    executor = make_executor(cfg.schedule, chunk.stage, cfg.n_stages, spec, device, cfg.settings.numerics,
-                             sharded=cfg.shards > 1, compile=cfg.settings.compile, fsdp_reshard=fsdp)
+    s = cfg.settings
+    parallel = StageParallel(mesh, chunk.stage, tp_plan=chunk.tp_plan, sharding=s.sharding,
+                             fsdp_reshard=s.fsdp_reshard) if mesh is not None else None
+    executor = make_executor(cfg.schedule, chunk.stage, cfg.n_stages, spec, device, s.numerics, compile=s.compile,
+                             parallel=parallel)
     executor.keep_on_device = transport.device_payloads  # CUDA IPC to the neighbours
     links = PeerLinks(transport.stages[c], transport.senders[c], cfg.bind, executor, stage=chunk.stage,
-                      replica=cfg.replica, replicas=cfg.replicas, shard=cfg.shard, shards=cfg.shards,
-                      held=cfg.stages, sharded_replicas=fsdp is not None)
+                      replica=cfg.replica, replicas=cfg.replicas, shard=cfg.shard, held=cfg.stages, mesh=mesh,
+                      wait=wait, fault_tolerant=s.fault_tolerant)
     return Chunk(c, chunk, executor, links, cfg.settings.trace)
 
 
-def _shard(cfg: WorkerConfig, transport: ProcessTransport, device: torch.device) -> tuple[Any, Any]:
-    """Tensor parallelism: join the other shards of this process's stages (pipeq.parallel.tensor:
-    the mesh every stage of the process is split over), and wrap the transport: shard 0 shares
-    what it receives, the others follow it (pipeq.wire.shard_link)."""
-    from pipeq.parallel import tensor as tensorpar
+class _Wait:
+    """How the process's collectives wait (:data:`pipeq.parallel.mesh.Waiter`): through its inbox,
+    serving its other traffic (the driver's EXIT, LOST); waiting for a peer is not computing (the
+    heartbeat reports no action under way meanwhile: ``step_timeout`` judges computation only)."""
+
+    def __init__(self, inbox: Any, spin_s: float) -> None:
+        self.inbox, self.spin_s = inbox, spin_s
+        self.loop: EventLoop | None = None
+
+    def __call__(self, done: Any, what: str) -> None:
+        if done():
+            return
+        loop = self.loop
+        if loop is not None:
+            loop.waiting(True)
+        try:
+            self.inbox.until(done, self.spin_s)
+        finally:
+            if loop is not None:
+                loop.waiting(False)
+
+
+def _shard(cfg: WorkerConfig, transport: ProcessTransport, mesh: StageMesh | None) -> Any:
+    """Tensor parallelism: shard 0 of this process's stages shares what it receives, the others
+    follow it (pipeq.wire.shard_link), over the mesh's tp row."""
     from pipeq.stage.transfer import pinned_copies
     from pipeq.wire.shard_link import MAX_FRAMES, FollowerTransport, LeadTransport, ShardLink
 
-    if cfg.tp_store is None:
-        raise RuntimeError(f"{cfg.name()}: no tp_store to meet the other shards in")
-    mesh, group = tensorpar.join(cfg.tp_store, cfg.shard, cfg.shards, device)
+    assert mesh is not None and mesh.tp_group is not None
     where = f"stage {'+'.join(str(s) for s in cfg.stages)}, shard {cfg.shard}"
     # shard 0 shares the CUDA tensors it receives (CUDA IPC) as host copies, through pinned memory
-    link = ShardLink(group, cfg.shard, cfg.shards, where, max_bytes=MAX_FRAMES * cfg.settings.max_frame_bytes,
-                     host_copies=pinned_copies)
-    return (LeadTransport(transport, link) if cfg.shard == 0 else FollowerTransport(transport, link)), mesh
-
-
-def _replica_mesh(cfg: WorkerConfig, device: torch.device) -> Any:
-    """Sharded replicas: join the other replicas of this process's stages (the process group
-    tensor parallelism's shards make, pipeq.parallel.tensor.join); the mesh FSDP2 shards over."""
-    from pipeq.parallel import fsdp
-
-    if cfg.replica_store is None:
-        raise RuntimeError(f"{cfg.name()}: no replica_store to meet the other replicas in")
-    mesh, _ = fsdp.join(cfg.replica_store, cfg.replica, cfg.replicas, device)
-    return mesh
+    link = ShardLink(mesh.tp_group, cfg.shard, cfg.shards, where, max_bytes=MAX_FRAMES * cfg.settings.max_frame_bytes,
+                     host_copies=pinned_copies, wait=lambda done: transport.inbox.until(done, cfg.settings.spin_s))
+    return LeadTransport(transport, link) if cfg.shard == 0 else FollowerTransport(transport, link)
 
 
 def _publish(cfg: WorkerConfig, chunk: ChunkConfig, info: dict[str, Any]) -> None:
@@ -229,7 +250,7 @@ def _publish(cfg: WorkerConfig, chunk: ChunkConfig, info: dict[str, Any]) -> Non
 def _report_ready(cfg: WorkerConfig, c: int, ch: Chunk, transport: ProcessTransport) -> None:
     """Publish the stage's endpoints (multi-host) and tell the driver it is READY."""
     ex: StageExecutor = ch.executor
-    links = ch.links.addresses() if ch.links is not None else {"replica_link": None, "tie_link": None}
+    links = ch.links.addresses() if ch.links is not None else {"tie_link": None}
     ready = Ready(**transport.addresses(c), pid=os.getpid(), device=str(ex.device), replica=cfg.replica,
                   stage=ch.stage, shard=cfg.shard, threads=torch.get_num_threads(), host=os.uname().nodename,
                   cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],

@@ -91,28 +91,30 @@ def rng_replayed(state: RngState, device: torch.device) -> Iterator[None]:
 class StageExecutor:
     """Runs stage ``index`` of ``n_stages``: the module, its optimizer and (last stage) the loss.
 
-    Subclasses for other schedules take the same arguments plus the schedule object they run.
+    The same class whatever the stage's parallel layers (tensor parallelism, FSDP, replicas: its
+    ``parallel``) or compile; research schedules' executors subclass it with their own compute.
     """
 
-    #: what steps the optimizers (a sharded stage's steps its pieces: pipeq.parallel.fsdp)
-    stepper_type: type[Stepper] = Stepper
-
     def __init__(self, index: int, n_stages: int, spec: StageSpec, device: torch.device, *,
-                 trains: nn.Module | None = None) -> None:
-        """``trains``: what the optimizer covers (default: the module)."""
+                 trains: nn.Module | None = None, parallel: Any = None) -> None:
+        """``trains``: what the optimizer covers (default: the module). ``parallel``: the stage's
+        parallel layers (a :class:`~pipeq.parallel.layers.StageParallel`: tensor parallelism,
+        FSDP, the replicas' sums), None for a stage of one process."""
         self.index = index
         self.n_stages = n_stages
         self.is_first = index == 0
         self.is_last = index == n_stages - 1
         self.device = device
-        self.module = spec.module.to(device)
+        self.parallel = parallel
+        self.module = parallel.prepare(spec.module, device) if parallel is not None else spec.module.to(device)
         params = [p for p in (trains or self.module).parameters() if p.requires_grad]
         self.needs_target = self.is_last  # which stages get the batch's target
         self.tied = TiedGrads.of(self.module, index)  # tied weights (pipeq.stage.ties), or None
-        self.stepper = self.stepper_type(index, self.module, device, spec, params, self.tied)
+        self.stepper = Stepper(index, self.module, device, spec, params, self.tied)
+        self.stepper.parallel = parallel
         self.memory = MemoryMeter(self.module, self.stepper.optimizers)  # its bytes, activations (pipeq.stage.memory)
         self.backprop = Backprop(index, n_stages, self.module, device, self.memory)
-        self.state_io = StateIO(index, self.module, device, self.stepper)
+        self.state_io = StateIO(index, self.module, device, self.stepper, parallel)
         self.loss_fn = spec.loss_fn
         self._cpu = device.type == "cpu"  # received tensors are on the stage's device already (no .to())
         # train() would switch on submodules the user put in eval mode (frozen BatchNorm...):
@@ -130,6 +132,14 @@ class StageExecutor:
         # microbatch -> (input leaves, outputs / scaled loss, what a recompute needs or None)
         self.stash: dict[int, tuple[Tensors, Any, Any]] = {}
         self.loss_sum: torch.Tensor | None = None
+
+    def adopt(self, parallel: Any) -> None:
+        """Take ``parallel`` after the fact (a research schedule's executor, built by its schedule):
+        its replicas' sums only, since such an executor holds its stage whole."""
+        if parallel.tp or parallel.sharded:
+            raise ValueError(f"stage {self.index}: {type(self).__name__} computes its own way and holds its stage "
+                             "whole: it runs without tensor parallelism or sharding")
+        self.parallel = self.stepper.parallel = self.state_io.parallel = parallel
 
     def set_numerics(self, numerics: Numerics) -> None:
         """Precision, loss scaling, clipping, checks and recomputation (see :mod:`pipeq.stage.numerics`)."""
@@ -166,6 +176,8 @@ class StageExecutor:
         else:
             self.module.eval()
         self.stepper.begin(training, len(self.weights))
+        if self.parallel is not None:
+            self.parallel.begin(training)
 
     def mean_loss(self) -> float:
         """The step's loss: the sum of the weighted microbatch losses (NaN without any)."""
@@ -196,8 +208,10 @@ class StageExecutor:
         try:
             with self.autocast(), torch.set_grad_enabled(grad):
                 if buffers:
-                    return torch.func.functional_call(self.module, buffers, call, kwargs, strict=False)
-                return self.module(*call, **kwargs) if kwargs else self.module(*call)
+                    out = torch.func.functional_call(self.module, buffers, call, kwargs, strict=False)
+                else:
+                    out = self.module(*call, **kwargs) if kwargs else self.module(*call)
+                return out if self.parallel is None else self.parallel.output(out)
         except Exception as exc:
             raise forward_error(j, self.step_index, value, kwargs, exc) from exc
 
@@ -214,6 +228,11 @@ class StageExecutor:
 
     def forward(self, j: int, received: Tensors | None) -> Tensors | None:
         """Forward of microbatch ``j``; returns the tensors to send on (None on the last stage)."""
+        if self.parallel is not None:
+            return self.parallel.around(self._measured, j, received)
+        return self._measured(j, received)
+
+    def _measured(self, j: int, received: Tensors | None) -> Tensors | None:
         if self.memory.hooked:  # a measured step, or a split backward's (pipeq.stage.memory)
             return self.memory.forward(self._forward, j, received, self.stash)
         return self._forward(j, received)
@@ -282,6 +301,12 @@ class StageExecutor:
 
     def backward(self, j: int, grads: Tensors | None) -> Tensors | None:
         """Backward of microbatch ``j``; returns the input gradients to send back (None on stage 0)."""
+        self.stepper.before_backward()
+        if self.parallel is not None:
+            return self.parallel.around(self._backward, j, grads)
+        return self._backward(j, grads)
+
+    def _backward(self, j: int, grads: Tensors | None) -> Tensors | None:
         return self._checked(j, self.backprop.whole(j, *self._stashed(j), grads))
 
     def input_grad(self, j: int, grads: Tensors | None) -> Tensors | None:
@@ -290,11 +315,20 @@ class StageExecutor:
         if j not in self.stash:
             raise ValueError(f"stage {self.index}, step {self.step_index}: action I{j} has no forward of "
                              f"microbatch {j} to differentiate (or its backward ran already)")
+        if self.parallel is not None:
+            return self.parallel.around(self._input_grad, j, grads)
+        return self._input_grad(j, grads)
+
+    def _input_grad(self, j: int, grads: Tensors | None) -> Tensors | None:
         return self._checked(j, self.backprop.input_grad(j, *self._stashed(j), grads))
 
     def weight_grad(self, j: int) -> None:
         """``W j``: microbatch ``j``'s parameter gradients, accumulated; frees its graph."""
-        self.backprop.weight_grad(j)
+        self.stepper.before_backward()
+        if self.parallel is not None:
+            self.parallel.around(self.backprop.weight_grad, j)
+        else:
+            self.backprop.weight_grad(j)
 
     def backward_done(self) -> None:
         """Called after each backward (B, or W): after the step's last, the replicas' all-reduce starts."""
@@ -325,21 +359,12 @@ class StageExecutor:
         return to_host(tensors, self.device)  # type: ignore[return-value]
 
     # -- the optimizer step (pipeq.stage.step) ----------------------------------------------------
-    @property
-    def grad_sync(self) -> Any:
-        """Data parallelism's :class:`~pipeq.parallel.data.GradSync` (None without replicas)."""
-        return self.stepper.grad_sync
-
-    @grad_sync.setter
-    def grad_sync(self, sync: Any) -> None:
-        self.stepper.grad_sync = sync
-
     def optimizer_params(self) -> list[torch.Tensor]:
         """The parameters the optimizer updates, in its groups' order (what the replicas all-reduce)."""
         return self.stepper.params()
 
     def sync_replicas(self) -> None:
-        """Sum this step's gradients over the replicas (data parallelism), once per step."""
+        """Reduce this step's gradients over the stage's shards and replicas, once per step."""
         self.stepper.sync_replicas()
 
     def optimizer_step(self) -> None:

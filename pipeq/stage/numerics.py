@@ -98,8 +98,9 @@ def check_device(numerics: Numerics, devices: Iterable[str]) -> None:
     for d in devices:
         kind = torch.device(d).type
         if kind == "cpu" and not torch.amp.autocast_mode.is_autocast_available("cpu"):
-            raise ValueError("precision='fp16' needs float16 autocast, which this torch lacks on the CPU: "
-                             "use precision='bf16' on the CPU")
+            from pipeq.compat import refusal
+
+            raise ValueError(refusal("fp16-cpu").message())
 
 
 # -- the statistics the stages combine ----------------------------------------------------------
@@ -136,14 +137,19 @@ def total_norm(stats: StepStats, norm_type: float) -> float:
     return stats.norm_term if math.isinf(norm_type) else stats.norm_term ** (1.0 / norm_type)
 
 
-def norm_term(grads: Sequence[torch.Tensor], norm_type: float) -> float:
-    """This stage's part of the global norm (computed in float64 on the stage's device)."""
+def norm_term(grads: Sequence[torch.Tensor], weights: Sequence[float] | None, norm_type: float) -> float:
+    """This stage's part of the global norm (computed in float64 on the stage's device): the sum of
+    each gradient's ``|g|^p`` times its weight (None: 1; a piece several processes hold counts a
+    share on each), or the largest ``|g|`` for p = inf."""
     if not grads:
         return 0.0
     if math.isinf(norm_type):
         return max(float(g.detach().abs().max()) for g in grads)
     norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
-    return float(torch.stack([n.double() for n in norms]).pow(norm_type).sum())
+    terms = torch.stack([n.double() for n in norms]).pow(norm_type)
+    if weights is not None:
+        terms = terms * torch.tensor(weights, dtype=torch.float64, device=terms.device)
+    return float(terms.sum())
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:

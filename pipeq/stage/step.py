@@ -1,9 +1,13 @@
 """A stage's optimizer step: gradient sync, the step the stages agree on (clipping, fp16 loss
 scaling, finiteness checks) and its learning-rate schedulers.
 
-The gradients are final once they are summed over the replicas (:meth:`Stepper.sync_replicas`)
-and then, for tied weights, over the stages holding a copy (the interpreter's exchange, see
-:mod:`pipeq.stage.ties`); a tied parameter counts in the global gradient norm once, on its owner.
+The gradients are final once they are reduced over the stage's other processes
+(:meth:`Stepper.sync_replicas`: a sharded stage's reduce-scatter, the replicas' all-reduce, see
+:mod:`pipeq.parallel.layers`) and then, for tied weights, summed over the stages holding a copy
+(the interpreter's exchange, see :mod:`pipeq.stage.ties`). A tied parameter counts in the global
+gradient norm once, on its owner; a gradient a process holds a piece of (tensor parallelism,
+FSDP) counts by its piece, and the pieces' terms are combined over the stage's processes
+before the stages combine theirs.
 
 :class:`Stepper` is held by :class:`~pipeq.stage.executor.StageExecutor`, which forwards its
 public step methods to it. A step runs one of two ways: :meth:`~Stepper.step` when the stages
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 from pipeq.stage import lr_schedulers
+from pipeq.stage.memory import local
 from pipeq.stage.numerics import LossScaler, Numerics, StepStats, all_finite, clip_, norm_term, total_norm
 from pipeq.stage.spec import StageSpec
 
@@ -45,7 +50,9 @@ class Stepper:
         self.interval = spec.lr_scheduler_interval
         self._pairs: list[tuple[torch.optim.Optimizer | None, Any]] = []
         self.add(spec, params)
-        self.grad_sync: Any = None  # data parallelism: a pipeq.parallel.data.GradSync
+        #: the stage's parallel layers (pipeq.parallel.layers.StageParallel: the reductions before
+        #: the step, the statistics over the stage's processes), None for a stage of one process
+        self.parallel: Any = None
         self.skipped_steps = 0  # steps skipped for non-finite gradients (fp16, check_finite='skip')
         self.set_numerics(Numerics())
         self._backwards = 0  # this step's so far
@@ -89,16 +96,22 @@ class Stepper:
         for optimizer in self.optimizers():
             optimizer.zero_grad(set_to_none=True)
 
+    def before_backward(self) -> None:
+        """Called before each backward: before the step's last one, its reductions are armed (each
+        bucket goes as soon as its gradients are final)."""
+        if self.parallel is not None and self._backwards == self._expected - 1:
+            self.parallel.arm()
+
     def backward_done(self) -> None:
-        """Called after each backward: after the step's last one, the gradients' all-reduce starts."""
+        """Called after each backward: after the step's last one, the gradients' reductions start."""
         self._backwards += 1
-        if self.grad_sync is not None and self._backwards == self._expected:
-            self.grad_sync.start()
+        if self.parallel is not None and self._backwards == self._expected:
+            self.parallel.start()
 
     def sync_replicas(self) -> None:
-        """Sum this step's gradients over the replicas (data parallelism), once per step."""
-        if self.grad_sync is not None and not self._synced:
-            self.grad_sync.finish()
+        """Reduce this step's gradients over the stage's other processes (shards, replicas), once per step."""
+        if self.parallel is not None and not self._synced:
+            self.parallel.finish()
         self._synced = True
 
     def params(self) -> list[torch.Tensor]:
@@ -121,13 +134,17 @@ class Stepper:
 
     # -- steps the stages agree on (clipping, fp16, check_finite; see pipeq.stage.numerics) --------
     def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params() if p.grad is not None]
+        """This process's gradients (its pieces of a DTensor's)."""
+        return [local(p.grad) for p in self.params() if p.grad is not None]
 
-    def _norm_grads(self) -> list[torch.Tensor]:
-        """The gradients this stage counts in the global norm: its own, and the tied parameters
-        it owns (each tied parameter counts once, as in one process)."""
+    def _norm_grads(self) -> tuple[list[torch.Tensor], list[float] | None]:
+        """The gradients this stage counts in the global norm (its own, and the tied parameters it
+        owns: each tied parameter counts once, as in one process), as this process's pieces, and
+        the share of each piece's term it counts (None: whole)."""
         skip = self.tied.not_owned() if self.tied is not None else set()
-        return [p.grad for p in self.params() if p.grad is not None and id(p) not in skip]
+        grads = [p.grad for p in self.params() if p.grad is not None and id(p) not in skip]
+        weights = self.parallel.weighted(grads) if self.parallel is not None else None
+        return [local(g) for g in grads], weights
 
     def stats(self) -> StepStats:
         """This stage's part of the step's global statistics, once its gradients are final (and
@@ -141,8 +158,9 @@ class Stepper:
         else:
             bad = False
         p = self.numerics.clip_norm_type
-        term = norm_term(self._norm_grads(), p) if self.numerics.clip_grad_norm is not None and not bad else 0.0
-        return StepStats(term, float(self.index) if bad else math.inf)
+        term = norm_term(*self._norm_grads(), p) if self.numerics.clip_grad_norm is not None and not bad else 0.0
+        mine = StepStats(term, float(self.index) if bad else math.inf)
+        return self.parallel.combine(mine, p) if self.parallel is not None else mine
 
     def apply(self, total: StepStats, step: int) -> None:
         """Step ``step``'s optimizer step (or its skip) that every stage decides alike from ``total``."""

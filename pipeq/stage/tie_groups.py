@@ -182,20 +182,16 @@ def equalize(stages: Sequence[nn.Module], where: Where) -> None:
 
 
 # -- the rule ------------------------------------------------------------------------------------------
-def refuse_ties(schedule: "SchedulePolicy", stages: Sequence[nn.Module], *, first: int = 0,
-                sharded: bool = False) -> None:
+def refuse_ties(schedule: "SchedulePolicy", stages: Sequence[nn.Module], *, first: int = 0) -> None:
     """What cannot train tied weights, for ``stages`` (stage ``first``, ``first + 1``...): a schedule
-    other than plain backprop's, tensor-parallel shards (``sharded``).
-    ValueError naming the first stage holding ties, the ties and what to do."""
+    other than plain backprop's. ValueError naming the first stage holding ties, the ties and what to do."""
     for k, module in enumerate(stages, first):
         ties = info_of(module).ties
         if not ties:
             continue
         held = f"stage {k} holds tied weights ({', '.join(t.key for t in ties)})"
         if not schedule.plain_backprop:
-            raise ValueError(f"{held}, which train with plain backprop's schedules (fill-drain, 1f1b, the zero-bubble "
-                             "and interleaved ones, zbv, dualpipev) and your own schedules of F, B, I, W and STEP, not "
-                             f"with schedule {schedule.name!r}: untie them, or pick one of those schedules")
-        if sharded:
-            raise ValueError(f"{held}, which do not work with tensor parallelism (tensor_parallel > 1) yet: use "
-                             "tensor_parallel=1")
+            from pipeq.compat import refusal
+
+            raise ValueError(f"{held}, and schedule {schedule.name!r} computes its own way: "
+                             + refusal("own-way-ties").message())

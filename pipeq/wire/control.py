@@ -165,15 +165,15 @@ def data_tree(msg: Message) -> Any:
 # -- commands: driver -> stage -----------------------------------------------------------------------
 @_control(Kind.PEERS)
 class Peers(Payload):
-    """The neighbours' addresses; with replicas, the same stage's other replicas' (by replica),
-    or with tensor parallelism too, ``replica_shards[s]``: shard s's replicas' addresses; with
-    tied weights, ``tie_links[s]``: stage s's tie link in this replica (nil for a stage without)."""
+    """The neighbours' addresses; with tied weights, ``tie_links[s]``: stage s's tie link in this
+    replica (nil for a stage without), and with tensor parallelism ``tie_shards[t][s]``: shard
+    t's of stage s. With replicas, the stage makes its replicas' group (its mesh's store says
+    where they meet: nothing to address) and replies ACK."""
 
     next_forward: str | None = wire(TEXT, default=None)
     prev_backward: str | None = wire(TEXT, default=None)
-    replica_shards: list[list[str]] | None = wire(list_of(list_of(TEXT)), default=None)
-    replicas: list[str] | None = wire(list_of(TEXT), default=None)
     tie_links: list[str | None] | None = wire(list_of(nullable(TEXT)), default=None)
+    tie_shards: list[list[str | None]] | None = wire(list_of(list_of(nullable(TEXT))), default=None)
     # a rebuilt replica (fault_tolerance="replicas"): no start-up weights from replica 0 (the
     # driver restores a healthy replica's state); its gradient rounds go on from this number
     rejoin_round: int | None = wire(COUNT, default=None)
@@ -184,10 +184,10 @@ class Lost(Payload):
     """Replica ``replica`` is lost: every gradient sum of a round from ``from_round`` on (None:
     every sum not yet made) goes on without it. A round before ``from_round`` still waits for
     its buckets, unless this stage is among ``dead`` (the replica's stages whose process is dead
-    or stopped: what it sent before is summed, nothing more is waited for). With ``from_round``
-    the stage replies ACK (the message's step) once its rounds before ``from_round`` are summed,
-    naming those it summed with the lost replica (``Ack.with_lost``). To the lost replica's own
-    stages: they are parting (:mod:`pipeq.wire.replica_link`)."""
+    or stopped). With ``from_round`` the stage replies ACK (the message's step) once its rounds
+    before ``from_round`` are summed, naming those it summed with the lost replica
+    (``Ack.with_lost``). To the lost replica's own stages: they are parting
+    (:mod:`pipeq.parallel.membership`)."""
 
     replica: int = wire(COUNT)
     from_round: int | None = wire(COUNT, default=None)
@@ -196,11 +196,10 @@ class Lost(Payload):
 
 @_control(Kind.REJOIN)
 class Rejoin(Payload):
-    """Replica ``replica`` is back, rebuilt, at ``address`` (its new replica link): connect to it;
-    messages of gradient rounds up to ``round`` from it are stale. Reply ACK."""
+    """Replica ``replica`` is back, rebuilt after gradient round ``round``: the replicas' group
+    with it again (:mod:`pipeq.parallel.membership`). Reply ACK."""
 
     replica: int = wire(COUNT)
-    address: str = wire(TEXT)
     round: int = wire(COUNT)
 
 
@@ -357,7 +356,6 @@ class Ready(Payload):
     threads: int = wire(POSITIVE)
     host: str = wire(TEXT)
     cores: list[int] = wire(list_of(COUNT))
-    replica_link: str | None = wire(TEXT, default=None)  # data parallelism: where its replicas reach it
     inputs: list[str] | None = wire(list_of(TEXT), default=None)  # its declared inputs (pipeq.stage.info)
     tie_link: str | None = wire(TEXT, default=None)  # tied weights: where the stages sharing them reach it
     layout: dict[str, Any] = wire(MAP)

@@ -30,9 +30,12 @@ from pipeq.wire.errors import Stopped
 from pipeq.wire.messages import Kind, Message
 from pipeq.wire.security import Gatekeeper, WireAuth
 
-__all__ = ["Inbox", "SLICE_MS"]
+__all__ = ["Inbox", "SLICE_MS", "COLLECTIVE_SLICE_MS"]
 
 SLICE_MS = 200  # how often a blocked wait looks for an EXIT from the driver (and at give_up)
+#: how often a wait for a torch collective looks at it (it completes in a thread of its own,
+#: which the poller does not hear)
+COLLECTIVE_SLICE_MS = 2
 
 T = TypeVar("T")
 Source = Any  # a ZeroMQ socket, or a file descriptor (a lane's)
@@ -109,12 +112,12 @@ class Inbox:
             check()
 
     def wait(self, take: Callable[[], T | None], *, give_up: Callable[[], bool] | None = None,
-             spin_s: float = 0.0, probe: Callable[[], bool] | None = None) -> T | None:
+             spin_s: float = 0.0, probe: Callable[[], bool] | None = None, slice_ms: int = SLICE_MS) -> T | None:
         """``take()``'s item, once there is one, filing the process's traffic meanwhile. An EXIT
         from the driver interrupts the wait (:class:`~pipeq.wire.errors.Stopped`); ``give_up()``
         turning true ends it with None. With ``spin_s``, busy-poll that long first with
         ``probe()`` (a cheap, non-blocking read of the one source the item comes from: it saves
-        a wake-up on the latency-bound path) before sleeping in the poller."""
+        a wake-up on the latency-bound path) before sleeping in the poller, ``slice_ms`` at a time."""
         got = take()
         if got is not None:
             return got
@@ -129,11 +132,18 @@ class Inbox:
         while True:
             if give_up is not None and give_up():
                 return None
-            self.pump(SLICE_MS)
+            self.pump(slice_ms)
             got = take()
             if got is not None:
                 return got
             self.check_exit()
+
+    def until(self, done: Callable[[], bool], spin_s: float = 0.0) -> None:
+        """Wait until ``done()`` is true, for a condition the poller cannot see (a torch collective
+        of the process's, running in its own thread): look every :data:`COLLECTIVE_SLICE_MS` while
+        filing the process's traffic (after busy-polling ``spin_s``). An EXIT from the driver
+        interrupts the wait (:class:`~pipeq.wire.errors.Stopped`), as in :meth:`wait`."""
+        self.wait(lambda: True if done() else None, spin_s=spin_s, probe=done, slice_ms=COLLECTIVE_SLICE_MS)
 
     def close(self) -> None:
         """Stop the key checks and end the context. Its owners close their sockets first (with

@@ -17,7 +17,11 @@ very same event loop on what they are shared, so they take every action, and eve
 inside the stage's forward and backward, in the lead's order. What a follower would send (its
 outputs, replies) is dropped: after the plan's all-reduce its outputs are the lead's.
 
-The shards of a stage share one host (placement sees to it): the broadcast is gloo over loopback.
+The shards of a stage share one host (placement sees to it): the broadcast is gloo over loopback,
+on the CPU group of the stage's tp row (:mod:`pipeq.parallel.mesh`). A follower waits for it
+through its process's inbox, so that the driver's EXIT, and a LOST sent to it directly
+(``fault_tolerance="replicas"``: each shard sums with the same shard of the other replicas, and
+is told itself), still reach it; a LOST is the only command the lead does not share.
 A message the lead received on its device (CUDA IPC from a neighbour, :mod:`pipeq.wire.shm`) is
 shared as host copies of its device tensors (:func:`host_tensors`; the worker has them made
 through pinned memory); its event loop keeps the device tensors. CPU tensors are shared as they
@@ -80,10 +84,12 @@ class ShardLink:
     copies the CUDA tensors of a message it shares to the host (see :func:`host_tensors`)."""
 
     def __init__(self, group: Any, shard: int, shards: int, where: str, max_bytes: int,
-                 host_copies: HostCopies | None = None) -> None:
+                 host_copies: HostCopies | None = None, wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
+        """``wait(done)``: how a follower waits for a broadcast (its process's inbox; None: blocking)."""
         import torch.distributed as dist
 
         self._dist = dist
+        self.wait = wait
         self.group = group
         self.shard = shard
         self.shards = shards
@@ -111,20 +117,31 @@ class ShardLink:
         for off, v in zip(offsets, views):
             raw[off:off + v.nbytes] = v
         self._head[0], self._head[1], self._head[2] = len(views), end, chunk
-        self._dist.broadcast(self._head, 0, group=self.group)
-        self._dist.broadcast(buf, 0, group=self.group)
+        src = self._dist.get_global_rank(self.group, 0)
+        self._dist.broadcast(self._head, src, group=self.group)
+        self._dist.broadcast(buf, src, group=self.group)
+
+    def _broadcast_in(self, t: torch.Tensor) -> None:
+        """Receive shard 0's broadcast into ``t``, waiting through :attr:`wait`."""
+        src = self._dist.get_global_rank(self.group, 0)
+        if self.wait is None:
+            self._dist.broadcast(t, src, group=self.group)
+            return
+        work = self._dist.broadcast(t, src, group=self.group, async_op=True)
+        self.wait(work.is_completed)
+        work.wait()
 
     def receive(self) -> tuple[int, Message]:
         """Another shard: the next message shard 0 shared and the chunk it was for, checked as
         any message from the wire."""
         head = torch.empty(3, dtype=torch.int64)
-        self._dist.broadcast(head, 0, group=self.group)
+        self._broadcast_in(head)
         n, total, chunk = int(head[0]), int(head[1]), int(head[2])
         if not 1 <= n <= MAX_FRAMES or not 0 <= total <= self.max_bytes:
             raise CodecError(f"{self.where}: shard 0 shared a message of {n} frames, {total} bytes "
                              f"(at most {MAX_FRAMES} frames, {self.max_bytes} bytes)")
         buf = torch.empty(total, dtype=torch.uint8)
-        self._dist.broadcast(buf, 0, group=self.group)
+        self._broadcast_in(buf)
         raw = buf.numpy()
         start = _round(8 * n)
         if start > total:
@@ -159,7 +176,7 @@ class LeadTransport:
 
     def next_command(self, ready: Sequence[int], timeout_ms: int) -> tuple[int, Message] | None:
         got = self._inner.next_command(ready, timeout_ms)
-        if got is not None:
+        if got is not None and got[1].kind is not Kind.LOST:  # (each shard is told of a loss itself)
             self.link.share(got[1], got[0])
         return got
 

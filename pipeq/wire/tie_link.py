@@ -21,18 +21,20 @@ __all__ = ["TieLink"]
 
 class TieLink(GroupLink):
     """Stage ``stage``'s channel to its tie peers ``peers`` (other stages of replica ``replica``):
-    a :class:`~pipeq.wire.group_link.GroupLink` whose members are stage numbers. In
+    a :class:`~pipeq.wire.group_link.GroupLink` whose members are stage numbers. With tensor
+    parallelism each shard has its own, to the same shard of its peers (``shard``). In
     "authenticate" mode a message's MAC is that of the link ``origin -> this stage`` of this
-    replica (label ``T{replica}:{sender}>{receiver}``), so it verifies on no other link, the
-    replicas' included."""
+    replica and shard (label ``T{replica}.{shard}:{sender}>{receiver}``), so it verifies on no
+    other link, the replicas' and shards' included."""
 
     def __init__(self, receiver: StageInbox, bind: BindTo, *, stage: int, replica: int, peers: Sequence[int],
-                 capacity: int) -> None:
+                 capacity: int, shard: int = 0) -> None:
         if not peers or stage in peers:
             raise ValueError(f"stage {stage}: a tie link's peers are other stages, got {list(peers)!r}")
         self.stage, self.replica = stage, replica
         super().__init__(receiver.inbox, bind, auth=receiver.auth, max_frame_bytes=receiver.max_frame_bytes, me=stage,
                          members=sorted({stage, *peers}), kind=Kind.TIE, capacity=capacity,
-                         label=lambda a, b: f"T{replica}:{a}>{b}",
-                         who=f"stage {stage}" + (f", replica {replica}" if replica else ""), peer="stage",
+                         label=lambda a, b: f"T{replica}.{shard}:{a}>{b}",
+                         who=f"stage {stage}" + (f", replica {replica}" if replica else "")
+                         + (f", shard {shard}" if shard else ""), peer="stage",
                          socket_name=f"s{receiver.process}-ties")

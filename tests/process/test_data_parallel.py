@@ -195,66 +195,45 @@ def test_replicas_stay_bit_identical_and_load_state_dict_reaches_every_replica()
 
 
 @pytest.mark.parametrize("security", ["encrypt", "authenticate"])
-def test_nobody_outside_the_run_can_join_the_gradient_exchange(security, monkeypatch):
-    """Over tcp, sockets outside the run push forged buckets (gradients of 1e6, the right size, for
-    every round, claiming to come from either replica) at every stage process's replicas port,
-    before each step and after the last: without keys (refused at the handshake) and, in
-    "authenticate" mode, also with the PLAIN password a sniffer learns (no valid MAC: dropped).
-    The run ends with the very parameters and losses of an unattacked run."""
-    import struct
+def test_strangers_at_every_port_change_nothing(security):
+    """Over tcp on one host, the stage processes listen on loopback only: the pipeline's sockets
+    (which demand the job's keys) and the replicas' gloo group (torch's collectives, which
+    authenticate nothing, so they bind to loopback alone). A local process that connects to every
+    one of them and writes garbage (zeros, noise, a forged gradient bucket's bytes), before each
+    step and after the last, neither breaks nor changes the run: it ends with the very parameters
+    and losses of an unattacked run."""
+    import socket
 
-    import zmq
-    from pipeq.wire.codec import encode
-    from pipeq.wire.keys import JobSecret
-    from pipeq.wire.security import WireAuth, secure_client
-
-    secret = JobSecret.generate()
-    monkeypatch.setattr(JobSecret, "generate", classmethod(lambda cls: secret))  # the run's, known here
     stages = mlp_stages(WIDTHS, seed=0)
     data = batches(3, 16, seed=14)
     clean, clean_losses = train(stages, data, transport="tcp", tcp_security=security)
-    sniffer = WireAuth(secret, "authenticate") if security == "authenticate" else None
-    sizes = [sum(p.numel() for p in stage.parameters()) for stage in stages]  # one bucket per stage
-    ctx = zmq.Context()
-    socks = []
+    strangers: list[socket.socket] = []
 
-    def forge(runner) -> None:
-        if not socks:
-            for g, info in enumerate(runner.stage_processes):
-                addr = info["replica_link"]
-                assert addr.startswith("tcp://127.0.0.1:")
-                for keys in (None, sniffer) if sniffer is not None else (None,):
-                    sock = ctx.socket(zmq.PUSH)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    if keys is not None:
-                        secure_client(sock, keys, addr, data=True)
-                    sock.connect(addr)
-                    socks.append((sock, g % runner.n_stages))
-        for sock, k in socks:
-            for sender in (0, 1):
-                for step in range(len(data) + 2):
-                    frames = encode(Kind.REPLICA, step, 0, [torch.full((sizes[k],), 1e6)])
-                    for forged in ([struct.pack(">I", sender), *frames],
-                                   [struct.pack(">I", sender), b"\1" * 40, *frames]):
-                        try:
-                            sock.send_multipart(forged, flags=zmq.NOBLOCK)
-                        except zmq.Again:  # refused at the handshake: nowhere to queue
-                            pass
+    def attack(runner) -> None:
+        pids = [w["pid"] for w in runner.stage_processes]
+        listening = listening_addresses(pids)
+        assert listening and {addr for addr, _ in listening} == {"127.0.0.1"}, listening
+        for _, port in listening:
+            for garbage in (b"\x00" * 64, os.urandom(4096), torch.full((64,), 1e6).numpy().tobytes()):
+                try:
+                    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                    s.sendall(garbage)
+                    strangers.append(s)
+                except OSError:  # a listener that closed on the garbage
+                    pass
 
     try:
         with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, "1f1b", 2, data_parallel=2,
                                   transport="tcp", tcp_security=security, **FAST) as runner:
             losses = []
             for x, y in data:
-                forge(runner)
+                attack(runner)
                 losses.append(runner.step(x, y))
-            forge(runner)
-            time.sleep(0.3)
+            attack(runner)
             attacked, r1 = runner.state_dict(), replica_state(runner, 1)
     finally:
-        for sock, _ in socks:
-            sock.close(linger=0)
-        ctx.term()
+        for s in strangers:
+            s.close()
     assert_equal_states(attacked, clean)
     assert_equal_states(r1, clean)
     assert losses == clean_losses
@@ -402,7 +381,7 @@ def launched(tmp_path_factory):
     launch path is the same.)"""
     base = tmp_path_factory.mktemp("launch")
     out = {name: str(base / name) for name in ("nodes", "node1")}
-    steps = ("--steps", str(STEPS), "--data-parallel", "2")
+    steps = ("--steps", str(STEPS), "--data-parallel", "2", "--trusted-network")
     multi = ("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
     node1 = subprocess.Popen(launch_cmd(*steps, *multi, "--node-rank", "1", "--out", out["node1"]), cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -446,6 +425,23 @@ def test_launch_data_parallel_over_two_nodes_equals_full_batch_training(launched
     assert _losses(out["nodes"]) == pytest.approx(ref_losses, abs=1e-5)
 
 
+def test_replicas_across_hosts_are_refused_without_a_trusted_network(tmp_path):
+    """torch's collectives authenticate nothing: a multi-host launch with replicas is refused
+    before any process starts, naming the setting, unless the job says its network is trusted."""
+    multi = ("--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+    before = os.environ.get("PIPEQ_SECRET")
+    os.environ["PIPEQ_SECRET"] = SECRET
+    try:
+        r = launch_here("--steps", "1", "--data-parallel", "2", *multi, "--out", str(tmp_path / "out"))
+    finally:
+        if before is None:
+            os.environ.pop("PIPEQ_SECRET", None)
+        else:
+            os.environ["PIPEQ_SECRET"] = before
+    assert r.returncode == 2, r.stderr
+    assert "trusted_network" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 # -- 7. traces ----------------------------------------------------------------------------------------
 def test_traced_data_parallel_run_has_both_replicas(tmp_path):
     path = tmp_path / "dp.json"
@@ -473,7 +469,8 @@ def test_traced_data_parallel_run_has_both_replicas(tmp_path):
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_a_single_host_run_with_replicas_listens_on_loopback_only(transport):
     """Data parallelism on one host opens no port beyond loopback (it used to put a gradient
-    store on every interface); over ipc it opens no TCP port at all."""
+    store on every interface): over ipc its only TCP ports are the replicas' gloo group's, on
+    loopback; over tcp the pipeline's sockets are there too."""
     runner = pipeq.PipelineRunner(mlp_stages(), nn.CrossEntropyLoss(), MOMENTUM, "1f1b", 2,
                                   data_parallel=2, transport=transport, **FAST)
     (x, y), = batches(1, 8)
@@ -481,8 +478,6 @@ def test_a_single_host_run_with_replicas_listens_on_loopback_only(transport):
         runner.step(x, y)
         pids = [os.getpid()] + [p["pid"] for p in runner.stage_processes]
         ports = listening_addresses(pids)
-    if transport == "ipc":
-        assert ports == []
-    else:
-        assert len(ports) >= 1 + 2 * 2 * 3  # control + (forward, backward, replicas) per process
-        assert {addr for addr, _ in ports} == {"127.0.0.1"}, ports
+    assert {addr for addr, _ in ports} == {"127.0.0.1"}, ports
+    if transport == "tcp":
+        assert len(ports) >= 1 + 2 * 2 * 2  # control + (forward, backward) per process, and gloo's

@@ -169,11 +169,14 @@ KEYS: dict[str, Key] = {
     "stages_per_process": Key(int, RUN, "model stages per process (virtual stages): interleaved-1f1b and "
                               "looped-bfs take any number >= 2; zbv and dualpipev hold 2", "processes", minimum=1),
     "tp_plan": Key(list, RUN, 'one table per stage: submodule names to "colwise" / "rowwise"', "processes"),
-    "sharding": Key(str, RUN, '"none" (whole replicas) or "fsdp" (data_parallel >= 2: the replicas shard each stage\'s '
-                    "parameters, gradients and optimizer state with torch's FSDP2; checkpoints stay whole)",
+    "sharding": Key(str, RUN, '"none" (whole replicas), "fsdp" (data_parallel >= 2: the replicas shard each '
+                    "stage's parameters, gradients and optimizer state with torch's FSDP2; checkpoints stay whole) "
+                    'or "hsdp" (shard in groups of shard_size replicas, replicate across the groups)',
                     "processes"),
-    "fsdp_reshard": Key(str, RUN, 'with sharding = "fsdp": "step" (gathered parameters kept through a step) or '
-                        '"microbatch" (freed after each forward and backward)', "processes"),
+    "shard_size": Key(int, RUN, 'with sharding = "hsdp": the replicas of each shard group (a divisor of '
+                      "data_parallel)", "processes", minimum=2),
+    "fsdp_reshard": Key(str, RUN, 'with sharding = "fsdp" or "hsdp": "step" (gathered parameters kept through a '
+                        'step) or "microbatch" (freed after each forward and backward)', "processes"),
     "rejoin_timeout": Key(NUMBER, 60.0, "with max_restarts: seconds to wait for a lost node to join again (the "
                           "same --node-rank started anew) before its stages are re-placed or the run ends",
                           "multi-host"),
@@ -182,6 +185,9 @@ KEYS: dict[str, Key] = {
                      "no re-placement)", "multi-host", minimum=1),
     "tcp_security": Key(str, RUN, 'TCP between hosts: "encrypt" (CURVE on every socket) or "authenticate" '
                         "(a Poly1305 MAC on every data message, not encrypted)", "multi-host"),
+    "trusted_network": Key(bool, RUN, "the network between the hosts is yours alone: replicas and shards across "
+                           "hosts run torch's collectives, which authenticate and encrypt nothing (refused "
+                           "without it)", "multi-host"),
     "max_message_mb": Key(int, RUN, "the largest tensor (MiB) one stage sends another", "processes"),
     "shm_slots": Key(int, RUN, "one host: shared-memory slots per data channel (0: every tensor in ZeroMQ frames)",
                      "processes"),

@@ -52,6 +52,7 @@ class Job:
     data_parallel: int = field_of("data_parallel")
     tensor_parallel: int = field_of("tensor_parallel")
     sharding: str = field_of("sharding")
+    shard_size: int | None = field_of("shard_size")
     fsdp_reshard: str = field_of("fsdp_reshard")
     tp_plan: list[dict[str, str]] | None = field_of("tp_plan")
     stages_per_process: int | None = field_of("stages_per_process")
@@ -61,6 +62,7 @@ class Job:
     rejoin_timeout: float = field_of("rejoin_timeout")
     min_nodes: int | None = field_of("min_nodes")
     tcp_security: str = field_of("tcp_security")
+    trusted_network: bool = field_of("trusted_network")
     max_message_mb: int = field_of("max_message_mb")
     shm_slots: int = field_of("shm_slots")
     data_args: dict[str, Any] = field_of("data_args")
@@ -142,14 +144,15 @@ class Job:
             self.schedule, self.microbatches, self.trace,
             NumericsConfig(self.precision, self.clip_grad_norm, self.clip_norm_type, self.check_finite,
                            self.recompute, self.loss_weighting, self.compile_setting()),
-            WireConfig(tcp_security=self.tcp_security, max_message_mb=self.max_message_mb, shm_slots=self.shm_slots),
+            WireConfig(tcp_security=self.tcp_security, max_message_mb=self.max_message_mb, shm_slots=self.shm_slots,
+                       trusted_network=self.trusted_network),
             FaultConfig(heartbeat_timeout=self.heartbeat_timeout, step_timeout=self.step_timeout or None,  # 0: off
                         start_timeout=self.start_timeout, fault_tolerance=self.fault_tolerance),
             PlacementConfig(threads_per_stage=self.threads_per_stage, start_method="forkserver",
                             placement=self.placement, data_parallel=self.data_parallel, tensor_parallel=tp,
                             tp_plan=self.tp_plan if tp > 1 else None,  # --tensor-parallel 1: no plan
                             stages_per_process=self.stages_per_process, sharding=self.sharding,
-                            fsdp_reshard=self.fsdp_reshard),
+                            shard_size=self.shard_size, fsdp_reshard=self.fsdp_reshard),
             auto_memory_limit=self.auto_memory_limit)
 
     def compile_setting(self) -> bool | dict[str, Any]:
