@@ -69,10 +69,12 @@ from pipeq.wire.messages import Message
 __all__ = ["Chunk", "EventLoop"]
 
 _BATCH = (Train, Predict, Drain)
-#: reading a state of replicas that shard their stages is a collective (pipeq.parallel.fsdp): a
-#: process of several stages answers them once every stage has its command, in chunk order, as
-#: every replica of the process does
+#: commands that make collectives: reading a state held in pieces (a sharded or tensor-parallel
+#: stage's, pipeq.stage.state), and making the replicas' groups (PEERS, REJOIN). A process of
+#: several stages answers them once every stage has its command, in chunk order, as every other
+#: process of the mesh does
 _READS = (GetState, GetSnapshot)
+_GROUPS = (Peers, Rejoin)
 EXIT_GRACE_S = 5.0  # how long a process told EXIT for one stage waits for its other stages' EXIT
 
 
@@ -150,7 +152,10 @@ class EventLoop:
     def serve(self) -> None:
         """Carry out the commands until EXIT (see the module)."""
         v = len(self.chunks)
-        together = _BATCH + _READS if v > 1 and self.cfg.mesh is not None and self.cfg.mesh.slice_size > 1 else _BATCH
+        mesh = self.cfg.mesh
+        together = _BATCH
+        if v > 1 and mesh is not None:
+            together += _GROUPS + (_READS if mesh.slice_size > 1 else ())
         batch: dict[int, tuple[Any, Message]] = {}
         exits: set[int] = set()  # the stages told EXIT: the process leaves once all are (the
         deadline = 0.0           # driver's sends to the others must still find them), or 5 s on
@@ -168,7 +173,7 @@ class EventLoop:
             elif isinstance(cmd, together):
                 batch[c] = (cmd, msg)
                 if len(batch) == v:
-                    if isinstance(cmd, _READS):
+                    if isinstance(cmd, _READS + _GROUPS):
                         self.answer_each([batch[k] for k in range(v)])
                     else:
                         self.run_batch([batch[k] for k in range(v)])
