@@ -34,19 +34,21 @@ docs/architecture.md lists every module with its job)::
                                step), state.py; numerics, microbatches, lr, info.py (what a stage
                                says of itself), tied weights: declared (tie_groups.py), their
                                gradients (ties.py); transfer.py (the one ordered sum)
-                   parallel/   data parallelism (replicas, whole or sharded: fsdp.py, torch FSDP2),
-                               tensor parallelism (shards), tied
-                               weights' exchange between stage processes (ties.py)
+                   parallel/   one mesh per stage (mesh.py: replicate x shard x tp, torch process
+                               groups), its layers on a stage's compute (layers.py): replicas'
+                               sums (data.py, membership.py when one is lost), FSDP2 (fsdp.py),
+                               tensor parallelism (tensor.py); tied weights' exchange (ties.py)
                    checkpoint/ global names, snapshots, atomic writes, re-splitting, export
                    models/     ready-made staged models (ResNets with auxiliary heads)
                    split/      pipeq.split: a whole model cut into stages, traced (torch.export and
                                torch.distributed.pipelining's splitter) or by module names; tied weights
                    trace/      format.py: the trace file every stage's timeline is written in
                    balance.py (pipeq.balance: an optimal split of an nn.Sequential),
-                   testing.py (stages of known cost)
+                   testing.py (stages of known cost), compat.py (the one table of what does not
+                   run together, and why)
     transport      wire/       a process's transport (transport.py) and its one receiving loop
                                (inbox.py); each stage's receiving and sending halves (stage_inbox.py,
-                               stage_link.py); links to the driver, replicas, tie peers and shards;
+                               stage_link.py); links to the driver, tie peers and shards;
                                shared memory, lanes, sockets, security
     codec          wire/       codec.py (bytes), messages.py (kinds, Message), control.py (typed
                                command and reply payloads; fields.py: what each field must be),

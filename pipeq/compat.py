@@ -54,9 +54,22 @@ class Refusal:
     whose: str
     applies: Callable[[Run], bool]
     link: str = ""
+    #: the settings a refusal of this run names (its own values: "schedule 'async', data_parallel=2")
+    names: tuple[str, ...] = ()
 
     def message(self, run: Run | None = None) -> str:
-        return f"{self.what}: {self.why}; {self.fix}" + (f" ({self.link})" if self.link else "")
+        said = f" (this run: {', '.join(_value(run, n) for n in self.names)})" if run is not None and self.names else ""
+        return f"{self.what}{said}: {self.why}; {self.fix}" + (f" ({self.link})" if self.link else "")
+
+
+def _value(run: Run, name: str) -> str:
+    """``name`` as this run sets it (the schedule by its name)."""
+    if name == "schedule":
+        return f"schedule {run.schedule.name!r}"
+    for part in ("placement", "numerics", "fault", "wire"):
+        if hasattr(getattr(run.config, part), name):
+            return f"{name}={getattr(getattr(run.config, part), name)!r}"
+    return name
 
 
 def _own_way(run: Run) -> bool:
@@ -67,17 +80,19 @@ def _own_way(run: Run) -> bool:
 REFUSALS: tuple[Refusal, ...] = (
     Refusal("simulated-replicas", "data_parallel > 1 with mode='simulated'",
             "a simulated run computes every stage of one replica in this one process", "use mode='process'",
-            "meaning", lambda r: r.place.mode == "simulated" and r.place.data_parallel > 1),
+            "meaning", lambda r: r.place.mode == "simulated" and r.place.data_parallel > 1, names=("data_parallel",)),
     Refusal("simulated-shards", "tensor_parallel > 1 with mode='simulated'",
             "tensor parallelism splits a stage over processes, and a simulated run has one", "use mode='process'",
-            "meaning", lambda r: r.place.mode == "simulated" and r.place.tensor_parallel > 1),
+            "meaning", lambda r: r.place.mode == "simulated" and r.place.tensor_parallel > 1,
+            names=("tensor_parallel",)),
     Refusal("simulated-faults", "fault_tolerance='replicas' with mode='simulated'",
             "a simulated run has no replicas to lose", "use mode='process'",
             "meaning", lambda r: r.place.mode == "simulated" and r.ft),
     Refusal("ft-one-replica", "fault_tolerance='replicas' with data_parallel=1",
             "the other replicas carry on without a failed one, and there is no other",
             "set data_parallel=2 or more, or leave fault_tolerance unset (pipeq launch --max-restarts restarts a "
-            "run from its checkpoint)", "meaning", lambda r: r.ft and r.place.data_parallel < 2),
+            "run from its checkpoint)", "meaning", lambda r: r.ft and r.place.data_parallel < 2,
+            names=("data_parallel",)),
     Refusal("ft-fsdp", "fault_tolerance='replicas' with sharding='fsdp'",
             "every replica holds the only copy of its pieces of each parameter and optimizer state, so a lost "
             "one cannot be rebuilt from the others",
@@ -87,7 +102,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("ft-stream", "fault_tolerance='replicas' with a schedule that carries work across batches",
             "a lost replica's unfinished microbatches of the next batch could not be told from its finished ones",
             "use a schedule that finishes each batch (e.g. '1f1b')", "meaning",
-            lambda r: r.ft and r.schedule.streams_across_batches),
+            lambda r: r.ft and r.schedule.streams_across_batches, names=("schedule",)),
     Refusal("ft-hosts", "fault_tolerance='replicas' in a multi-host run",
             "a lost replica's processes are started again by the driver, which starts only its own host's",
             "leave it unset across hosts (pipeq launch --max-restarts restarts a run from its checkpoint)",
@@ -99,23 +114,25 @@ REFUSALS: tuple[Refusal, ...] = (
             "says what it covers), or run the replicas on one host", "torch",
             lambda r: r.multi_host and (r.place.data_parallel > 1 or r.place.tensor_parallel > 1)
             and not r.config.wire.trusted_network,
-            "https://pytorch.org/docs/stable/distributed.html#security"),
+            "https://pytorch.org/docs/stable/distributed.html#security", names=("data_parallel", "tensor_parallel")),
     Refusal("replicas-per-microbatch", "data_parallel > 1 with a schedule that updates after every microbatch",
             "the replicas would have to all-reduce every microbatch, which is no step of the whole batch",
             "use a schedule that updates once per batch", "meaning",
-            lambda r: r.place.data_parallel > 1 and r.schedule.per_microbatch_steps),
+            lambda r: r.place.data_parallel > 1 and r.schedule.per_microbatch_steps, names=("schedule",)),
     Refusal("own-way-shards", "tensor_parallel or sharding with a schedule that computes its own way",
             "its executor holds each stage whole and computes its own losses or updates", "use a schedule of "
             "plain backprop (fill-drain, 1f1b, zb-h1, zb-h2, zbv, interleaved-1f1b, dualpipev, v-half, v-min, "
             "your own of F, B, I, W and STEP)", "meaning",
-            lambda r: _own_way(r) and (r.place.tensor_parallel > 1 or r.place.sharding != "none")),
+            lambda r: _own_way(r) and (r.place.tensor_parallel > 1 or r.place.sharding != "none"),
+            names=("schedule", "tensor_parallel", "sharding")),
     Refusal("own-way-numerics", "precision, clip_grad_norm, check_finite or recompute with a schedule that "
             "computes its own way", "its own losses, updates or recomputation decide these",
-            "use them with a schedule of plain backprop", "meaning", lambda r: _own_way(r) and r.numerics),
+            "use them with a schedule of plain backprop", "meaning", lambda r: _own_way(r) and r.numerics,
+            names=("schedule",)),
     Refusal("own-way-ties", "tied weights with a schedule that computes its own way",
             "their gradients are summed over the stages at the one optimizer step of a batch, which such a "
             "schedule does not have", "untie them, or use a schedule of plain backprop", "meaning",
-            lambda r: _own_way(r) and r.ties),
+            lambda r: _own_way(r) and r.ties, names=("schedule",)),
     Refusal("fp16-cpu", "precision='fp16' on the CPU", "this torch has no float16 autocast on the CPU",
             "use precision='bf16' on the CPU", "torch", lambda r: False,
             "https://pytorch.org/docs/stable/amp.html#cpu-ops-that-can-autocast-to-bfloat16"),

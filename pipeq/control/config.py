@@ -481,7 +481,11 @@ class RunConfig:
         given = self.numerics
         nm = numerics_mod.check(given.precision, given.clip_grad_norm, given.clip_norm_type,
                                 given.check_finite, given.recompute, n_stages)
-        compat.check(self, numerics=nm != Numerics())
+        used = [f.name for f in dataclasses.fields(nm) if getattr(nm, f.name) != getattr(Numerics(), f.name)]
+        try:
+            compat.check(self, numerics=bool(used))
+        except ValueError as exc:
+            raise ValueError(f"{', '.join(used)}: {exc}") if used else exc from None
         devices = self.placement.devices
         numerics_mod.check_device(nm, devices or (["cuda"] if torch.cuda.is_available() else ["cpu"]))
         return nm

@@ -94,11 +94,12 @@ class PipelineRunner:
 
     - :class:`~pipeq.NumericsConfig`: precision, clip_grad_norm, clip_norm_type, check_finite, recompute, loss_weighting,
       compile
-    - :class:`~pipeq.WireConfig`: transport, host, tcp_security, max_message_mb, shm_slots, queue_capacity, spin
+    - :class:`~pipeq.WireConfig`: transport, host, tcp_security, max_message_mb, shm_slots, queue_capacity, spin,
+      trusted_network
     - :class:`~pipeq.FaultConfig`: heartbeat_interval, heartbeat_timeout, step_timeout, start_timeout,
       stop_timeout, fault_tolerance
     - :class:`~pipeq.PlacementConfig`: mode, devices, threads_per_stage, start_method, placement,
-      data_parallel, tensor_parallel, tp_plan, stages_per_process, sharding, fsdp_reshard
+      data_parallel, tensor_parallel, tp_plan, stages_per_process, sharding, shard_size, fsdp_reshard
     - :class:`~pipeq.RunConfig`: trace, auto_memory_limit
 
     Threads: one at a time. A call while another thread is inside the runner (a ``step``; a ``stream``

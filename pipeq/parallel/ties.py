@@ -76,6 +76,11 @@ class TieSync:
             self._layouts[peer] = FlatLayout(list(tensors), self.bucket_bytes)
         return self._layouts[peer]
 
+    def exchange(self, n: int, outgoing: Mapping[int, Sequence[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """Exchange number ``n``: send ``outgoing[s]`` to each peer s and return what each sent."""
+        self.send(n, outgoing)
+        return self.receive(n, list(outgoing), outgoing)
+
     def send(self, n: int, outgoing: Mapping[int, Sequence[torch.Tensor]]) -> None:
         """Exchange number ``n``'s sends: ``outgoing[s]`` to each peer s (every peer)."""
         if set(outgoing) != set(self.peers):

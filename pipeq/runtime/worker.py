@@ -223,8 +223,11 @@ def _shard(cfg: WorkerConfig, transport: ProcessTransport, mesh: StageMesh | Non
     assert mesh is not None and mesh.tp_group is not None
     where = f"stage {'+'.join(str(s) for s in cfg.stages)}, shard {cfg.shard}"
     # shard 0 shares the CUDA tensors it receives (CUDA IPC) as host copies, through pinned memory
+    import torch.distributed as dist
+
     link = ShardLink(mesh.tp_group, cfg.shard, cfg.shards, where, max_bytes=MAX_FRAMES * cfg.settings.max_frame_bytes,
-                     host_copies=pinned_copies, wait=lambda done: transport.inbox.until(done, cfg.settings.spin_s))
+                     host_copies=pinned_copies, wait=lambda done: transport.inbox.until(done, cfg.settings.spin_s),
+                     src=dist.get_global_rank(mesh.tp_group, 0))
     return LeadTransport(transport, link) if cfg.shard == 0 else FollowerTransport(transport, link)
 
 

@@ -12,12 +12,12 @@ through the links here, which encode on the way out and decode (and validate) on
     (each stage receives through a stage_inbox.StageInbox and sends through a
      stage_link.StageSender; its control_link.Heartbeat thread has a DEALER of its own)
 
-    stage k, replica r <--replicas (PUSH->PULL, both ways)--> stage k, replica r'
-    (replica_link.ReplicaLink, data parallelism: gradient buckets, replica 0's weights at start)
-
     stage a, replica r <--ties (PUSH->PULL, both ways)--> stage b, replica r
-    (tie_link.TieLink, tied weights: the gradients of the weights both hold a copy of; both
-     links are a group_link.GroupLink: numbered members, a MAC label per directed pair)
+    (tie_link.TieLink, tied weights: the gradients of the weights both hold a copy of; a
+     group_link.GroupLink: numbered members, a MAC label per directed pair)
+
+    (the replicas of a stage sum their gradients with torch's collectives, not on the wire:
+     pipeq.parallel.mesh)
 
     node agent (control_link.DriverLink) --DEALER--> the driver's ROUTER (multi-host runs)
 
@@ -30,8 +30,8 @@ A stage process holds one stage or several (its chunks), and receives through on
                      |
                      v
                    inbox.Inbox: the process's one poller; every socket and lane registers in it
-                     (each chunk's control socket, data sockets and lanes; the replica and tie
-                     links) and every wait goes through it, filing each arrival in its owner's
+                     (each chunk's control socket, data sockets and lanes; the tie links) and
+                     every wait goes through it (a torch collective's too: Inbox.until), filing each arrival in its owner's
                      queues.KeyedQueue (a chunk's control queue for commands)
 
 With tensor parallelism, shard 0's event loop sees its ProcessTransport through a
@@ -47,9 +47,7 @@ Its modules, by job:
     stage_link.py    one stage's sending half (StageSender, Outlet): sends, replies to the driver
     queues.py        KeyedQueue: bounded, keyed, whatever the arrival order
     control_link.py  the control channel: the driver's ROUTER, heartbeats, node agents
-    group_link.py    GroupLink: a channel to a group of peer processes; replica_link.py and
-                     tie_link.py are made of it
-    replica_link.py  data parallelism's channel
+    group_link.py    GroupLink: a channel to a group of peer processes; tie_link.py is made of it
     tie_link.py      tied weights' channel
     shard_link.py    tensor-parallel shards: the lead shares, the followers replay
     shm.py, lanes.py one host's payloads (shared-memory slots) and hops (lanes)

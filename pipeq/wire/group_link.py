@@ -1,12 +1,12 @@
-"""A stage process's authenticated channel to a group of peer processes (its replicas, its tie peers).
+"""A stage process's authenticated channel to a group of peer processes (its tie peers).
 
 ::
 
     member a <--(PUSH->PULL, both ways)--> member b      (every pair of the group)
 
-:class:`GroupLink` is what data parallelism's :class:`~pipeq.wire.replica_link.ReplicaLink` and
-tied weights' :class:`~pipeq.wire.tie_link.TieLink` are made of: whole tensors tagged
-``(step, index)``, sent to some members and filed by sender until :meth:`GroupLink.wait` asks.
+:class:`GroupLink` is what tied weights' :class:`~pipeq.wire.tie_link.TieLink` is made of: whole
+tensors tagged ``(step, index)``, sent to some members and filed by sender until
+:meth:`GroupLink.wait` asks.
 """
 
 from __future__ import annotations
@@ -81,9 +81,6 @@ class GroupLink:
         self.queue: KeyedQueue[Sequence[torch.Tensor]] = KeyedQueue(
             f"{who}: the other {peer}s'", capacity, describe=lambda k: f"({k[1]}, {k[2]}) from {peer} {k[0]}")
         self._bad_origin = 0
-        # member lost (until it is back) -> the first step of its messages dropped (0: all of them)
-        self.gone: dict[int, int] = {}
-        self._stale: dict[int, int] = {}  # member -> its messages of steps up to this one are dropped
         inbox.watch_socket(self.sock, self._take)
 
     @property
@@ -116,8 +113,7 @@ class GroupLink:
     def send(self, step: int, index: int, tensors: Sequence[torch.Tensor], to: Sequence[int] | None = None) -> None:
         """Send ``tensors`` (CPU tensors ZeroMQ may read until it is done with them: never
         modify them after) as ``(step, index)`` to members ``to`` (default: every other one).
-        Does not block (short of ZeroMQ's high-water mark, far above what a step sends). Nothing
-        goes to a member lost for ``step`` (:meth:`forget`)."""
+        Does not block (short of ZeroMQ's high-water mark, far above what a step sends)."""
         frames = codec.encode(self.kind, step, index, tensors)
         for i, f in enumerate(frames[1:]):
             if f.nbytes > self.max_frame_bytes:
@@ -126,8 +122,6 @@ class GroupLink:
                     f"{f.nbytes / 2**20:.1f} MiB, over the {self.max_frame_bytes / 2**20:.0f} MiB "
                     "cap of a data frame")
         for m in self.others() if to is None else to:
-            if step >= self.gone.get(m, step + 1):
-                continue  # lost for this step: nobody would read it (its address may be a rebuilt process's)
             sock = self._out.get(m)
             if sock is None:
                 raise RuntimeError(f"{self.who}: not connected to {self.peer} {m}")
@@ -168,8 +162,6 @@ class GroupLink:
         msg = decode_aligned(body)
         if msg.kind is not self.kind:
             raise ProtocolError(f"{self.who}: {msg.kind.name} on the {self.kind.name} channel")
-        if msg.step >= self.gone.get(sender, msg.step + 1) or msg.step <= self._stale.get(sender, -1):
-            return  # from a member lost meanwhile (or from before it was rebuilt): stale
         self.queue.put((sender, msg.step, msg.microbatch), msg.tensors)
 
     def wait(self, sender: int, step: int, index: int,
@@ -178,43 +170,10 @@ class GroupLink:
         tensors (views over the received frames: this member's to keep, and to write to),
         filing the process's other traffic meanwhile (:meth:`pipeq.wire.inbox.Inbox.wait`).
         An EXIT from the driver interrupts the wait (:class:`~pipeq.wire.errors.Stopped`);
-        ``give_up()`` turning true ends it with an empty list (see :meth:`forget`)."""
+        ``give_up()`` turning true ends it with an empty list."""
         key = (sender, step, index)
         got = self.inbox.wait(lambda: self.queue.pop(key), give_up=give_up)
         return [] if got is None else got
-
-    # -- a member lost and rebuilt ---------------------------------------------------------------
-    def forget(self, member: int, from_step: int = 0) -> None:
-        """``member`` is lost: drop what it sent and will still be found to have sent, for steps
-        from ``from_step`` on (what it sent for earlier steps is still filed and waited for)."""
-        first = self.gone[member] = min(from_step, self.gone.get(member, from_step))
-        self.queue.discard(keep=lambda k: k[0] != member or k[1] < first)
-
-    def stale_until(self, step: int) -> None:
-        """(This member is a rebuilt one, bound where its lost process was.) Every other member's
-        messages of steps up to ``step`` are stale: what they sent its lost process, still in flight
-        to this address, is dropped (that already filed too), never waited for."""
-        for m in self.others():
-            self._stale[m] = step
-        self.queue.discard(keep=lambda k: k[1] > step)
-
-    def rejoin(self, member: int, address: str, after_step: int) -> None:
-        """``member`` is back, rebuilt, at ``address``: a new socket to it (what the old one still
-        held for the lost process is discarded), and its messages of steps up to ``after_step``
-        are stale (its lost process's, still in flight)."""
-        if member not in self.members or member == self.me:
-            raise ValueError(f"{self.who}: {member} is not another {self.peer} of the group")
-        old = self._out.pop(member, None)
-        if old is not None:
-            old.close(linger=0)
-        self.forget(member)
-        self._stale[member] = after_step
-        self.gone.pop(member, None)
-        self._out[member] = data_outlet(self.inbox.ctx, self.auth, address)
-        if member in self._mac_out:  # the rebuilt process counts its sequence numbers from 1 again
-            auth = self.auth
-            self._mac_out[member] = FrameMac(auth, self._label(self.me, member))  # type: ignore[arg-type]
-            self._mac_in[member] = FrameMac(auth, self._label(member, self.me))  # type: ignore[arg-type]
 
     def close(self, linger_ms: int = 0) -> None:
         self.inbox.unwatch(self.sock)

@@ -84,12 +84,15 @@ class ShardLink:
     copies the CUDA tensors of a message it shares to the host (see :func:`host_tensors`)."""
 
     def __init__(self, group: Any, shard: int, shards: int, where: str, max_bytes: int,
-                 host_copies: HostCopies | None = None, wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
-        """``wait(done)``: how a follower waits for a broadcast (its process's inbox; None: blocking)."""
+                 host_copies: HostCopies | None = None, wait: Callable[[Callable[[], bool]], None] | None = None,
+                 src: int = 0) -> None:
+        """``wait(done)``: how a follower waits for a broadcast (its process's inbox; None: blocking);
+        ``src``: shard 0's rank in the process's default group (its mesh's slice)."""
         import torch.distributed as dist
 
         self._dist = dist
         self.wait = wait
+        self.src = src
         self.group = group
         self.shard = shard
         self.shards = shards
@@ -117,17 +120,15 @@ class ShardLink:
         for off, v in zip(offsets, views):
             raw[off:off + v.nbytes] = v
         self._head[0], self._head[1], self._head[2] = len(views), end, chunk
-        src = self._dist.get_global_rank(self.group, 0)
-        self._dist.broadcast(self._head, src, group=self.group)
-        self._dist.broadcast(buf, src, group=self.group)
+        self._dist.broadcast(self._head, self.src, group=self.group)
+        self._dist.broadcast(buf, self.src, group=self.group)
 
     def _broadcast_in(self, t: torch.Tensor) -> None:
         """Receive shard 0's broadcast into ``t``, waiting through :attr:`wait`."""
-        src = self._dist.get_global_rank(self.group, 0)
         if self.wait is None:
-            self._dist.broadcast(t, src, group=self.group)
+            self._dist.broadcast(t, self.src, group=self.group)
             return
-        work = self._dist.broadcast(t, src, group=self.group, async_op=True)
+        work = self._dist.broadcast(t, self.src, group=self.group, async_op=True)
         self.wait(work.is_completed)
         work.wait()
 

@@ -64,7 +64,7 @@ class StageSender:
         self.max_frame_bytes = receiver.max_frame_bytes
         self._seals = seals_data(receiver.auth, receiver.tcp)
         #: the previous stage's process is dead and this one only finishes its gradient round (a lost
-        #: replica's stage, :mod:`pipeq.wire.replica_link`): what it would send there is dropped
+        #: replica's stage, :mod:`pipeq.parallel.membership`): what it would send there is dropped
         self.backward_gone = False
         self.forward: Outlet | None = None
         self.backward: Outlet | None = None

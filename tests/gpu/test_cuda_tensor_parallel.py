@@ -1,6 +1,6 @@
 """Tensor parallelism over NCCL: ``tensor_parallel=2`` on CUDA (needs 2 GPUs or more).
 
-A CUDA stage's shards join a "cpu:gloo,cuda:nccl" process group (pipeq.parallel.tensor.join):
+A CUDA stage's shards join a "cpu:gloo,cuda:nccl" process group (pipeq.parallel.mesh.StageMesh):
 DTensor's collectives (the weights' scatter at start-up, the rowwise all-reduces) run over
 NCCL, which refuses two shards of one group on the same GPU. The Linear layers are
 ShardedLinear probes: a forward fails unless its weight really is split. Training must equal

@@ -175,7 +175,7 @@ def worker_config(k: int, n: int, schedule: Any, trace: bool) -> WorkerConfig:
     return WorkerConfig(chunks=(ChunkConfig(stage=k, process=k, seed=0, tp_plan=None),), index=k, n_stages=n,
                         schedule=setup.config.schedule, settings=setup.stage_settings(), control_addr=Wire.address,
                         bind=None, device="cpu", cores=[], threads=1, replica=0, replicas=1, shard=0, shards=1,
-                        tp_store=None, replica_store=None, auth=None, driver_pid=0, die_with_parent=False, store=None,
+                        mesh=None, auth=None, driver_pid=0, die_with_parent=False, store=None,
                         fault=None)
 
 

@@ -31,7 +31,7 @@ LAYERS: dict[str, list[str]] = {
                       "trace.critical"],
     "event loop": ["runtime."],
     "compute": ["schedules.", "stage.", "research.", "parallel.", "checkpoint.", "models.", "trace.__init__",
-                "trace.format", "balance", "testing", "split."],
+                "trace.format", "balance", "testing", "split.", "compat"],
     "transport": ["wire."],
     "codec": ["wire.codec", "wire.messages", "wire.fields", "wire.keys", "wire.netif", "wire.control", "errors", "tree", "lazy"],
 }
@@ -226,18 +226,50 @@ def test_only_research_names_the_research_schedules():
     assert {m: n for m, n in named.items() if n} == {}
 
 
+@functools.lru_cache(maxsize=None)
+def code_lines(module: str) -> frozenset[int]:
+    """The lines of ``module`` that hold code: not blank, not only a comment, not part of a
+    docstring (a module's, class's or function's first statement when it is a string)."""
+    import io
+    import tokenize
+
+    docs: set[int] = set()
+    for node in ast.walk(tree_of(module)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines: set[int] = set()
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER,
+            tokenize.ENCODING}
+    for tok in tokenize.generate_tokens(io.StringIO(source_of(module)).readline):
+        if tok.type not in skip:
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    return frozenset(lines - docs)
+
+
+def logical_size(module: str, node: ast.AST | None = None) -> int:
+    """How many lines of code ``node`` (default: the whole module) spans: docstrings, comments
+    and blank lines do not count (what a reader has to read as code)."""
+    lines = code_lines(module)
+    if node is None:
+        return len(lines)
+    return sum(1 for n in range(node.lineno, node.end_lineno + 1) if n in lines)  # type: ignore[attr-defined]
+
+
 def test_nothing_outgrows_its_job():
+    """The size rule counts logical lines (:func:`logical_size`): a module's, a class's or a
+    function's docstring says what it is for, and never counts against it."""
     long = []
     for m in modules():
-        src = source_of(m)
-        if len(src.splitlines()) > MAX_MODULE:
-            long.append(f"{m}: {len(src.splitlines())} lines")
+        if logical_size(m) > MAX_MODULE:
+            long.append(f"{m}: {logical_size(m)} lines")
         for node in ast.walk(tree_of(m)):
-            size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
-            if isinstance(node, ast.ClassDef) and size > MAX_CLASS:
-                long.append(f"{m}:{node.name}: class of {size} lines")
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > MAX_FUNCTION:
-                long.append(f"{m}:{node.name}: function of {size} lines")
+            if isinstance(node, ast.ClassDef) and logical_size(m, node) > MAX_CLASS:
+                long.append(f"{m}:{node.name}: class of {logical_size(m, node)} lines")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and logical_size(m, node) > MAX_FUNCTION:
+                long.append(f"{m}:{node.name}: function of {logical_size(m, node)} lines")
     assert [x for x in long if x.split(":")[0] + ":" + x.split(":")[1].split(" ")[0] not in ALLOWED_LONG
             and x.split(":")[0] not in ALLOWED_LONG] == []
 

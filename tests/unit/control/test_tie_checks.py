@@ -58,13 +58,13 @@ def test_a_buffer_and_two_tensors_of_one_stage_cannot_be_tied():
 
 @pytest.mark.parametrize("schedule", ["async", "local"])
 def test_ties_train_with_plain_backprop_only(schedule):
-    with pytest.raises(ValueError, match=f"not with schedule '{schedule}'"):
+    with pytest.raises(ValueError, match=f"schedule '{schedule}' computes its own way: tied weights with"):
         runner(lm_stages(), ties=[TIE], schedule=schedule)
 
 
-def test_ties_with_tensor_parallelism_or_a_recipe_are_refused():
-    with pytest.raises(ValueError, match=r"tensor parallelism \(tensor_parallel > 1\)"):
-        runner(lm_stages(), ties=[TIE], tensor_parallel=2, mode="process")
+def test_ties_compose_with_tensor_parallelism_and_sharding_but_a_recipe_declares_its_own():
+    runner(lm_stages(), ties=[TIE], tensor_parallel=2, tp_plan=[{}, {}, {}], mode="process")  # built, no process
+    runner(lm_stages(), ties=[TIE], data_parallel=2, sharding="fsdp", mode="process")
 
     class Recipe(pipeq.stage.spec.StageBuilder):
         pass
@@ -73,7 +73,7 @@ def test_ties_with_tensor_parallelism_or_a_recipe_are_refused():
         pipeq.PipelineRunner(Recipe(), None, None, ties=[TIE])
     # a stage process building a tied stage refuses a schedule that cannot sum it
     stage = set_info(nn.Linear(2, 2), ties=[Tie("weight", "0.weight", (0, 1))])
-    with pytest.raises(ValueError, match="stage 0 holds tied weights \\(0.weight\\).*not with schedule 'async'"):
+    with pytest.raises(ValueError, match="stage 0 holds tied weights \\(0.weight\\), and schedule 'async' computes"):
         make_executor("async", 0, 2, StageSpec(stage, SGD), torch.device("cpu"))
 
 
@@ -131,4 +131,5 @@ def test_the_runner_and_a_stage_process_refuse_by_one_rule():
     with pytest.raises(ValueError) as in_process:
         make_executor("async", 0, 3, StageSpec(stage, SGD), torch.device("cpu"))
     assert str(up_front.value) == str(in_process.value)
-    assert str(up_front.value).startswith("stage 0 holds tied weights (0.weight), which train with plain backprop's")
+    assert str(up_front.value).startswith("stage 0 holds tied weights (0.weight), and schedule 'async' computes its "
+                                          "own way")

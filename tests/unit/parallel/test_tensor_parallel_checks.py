@@ -111,11 +111,16 @@ def test_pipeline_error_has_no_shard_without_tensor_parallelism():
 
 # -- 7. the shards' own sockets: loopback only, and a stranger's bytes change nothing ------------------
 def test_the_shards_group_listens_on_loopback_whatever_the_environment(monkeypatch, tmp_path):
-    """gloo, which DTensor computes with, has no authentication: a shard's sockets listen on
+    """gloo, which DTensor computes with, has no authentication: a stage's mesh listens on
     loopback only, even when the user's environment names another interface for gloo (here:
-    a one-shard group in this process, whose new listening sockets are looked at)."""
+    a one-process group in this process, made as a stage's mesh makes its groups, whose new
+    listening sockets are looked at)."""
+    import datetime
+
+    import torch.distributed as dist
+
     from attacker import listening_addresses
-    from pipeq.parallel import tensor as tensorpar
+    from pipeq.parallel import mesh
 
     from pipeq.wire.netif import interface_address
 
@@ -129,9 +134,9 @@ def test_the_shards_group_listens_on_loopback_whatever_the_environment(monkeypat
     ifaces = [name for _, name in socket.if_nameindex() if routable(name)]
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", ifaces[0] if ifaces else "lo")
     before = set(listening_addresses([os.getpid()]))
-    tensorpar.join(str(tmp_path / "store"), 0, 1, torch.device("cpu"))
-    try:
-        new = set(listening_addresses([os.getpid()])) - before
-    finally:
-        tensorpar.leave()
+    plan = mesh.MeshPlan(1, 1, 1, 0, 0, "p0", ("file", str(tmp_path / "store")))
+    mesh._bind_gloo(plan, torch.device("cpu"))
+    group = dist.ProcessGroupGloo(mesh.open_store(plan.store), 0, 1, datetime.timedelta(seconds=30))
+    new = set(listening_addresses([os.getpid()])) - before
+    del group
     assert new and {addr for addr, _ in new} == {"127.0.0.1"}, new

@@ -7,22 +7,36 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 from pipeq.parallel.ties import TieSync
+from pipeq.stage.info import Tie, set_info
+from pipeq.stage.ties import TiedGrads
 from pipeq.wire.keys import JobSecret
 from pipeq.wire.security import FrameMac, WireAuth
 from pipeq.wire.sockets import BindTo, make_ipc_dir, remove_ipc_dir
 from one_stage import OneStage
 
 
+def _tied(k):
+    """Stage k's module holding two tied tensors (a big one and a small one), tied with stage 2 - k."""
+    module = nn.Module()
+    module.big = nn.Parameter(torch.zeros(40, 30))
+    module.small = nn.Parameter(torch.zeros(7, dtype=torch.float64))
+    set_info(module, ties=(Tie("big", "big", (0, 2)), Tie("small", "small", (0, 2))))
+    return TiedGrads.of(module, k)
+
+
 def _pair(bind, auth=None, max_frame_bytes=256 << 20):
-    """Stages 0 and 2 of one replica, holding two tied tensors (a big one and a small one)."""
-    params = [torch.zeros(40, 30), torch.zeros(7, dtype=torch.float64)]
+    """Stages 0 and 2 of one replica, joined (each learns which pieces the other holds: both whole)."""
     stages = {k: OneStage(k, "inproc://unused", bind=bind, queue_capacity=4, auth=auth,
-                                max_frame_bytes=max_frame_bytes) for k in (0, 2)}
-    syncs = {k: TieSync(t.rx, bind, stage=k, replica=0, peers={2 - k: params}) for k, t in stages.items()}
-    for s in syncs.values():
-        s.join([syncs[0].address, None, syncs[2].address])
+                          max_frame_bytes=max_frame_bytes) for k in (0, 2)}
+    syncs = {k: TieSync(t.rx, bind, stage=k, replica=0, tied=_tied(k), peers=[2 - k]) for k, t in stages.items()}
+    joiner = threading.Thread(target=syncs[2].join, args=([syncs[0].address, None, syncs[2].address],))
+    joiner.start()
+    syncs[0].join([syncs[0].address, None, syncs[2].address])
+    joiner.join(10)
+    assert syncs[0].tied.theirs[2] == syncs[2].tied.pieces() and not syncs[0].tied.redistributed()
     return stages, syncs
 
 
@@ -48,10 +62,10 @@ def test_tied_gradients_cross_in_buckets_and_come_back_as_fresh_tensors():
     where = make_ipc_dir()
     stages, syncs = _pair(BindTo.ipc(where), max_frame_bytes=1024)  # 4800-byte tensor: five buckets
     try:
-        assert len(syncs[0].layouts[2]) > 2
         grads = {k: [torch.randn(40, 30), torch.randn(7, dtype=torch.float64)] for k in (0, 2)}
         for n in (1, 2):  # two exchanges, tagged apart
             got = _exchange_both(syncs, n, grads)
+            assert len(syncs[0]._layout(2, grads[0])) > 2
             for k in (0, 2):
                 assert all(torch.equal(a, b) for a, b in zip(got[k][2 - k], grads[2 - k]))
                 assert all(a.data_ptr() != b.data_ptr() for a, b in zip(got[k][2 - k], grads[2 - k]))
@@ -66,8 +80,8 @@ def test_tied_gradients_cross_in_buckets_and_come_back_as_fresh_tensors():
 
 @pytest.mark.timeout(30)
 def test_a_message_sealed_for_another_link_is_dropped():
-    """tcp "authenticate": a tie message sealed for replica 1's link 2 -> 0, or for the
-    replicas' channel, does not open on replica 0's; the genuine one does."""
+    """tcp "authenticate": a tie message sealed for replica 1's link 2 -> 0, for shard 1's, or for
+    the other direction, does not open on replica 0's; the genuine one does."""
     auth = WireAuth(JobSecret.generate(), "authenticate")
     stages, syncs = _pair(BindTo.tcp("127.0.0.1"), auth)
     try:
@@ -77,7 +91,7 @@ def test_a_message_sealed_for_another_link_is_dropped():
 
         frames = codec.encode(Kind.TIE, 1, 0, [torch.ones(3)])
         out = link2._out[0]
-        for label in ("T1:2>0", "R0:2>0", "T0:0>2"):
+        for label in ("T1.0:2>0", "T0.1:2>0", "T0.0:0>2"):
             out.send_multipart([b"\0\0\0\2", *FrameMac(auth, label).seal(frames)])
         link2.send(1, 0, [torch.full((3,), 2.0)], to=[0])
         assert torch.equal(link0.wait(2, 1, 0)[0], torch.full((3,), 2.0))

@@ -124,13 +124,16 @@ def test_the_interpreter_traces_I_and_W_rows_and_counts_the_backwards_at_W():
     started = []
 
     class Sync:  # data parallelism's all-reduce: it must start after the step's last W
+        def arm(self):
+            pass
+
         def start(self):
             started.append([a for a in ex.backprop.pending])
 
         def finish(self):
             pass
 
-    ex.grad_sync = Sync()
+    ex.stepper.parallel = Sync()
     ex.begin(0, [2, 2], True, x=torch.randn(4, 3), target=torch.randn(4, 2), weights=[0.5, 0.5])
     rows: list = []
     for _ in execute([ex], build("zb-h1", 1, 2)[0], [rows]):

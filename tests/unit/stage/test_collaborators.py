@@ -65,27 +65,38 @@ def test_begin_clears_every_gradient_and_the_replicas_sync_starts_after_the_last
     module, stepper = _two_paths(None)
     calls = []
 
-    class Sync:
+    class Sync:  # the stage's parallel layers, as the stepper sees them
+        def arm(self):
+            calls.append("arm")
+
         def start(self):
             calls.append("start")
 
         def finish(self):
             calls.append("finish")
 
-    stepper.grad_sync = Sync()
+        def weighted(self, grads):
+            return None
+
+        def combine(self, mine, norm_type):
+            return mine
+
+    stepper.parallel = Sync()
     _grads(module)
     stepper.begin(True, 2)
     assert all(p.grad is None for p in module.parameters())
+    stepper.before_backward()
     stepper.backward_done()
     assert calls == []
+    stepper.before_backward()  # the last backward: its buckets are armed
     stepper.backward_done()
     stepper.sync_replicas()
     stepper.stats()  # synced already: not again
-    assert calls == ["start", "finish"]
+    assert calls == ["arm", "start", "finish"]
     stepper.begin(False, 1)  # an evaluation step clears nothing, but counts afresh
     stepper.backward_done()
     stepper.sync_replicas()
-    assert calls == ["start", "finish", "start", "finish"]
+    assert calls == ["arm", "start", "finish", "start", "finish"]
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # as a torch loop's skip does

@@ -38,8 +38,7 @@ def test_the_setting_is_checked_once_and_names_what_is_wrong():
         options({"backend": lambda gm, ex: gm})
     with pytest.raises(ValueError, match="compile must be True, False or a dict"):
         pipeq.PipelineRunner([nn.Linear(2, 2)], nn.MSELoss(), torch.optim.SGD, mode="simulated", compile="yes")
-    with pytest.raises(ValueError, match="compile: not with tensor_parallel"):
-        RunConfig.from_kwargs(compile=True, tensor_parallel=2)
+    RunConfig.from_kwargs(compile=True, tensor_parallel=2, data_parallel=2, sharding="fsdp")  # they compose
 
 
 def _graph_breaks(stage: nn.Module, x: torch.Tensor, whole: bool) -> int:

@@ -319,15 +319,15 @@ def test_the_ipc_directory_must_be_private(tmp_path):
         check_private_dir(str(link))
 
 
-# -- the replicas' channel (data parallelism) ------------------------------------------------------
-def _replica_pair(bind, auth=None, server_addr="inproc://unused"):
-    """Stage 1's processes of replicas 0 and 1 (processes 1 and 3 of a 2-stage run), linked."""
-    from pipeq.wire.replica_link import ReplicaLink
+# -- a group link (tied weights' channel) ------------------------------------------------------------
+def _tie_pair(bind, auth=None, server_addr="inproc://unused"):
+    """Stages 0 and 2 of replica 0 (processes 0 and 2), linked as tie peers (a GroupLink)."""
+    from pipeq.wire.tie_link import TieLink
 
-    stages = [OneStage(r * 2 + 1, server_addr, bind=bind, queue_capacity=4, auth=auth) for r in (0, 1)]
-    links = [ReplicaLink(t.rx, t.tx, bind, stage=1, replica=r, replicas=2, capacity=8) for r, t in enumerate(stages)]
+    stages = [OneStage(k, server_addr, bind=bind, queue_capacity=4, auth=auth) for k in (0, 2)]
+    links = [TieLink(t.rx, bind, stage=k, replica=0, peers=[2 - k], capacity=8) for k, t in zip((0, 2), stages)]
     for link in links:
-        link.connect([links[0].address, links[1].address])
+        link.connect([links[0].address, None, links[1].address])
     return stages, links
 
 
@@ -339,12 +339,12 @@ def _close(stages, links):
 
 
 @pytest.mark.timeout(30)
-def test_replica_link_exchanges_tagged_tensors_and_an_exit_interrupts_a_wait():
+def test_a_group_link_exchanges_tagged_tensors_and_an_exit_interrupts_a_wait():
     from pipeq.wire.errors import Stopped
 
     where = make_ipc_dir()
     server = ControlServer(BindTo.ipc(where))
-    stages, links = _replica_pair(BindTo.ipc(where), server_addr=server.address)
+    stages, links = _tie_pair(BindTo.ipc(where), server_addr=server.address)
     try:
         a, b = links
         assert a.address.startswith("ipc://") and a.address != b.address
@@ -354,13 +354,13 @@ def test_replica_link_exchanges_tagged_tensors_and_an_exit_interrupts_a_wait():
         got = b.wait(0, 2, 0)  # out of order: filed under (sender, step, index)
         assert torch.equal(got[0], torch.ones(3)) and torch.equal(got[1], torch.zeros(2, dtype=torch.int64))
         assert torch.equal(b.wait(0, 2, 1)[0], torch.arange(5.0))
-        got = a.wait(1, 2, 0)[0]
-        got.add_(1)  # the receiver's own buffer, writable (the gradient sum goes there)
+        got = a.wait(2, 2, 0)[0]
+        got.add_(1)  # the receiver's own buffer, writable (the tied sum goes there)
         assert torch.equal(got, torch.full((3,), 5.0))
         # nothing comes for (3, 0): the driver's EXIT ends the wait, other commands queue up
         stages[1].send_control(Message(Kind.READY))  # connect the stage's control socket
         wait_for(lambda: server.recv(100))
-        server.send_many([(3, Message(Kind.STOP, -1)), (3, Message(Kind.EXIT, -1))])
+        server.send_many([(2, Message(Kind.STOP, -1)), (2, Message(Kind.EXIT, -1))])
         t0 = time.monotonic()
         with pytest.raises(Stopped):
             b.wait(0, 3, 0)
@@ -373,17 +373,17 @@ def test_replica_link_exchanges_tagged_tensors_and_an_exit_interrupts_a_wait():
 
 
 @pytest.mark.timeout(30)
-def test_replica_link_refuses_duplicates_and_a_full_inbox():
+def test_a_group_link_refuses_duplicates_and_a_full_inbox():
     where = make_ipc_dir()
-    stages, links = _replica_pair(BindTo.ipc(where))
+    stages, links = _tie_pair(BindTo.ipc(where))
     try:
         a, b = links
         b.capacity = 2
         a.send(1, 0, [torch.ones(1)])
         a.send(1, 0, [torch.ones(1)])
-        with pytest.raises(ProtocolError, match="duplicate message \\(1, 0\\) from replica 0"):
+        with pytest.raises(ProtocolError, match="duplicate message \\(1, 0\\) from stage 0"):
             b.wait(0, 1, 1)
-        stages2, links2 = _replica_pair(BindTo.ipc(where))
+        stages2, links2 = _tie_pair(BindTo.ipc(where))
         try:
             links2[1].capacity = 2
             for i in range(3):
@@ -399,22 +399,22 @@ def test_replica_link_refuses_duplicates_and_a_full_inbox():
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("mode", ["encrypt", "authenticate"])
-def test_nobody_without_the_keys_joins_the_replicas_channel(mode):
+def test_nobody_without_the_keys_joins_a_group_link(mode):
     """A plain socket, keys from another secret, and (authenticate mode) a sniffer that knows the
     PLAIN password but not the MAC key: refused at the handshake, or dropped; a message sealed for
-    another link (replayed to the wrong replica) is dropped too. The replicas' own traffic flows."""
+    another link (replayed to the wrong stage) is dropped too. The peers' own traffic flows."""
     from pipeq.wire.codec import encode
     from pipeq.wire.security import secure_client
 
     auth = WireAuth(AUTH.secret, mode)
     other = WireAuth(JobSecret.generate(), mode)
-    stages, links = _replica_pair(BindTo.tcp("127.0.0.1"), auth)
+    stages, links = _tie_pair(BindTo.tcp("127.0.0.1"), auth)
     ctx = zmq.Context()
     socks = []
     try:
         a, b = links
         assert b.address.startswith("tcp://")
-        forged = [b"\0\0\0\0", *[bytes(memoryview(f)) for f in encode(Kind.REPLICA, 1, 0, [torch.full((4,), 1e6)])]]
+        forged = [b"\0\0\0\0", *[bytes(memoryview(f)) for f in encode(Kind.TIE, 1, 0, [torch.full((4,), 1e6)])]]
         for keys in (None, other, auth if mode == "authenticate" else None):
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
@@ -422,9 +422,7 @@ def test_nobody_without_the_keys_joins_the_replicas_channel(mode):
                 secure_client(s, keys, b.address, data=True)
             s.connect(b.address)
             socks.append(s)
-        # a genuine message from replica 0 to replica 1, captured, and a copy of it resealed for
-        # the link 1 -> 0 (what a replay to the other end would carry)
-        a.send(1, 0, [torch.ones(4)])
+        a.send(1, 0, [torch.ones(4)], to=[2])
         assert torch.equal(b.wait(0, 1, 0)[0], torch.ones(4))
         for s in socks:
             for frames in (forged, [forged[0], b"\0" * 40, *forged[1:]], [b"junk"], [b"\0\0\0\7", *forged[1:]]):
@@ -435,10 +433,10 @@ def test_nobody_without_the_keys_joins_the_replicas_channel(mode):
         if mode == "authenticate":
             from pipeq.wire.security import FrameMac as _FrameMac
 
-            wrong_link = _FrameMac(auth, "R1:1>0")  # sealed (validly) for the other direction
+            wrong_link = _FrameMac(auth, "T0.0:2>0")  # sealed (validly) for the other direction
             socks[2].send_multipart([b"\0\0\0\0", *wrong_link.seal(forged[1:])])
         time.sleep(0.5)
-        a.send(1, 1, [torch.full((4,), 2.0)])  # the next genuine one
+        a.send(1, 1, [torch.full((4,), 2.0)], to=[2])  # the next genuine one
         assert torch.equal(b.wait(0, 1, 1)[0], torch.full((4,), 2.0))
         assert len(b.queue) == 0  # nothing forged was filed
         if mode == "authenticate":
@@ -453,70 +451,37 @@ def test_nobody_without_the_keys_joins_the_replicas_channel(mode):
 
 
 @pytest.mark.timeout(30)
-def test_a_lost_replica_is_waited_for_before_its_first_missed_round_and_acked_past_it():
-    """LOST(from_round=3): replica 1 of stage 1 still waits for replica 0's buckets of round 2
-    (they come later), gives up on round 3 at once (what comes of it is dropped), and ACKs the
-    LOST once round 2 is summed. With stage 1 among ``dead``: round 2 is what came, nothing more."""
-    from pipeq.wire import control
-
-    where = make_ipc_dir()
-    server = ControlServer(BindTo.ipc(where))
-    stages, links = _replica_pair(BindTo.ipc(where), server_addr=server.address)
-    try:
-        a, b = links
-        stages[1].send_control(Message(Kind.READY))  # connect the stage's control socket
-        wait_for(lambda: server.recv(100))
-        b.round_done(1)
-        b.lose(control.Lost(replica=0, from_round=3), -7)
-        assert server.recv(200) is None  # round 2 is not summed yet: no ACK
-        a.send(3, 0, [torch.ones(1)])
-        a.send(2, 0, [torch.full((1,), 2.0)])
-        assert torch.equal(b.wait_replica(0, 2, 0)[0], torch.full((1,), 2.0))
-        assert b.wait_replica(0, 3, 0) is None and not b.skips(0, 2) and b.skips(0, 3)
-        b.round_done(2)
-        peer, ack = server.recv(2000)
-        assert (peer.index, ack.kind, ack.step) == (3, Kind.ACK, -7)
-        b.lose(control.Lost(replica=0, from_round=3, dead=[1]), -8)  # its stage 1 died: ACKed at once
-        assert server.recv(2000)[1].step == -8
-        a.send(2, 1, [torch.full((1,), 3.0)])
-        wait_for(lambda: True if b.drain() or (0, 2, 1) in b.queue else None)  # (arrived before it died)
-        assert torch.equal(b.wait_replica(0, 2, 1)[0], torch.full((1,), 3.0))  # sent before it died
-        assert b.wait_replica(0, 2, 2) is None  # never sent
-    finally:
-        _close(stages, links)
-        server.close()
-        remove_ipc_dir(where)
-
-
-@pytest.mark.timeout(30)
 @pytest.mark.parametrize("dead,gives_up", [([2], True), ([0], False)])
 def test_a_lost_replicas_own_stage_reads_its_lost_in_a_wait(dead, gives_up):
-    """Replica 1 is lost (LOST naming it, from round 3) while its stage 1, alive, has not sent its
-    buckets of round 2 and waits (for anything): the LOST is read there, once. With a dead stage
-    downstream (stage 2) the wait ends (Stopped: the round is given up); with only the previous
-    stage dead (stage 0) it goes on (the round can still be finished), and its sends to that stage
-    are dropped from then on: a send never waits for room there. (Reading the LOST from within
-    that wait once recursed until Python's limit.)"""
+    """Replica 1 is lost (LOST naming it, from round 3) while its stage 1, alive, has not issued
+    its sum of round 2 and waits (for anything): the LOST is read there, once
+    (:mod:`pipeq.parallel.membership`). With a dead stage downstream (stage 2) the wait ends
+    (Stopped: the round is given up); with only the previous stage dead (stage 0) it goes on (the
+    round can still be finished), and its sends to that stage are dropped from then on: a send
+    never waits for room there."""
+    from pipeq.parallel.membership import Membership
     from pipeq.wire import control
     from pipeq.wire.errors import Stopped
 
     where = make_ipc_dir()
     server = ControlServer(BindTo.ipc(where))
-    stages, links = _replica_pair(BindTo.ipc(where), server_addr=server.address)
+    stage = OneStage(3, server.address, bind=BindTo.ipc(where), queue_capacity=4)
     try:
-        b = links[1]
-        stages[1].send_control(Message(Kind.READY))  # connect the stage's control socket
+        rounds = Membership(None, stage.rx.control_queue, stage.tx.send_control, stage.tx, stage=1, replica=1,
+                            replicas=2)
+        stage.rx.inbox.on_check(rounds.check_parting)
+        stage.send_control(Message(Kind.READY))  # connect the stage's control socket
         wait_for(lambda: server.recv(100))
         server.send_many([(3, control.message(control.Lost(replica=1, from_round=3, dead=dead), -9))])
-        wait_for(lambda: stages[1].pump(50) or None if not stages[1].control_queue else True)
+        wait_for(lambda: stage.pump(50) or None if not stage.control_queue else True)
         if gives_up:
             with pytest.raises(Stopped, match="gives gradient round 2 up"):
-                stages[1].inbox.check_exit()
+                stage.inbox.check_exit()
         else:
-            stages[1].inbox.check_exit()
-            assert b.parting is not None and stages[1].tx.backward_gone
-        assert not stages[1].control_queue  # taken, once
+            stage.inbox.check_exit()
+            assert rounds.parting is not None and stage.tx.backward_gone
+        assert not stage.control_queue  # taken, once
     finally:
-        _close(stages, links)
+        stage.close()
         server.close()
         remove_ipc_dir(where)
