@@ -133,6 +133,13 @@ REFUSALS: tuple[Refusal, ...] = (
             "their gradients are summed over the stages at the one optimizer step of a batch, which such a "
             "schedule does not have", "untie them, or use a schedule of plain backprop", "meaning",
             lambda r: _own_way(r) and r.ties, names=("schedule",)),
+    Refusal("tp-compile-dynamic", "compile with dynamic=True and tensor_parallel > 1",
+            "torch compiles DTensor-sharded modules with dynamic shapes only in part: their backward fails to "
+            "trace (pipeq compiles a tensor-parallel stage with static shapes instead, a graph per length, unless "
+            "dynamic is given)", "leave dynamic unset (or False) with tensor parallelism", "torch",
+            lambda r: r.place.tensor_parallel > 1 and isinstance(r.config.numerics.compile, dict)
+            and r.config.numerics.compile.get("dynamic") is True,
+            "https://github.com/pytorch/pytorch/issues/174732", names=("tensor_parallel",)),
     Refusal("fp16-cpu", "precision='fp16' on the CPU", "this torch has no float16 autocast on the CPU",
             "use precision='bf16' on the CPU", "torch", lambda r: False,
             "https://pytorch.org/docs/stable/amp.html#cpu-ops-that-can-autocast-to-bfloat16"),

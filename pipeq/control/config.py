@@ -253,8 +253,8 @@ class PlacementConfig:
             (``stage.get_submodule(name)``; ``""`` is the stage itself) to ``"colwise"`` or
             ``"rowwise"`` (torch's ``ColwiseParallel`` / ``RowwiseParallel``, or such objects),
             ``{}`` for a stage left whole, or a callable ``(stage_module, mesh) -> module``. A
-            "colwise" entry with no "rowwise" after it gathers its output: a stage always hands
-            on whole tensors, from its shard 0, once.
+            "colwise" entry hands its shard to the "rowwise" entry directly after it, else gathers
+            its output: a stage always hands on whole tensors, from its shard 0, once.
         stages_per_process: v model stages per process (virtual stages, :mod:`pipeq.schedules.placement`):
             the N = S/v processes hold the S stages given, looped (interleaved-1f1b, looped-bfs: any
             v >= 2) or in a V (zbv, dualpipev: 2, implied by the schedule). Stages of one process

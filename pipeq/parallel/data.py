@@ -32,7 +32,7 @@ from pipeq.stage.memory import local
 from pipeq.stage.transfer import pinned_copies
 
 __all__ = ["BUCKET_BYTES", "FlatLayout", "to_host", "survivor_scale", "GradSync", "broadcast_weights", "Replicas",
-           "rejoin_tag"]
+           "rejoin_tag", "laid_out"]
 
 BUCKET_BYTES = 25 << 20
 
@@ -137,6 +137,16 @@ def survivor_scale(shares: Sequence[float] | None, summed: Sequence[int], replic
 
 
 
+def laid_out(p: torch.Tensor) -> None:
+    """``p``'s gradient laid out as ``p`` is (tensor parallelism): DTensor's backward may leave one
+    otherwise (an embedding split by rows gets a replicated gradient), and what follows (the
+    replicas' sums, tied weights, norms, the optimizer) works on each process's piece of ``p``."""
+    g = p.grad
+    if g is not None and hasattr(p, "placements") and hasattr(g, "placements") and \
+            tuple(g.placements) != tuple(p.placements):
+        p.grad = g.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
+
+
 class _Grads:
     """``params[i]``'s gradient piece, as :meth:`FlatLayout.gather` reads ``tensors[i]``."""
 
@@ -170,7 +180,9 @@ class GradSync:
         self._works: list[Any] = [None] * len(self.layout)
         self._members: list[int] = []  # the group's members when this round's buckets were issued
         self._bucket_of: list[list[int]] = [[] for _ in self.params]
+        self._params_of: list[list[int]] = []  # per bucket, the parameters it holds (a piece of)
         for b, pieces in enumerate(self.layout.pieces):
+            self._params_of.append(sorted({i for i, _, _ in pieces}))
             for i, _, _ in pieces:
                 if b not in self._bucket_of[i]:
                     self._bucket_of[i].append(b)
@@ -213,6 +225,8 @@ class GradSync:
                 self._issue(b)
 
     def _issue(self, b: int) -> None:
+        for i in self._params_of[b]:
+            laid_out(self.params[i])
         flat = self.layout.gather(b, _Grads(self.params))
         self._flat[b] = flat
         self._works[b] = self.group.all_reduce(flat)

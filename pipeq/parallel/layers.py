@@ -50,6 +50,8 @@ class StageParallel:
         self.sync: Any = None  # the replicas' pipeq.parallel.data.GradSync (attach_replicas)
         self.tp = mesh.plan.shards > 1
         self.slice_size = mesh.plan.slice_size
+        self.params: list[torch.Tensor] = []  # the module's, once prepared
+        self._gradients_laid_out = False
 
     # -- building --------------------------------------------------------------------------------
     def prepare(self, module: nn.Module, device: torch.device) -> nn.Module:
@@ -65,6 +67,7 @@ class StageParallel:
 
             module = fsdp.shard(module, self.mesh.shard_mesh)
             self.sharding = fsdp.Sharding(module, self.fsdp_reshard)
+        self.params = list(module.parameters())
         return module
 
     def attach_replicas(self, sync: Any) -> None:
@@ -73,6 +76,7 @@ class StageParallel:
 
     # -- a step ----------------------------------------------------------------------------------
     def begin(self, training: bool) -> None:
+        self._gradients_laid_out = False
         if self.sharding is not None:
             self.sharding.begin(training)
 
@@ -95,6 +99,7 @@ class StageParallel:
 
     def start(self) -> None:
         """After the step's last backward: the reduce-scatter (sharded), then the replicas' sums start."""
+        self._laid_out()
         if self.sharding is not None:
             self.sharding.reduce()
         if self.sync is not None:
@@ -102,10 +107,22 @@ class StageParallel:
 
     def finish(self) -> None:
         """Before the optimizer step: every reduction done."""
+        self._laid_out()
         if self.sharding is not None:
             self.sharding.reduce()  # (no backward ran on this stage this step: it still takes part)
         if self.sync is not None:
             self.sync.finish()
+
+    def _laid_out(self) -> None:
+        """(Tensor parallelism, once per step, the replicas' buckets as they go.) Each gradient laid
+        out as its parameter is (:func:`~pipeq.parallel.data.laid_out`)."""
+        if not self.tp or self._gradients_laid_out:
+            return
+        self._gradients_laid_out = True
+        from pipeq.parallel.data import laid_out
+
+        for p in self.params:
+            laid_out(p)
 
     def release(self) -> None:
         if self.sharding is not None:

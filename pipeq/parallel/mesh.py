@@ -147,6 +147,17 @@ def _bind_gloo(plan: MeshPlan, device: torch.device) -> None:
         os.environ["NCCL_SOCKET_IFNAME"] = ifname  # NCCL's bootstrap sockets (its data takes NVLink / IB)
 
 
+def _quiet() -> None:
+    """What torch says in a stage process that is no news to a pipeq user: FSDP2's warning that a
+    sharded stage's output is a view (pipeq never writes into a stage's output: it detaches it and
+    sends it on), and DTensor's notes on gathering a 2-D piece in two steps (a state read whole)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
 class StageMesh:
     """This process's slice (a torch process group and its DeviceMesh, None for a slice of one
     process) and the store its replicate group meets in (see the module)."""
@@ -156,6 +167,7 @@ class StageMesh:
 
         self.plan, self.device = plan, device
         _bind_gloo(plan, device)
+        _quiet()
         self.store = open_store(plan.store)
         self.mesh: Any = None
         self.tp_group: Any = None  # the CPU group of this process's tp row (the shard link's)

@@ -5,6 +5,7 @@ split and how, in torch's words (``torch.distributed.tensor.parallel``):
 
     "colwise"   ColwiseParallel: a Linear's output features (an Embedding's dimension) split
                 over the shards; the input is whole on every shard, the output is a shard of it
+                (for the "rowwise" entry that directly follows it; else gathered whole)
     "rowwise"   RowwiseParallel: a Linear's input features (an Embedding's rows) split; each
                 shard's partial result is all-reduced, so the output is whole on every shard
                 (its input: the shard a "colwise" entry just before it made, else whole)
@@ -17,8 +18,8 @@ The tensor-parallel MLP of examples/tp_mlp.py, layer 1 by output rows, layer 2 b
     Linear(8, 1)   "rowwise"        p0 = h[:, 0:4] W2[:, 0:4].T     p1 = h[:, 4:8] W2[:, 4:8].T
                                     y = p0 + p1 + b2  (all-reduce: whole on both shards)
 
-:func:`styles` turns a plan's strings into those objects (a "colwise" entry with no "rowwise"
-entry after it gathers its output, so that a stage always hands its neighbour whole tensors);
+:func:`styles` turns a plan's strings into those objects (a "colwise" entry not directly followed
+by a "rowwise" one gathers its output, so that a stage always hands its neighbour whole tensors);
 ``ParallelStyle`` objects are taken as they are, and a callable ``(stage_module, mesh) -> module``
 does anything else. :func:`check_plans` refuses, before any process starts, a plan that names a
 submodule a stage lacks, a style pipeq does not know, or a size that does not divide by T.
@@ -121,10 +122,11 @@ def check_stage(k: int, module: nn.Module | None, plan: Any, t: int) -> None:
 
 
 def styles(plan: Mapping[str, Any]) -> dict[str, Any]:
-    """A plan's torch ParallelStyle objects. A "colwise" entry after which no "rowwise" entry
-    follows (in the plan's order) gathers its output: the stage's output is then whole. A
-    "rowwise" entry that does not follow a "colwise" one gets whole input (the stage's, or a
-    gathered one) and cuts its own share of it."""
+    """A plan's torch ParallelStyle objects. Entries pair up in the plan's order: a "colwise"
+    entry directly followed by a "rowwise" one hands it its shard (an MLP's two layers, attention's
+    projections); a "colwise" entry that no "rowwise" entry directly follows gathers its output
+    (whole again: a stage's output always is); a "rowwise" entry that does not directly follow a
+    "colwise" one gets whole input (the stage's, or a gathered one) and cuts its own share of it."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -136,7 +138,7 @@ def styles(plan: Mapping[str, Any]) -> dict[str, Any]:
             out[name] = RowwiseParallel() if i > 0 and plan[names[i - 1]] == "colwise" else \
                 RowwiseParallel(input_layouts=Replicate())
         elif style == "colwise":
-            closed = any(plan[later] == "rowwise" for later in names[i + 1:])
+            closed = i + 1 < len(names) and plan[names[i + 1]] == "rowwise"
             out[name] = ColwiseParallel() if closed else ColwiseParallel(output_layouts=Replicate())
         else:
             out[name] = style

@@ -51,7 +51,7 @@ def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, s
             ex.set_numerics(numerics)
     elif parallel is not None:
         ex.adopt(parallel)
-    if compile is not None:
-        ex.compile_watch = compile_stage(ex.module, compile)
+    if compile is not None:  # (tensor-parallel stages compile static shapes: pipeq.compat, tp-compile-dynamic)
+        ex.compile_watch = compile_stage(ex.module, compile, static=parallel is not None and parallel.tp)
     ex.memory.ask()  # a run measures its first training step (pipeq.stage.memory)
     return ex

@@ -178,12 +178,19 @@ def use_cache(opts: CompileOptions) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = opts.cache_dir
 
 
-def compile_stage(module: nn.Module, opts: CompileOptions) -> CompileWatch:
+def compile_stage(module: nn.Module, opts: CompileOptions, static: bool = False) -> CompileWatch:
     """Compile ``module`` (on its device already) in place, as the module says (see the module).
     Sets AOTAutograd's ``force_non_lazy_backward_lowering`` in this process (when a backward is
-    compiled, not what it computes)."""
+    compiled, not what it computes). ``static``: the module computes on DTensors (tensor
+    parallelism), whose compile torch does not support with dynamic shapes yet
+    (:mod:`pipeq.compat`, ``tp-compile-dynamic``): unless ``dynamic`` is given, every shape compiles
+    a graph of its own (``dynamic=False``; a new length recompiles)."""
+    import dataclasses
+
     from torch._functorch import config as aot_config
 
+    if static and opts.kwargs.get("dynamic") is None:
+        opts = dataclasses.replace(opts, kwargs={**opts.kwargs, "dynamic": False}, mark_dynamic=False)
     use_cache(opts)
     aot_config.force_non_lazy_backward_lowering = True
     watch = CompileWatch(opts)
