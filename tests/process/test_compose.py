@@ -31,11 +31,10 @@ FAST = dict(start_method="forkserver", threads_per_stage=1)
 ROWS = [
     dict(zbv=1, compile=1, recompute=1, bf16=1, clip_grad_norm=1),
     dict(data_parallel=1, fsdp=1, ties=1, fault_tolerance=1),  # HSDP 2 x 2, pipeline 2
-    dict(**{"zb-h1": 1}, tensor_parallel=1, compile=1, ties=1),
+    dict(**{"zb-h1": 1}, tensor_parallel=1, compile=1, ties=1, redistribute=1),
     dict(**{"zb-h1": 1}, data_parallel=1, fsdp=1, tensor_parallel=1, recompute=1, bf16=1, clip_grad_norm=1),
-    dict(data_parallel=1, tensor_parallel=1, compile=1, ties=1, fault_tolerance=1, recompute=1, bf16=1,
-         clip_grad_norm=1, redistribute=1),
-    dict(zbv=1, data_parallel=1, tensor_parallel=1, fault_tolerance=1, bf16=1),
+    dict(data_parallel=1, compile=1, ties=1, fault_tolerance=1, recompute=1, bf16=1, clip_grad_norm=1),
+    dict(zbv=1, data_parallel=1, tensor_parallel=1, fault_tolerance=1, bf16=1, ties=1),
     dict(clip_grad_norm=1),
     dict(zbv=1, data_parallel=1, fsdp=1, compile=1, ties=1, recompute=1),
     dict(**{"zb-h1": 1}, data_parallel=1, ties=1, fault_tolerance=1, bf16=1),

@@ -67,6 +67,8 @@ def stages(n: int) -> list[nn.Module]:
 
 
 def tp_plans(n: int, redistribute: bool = False) -> list[dict[str, str]]:
+    """Each stage's plan; ``redistribute``: the embedding split by columns (its dimension), the tied
+    head by rows, so their pieces differ and the tie is summed whole."""
     block = {"mlp.0": "colwise", "mlp.2": "rowwise"}
     return [{"emb": "colwise" if redistribute else "rowwise", **block}, *[dict(block) for _ in range(n - 2)],
             {**block, "head": "colwise"}]
