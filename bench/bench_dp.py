@@ -1,7 +1,12 @@
-"""Data parallelism: steps/s of R = 1 and R = 2 replicas of a 1- and a 2-stage MLP, and T_sync / T_comp.
+"""Data parallelism: steps/s of R = 1 and R = 2 replicas and T_sync / T_comp; the bytes and time of the replicas' sum.
 
     python bench/bench_dp.py                          # width 1024, 4 layers, batch 256, 3 rounds
     python bench/bench_dp.py --rounds 5 --steps 30 --width 512
+    PYTHONPATH=. python bench/bench_dp.py --bytes     # R = 1, 2, 4: step time and bytes per replica (~1 min)
+    PYTHONPATH=. python bench/bench_dp.py --bytes --old auto   # and the replica link it replaced, beside
+    python bench/bench_dp.py --table                  # the analytic table for GPUs, R = 2 .. 64
+
+**The rule** (the default run):
 
 The model: ``--layers`` x Linear(W, W) with a ReLU between them (W = ``--width``), MSELoss against
 random targets, SGD, a fixed global batch (``--batch``). As one stage (N = 1, one microbatch per
@@ -17,8 +22,8 @@ Per N:
 - T_comp: a step of R = 1 on half the batch: one replica's work on its shard, no synchronization;
 - a probe in plain torch, R x N processes pinned as pipeq pins its stage processes, each with
   stage k's module and a shard, no pipeline messages:
-  T_sync, stage k's ``pipeq.parallel.data.GradSync`` alone (flatten the gradients, send them to
-  the other replica over pipeq's ipc link, wait for its, add, copy back: what a stage does
+  T_sync, stage k's ``pipeq.parallel.data.GradSync`` alone (flatten the gradients into buckets,
+  all-reduce them in a torch process group over loopback gloo, copy them back: what a stage does
   before its optimizer step), all N stages at once;
   contention, a stage's compute of one step (forwards, backwards, optimizer step) while every
   replica computes / while only replica 0's stages do (alternate iterations);
@@ -34,9 +39,9 @@ This machine has 2 cores: R = 2 x N = 1 gives each replica a core, but R = 2 x N
 stage processes on 2 cores (two per core), so its replicas cannot compute at once and its
 T_2 - T_comp is mostly contention, not synchronization.
 
-Measured on a 2-vCPU VM shared with other jobs (defaults; load average ~2 from them), when the
-gradients were still all-reduced by torch.distributed's gloo (pipeq now sums them over its own
-ZeroMQ link; not re-measured since)::
+Measured on a 2-vCPU VM shared with other jobs (defaults; load average ~2 from them), the
+gradients all-reduced by torch.distributed's gloo (as they are again: bench/README.md has the
+figures of this checkout)::
 
     $ python bench/bench_dp.py
      N  R=1 st/s  R=2 st/s  speedup     T_1     T_2  T_comp  T_sync T_2-T_comp T_1/T_comp T_sync/T_comp contention
@@ -58,16 +63,48 @@ T_1 / (2 T_comp + T_sync) predicts the loss. Under heavier load from other jobs 
 4-8) R = 2 x N = 1 measured 0.77x-0.87x: the figures move with the machine's load; compare the
 rows of one run. (A second run at load ~1-2: 1.15x and 0.60x, T_sync / T_comp 0.51 and 0.45,
 contention 1.02x and 1.99x.)
+
+**The bytes** (``--bytes``): A pipeline of 2 stages, each ``--layers`` Linear(W, W) (W = ``--width``): a stage's
+gradients are ``layers x (W^2 + W) x 4`` bytes (8.0 MiB at the defaults). Each replica trains on
+``--batch`` samples per step (so a replica's own pipeline traffic is the same at every R), 1F1B, 4
+microbatches, SGD, ``threads_per_stage=1``, ``transport="ipc"`` (activations in shared memory).
+For R = 1, 2 and 4 replicas, in a fresh process each: the median step over ``--steps`` steps after a
+warm-up, and the bytes every stage process wrote to the kernel over them (``wchar`` of
+``/proc/<pid>/io``: every socket send of every thread: gloo's, ZeroMQ's, the control channel's).
+*Bytes per replica per step* is a stage process's mean per step minus R = 1's (which sums nothing):
+what the gradient sum sends. It is set against a ring all-reduce's ``2 (R - 1) / R`` times the
+gradients and the old link's ``R - 1`` times (every replica sent its buckets to every other).
+``--old REV`` measures the same at git revision REV (``auto``: the last one with pipeq's replica
+link, ``pipeq/wire/replica_link.py``), checked out in a temporary worktree: the same script, that
+revision's pipeq (``PYTHONPATH``).
+
+**The table** (``--table``). For a stage of ``--params`` fp32 parameters and R = 2 .. 64 replicas: the bytes a
+GPU sends per step (ring all-reduce, torch's NCCL: ``2 (R - 1) / R x 4P``; the old link:
+``(R - 1) x 4P`` from host memory, after a device-to-host copy of ``4P`` and before adding ``R x 4P``
+on the CPU and copying ``4P`` back), and their time at vendors' bandwidths: NVLink 4 on H100 SXM,
+900 GB/s a GPU both ways together, 450 GB/s each way (NVIDIA H100 Tensor Core GPU datasheet);
+InfiniBand NDR, 400 Gb/s = 50 GB/s each way per GPU with one ConnectX-7 per GPU (NVIDIA ConnectX-7
+datasheet); the old link's device-host copies at PCIe 5.0 x16, 64 GB/s each way (PCI-SIG), its sends
+at the host network's (InfiniBand NDR above). Bandwidth-only bounds: latency and the ring's steps
+(2 (R - 1) of them) are left out, so small R and small stages do worse than the table says.
+
+The figures this prints are in bench/README.md ("Data parallelism: torch's collectives against the
+replica link"), with the command that printed them.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -116,6 +153,13 @@ def step_time(n_stages: int, replicas: int, batch: int, microbatches: int, width
 
 
 # -- the probe: one stage's compute and its gradient sum, in plain torch ---------------------------
+def _poll(done: Any, what: str) -> None:
+    """How the probe's collectives wait (a stage process waits through its inbox)."""
+    while not done():
+        time.sleep(0.0002)
+
+
+
 def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: int, ipc_dir: str,
                   addresses: "mp.Queue", peers: "mp.Queue", barrier: "mp.synchronize.Barrier",
                   shard: int, microbatches: int, width: int, layers: int, iters: int,
@@ -124,9 +168,12 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, [core])
         torch.set_num_threads(1)
-        from pipeq.parallel import data as dataparallel
-        from pipeq.wire.sockets import BindTo
-        from pipeq.wire.transport import ProcessTransport
+        import datetime
+
+        import torch.distributed as dist
+
+        from pipeq.parallel.data import GradSync
+        from pipeq.parallel.mesh import ReplicaGroup
 
         module = make_stages(width, layers, n_stages)[stage]
         params = list(module.parameters())
@@ -135,17 +182,16 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
         sizes = [len(c) for c in torch.arange(shard).tensor_split(microbatches)]
         xs = [torch.randn(n, width, generator=g) for n in sizes]
         ys = [torch.randn(n, width, generator=g) for n in sizes]  # targets, or output gradients
-        # stage k's link to its replicas, as in a stage process (no driver: nobody sends EXIT)
-        transport = ProcessTransport([replica * n_stages + stage], "inproc://no-driver", bind=BindTo.ipc(ipc_dir),
-                                     queue_capacity=4, spin_s=0.0, max_frame_bytes=256 << 20)
-        dp = dataparallel.Replicas(transport.stages[0], transport.senders[0], BindTo.ipc(ipc_dir), stage=stage,
-                                   replica=replica,
-                                   replicas=replicas, params=params, buffers=[]) if replicas > 1 else None
-        addresses.put((replica * n_stages + stage, dp.address if dp is not None else ""))
-        if dp is not None:
-            everyone = peers.get(timeout=60)
-            dp.join([everyone[r * n_stages + stage] for r in range(replicas)])
-        sync = dp.sync if dp is not None else None
+        # stage k's replicate group, as in a stage process (pipeq.parallel.mesh): loopback gloo
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        sync = None
+        if replicas > 1:
+            group = ReplicaGroup(dist.FileStore(os.path.join(ipc_dir, "store"), -1), f"s{stage}", replica,
+                                 torch.device("cpu"), _poll)
+            group.form(range(replicas), "probe")
+            sync = GradSync(params, group, replicas, hooks=False)
+        addresses.put((replica * n_stages + stage, ""))
+        peers.get(timeout=60)
         alone, beside, syncs = [], [], []
         for i in range(2 * (WARMUP + iters)):
             solo = i % 2 == 1  # every other iteration only replica 0's stages compute
@@ -172,10 +218,7 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
             if not solo or replica == 0:
                 opt.step()
             (alone if solo else beside).append(t_compute + time.perf_counter() - t2)
-        barrier.wait()  # nobody closes its link while another may still read from it
-        if dp is not None:
-            dp.close()
-        transport.close()
+        barrier.wait()  # nobody leaves its group while another may still read from it
         out.put((stage, replica, (statistics.median(alone[WARMUP:]), statistics.median(beside[WARMUP:]),
                                   statistics.median(syncs[WARMUP:]) if syncs else 0.0)))
     except BaseException as exc:  # reported by the parent
@@ -188,8 +231,8 @@ def probe(n_stages: int, replicas: int, shard: int, microbatches: int, width: in
     with stage k's module and a shard of ``shard`` samples, no pipeline messages, iterations
     alternating: a stage's work of one step (its forwards and backwards, its optimizer step) with
     every process computing ("beside") and with only replica 0's ("alone"); T_sync = stage k's
-    ``pipeq.parallel.data.GradSync`` (flatten, send to the other replica over pipeq's ipc link,
-    wait, add, copy back), all N stages at once. The slowest stage's, medians over iterations (and
+    ``pipeq.parallel.data.GradSync`` (flatten into buckets, all-reduce over loopback gloo, copy
+    back), all N stages at once. The slowest stage's, medians over iterations (and
     replicas)."""
     from pipeq.wire.sockets import make_ipc_dir, remove_ipc_dir
 
@@ -235,6 +278,132 @@ def probe(n_stages: int, replicas: int, shard: int, microbatches: int, width: in
     return alone, beside, sync
 
 
+# -- the bytes (--bytes) and the table (--table) ------------------------------------------------------
+NVLINK, IB, PCIE = 450e9, 50e9, 64e9  # bytes/s each way (see the module)
+
+
+def _wchar(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no wchar in /proc/{pid}/io")
+
+
+def measure(replicas: int, width: int, layers: int, batch: int, steps: int) -> dict[str, float]:
+    """One run of R = ``replicas`` (see the module): its median step (s) and each stage process's
+    bytes written per step, averaged."""
+    import torch
+    from torch import nn
+
+    import pipeq
+
+    stages = make_stages(width, 2 * layers, 2)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(batch * replicas, width, generator=g), torch.randn(batch * replicas, width, generator=g))
+            for _ in range(WARMUP + steps)]
+    opt = functools.partial(torch.optim.SGD, lr=1e-3)
+    with pipeq.PipelineRunner(stages, nn.MSELoss(), opt, "1f1b", 4, data_parallel=replicas,
+                              start_method="forkserver", threads_per_stage=1) as runner:
+        for x, y in data[:WARMUP]:
+            runner.step(x, y)
+        pids = sorted({p["pid"] for p in runner.stage_processes})
+        before = {p: _wchar(p) for p in pids}
+        times = []
+        for x, y in data[WARMUP:]:
+            t0 = time.perf_counter()
+            runner.step(x, y)
+            times.append(time.perf_counter() - t0)
+        per_step = statistics.mean((_wchar(p) - before[p]) / steps for p in pids)
+    return {"step_s": statistics.median(times), "bytes_per_process_step": per_step}
+
+
+def measure_all(width: int, layers: int, batch: int, steps: int, pythonpath: str | None) -> dict[int, dict]:
+    """R = 1, 2, 4, each in a fresh process (``pythonpath``: whose pipeq)."""
+    out = {}
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    for r in (1, 2, 4):
+        cmd = [sys.executable, os.path.abspath(__file__), "--measure", str(r), "--width", str(width), "--layers",
+               str(layers), "--batch", str(batch), "--steps", str(steps)]
+        got = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if got.returncode != 0:
+            raise RuntimeError(f"R={r} failed:\n{got.stderr[-2000:]}")
+        out[r] = json.loads(got.stdout.strip().splitlines()[-1])
+    return out
+
+
+def gradient_bytes(width: int, layers: int) -> int:
+    return layers * (width * width + width) * 4
+
+
+def report(name: str, runs: dict[int, dict], grads: int) -> list[dict[str, Any]]:
+    rows = []
+    base = runs[1]["bytes_per_process_step"]
+    print(f"\n{name}: a stage's gradients {grads / 2**20:.1f} MiB")
+    print(f"{'R':>3} {'step ms':>8} {'MiB/replica/step':>17} {'x ring':>7} {'x old link':>11}")
+    for r, got in sorted(runs.items()):
+        sent = got["bytes_per_process_step"] - base if r > 1 else 0.0
+        ring, old = 2 * (r - 1) / r * grads, (r - 1) * grads
+        rows.append({"impl": name, "replicas": r, "step_ms": 1000 * got["step_s"], "bytes_per_replica_step": sent,
+                     "ring_bytes": ring, "old_link_bytes": old})
+        ratio = f"{sent / ring:7.3f} {sent / old:11.3f}" if r > 1 else f"{'':>7} {'':>11}"
+        print(f"{r:>3} {1000 * got['step_s']:>8.1f} {sent / 2**20:>17.2f} {ratio}")
+    return rows
+
+
+def table(params: float) -> list[dict[str, Any]]:
+    """The analytic table for GPUs (see the module)."""
+    g = 4 * params
+    print(f"\nA stage of {params / 1e9:.2f}B fp32 parameters ({g / 1e9:.1f} GB of gradients), per GPU per step:")
+    print(f"{'R':>3} {'ring GB':>8} {'old GB':>8} {'ring ms NVLink':>15} {'ring ms IB':>11} {'old ms (IB+PCIe)':>17}")
+    rows = []
+    for r in (2, 4, 8, 16, 32, 64):
+        ring, old = 2 * (r - 1) / r * g, (r - 1) * g
+        row = {"replicas": r, "ring_gb": ring / 1e9, "old_gb": old / 1e9, "ring_ms_nvlink": 1e3 * ring / NVLINK,
+               "ring_ms_ib": 1e3 * ring / IB, "old_ms": 1e3 * (old / IB + 2 * g / PCIE)}
+        rows.append(row)
+        print(f"{r:>3} {row['ring_gb']:>8.1f} {row['old_gb']:>8.1f} {row['ring_ms_nvlink']:>15.1f} "
+              f"{row['ring_ms_ib']:>11.1f} {row['old_ms']:>17.1f}")
+    print("(bandwidth only: NVLink 450 GB/s and InfiniBand NDR 50 GB/s each way per GPU, PCIe 5.0 x16 64 GB/s; "
+          "the old link also added R x the gradients on the CPU)")
+    return rows
+
+
+def _bytes_and_table(args: argparse.Namespace, layers: int, batch: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if args.bytes:
+        grads = gradient_bytes(args.width, layers)
+        out["measured"] = report("torch collectives (this checkout)",
+                                 measure_all(args.width, layers, batch, args.steps, None), grads)
+        if args.old:
+            rev = old_revision(args.old)
+            with tempfile.TemporaryDirectory() as where:
+                tree = os.path.join(where, "old")
+                subprocess.run(["git", "worktree", "add", "--detach", tree, rev], check=True, capture_output=True)
+                try:
+                    runs = measure_all(args.width, layers, batch, args.steps, tree)
+                finally:
+                    subprocess.run(["git", "worktree", "remove", "--force", tree], capture_output=True)
+            out["measured"] += report(f"replica link ({rev})", runs, grads)
+    if args.table:
+        out["table"] = table(args.params)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def old_revision(spec: str) -> str:
+    """The revision ``--old`` names (``auto``: the last one with pipeq/wire/replica_link.py)."""
+    if spec != "auto":
+        return spec
+    gone = subprocess.run(["git", "rev-list", "-1", "HEAD", "--", "pipeq/wire/replica_link.py"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    return gone + "^"
+
+
 # -- the run ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -245,7 +414,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=256, help="the global batch (split over the replicas)")
     p.add_argument("--microbatches", type=int, default=4, help="per replica, for N = 2")
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2], help="the N to measure")
+    p.add_argument("--bytes", action="store_true", help="the bytes and time of the replicas' sum at R = 1, 2, 4 "
+                   "(--width, --steps; --layers and --batch per stage and replica: default 2 and 16)")
+    p.add_argument("--old", metavar="REV", help="with --bytes: also git revision REV's pipeq ('auto': the replica "
+                   "link's last)")
+    p.add_argument("--table", action="store_true", help="the analytic table for GPUs")
+    p.add_argument("--params", type=float, default=1.75e9, help="the table's stage size (parameters)")
+    p.add_argument("--json", metavar="PATH", help="write every figure there")
+    p.add_argument("--measure", type=int, metavar="R", help=argparse.SUPPRESS)  # (one --bytes run, in a fresh process)
     args = p.parse_args(argv)
+    given = set(argv if argv is not None else sys.argv[1:])
+    layers = args.layers if "--layers" in given else 2
+    batch = args.batch if "--batch" in given else 16
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.width, layers, batch, args.steps)))
+        return {}
+    if args.bytes or args.table:
+        return _bytes_and_table(args, layers, batch)
     R = 2
     if args.batch % (2 * R):
         raise SystemExit("--batch must be a multiple of 4")

@@ -107,14 +107,14 @@ REFUSALS: tuple[Refusal, ...] = (
             "a lost replica's processes are started again by the driver, which starts only its own host's",
             "leave it unset across hosts (pipeq launch --max-restarts restarts a run from its checkpoint)",
             "meaning", lambda r: r.ft and r.multi_host),
-    Refusal("hosts-untrusted", "replicas or shards across hosts without trusted_network=True",
+    Refusal("hosts-untrusted", "replicas across hosts without trusted_network=True",
             "torch's collectives (gloo, NCCL) between hosts carry no authentication and no encryption: anyone "
-            "on the network could join them or read the gradients",
+            "on the network could join them or read the gradients (a stage's tensor-parallel shards share "
+            "its host, on loopback)",
             "set trusted_network=True where the network between the hosts is yours alone (the security guide "
             "says what it covers), or run the replicas on one host", "torch",
-            lambda r: r.multi_host and (r.place.data_parallel > 1 or r.place.tensor_parallel > 1)
-            and not r.config.wire.trusted_network,
-            "https://pytorch.org/docs/stable/distributed.html#security", names=("data_parallel", "tensor_parallel")),
+            lambda r: r.multi_host and r.place.data_parallel > 1 and not r.config.wire.trusted_network,
+            "https://pytorch.org/docs/stable/distributed.html#security", names=("data_parallel",)),
     Refusal("replicas-per-microbatch", "data_parallel > 1 with a schedule that updates after every microbatch",
             "the replicas would have to all-reduce every microbatch, which is no step of the whole batch",
             "use a schedule that updates once per batch", "meaning",

@@ -11,6 +11,8 @@ never fall behind the code):
     <!-- generated: api -->               the Python API: mkdocstrings' blocks (``::: pipeq.RunConfig``)
                                           for every public name (``api_markdown``: the public modules'
                                           ``__all__``, in the sections of ``API_SECTIONS``)
+    <!-- generated: compatibility -->     what does not run together, and why: ``pipeq.compat``'s
+                                          one table (:func:`pipeq.compat.markdown`)
 
 mkdocstrings renders the API page's blocks, with the docstrings' reStructuredText roles turned into
 Markdown by docs/_hooks/griffe_roles.py.
@@ -26,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:  # this checkout's pipeq, whatever is installed
     sys.path.insert(0, ROOT)
 
+from pipeq import compat  # noqa: E402
 from pipeq.launch import reference  # noqa: E402
 
 #: marker -> the function that renders what replaces it
@@ -34,10 +37,12 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "<!-- generated: job-keys -->": reference.job_keys_markdown,
     "<!-- generated: schedule-options -->": reference.schedule_options_markdown,
     "<!-- generated: api -->": reference.api_markdown,
+    "<!-- generated: compatibility -->": compat.markdown,
 }
 #: the pages that must hold a marker (a page that lost its marker would silently lose its reference)
 EXPECTED = {"reference/api.md": ["<!-- generated: api -->"], "reference/cli.md": ["<!-- generated: cli -->"],
-            "reference/job-file.md": ["<!-- generated: job-keys -->", "<!-- generated: schedule-options -->"]}
+            "reference/job-file.md": ["<!-- generated: job-keys -->", "<!-- generated: schedule-options -->"],
+            "reference/compatibility.md": ["<!-- generated: compatibility -->"]}
 
 
 def render(markdown: str, page_path: str = "") -> str:

@@ -137,8 +137,8 @@ class WireConfig:
             steps' worth, at least 64).
         trusted_network: whether the network between a multi-host run's hosts is yours alone. The
             replicas' and shards' collectives are torch's (gloo, NCCL), which authenticate and
-            encrypt nothing, so a multi-host run with ``data_parallel`` or ``tensor_parallel`` is
-            refused without it (the pipeline's own channels stay authenticated either way; the
+            encrypt nothing, so a multi-host run with ``data_parallel`` is refused without it (a
+            stage's tensor-parallel shards share its host, on loopback) (the pipeline's own channels stay authenticated either way; the
             security guide says what each covers). On one host they bind to loopback only.
     """
 

@@ -274,7 +274,8 @@ def worker_configs(
     plan = plan_devices(len(hosts), host_devices, rendezvous, places=places, shards=num.shards)
     if meshed:
         _check_mesh_apart(num, [held[h][0] for h in hosts], plan, lambda g: num.replica(g) // group)
-    ifname = gloo_interface(bind.host if bind.scheme == "tcp" else None) if rendezvous is not None else None
+    # replicas across hosts meet on the interface this node binds to; anything else stays on loopback
+    ifname = gloo_interface(bind.host if bind.scheme == "tcp" else None) if store and store[0] == "tcp" else None
     settings = setup.stage_settings(traced)
     fault = faults.from_environ(n_stages, replicas=replicas)  # PIPEQ_FAULT: read here, handed over as plain data
     threads_per_stage = setup.config.placement.threads_per_stage

@@ -69,6 +69,14 @@ class StageMemory:
         predicted_process_activation_bytes: the plan's prediction of it.
         device_peak_bytes: ``runner.stats()``'s ``peak_bytes`` on CUDA (the allocator's peak since
             the start or the last reset: everything, not just activations); None on CPU.
+        gathered_param_bytes: a sharded stage's parameters gathered whole (FSDP's all-gather):
+            held through a training step (``fsdp_reshard="step"``) or one action at a time
+            (``"microbatch"``), beside the pieces ``param_bytes`` counts; 0 unsharded.
+        reduce_bytes: the flat buckets the replicas' gradient all-reduce holds after the step's last
+            backward (this process's pieces of the gradients); 0 without replicas.
+        predicted_peak_bytes: what the stage is predicted to hold at its peak: its state, the
+            gathered parameters, and the larger of the predicted activations and the reductions'
+            buckets (they are not held at once: the buckets come after the last backward).
     """
 
     stage: int
@@ -89,6 +97,9 @@ class StageMemory:
     process_activation_peak_bytes: int | None = None
     predicted_process_activation_bytes: int | None = None
     device_peak_bytes: int | None = None
+    gathered_param_bytes: int = 0
+    reduce_bytes: int = 0
+    predicted_peak_bytes: int | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -138,10 +149,15 @@ class StageReports:
             mine = rows[r * n:(r + 1) * n]
             predicted = self._predicted(mine)
             for k, row in enumerate(mine):
-                known = {f.name: row.get(f.name) for f in dataclasses.fields(StageMemory) if f.name in FIGURES}
+                known = {f.name: row.get(f.name) for f in dataclasses.fields(StageMemory) if f.name in FIGURES
+                         and row.get(f.name) is not None}
                 cuda = row.get("memory") == "cuda allocated"
-                out.append(StageMemory(stage=k, replica=r, process=process.get(k, k), **known,
-                                       **predicted[k], device_peak_bytes=row.get("peak_bytes") if cuda else None))
+                mem = StageMemory(stage=k, replica=r, process=process.get(k, k), **known, **predicted[k],
+                                  device_peak_bytes=row.get("peak_bytes") if cuda else None)
+                if mem.predicted_activation_bytes is not None:
+                    mem = dataclasses.replace(mem, predicted_peak_bytes=mem.state_bytes + mem.gathered_param_bytes
+                                              + max(mem.predicted_activation_bytes, mem.reduce_bytes))
+                out.append(mem)
         return out
 
     def _where(self) -> list[list[int]]:

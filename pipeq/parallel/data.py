@@ -190,7 +190,8 @@ class GradSync:
         self.shares: list[list[float]] = []  # fault_tolerance="replicas": the coming rounds' replica shares (TRAIN's)
         self.round_shares: list[float] | None = None
         self.summed: list[int] = list(range(replicas))  # the replicas the last round summed
-        self.bytes_reduced = 0  # the bytes all-reduced so far (bench_dp's)
+        self.layout_bytes = sum(n * torch.empty((), dtype=d).element_size()
+                                for n, d in zip(self.layout.numels, self.layout.dtypes))
         if hooks:
             for i, p in enumerate(self.params):
                 if p.requires_grad:
@@ -230,7 +231,6 @@ class GradSync:
         flat = self.layout.gather(b, _Grads(self.params))
         self._flat[b] = flat
         self._works[b] = self.group.all_reduce(flat)
-        self.bytes_reduced += flat.numel() * flat.element_size()
 
     def start(self) -> None:
         """After the step's last backward: issue every bucket not issued yet."""

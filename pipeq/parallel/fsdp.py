@@ -87,6 +87,10 @@ class Sharding:
         if training and not self.per_action:
             self.gather()
 
+    def gathered(self, fn: Any) -> bool:
+        """Whether an action runs on parameters gathered already (a training step gathered at its begin)."""
+        return self.training and not self.per_action
+
     def around(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` on the gathered parameters: gathered per action with ``"microbatch"``, and
         in a forward-only step (predict, evaluate) whatever the policy, which no reduce-scatter

@@ -15,15 +15,19 @@ same F / B / I / W / STEP. Each layer is there or not; none excludes another::
     norm_weight(grad)    how much of a gradient piece this process counts (a piece held by k
                          processes of the slice counts 1/k on each)
     release()            shard: free the gathered parameters before a state is read or loaded
+    figures()            what the layers hold beside the stage's state: the gathered parameters,
+                         the reductions' buckets (``runner.memory()``: pipeq.control.reports)
 
 A stage's compile (:mod:`pipeq.stage.compiled`) and memory meter (:mod:`pipeq.stage.memory`)
-compose the same way: the compiled forward runs inside these hooks, and the meter counts what
-the gathered parameters hold.
+compose the same way: the compiled forward runs inside these hooks. A traced run records each
+gather, free and reduction as a ``parallel`` event of the stage's track (:mod:`pipeq.trace.format`:
+``GATHER``, ``FREE``, ``REDUCE``).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -52,6 +56,10 @@ class StageParallel:
         self.slice_size = mesh.plan.slice_size
         self.params: list[torch.Tensor] = []  # the module's, once prepared
         self._gradients_laid_out = False
+        self.step = 0
+        #: ``rec(row)``: a traced run's record of the stage's actions (pipeq.trace.format rows), else None
+        self.trace: Callable[[tuple[int, ...]], None] | None = None
+        self.gathered_bytes = 0  # what the parameters take whole (a sharded stage gathers them)
 
     # -- building --------------------------------------------------------------------------------
     def prepare(self, module: nn.Module, device: torch.device) -> nn.Module:
@@ -65,25 +73,47 @@ class StageParallel:
         if self.sharded:
             from pipeq.parallel import fsdp
 
+            self.gathered_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
             module = fsdp.shard(module, self.mesh.shard_mesh)
             self.sharding = fsdp.Sharding(module, self.fsdp_reshard)
         self.params = list(module.parameters())
         return module
+
+    def _traced(self, code: int, fn: Callable[[], Any], nbytes: int = 0) -> Any:
+        """``fn()``, recorded as a ``code`` row of the stage's trace when the run is traced."""
+        if self.trace is None:
+            return fn()
+        t0 = time.perf_counter_ns()
+        try:
+            return fn()
+        finally:
+            self.trace((code, self.step, -1, t0, time.perf_counter_ns(), nbytes))
 
     def attach_replicas(self, sync: Any) -> None:
         """The replicas' :class:`~pipeq.parallel.data.GradSync` (None with one replicate slice)."""
         self.sync = sync
 
     # -- a step ----------------------------------------------------------------------------------
-    def begin(self, training: bool) -> None:
+    def begin(self, step: int, training: bool) -> None:
+        self.step = step
         self._gradients_laid_out = False
         if self.sharding is not None:
-            self.sharding.begin(training)
+            from pipeq.trace.format import GATHER
+
+            self._traced(GATHER, lambda: self.sharding.begin(training),
+                         self.gathered_bytes if training and not self.sharding.per_action else 0)
 
     def around(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self.sharding is not None:
-            return self.sharding.around(fn, *args)
-        return fn(*args)
+        sharding = self.sharding
+        if sharding is None or self.trace is None or sharding.gathered(fn):
+            return sharding.around(fn, *args) if sharding is not None else fn(*args)
+        from pipeq.trace.format import FREE, GATHER
+
+        self._traced(GATHER, sharding.gather, self.gathered_bytes)
+        try:
+            return fn(*args)
+        finally:
+            self._traced(FREE, sharding.free)
 
     def output(self, value: Any) -> Any:
         if not self.tp:
@@ -99,6 +129,11 @@ class StageParallel:
 
     def start(self) -> None:
         """After the step's last backward: the reduce-scatter (sharded), then the replicas' sums start."""
+        from pipeq.trace.format import REDUCE
+
+        self._traced(REDUCE, self._start, self.reduce_bytes())
+
+    def _start(self) -> None:
         self._laid_out()
         if self.sharding is not None:
             self.sharding.reduce()
@@ -107,11 +142,28 @@ class StageParallel:
 
     def finish(self) -> None:
         """Before the optimizer step: every reduction done."""
+        from pipeq.trace.format import REDUCE
+
+        self._traced(REDUCE, self._finish)
+
+    def _finish(self) -> None:
         self._laid_out()
         if self.sharding is not None:
             self.sharding.reduce()  # (no backward ran on this stage this step: it still takes part)
         if self.sync is not None:
             self.sync.finish()
+
+    def reduce_bytes(self) -> int:
+        """The gradient bytes a step's reductions hold in flat buckets (the replicas' all-reduce of
+        this process's pieces; a sharded stage's reduce-scatter works in FSDP's own buffers)."""
+        return self.sync.layout_bytes if self.sync is not None else 0
+
+    def figures(self) -> dict[str, int]:
+        """What the layers hold beside the stage's state: the parameters gathered whole (through a
+        training step, or one action at a time with ``fsdp_reshard="microbatch"``), and the
+        reductions' buckets."""
+        return {"gathered_param_bytes": self.gathered_bytes if self.sharding is not None else 0,
+                "reduce_bytes": self.reduce_bytes()}
 
     def _laid_out(self) -> None:
         """(Tensor parallelism, once per step, the replicas' buckets as they go.) Each gradient laid

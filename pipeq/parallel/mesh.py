@@ -258,7 +258,9 @@ class ReplicaGroup:
         return len(self.members)
 
     def form(self, members: Sequence[int], tag: str) -> None:
-        """Make the group of ``members`` (this process among them) under ``tag``."""
+        """Make the group of ``members`` (this process among them) under ``tag``. CUDA members on
+        GPUs of their own sum with NCCL (on the device); members that share a GPU (NCCL refuses
+        them: a test on one GPU) sum with gloo, through host memory, which is said once."""
         import torch.distributed as dist
 
         members = sorted(members)
@@ -271,13 +273,18 @@ class ReplicaGroup:
             return
         base = f"{self.name}/{tag}/m{'.'.join(map(str, members))}/"
         here = [f"{base}here{m}" for m in members]
-        self.store.set(here[self.rank], "1")
+        mine = f"{self.device.type}:{self.device.index if self.device.type == 'cuda' else 0}"
+        self.store.set(here[self.rank], mine)
         self.wait(lambda: self.store.check(here), f"the other replicas to meet ({tag})")
         store = dist.PrefixStore(base, self.store)
-        if self.device.type == "cuda":
+        devices = [self.store.get(key).decode() for key in here]
+        if self.device.type == "cuda" and len(set(devices)) == len(devices):
             self.backend = dist.ProcessGroupNCCL(store, self.rank, len(members), dist.ProcessGroupNCCL.Options())
-        else:
-            self.backend = dist.ProcessGroupGloo(store, self.rank, len(members), GROUP_TIMEOUT)
+            return
+        if self.device.type == "cuda":
+            _say_once(f"pipeq: the replicas of a stage share {mine} (NCCL needs a GPU for each): their gradients are "
+                      "summed with gloo, through host memory")
+        self.backend = dist.ProcessGroupGloo(store, self.rank, len(members), GROUP_TIMEOUT)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Any:
         """Start a sum (or ``"min"``) of ``t`` in place over the group: its Work (None with one member)."""
@@ -329,6 +336,17 @@ class ReplicaGroup:
                 backend.abort()
             except Exception:  # already broken: nothing left to abort
                 pass
+
+
+_said: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    import sys
+
+    if line not in _said:
+        _said.add(line)
+        print(line, file=sys.stderr)
 
 
 class CollectiveError(RuntimeError):

@@ -189,7 +189,10 @@ def _make_chunk(cfg: WorkerConfig, c: int, chunk: ChunkConfig, payload: Any, tra
     links = PeerLinks(transport.stages[c], transport.senders[c], cfg.bind, executor, stage=chunk.stage,
                       replica=cfg.replica, replicas=cfg.replicas, shard=cfg.shard, held=cfg.stages, mesh=mesh,
                       wait=wait, fault_tolerant=s.fault_tolerant)
-    return Chunk(c, chunk, executor, links, cfg.settings.trace)
+    made = Chunk(c, chunk, executor, links, cfg.settings.trace)
+    if parallel is not None:
+        parallel.trace = made.rec  # its gathers, frees and reductions, on the stage's track
+    return made
 
 
 class _Wait:

@@ -177,7 +177,7 @@ class StageExecutor:
             self.module.eval()
         self.stepper.begin(training, len(self.weights))
         if self.parallel is not None:
-            self.parallel.begin(training)
+            self.parallel.begin(step, training)
 
     def mean_loss(self) -> float:
         """The step's loss: the sum of the weighted microbatch losses (NaN without any)."""
@@ -343,7 +343,8 @@ class StageExecutor:
         compiling it cost (:meth:`pipeq.stage.compiled.CompileWatch.figures`)."""
         watch = self.compile_watch
         return {**peak_memory(self.device, reset), "skipped_steps": self.stepper.skipped_steps,
-                "recompute": self.recompute, **(watch.figures() if watch is not None else NO_COMPILE_FIGURES)}
+                "recompute": self.recompute, **(watch.figures() if watch is not None else NO_COMPILE_FIGURES),
+                **(self.parallel.figures() if self.parallel is not None else {})}
 
     # -- transfer to the CPU ---------------------------------------------------------------
     #: the transport takes device tensors as they are (CUDA IPC on one host: pipeq.wire.shm)

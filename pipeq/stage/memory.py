@@ -68,7 +68,9 @@ __all__ = ["FIGURES", "local", "nbytes", "state_bytes", "Tally", "MemoryMeter", 
 #: the names of a stage's memory figures (:meth:`MemoryMeter.figures`; a measured step's may be absent)
 FIGURES = ("param_bytes", "grad_bytes", "optimizer_bytes", "measured_step", "microbatches", "activation_peak_bytes",
            "activation_bytes_per_microbatch", "activation_bytes_waiting_w", "activation_bytes_in_backward",
-           "activation_bytes_in_input_grad", "process_activation_peak_bytes")
+           "activation_bytes_in_input_grad", "process_activation_peak_bytes",
+           # a stage's parallel layers' (pipeq.parallel.layers.StageParallel.figures)
+           "gathered_param_bytes", "reduce_bytes")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,9 @@ stage has ``ts`` and ``dur`` (microseconds, clocks aligned to the driver's) and 
 the time was: ``forward``, ``backward``, ``step`` (compute), ``send``, ``wait`` (blocked on an
 input); events of other categories are read and kept. The driver's ``"step S"`` (``"predict
 S"``) spans have ``cat`` ``driver`` and ``args`` ``step``, ``replica``, ``training``,
-``microbatches``; ``"M"`` events name the tracks.
+``microbatches``; ``"M"`` events name the tracks. A stage's parallel layers record ``parallel``
+events: ``GATHER`` (FSDP gathers its parameters; ``bytes``: what it then holds whole), ``FREE``
+and ``REDUCE`` (the step's reduce-scatter and the replicas' all-reduce; ``bytes``: the gradients).
 
 Reading. :func:`load_trace` (a file) and :func:`trace_from_dict` (a parsed one) check a trace
 and index it (:class:`Trace`, :class:`Event`), with a ValueError saying what is wrong. The
@@ -49,14 +51,18 @@ __all__ = ["VERSION", "Trace", "Event", "TraceMeta", "load_trace", "trace_from_d
 VERSION = 1
 """The trace format's version, in the file's metadata."""
 
-# what an event's time was (its "cat"): compute, sending, waiting for an input, a driver's step
-FORWARD_CAT, BACKWARD_CAT, STEP_CAT, SEND_CAT, WAIT_CAT, DRIVER_CAT = (
-    "forward", "backward", "step", "send", "wait", "driver")
+# what an event's time was (its "cat"): compute, sending, waiting for an input, a driver's step, a
+# stage's parallel layers (FSDP's gathers and frees, the reductions over shards and replicas)
+FORWARD_CAT, BACKWARD_CAT, STEP_CAT, SEND_CAT, WAIT_CAT, DRIVER_CAT, PARALLEL_CAT = (
+    "forward", "backward", "step", "send", "wait", "driver", "parallel")
 COMPUTE_CATS = (FORWARD_CAT, BACKWARD_CAT, STEP_CAT)
 
 # row codes (OPT_STEP: a schedule's optimizer step; EMIT: a result handed to the driver)
 F, B, OPT_STEP, SEND_ACT, SEND_GRAD, WAIT_ACT, WAIT_GRAD, EMIT = range(8)
 I, W = 8, 9  # a split backward's input gradient and weight gradients (zero-bubble schedules)
+# a stage's parallel layers (pipeq.parallel.layers): FSDP's gather of its parameters (bytes: what
+# it holds whole), their free, the step's reductions (bytes: the gradients reduced)
+GATHER, FREE, REDUCE = 10, 11, 12
 # code -> (op, category, name prefix): the one table of ops
 OPS: dict[int, tuple[str, str, str]] = {
     F: ("F", FORWARD_CAT, "F"),
@@ -69,6 +75,9 @@ OPS: dict[int, tuple[str, str, str]] = {
     EMIT: ("OUTPUT", SEND_CAT, "output "),
     I: ("I", BACKWARD_CAT, "I"),
     W: ("W", BACKWARD_CAT, "W"),
+    GATHER: ("GATHER", PARALLEL_CAT, "gather "),
+    FREE: ("FREE", PARALLEL_CAT, "free "),
+    REDUCE: ("REDUCE", PARALLEL_CAT, "reduce "),
 }
 COLUMNS = 6
 #: A stage keeps its most recent rows only (a ring buffer, ~30 MB): a long traced run keeps its
@@ -187,7 +196,8 @@ def build(
     for k, rows in shifted:
         for code, step, mb, t0, t1, nbytes in rows:
             op, cat, prefix = OPS[code]
-            events.append(_stage_span(prefix if code == OPT_STEP else f"{prefix}{mb}", cat, op, replica, k, step,
+            name = prefix.strip() if code == OPT_STEP or mb < 0 else f"{prefix}{mb}"
+            events.append(_stage_span(name, cat, op, replica, k, step,
                                       mb, (t0 - origin) / 1e3, max(0.0, (t1 - t0) / 1e3), nbytes,
                                       training.get(step, True)))
     for step, train, t0, t1, m in driver_spans:

@@ -454,6 +454,9 @@ class Stats(Payload):
     activation_bytes_in_backward: int | None = wire(nullable(COUNT), default=None)
     activation_bytes_in_input_grad: int | None = wire(nullable(COUNT), default=None)
     process_activation_peak_bytes: int | None = wire(nullable(COUNT), default=None)
+    # a stage's parallel layers (pipeq.parallel.layers): its parameters gathered whole, its reductions' buckets
+    gathered_param_bytes: int = wire(COUNT, default=0)
+    reduce_bytes: int = wire(COUNT, default=0)
 
 
 @_control(Kind.ERROR)

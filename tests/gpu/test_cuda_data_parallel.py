@@ -1,9 +1,9 @@
 """Data parallelism of CUDA stages: ``data_parallel=2``.
 
-Each replica's gradient buckets leave the GPU through pinned host memory
-(pipeq.parallel.data.to_host, pipeq.stage.transfer.pinned_copies), are summed on the host and
-go back to the device once (to_device); the start-up broadcast of replica 0's weights takes the
-same way. Training must equal one process on cuda:0 with the whole batch.
+Each stage sums its gradients with its replicas in a torch process group (pipeq.parallel.mesh):
+NCCL when the replicas have a GPU each, gloo (through host memory, said once) when they share
+one, as stage k's two replicas do here on one or two GPUs (tests/gpu/test_cuda_collectives.py
+has the NCCL path). Training must equal one process on cuda:0 with the whole batch.
 """
 
 from __future__ import annotations

@@ -67,3 +67,44 @@ def test_combined_features_train_like_one_process(row):
     assert set(state) <= set(ref)
     for key, value in state.items():
         torch.testing.assert_close(value, ref[key], atol=atol, rtol=rtol, msg=key)
+
+
+def test_the_gpt_example_in_2_stages_x_fsdp_2_x_tp_2_trains_like_one_process():
+    """examples/gpt.py's GPT (tied embedding and head), split by module names into 2 stages, each
+    sharded over 2 replicas (FSDP2) and split over 2 tensor-parallel shards: 8 processes, each
+    holding a quarter of its stage. The embedding is split by rows (its vocabulary) and the head
+    by output rows, so each shard swaps its piece of the tied gradient with the same shard of the
+    other stage; the MLPs column then row. It trains like the model in one process."""
+    import copy
+
+    from examples.gpt import GPT, QUICK, lm_loss as gpt_loss, random_batch
+
+    torch.manual_seed(0)
+    model = GPT(QUICK)
+    stages = pipeq.split(model, modules=[["tok_emb", "pos_emb", "blocks.0"], ["blocks.1", "norm", "lm_head"]])
+    mlp = {"mlp.0": "colwise", "mlp.2": "rowwise"}
+    plans = [{"tok_emb": "rowwise", **{f"blocks.0.{k}": v for k, v in mlp.items()}},
+             {**{f"blocks.1.{k}": v for k, v in mlp.items()}, "lm_head": "colwise"}]
+    g = torch.Generator().manual_seed(1)
+    data = [random_batch(torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g), 8, QUICK.context, g)
+            for _ in range(3)]
+    ref = copy.deepcopy(model)
+    opt = SGD(ref.parameters())
+    want = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = gpt_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    with pipeq.PipelineRunner(stages, gpt_loss, SGD, "1f1b", 4, data_parallel=2, sharding="fsdp", tensor_parallel=2,
+                              tp_plan=plans, **FAST) as runner:
+        assert len(runner.stage_processes) == 8
+        got = [runner.step(x, y) for x, y in data]
+        state = runner.state_dict()
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    assert got == pytest.approx(want, abs=1e-5, rel=0)
+    expected = ref.state_dict()
+    assert set(state) <= set(expected)
+    for key, value in state.items():
+        torch.testing.assert_close(value, expected[key], atol=1e-5, rtol=0, msg=key)

@@ -481,3 +481,25 @@ def test_a_single_host_run_with_replicas_listens_on_loopback_only(transport):
     assert {addr for addr, _ in ports} == {"127.0.0.1"}, ports
     if transport == "tcp":
         assert len(ports) >= 1 + 2 * 2 * 2  # control + (forward, backward) per process, and gloo's
+
+
+# -- 8. what the replicas' sum sends -------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_replica_sends_what_a_ring_all_reduce_sends():
+    """The bytes each stage process writes per step (every socket send of every thread, /proc's
+    ``wchar``), less those of one replica (the pipeline's own traffic: each replica trains on as many
+    samples), are what a ring all-reduce of the stage's gradients sends: 2 (R - 1) / R times them,
+    within 5% (the link it replaced sent R - 1 times them). bench/bench_dp.py --bytes measures it
+    so, and prints it for R = 2 and 4."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import bench_dp
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    width, layers = 256, 2
+    grads = bench_dp.gradient_bytes(width, layers)  # each stage's: 0.5 MiB
+    base = bench_dp.measure(1, width, layers, batch=8, steps=4)["bytes_per_process_step"]
+    for r in (2, 4):
+        sent = bench_dp.measure(r, width, layers, batch=8, steps=4)["bytes_per_process_step"] - base
+        ring = 2 * (r - 1) / r * grads
+        assert abs(sent - ring) <= 0.05 * ring, (r, sent / ring)

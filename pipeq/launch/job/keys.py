@@ -185,7 +185,7 @@ KEYS: dict[str, Key] = {
                      "no re-placement)", "multi-host", minimum=1),
     "tcp_security": Key(str, RUN, 'TCP between hosts: "encrypt" (CURVE on every socket) or "authenticate" '
                         "(a Poly1305 MAC on every data message, not encrypted)", "multi-host"),
-    "trusted_network": Key(bool, RUN, "the network between the hosts is yours alone: replicas and shards across "
+    "trusted_network": Key(bool, RUN, "the network between the hosts is yours alone: replicas across "
                            "hosts run torch's collectives, which authenticate and encrypt nothing (refused "
                            "without it)", "multi-host"),
     "max_message_mb": Key(int, RUN, "the largest tensor (MiB) one stage sends another", "processes"),
