@@ -69,7 +69,8 @@ gradients are ``layers x (W^2 + W) x 4`` bytes (8.0 MiB at the defaults). Each r
 ``--batch`` samples per step (so a replica's own pipeline traffic is the same at every R), 1F1B, 4
 microbatches, SGD, ``threads_per_stage=1``, ``transport="ipc"`` (activations in shared memory).
 For R = 1, 2 and 4 replicas, in a fresh process each: the median step over ``--steps`` steps after a
-warm-up, and the bytes every stage process wrote to the kernel over them (``wchar`` of
+warm-up, and the bytes every stage process wrote to the kernel over them (from before the first to
+after the last, every stage's work done: ``runner.stats()`` answers once it is) (``wchar`` of
 ``/proc/<pid>/io``: every socket send of every thread: gloo's, ZeroMQ's, the control channel's).
 *Bytes per replica per step* is a stage process's mean per step minus R = 1's (which sums nothing):
 what the gradient sum sends. It is set against a ring all-reduce's ``2 (R - 1) / R`` times the
@@ -308,12 +309,14 @@ def measure(replicas: int, width: int, layers: int, batch: int, steps: int) -> d
         for x, y in data[:WARMUP]:
             runner.step(x, y)
         pids = sorted({p["pid"] for p in runner.stage_processes})
-        before = {p: _wchar(p) for p in pids}
+        runner.stats()  # every stage done with its steps (a step returns once its loss is in, before
+        before = {p: _wchar(p) for p in pids}  # its first stages have summed their gradients)
         times = []
         for x, y in data[WARMUP:]:
             t0 = time.perf_counter()
             runner.step(x, y)
             times.append(time.perf_counter() - t0)
+        runner.stats()
         per_step = statistics.mean((_wchar(p) - before[p]) / steps for p in pids)
     return {"step_s": statistics.median(times), "bytes_per_process_step": per_step}
 
