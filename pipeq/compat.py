@@ -4,7 +4,8 @@ Every capability composes with every other (schedules, replicas, FSDP / HSDP, te
 parallelism, precision, clipping, recompute, finiteness checks, compile, tied weights, replica
 fault tolerance), each equal to one process. What is left here cannot be: torch cannot do it
 (the row cites where), or what is asked has no meaning (a simulated run has one process, a lost
-FSDP piece has no copy). Each :class:`Refusal` names the settings, why, and what to do instead;
+FSDP piece has no copy), or, for one setting beside them (``auto_memory_limit``), pipeq's own way
+of checking it. Each :class:`Refusal` names the settings, why, and what to do instead;
 :func:`check` raises the first that applies, as a ``ValueError``, before any process starts
 (``PipelineRunner`` and ``pipeq launch`` alike), and the stage processes of a recipe ask again for
 what only they know. ``docs/reference/compatibility.md`` is this table, generated
@@ -45,7 +46,8 @@ class Run:
 @dataclass(frozen=True)
 class Refusal:
     """One row: ``what`` is refused (the settings as a user writes them), ``why``, whose limit it is
-    (``torch``, with ``link``; or ``meaning``: the request has none), and ``fix``."""
+    (``torch``, with ``link``; ``meaning``: the request has none; ``pipeq``: pipeq's own, outside
+    the capabilities that compose), and ``fix``."""
 
     key: str
     what: str
@@ -140,6 +142,11 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda r: r.place.tensor_parallel > 1 and isinstance(r.config.numerics.compile, dict)
             and r.config.numerics.compile.get("dynamic") is True,
             "https://github.com/pytorch/pytorch/issues/174732", names=("tensor_parallel",)),
+    Refusal("auto-limit-parallel", "auto_memory_limit with data_parallel or tensor_parallel",
+            "schedule='auto' checks the limit against what each stage holds, measured by profiling the stages "
+            "whole in this one process before any other starts: a replica's, a shard's or a piece's share is "
+            "not what it measures", "name the schedule (runner.memory() then says what each process holds)",
+            "pipeq", lambda r: False),
     Refusal("fp16-cpu", "precision='fp16' on the CPU", "this torch has no float16 autocast on the CPU",
             "use precision='bf16' on the CPU", "torch", lambda r: False,
             "https://pytorch.org/docs/stable/amp.html#cpu-ops-that-can-autocast-to-bfloat16"),

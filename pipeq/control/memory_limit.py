@@ -74,9 +74,11 @@ def check_setting(value: Any, auto: bool, placement: Any) -> None:
         raise ValueError(f"auto_memory_limit={value!r} is for schedule='auto', which chooses the schedule by "
                          "it; this run's schedule is given")
     if placement.data_parallel > 1 or placement.tensor_parallel > 1:
-        raise ValueError(f"auto_memory_limit: schedule='auto' measures what each stage holds by profiling it in "
-                         f"one process, which it does not with data_parallel={placement.data_parallel} or "
-                         f"tensor_parallel={placement.tensor_parallel}: name the schedule instead")
+        from pipeq.compat import refusal
+
+        said = ", ".join(f"{name}={getattr(placement, name)}" for name in ("data_parallel", "tensor_parallel")
+                         if getattr(placement, name) > 1)
+        raise ValueError(f"auto_memory_limit={value!r} with {said}: " + refusal("auto-limit-parallel").message())
 
 
 def device_bytes(device: str) -> int:

@@ -37,7 +37,8 @@ from pipeq.schedules.plan import process_stages
 from pipeq.errors import ScheduleError
 from pipeq.schedules import Op
 from pipeq.trace.advice import advice_line
-from pipeq.trace.format import BACKWARD_CAT, COMPUTE_CATS, FORWARD_CAT, SEND_CAT, STEP_CAT, WAIT_CAT, Event, Trace
+from pipeq.trace.format import (BACKWARD_CAT, COMPUTE_CATS, FORWARD_CAT, PARALLEL_CAT, SEND_CAT, STEP_CAT, WAIT_CAT,
+                                Event, Trace)
 
 StepSelection = Union[int, str, Iterable[int], None]
 
@@ -59,6 +60,7 @@ class StageStep:
     idle_us: float = 0.0  # the rest of the step's wall time (never negative)
     bytes_sent: int = 0
     bytes_received: int = 0
+    parallel_us: float = 0.0  # its parallel layers: FSDP's gathers and frees, the reductions
 
     @property
     def bubble(self) -> float:
@@ -94,6 +96,7 @@ class StageTotals:
     idle_us: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    parallel_us: float = 0.0
 
     @property
     def compute_fraction(self) -> float:
@@ -332,9 +335,11 @@ def _step_stats(trace: Trace, key: tuple[int, int], events: list[Event]) -> Step
             row.bytes_sent += e.bytes
         elif e.cat == WAIT_CAT:
             row.wait_us += e.dur_us
+        elif e.cat == PARALLEL_CAT:
+            row.parallel_us += e.dur_us
     _count_received(rows, events)
     for row in rows:
-        row.idle_us = max(0.0, wall - row.compute_us - row.send_us - row.wait_us)
+        row.idle_us = max(0.0, wall - row.compute_us - row.send_us - row.wait_us - row.parallel_us)
     m = len({e.microbatch for e in events if e.stage == 0 and e.cat == FORWARD_CAT})
     if m == 0:  # stage 0 untraced: the run's setting, else the most forwards any stage ran
         m = trace.meta.get("microbatches") or max(
@@ -388,6 +393,7 @@ def _stage_totals(n_stages: int, stats: list[StepStats]) -> list[StageTotals]:
             t.send_us += row.send_us
             t.wait_us += row.wait_us
             t.idle_us += row.idle_us
+            t.parallel_us += row.parallel_us
             t.bytes_sent += row.bytes_sent
             t.bytes_received += row.bytes_received
     return totals
@@ -420,13 +426,17 @@ def _stage_table(report: Report) -> list[str]:
     over = f"{n} step{'s' if n != 1 else ''}"
     if report.replicas > 1:
         over += f" x {len({s.replica for s in report.steps})} replicas"
-    lines = [f"per stage (ms per step, mean over {over}; MB moved = sent + received per step)",
-             f"{'stage':>5} {'compute':>9} {'send':>8} {'wait':>8} {'idle':>8} {'compute%':>9} {'bubble%':>8} {'MB moved':>9}"]
+    parallel = any(t.parallel_us for t in report.stages)  # (a column only for a run with parallel layers)
+    lines = [f"per stage (ms per step, mean over {over}; MB moved = sent + received per step"
+             + ("; parallel: gathers, frees and reductions)" if parallel else ")"),
+             f"{'stage':>5} {'compute':>9} {'send':>8} {'wait':>8} " + (f"{'parallel':>9} " if parallel else "")
+             + f"{'idle':>8} {'compute%':>9} {'bubble%':>8} {'MB moved':>9}"]
     for t in report.stages:
         moved = t.per_step(t.bytes_sent + t.bytes_received) / 1e6
         lines.append(
             f"{t.stage:>5} {t.per_step(t.compute_us) / 1e3:>9.2f} {t.per_step(t.send_us) / 1e3:>8.2f} "
-            f"{t.per_step(t.wait_us) / 1e3:>8.2f} {t.per_step(t.idle_us) / 1e3:>8.2f} "
+            f"{t.per_step(t.wait_us) / 1e3:>8.2f} " + (f"{t.per_step(t.parallel_us) / 1e3:>9.2f} " if parallel else "")
+            + f"{t.per_step(t.idle_us) / 1e3:>8.2f} "
             f"{100 * t.compute_fraction:>8.1f}% {100 * t.bubble:>7.1f}% {moved:>9.3f}")
     return lines
 

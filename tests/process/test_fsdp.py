@@ -172,3 +172,36 @@ def test_a_sharded_launch_checkpoints_whole_and_resumes_at_data_parallel_1(tmp_p
     # the sharded run's exported model is whole: the flat model's names and shapes
     assert {k: v.shape for k, v in model_state(out).items()} == {k: v.shape for k, v in model_state(straight).items()}
     wait_no_strays()
+
+
+def test_gathers_frees_and_reductions_are_in_the_trace_and_in_the_memory_figures(tmp_path):
+    """A traced sharded run records, on each stage's track, the step's gather of its parameters
+    and its reductions (``parallel`` events: GATHER with the bytes it holds whole, REDUCE), and
+    ``runner.memory()`` counts the gathered parameters and the replicas' buckets beside the pieces;
+    with ``fsdp_reshard="microbatch"``, a gather and a free around every action."""
+    from pipeq.trace.format import load_trace
+    from pipeq.trace.report import analyze, format_report
+
+    stages = mlp_stages((8, 16, 3), seed=0)
+    data = batches(2, 8)
+    for reshard, gathers in (("step", 1), ("microbatch", 2 * 4)):  # per stage and step: F and B of 4 microbatches
+        path = tmp_path / f"{reshard}.json"
+        with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, "1f1b", 4, data_parallel=4,
+                                  sharding="hsdp", shard_size=2, fsdp_reshard=reshard, trace=str(path),
+                                  **FAST) as runner:
+            for x, y in data:
+                runner.step(x, y)
+            rows = runner.memory()
+        trace = load_trace(str(path))
+        assert "parallel" in format_report(analyze(trace)).splitlines()[3]  # the report's column of them
+        events = [e for e in trace.events if e.cat == "parallel" and e.replica == 0]
+        for k, whole in enumerate((8 * 16 + 16, 16 * 3 + 3)):
+            mine = [e for e in events if e.stage == k and e.step == 2]
+            assert len([e for e in mine if e.op == "GATHER"]) == gathers, mine
+            assert {e.bytes for e in mine if e.op == "GATHER"} == {4 * whole}
+            assert len([e for e in mine if e.op == "REDUCE"]) == 2  # started after the last backward, finished at STEP
+            assert len([e for e in mine if e.op == "FREE"]) == (gathers if reshard == "microbatch" else 0)
+        for row in rows:
+            assert row.gathered_param_bytes == 4 * (8 * 16 + 16 if row.stage == 0 else 16 * 3 + 3)
+            assert 0 < row.reduce_bytes < row.gathered_param_bytes  # the pieces the shard groups all-reduce
+            assert row.predicted_peak_bytes is not None and row.predicted_peak_bytes > row.state_bytes

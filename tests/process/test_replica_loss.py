@@ -376,3 +376,33 @@ def test_a_replica_lost_in_a_stream_is_rebuilt_without_the_buckets_sent_to_its_l
     for key in ref:
         torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)
         assert torch.equal(state[key], rebuilt[key]), key
+
+
+@pytest.mark.parametrize("layout", ["tensor_parallel", "hsdp"])
+def test_a_lost_replica_of_shards_or_of_a_shard_group_is_left_out_and_rebuilt(monkeypatch, layout):
+    """With tensor parallelism, replica 1's stage 1 dies (both its shards: they are one stage):
+    replica 0's shards each finish step 3 summing with no one, and replica 1's 4 processes are
+    rebuilt. With HSDP (4 replicas in 2 shard groups of 2), replica 1's stage 1 dies: its shard
+    group (replicas 0 and 1: their pieces need each other) is left out of step 3 and rebuilt from
+    the other group, which finishes the step on its samples (6..9 of 10). Both end equal to plain
+    training on those samples at step 3."""
+    monkeypatch.setenv("PIPEQ_FAULT", f"stage:1,step:{FAILS_AT},kind:kill,replica:1")
+    stages, data = stages64(3), batches64(STEPS, BATCH)
+    if layout == "tensor_parallel":
+        kw: dict = dict(data_parallel=2, tensor_parallel=2, tp_plan=[{"0": "colwise"}, {"0": "colwise"}, {"": "colwise"}])
+        keep, survivors = slice(0, BATCH // 2), 1
+    else:
+        kw = dict(data_parallel=4, sharding="hsdp", shard_size=2)
+        keep, survivors = slice(6, BATCH), 2  # replicas 2 and 3 hold samples 6..7 and 8..9
+    ref, ref_losses = reference(stages, data, FAILS_AT, keep=keep)
+    runner = pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), ADAM, "1f1b", 2, fault_tolerance="replicas",
+                                  **FAST, **kw)
+    with runner:
+        losses = [runner.step(x, y) for x, y in data]
+        state = runner.state_dict()
+        assert runner.degraded_steps == {FAILS_AT: survivors}
+        assert len(runner.replica_failures) == 1
+    assert not wait_no_strays(5.0), "stage processes outlived the run"
+    assert losses == pytest.approx(ref_losses, abs=1e-12)
+    for key in ref:
+        torch.testing.assert_close(state[key], ref[key], atol=1e-12, rtol=0, msg=key)

@@ -11,7 +11,6 @@ output rows, so the tied embedding and head hold the same piece of their one ten
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 from typing import Any
@@ -88,27 +87,15 @@ def batches(steps: int = 3, size: int = 16, seed: int = 0) -> list[tuple[torch.T
 
 
 def reference(modules: list[nn.Module], data: Any, *, tied: bool, bf16: bool, clip: float | None):
-    """Plain training in this process: the stages in a row (the tied head is the embedding's
-    tensor itself), full batches; the losses and the state under the runner's names."""
-    model = nn.Sequential(*copy.deepcopy(modules))
-    if tied:
+    """Plain training in this process (:func:`models.reference_train`: the stages in a row, the tied
+    head the embedding's tensor itself, full batches); the losses and the state under the runner's names."""
+    from models import reference_train
+
+    def tie(model: nn.Module) -> None:
         model[len(model) - 1].head.weight = model[0].emb.weight
-    opt = SGD(model.parameters())
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = lm_loss(model(x), y)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    state = {k: v.detach().clone() for k, v in nn.Sequential(*model).state_dict(keep_vars=False).items()}
-    if tied:
-        n = len(model)
-        state[f"{n - 1}.head.weight"] = state["0.emb.weight"]
-    return state, losses
+
+    model, losses = reference_train(modules, lm_loss, SGD, data, clip, bf16, tie if tied else None)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
 def settings(row: dict[str, Any]) -> dict[str, Any]:

@@ -54,15 +54,19 @@ def flat_state(stages) -> dict[str, torch.Tensor]:
     return flat_model(stages).state_dict()
 
 
-def reference_train(stages, loss_fn, make_opt, batches, clip=None):
+def reference_train(stages, loss_fn, make_opt, batches, clip=None, bf16=False, tie=None):
     """Plain single-process training of the chained stages on full batches (``clip``: by the
-    global norm, as torch.nn.utils.clip_grad_norm_)."""
+    global norm, as torch.nn.utils.clip_grad_norm_; ``bf16``: under CPU autocast to bfloat16;
+    ``tie(model)``: makes the chained copy's tied parameters one tensor first)."""
     model = Chain(*copy.deepcopy(stages))
+    if tie is not None:
+        tie(model)
     opt = make_opt(model.parameters())
     losses = []
     for x, y in batches:
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(model(x), y)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
