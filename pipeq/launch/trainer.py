@@ -119,8 +119,11 @@ class Trainer:
         """The job's PipelineRunner, not started yet (a ``ValueError`` names what is wrong)."""
         from pipeq.control.runner import PipelineRunner
 
+        from pipeq import compat
+
         job = self.job
         job.check()  # data, eval_data, metrics and their arguments, before any process starts
+        compat.check(job.run_config(), multi_host=self.rz is not None)  # the settings alone: before data is read
         if self._recipe is None:  # made once per run: a restart's stages are the very same
             check_first_batch(job)
             self._recipe = job.recipe.stages_made()

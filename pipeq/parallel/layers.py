@@ -97,11 +97,13 @@ class StageParallel:
     def begin(self, step: int, training: bool) -> None:
         self.step = step
         self._gradients_laid_out = False
-        if self.sharding is not None:
+        sharding = self.sharding
+        if sharding is not None and training and not sharding.per_action:
             from pipeq.trace.format import GATHER
 
-            self._traced(GATHER, lambda: self.sharding.begin(training),
-                         self.gathered_bytes if training and not self.sharding.per_action else 0)
+            self._traced(GATHER, lambda: sharding.begin(training), self.gathered_bytes)
+        elif sharding is not None:
+            sharding.begin(training)  # nothing to gather yet: each action gathers its own
 
     def around(self, fn: Callable[..., Any], *args: Any) -> Any:
         sharding = self.sharding

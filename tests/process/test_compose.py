@@ -33,12 +33,12 @@ ROWS = [
     dict(data_parallel=1, fsdp=1, ties=1, fault_tolerance=1),  # HSDP 2 x 2, pipeline 2
     dict(**{"zb-h1": 1}, tensor_parallel=1, compile=1, ties=1, redistribute=1),
     dict(**{"zb-h1": 1}, data_parallel=1, fsdp=1, tensor_parallel=1, recompute=1, bf16=1, clip_grad_norm=1),
-    dict(data_parallel=1, compile=1, ties=1, fault_tolerance=1, recompute=1, bf16=1, clip_grad_norm=1),
+    dict(data_parallel=1, compile=1, ties=1, fault_tolerance=1, bf16=1, clip_grad_norm=1),
     dict(zbv=1, data_parallel=1, tensor_parallel=1, fault_tolerance=1, bf16=1, ties=1),
     dict(clip_grad_norm=1),
-    dict(data_parallel=1, fsdp=1, compile=1, ties=1, recompute=1),
+    dict(data_parallel=1, fsdp=1, compile=1, ties=1),
     dict(zbv=1, data_parallel=1, fsdp=1, recompute=1),
-    dict(**{"zb-h1": 1}, data_parallel=1, ties=1, fault_tolerance=1, bf16=1),
+    dict(**{"zb-h1": 1}, data_parallel=1, ties=1, fault_tolerance=1, recompute=1, bf16=1),
 ]
 ROWS = [{f: bool(row.get(f)) for f in FEATURES} | {"redistribute": bool(row.get("redistribute"))} for row in ROWS]
 

@@ -184,7 +184,7 @@ def test_gathers_frees_and_reductions_are_in_the_trace_and_in_the_memory_figures
 
     stages = mlp_stages((8, 16, 3), seed=0)
     data = batches(2, 8)
-    for reshard, gathers in (("step", 1), ("microbatch", 2 * 4)):  # per stage and step: F and B of 4 microbatches
+    for reshard, gathers in (("step", 1), ("microbatch", 2 * 2)):  # per stage and step: F and B of a replica's 2 microbatches
         path = tmp_path / f"{reshard}.json"
         with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), MOMENTUM, "1f1b", 4, data_parallel=4,
                                   sharding="hsdp", shard_size=2, fsdp_reshard=reshard, trace=str(path),
