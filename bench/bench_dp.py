@@ -67,11 +67,13 @@ contention 1.02x and 1.99x.)
 **The bytes** (``--bytes``): A pipeline of 2 stages, each ``--layers`` Linear(W, W) (W = ``--width``): a stage's
 gradients are ``layers x (W^2 + W) x 4`` bytes (8.0 MiB at the defaults). Each replica trains on
 ``--batch`` samples per step (so a replica's own pipeline traffic is the same at every R), 1F1B, 4
-microbatches, SGD, ``threads_per_stage=1``, ``transport="ipc"`` (activations in shared memory).
-For R = 1, 2 and 4 replicas, in a fresh process each: the median step over ``--steps`` steps after a
-warm-up, and the bytes every stage process wrote to the kernel over them (from before the first to
-after the last, every stage's work done: ``runner.stats()`` answers once it is) (``wchar`` of
-``/proc/<pid>/io``: every socket send of every thread: gloo's, ZeroMQ's, the control channel's).
+microbatches, SGD, ``threads_per_stage=1``, ``transport="tcp"`` (every byte between processes on a
+TCP socket, over loopback). For R = 1, 2 and 4 replicas, in a fresh process each: the median step
+over ``--steps`` steps after a warm-up, and the bytes the stage processes' TCP sockets sent over them
+(from before the first to after the last, every stage's work done: ``runner.stats()`` answers once
+it is): ``bytes_sent`` of each socket from ``ss -tinpH`` (iproute2), whichever thread wrote it:
+gloo's, ZeroMQ's I/O threads, the control channel. (A process's ``wchar`` would miss ZeroMQ's,
+which sends with ``send(2)``, not ``write(2)``.)
 *Bytes per replica per step* is a stage process's mean per step minus R = 1's (which sums nothing):
 what the gradient sum sends. It is set against a ring all-reduce's ``2 (R - 1) / R`` times the
 gradients and the old link's ``R - 1`` times (every replica sent its buckets to every other).
@@ -100,6 +102,8 @@ import functools
 import json
 import multiprocessing as mp
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -283,17 +287,27 @@ def probe(n_stages: int, replicas: int, shard: int, microbatches: int, width: in
 NVLINK, IB, PCIE = 450e9, 50e9, 64e9  # bytes/s each way (see the module)
 
 
-def _wchar(pid: int) -> int:
-    with open(f"/proc/{pid}/io") as f:
-        for line in f:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no wchar in /proc/{pid}/io")
+def tcp_bytes_sent(pids: set[int]) -> dict[tuple[str, str], int]:
+    """``bytes_sent`` of every TCP socket that one of ``pids`` holds, by (local, peer) address, from
+    ``ss -tinpH`` (iproute2): what the kernel sent for each, whoever wrote it (gloo's threads,
+    ZeroMQ's I/O threads, the control channel)."""
+    ss = shutil.which("ss") or next((p for p in ("/usr/sbin/ss", "/sbin/ss") if os.access(p, os.X_OK)), None)
+    if ss is None:
+        raise RuntimeError("iproute2's `ss` is not installed (apt-get install iproute2): it counts the bytes")
+    out = subprocess.run([ss, "-tinpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    sent: dict[tuple[str, str], int] = {}
+    for head, info in zip(out[::2], out[1::2]):
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", head)}
+        got = re.search(r"bytes_sent:(\d+)", info)
+        if owners & pids and got:
+            local, peer = head.split()[3:5]
+            sent[(local, peer)] = int(got.group(1))
+    return sent
 
 
 def measure(replicas: int, width: int, layers: int, batch: int, steps: int) -> dict[str, float]:
-    """One run of R = ``replicas`` (see the module): its median step (s) and each stage process's
-    bytes written per step, averaged."""
+    """One run of R = ``replicas`` (see the module): its median step (s) and the TCP bytes each stage
+    process sent per step, averaged."""
     import torch
     from torch import nn
 
@@ -304,21 +318,22 @@ def measure(replicas: int, width: int, layers: int, batch: int, steps: int) -> d
     data = [(torch.randn(batch * replicas, width, generator=g), torch.randn(batch * replicas, width, generator=g))
             for _ in range(WARMUP + steps)]
     opt = functools.partial(torch.optim.SGD, lr=1e-3)
-    with pipeq.PipelineRunner(stages, nn.MSELoss(), opt, "1f1b", 4, data_parallel=replicas,
+    with pipeq.PipelineRunner(stages, nn.MSELoss(), opt, "1f1b", 4, data_parallel=replicas, transport="tcp",
                               start_method="forkserver", threads_per_stage=1) as runner:
         for x, y in data[:WARMUP]:
             runner.step(x, y)
-        pids = sorted({p["pid"] for p in runner.stage_processes})
+        pids = {p["pid"] for p in runner.stage_processes}
         runner.stats()  # every stage done with its steps (a step returns once its loss is in, before
-        before = {p: _wchar(p) for p in pids}  # its first stages have summed their gradients)
+        before = tcp_bytes_sent(pids)  # its first stages have summed their gradients)
         times = []
         for x, y in data[WARMUP:]:
             t0 = time.perf_counter()
             runner.step(x, y)
             times.append(time.perf_counter() - t0)
         runner.stats()
-        per_step = statistics.mean((_wchar(p) - before[p]) / steps for p in pids)
-    return {"step_s": statistics.median(times), "bytes_per_process_step": per_step}
+        after = tcp_bytes_sent(pids)
+    sent = sum(n - before.get(sock, 0) for sock, n in after.items())
+    return {"step_s": statistics.median(times), "bytes_per_process_step": sent / len(pids) / steps}
 
 
 def measure_all(width: int, layers: int, batch: int, steps: int, pythonpath: str | None) -> dict[int, dict]:

@@ -486,8 +486,8 @@ def test_a_single_host_run_with_replicas_listens_on_loopback_only(transport):
 # -- 8. what the replicas' sum sends -------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_a_replica_sends_what_a_ring_all_reduce_sends():
-    """The bytes each stage process writes per step (every socket send of every thread, /proc's
-    ``wchar``), less those of one replica (the pipeline's own traffic: each replica trains on as many
+    """The bytes each stage process's TCP sockets send per step (``ss``'s ``bytes_sent``: every
+    thread's sends, gloo's and ZeroMQ's, over ``transport="tcp"``), less those of one replica (the pipeline's own traffic: each replica trains on as many
     samples), are what a ring all-reduce of the stage's gradients sends: 2 (R - 1) / R times them,
     within 5% (the link it replaced sent R - 1 times them). bench/bench_dp.py --bytes measures it
     so, and prints it for R = 2 and 4."""
