@@ -302,7 +302,8 @@ class PipelineRunner:
         last ``reset_peak=True`` (CUDA: allocated bytes; CPU: the stage process's peak resident set;
         ``memory`` says which), ``skipped_steps`` (``precision="fp16"``, ``check_finite="skip"``), ``recompute``,
         ``shm_waits`` (sends that found every shared-memory slot in use: raise ``shm_slots``) and, with ``compile``,
-        ``compile_s``, ``compiles``, ``recompiles``, ``graph_breaks``, ``compile_cache_hits`` (pipeq.stage.compiled).
+        ``compile_s``, ``compiles``, ``recompiles``, ``graph_breaks``, ``compile_cache_hits`` (pipeq.stage.compiled),
+        ``backward_split`` ("I+W", "whole: <why>", None: pipeq.stage.split_backward).
         In simulated mode the peak is this process's; with ``tensor_parallel``, shard 0's (each holds its part)."""
         return self._pipeline.reports().stats(reset_peak)
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from pipeq.errors import ScheduleError
+from pipeq.schedules.actions import Op
 from pipeq.schedules.protocol import SchedulePolicy
 from pipeq.schedules.registry import resolve
 from pipeq.stage.compiled import CompileOptions, compile_stage, unwrap
@@ -28,7 +30,21 @@ from pipeq.stage.numerics import Numerics
 from pipeq.stage.spec import StageBuilder, StageSpec
 from pipeq.stage.tie_groups import refuse_ties
 
-__all__ = ["StageSpec", "StageBuilder", "make_executor"]
+__all__ = ["StageSpec", "StageBuilder", "make_executor", "splits_backward"]
+
+
+def splits_backward(policy: SchedulePolicy, n_stages: int) -> bool:
+    """Whether ``policy`` runs some backward as ``I`` and ``W`` apart (its plan for the run's
+    processes and twice as many microbatches has an ``I``): a compiled stage's backward is then
+    cut in two (:mod:`pipeq.stage.split_backward`)."""
+    processes = max(1, n_stages // max(1, policy.stages_per_process))
+    for m in (2 * processes, 4 * processes):
+        try:
+            plan = policy.plan(processes, m)
+        except (ValueError, ScheduleError):
+            continue
+        return any(a.op is Op.INPUT_GRAD for row in plan for a in row)
+    return False
 
 
 def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, spec: StageSpec, device: torch.device,
@@ -52,6 +68,8 @@ def make_executor(schedule: "SchedulePolicy | str", index: int, n_stages: int, s
     elif parallel is not None:
         ex.adopt(parallel)
     if compile is not None:  # (tensor-parallel stages compile static shapes: pipeq.compat, tp-compile-dynamic)
-        ex.compile_watch = compile_stage(ex.module, compile, static=parallel is not None and parallel.tp)
+        if type(ex) is StageExecutor and splits_backward(policy, n_stages):
+            compile = dataclasses.replace(compile, split_backward=True)
+        ex.compile_watch = compile_stage(ex.module, compile, static=parallel is not None and parallel.tp, stage=index)
     ex.memory.ask()  # a run measures its first training step (pipeq.stage.memory)
     return ex

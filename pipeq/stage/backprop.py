@@ -16,9 +16,11 @@ gives ``B``'s bits. After ``I``, what the forward saved that the ``W``'s nodes w
 freed (:meth:`pipeq.stage.memory.MemoryMeter.keep_for_w`): a microbatch waiting for its ``W``
 holds what the ``W`` computes from, not its whole forward.
 
-A compiled stage's backward is one node (``torch.compile``'s), computing the input and the
-weight gradients together: its ``I`` runs the whole backward and its ``W`` has nothing left to do
-(:func:`pipeq.stage.grad_graph.compiled_node`), the same numbers as ``B``.
+A compiled stage's backward is one node (``torch.compile``'s): its ``I`` runs it, and where the
+stage's compiled backward was cut in two (:mod:`pipeq.stage.split_backward`) the node computes
+the input gradients only and leaves its weight gradients' graph for the ``W``
+(:class:`~pipeq.stage.split_backward.DeferredWeights`); where it was not, ``I`` computes both and
+``W`` has nothing left to do, the same numbers as ``B``.
 
 Stage 0 has no input gradient: its ``I`` only keeps what the ``W`` needs, and its ``W`` is the
 whole backward (so is a stage's whose inputs need no gradient). With recomputation the ``I``
@@ -42,6 +44,7 @@ from torch import nn
 
 from pipeq.stage.memory import MemoryMeter, free_all
 from pipeq.stage.microbatch import describe
+from pipeq.stage.split_backward import DeferredWeights, deferring
 from pipeq.stage.grad_graph import (WeightCall, WeightPlan, engine_backward, engine_grad, plan_weights, read_node,
                                     read_saved, run_weight_calls, saving)
 
@@ -72,7 +75,7 @@ class Backprop:
         self._cpu = device.type == "cpu"  # received gradients are on the stage's device already (no .to())
         self.step = 0  # named in errors
         #: microbatch -> what its W backpropagates (kept by its I)
-        self.pending: dict[int, list[WeightCall]] = {}
+        self.pending: dict[int, list[WeightCall] | list[DeferredWeights]] = {}
         self._params: list[torch.Tensor] | None = None  # this step's (see _trained), None until asked
         self.meter = meter
 
@@ -163,9 +166,11 @@ class Backprop:
                 self.meter.keep_for_w(j, False)
             return (None if self.is_first else tuple(torch.zeros_like(t) for t in need)), False
         plan = plan_weights(roots, gs, need, params)
-        if plan.whole:  # a compiled stage: I computes its weight gradients too, W has nothing left
-            self.pending[j] = []
-            return self._whole(roots, gs, leaves), False
+        if plan.whole:  # a compiled stage: its node leaves its W behind where it is cut, else I does all
+            with deferring() as deferred:
+                gin = self._whole(roots, gs, leaves)
+            self.pending[j] = deferred  # type: ignore[assignment]
+            return gin, False
         marked = self.meter is not None and self.meter.frees and self._free_early(j, plan)
         got = engine_grad(roots, gs, [*need, *plan.captures])
         self.pending[j] = plan.calls(got[len(need):])
@@ -179,4 +184,8 @@ class Backprop:
                              f"(nothing kept for microbatch {j}'s weight gradients)")
         if self.meter is not None and self.meter.on:
             self.meter.waited(j)
-        run_weight_calls(calls)
+        if calls and isinstance(calls[0], DeferredWeights):
+            for deferred in calls:
+                deferred.run()  # type: ignore[union-attr]
+        else:
+            run_weight_calls(calls)

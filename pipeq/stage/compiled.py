@@ -39,6 +39,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from pipeq.stage.split_backward import SPLIT_BACKENDS, Splitting, split_backend
+
 __all__ = ["CompileOptions", "CompileWatch", "options", "compile_stage", "unwrap", "NO_COMPILE_FIGURES"]
 
 #: torch.compile's keyword arguments a ``compile`` dict may give (besides ``cache_dir``)
@@ -47,7 +49,8 @@ TORCH_KWARGS = ("backend", "mode", "dynamic", "fullgraph", "options", "disable",
 #: the keys of a ``compile`` dict that are pipeq's own
 OWN = ("cache_dir", "mark_dynamic")
 #: a stage's compile figures when it is not compiled (what ``runner.stats()`` reports)
-NO_COMPILE_FIGURES = {"compile_s": 0.0, "compiles": 0, "recompiles": 0, "graph_breaks": 0, "compile_cache_hits": 0}
+NO_COMPILE_FIGURES = {"compile_s": 0.0, "compiles": 0, "recompiles": 0, "graph_breaks": 0, "compile_cache_hits": 0,
+                      "backward_split": None}
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class CompileOptions:
     kwargs: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
     mark_dynamic: bool = True  # with dynamic=None: mark the inputs' varying dimensions (see the module)
+    #: the stage's schedule runs I and W apart: its backward is cut in two (:mod:`pipeq.stage.split_backward`)
+    split_backward: bool = False
 
 
 def options(setting: Any) -> CompileOptions | None:
@@ -120,13 +125,37 @@ def _mark_dynamic(args: Any) -> None:
 class CompileWatch:
     """One stage's compiled functions and what compiling them cost (see the module)."""
 
-    def __init__(self, opts: CompileOptions) -> None:
+    def __init__(self, opts: CompileOptions, stage: int | None = None) -> None:
         self.opts = opts
         self.seconds = 0.0
         self.compiles = 0
         self.recompiles = 0
         self.graph_breaks = 0
         self.cache_hits = 0
+        self.splitting = Splitting(stage) if opts.split_backward else None
+        if self.splitting is not None:
+            backend = opts.kwargs.get("backend", "inductor")
+            if backend == "eager":  # Dynamo alone: an eager autograd graph, which pipeq splits as it is
+                self.splitting.graphs = 1
+            elif backend not in SPLIT_BACKENDS:
+                self.splitting.whole(f"backend {backend!r} (pipeq cuts the backward of {' and '.join(SPLIT_BACKENDS)})")
+            elif opts.kwargs.get("mode") in ("reduce-overhead", "max-autotune"):
+                self.splitting.whole(f"mode {opts.kwargs['mode']!r} records CUDA graphs of a whole backward")
+
+    def _kwargs(self) -> dict[str, Any]:
+        """``torch.compile``'s keyword arguments: the run's, or its backward cut in two (the
+        backend given as a function, with inductor's mode and options as its config)."""
+        kwargs = {"isolate_recompiles": True, **self.opts.kwargs}
+        if self.splitting is None or self.splitting.reason is not None or kwargs.get("backend") == "eager":
+            return kwargs
+        backend = kwargs.pop("backend", "inductor")
+        options = dict(kwargs.pop("options", None) or {})
+        mode = kwargs.pop("mode", None)
+        if mode not in (None, "default"):
+            from torch._inductor import list_mode_options
+
+            options = {**list_mode_options(mode, kwargs.get("dynamic")), **options}
+        return {**kwargs, "backend": split_backend(backend, options, self.splitting)}
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` compiled with the run's keyword arguments, its calls measured (a call that compiles
@@ -135,7 +164,7 @@ class CompileWatch:
 
         # each stage's functions recompile apart: two stages of one class (a split by module names)
         # in one process do not spend each other's recompile limit
-        compiled = torch.compile(fn, **{"isolate_recompiles": True, **self.opts.kwargs})
+        compiled = torch.compile(fn, **self._kwargs())
         compiled_before = [False]  # whether a call of this function compiled already
         mark = self.opts.mark_dynamic and self.opts.kwargs.get("dynamic") is None
         if not _seen:
@@ -144,7 +173,7 @@ class CompileWatch:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if mark:
-                _mark_dynamic(args)
+                _mark_dynamic((*args, *kwargs.values()))
             n0 = len(metrics.get(_COMPILES, ()))
             try:
                 return compiled(*args, **kwargs)
@@ -166,9 +195,12 @@ class CompileWatch:
         """What ``runner.stats()`` reports of the stage's compiling: ``compile_s`` (seconds compiling),
         ``compiles`` (graphs compiled), ``recompiles`` (calls that compiled again after a compiled
         function's first: a new shape torch could not reuse a graph for, eval mode), ``graph_breaks``
-        and ``compile_cache_hits`` (torch's compile cache's)."""
+        and ``compile_cache_hits`` (torch's compile cache's); ``backward_split``: with a schedule
+        that splits the backward, "I+W" (its compiled backward cut in two) or "whole: <why>" (run
+        whole in ``I``: :mod:`pipeq.stage.split_backward`), else None."""
         return {"compile_s": round(self.seconds, 3), "compiles": self.compiles, "recompiles": self.recompiles,
-                "graph_breaks": self.graph_breaks, "compile_cache_hits": self.cache_hits}
+                "graph_breaks": self.graph_breaks, "compile_cache_hits": self.cache_hits,
+                "backward_split": self.splitting.figure() if self.splitting is not None else None}
 
 
 def use_cache(opts: CompileOptions) -> None:
@@ -178,13 +210,14 @@ def use_cache(opts: CompileOptions) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = opts.cache_dir
 
 
-def compile_stage(module: nn.Module, opts: CompileOptions, static: bool = False) -> CompileWatch:
+def compile_stage(module: nn.Module, opts: CompileOptions, static: bool = False,
+                  stage: int | None = None) -> CompileWatch:
     """Compile ``module`` (on its device already) in place, as the module says (see the module).
     Sets AOTAutograd's ``force_non_lazy_backward_lowering`` in this process (when a backward is
     compiled, not what it computes). ``static``: the module computes on DTensors (tensor
     parallelism), whose compile torch does not support with dynamic shapes yet
     (:mod:`pipeq.compat`, ``tp-compile-dynamic``): unless ``dynamic`` is given, every shape compiles
-    a graph of its own (``dynamic=False``; a new length recompiles)."""
+    a graph of its own (``dynamic=False``; a new length recompiles). ``stage``: its index, in messages."""
     import dataclasses
 
     from torch._functorch import config as aot_config
@@ -193,7 +226,7 @@ def compile_stage(module: nn.Module, opts: CompileOptions, static: bool = False)
         opts = dataclasses.replace(opts, kwargs={**opts.kwargs, "dynamic": False}, mark_dynamic=False)
     use_cache(opts)
     aot_config.force_non_lazy_backward_lowering = True
-    watch = CompileWatch(opts)
+    watch = CompileWatch(opts, stage)
     own = getattr(module, "pipeq_compile", None)
     if callable(own):
         own(watch.wrap)

@@ -442,6 +442,7 @@ class Stats(Payload):
     recompiles: int = wire(COUNT)  # compiles after a compiled function's first
     graph_breaks: int = wire(COUNT)
     compile_cache_hits: int = wire(COUNT)  # inductor's and AOTAutograd's cache hits
+    backward_split: str | None = wire(nullable(TEXT), default=None)  # "I+W", "whole: <why>" (stage.split_backward)
     # what the stage holds (pipeq.stage.memory): its state now, its last measured step's activations
     param_bytes: int = wire(COUNT, default=0)
     grad_bytes: int = wire(COUNT, default=0)

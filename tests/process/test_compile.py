@@ -55,14 +55,19 @@ def test_a_second_run_in_the_same_cache_hits_it_and_compiles_faster(first_run, c
         f"stage {k} {a['compile_s']:.1f} -> {b['compile_s']:.1f}" for k, (a, b) in enumerate(zip(first[2], got[2]))))
 
 
-@pytest.mark.parametrize("schedule,n_stages", [("zb-h1", 2), ("zbv", 4)])
-def test_split_backward_schedules_train_compiled_like_one_process(schedule, n_stages):
-    """A compiled stage's I computes its whole backward (one compiled node), its W nothing: the
-    same numbers. ZBV: two stages per process (a V). A traced split (its graph compiled, not
-    pipeq's wrapper: no graph break); aot_eager keeps it short (what is tested is pipeq's part)."""
+@pytest.mark.parametrize("schedule,n_stages,microbatches", [("zb-h1", 2, 2), ("zbv", 4, 2), ("dualpipev", 4, 4)])
+def test_split_backward_schedules_train_compiled_like_one_process(schedule, n_stages, microbatches):
+    """A compiled stage's backward is cut in two (pipeq.stage.split_backward): its I computes the
+    input gradients, its W the weight gradients, the same numbers as one process on three lengths
+    (not a compile per length: the lengths are marked dynamic; a stage sent a length as an int
+    recompiles once, dynamic in it, as torch's automatic dynamic shapes do). ZBV and DualPipeV: two stages per process (a V). A
+    traced split of the tied GPT (its graph compiled, not pipeq's wrapper: no graph break);
+    aot_eager keeps it short (what is tested is pipeq's part: the cut is the same with inductor)."""
     m = model()
-    data = batches((32, 32))
+    data = batches((32, 17, 24))
     stages = pipeq.split(m, (torch.zeros(2, 32, dtype=torch.long),), n_stages=n_stages)
-    got = run(stages, data, schedule, compile={"backend": "aot_eager"}, **FAST)
+    got = run(stages, data, schedule, microbatches, compile={"backend": "aot_eager"}, **FAST)
     assert_trains_like_one_process(got, reference(m, data))
-    assert all(s["compiles"] >= 1 and s["graph_breaks"] == 0 for s in got[2]), got[2]
+    assert all(s["compiles"] >= 1 and s["graph_breaks"] == 0 and s["recompiles"] <= 1 for s in got[2]), got[2]
+    # stage 0 has no input gradient: its W is its whole backward, which nothing cuts
+    assert [s["backward_split"] for s in got[2]] == ["I+W"] * len(got[2]), got[2]

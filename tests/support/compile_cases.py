@@ -93,9 +93,10 @@ def reference(m: nn.Module, data: list) -> tuple[list[float], dict[str, torch.Te
     return losses, ref.state_dict()
 
 
-def run(stages, data: list, schedule: str = "1f1b", **settings) -> tuple[list[float], dict, list[dict]]:
-    """``stages`` trained on ``data`` (2 microbatches): the losses, the state, every stage's stats."""
-    with pipeq.PipelineRunner(list(stages), lm_loss, SGD, schedule, 2, **settings) as r:
+def run(stages, data: list, schedule: str = "1f1b", microbatches: int = 2,
+        **settings) -> tuple[list[float], dict, list[dict]]:
+    """``stages`` trained on ``data``: the losses, the state, every stage's stats."""
+    with pipeq.PipelineRunner(list(stages), lm_loss, SGD, schedule, microbatches, **settings) as r:
         losses = [r.step(x, y) for x, y in data]
         return losses, r.state_dict(), r.stats()
 

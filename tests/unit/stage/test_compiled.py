@@ -22,6 +22,7 @@ from pipeq.control.assembly import uncompiled
 from pipeq.control.config import RunConfig
 from pipeq.stage.compiled import CompileOptions, compile_stage, options
 from pipeq.stage.executor import StageExecutor
+from pipeq.stage.numerics import Numerics
 from pipeq.stage.spec import StageSpec
 
 
@@ -66,33 +67,71 @@ def test_a_split_stage_compiles_its_graph_without_a_break_where_its_wrapper_woul
     assert _graph_breaks(stages[1], sent, whole=True) > 0  # int(tensor) in the wrapper
 
 
-def test_a_compiled_stage_computes_its_whole_backward_at_I_and_W_does_nothing():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_compiled_stage_cut_in_two_computes_its_weight_gradients_at_W_not_at_I(recompute):
+    """Cut (a split-backward schedule's stage: pipeq.stage.split_backward): after I the parameters
+    have no gradient and W computes them; whole (a backward compiled as one): I computes them all
+    and W has nothing left. Every way gives B's gradients."""
     torch.manual_seed(0)
-    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 8))
     x = torch.randn(4, 8)
     got = {}
-    for how in ("B", "I+W", "compiled B", "compiled I+W"):
+    for how in ("B", "I+W", "compiled B", "compiled whole I+W", "compiled cut I+W", "compiled cut B"):
         ex = StageExecutor(1, 3, StageSpec(copy.deepcopy(block), functools.partial(torch.optim.SGD, lr=0.1)),
                            torch.device("cpu"))
+        if recompute:
+            ex.set_numerics(Numerics(recompute=(False, True, False)))
         if how.startswith("compiled"):
-            ex.compile_watch = compile_stage(ex.module, CompileOptions({"backend": "aot_eager"}))
+            opts = CompileOptions({"backend": "aot_eager"}, split_backward="cut" in how)
+            ex.compile_watch = compile_stage(ex.module, opts)
         ex.begin(0, [4], True)
         (out,) = ex.forward(0, (x.clone(),))  # a fresh leaf, as a received tensor is
         g = (torch.linspace(-1, 1, out.numel()).reshape(out.shape),)
         if how.endswith("I+W"):
             gin = ex.input_grad(0, g)
-            if how.startswith("compiled"):
+            if "cut" in how:
+                assert all(p.grad is None for p in ex.module.parameters())  # W's to compute
+                assert [type(d).__name__ for d in ex.backprop.pending[0]] == ["DeferredWeights"]
+            elif how.startswith("compiled"):
                 assert ex.backprop.pending[0] == []  # the weight gradients are in already
             ex.weight_grad(0)
         else:
-            gin = ex.backward(0, g)
+            gin = ex.backward(0, g)  # a cut stage's B runs both graphs at once
         got[how] = (gin[0], [p.grad.clone() for p in ex.module.parameters()])
         if how.startswith("compiled"):
-            assert ex.stats()["compiles"] == 1 and list(ex.module.state_dict()) == list(block.state_dict())
+            stats = ex.stats()
+            # (recompute: its forward runs without grad in F, with grad in I: two graphs)
+            assert stats["compiles"] == 1 + recompute and list(ex.module.state_dict()) == list(block.state_dict())
+            assert stats["backward_split"] == ("I+W" if "cut" in how else None), stats
     for how, (gin, grads) in got.items():
         torch.testing.assert_close(gin, got["B"][0], atol=1e-6, rtol=0, msg=how)
         for a, b in zip(grads, got["B"][1]):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=how)
+
+
+def test_a_backward_that_cannot_be_cut_runs_whole_in_I_and_says_why():
+    """A backend pipeq does not cut (one of AOTAutograd's own), and a graph whose weight gradients
+    need nothing of their own (an added parameter of the output's shape): I computes everything, and the stage's figures say why."""
+    torch.manual_seed(0)
+    for module, setting, why in [(nn.Linear(8, 8), {"backend": "aot_eager_default_partitioner"}, "backend "),
+                                 (_Bias(), {"backend": "aot_eager"}, "need nothing beyond")]:
+        ex = StageExecutor(1, 3, StageSpec(module, functools.partial(torch.optim.SGD, lr=0.1)), torch.device("cpu"))
+        ex.compile_watch = compile_stage(ex.module, CompileOptions(setting, split_backward=True))
+        ex.begin(0, [4], True)
+        (out,) = ex.forward(0, (torch.randn(4, 8),))
+        ex.input_grad(0, (torch.ones_like(out),))
+        assert all(p.grad is not None for p in ex.module.parameters())
+        assert why in ex.stats()["backward_split"] and ex.stats()["backward_split"].startswith("whole: ")
+        ex.weight_grad(0)
+
+
+class _Bias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + self.b  # its gradient is the output's: nothing to compute in a W
 
 
 def test_stages_compiled_before_the_runner_run_as_their_own_modules_compiled_in_their_processes():
