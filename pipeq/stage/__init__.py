@@ -8,6 +8,7 @@ an executor alike. Its modules:
     backprop.py       Backprop: the backward, whole (B) or as input and weight gradients (I, W)
     grad_graph.py     where a split backward's weight gradients start
     compiled.py       torch.compile of a stage in its process, and what compiling it cost
+    split_backward.py a compiled backward cut into an I graph and a W graph
     state.py          StateIO: state tensors, checkpoint layout, snapshots and restores
     memory.py         MemoryMeter: the bytes a stage holds, its activations measured over a step
     spec.py           StageSpec and StageBuilder: what a stage is built from
@@ -22,4 +23,4 @@ an executor alike. Its modules:
 """
 
 __all__ = ["backprop", "compiled", "executor", "grad_graph", "info", "loss", "lr_schedulers", "microbatch",
-           "numerics", "spec", "state", "step", "tie_groups", "ties", "transfer"]
+           "numerics", "spec", "split_backward", "state", "step", "tie_groups", "ties", "transfer"]

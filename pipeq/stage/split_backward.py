@@ -93,7 +93,7 @@ def deferring() -> Iterator[list[DeferredWeights]]:
 
 class Splitting:
     """One stage's record of its compiled backwards: cut or not, and why not (the first reason,
-    logged once: ``pipeq.compile``'s warning)."""
+    logged once, a warning of the logger named after this module)."""
 
     def __init__(self, stage: int | None = None) -> None:
         self.stage = stage
@@ -104,7 +104,7 @@ class Splitting:
         if self.reason is None:
             self.reason = reason
             where = f"stage {self.stage}" if self.stage is not None else "a stage"
-            logging.getLogger("pipeq.compile").warning(
+            logging.getLogger(__name__).warning(
                 "pipeq: %s runs its compiled backward whole in I (its W has nothing left to do): %s", where, reason)
 
     def figure(self) -> str:
