@@ -17,7 +17,12 @@ every figure, and per part ``status`` ("ok", "failed: ...", "skipped: ...").
    so 2N stages), and, on a machine with several GPUs, 1F1B with its stages spread over them. Each row:
    the median step (ms) over ``--steps`` steps after ``--warmup``, its ratio to one process, and the
    largest difference of its losses from one process's (same weights, same batches). **On one GPU
-   the stages share it: the ratio measures pipeq's overhead, not a speed-up.**
+   the stages share it: the ratio measures pipeq's overhead, not a speed-up.** Beside them: the one
+   process run the way pipeq runs it (``one process, microbatches``: the same microbatches one after
+   another, their gradients accumulated, one step: what a pipeline on one device can at best match);
+   pipeq with every stage in one process (``interleaved-1f1b``, ``stages_per_process`` = all:
+   pipeq's own overhead, without processes time-slicing the device); and 1F1B, ZB-H1 and ZBV
+   compiled (``compile=``, inductor; ``--quick``: aot_eager) on the smaller process count.
 2. **ipc**: one-way bandwidth of an activation between two stage processes on one GPU (``transport="ipc"``:
    CUDA tensors go through CUDA IPC slots). A 2-stage pipeline whose stage 0 widens a one-number
    input into an activation of 1, 16 or 256 MiB (float32, on the GPU) and whose stage 1 sums it; a
@@ -96,11 +101,12 @@ class Sizes:
     slot_steps: int = 5
     budget_s: float = 200.0  # runs not started by then are skipped (the GPU check allows 240 s)
     run_limit_s: float = 90.0  # one run (a runner's start, steps and close) that takes longer fails
+    compile_backend: str = "inductor"  # the compiled rows'
 
 
 QUICK = Sizes(d_model=32, layers=8, heads=2, seq=16, batch=4, microbatches=2, warmup=1, steps=2,
               gpt_procs=(2,), ipc_mib=(1, 16), ipc_reps=3, sleep_ms=1.0, slot_procs=2, slot_microbatches=4, slot_steps=2,
-              budget_s=60.0)
+              budget_s=100.0, compile_backend="aot_eager")
 
 
 # -- the model: module-level classes (the stage processes import them from this script) ---------
@@ -205,27 +211,36 @@ def gpt_data(s: Sizes) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def one_process(s: Sizes, device: str, data: list) -> dict:
+def one_process(s: Sizes, device: str, data: list, accumulate: bool = False) -> dict:
+    """The model in this process: the whole batch at once, or (``accumulate``) as pipeq runs it,
+    its ``s.microbatches`` microbatches one after another, their gradients accumulated (each loss
+    over the batch's share), one optimizer step."""
     model = nn.Sequential(*gpt_stages(s, 1)).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, losses = [], []
+    parts = s.microbatches if accumulate else 1
     for x, y in data:
         _sync(device)
         t0 = time.perf_counter()
-        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
-            loss = lm_loss(model(x.to(device)), y.to(device))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
+            with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+                loss = lm_loss(model(xs.to(device)), ys.to(device)) * (len(xs) / len(x))
+            loss.backward()
+            total += loss.detach()
         opt.step()
-        losses.append(loss.item())  # synchronizes
+        losses.append(float(total))  # synchronizes
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
     return {"times": times[s.warmup:], "losses": losses, "device_peak_bytes": peak}
 
 
-def pipeq_gpt(s: Sizes, schedule: str, procs: int, devices: list[str], data: list) -> dict:
-    v = schedules.resolve(schedule).stages_per_process
-    runner = _runner(gpt_stages(s, procs * v), lm_loss, schedule, s.microbatches, devices, v, precision="bf16")
+def pipeq_gpt(s: Sizes, schedule: str, procs: int, devices: list[str], data: list, v: int | None = None,
+              **extra: Any) -> dict:
+    v = v or schedules.resolve(schedule).stages_per_process
+    runner = _runner(gpt_stages(s, procs * v), lm_loss, schedule, s.microbatches, devices, v, precision="bf16",
+                     **extra)
     times, losses = [], []
     with runner:
         for x, y in data:
@@ -238,6 +253,10 @@ def pipeq_gpt(s: Sizes, schedule: str, procs: int, devices: list[str], data: lis
     return {"times": times[s.warmup:], "losses": losses, "memory": memory}
 
 
+def _diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
 def part_gpt(s: Sizes, device: str, clock: Clock) -> list[dict]:
     data = gpt_data(s)
     base = one_process(s, device, data)
@@ -246,20 +265,32 @@ def part_gpt(s: Sizes, device: str, clock: Clock) -> list[dict]:
     base_ms = 1e3 * statistics.median(base["times"])
     rows = [{"run": "one process", "schedule": "-", "processes": 1, "stages": 1, "status": "ok", "step_ms": base_ms,
              "ratio": 1.0, "loss_max_diff": 0.0, "losses": base["losses"], "device_peak_bytes": base["device_peak_bytes"]}]
-    plan = [(sch, n, [device] * (n * (2 if sch == "zbv" else 1)), "one device") for n in s.gpt_procs for sch in SCHEDULES]
+    acc = one_process(s, device, data, accumulate=True)
+    acc_ms = 1e3 * statistics.median(acc["times"])
+    rows.append({"run": "one process, microbatches", "schedule": "-", "processes": 1, "stages": 1, "status": "ok",
+                 "step_ms": acc_ms, "ratio": acc_ms / base_ms, "loss_max_diff": _diff(acc["losses"], base["losses"]),
+                 "losses": acc["losses"], "device_peak_bytes": acc["device_peak_bytes"]})
+    # (run, schedule, processes, devices, stages per process, settings)
+    plan: list[tuple[str, str, int, list[str], int | None, dict]] = [
+        ("pipeq one device", sch, n, [device] * (n * (2 if sch == "zbv" else 1)), None, {})
+        for n in s.gpt_procs for sch in SCHEDULES]
+    every = max(s.gpt_procs)  # pipeq's own overhead: every stage in one process, none time-slicing the device
+    plan.append(("pipeq one process", "interleaved-1f1b", 1, [device] * every, every, {}))
+    plan += [("pipeq one device, compiled", sch, min(s.gpt_procs), [device] * (min(s.gpt_procs) * (2 if sch == "zbv" else 1)),
+              None, {"compile": {"backend": s.compile_backend}}) for sch in SCHEDULES]
     gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
     if gpus > 1:
-        plan += [("1f1b", n, [f"cuda:{k % gpus}" for k in range(n)], f"{min(n, gpus)} GPUs") for n in s.gpt_procs]
-    for sch, n, devices, where in plan:
-        row: dict[str, Any] = {"run": f"pipeq {where}", "schedule": sch, "processes": n, "stages": len(devices)}
+        plan += [(f"pipeq {min(n, gpus)} GPUs", "1f1b", n, [f"cuda:{k % gpus}" for k in range(n)], None, {})
+                 for n in s.gpt_procs]
+    for where, sch, n, devices, v, extra in plan:
+        row: dict[str, Any] = {"run": where, "schedule": sch, "processes": n, "stages": len(devices)}
         try:
             clock.check()
             with clock.limit(s.run_limit_s):
-                got = pipeq_gpt(s, sch, n, devices, data)
+                got = pipeq_gpt(s, sch, n, devices, data, v, **extra)
             step = 1e3 * statistics.median(got["times"])
-            diff = max(abs(a - b) for a, b in zip(got["losses"], base["losses"]))
-            row.update(status="ok", step_ms=step, ratio=step / base_ms, loss_max_diff=diff, losses=got["losses"],
-                       memory=got["memory"])
+            row.update(status="ok", step_ms=step, ratio=step / base_ms, loss_max_diff=_diff(got["losses"], base["losses"]),
+                       losses=got["losses"], memory=got["memory"])
         except Exception as e:  # one run failing leaves the others
             row.update(status=e.args[0] if isinstance(e, TimeoutError) else f"failed: {_err(e)}")
         rows.append(row)

@@ -70,7 +70,8 @@ class DeferredWeights:
     def run(self) -> None:
         """Compute the parameters' gradients and accumulate them (frees what it read)."""
         args, self.grads = self.grads, []
-        got = self.fn(args)
+        with torch.no_grad():  # as the engine runs a backward: its inputs include the parameters
+            got = self.fn(args)
         pairs = [(e, g) for e, g in zip(self.edges, got) if g is not None]
         if pairs:
             torch.autograd.backward([GradientEdge(*e) for e, _ in pairs], [g for _, g in pairs])
@@ -187,6 +188,10 @@ def cut(gm: fx.GraphModule, params: set[int]) -> Cut | str:
             args[o] = None
         elif o not in w_set:
             passed[o] = None
+    # every size the backward takes (a SymInt): what W's inputs' shapes are made of (inductor
+    # binds a shape's symbols from the graph's inputs)
+    sizes = [n for n in holders if isinstance(n.meta.get("val"), torch.SymInt) and n not in args]
+    args = {**dict.fromkeys(sizes), **args}
     i_nodes = [n for n in nodes if n in mine_i]
     i_gm = _copy(i_nodes, holders, [outs[k] for k in i_slots] + list(passed))
     w_inputs = list(args) + list(passed)

@@ -109,6 +109,23 @@ def test_a_compiled_stage_cut_in_two_computes_its_weight_gradients_at_W_not_at_I
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=how)
 
 
+def test_a_deferred_W_runs_as_the_engine_runs_a_backward_without_grad_mode():
+    """(inductor's kernels write into ``out=`` buffers, which grad mode refuses with a parameter among
+    the inputs)"""
+    from pipeq.stage.split_backward import DeferredWeights
+
+    p = nn.Parameter(torch.zeros(3))
+    modes = []
+
+    def w_graph(args):
+        modes.append(torch.is_grad_enabled())
+        return [args[0] * 2]
+
+    edge = torch.autograd.graph.get_gradient_edge(p)
+    DeferredWeights(w_graph, [torch.ones(3)], [(edge.node, edge.output_nr)]).run()
+    assert modes == [False] and torch.equal(p.grad, torch.full((3,), 2.0))
+
+
 def test_a_backward_that_cannot_be_cut_runs_whole_in_I_and_says_why():
     """A backend pipeq does not cut (one of AOTAutograd's own), and a graph whose weight gradients
     need nothing of their own (an added parameter of the output's shape): I computes everything, and the stage's figures say why."""
