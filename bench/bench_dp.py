@@ -173,8 +173,6 @@ def _probe_worker(stage: int, replica: int, replicas: int, n_stages: int, core: 
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, [core])
         torch.set_num_threads(1)
-        import datetime
-
         import torch.distributed as dist
 
         from pipeq.parallel.data import GradSync

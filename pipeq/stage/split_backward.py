@@ -199,12 +199,6 @@ def cut(gm: fx.GraphModule, params: set[int]) -> Cut | str:
     return Cut(i_gm, w_gm, i_slots, w_slots, [holders.index(a) for a in args], len(passed), len(outs))
 
 
-def _fake(n: fx.Node, given: Sequence[Any], holders: list[fx.Node]) -> Any:
-    if n in holders:
-        return given[holders.index(n)]
-    return n.meta["val"]
-
-
 class _SplitNode:
     """A cut backward as AOTAutograd calls it (boxed: a list of arguments it may empty)."""
 
@@ -260,13 +254,12 @@ def _split_bw(inner: Callable[..., Any], params: set[int], next_index: dict[int,
     if isinstance(c, str):
         record.whole(c)
         return inner(gm, example_inputs, **kwargs)
-    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     w_holders = [n for n in c.w_gm.graph.nodes if n.op == "placeholder"]
     w_given = [example_inputs[k] for k in c.w_args]
     w_examples = w_given + [n.meta["val"] for n in w_holders[len(w_given):]]
-    del holders
     i_fn = _boxed(inner(c.i_gm, list(example_inputs), **kwargs))
-    w_fn = _boxed(inner(c.w_gm, w_examples, **kwargs))
+    # (the backward's static inputs are numbered in its own graph, not in W's)
+    w_fn = _boxed(inner(c.w_gm, w_examples, **{**kwargs, "static_input_idxs": ()}))
     record.graphs += 1
     return _SplitNode(c, i_fn, w_fn, next_index, record)
 
