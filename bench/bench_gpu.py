@@ -40,7 +40,7 @@ every figure, and per part ``status`` ("ok", "failed: ...", "skipped: ...").
 4. **memory**: ``runner.memory()`` of every part-1 run, per stage: ``activation_peak_bytes``,
    ``predicted_activation_bytes``, ``device_peak_bytes`` (the allocator's peak; None on the CPU).
 
-``--device cpu --quick`` runs the same code on the CPU at a tiny size (d_model 32, 2 layers, sequence
+``--device cpu --quick`` runs the same code on the CPU at a tiny size (d_model 32, 4 layers, sequence
 16, 2 timed steps; ipc at 1 and 16 MiB against a CPU ``copy_``; slots with pipeq.testing's sleep
 stages) in seconds: the smoke test runs it so that the script cannot rot. ``--device cuda`` on a
 machine without CUDA exits with status 2 and says so.
@@ -104,7 +104,7 @@ class Sizes:
     compile_backend: str = "inductor"  # the compiled rows'
 
 
-QUICK = Sizes(d_model=32, layers=8, heads=2, seq=16, batch=4, microbatches=2, warmup=1, steps=2,
+QUICK = Sizes(d_model=32, layers=4, heads=2, seq=16, batch=4, microbatches=2, warmup=1, steps=2,
               gpt_procs=(2,), ipc_mib=(1, 16), ipc_reps=3, sleep_ms=1.0, slot_procs=2, slot_microbatches=4, slot_steps=2,
               budget_s=100.0, compile_backend="aot_eager")
 
@@ -258,6 +258,9 @@ def _diff(a: list[float], b: list[float]) -> float:
 
 
 def part_gpt(s: Sizes, device: str, clock: Clock) -> list[dict]:
+    from pipeq.control import forkserver
+
+    forkserver.start(compiles=True)  # every row's stages fork from it; the compiled rows' start compiling at once
     data = gpt_data(s)
     base = one_process(s, device, data)
     if device.startswith("cuda"):

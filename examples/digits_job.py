@@ -78,15 +78,9 @@ def two_stages() -> list[nn.Module]:
 @functools.lru_cache(maxsize=1)
 def _digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """sklearn's bundled 8x8 digits (offline): standardized 80/20 train/test split."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:  # an optional dependency: pipeq itself does not need it
-        raise ModuleNotFoundError("the digits examples load scikit-learn's bundled digits: "
-                                  "pip install -e '.[examples]' (or pip install scikit-learn)") from None
+    from examples.digits_data import digits
 
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.long)
+    x, y = digits()
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[perm], y[perm]
     n_test = len(x) // 5

@@ -72,15 +72,10 @@ BLOCKS_PER_COMPONENT = "1,1,1,rest"  # 4 stages: the stem | block 16 | block 32 
 def load_digits(seed: int = 0):
     """sklearn's bundled 8x8 digits (1797 images, offline): standardized train/test tensors, the
     images as [N, 1, 8, 8]."""
-    try:
-        from sklearn.datasets import load_digits as _load
-    except ImportError:  # an optional dependency: pipeq itself does not need it
-        raise ModuleNotFoundError("the digits examples load scikit-learn's bundled digits: "
-                                  "pip install -e '.[examples]' (or pip install scikit-learn)") from None
+    from examples.digits_data import digits
 
-    data = _load()
-    x = torch.tensor(data.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
+    x, y = digits()
+    x = x.reshape(-1, 1, 8, 8) / 16.0
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     x, y = x[perm], y[perm]
     n_test = len(x) // 5

@@ -96,10 +96,11 @@ def pytest_configure(config) -> None:
         return  # the xdist controller: no torch, no fork server
     if not _unit_only(config):
         # The fork server that process-mode tests fork their stages from (start_method=
-        # "forkserver") imports torch while this process imports it and the test modules.
+        # "forkserver") imports torch while this process imports it and the test modules, and
+        # torch.compile's machinery, which the compile tests' stages would each import again.
         from pipeq.control import forkserver
 
-        forkserver.start()
+        forkserver.start(compiles=True)
     import torch
 
     # Simulated-mode tests train tiny models in this process: one thread, like each stage process

@@ -21,6 +21,8 @@ import stat
 import tempfile
 
 PRELOAD = ["pipeq.runtime.preload"]
+#: what the server imports too when the run that starts it compiles its stages
+PRELOAD_COMPILE = [*PRELOAD, "pipeq.runtime.preload_compile"]
 #: multiprocessing's temporary directory of a process that starts the fork server (it holds the
 #: server's socket): ``pipeq-mp-<pid>-<random>``, so that one left by a killed process is known
 TEMP_PREFIX = "pipeq-mp-"
@@ -28,17 +30,20 @@ _SUN_PATH = 108  # the longest path of a unix socket, its NUL included (Linux)
 _TEMP_DIR = re.compile(rf"{re.escape(TEMP_PREFIX)}(\d+)-\w+")
 
 
-def start() -> bool:
+def start(compiles: bool = False) -> bool:
     """Start the fork server (once per process; a no-op when it runs) without the current
     directory on its sys.path: it runs ``python -c``, which would put it first, so a ``pipeq/``
     folder there (a source checkout beside a job file) would be preloaded instead of this pipeq,
     and every stage die with "cannot import name ... from 'pipeq'". (Its stages then take this
     process's sys.path.) Returns at once: the server imports in the background, and the first
-    stage start waits for it. True: it was not running (this call started it, see :func:`stop`)."""
+    stage start waits for it. ``compiles``: the run compiles its stages, so the server imports
+    torch.compile's machinery too (:mod:`pipeq.runtime.preload_compile`; a server already running
+    is used as it is). True: it was not running (this call started it, see :func:`stop`)."""
     from multiprocessing import forkserver
 
     was = _running()
-    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    if not was:
+        mp.get_context("forkserver").set_forkserver_preload(PRELOAD_COMPILE if compiles else PRELOAD)
     _own_temp_dir()
     saved = os.environ.get("PYTHONSAFEPATH")
     os.environ["PYTHONSAFEPATH"] = "1"  # Python >= 3.11: no script directory or cwd on sys.path

@@ -416,13 +416,14 @@ def exit_reason(code: int) -> str:
     return f"was killed by {name}"
 
 
-def process_context(start_method: str) -> Any:
+def process_context(start_method: str, compiles: bool = False) -> Any:
     """The multiprocessing context stage processes are started with. With ``"forkserver"`` the
     fork server imports torch and pipeq once (``pipeq.runtime.preload``) and each stage is a fork of it:
     ~0.1 s for a 3-stage runner once the server runs, instead of seconds; the server lives until
-    this process exits."""
+    this process exits. ``compiles``: the run compiles its stages (the server then imports
+    torch.compile's machinery once, :func:`pipeq.control.forkserver.start`)."""
     if start_method == "forkserver":
-        forkserver.start()
+        forkserver.start(compiles)
     return mp.get_context(start_method)
 
 

@@ -156,7 +156,7 @@ class StageProcesses:
         fault_tolerance="replicas", with the seeds they had, started for the ``generation``-th time)."""
         assert self.server is not None and self._bind is not None
         bind, auth = self._bind, self._auth
-        ctx = process_context(self.start_method)
+        ctx = process_context(self.start_method, compiles=bool(self.setup.config.numerics.compile))
         # stage seeds come from the caller's RNG: torch.manual_seed before the runner repeats a run
         if self._base_seed is None:
             self._base_seed = int(torch.randint(0, 2**62, ()).item())

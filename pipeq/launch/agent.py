@@ -252,7 +252,7 @@ def _run_generation(rz: Rendezvous, base: Any, builder: StageBuilder, n_stages: 
     if not mine:
         log(f"node {rz.node_rank}: the run goes on without this node (its stages were re-placed on the others)")
         return 0
-    ctx = process_context(config.placement.start_method)
+    ctx = process_context(config.placement.start_method, compiles=bool(config.numerics.compile))
     procs: dict[int, StageHandle] = {}
     setup = setup.with_security(auth.mode)
     interval = config.fault.heartbeat_interval

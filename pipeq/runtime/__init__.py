@@ -31,6 +31,7 @@ Its modules:
     faults.py         PIPEQ_FAULT: failures injected on purpose
     os_process.py     the process in the OS: name, cores, threads, timers, parent
     preload.py        what the fork server imports once
+    preload_compile.py  what it imports too for a run that compiles its stages
 """
 
 __all__: list[str] = []  # nothing: its modules are imported by their own names
