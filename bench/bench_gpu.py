@@ -22,7 +22,8 @@ every figure, and per part ``status`` ("ok", "failed: ...", "skipped: ...").
    another, their gradients accumulated, one step: what a pipeline on one device can at best match);
    pipeq with every stage in one process (``interleaved-1f1b``, ``stages_per_process`` = all:
    pipeq's own overhead, without processes time-slicing the device); and 1F1B, ZB-H1 and ZBV
-   compiled (``compile=``, inductor; ``--quick``: aot_eager) on the smaller process count.
+   compiled (``compile=``, inductor; ``--quick``: Dynamo's ``eager`` backend, the same path through
+   the script in seconds) on the smaller process count.
 2. **ipc**: one-way bandwidth of an activation between two stage processes on one GPU (``transport="ipc"``:
    CUDA tensors go through CUDA IPC slots). A 2-stage pipeline whose stage 0 widens a one-number
    input into an activation of 1, 16 or 256 MiB (float32, on the GPU) and whose stage 1 sums it; a
@@ -106,7 +107,7 @@ class Sizes:
 
 QUICK = Sizes(d_model=32, layers=4, heads=2, seq=16, batch=4, microbatches=2, warmup=1, steps=2,
               gpt_procs=(2,), ipc_mib=(1, 16), ipc_reps=3, sleep_ms=1.0, slot_procs=2, slot_microbatches=4, slot_steps=2,
-              budget_s=100.0, compile_backend="aot_eager")
+              budget_s=100.0, compile_backend="eager")
 
 
 # -- the model: module-level classes (the stage processes import them from this script) ---------

@@ -84,7 +84,7 @@ def orphaning_driver(conn) -> None:
     import pipeq
     import pipeq.control.forkserver
 
-    pipeq.control.forkserver.start = lambda: None
+    pipeq.control.forkserver.start = lambda compiles=False: None
     mp_forkserver._forkserver.ensure_running = lambda: None  # type: ignore[method-assign]
 
     torch.manual_seed(0)
