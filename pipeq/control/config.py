@@ -47,6 +47,17 @@ def _whole(value: Any, lo: int, hi: int) -> bool:
     return type(value) is int and lo <= value <= hi
 
 
+def _seconds(value: Any) -> bool:
+    """A finite number of seconds, 0 or more."""
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
+def _lists_of_ints(value: Any) -> bool:
+    """A list (or tuple) of lists of non-negative integers."""
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(node, (list, tuple)) and all(type(k) is int and k >= 0 for k in node) for node in value)
+
+
 @dataclass(frozen=True)
 class NumericsConfig:
     """How the stages compute: precision, gradient clipping, finite checks, recomputation.
@@ -104,8 +115,11 @@ class NumericsConfig:
     compile: bool | Mapping[str, Any] = False
 
     def __post_init__(self) -> None:
+        from pipeq.stage import numerics
         from pipeq.stage.compiled import options
 
+        numerics.check(self.precision, self.clip_grad_norm, self.clip_norm_type, self.check_finite, self.recompute,
+                       None)  # the per-stage recompute list's length: once the stages are known
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting must be 'token' (each microbatch's loss weighted by its target's "
                              f"tokens) or 'sample' (by its rows), got {self.loss_weighting!r}")
@@ -166,6 +180,13 @@ class WireConfig:
         if not _whole(self.shm_slots, 0, 64):
             raise ValueError(
                 f"shm_slots must be a whole number from 0 (no shared memory) to 64, got {self.shm_slots!r}")
+        if type(self.host) is not str or not self.host.strip():
+            raise ValueError(f"host must be the address (a name or an IP) the stages bind on, got {self.host!r}")
+        if self.queue_capacity is not None and not _whole(self.queue_capacity, 1, 1 << 20):
+            raise ValueError(f"queue_capacity must be a whole number of messages from 1 to 1048576, or None "
+                             f"(four steps' worth), got {self.queue_capacity!r}")
+        if not _seconds(self.spin) or self.spin > 1:
+            raise ValueError(f"spin must be seconds from 0 (never busy-poll) to 1, got {self.spin!r}")
 
 
 @dataclass(frozen=True)
@@ -208,8 +229,8 @@ class FaultConfig:
             raise ValueError(f"fault_tolerance must be None (a failure ends the run) or 'replicas', got "
                              f"{self.fault_tolerance!r}")
         for name in ("heartbeat_interval", "heartbeat_timeout", "start_timeout", "stop_timeout"):
-            if not getattr(self, name) > 0:  # (NaN too)
-                raise ValueError(f"{name} must be positive (seconds), got {getattr(self, name)!r}")
+            if not _seconds(getattr(self, name)) or not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         check_step_timeout(self.step_timeout, self.heartbeat_interval)
@@ -320,8 +341,18 @@ class PlacementConfig:
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {self.start_method!r}"
                              + (f" (from {START_METHOD_ENV})" if os.environ.get(START_METHOD_ENV) == self.start_method
                                 else ""))
+        if self.devices is not None and (isinstance(self.devices, (str, bytes)) or not isinstance(self.devices, Sequence)):
+            raise ValueError(f"devices must be a list of device strings, one per stage process (e.g. "
+                             f"['cuda:0', 'cuda:1']), or None, got {self.devices!r}")
         if self.devices:
             _check_devices(self.devices)
+        if self.placement is not None and not _lists_of_ints(self.placement):
+            raise ValueError(f"placement must be a list per node of the stages it runs (e.g. [[0, 1], [2]]), or "
+                             f"None, got {self.placement!r}")
+        if self.tp_plan is not None and (not isinstance(self.tp_plan, (list, tuple)) or not all(
+                isinstance(plan, Mapping) or callable(plan) for plan in self.tp_plan)):
+            raise ValueError(f"tp_plan must be a list with one plan per stage (a dict, or a callable (stage_module, "
+                             f"mesh) -> module; {{}} for a stage left whole), or None, got {self.tp_plan!r}")
 
     @property
     def shard_group(self) -> int:

@@ -65,8 +65,10 @@ class Numerics:
 
 
 def check(precision: Any, clip_grad_norm: Any, clip_norm_type: Any, check_finite: Any, recompute: Any,
-          n_stages: int) -> Numerics:
-    """The runner's numerics arguments, checked (ValueError naming the setting)."""
+          n_stages: int | None) -> Numerics:
+    """The runner's numerics arguments, checked (ValueError naming the setting). ``n_stages`` None:
+    before the stages are known (a :class:`~pipeq.control.config.NumericsConfig` being made), a
+    per-stage ``recompute`` list is checked for its form only (its ``recompute`` is then ())."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if clip_grad_norm is not None and (type(clip_grad_norm) not in (int, float) or not clip_grad_norm > 0
@@ -80,13 +82,13 @@ def check(precision: Any, clip_grad_norm: Any, clip_norm_type: Any, check_finite
     if check_finite not in FINITE_CHECKS:
         raise ValueError(f"check_finite must be False, 'raise' (or True) or 'skip', got {check_finite!r}")
     if isinstance(recompute, bool):
-        per_stage = (recompute,) * n_stages
-    elif isinstance(recompute, (list, tuple)) and len(recompute) == n_stages and all(
-            isinstance(r, bool) for r in recompute):
-        per_stage = tuple(recompute)
+        per_stage = (recompute,) * (n_stages or 0)
+    elif isinstance(recompute, (list, tuple)) and len(recompute) == (n_stages or len(recompute)) and recompute \
+            and all(isinstance(r, bool) for r in recompute):
+        per_stage = tuple(recompute) if n_stages is not None else ()
     else:
-        raise ValueError(f"recompute must be True, False or a list of {n_stages} booleans (one per stage), "
-                         f"got {recompute!r}")
+        many = f"{n_stages} booleans" if n_stages is not None else "booleans"
+        raise ValueError(f"recompute must be True, False or a list of {many} (one per stage), got {recompute!r}")
     return Numerics(precision, float(clip_grad_norm) if clip_grad_norm is not None else None,
                     float(clip_norm_type), check_finite, per_stage if any(per_stage) else ())
 

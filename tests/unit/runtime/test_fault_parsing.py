@@ -48,7 +48,7 @@ def test_a_fault_names_a_replica_the_run_has() -> None:
 def test_fault_timeouts_must_be_positive(key) -> None:
     from pipeq.control.config import FaultConfig
 
-    with pytest.raises(ValueError, match=rf"^{key} must be positive \(seconds\), got -1$"):
+    with pytest.raises(ValueError, match=rf"^{key} must be a positive number of seconds, got -1$"):
         FaultConfig(**{key: -1})
 
 
