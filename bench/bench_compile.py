@@ -5,6 +5,7 @@
     PYTHONPATH=$PWD python bench/bench_compile.py --size full      # examples/gpt.py default GPT: about 5 min
     PYTHONPATH=$PWD python bench/bench_compile.py --device cuda    # the same on a GPU
     PYTHONPATH=$PWD python bench/bench_compile.py --split          # split-backward schedules: about 8 min
+    PYTHONPATH=$PWD python bench/bench_compile.py --once           # compile once: about 2 min
 
 Rows: the model in this process (eager, then ``torch.compile``'d as pipeq compiles a stage:
 ``pipeq.stage.compiled``), then pipeq with 2 stages (1F1B, 4 microbatches, stage processes, a split
@@ -27,11 +28,18 @@ medians over rounds. Per row: the median step, the step over the same runtime's 
 compiled) 1F1B, and from the trace the mean ``F``, ``B``, ``I`` and ``W`` of the stages that have
 an input gradient (every stage but the first). Then the checks: compiled ``I`` over compiled 1F1B's
 ``B``, compiled ``I + W`` over it, and each schedule's compiled step ratio against its eager one.
+
+``--once``: what a fresh run of identical blocks compiles again. The ``--size`` GPT (default here:
+``full``) with one block as 1 stage, then with ``n_layers`` blocks as that many stages (``pipeq.split``),
+compiled (inductor) in a fresh cache, then again in that cache: each run's first step (compiling)
+and, per stage, the seconds torch spent compiling and its cache hits (a stage whose graphs another
+stage compiled before it hits the shared cache).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -44,7 +52,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 import pipeq  # noqa: E402
-from gpt import GPT, QUICK, GPTConfig, lm_loss  # noqa: E402
+from gpt import GPT, QUICK, GPTConfig, lm_loss, random_batch  # noqa: E402
 from pipeq.stage.compiled import CompileOptions, compile_stage  # noqa: E402
 
 SGD = functools.partial(torch.optim.SGD, lr=0.01)
@@ -186,6 +194,38 @@ def split_main(args: argparse.Namespace) -> None:
                   f"compiled {ratio_c:.3f} (gain over 1F1B, eager {1 / ratio_e:.3f}x, compiled {1 / ratio_c:.3f}x)")
 
 
+def _first_step(cfg: GPTConfig, n_stages: int, cache: str, args: argparse.Namespace) -> tuple[float, list[dict]]:
+    """The first step's seconds of ``cfg``'s GPT in ``n_stages`` compiled stages (1F1B, 8 microbatches), and the stages' stats."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    g = torch.Generator().manual_seed(1)
+    x, y = random_batch(torch.randint(0, 256, (65536,), dtype=torch.uint8, generator=g), args.batch, cfg.context, g)
+    stages = pipeq.split(model, (x[:2],), n_stages=n_stages) if n_stages > 1 else [model]
+    runner = pipeq.PipelineRunner(stages, lm_loss, SGD, "1f1b", 8, compile={"cache_dir": cache},
+                                  start_method="forkserver", threads_per_stage=args.threads, devices=[args.device] * n_stages)
+    with runner:
+        t = time.perf_counter()
+        runner.step(x, y)
+        first = time.perf_counter() - t
+        return first, runner.stats()
+
+
+def once_main(cfg: GPTConfig, args: argparse.Namespace) -> None:
+    one, many = tempfile.mkdtemp(prefix="pipeq-once-"), tempfile.mkdtemp(prefix="pipeq-once-")
+    n = cfg.n_layers
+    print(f"GPT {cfg}, batch {args.batch}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"| {'run':<32} | first step s | per stage: compile s (cache hits) |")
+    firsts = {}
+    for what, layers, stages, cache in [("1 stage of 1 block, fresh", 1, 1, one), (f"{n} stages of 1 block, fresh", n, n, many),
+                                        (f"{n} stages of 1 block, cached", n, n, many)]:
+        first, st = _first_step(dataclasses.replace(cfg, n_layers=layers), stages, cache, args)
+        firsts[what] = first
+        per = "; ".join(f"{s['compile_s']:.1f} ({s['compile_cache_hits']})" for s in st)
+        print(f"| {what:<32} | {first:12.1f} | {per} |", flush=True)
+    fresh = firsts[f"{n} stages of 1 block, fresh"]
+    print(f"fresh {n} stages over 1 stage of 1 block: {fresh / firsts['1 stage of 1 block, fresh']:.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=("quick", "full"), default="quick",
@@ -198,8 +238,12 @@ def main() -> None:
     p.add_argument("--processes", type=int, nargs="+", default=[2, 4], help="--split: stage processes")
     p.add_argument("--microbatches", type=int, default=8, help="--split: microbatches per step")
     p.add_argument("--rounds", type=int, default=2, help="--split: alternating rounds")
+    p.add_argument("--once", action="store_true", help="compile once: fresh and cached runs of identical blocks")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.once:
+        once_main(GPTConfig() if "--size" not in sys.argv or args.size == "full" else QUICK, args)
+        return
     if args.split:
         if "--size" not in sys.argv:
             args.size = "full"
