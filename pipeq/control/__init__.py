@@ -33,6 +33,7 @@ process mode:
     stage_handle.py     a stage process watched and stopped by its pid
     forkserver.py       the fork server stage processes are forked from
     supervisor.py       every wait watched: errors, deaths, silence, stuck actions
+    waiting.py          wait_until and every grace period the driver waits with, with its reason
     replica_loss.py     fault_tolerance="replicas": a failed replica dropped and rebuilt
     degraded.py         fault_tolerance="replicas": which steps a lost replica degraded, and where
     rendezvous.py       multi-host: node 0, the store, which stages run where

@@ -35,17 +35,14 @@ from pipeq.errors import ScheduleError
 from pipeq.schedules import Op
 from pipeq.schedules.choose import Budget, Choice, choose, stage_cost
 from pipeq.schedules.memory import Footprint
-from pipeq.trace.format import B as TRACE_B
-from pipeq.trace.format import F as TRACE_F
-from pipeq.trace.format import I as TRACE_I
-from pipeq.trace.format import W as TRACE_W
+from pipeq.trace.format import OP_OF_CODE
 
 __all__ = ["AUTO", "FALLBACK", "PROFILE_STEPS", "is_auto", "costs_of", "footprint", "profile", "decide"]
 
 #: the schedule name that asks for this, and the schedule the run is checked and built with until then
 AUTO, FALLBACK = "auto", "zb-h1"
 PROFILE_STEPS = 2
-_CODES = {TRACE_F: Op.FORWARD, TRACE_B: Op.BACKWARD, TRACE_I: Op.INPUT_GRAD, TRACE_W: Op.WEIGHT_GRAD}
+_TIMED = (Op.FORWARD, Op.BACKWARD, Op.INPUT_GRAD, Op.WEIGHT_GRAD)  # what a stage's costs are made of
 
 
 def is_auto(schedule: Any) -> bool:
@@ -60,8 +57,8 @@ def costs_of(rows: Sequence[Sequence[tuple[int, ...]]]) -> list[dict[Op, float]]
         last = max((r[1] for r in stage_rows), default=0)
         times: dict[Op, list[float]] = {}
         for code, step, _, start, end, *_ in stage_rows:
-            if step == last and code in _CODES:
-                times.setdefault(_CODES[code], []).append((end - start) / 1e6)
+            if step == last and OP_OF_CODE.get(code) in _TIMED:
+                times.setdefault(OP_OF_CODE[code], []).append((end - start) / 1e6)
         out.append({op: sum(t) / len(t) for op, t in times.items()})
     return out
 

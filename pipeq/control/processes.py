@@ -25,6 +25,7 @@ import torch
 
 from pipeq.control import forkserver
 from pipeq.control.main_guard import starting_stages
+from pipeq.control.waiting import KILLED_EXIT_S
 from pipeq.control.stage_handle import StageHandle
 from pipeq import schedules
 from pipeq.stage import compiled
@@ -436,7 +437,7 @@ def stop_processes(procs: Sequence[StageHandle]) -> None:
         if p.exitcode is None:
             p.kill()
     for p in procs:
-        p.join(5.0)
+        p.join(KILLED_EXIT_S)
     for p in procs:
         if p.exitcode is not None:
             p.close()

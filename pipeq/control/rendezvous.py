@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from pipeq.control.waiting import THREAD_STOP_S
 from pipeq.wire.keys import HOW_TO_MAKE, JobSecret
 from pipeq.wire.netif import interface_address
 
@@ -259,7 +260,7 @@ class Republisher:
     def stop(self) -> None:
         self._done.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(2.0)
+            self._thread.join(THREAD_STOP_S)
 
     def _run(self) -> None:
         store = None

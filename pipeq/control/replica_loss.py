@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from pipeq.control.processes import stop_processes
+from pipeq.control.waiting import LOST_REPLICA_DRAIN_S
 from pipeq.errors import PipelineError
 from pipeq.wire import control, shm
 from pipeq.wire.control import Ack, GetSnapshot, Lost, Ready, Rejoin, Restore
@@ -243,7 +244,7 @@ class ReplicaLoss:
         p, sup = self.p, self.p.sup
         assert sup is not None
         mine = self.processes_of(r)
-        end = time.monotonic() + 0.2  # what the lost processes sent before they died: read, ignored
+        end = time.monotonic() + LOST_REPLICA_DRAIN_S
         while time.monotonic() < end:
             sup.drain_pending()
             time.sleep(0.02)

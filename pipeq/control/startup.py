@@ -19,6 +19,7 @@ happened before; workers also die with the driver (a pidfd watch, or PR_SET_PDEA
 from __future__ import annotations
 
 from pipeq.control.stage_handle import StageHandle
+from pipeq.control.waiting import EXIT_S
 import dataclasses
 import threading
 import time
@@ -228,7 +229,7 @@ class StageProcesses:
             if self.recorder is not None:
                 merged = self.recorder.fetch(sup, request_id, [r.host for r in self.ready[:self.n_processes]])
             sup.send_all([(g, control.message(Exit(), req)) for g in everyone])
-            deadline = time.monotonic() + 5.0
+            deadline = time.monotonic() + EXIT_S
             for p in self.procs.values():
                 p.join(max(0.0, deadline - time.monotonic()))
         finally:  # whatever happened (Ctrl-C included), no process or ipc file outlives stop()

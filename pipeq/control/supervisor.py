@@ -35,6 +35,7 @@ collect then waits for the others only.
 from __future__ import annotations
 
 from pipeq.control.stage_handle import StageHandle
+from pipeq.control.waiting import ERROR_IN_FLIGHT_S, SHARD_CAUSE_S, wait_until
 import time
 from typing import Callable
 
@@ -192,11 +193,12 @@ class Supervisor:
     def error_in_flight(self, done: Callable[[], bool]) -> None:
         """Half a second for the ERROR a stage sent just before it exited (until ``done()``): it
         names the failure better than the exit or the gone socket that revealed it."""
-        end = time.monotonic() + 0.5
-        while time.monotonic() < end and not done():
-            got = self.read_error(50)
+        def read(left: float) -> None:
+            got = self.read_error(max(1, min(50, int(left * 1000))))
             if got is not None:
                 self._error(*got)  # raised, or deferred behind an earlier step (excusing its process)
+
+        wait_until(done, ERROR_IN_FLIGHT_S, read)
 
     def _beat(self, peer: Peer, payload: Payload, now: float) -> None:
         """Anything from a stage process shows it alive; its heartbeat also says what it computes."""
@@ -421,7 +423,7 @@ def origin_shard(sup: Supervisor, g: int, reply: ErrorReply, err: PipelineError)
         return err
     group = set(num.group(num.lead(g)))
     first = {g: (_raised_at(reply), err)}
-    end = time.monotonic() + 0.5  # a killed process's sockets close a moment before it is reaped
+    end = time.monotonic() + SHARD_CAUSE_S
     while time.monotonic() < end and len(first) < len(group):
         for other in sorted(group - set(first)):
             p = sup.procs.get(other)

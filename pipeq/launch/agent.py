@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from pipeq.control.stage_handle import StageHandle
+from pipeq.control.waiting import AGENT_ABORT_S, AGENT_EXIT_S, wait_until
 import os
 import signal
 import time
@@ -352,9 +353,8 @@ def _watch(
         if isinstance(command, Exit):
             abort = command.abort
             # the driver has stopped (or is stopping) the stages; give them a moment to exit
-            end = time.monotonic() + (2.0 if abort else 10.0)
-            while time.monotonic() < end and any(p.exitcode is None for p in procs.values()):
-                time.sleep(0.05)
+            wait_until(lambda: all(p.exitcode is not None for p in procs.values()),
+                       AGENT_ABORT_S if abort else AGENT_EXIT_S)
             if abort:
                 log(f"node {rz.node_rank}: the driver ended the run after a failure")
             return _ABORTED if abort else (143 if terminated else 0)

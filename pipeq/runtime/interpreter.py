@@ -51,8 +51,7 @@ from pipeq.runtime.requests import STATS, Emit, Recv, Request, Send, SwapTies
 from pipeq.schedules import Action, Op, lower_stage
 from pipeq.stage.executor import StageExecutor, Tensors
 from pipeq.stage.numerics import StepStats, combine
-from pipeq.trace.format import B as TRACE_B
-from pipeq.trace.format import F as TRACE_F
+from pipeq.trace.format import CODE_OF_OP
 from pipeq.trace.format import I as TRACE_I
 from pipeq.trace.format import OPT_STEP as TRACE_OPT_STEP
 from pipeq.trace.format import W as TRACE_W
@@ -257,7 +256,7 @@ class _Process:
         """``F j`` or ``B j`` on chunk ``c``, traced; its output kept for the send that follows
         (or emitted: the last stage's forward-only output, the end of a decode path)."""
         ex, rec, note = self.exs[c], self.recs[c], self.note
-        code = TRACE_F if op is Op.FORWARD else TRACE_B
+        code = CODE_OF_OP[op]
         if note is not None:
             note(code, j, c)
         t0 = time.perf_counter_ns() if rec else 0
@@ -285,7 +284,7 @@ class _Process:
         """``I j`` (the input gradient, to send back as a ``B``'s) or ``W j`` (the weight
         gradients; after the step's last one, the data-parallel all-reduce starts), traced like a ``B``."""
         ex, rec, note = self.exs[c], self.recs[c], self.note
-        code = TRACE_I if op is Op.INPUT_GRAD else TRACE_W
+        code = CODE_OF_OP[op]
         if note is not None:
             note(code, j, c)
         t0 = time.perf_counter_ns() if rec else 0

@@ -48,7 +48,7 @@ from pipeq.errors import ScheduleError
 from pipeq.schedules.actions import (B, COMPUTE_OPS, GRAD_OPS, STEP, WEIGHT_DONE_OPS, Action, F, I, Op, Schedule,
                                      ScheduleFn, W, lower, lower_stage)
 from pipeq.schedules.basic import fill_drain, forward_only, one_f_one_b, warmup_order
-from pipeq.schedules.dryrun import check_consistency, dry_run
+from pipeq.schedules.dryrun import check_consistency, dry_run, step_bubble
 from pipeq.schedules.plan import build, format_table, process_stages
 from pipeq.schedules.memory import StageBytes, in_flight_peaks, peak_bytes, process_peaks, stage_in_flight
 from pipeq.schedules.zero_bubble import ZBV, zb_h1, zb_h2, zbv
@@ -64,7 +64,7 @@ __all__ = [
     "Op", "Action", "F", "B", "I", "W", "STEP", "GRAD_OPS", "WEIGHT_DONE_OPS", "zb_h1", "Schedule", "ScheduleFn", "COMPUTE_OPS", "lower", "lower_stage",
     "warmup_order", "fill_drain", "one_f_one_b", "forward_only", "SchedulePolicy", "FunctionSchedule",
     "NeedsOptions", "SCHEDULES", "register", "resolve", "get_schedule", "from_label", "loss_stages",
-    "output_stage", "is_research", "schedule_name", "options_of", "check_consistency", "dry_run", "build",
+    "output_stage", "is_research", "schedule_name", "options_of", "check_consistency", "dry_run", "step_bubble", "build",
     "format_table", "process_stages", "ScheduleError", "taking_aux_heads", "zb_h2", "Interleaved1F1B", "LoopedBFS", "interleaved_1f1b",
     "looped_bfs", "ZBV", "zbv", "DualPipeV", "dualpipev", "VHalf", "VMin", "capped_v",
     "in_flight_peaks", "stage_in_flight", "process_peaks", "peak_bytes", "StageBytes",

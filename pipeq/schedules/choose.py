@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from pipeq.errors import ScheduleError
 from pipeq.schedules.actions import STEP, Action, Op, Schedule
-from pipeq.schedules.dryrun import dry_run, stage_costs
+from pipeq.schedules.dryrun import dry_run, step_bubble, stage_costs
 from pipeq.schedules.memory import Footprint, process_bytes, process_peaks, size
 from pipeq.schedules.plan import build, process_stages
 from pipeq.schedules.protocol import SchedulePolicy
@@ -84,10 +84,7 @@ def _predict(schedule: Any, n_processes: int, n_microbatches: int, costs: Sequen
     where = process_stages(policy, n_processes * v)
     full = _complete(costs)
     timeline = dry_run(lowered, cost=full, stages=where, hop=hop)
-    step = max(t for row in timeline for t, a in row if a.op is Op.STEP)
-    busy = sum(full[where[p][a.chunk]][a.op] for p, row in enumerate(timeline) for _, a in row
-               if a.op is not Op.STEP)
-    bubble = 1 - busy / (step * n_processes) if step > 0 else 0.0
+    step, bubble = step_bubble(timeline, cost=full, stages=where)
     held = max(process_bytes(lowered, where, footprint)) if footprint is not None else None
     return step, bubble, peak_memory(lowered, v), held
 

@@ -144,6 +144,21 @@ def _channel(k: int, a: Action) -> tuple[int, int, str, int]:
     return (k + 1, k, "grad", a.microbatch)
 
 
+def step_bubble(timeline: list[list[tuple[int, Action]]], *,
+                cost: "Mapping[Op, float] | Sequence[Mapping[Op, float]] | None" = None,
+                stages: Sequence[Sequence[int]] | None = None, end: float = 0) -> tuple[float, float]:
+    """A dry run's step and bubble, the one definition pipeq uses (``pipeq.schedules.choose``'s search, the
+    trace report's ideal bubble, ``pipeq schedule``'s tables): the step lasts until the last process
+    starts its first STEP (``end`` for a process without one), and the bubble is the share of
+    step x processes that no action fills. ``cost`` and ``stages``: as :func:`dry_run` was given
+    them; a STEP counts as no work."""
+    where = [list(w) for w in stages] if stages is not None else [[k] for k in range(len(timeline))]
+    costs = stage_costs(cost, sum(len(w) for w in where))
+    span = max((min((t for t, a in row if a.op is Op.STEP), default=end) for row in timeline), default=end)
+    busy = sum(costs[where[k][a.chunk]][a.op] for k, row in enumerate(timeline) for _, a in row if a.op is not Op.STEP)
+    return span, (1 - busy / (span * len(timeline)) if span > 0 else 0.0)
+
+
 def dry_run(
     lowered: Schedule, *, cost: "Mapping[Op, float] | Sequence[Mapping[Op, float]] | None" = None,
     capacity: int | None = None, start: Sequence[float] | None = None,

@@ -15,7 +15,7 @@ from pipeq.errors import ScheduleError
 from pipeq.schedules.actions import COMPUTE_OPS, Action, Op, Schedule, lower, lower_process
 from pipeq.schedules.bubbles import formula_of
 from pipeq.schedules.basic import forward_only
-from pipeq.schedules.dryrun import check_consistency, dry_run
+from pipeq.schedules.dryrun import check_consistency, dry_run, step_bubble
 from pipeq.schedules.placement import n_processes, stages_of
 from pipeq.schedules.registry import resolve, schedule_name
 
@@ -143,17 +143,17 @@ def format_table(name: Any, n_stages: int, n_microbatches: int, *, backward_cost
                 cells[u] = label
         lines.append(f"{row_name} {k} | " + " ".join(c.ljust(width - 1) for c in cells).rstrip())
     if costs is not None:
-        lines.append(_bubble_line(timeline, cost, end))
+        lines.append(_bubble_line(timeline, cost, where, end))
         lines.append(_formula_line(schedule_name(name), timeline, cost, n_stages))
     return "\n".join(lines)
 
 
-def _bubble_line(timeline: list[list[tuple[int, Action]]], cost: dict[Op, int], end: int) -> str:
+def _bubble_line(timeline: list[list[tuple[int, Action]]], cost: dict[Op, int], where: Sequence[Sequence[int]],
+                 end: int) -> str:
     """The step's length (to the last process's first STEP) and its idle share over every process."""
-    span = max((min((t for t, a in row if a.op is Op.STEP), default=end) for row in timeline), default=end)
-    busy = sum(cost[a.op] for row in timeline for t, a in row if a.op is not Op.STEP)
-    idle = span * len(timeline) - busy
-    return f"step {span} units before STEP; bubble {idle / (span * len(timeline)):.1%} ({idle} idle units)"
+    span, bubble = step_bubble(timeline, cost=cost, stages=where, end=end)
+    idle = round(bubble * span * len(timeline))
+    return f"step {span} units before STEP; bubble {bubble:.1%} ({idle} idle units)"
 
 
 def _formula_line(name: str, timeline: list[list[tuple[int, Action]]], cost: dict[Op, int], n: int) -> str:

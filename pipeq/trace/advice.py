@@ -22,7 +22,7 @@ from pipeq.trace.format import SEND_CAT, Trace
 
 __all__ = ["measured_costs", "choice_of", "advice_line"]
 
-_OPS = {"F": Op.FORWARD, "B": Op.BACKWARD, "I": Op.INPUT_GRAD, "W": Op.WEIGHT_GRAD}
+_OPS = {op.value: op for op in (Op.FORWARD, Op.BACKWARD, Op.INPUT_GRAD, Op.WEIGHT_GRAD)}  # an event's op -> Op
 
 
 def measured_costs(trace: Trace) -> tuple[list[dict[Op, float]], float]:

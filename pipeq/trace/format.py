@@ -79,6 +79,9 @@ OPS: dict[int, tuple[str, str, str]] = {
     FREE: ("FREE", PARALLEL_CAT, "free "),
     REDUCE: ("REDUCE", PARALLEL_CAT, "reduce "),
 }
+#: a compute action's row code; OP_OF_CODE: back (the one mapping between the two)
+CODE_OF_OP: dict[Op, int] = {Op.FORWARD: F, Op.BACKWARD: B, Op.INPUT_GRAD: I, Op.WEIGHT_GRAD: W, Op.STEP: OPT_STEP}
+OP_OF_CODE: dict[int, Op] = {code: op for op, code in CODE_OF_OP.items()}
 COLUMNS = 6
 #: A stage keeps its most recent rows only (a ring buffer, ~30 MB): a long traced run keeps its
 #: last few thousand steps, and the oldest, partly overwritten step is left out of the file.

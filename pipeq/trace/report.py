@@ -36,6 +36,7 @@ from pipeq.schedules.bounds import stream_bound
 from pipeq.schedules.plan import process_stages
 from pipeq.errors import ScheduleError
 from pipeq.schedules import Op
+from pipeq.schedules.dryrun import step_bubble
 from pipeq.trace.advice import advice_line
 from pipeq.trace.format import (BACKWARD_CAT, COMPUTE_CATS, FORWARD_CAT, PARALLEL_CAT, SEND_CAT, STEP_CAT, WAIT_CAT,
                                 Event, Trace)
@@ -167,9 +168,7 @@ def _planned_bubble(schedule: Any, n_stages: int, m: int) -> float:
     lowered = schedules.build(schedule, n_stages, m)
     where = process_stages(schedule, n_stages)
     timeline = schedules.dry_run(lowered, cost=unit, stages=where)
-    span = max(t for row in timeline for t, a in row if a.op is Op.STEP)
-    busy = [sum(unit[a.op] for _, a in row) for row in timeline]  # each process's (its stages')
-    return sum(1 - b / span for b in busy) / len(busy) if span > 0 else 0.0
+    return step_bubble(timeline, cost=unit, stages=where)[1]
 
 
 def _process_groups(trace: Trace) -> list[list[int]]:
