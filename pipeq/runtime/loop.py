@@ -65,6 +65,7 @@ from pipeq.wire.control import (Ack, Clock, Drain, Exit, GetLr, GetSnapshot, Get
                                 HeartbeatInfo, Loss, Lost, Lrs, Output, Payload, Peers, Predict, Rejoin, Restore,
                                 SetState, Snapshot, State, Stats, StepScheduler, Stop, Time, Train, TraceRows)
 from pipeq.wire.messages import Message
+from pipeq.wire.transport import Transport
 
 __all__ = ["Chunk", "EventLoop"]
 
@@ -103,7 +104,7 @@ class EventLoop:
     """Serves the driver's commands for the stages ``chunks`` of one process until EXIT, over
     ``transport`` (a :class:`~pipeq.wire.transport.ProcessTransport`, or a shard's view of one)."""
 
-    def __init__(self, cfg: WorkerConfig, transport: Any, chunks: Sequence[Chunk]) -> None:
+    def __init__(self, cfg: WorkerConfig, transport: Transport, chunks: Sequence[Chunk]) -> None:
         self.cfg = cfg
         self.transport = transport
         self.chunks = list(chunks)

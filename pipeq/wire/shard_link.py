@@ -39,6 +39,7 @@ from pipeq.errors import CodecError
 from pipeq.wire import codec
 from pipeq.wire.frames import frames_of
 from pipeq.wire.messages import Kind, Message
+from pipeq.wire.transport import ProcessTransport
 
 __all__ = ["ShardLink", "LeadTransport", "FollowerTransport", "MAX_FRAMES", "HostCopies", "host_tensors"]
 
@@ -163,7 +164,7 @@ class LeadTransport:
     """Shard 0's transport: the process's own (a :class:`~pipeq.wire.transport.ProcessTransport`),
     sharing every message it hands the event loop, with the chunk it is for."""
 
-    def __init__(self, transport: Any, link: ShardLink) -> None:
+    def __init__(self, transport: ProcessTransport, link: ShardLink) -> None:
         self._inner = transport
         self.link = link
         # sends, replies and wiring: the process's own, bound once (the event loop calls them per action)
@@ -197,7 +198,7 @@ class FollowerTransport:
     shares, in its order; sends and replies go nowhere (shard 0 makes them). Errors and
     heartbeats still reach the driver on the process's own control channels (the worker's)."""
 
-    def __init__(self, transport: Any, link: ShardLink) -> None:
+    def __init__(self, transport: ProcessTransport, link: ShardLink) -> None:
         self._inner = transport
         self.link = link
         self.addresses = transport.addresses

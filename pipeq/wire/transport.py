@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -27,9 +27,42 @@ from pipeq.wire.sockets import BindTo
 from pipeq.wire.stage_inbox import StageInbox
 from pipeq.wire.stage_link import StageSender
 
-__all__ = ["ProcessTransport"]
+__all__ = ["Transport", "ProcessTransport"]
 
 _COMMAND_SPIN_S = 0.001  # the longest busy-poll for the next command (see next_command)
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What a stage process's event loop (:mod:`pipeq.runtime.loop`) talks through, chunk by chunk:
+    commands and replies on the control channel, activations and gradients from and to the
+    neighbours. :class:`ProcessTransport` is the process's own; with tensor parallelism shard 0
+    talks through a :class:`~pipeq.wire.shard_link.LeadTransport` around it and every other shard
+    through a :class:`~pipeq.wire.shard_link.FollowerTransport` (what shard 0 shares)."""
+
+    def next_command(self, ready: Sequence[int], timeout_ms: int) -> tuple[int, Message] | None:
+        """The next command for one of the chunks ``ready`` (chunk, message), or None after ``timeout_ms``."""
+
+    def send_control(self, c: int, msg: Message) -> None:
+        """Chunk ``c``'s reply (or report) to the driver."""
+
+    def wait_activation(self, c: int, step: int, mb: int) -> Message:
+        """Chunk ``c``'s input activation of microbatch ``mb`` of ``step`` (waits for it)."""
+
+    def wait_gradient(self, c: int, step: int, mb: int) -> Message:
+        """Chunk ``c``'s output gradient of microbatch ``mb`` of ``step`` (waits for it)."""
+
+    def send_activation(self, c: int, step: int, mb: int, tensors: Sequence[torch.Tensor], tree: Any = None) -> None:
+        """Chunk ``c``'s output activation to the next stage."""
+
+    def send_gradient(self, c: int, step: int, mb: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Chunk ``c``'s input gradient to the previous stage."""
+
+    def connect(self, c: int, next_forward: str | None, prev_backward: str | None) -> None:
+        """Wire chunk ``c``'s sends to its neighbours' addresses (PEERS)."""
+
+    def shm_waits(self, c: int) -> int:
+        """How often chunk ``c``'s sends waited for a free shared-memory slot."""
 
 
 class ProcessTransport:
