@@ -19,7 +19,7 @@ from pipeq.testing import backend_of
 import msgpack
 
 from models import FailingStepSGD
-from shm_helpers import wait_until
+from strays import gone
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 FAST = dict(start_method="forkserver")
@@ -52,15 +52,6 @@ class ChildUnpicklable(nn.Linear):
         return (_rebuild_only_in_parent, (os.getpid(),))
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead and not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def xy(batch=16, d=8, classes=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, d, generator=g), torch.randint(0, classes, (batch,), generator=g)
@@ -88,7 +79,7 @@ def test_error_after_loss_then_next_step_reports_the_stage_error():
     try:
         pid = runner.stage_processes[0]["pid"]
         runner.step(*xy())  # stage 0 fails in its optimizer step after the LOSS went out
-        wait_until(lambda: not _running(pid), 30, "stage 0 to exit")  # ... before the caller comes back
+        assert gone(pid, 30)  # ... and has exited by the time the caller comes back
         with pytest.raises(pipeq.PipelineError, match="optimizer step failed on purpose"):
             runner.step(*xy())  # raises zmq.error.ZMQError: Host unreachable
     finally:
@@ -104,7 +95,7 @@ def test_stage_killed_while_idle_gives_pipeline_error_and_cleans_up():
     try:
         pid = runner.stage_processes[1]["pid"]
         os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: not _running(pid), 30, "stage 1 to die")
+        assert gone(pid, 30)
         with pytest.raises(pipeq.PipelineError) as info:
             runner.step(*xy())  # zmq.error.ZMQError: Host unreachable, nothing torn down
         assert info.value.stage == 1
