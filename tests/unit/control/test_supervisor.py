@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import pipeq
+from fake_clock import FakeClock
 from inproc import InProcessPipeline, error_reply
 from pipeq.errors import CodecError
 from pipeq.wire.messages import Kind, Message
@@ -114,13 +115,17 @@ def test_a_long_step_whose_actions_keep_finishing_is_not_stuck() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_time_between_calls_does_not_count_against_heartbeat_timeout() -> None:
+def test_time_between_calls_does_not_count_against_heartbeat_timeout(monkeypatch) -> None:
+    from pipeq.control import supervisor
+
+    clock = FakeClock()
+    monkeypatch.setattr(supervisor, "time", clock)
     pipe = pipeline(nn.Linear(8, 8), heartbeat_timeout=0.5)
     with pipe:
         pipe.train(*data())
         for s in pipe.stages:  # nobody waits: silence is no failure
             s.silent.set()
-        time.sleep(1.0)
+        clock.ahead += 1.0  # the caller's own second between two steps, twice the heartbeat timeout
         for s in pipe.stages:
             s.silent.clear()
         assert pipe.train(*data()) > 0
