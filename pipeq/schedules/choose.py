@@ -36,7 +36,7 @@ from pipeq.schedules.registry import resolve
 from pipeq.schedules.zero_bubble import zb_h1, zb_h2
 
 __all__ = ["ONE_STAGE", "V_STAGE", "SEARCHED", "Budget", "Row", "Choice", "SearchedSchedule", "stage_cost",
-           "peak_memory", "predict", "search", "choose", "format_choice", "why"]
+           "peak_in_flight", "predict", "search", "choose", "format_choice", "why"]
 
 #: the built-in candidates with one stage per process, and with v stages per process
 ONE_STAGE = ("fill-drain", "1f1b", "zb-h1", "zb-h2")
@@ -61,7 +61,7 @@ def _complete(costs: Sequence[Mapping[Op, float]]) -> list[dict[Op, float]]:
     return full
 
 
-def peak_memory(lowered: Schedule, v: int = 1) -> float:
+def peak_in_flight(lowered: Schedule, v: int = 1) -> float:
     """The busiest process's peak of microbatches in flight (forwarded, B or W not yet done), each
     of a chunk weighing 1/v: 1F1B's is N (stage 0). See :mod:`pipeq.schedules.memory`."""
     return max(process_peaks(lowered, lambda p, c: 1 / v), default=0.0)
@@ -86,7 +86,7 @@ def _predict(schedule: Any, n_processes: int, n_microbatches: int, costs: Sequen
     timeline = dry_run(lowered, cost=full, stages=where, hop=hop)
     step, bubble = step_bubble(timeline, cost=full, stages=where)
     held = max(process_bytes(lowered, where, footprint)) if footprint is not None else None
-    return step, bubble, peak_memory(lowered, v), held
+    return step, bubble, peak_in_flight(lowered, v), held
 
 
 # ---------------------------------------------------------------- the search
@@ -332,7 +332,7 @@ def choose(costs: "Mapping[Op, float] | Sequence[Mapping[Op, float]]", n_process
     vs = [stages_per_process or v_given] if (stages_per_process or v_given > 1 or budget) else [1, 2]
     if budget is not None and len(budget.footprint.static) != len(given):
         raise ScheduleError(f"a footprint of {len(budget.footprint.static)} stages for {len(given)} stage costs")
-    ref = peak_memory(build("1f1b", n, m))
+    ref = peak_in_flight(build("1f1b", n, m))
     rows: list[Row] = []
     proc = _complete(given) if v_given == 1 else []
     for v in vs:

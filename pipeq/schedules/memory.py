@@ -98,7 +98,7 @@ def stage_in_flight(lowered: Schedule, stages: Sequence[Sequence[int]] | None = 
 def process_peaks(lowered: Schedule, weight: Callable[[int, int], float] | None = None) -> list[float]:
     """Each process's peak of its chunks' microbatches in flight together, chunk c of process p
     weighing ``weight(p, c)`` (default 1; ``1/v``: in whole stages' microbatches, as
-    :func:`pipeq.schedules.choose.peak_memory` counts them)."""
+    :func:`pipeq.schedules.choose.peak_in_flight` counts them)."""
     if weight is None:
         return peaks(lowered)[1]
     v = 1 + max((a.chunk for acts in lowered for a in acts), default=0)

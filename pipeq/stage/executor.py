@@ -33,9 +33,9 @@ from pipeq.stage import microbatch
 from pipeq.stage.backprop import Backprop
 from pipeq.stage.compiled import NO_COMPILE_FIGURES, CompileWatch
 from pipeq.stage.loss import step_weights, weighted_loss
-from pipeq.stage.memory import MemoryMeter
+from pipeq.stage.memory import MemoryMeter, device_peak
 from pipeq.stage.microbatch import describe
-from pipeq.stage.numerics import Numerics, StepStats, all_finite, peak_memory
+from pipeq.stage.numerics import Numerics, StepStats, all_finite
 from pipeq.stage.spec import StageSpec
 from pipeq.stage.state import StateIO
 from pipeq.stage.step import Stepper
@@ -338,11 +338,11 @@ class StageExecutor:
     compile_watch: CompileWatch | None = None
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
-        """Peak memory since the last reset (see :func:`pipeq.stage.numerics.peak_memory`), the
+        """Peak memory since the last reset (see :func:`pipeq.stage.memory.device_peak`), the
         optimizer steps skipped for non-finite gradients, whether the stage recomputes, and what
         compiling it cost (:meth:`pipeq.stage.compiled.CompileWatch.figures`)."""
         watch = self.compile_watch
-        return {**peak_memory(self.device, reset), "skipped_steps": self.stepper.skipped_steps,
+        return {**device_peak(self.device, reset), "skipped_steps": self.stepper.skipped_steps,
                 "recompute": self.recompute, **(watch.figures() if watch is not None else NO_COMPILE_FIGURES),
                 **(self.parallel.figures() if self.parallel is not None else {})}
 

@@ -63,7 +63,8 @@ from torch import nn
 
 from pipeq.tree import tensors_of
 
-__all__ = ["FIGURES", "local", "nbytes", "state_bytes", "Tally", "MemoryMeter", "FreedTensorError", "free_all"]
+__all__ = ["FIGURES", "local", "nbytes", "state_bytes", "Tally", "MemoryMeter", "FreedTensorError", "free_all",
+           "device_peak"]
 
 #: the names of a stage's memory figures (:meth:`MemoryMeter.figures`; a measured step's may be absent)
 FIGURES = ("param_bytes", "grad_bytes", "optimizer_bytes", "measured_step", "microbatches", "activation_peak_bytes",
@@ -458,3 +459,24 @@ class MemoryMeter:
         """Microbatch ``j``'s ``W`` starts: what it holds now, since its ``I``, is its bytes
         waiting for the ``W`` (its ``F``'s, and the gradients the ``W`` starts from)."""
         self._wait = max(self._wait, self._by_mb.get(j, 0))
+
+
+def device_peak(device: torch.device, reset: bool = False) -> dict[str, Any]:
+    """The allocator's peak of this stage process since the last reset (not the plan's peak:
+    :class:`MemoryMeter`'s figures are the activations pipeq holds): CUDA's allocated bytes on a CUDA
+    device; else the process's peak resident set (Linux VmHWM, reset through clear_refs)."""
+    if device.type == "cuda":
+        out = {"peak_bytes": int(torch.cuda.max_memory_allocated(device)), "memory": "cuda allocated"}
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return out
+    try:
+        with open("/proc/self/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        out = {"peak_bytes": kb * 1024, "memory": "process peak RSS"}
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+    except (OSError, StopIteration, ValueError):
+        out = {"peak_bytes": None, "memory": "unavailable"}
+    return out

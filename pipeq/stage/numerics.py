@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 __all__ = ["PRECISIONS", "FINITE_CHECKS", "Numerics", "check", "check_device", "StepStats", "combine", "total_norm",
-           "norm_term", "all_finite", "clip_", "LossScaler", "peak_memory"]
+           "norm_term", "all_finite", "clip_", "LossScaler"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 FINITE_CHECKS = (False, "raise", "skip")
@@ -206,24 +206,3 @@ class LossScaler:
         """Load a :meth:`state_dict`."""
         self.scale.fill_(float(state["scale"]))
         self.growth_tracker.fill_(int(state["growth_tracker"]))
-
-
-# -- memory ------------------------------------------------------------------------------------------
-def peak_memory(device: torch.device, reset: bool = False) -> dict[str, Any]:
-    """The peak memory of this stage since the last reset: CUDA's allocated bytes on a CUDA
-    device; else the process's peak resident set (Linux VmHWM, reset through clear_refs)."""
-    if device.type == "cuda":
-        out = {"peak_bytes": int(torch.cuda.max_memory_allocated(device)), "memory": "cuda allocated"}
-        if reset:
-            torch.cuda.reset_peak_memory_stats(device)
-        return out
-    try:
-        with open("/proc/self/status") as f:
-            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-        out = {"peak_bytes": kb * 1024, "memory": "process peak RSS"}
-        if reset:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-    except (OSError, StopIteration, ValueError):
-        out = {"peak_bytes": None, "memory": "unavailable"}
-    return out

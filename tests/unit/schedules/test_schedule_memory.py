@@ -7,7 +7,7 @@ import pytest
 
 import pipeq.schedules as S
 from pipeq.schedules import B, F, I, STEP, W
-from pipeq.schedules.choose import peak_memory
+from pipeq.schedules.choose import peak_in_flight
 from pipeq.schedules.memory import in_flight_peaks, process_peaks, stage_in_flight
 
 pytestmark = pytest.mark.timeout(30)
@@ -35,8 +35,8 @@ def test_a_process_of_two_stages_holds_their_sum_at_each_moment():
     whole = process_peaks(lowered)  # in chunks
     assert all(max(per_stage[k] for k in held) <= whole[p] <= sum(per_stage[k] for k in held)
                for p, held in enumerate(where))
-    # choose.peak_memory is the busiest process's, each chunk weighing 1/v: 1F1B's N for ZBV
-    assert peak_memory(lowered, 2) == max(process_peaks(lowered, lambda p, c: 0.5)) == 4
+    # choose.peak_in_flight is the busiest process's, each chunk weighing 1/v: 1F1B's N for ZBV
+    assert peak_in_flight(lowered, 2) == max(process_peaks(lowered, lambda p, c: 0.5)) == 4
     # weighted by bytes per microbatch: the process's peak in bytes
     weights = [[10.0, 1.0] for _ in where]
     assert process_peaks(lowered, lambda p, c: weights[p][c])[0] <= 10 * per_stage[0] + 1 * per_stage[7]

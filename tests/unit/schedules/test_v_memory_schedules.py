@@ -11,7 +11,7 @@ import pipeq
 import pipeq.schedules as S
 from pipeq.errors import ScheduleError
 from pipeq.schedules import Action, Op
-from pipeq.schedules.choose import peak_memory
+from pipeq.schedules.choose import peak_in_flight
 from pipeq.schedules.v_memory import capped_v, v_cap
 
 pytestmark = pytest.mark.timeout(30)
@@ -56,10 +56,10 @@ def test_plans_validate_run_with_any_costs_and_hold_at_most_the_cap(name, n, m):
 @pytest.mark.parametrize("n,half,third", [(4, 0.5, 0.375), (6, 0.5, 1 / 3), (8, 0.5, 0.3125)])
 def test_activations_in_flight_are_a_half_and_about_a_third_of_1f1bs(n, half, third):
     m = 16
-    one_f_one_b = peak_memory(S.build("1f1b", n, m))  # N microbatches, on stage 0
-    assert one_f_one_b == n and peak_memory(S.build("zbv", 2 * n, m), 2) == n
-    assert peak_memory(S.build("v-half", 2 * n, m), 2) / one_f_one_b == half
-    assert peak_memory(S.build("v-min", 2 * n, m), 2) / one_f_one_b == pytest.approx(third)
+    one_f_one_b = peak_in_flight(S.build("1f1b", n, m))  # N microbatches, on stage 0
+    assert one_f_one_b == n and peak_in_flight(S.build("zbv", 2 * n, m), 2) == n
+    assert peak_in_flight(S.build("v-half", 2 * n, m), 2) / one_f_one_b == half
+    assert peak_in_flight(S.build("v-min", 2 * n, m), 2) / one_f_one_b == pytest.approx(third)
     for name, ratio in (("v-half", half), ("v-min", third)):  # every process, counted to the I as well
         plan = S.resolve(name).plan(n, m)
         per_process = [_chunks_in_flight(acts) / 2 / one_f_one_b for acts in plan]
