@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeq.control.supervisor import take_kept
 from pipeq.errors import PipelineError
 from pipeq.wire import control
 from pipeq.wire.messages import Kind, Message
@@ -142,7 +141,7 @@ class SnapshotRequests:
                 pass
         done = []
         for req, step in list(asked.items()):
-            got = take_kept(sup, Kind.SNAPSHOT, req, self.readers)
+            got = sup.take_kept(Kind.SNAPSHOT, req, self.readers)
             if got is None:
                 continue
             del asked[req]

@@ -50,7 +50,7 @@ from pipeq.wire.errors import PeerUnreachable
 _POLL_MS = 100
 
 
-__all__ = ["Supervisor", "KeptReplies", "take_kept", "unreachable", "origin_shard", "held"]
+__all__ = ["Supervisor", "KeptReplies"]
 
 
 def _raised_at(reply: ErrorReply) -> float:
@@ -173,7 +173,7 @@ class Supervisor:
             if code is not None and g not in self._excused:
                 self.error_in_flight(lambda: g in self._excused or g in self.ignored)
                 if g not in self._excused and g not in self.ignored:
-                    self._give_up(self.error(f"stage process (pid {p.pid}){held(self, p)} {exit_reason(code)}", g), g)
+                    self._give_up(self.error(f"stage process (pid {p.pid}){self.held(p)} {exit_reason(code)}", g), g)
         for g in range(self.n_processes):
             if now - self.last_beat[g] > self.heartbeat_timeout and g not in self._excused | self.ignored:
                 self._give_up(self.error(
@@ -263,7 +263,7 @@ class Supervisor:
         """An ERROR: raised now, or deferred while an earlier step than its own is outstanding."""
         err = self.error_of(peer, reply)
         if peer.role == STAGE:
-            err = origin_shard(self, peer.index, reply, err)
+            err = self.origin_shard(peer.index, reply, err)
             if self.absorb is not None and peer.index not in self.ignored and self.absorb(peer.index, err):
                 return
         step, oldest = reply.step, self._oldest_outstanding()
@@ -358,14 +358,53 @@ class Supervisor:
         try:
             self.server.send_many(messages)
         except PeerUnreachable as exc:
-            raise unreachable(self, exc)
+            raise self.unreachable(exc)
 
+    def held(self, p: StageHandle) -> str:
+        """The words ``" of stages 1 and 2"`` when process ``p`` holds several stages (virtual stages),
+        else ``""``. Its death is named by the first of them: it takes them all, and which one a kill
+        was aimed at is not known."""
+        return of_stages({self.numbering.stage(g) for g, q in self.procs.items() if q is p})
 
-def held(sup: Supervisor, p: StageHandle) -> str:
-    """The words ``" of stages 1 and 2"`` when process ``p`` holds several stages (virtual stages),
-    else ``""``. Its death is named by the first of them: it takes them all, and which one a kill
-    was aimed at is not known."""
-    return of_stages({sup.numbering.stage(g) for g, q in sup.procs.items() if q is p})
+    def take_kept(self, kind: Kind, step: int, count: int) -> dict[int, Message] | None:
+        """The kept ``(kind, step)`` replies by process, once ``count`` processes have sent
+        one (then no longer awaited); None until then (they stay kept). Never waits."""
+        if self.kept.count(kind, step) < count:
+            return None
+        self.awaited.discard((kind, step))
+        return dict(self.kept.take(kind, step))
+
+    def unreachable(self, exc: PeerUnreachable) -> PipelineError:
+        """The run's failure when a send found a stage's control socket gone (raised here when an
+        ERROR in flight or the stage's exit names it better); returned for the caller to raise."""
+        self.error_in_flight(lambda: self.deferred is not None)
+        if self.deferred is not None:
+            raise self.fail(self.deferred[1])
+        self.check_health()  # names the stage and how it ended if it exited
+        return self.fail(self.error("its control socket is gone", exc.process))
+
+    def origin_shard(self, g: int, reply: ErrorReply, err: PipelineError) -> PipelineError:
+        """Tensor parallelism: the shards of a stage compute together, so one shard's failure
+        makes the others fail too (their collective's peer is gone). Of the errors and deaths of
+        process g's stage within half a second, the first is the one named: a shard killed by a
+        signal (it reports nothing), else the ERROR raised first (``at``: the shards share a host,
+        hence a monotonic clock)."""
+        num = self.numbering
+        if num.shards == 1 or g >= num.total:
+            return err
+        group = set(num.group(num.lead(g)))
+        first = {g: (_raised_at(reply), err)}
+        end = time.monotonic() + SHARD_CAUSE_S
+        while time.monotonic() < end and len(first) < len(group):
+            for other in sorted(group - set(first)):
+                p = self.procs.get(other)
+                if p is not None and p.exitcode is not None and p.exitcode < 0:
+                    return self.error(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}; then "
+                                      f"{num.where(g)} failed: {err.message}", other)
+            got = self.read_error(20)
+            if got is not None and got[0].role == STAGE and got[0].index in group:
+                first.setdefault(got[0].index, (_raised_at(got[1]), self.error_of(*got)))
+        return min(first.values(), key=lambda pair: pair[0])[1]
 
 
 class KeptReplies:
@@ -393,44 +432,3 @@ class KeptReplies:
             self._kept[key] = [(g, m) for g, m in got if g not in processes]
 
 
-def take_kept(sup: Supervisor, kind: Kind, step: int, count: int) -> dict[int, Message] | None:
-    """``sup``'s kept ``(kind, step)`` replies by process, once ``count`` processes have sent
-    one (then no longer awaited); None until then (they stay kept). Never waits."""
-    if sup.kept.count(kind, step) < count:
-        return None
-    sup.awaited.discard((kind, step))
-    return dict(sup.kept.take(kind, step))
-
-
-def unreachable(sup: Supervisor, exc: PeerUnreachable) -> PipelineError:
-    """The run's failure when a send found a stage's control socket gone (raised here when an
-    ERROR in flight or the stage's exit names it better); returned for the caller to raise."""
-    sup.error_in_flight(lambda: sup.deferred is not None)
-    if sup.deferred is not None:
-        raise sup.fail(sup.deferred[1])
-    sup.check_health()  # names the stage and how it ended if it exited
-    return sup.fail(sup.error("its control socket is gone", exc.process))
-
-
-def origin_shard(sup: Supervisor, g: int, reply: ErrorReply, err: PipelineError) -> PipelineError:
-    """(Of ``sup``'s run.) Tensor parallelism: the shards of a stage compute together, so one shard's failure
-    makes the others fail too (their collective's peer is gone). Of the errors and deaths of
-    process g's stage within half a second, the first is the one named: a shard killed by a
-    signal (it reports nothing), else the ERROR raised first (``at``: the shards share a host,
-    hence a monotonic clock)."""
-    num = sup.numbering
-    if num.shards == 1 or g >= num.total:
-        return err
-    group = set(num.group(num.lead(g)))
-    first = {g: (_raised_at(reply), err)}
-    end = time.monotonic() + SHARD_CAUSE_S
-    while time.monotonic() < end and len(first) < len(group):
-        for other in sorted(group - set(first)):
-            p = sup.procs.get(other)
-            if p is not None and p.exitcode is not None and p.exitcode < 0:
-                return sup.error(f"stage process (pid {p.pid}) {exit_reason(p.exitcode)}; then "
-                                  f"{num.where(g)} failed: {err.message}", other)
-        got = sup.read_error(20)
-        if got is not None and got[0].role == STAGE and got[0].index in group:
-            first.setdefault(got[0].index, (_raised_at(got[1]), sup.error_of(*got)))
-    return min(first.values(), key=lambda pair: pair[0])[1]

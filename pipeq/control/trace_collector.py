@@ -17,7 +17,7 @@ from pipeq.wire import control
 from pipeq.wire.control import Clock, GetTrace, Time, TraceRows
 from pipeq.wire.errors import PeerUnreachable
 from pipeq.wire.messages import Kind
-from pipeq.control.supervisor import Supervisor, unreachable
+from pipeq.control.supervisor import Supervisor
 
 __all__ = ["TraceRecorder"]
 
@@ -49,7 +49,7 @@ class TraceRecorder:
                 try:  # sent straight: the round trip is measured
                     sup.server.send(g, control.message(Clock(), req))
                 except PeerUnreachable as exc:
-                    raise unreachable(sup, exc)
+                    raise sup.unreachable(exc)
                 reply = sup.collect(Kind.TIME, {g: 1}, step=req, what="clock")[g][0]
                 t1 = time.perf_counter_ns()
                 samples.append((t0, control.read(reply, Time).ns, t1))  # checked as it came (Supervisor)
