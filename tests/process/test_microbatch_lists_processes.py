@@ -34,17 +34,15 @@ def step_data(seed: int) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, tor
 
 
 def reference(steps):
-    """One process: each step's loss is the mean cross-entropy over the batch's kept tokens."""
-    model = nn.ModuleList(copy.deepcopy(stages()))
-    opt = SGD(model.parameters())
-    losses = []
-    for data in steps:
-        opt.zero_grad()
+    """One process (:func:`models.reference_train`): each step's loss is the mean cross-entropy over
+    the batch's kept tokens."""
+    from models import reference_train
+
+    def loss_of(model, data):
         logits = torch.cat([forward(list(model), x, i).reshape(-1, V) for x, _, i in data])
-        loss = F.cross_entropy(logits, torch.cat([y.reshape(-1) for _, y, _ in data]))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        return F.cross_entropy(logits, torch.cat([y.reshape(-1) for _, y, _ in data]))
+
+    model, losses = reference_train([], None, SGD, steps, model=nn.ModuleList(copy.deepcopy(stages())), loss_of=loss_of)
     return list(model), losses
 
 

@@ -26,7 +26,7 @@ import pipeq
 from strays import wait_no_strays
 from pipeq.checkpoint import flat_model
 from pipeq.errors import PipelineError
-from models import TP_PLAN, RaisesOnShard, ShardedLinear, UpDown, flat_state, reverse_drain, tp_stages
+from models import TP_PLAN, RaisesOnShard, ShardedLinear, UpDown, flat_state, reference_train, reverse_drain, tp_stages
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,18 +44,13 @@ def batches(n_steps: int, size: int, seed: int = 0, width: int = 8, classes: int
 
 
 def reference(stages, make_opt, data, model=None, opt=None):
-    """Plain single-process training of the flat model on full batches: (model, optimizer, losses).
-    ``model`` and ``opt``: go on training those (default: a copy of ``stages``, a fresh optimizer)."""
+    """Plain single-process training of the flat model on full batches (:func:`models.reference_train`):
+    (model, optimizer, losses). ``model`` and ``opt``: go on training those (default: a copy of
+    ``stages``, a fresh optimizer)."""
     if model is None:
         model = flat_model(copy.deepcopy(stages))  # parameter names: runner.state_dict()'s
         opt = make_opt(model.parameters())
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = nn.CrossEntropyLoss()(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    model, losses = reference_train([], nn.CrossEntropyLoss(), make_opt, data, model=model, opt=opt)
     return model, opt, losses
 
 

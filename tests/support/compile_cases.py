@@ -4,7 +4,6 @@ training to hold a pipeline against, and a pipeline run that reports its stages'
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
@@ -80,17 +79,11 @@ def batches(lengths=LENGTHS, n: int = 8) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def reference(m: nn.Module, data: list) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain one-process training of a copy of ``m``: each step's loss, and its state."""
-    ref = copy.deepcopy(m)
-    opt = SGD(ref.parameters())
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = lm_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, ref.state_dict()
+    """Plain one-process training of a copy of ``m`` (:func:`models.reference_train`): each step's loss, and its state."""
+    from models import reference_train
+
+    model, losses = reference_train([m], lm_loss, SGD, data)
+    return losses, model[0].state_dict()
 
 
 def run(stages, data: list, schedule: str = "1f1b", microbatches: int = 2,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -39,13 +41,9 @@ def llama_batches(lengths=(16, 12, 20), batch: int = 4, seed: int = 5) -> list[t
 
 
 def reference_run(model, batches: list, lr: float = 0.1) -> list[float]:
-    """Plain one-process training of ``model`` (in place; SGD, momentum 0.9): each step's loss."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses = []
-    for x, target in batches:
-        opt.zero_grad()
-        loss = hf_loss(model(**x), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    """Plain one-process training of ``model`` (in place; SGD, momentum 0.9; :func:`models.reference_train`):
+    each step's loss."""
+    from models import reference_train
+
+    sgd = functools.partial(torch.optim.SGD, lr=lr, momentum=0.9)
+    return reference_train([], None, sgd, batches, model=model, loss_of=lambda m, b: hf_loss(m(**b[0]), b[1]))[1]

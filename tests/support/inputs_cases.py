@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
 from torch import nn
 
-from models import Chain
+from models import reference_train
 
 SGD = functools.partial(torch.optim.SGD, lr=0.2, momentum=0.5)
 
@@ -69,16 +68,8 @@ def batch(n: int, seed: int):
 
 
 def reference(model_stages, batches):
-    model = Chain(*copy.deepcopy(model_stages))
-    opt = SGD(model.parameters())
-    losses = []
-    for x, target in batches:
-        opt.zero_grad()
-        loss = two_part_loss(model(x), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return model, losses
+    """Plain one-process training (:func:`models.reference_train`): (model, losses)."""
+    return reference_train(model_stages, two_part_loss, SGD, batches)
 
 
 def assert_states_close(got, want, atol=1e-6):

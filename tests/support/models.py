@@ -54,24 +54,46 @@ def flat_state(stages) -> dict[str, torch.Tensor]:
     return flat_model(stages).state_dict()
 
 
-def reference_train(stages, loss_fn, make_opt, batches, clip=None, bf16=False, tie=None):
-    """Plain single-process training of the chained stages on full batches (``clip``: by the
-    global norm, as torch.nn.utils.clip_grad_norm_; ``bf16``: under CPU autocast to bfloat16;
-    ``tie(model)``: makes the chained copy's tied parameters one tensor first)."""
-    model = Chain(*copy.deepcopy(stages))
-    if tie is not None:
-        tie(model)
-    opt = make_opt(model.parameters())
+def reference_train(stages, loss_fn, make_opt, batches, clip=None, bf16=False, tie=None, *, norm_type=2.0,
+                    autocast=None, scaler=None, model=None, opt=None, after_step=None, loss_of=None):
+    """Plain single-process training, as a user writes it: the one reference every equality test
+    holds pipeq to. The stages are chained (:class:`Chain`, a copy: ``stages`` are left as they
+    are) and trained on full batches, one optimizer step per batch. Returns ``(model, losses)``.
+
+    ``clip``: clip by the global norm (``norm_type``), as ``torch.nn.utils.clip_grad_norm_``;
+    ``bf16`` (or ``autocast``, a dtype): the forward and the loss under CPU autocast; ``scaler``: a
+    ``torch.amp.GradScaler``-like loss scaler (unscaled before clipping); ``tie(model)``: makes the
+    chained copy's tied parameters one tensor first; ``model`` and ``opt``: go on training those
+    instead of a fresh copy and optimizer; ``after_step(model)``: called after each step;
+    ``loss_of(model, batch)``: a batch's loss, for batches that are not ``(x, target)`` pairs
+    (stage inputs, keyword inputs); default ``loss_fn(model(x), target)``."""
+    if model is None:
+        model = Chain(*copy.deepcopy(stages))
+        if tie is not None:
+            tie(model)
+    if opt is None:
+        opt = make_opt(model.parameters())
+    dtype = autocast or (torch.bfloat16 if bf16 else None)
     losses = []
-    for x, y in batches:
+    for batch in batches:
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = loss_fn(model(x), y)
-        loss.backward()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = loss_of(model, batch) if loss_of is not None else loss_fn(model(batch[0]), batch[1])
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=norm_type)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         losses.append(loss.item())
+        if after_step is not None:
+            after_step(model)
     return model, losses
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipeq
-from models import Chain, flat_state
+from models import flat_state, reference_train
 
 SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.5)
 
@@ -26,25 +26,9 @@ def data(steps: int, n: int = 12, scale: float = 3.0):
 
 
 def reference(stages, batches, *, clip=None, norm_type=2.0, autocast=None, scaler=None):
-    """Single-process training of the whole model, as a user writes it."""
-    model = Chain(*copy.deepcopy(stages))
-    opt = SGD(model.parameters())
-    for x, y in batches:
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False):
-            loss = nn.functional.cross_entropy(model(x), y)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-        else:
-            loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=norm_type)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+    """Single-process training of the whole model, as a user writes it (:func:`models.reference_train`)."""
+    model, _ = reference_train(stages, nn.functional.cross_entropy, SGD, batches, clip, norm_type=norm_type,
+                               autocast=autocast, scaler=scaler)
     return flat_state(model)
 
 

@@ -77,16 +77,12 @@ def forward(model: list[nn.Module], tokens, inputs, scale: float = 1.0):
 
 
 def reference(model_stages, batches, scale: float = 1.0):
-    """Plain training of a copy of ``model_stages`` on full batches: (the model, the losses)."""
-    model = nn.ModuleList(copy.deepcopy(model_stages))
-    opt = SGD(model.parameters())
-    losses = []
-    for tokens, y, inputs in batches:
-        opt.zero_grad()
-        loss = token_loss(forward(list(model), tokens, inputs, scale), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    """Plain training of a copy of ``model_stages`` on full batches (:func:`models.reference_train`):
+    (the model, the losses)."""
+    from models import reference_train
+
+    model, losses = reference_train([], None, SGD, batches, model=nn.ModuleList(copy.deepcopy(model_stages)),
+                                    loss_of=lambda m, b: token_loss(forward(list(m), b[0], b[2], scale), b[1]))
     return list(model), losses
 
 

@@ -18,6 +18,8 @@ import functools
 import torch
 from torch import nn
 
+from models import reference_train
+
 VOCAB, DIM, TOKENS = 11, 6, 4
 TIE = ["0.weight", "3.weight"]
 TIE3 = ["0.weight", "1.tied", "3.weight"]
@@ -77,20 +79,15 @@ def reference(data, *, seed: int = 0, spare: bool = False, make_opt=SGD, clip: f
     from pipeq.checkpoint import flat_model
 
     stages = lm_stages(seed, spare=spare)
-    model = _Chain(copy.deepcopy(stages))  # deepcopy keeps the sharing
-    opt = make_opt(model.parameters())
-    loss_fn = nn.CrossEntropyLoss()
-    losses, states = [], []
-    for x, y in data:
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
+    states = []
+
+    def keep(model: nn.Module) -> None:
         sd = flat_model(list(model.stages)).state_dict()
         states.append({k: v.clone() for k, v in sd.items() if k not in ("3.weight", "1.tied")})
+
+    _, losses = reference_train([], nn.CrossEntropyLoss(), make_opt, data, clip,
+                                model=_Chain(copy.deepcopy(stages)),  # deepcopy keeps the sharing
+                                after_step=keep)
     return losses, states
 
 

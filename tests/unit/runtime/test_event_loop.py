@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from inproc import InProcessPipeline
+from models import reference_train
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 BATCH = 12
@@ -30,16 +31,8 @@ def batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def reference(modules: list[nn.Module], data) -> tuple[list[float], nn.Module]:
-    """The same training in one process: the flat model, one optimizer step per batch."""
-    model = nn.Sequential(*copy.deepcopy(modules))
-    opt = SGD(model.parameters())
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    """The same training in one process (:func:`models.reference_train`): the flat model, one optimizer step per batch."""
+    model, losses = reference_train([], nn.functional.cross_entropy, SGD, data, model=nn.Sequential(*copy.deepcopy(modules)))
     return losses, model
 
 
