@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,18 +57,12 @@ def batches(epoch: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def reference(seed: int = 0) -> tuple[LM, list[float]]:
-    """The job in one process: the model built under the job's seed, SGD lr 0.1, 3 batches."""
+    """The job in one process (:func:`models.reference_train`): the model built under the job's
+    seed, SGD lr 0.1, 3 batches."""
+    from models import reference_train
+
     torch.manual_seed(seed)
-    model = lm()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x, y in batches(0):
-        opt.zero_grad()
-        out = loss(model(x), y)
-        out.backward()
-        opt.step()
-        losses.append(out.item())
-    return model, losses
+    return reference_train([], loss, functools.partial(torch.optim.SGD, lr=0.1), batches(0), model=lm())
 
 
 #: TinyGPT (tied embedding and LM head) in 4 stages, two per process under ZBV (V placement:
@@ -126,19 +122,20 @@ def gpt_reference(steps: int = 6, seed: int = 0, eval_every: int = 3) -> tuple[G
     """The GPT job in one process: the model built under the job's seed, SGD lr 0.1 with
     momentum 0.9, the job's batches in order; its losses, and the held-out loss (the mean over
     the tokens of :func:`gpt_heldout`'s batches) every ``eval_every`` steps."""
+    from models import reference_train
+
     torch.manual_seed(seed)
-    model = gpt()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses, evals = [], []
-    for i, (x, y) in enumerate(gpt_batches(0)[:steps], 1):
-        opt.zero_grad()
-        out = lm_loss(model(x), y)
-        out.backward()
-        opt.step()
-        losses.append(out.item())
-        if i % eval_every == 0:
+    evals: list[float] = []
+    steps_done = [0]
+
+    def evaluate(model: GPT) -> None:
+        steps_done[0] += 1
+        if steps_done[0] % eval_every == 0:
             with torch.no_grad():
                 held = gpt_heldout()  # the loss over all their tokens (loss_weighting "token")
                 evals.append(sum(lm_loss(model(hx), hy).item() * hy.numel() for hx, hy in held)
                              / sum(hy.numel() for _, hy in held))
+
+    model, losses = reference_train([], lm_loss, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+                                    gpt_batches(0)[:steps], model=gpt(), after_step=evaluate)
     return model, losses, evals

@@ -84,16 +84,11 @@ def sample_mean(model, xs, ys):
 
 
 def reference(loss_of, steps):
-    """Plain training of the whole model, one optimizer step per batch: (state, losses)."""
-    model = nn.Sequential(*copy.deepcopy(stages()))
-    opt = SGD(model.parameters())
-    losses = []
-    for xs, ys in steps:
-        opt.zero_grad()
-        loss = loss_of(model, xs, ys)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    """Plain training of the whole model, one optimizer step per batch (:func:`models.reference_train`): (state, losses)."""
+    from models import reference_train
+
+    model, losses = reference_train([], None, SGD, steps, model=nn.Sequential(*copy.deepcopy(stages())),
+                                    loss_of=lambda m, step: loss_of(m, *step))
     return flat_model(list(model)).state_dict(), losses
 
 
