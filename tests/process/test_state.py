@@ -77,11 +77,7 @@ def test_lr_scheduler_steps_once_per_step_like_one_process(mode: str) -> None:
     ref = Chain(*[s for s in __import__("copy").deepcopy(stages)])
     opt = sgd(ref.parameters())
     lr = sched(opt)
-    for xb, yb in batches:
-        opt.zero_grad()
-        nn.CrossEntropyLoss()(ref(xb), yb).backward()
-        opt.step()
-        lr.step()
+    reference_train([], nn.CrossEntropyLoss(), sgd, batches, model=ref, opt=opt, after_step=lambda _: lr.step())
     with pipeq.PipelineRunner(stages, nn.CrossEntropyLoss(), sgd, microbatches=4, mode=mode,
                               lr_scheduler=sched, **FAST) as runner:
         for xb, yb in batches:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import pipeq
+from models import reference_train
 from split_models import TinyGPT, gpt_batch, lm_loss, trains_like_one_process
 
 pytestmark = pytest.mark.timeout(240)
@@ -59,16 +60,12 @@ def test_a_traced_gpt_trains_on_microbatches_of_different_lengths_like_one_proce
     model, stages = gpt3
     steps = [[gpt_batch(rows, T=T, seed=10 * s + j) for j, (rows, T) in enumerate([(2, 24), (3, 17), (2, 40)])]
              for s in range(2)]
+    def loss_of(net, parts):
+        logits = torch.cat([net(i, mask=m, pos=p).flatten(0, 1) for i, m, p, _ in parts])
+        return F.cross_entropy(logits, torch.cat([t.flatten() for *_, t in parts]))
+
     ref = copy.deepcopy(model)
-    opt = SGD(ref.parameters())
-    want = []
-    for parts in steps:
-        opt.zero_grad()
-        logits = torch.cat([ref(i, mask=m, pos=p).flatten(0, 1) for i, m, p, _ in parts])
-        loss = F.cross_entropy(logits, torch.cat([t.flatten() for *_, t in parts]))
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    _, want = reference_train([], None, SGD, steps, model=ref, loss_of=loss_of)
     runner = pipeq.PipelineRunner(stages, lm_loss, SGD, schedule, 3, mode=mode, **(FAST if mode == "process" else {}))
     with runner:
         got = [runner.step(pipeq.Microbatches([(i, t, {"mask": m, "pos": p}) for i, m, p, t in parts]))
@@ -103,14 +100,8 @@ def test_hugging_face_llama_split_traced_trains_on_changing_lengths_like_one_pro
     assert stages.dynamic["input_ids"].keys() == {0, 1} and stages.dynamic["attention_mask"].keys() == {0, 1}
     batches = [batch(T) for T in LENGTHS]
     ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    want = []
-    for x, m, y in batches:
-        opt.zero_grad()
-        loss = _llama_loss(ref(x, attention_mask=m), y)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    _, want = reference_train([], None, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), batches,
+                              model=ref, loss_of=lambda m, b: _llama_loss(m(b[0], attention_mask=b[1]), b[2]))
     with pipeq.PipelineRunner(stages, _llama_loss, SGD, "zb-h1", 2, **FAST) as runner:
         got = [runner.step(x, y, stage_inputs={"attention_mask": m}) for x, m, y in batches]
         full = runner.model_state_dict()

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import pipeq
-from models import Chain, flat_state
+from models import flat_state, reference_train
 
 FP32_TOL = 1e-5
 FP16_TOL = 5e-3
@@ -160,28 +160,8 @@ def reference(stages, data, make_opt=MOMENTUM, *, loss_fn=None, device="cuda:0",
     ``losses``, ``state`` (CPU copies under the runner's names) and ``model`` (on ``device``).
     ``autocast``: a dtype (torch.autocast); ``scaler``: a torch.amp.GradScaler; ``clip``:
     clip_grad_norm_'s max norm."""
-    model = Chain(*copy.deepcopy(stages)).to(device)
-    opt = make_opt(model.parameters())
-    loss_fn = loss_fn or nn.CrossEntropyLoss()
-    losses = []
-    for x, y in data:
-        x, y = x.to(device), y.to(device)
-        opt.zero_grad()
-        with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
-            loss = loss_fn(model(x), y)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-        else:
-            loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        losses.append(loss.item())
+    model, losses = reference_train(stages, loss_fn or nn.CrossEntropyLoss(), make_opt, data, clip, device=device,
+                                    autocast=autocast, scaler=scaler)
     state = {k: v.detach().cpu() for k, v in flat_state(model).items()}
     return SimpleNamespace(losses=losses, state=state, model=model)
 

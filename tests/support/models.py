@@ -55,7 +55,7 @@ def flat_state(stages) -> dict[str, torch.Tensor]:
 
 
 def reference_train(stages, loss_fn, make_opt, batches, clip=None, bf16=False, tie=None, *, norm_type=2.0,
-                    autocast=None, scaler=None, model=None, opt=None, after_step=None, loss_of=None):
+                    autocast=None, scaler=None, model=None, opt=None, after_step=None, loss_of=None, device=None):
     """Plain single-process training, as a user writes it: the one reference every equality test
     holds pipeq to. The stages are chained (:class:`Chain`, a copy: ``stages`` are left as they
     are) and trained on full batches, one optimizer step per batch. Returns ``(model, losses)``.
@@ -66,18 +66,24 @@ def reference_train(stages, loss_fn, make_opt, batches, clip=None, bf16=False, t
     chained copy's tied parameters one tensor first; ``model`` and ``opt``: go on training those
     instead of a fresh copy and optimizer; ``after_step(model)``: called after each step;
     ``loss_of(model, batch)``: a batch's loss, for batches that are not ``(x, target)`` pairs
-    (stage inputs, keyword inputs); default ``loss_fn(model(x), target)``."""
+    (stage inputs, keyword inputs); default ``loss_fn(model(x), target)``; ``device``: the model
+    and each ``(x, target)`` batch moved there (autocast of that device's type)."""
     if model is None:
         model = Chain(*copy.deepcopy(stages))
         if tie is not None:
             tie(model)
+    if device is not None:
+        model = model.to(device)
     if opt is None:
         opt = make_opt(model.parameters())
     dtype = autocast or (torch.bfloat16 if bf16 else None)
     losses = []
+    kind = torch.device(device).type if device is not None else "cpu"
     for batch in batches:
+        if device is not None:
+            batch = tuple(t.to(device) for t in batch)
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with torch.autocast(kind, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = loss_of(model, batch) if loss_of is not None else loss_fn(model(batch[0]), batch[1])
         if scaler is not None:
             scaler.scale(loss).backward()

@@ -9,6 +9,7 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 import pipeq
+from models import reference_train
 from pipeq import checkpoint
 
 SGD = functools.partial(torch.optim.SGD, lr=0.2, momentum=0.5)
@@ -37,10 +38,7 @@ def reference(scheduler, metrics_fed, data) -> tuple[dict[str, torch.Tensor], li
     lrs = []
     for epoch, batches in enumerate(data):
         lrs.append(opt.param_groups[0]["lr"])
-        for x, y in batches:
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+        reference_train([], nn.functional.cross_entropy, SGD, batches, model=model, opt=opt)
         sched.step(*([metrics_fed[epoch]] if metrics_fed else []))
     return model.state_dict(), lrs
 

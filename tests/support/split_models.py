@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -109,20 +110,16 @@ class Untraceable(nn.Module):
 def reference_losses(model: nn.Module, batches: list, lr: float, named: bool, loss_fn=F.cross_entropy) -> list[float]:
     """Plain one-process training of ``model`` (in place) with SGD + momentum on ``batches``
     ((idx, mask, pos, target) with ``named``, else (x, target) and ``loss_fn``): each step's loss."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses = []
-    for b in batches:
-        opt.zero_grad()
+    from models import reference_train
+
+    def loss_of(m: nn.Module, b: tuple) -> torch.Tensor:
         if named:
             idx, mask, pos, target = b
-            loss = lm_loss(model(idx, mask=mask, pos=pos), target)
-        else:
-            x, target = b
-            loss = loss_fn(model(x), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+            return lm_loss(m(idx, mask=mask, pos=pos), target)
+        return loss_fn(m(b[0]), b[1])
+
+    sgd = functools.partial(torch.optim.SGD, lr=lr, momentum=0.9)
+    return reference_train([], None, sgd, batches, model=model, loss_of=loss_of)[1]
 
 
 def pipeline_losses(runner, batches: list, named: bool, each_step=None) -> list[float]:
