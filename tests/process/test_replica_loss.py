@@ -21,7 +21,7 @@ from pipeq.testing import backend_of
 from pipeq.checkpoint import StageLayout, global_state
 from pipeq.wire.messages import Kind
 
-from models import CarryFirst, Chain, DropLast, SlowBackwardAt, batches64, flat_state, stages64
+from models import CarryFirst, Chain, DropLast, SlowBackwardAt, batches64, flat_state, reference_train, stages64
 from strays import gone, wait_no_strays
 
 pytestmark = pytest.mark.timeout(90)
@@ -34,17 +34,8 @@ STEPS, FAILS_AT, BATCH = 5, 3, 10  # replica 0 trains on samples 0..4, replica 1
 def reference(stages, data, degraded_step, keep=slice(0, BATCH // 2)):
     """Single-process training; at ``degraded_step`` only the samples ``keep`` (by default
     replica 0's of two: the first half)."""
-    model = Chain(*copy.deepcopy(stages))
-    opt = ADAM(model.parameters())
-    losses = []
-    for step, (x, y) in enumerate(data, start=1):
-        if step == degraded_step:
-            x, y = x[keep], y[keep]
-        opt.zero_grad()
-        loss = nn.CrossEntropyLoss()(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    data = [(x[keep], y[keep]) if step == degraded_step else (x, y) for step, (x, y) in enumerate(data, start=1)]
+    model, losses = reference_train(stages, nn.CrossEntropyLoss(), ADAM, data)
     return flat_state(model), losses
 
 
