@@ -106,6 +106,21 @@ def pytest_configure(config) -> None:
     # Simulated-mode tests train tiny models in this process: one thread, like each stage process
     # (two threads only contend with the stage processes and the other tests for the cores).
     torch.set_num_threads(1)
+    _font_cache()
+
+
+def _font_cache() -> None:
+    """matplotlib builds its font cache the first time it is used on a machine, by running
+    ``fc-list``: build it now, before a unit test that plots (and may start no process of its own)
+    would. Once per machine: later sessions find it."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    import glob
+
+    if not glob.glob(os.path.join(matplotlib.get_cachedir(), "fontlist-*.json")):
+        import matplotlib.font_manager  # noqa: F401  (builds and saves the cache)
 
 
 def folder_of(path: str) -> str | None:
