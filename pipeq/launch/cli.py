@@ -39,13 +39,28 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"pipeq launch: {exc}", file=sys.stderr)
             return 2
-        started = forkserver.start()  # its imports (torch) run while this process imports launch's
+        # its imports (torch; torch.compile's too for a compiled job) run while this process imports launch's
+        started = forkserver.start(compiles=_compiles(words[1:]))
         try:
             return _launch(argv)
         finally:
             if started:  # every stage has stopped: it goes at once, not seconds after the command ends
                 forkserver.stop()
     return _command(argv)
+
+
+def _compiles(words: list[str]) -> bool:
+    """Whether the job file a launch names (its first ``.toml`` word) compiles its stages (its
+    ``compile`` key), read before torch is imported; False when it cannot tell (the launch then
+    reads the file itself and says what is wrong with it)."""
+    import tomllib
+
+    path = next((w for w in words if w.endswith(".toml") and not w.startswith("-")), None)
+    try:
+        with open(path, "rb") as f:  # type: ignore[arg-type]
+            return bool(tomllib.load(f).get("compile"))
+    except (TypeError, OSError, ValueError):
+        return False
 
 
 def _launch(argv: list[str] | None) -> int:

@@ -48,3 +48,18 @@ def test_secret_out_is_a_new_file_only_its_owner_may_read(tmp_path, capsys):
     assert main(["secret", "--out", str(path)]) == 2  # never overwritten: the nodes share it
     assert "already exists" in capsys.readouterr().err
     assert path.read_text() == text
+
+
+def test_a_compiled_jobs_fork_server_is_told_before_torch_is_imported(tmp_path):
+    """``pipeq launch`` starts its fork server first thing; for a job with ``compile`` it imports
+    torch.compile's machinery too (pipeq.runtime.preload_compile), read from the job file as TOML."""
+    from pipeq.launch.cli import _compiles
+
+    compiled, eager, broken = tmp_path / "c.toml", tmp_path / "e.toml", tmp_path / "b.toml"
+    compiled.write_text('compile = { backend = "aot_eager" }\n')
+    eager.write_text("steps = 3\n")
+    broken.write_text("compile = [\n")
+    assert _compiles([str(compiled), "--steps", "2"]) is True
+    assert _compiles(["--quiet", str(eager)]) is False
+    assert _compiles([str(broken)]) is False  # the launch says what is wrong with it
+    assert _compiles([str(tmp_path / "missing.toml")]) is False
